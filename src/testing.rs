@@ -1,0 +1,1 @@
+//! Helpers shared by the tests (spawning plugins, checking for leaks).
