@@ -6,3 +6,5 @@ pub mod proto {
     #![allow(clippy::all, clippy::pedantic, missing_docs)]
     tonic::include_proto!("csi.v1");
 }
+
+pub mod transport;
