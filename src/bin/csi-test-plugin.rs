@@ -1,1 +1,122 @@
-fn main() {}
+//! `csi-test-plugin`: the bundled CSI v1 plugin (see `csi_isolator::plugin`).
+//!
+//! Thin: parses the command line into a `PluginConfig`, logs to stderr, and serves until
+//! SIGTERM or SIGINT, which shut down gracefully and remove the socket.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use csi_isolator::csi::transport::socket_path;
+use csi_isolator::plugin::{self, faults, BackingKind, PluginConfig};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "csi-test-plugin",
+    version,
+    about = "A CSI v1 plugin for mount volumes, for tests and `csi-isolator run`"
+)]
+struct Args {
+    /// The socket to serve on, as unix:///PATH.
+    #[arg(long)]
+    endpoint: String,
+    /// Where volumes and their metadata live.
+    #[arg(long)]
+    work_dir: PathBuf,
+    /// Volume backing: dir or loop.
+    #[arg(long, default_value = "dir")]
+    backing: BackingKind,
+    /// Node id (default: the host name).
+    #[arg(long)]
+    node_id: Option<String>,
+    /// GetPluginInfo name.
+    #[arg(long, default_value = plugin::DEFAULT_NAME)]
+    name: String,
+    /// Total capacity in bytes (suffixes K, M, G, T).
+    #[arg(long, default_value = "10G", value_parser = parse_capacity)]
+    capacity: u64,
+    /// Drop the controller PUBLISH_UNPUBLISH_VOLUME capability.
+    #[arg(long)]
+    no_controller_publish: bool,
+    /// Drop the node STAGE_UNSTAGE_VOLUME capability.
+    #[arg(long)]
+    no_stage: bool,
+    /// Drop the CONTROLLER_SERVICE plugin capability (node-only plugin).
+    #[arg(long)]
+    no_controller: bool,
+    /// Fail RPC with a gRPC code COUNT times (default: always): RPC=CODE[:COUNT].
+    #[arg(long, value_name = "RPC=CODE[:COUNT]")]
+    fail: Vec<String>,
+    /// Sleep before handling RPC: RPC=MILLIS.
+    #[arg(long, value_name = "RPC=MILLIS")]
+    delay: Vec<String>,
+    /// Exit (code 137, no reply) during the first call of RPC: RPC[:before|after].
+    #[arg(long, value_name = "RPC[:before|after]")]
+    exit_in: Vec<String>,
+    /// Fault specs, one per line, re-read when the file's mtime changes.
+    #[arg(long)]
+    faults_file: Option<PathBuf>,
+    /// Append "<RPC> <volume_id or ->" per RPC received to this file.
+    #[arg(long)]
+    log_calls: Option<PathBuf>,
+}
+
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    plugin::parse_size(text).ok_or_else(|| format!("invalid size '{text}'"))
+}
+
+fn config(args: Args) -> anyhow::Result<PluginConfig> {
+    let socket = socket_path(&args.endpoint)?;
+    let mut config = PluginConfig::new(socket, args.work_dir);
+    config.backing = args.backing;
+    if let Some(node_id) = args.node_id {
+        config.node_id = node_id;
+    }
+    config.name = args.name;
+    config.capacity = args.capacity;
+    config.controller = !args.no_controller;
+    config.controller_publish = !args.no_controller_publish;
+    config.stage = !args.no_stage;
+    for spec in &args.fail {
+        config.faults.push(faults::parse_fail(spec)?);
+    }
+    for spec in &args.delay {
+        config.faults.push(faults::parse_delay(spec)?);
+    }
+    for spec in &args.exit_in {
+        config.faults.push(faults::parse_exit_in(spec)?);
+    }
+    config.faults_file = args.faults_file;
+    config.log_calls = args.log_calls;
+    Ok(config)
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; serving until killed");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let config = config(Args::parse())?;
+    plugin::serve(config, shutdown_signal())
+        .await
+        .context("csi-test-plugin")
+}

@@ -1,4 +1,12 @@
-//! CSI v1: the generated protocol types and services ([`proto`]).
+//! CSI v1: the generated protocol types and services ([`proto`]) and
+//! [`Client`], the client the resource providers drive plugins with.
+//!
+//! Contract: [`Client`] talks to any CSI v1 plugin on a `unix:///path`
+//! socket; every call has a deadline, is retried on `UNAVAILABLE` and
+//! `DEADLINE_EXCEEDED` only, counted in [`Metrics`], and fails with a
+//! [`CsiError`] that names the RPC, the volume, the gRPC code and the
+//! plugin's message. The plugin's capabilities are discovered once per
+//! connection ([`Capabilities`]).
 
 /// The CSI v1 protocol (`package csi.v1`), generated at build time from
 /// `proto/csi.proto`.
@@ -8,3 +16,20 @@ pub mod proto {
 }
 
 pub mod transport;
+
+pub mod caps;
+pub mod client;
+pub mod error;
+pub mod metrics;
+pub mod options;
+pub mod retry;
+
+pub use caps::{
+    Capabilities, ControllerCapabilities, ControllerRpc, NodeCapabilities, NodeRpc,
+    PluginCapabilities, PluginService, VolumeExpansion,
+};
+pub use client::Client;
+pub use error::{code_name, CsiError, VolumeRef};
+pub use metrics::{Histogram, Metrics, Rpc, RpcStats, LATENCY_BUCKETS};
+pub use options::ClientOptions;
+pub use retry::RetryPolicy;

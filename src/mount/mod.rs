@@ -1,1 +1,33 @@
-//! Placeholder: filled in by its own change.
+//! Every mount-related syscall, behind one seam.
+//!
+//! Contract:
+//! - Privileged calls (mount, umount2, setns, open_tree, move_mount, mount_setattr, pivot_root) go through
+//!   the [`Syscall`] trait only. [`LinuxSyscall`] talks to the kernel; [`FakeSyscall`] records each call as a
+//!   typed [`Call`] and simulates a mount table, for unit tests.
+//! - Reads of kernel mount state go through [`MountTable`] ([`ProcMountTable`] parses
+//!   `/proc/<pid>/mountinfo`); the mount table, not our own bookkeeping, is the truth for "is it mounted".
+//! - Paths inside an untrusted container root are resolved by fd ([`open_in_root`], [`create_in_root`]):
+//!   whatever symlinks the root holds, the returned fd lies inside the root.
+//! - Unmounting is bounded: EBUSY is retried a few times, then the mount is detached lazily
+//!   ([`unmount_with_retry`]); "not mounted" is success.
+//! - Loop devices ([`loopdev`]) are attached with autoclear, so they go away with their last user.
+
+mod error;
+mod fake;
+mod linux;
+pub mod loopdev;
+mod mountinfo;
+pub mod resolve;
+mod syscall;
+mod unmount;
+
+pub use error::MountError;
+pub use fake::FakeSyscall;
+pub use linux::LinuxSyscall;
+pub use loopdev::{attach, detach, find_backed_under, find_by_backing_file, LoopDevice};
+pub use mountinfo::{parse_mountinfo, MountInfo, MountTable, ProcMountTable};
+pub use resolve::{create_in_root, fd_path, open_in_root};
+pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
+pub use unmount::{
+    unmount_all_under, unmount_with_retry, UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
+};

@@ -1,1 +1,451 @@
-//! Placeholder: filled in by its own change.
+//! `csi-test-plugin`: a real CSI v1 plugin (Identity, Controller and Node services on a
+//! Unix socket) for mount volumes, used by the tests and embedded by `csi-isolator run`.
+//!
+//! Contract:
+//! - Volumes are backed by a directory ([`BackingKind::Dir`]) or by an ext4 image on a loop
+//!   device ([`BackingKind::Loop`]); their metadata lives under the work dir ([`store`]),
+//!   written atomically, so a restarted plugin knows its volumes.
+//! - "Is it staged / published" is always answered from the kernel's mount table, never from
+//!   memory, which makes every call idempotent and restarts harmless.
+//! - Operations on one volume are serialized (a per-volume async mutex); different volumes
+//!   proceed in parallel.
+//! - Every RPC passes through one seam ([`PluginService::call`]): call log, fault injection
+//!   ([`faults`]), the per-volume lock, the blocking work on a blocking thread, and the
+//!   mapping of [`PluginError`] to a gRPC status ([`status`]).
+
+pub mod backing;
+mod controller;
+pub mod faults;
+mod identity;
+mod node;
+pub mod status;
+pub mod store;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Response, Status};
+
+use crate::csi::proto;
+pub use backing::{BackingError, BackingKind};
+use faults::{FaultSpec, Faults};
+use store::{Store, StoreError};
+
+/// Default `GetPluginInfo` name.
+pub const DEFAULT_NAME: &str = "csi-test-plugin.csi-isolator.io";
+/// Default total capacity: 10 GiB.
+pub const DEFAULT_CAPACITY: u64 = 10 << 30;
+
+/// Everything the plugin is configured with (the command line of `csi-test-plugin`).
+#[derive(Clone, Debug)]
+pub struct PluginConfig {
+    /// The Unix socket to listen on.
+    pub socket: PathBuf,
+    /// Where volumes and their metadata live.
+    pub work_dir: PathBuf,
+    /// How volumes are backed.
+    pub backing: BackingKind,
+    /// The id NodeGetInfo returns and ControllerPublish accepts.
+    pub node_id: String,
+    /// The GetPluginInfo name.
+    pub name: String,
+    /// Total capacity, reported by GetCapacity and enforced by CreateVolume.
+    pub capacity: u64,
+    /// Offer the CONTROLLER_SERVICE plugin capability.
+    pub controller: bool,
+    /// Offer the controller PUBLISH_UNPUBLISH_VOLUME capability.
+    pub controller_publish: bool,
+    /// Offer the node STAGE_UNSTAGE_VOLUME capability.
+    pub stage: bool,
+    /// Faults from the command line.
+    pub faults: Vec<FaultSpec>,
+    /// A faults file re-read when its mtime changes.
+    pub faults_file: Option<PathBuf>,
+    /// Append one line per RPC received to this file.
+    pub log_calls: Option<PathBuf>,
+}
+
+impl PluginConfig {
+    /// A configuration with every default: dir backing, the host name as node id, all
+    /// capabilities, no faults.
+    pub fn new(socket: PathBuf, work_dir: PathBuf) -> PluginConfig {
+        PluginConfig {
+            socket,
+            work_dir,
+            backing: BackingKind::Dir,
+            node_id: default_node_id(),
+            name: DEFAULT_NAME.to_string(),
+            capacity: DEFAULT_CAPACITY,
+            controller: true,
+            controller_publish: true,
+            stage: true,
+            faults: Vec::new(),
+            faults_file: None,
+            log_calls: None,
+        }
+    }
+
+    /// Whether NodeStage/NodePublish must be preceded by ControllerPublish.
+    fn requires_controller_publish(&self) -> bool {
+        self.controller && self.controller_publish
+    }
+}
+
+/// The host name, or "localhost" when it cannot be read.
+pub fn default_node_id() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
+
+/// Parses a byte size with an optional binary suffix (`K`, `M`, `G`, `T`, optionally
+/// followed by `i` and/or `B`): `10G` is 10 GiB.
+pub fn parse_size(text: &str) -> Option<u64> {
+    let t = text.trim();
+    let t = t.strip_suffix('B').unwrap_or(t);
+    let t = t.strip_suffix('i').unwrap_or(t);
+    let (digits, shift) = match t.chars().last()? {
+        'K' | 'k' => (&t[..t.len() - 1], 10),
+        'M' | 'm' => (&t[..t.len() - 1], 20),
+        'G' | 'g' => (&t[..t.len() - 1], 30),
+        'T' | 't' => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
+}
+
+/// Errors of the plugin: one variant per way an RPC (or serving) can fail. [`status`]
+/// maps each to its gRPC code.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// A required request field is empty.
+    #[error("{rpc}: missing required field {field}")]
+    MissingField {
+        /// The RPC.
+        rpc: &'static str,
+        /// The field.
+        field: &'static str,
+    },
+    /// A request field has an invalid value.
+    #[error("{rpc}: invalid {field}: {reason}")]
+    InvalidField {
+        /// The RPC.
+        rpc: &'static str,
+        /// The field.
+        field: &'static str,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The volume does not exist.
+    #[error("{rpc}: volume {volume_id} not found")]
+    VolumeNotFound {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+    },
+    /// The node does not exist.
+    #[error("{rpc}: node {node_id} not found (this plugin serves node {known})")]
+    NodeNotFound {
+        /// The RPC.
+        rpc: &'static str,
+        /// The node asked for.
+        node_id: String,
+        /// The only node this plugin knows.
+        known: String,
+    },
+    /// The volume is not mounted at the given path.
+    #[error("{rpc}: volume {volume_id} is not published or staged at {path}")]
+    VolumeNotAtPath {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+        /// The path asked about.
+        path: PathBuf,
+    },
+    /// CreateVolume with the name of an existing, incompatible volume.
+    #[error("CreateVolume: volume {volume_id} named {name:?} exists with {capacity} bytes and other parameters or capacity")]
+    NameConflict {
+        /// The name.
+        name: String,
+        /// The existing volume.
+        volume_id: String,
+        /// Its capacity.
+        capacity: u64,
+    },
+    /// ControllerPublish of a volume already published to the node with another readonly.
+    #[error("ControllerPublishVolume: volume {volume_id} is already published to node {node_id} with readonly={readonly}")]
+    PublishConflict {
+        /// The volume.
+        volume_id: String,
+        /// The node.
+        node_id: String,
+        /// The readonly flag of the existing publish.
+        readonly: bool,
+    },
+    /// Something incompatible is already mounted at a target or staging path.
+    #[error("{rpc}: {path} already holds an incompatible mount ({what}) for volume {volume_id}")]
+    PathConflict {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+        /// The path.
+        path: PathBuf,
+        /// What is mounted there.
+        what: String,
+    },
+    /// A single volume larger than the plugin's total capacity.
+    #[error("CreateVolume: {requested} bytes exceed the plugin's total capacity of {total} bytes")]
+    CapacityOutOfRange {
+        /// Bytes asked for.
+        requested: u64,
+        /// Total capacity.
+        total: u64,
+    },
+    /// Not enough capacity left.
+    #[error("CreateVolume: {requested} bytes requested, only {available} bytes left")]
+    CapacityExhausted {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes left.
+        available: u64,
+    },
+    /// An out-of-order call.
+    #[error("{rpc}: volume {volume_id}: {reason}")]
+    FailedPrecondition {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+        /// Which precondition failed.
+        reason: String,
+    },
+    /// A ListVolumes starting_token this plugin did not issue.
+    #[error("ListVolumes: invalid starting_token {token:?}")]
+    InvalidToken {
+        /// The token.
+        token: String,
+    },
+    /// The RPC belongs to a capability that is switched off.
+    #[error("{rpc}: not supported by this plugin configuration")]
+    Unimplemented {
+        /// The RPC.
+        rpc: &'static str,
+    },
+    /// The metadata store failed.
+    #[error("{rpc}: volume {volume_id}: {source}")]
+    Store {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+        /// The underlying error.
+        #[source]
+        source: StoreError,
+    },
+    /// The backing (mounts, loop devices, images) failed.
+    #[error("{rpc}: volume {volume_id}: {source}")]
+    Backing {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume.
+        volume_id: String,
+        /// The underlying error.
+        #[source]
+        source: BackingError,
+    },
+    /// Opening the store at startup failed.
+    #[error("open volume store under {path}: {source}")]
+    OpenStore {
+        /// The work dir.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: StoreError,
+    },
+    /// Preparing or binding the socket failed.
+    #[error("listen on socket {path} ({step}): {source}")]
+    Listen {
+        /// The socket path.
+        path: PathBuf,
+        /// Which step failed.
+        step: &'static str,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("serve gRPC on socket {path}: {source}")]
+    Serve {
+        /// The socket path.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+/// The state shared by the three services.
+#[derive(Debug)]
+pub(crate) struct Plugin {
+    config: PluginConfig,
+    store: Store,
+    backing: backing::Backing,
+    faults: Faults,
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl Plugin {
+    async fn lock(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = {
+            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+            locks.entry(key.to_string()).or_default().clone()
+        };
+        lock.lock_owned().await
+    }
+}
+
+/// The Identity, Controller and Node services of one plugin instance.
+#[derive(Clone, Debug)]
+pub struct PluginService {
+    inner: Arc<Plugin>,
+}
+
+/// Which per-key lock an RPC runs under.
+enum LockKey {
+    /// No lock (read-only or global RPCs).
+    None,
+    /// The volume's lock.
+    Volume(String),
+    /// The lock serializing CreateVolume (names and capacity).
+    Create,
+}
+
+impl PluginService {
+    /// Opens the plugin's store under the configured work dir.
+    pub fn new(config: PluginConfig) -> Result<PluginService, PluginError> {
+        let store = Store::open(&config.work_dir).map_err(|source| PluginError::OpenStore {
+            path: config.work_dir.clone(),
+            source,
+        })?;
+        let faults = Faults::new(
+            config.faults.clone(),
+            config.faults_file.clone(),
+            config.log_calls.clone(),
+        );
+        let backing = backing::Backing::new(config.backing);
+        Ok(PluginService {
+            inner: Arc::new(Plugin {
+                config,
+                store,
+                backing,
+                faults,
+                locks: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+
+    /// The one seam every RPC passes: call log and faults, the lock, the blocking work,
+    /// the `exit-in after` point, and the error -> status mapping.
+    async fn call<Req, T, F>(
+        &self,
+        rpc: &'static str,
+        volume_id: &str,
+        key: LockKey,
+        req: Req,
+        op: F,
+    ) -> Result<Response<T>, Status>
+    where
+        Req: Send + 'static,
+        T: Send + 'static,
+        F: FnOnce(&Plugin, Req) -> Result<T, PluginError> + Send + 'static,
+    {
+        let entered = self.inner.faults.enter(rpc, volume_id).await?;
+        let _guard = match key {
+            LockKey::None => None,
+            LockKey::Volume(id) if id.is_empty() => None,
+            LockKey::Volume(id) => Some(self.inner.lock(&format!("volume/{id}")).await),
+            LockKey::Create => Some(self.inner.lock("create").await),
+        };
+        let inner = self.inner.clone();
+        let result = tokio::task::spawn_blocking(move || op(&inner, req))
+            .await
+            .map_err(|e| Status::internal(format!("{rpc}: handler panicked: {e}")))?;
+        self.inner.faults.leave(rpc, entered);
+        result
+            .map(Response::new)
+            .map_err(|e| status::to_status(rpc, volume_id, e))
+    }
+}
+
+/// Serves the plugin on its socket until `shutdown` resolves, then removes the socket.
+///
+/// A stale socket file at the path is removed first; the new socket is made mode 0600.
+pub async fn serve(
+    config: PluginConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), PluginError> {
+    let socket = config.socket.clone();
+    let service = PluginService::new(config)?;
+    let listener = listen(&socket)?;
+    tracing::info!(socket = %socket.display(), "csi-test-plugin serving");
+    let result = tonic::transport::Server::builder()
+        .add_service(proto::identity_server::IdentityServer::new(service.clone()))
+        .add_service(proto::controller_server::ControllerServer::new(
+            service.clone(),
+        ))
+        .add_service(proto::node_server::NodeServer::new(service))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await
+        .map_err(|source| PluginError::Serve {
+            path: socket.clone(),
+            source,
+        });
+    let _ = std::fs::remove_file(&socket);
+    result
+}
+
+fn listen(socket: &Path) -> Result<UnixListener, PluginError> {
+    let err = |step: &'static str| {
+        let path = socket.to_path_buf();
+        move |source| PluginError::Listen { path, step, source }
+    };
+    match std::fs::remove_file(socket) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err("remove stale socket")(e)),
+    }
+    if let Some(parent) = socket.parent() {
+        std::fs::create_dir_all(parent).map_err(err("create socket directory"))?;
+    }
+    let listener = UnixListener::bind(socket).map_err(err("bind"))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))
+        .map_err(err("chmod 0600"))?;
+    Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("10G"), Some(10 << 30));
+        assert_eq!(parse_size("64Mi"), Some(64 << 20));
+        assert_eq!(parse_size("1KiB"), Some(1024));
+        assert_eq!(parse_size("2T"), Some(2 << 40));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+        assert_eq!(parse_size("99999999999T"), None);
+    }
+}

@@ -1,1 +1,31 @@
-//! Placeholder: filled in by its own change.
+//! Resource providers: the storage local resource provider (one CSI plugin
+//! instance and the volumes made through it, with the crash-safe volume
+//! state machine of DESIGN.md) and the [`Manager`] that routes publish
+//! requests to providers by `Resource.provider_id`.
+//!
+//! Files: `state.rs` (the machine and its record), `checkpoint.rs` (atomic,
+//! durable writes), `paths.rs` (the on-disk layout), `supervisor.rs` (the
+//! managed plugin process), `storage.rs` (the provider and its transitions),
+//! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
+//! `manager.rs` (routing).
+
+pub mod bundled;
+pub mod checkpoint;
+mod create;
+pub mod error;
+pub mod manager;
+pub mod paths;
+mod publish;
+mod recover;
+pub mod state;
+pub mod storage;
+pub mod supervisor;
+
+pub use create::CreateSpec;
+pub use error::ProviderError;
+pub use manager::{Manager, PublishedVolume};
+pub use state::{Capability, VolumeRecord, VolumeState};
+pub use storage::{
+    PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy,
+};
+pub use supervisor::{PluginCommand, Supervisor};

@@ -1,1 +1,48 @@
-//! Placeholder: filled in by its own change.
+//! The Mesos `Resource` model and its mount-point rules.
+//!
+//! Contract:
+//! - [`Resource`] and its parts deserialize `mesos.Resource` as Mesos' HTTP
+//!   API writes it (snake_case JSON) and serialize back to an equal JSON
+//!   value: fields and enum names this crate does not model are kept.
+//! - [`encode_volume_id`] turns a plugin's volume id into one path component
+//!   that cannot traverse (`/`, `..`, NUL are encoded), bounded in length and
+//!   unique; [`validate_path_component`] refuses ids the CO puts in paths
+//!   verbatim unless they are one safe component.
+//! - [`resolve_host_path`] maps a disk resource to the host directory to
+//!   bind-mount, by the rules of Mesos (relative roots joined to the
+//!   resolving agent's work dir, `<root>/<enc id>/target` for CSI volumes,
+//!   `volumes/roles/<role>/<persistence id>` for PATH and default disks). The
+//!   result always lies beneath its root; anything else is a
+//!   [`ResourceError`] naming the resource and the field.
+//!
+//! Nothing here touches the file system.
+
+mod encode;
+mod error;
+mod path;
+mod types;
+
+pub use encode::{
+    decode_volume_id, encode_volume_id, validate_path_component, MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
+};
+pub use error::ResourceError;
+pub use path::{
+    csi_mounts_root, plugin_dir, resolve_host_path, volume_staging_path, volume_target_path,
+    CSI_DIR,
+};
+pub use types::{
+    parse_resources, DiskInfo, DiskSource, Label, Labels, Marker, Persistence, Range, Ranges,
+    ReservationInfo, ReservationType, Resource, ResourceProviderId, Scalar, Set, SourceRoot,
+    SourceType, ValueType, Volume, VolumeMode, BYTES_PER_MB,
+};
+
+impl Resource {
+    /// The host path to bind-mount for this disk resource; see
+    /// [`resolve_host_path`].
+    pub fn host_path(
+        &self,
+        work_dir: &std::path::Path,
+    ) -> Result<std::path::PathBuf, ResourceError> {
+        resolve_host_path(self, work_dir)
+    }
+}

@@ -1,0 +1,55 @@
+//! Options naming the provider a command works on, shared by the verbs.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use csi_isolator::provider::bundled::{bundled_config, bundled_plugin_path};
+use csi_isolator::provider::{PluginSource, ProviderConfig, UnpublishPolicy};
+
+/// Which plugin, and how its volumes are handled.
+#[derive(Debug, Args)]
+pub struct PluginArgs {
+    /// A CSI plugin already serving this endpoint (unix:///PATH); without it
+    /// the bundled csi-test-plugin is started under the work dir.
+    #[arg(long, value_name = "unix:///PATH")]
+    pub plugin_endpoint: Option<String>,
+    /// The plugin instance name (a path component of the layout).
+    #[arg(long, default_value = "default")]
+    pub plugin_name: String,
+    /// Extra argument for the bundled plugin (repeatable), e.g. --plugin-arg=--backing=loop.
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    pub plugin_arg: Vec<String>,
+    /// When an unused volume is unpublished: last-use or keep.
+    #[arg(long, default_value = "last-use")]
+    pub policy: UnpublishPolicy,
+}
+
+impl PluginArgs {
+    /// The provider configuration these options describe.
+    pub fn config(&self, work_dir: &Path) -> anyhow::Result<ProviderConfig> {
+        let mut config = match &self.plugin_endpoint {
+            Some(endpoint) => {
+                if !self.plugin_arg.is_empty() {
+                    bail!("--plugin-arg only applies to the bundled plugin, not to --plugin-endpoint");
+                }
+                let mut c = ProviderConfig::new(
+                    "",
+                    &self.plugin_name,
+                    work_dir,
+                    PluginSource::Endpoint(endpoint.clone()),
+                );
+                c.provider_id.clear();
+                c
+            }
+            None => {
+                let program = bundled_plugin_path().context(
+                    "the bundled csi-test-plugin was not found next to csi-isolator (build both, or pass --plugin-endpoint)",
+                )?;
+                bundled_config(&program, work_dir, &self.plugin_name, &self.plugin_arg)
+            }
+        };
+        config.policy = self.policy;
+        Ok(config)
+    }
+}

@@ -1,0 +1,143 @@
+//! `csi-isolator volume ...`: the provider's volume operations, one process
+//! per operation (the provider recovers on start, so an operation a crash
+//! interrupted is finished by the next command).
+
+use std::path::Path;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{anyhow, Context};
+use clap::{Args, Subcommand};
+use csi_isolator::provider::{Capability, CreateSpec, StorageProvider};
+
+use super::plugin_args::PluginArgs;
+
+/// `volume` options.
+#[derive(Debug, Args)]
+pub struct VolumeArgs {
+    #[command(flatten)]
+    plugin: PluginArgs,
+    #[command(subcommand)]
+    action: Action,
+}
+
+#[derive(Debug, Subcommand)]
+enum Action {
+    /// Create a volume (the same name is the same volume) and print its resource JSON.
+    Create {
+        /// The volume name.
+        name: String,
+        /// Capacity, e.g. 64M or 1G.
+        size: String,
+        /// CSI access mode.
+        #[arg(long, default_value = "SINGLE_NODE_WRITER")]
+        access_mode: String,
+    },
+    /// Publish a volume (id or name) for a container and print its mount point.
+    Publish {
+        /// Volume id or name.
+        volume: String,
+        /// The container that uses it.
+        #[arg(long)]
+        container: String,
+    },
+    /// End a container's use of a volume (unpublished on last use).
+    Release {
+        /// Volume id or name.
+        volume: String,
+        /// The container that used it.
+        #[arg(long)]
+        container: String,
+    },
+    /// Unpublish fully and delete a volume; refused while containers use it.
+    Destroy {
+        /// Volume id or name.
+        volume: String,
+    },
+    /// List the provider's volumes.
+    List {
+        /// Print JSON records instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a `volume` command.
+pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
+    let config = args.plugin.config(work_dir)?;
+    let provider = StorageProvider::start(config)
+        .await
+        .context("start the resource provider")?;
+    let result = act(&provider, args.action).await;
+    provider.shutdown(Duration::from_secs(5)).await;
+    result.map(|()| ExitCode::SUCCESS)
+}
+
+async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<()> {
+    match action {
+        Action::Create {
+            name,
+            size,
+            access_mode,
+        } => {
+            let bytes = csi_isolator::plugin::parse_size(&size)
+                .ok_or_else(|| anyhow!("invalid size '{size}' (examples: 64M, 1G)"))?;
+            let capability = Capability {
+                access_mode,
+                ..Capability::default()
+            };
+            if capability.mode().is_none() {
+                return Err(anyhow!("unknown access mode '{}'", capability.access_mode));
+            }
+            let mut spec = CreateSpec::new(name, bytes);
+            spec.capability = capability;
+            let resource = provider.create_volume(spec).await?;
+            println!("{}", serde_json::to_string_pretty(&resource)?);
+        }
+        Action::Publish { volume, container } => {
+            let id = resolve(provider, &volume).await?;
+            let mount_point = provider.publish(&id, &container).await?;
+            println!("{}", mount_point.display());
+        }
+        Action::Release { volume, container } => {
+            let id = resolve(provider, &volume).await?;
+            provider.release(&id, &container).await?;
+        }
+        Action::Destroy { volume } => {
+            let id = resolve(provider, &volume).await?;
+            provider.destroy_volume(&id).await?;
+        }
+        Action::List { json } => {
+            let volumes = provider.volumes().await;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&volumes)?);
+            } else {
+                println!("{:<24} {:<16} {:<20} USERS", "VOLUME", "NAME", "STATE");
+                for v in volumes {
+                    let users: Vec<&str> = v.users.iter().map(String::as_str).collect();
+                    println!(
+                        "{:<24} {:<16} {:<20} {}",
+                        v.volume_id,
+                        v.name.as_deref().unwrap_or("-"),
+                        v.state,
+                        users.join(",")
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A volume named by id or by CreateVolume name.
+async fn resolve(provider: &StorageProvider, volume: &str) -> anyhow::Result<String> {
+    if provider.volume(volume).await.is_some() {
+        return Ok(volume.to_string());
+    }
+    provider
+        .find_by_name(volume)
+        .await
+        .map(|r| r.volume_id)
+        .ok_or_else(|| anyhow!("no volume with id or name '{volume}' in provider {}", provider.id()))
+}

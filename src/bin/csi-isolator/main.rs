@@ -1,0 +1,72 @@
+//! `csi-isolator`: thin command line over the library. One file per verb
+//! in `commands/`; this file parses arguments, sets up logging and maps
+//! errors to exit codes.
+
+mod commands;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Makes CSI volumes usable by containers.
+#[derive(Debug, Parser)]
+#[command(name = "csi-isolator", version, about, after_help = commands::EXAMPLES)]
+struct Cli {
+    /// The agent work dir (state, mount points, managed plugins).
+    #[arg(
+        long,
+        global = true,
+        env = "CSI_ISOLATOR_WORK_DIR",
+        default_value = "/var/lib/csi-isolator"
+    )]
+    work_dir: PathBuf,
+    /// Log as JSON lines instead of text (the level comes from RUST_LOG).
+    #[arg(long, global = true)]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create, publish, release, destroy and list volumes of a provider.
+    Volume(commands::volume::VolumeArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_json);
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("csi-isolator: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
+        }
+    });
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("csi-isolator: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}

@@ -1,0 +1,715 @@
+//! [`Client`]: a CSI v1 client for a plugin on a Unix domain socket.
+//!
+//! Contract:
+//! - `connect` waits (up to `connect_timeout`) for the socket to appear and
+//!   accept a connection, then probes the plugin until it reports ready and
+//!   discovers its capabilities once.
+//! - Every call takes the generated request and returns the generated
+//!   response or a [`CsiError`] naming the RPC, the volume, the gRPC code and
+//!   the plugin's message. Each attempt carries the deadline as
+//!   `grpc-timeout` and is also cut off locally; `UNAVAILABLE` and
+//!   `DEADLINE_EXCEEDED` are retried per the [`RetryPolicy`], every other
+//!   code is returned at once.
+//! - The channel reconnects lazily: when the plugin restarts on the same
+//!   socket, the next attempt dials it again, so retries carry calls across
+//!   a restart.
+//! - Cloning is cheap (one `Arc`); clones share the channel and the
+//!   [`Metrics`]. Calls on clones run in parallel.
+//! - Requests are never logged: they may carry secrets.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+use tracing::Instrument;
+
+use super::caps::{Capabilities, ControllerCapabilities, NodeCapabilities, PluginCapabilities};
+use super::error::{code_name, fmt_duration, CsiError, VolumeRef};
+use super::metrics::{Metrics, Rpc};
+use super::options::ClientOptions;
+use super::proto::{
+    self, controller_client::ControllerClient, identity_client::IdentityClient,
+    node_client::NodeClient,
+};
+use super::retry::RetryPolicy;
+use super::transport::socket_path;
+
+/// Backoff between dials while waiting for the socket: short, because a
+/// plugin that is starting up usually takes milliseconds.
+const DIAL_BACKOFF: RetryPolicy = RetryPolicy {
+    max_attempts: u32::MAX,
+    initial_backoff: Duration::from_millis(10),
+    max_backoff: Duration::from_millis(500),
+    max_total: Duration::MAX,
+    multiplier: 2.0,
+};
+
+/// A connected CSI plugin. Cheap to clone; see the module docs.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+    caps: Arc<Capabilities>,
+}
+
+struct Inner {
+    endpoint: String,
+    path: PathBuf,
+    options: ClientOptions,
+    channel: Channel,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("endpoint", &self.inner.endpoint)
+            .field("capabilities", &self.caps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Client {
+    /// Connects to the plugin at `endpoint` (`unix:///path`): waits for the
+    /// socket to accept connections, probes the plugin until it is ready and
+    /// discovers its capabilities, all within `options.connect_timeout`
+    /// (the probe and discovery calls themselves follow the per-call
+    /// deadline and retry policy).
+    #[tracing::instrument(skip(options), fields(endpoint = %endpoint))]
+    pub async fn connect(endpoint: &str, options: ClientOptions) -> Result<Self, CsiError> {
+        let path = socket_path(endpoint).map_err(|source| CsiError::BadEndpoint {
+            endpoint: endpoint.to_string(),
+            source,
+        })?;
+        let started = Instant::now();
+        wait_for_socket(endpoint, &path, options.connect_timeout).await?;
+        let channel = lazy_channel(&path);
+        let mut client = Self {
+            inner: Arc::new(Inner {
+                endpoint: endpoint.to_string(),
+                path,
+                options,
+                channel,
+                metrics: Metrics::new(),
+            }),
+            caps: Arc::new(Capabilities::default()),
+        };
+        client.wait_until_ready(started).await?;
+        if let Err(e) = client.refresh_capabilities().await.map(|_| ()) {
+            return Err(client.connect_error(e));
+        }
+        tracing::debug!(capabilities = ?client.caps, "connected to csi plugin");
+        Ok(client)
+    }
+
+    /// The endpoint this client talks to.
+    pub fn endpoint(&self) -> &str {
+        &self.inner.endpoint
+    }
+
+    /// The socket path of the endpoint.
+    pub fn socket_path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// The options this client was connected with.
+    pub fn options(&self) -> &ClientOptions {
+        &self.inner.options
+    }
+
+    /// The call metrics, shared by all clones of this client.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        Arc::clone(&self.inner.metrics)
+    }
+
+    /// The capabilities discovered at connect (or at the last
+    /// [`refresh_capabilities`](Self::refresh_capabilities) on this handle).
+    pub fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    /// Asks the plugin for its capabilities again (GetPluginCapabilities,
+    /// ControllerGetCapabilities when it has the controller service,
+    /// NodeGetCapabilities) and keeps them in this handle; clones made
+    /// before keep their own copy.
+    pub async fn refresh_capabilities(&mut self) -> Result<&Capabilities, CsiError> {
+        let plugin = self
+            .get_plugin_capabilities(proto::GetPluginCapabilitiesRequest {})
+            .await?;
+        let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
+        let controller = if plugin.controller_service() {
+            let resp = self
+                .controller_get_capabilities(proto::ControllerGetCapabilitiesRequest {})
+                .await?;
+            ControllerCapabilities::from_proto(&resp.capabilities)
+        } else {
+            ControllerCapabilities::default()
+        };
+        let node = self
+            .node_get_capabilities(proto::NodeGetCapabilitiesRequest {})
+            .await?;
+        let node = NodeCapabilities::from_proto(&node.capabilities);
+        self.caps = Arc::new(Capabilities {
+            plugin,
+            controller,
+            node,
+        });
+        Ok(&self.caps)
+    }
+
+    // ---- Identity ----
+
+    /// `GetPluginInfo`.
+    pub async fn get_plugin_info(
+        &self,
+        request: proto::GetPluginInfoRequest,
+    ) -> Result<proto::GetPluginInfoResponse, CsiError> {
+        self.call(Rpc::GetPluginInfo, None, request, |ch, r| async move {
+            IdentityClient::new(ch).get_plugin_info(r).await
+        })
+        .await
+    }
+
+    /// `GetPluginCapabilities`.
+    pub async fn get_plugin_capabilities(
+        &self,
+        request: proto::GetPluginCapabilitiesRequest,
+    ) -> Result<proto::GetPluginCapabilitiesResponse, CsiError> {
+        self.call(
+            Rpc::GetPluginCapabilities,
+            None,
+            request,
+            |ch, r| async move { IdentityClient::new(ch).get_plugin_capabilities(r).await },
+        )
+        .await
+    }
+
+    /// `Probe`.
+    pub async fn probe(
+        &self,
+        request: proto::ProbeRequest,
+    ) -> Result<proto::ProbeResponse, CsiError> {
+        self.call(Rpc::Probe, None, request, |ch, r| async move {
+            IdentityClient::new(ch).probe(r).await
+        })
+        .await
+    }
+
+    // ---- Controller ----
+
+    /// `ControllerGetCapabilities`.
+    pub async fn controller_get_capabilities(
+        &self,
+        request: proto::ControllerGetCapabilitiesRequest,
+    ) -> Result<proto::ControllerGetCapabilitiesResponse, CsiError> {
+        self.call(
+            Rpc::ControllerGetCapabilities,
+            None,
+            request,
+            |ch, r| async move {
+                ControllerClient::new(ch)
+                    .controller_get_capabilities(r)
+                    .await
+            },
+        )
+        .await
+    }
+
+    /// `CreateVolume`; errors name the volume by its requested name.
+    pub async fn create_volume(
+        &self,
+        request: proto::CreateVolumeRequest,
+    ) -> Result<proto::CreateVolumeResponse, CsiError> {
+        let volume = (!request.name.is_empty()).then(|| VolumeRef::Name(request.name.clone()));
+        self.call(Rpc::CreateVolume, volume, request, |ch, r| async move {
+            ControllerClient::new(ch).create_volume(r).await
+        })
+        .await
+    }
+
+    /// `DeleteVolume`.
+    pub async fn delete_volume(
+        &self,
+        request: proto::DeleteVolumeRequest,
+    ) -> Result<proto::DeleteVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(Rpc::DeleteVolume, volume, request, |ch, r| async move {
+            ControllerClient::new(ch).delete_volume(r).await
+        })
+        .await
+    }
+
+    /// `ControllerPublishVolume`.
+    pub async fn controller_publish_volume(
+        &self,
+        request: proto::ControllerPublishVolumeRequest,
+    ) -> Result<proto::ControllerPublishVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::ControllerPublishVolume,
+            volume,
+            request,
+            |ch, r| async move { ControllerClient::new(ch).controller_publish_volume(r).await },
+        )
+        .await
+    }
+
+    /// `ControllerUnpublishVolume`.
+    pub async fn controller_unpublish_volume(
+        &self,
+        request: proto::ControllerUnpublishVolumeRequest,
+    ) -> Result<proto::ControllerUnpublishVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::ControllerUnpublishVolume,
+            volume,
+            request,
+            |ch, r| async move {
+                ControllerClient::new(ch)
+                    .controller_unpublish_volume(r)
+                    .await
+            },
+        )
+        .await
+    }
+
+    /// `ValidateVolumeCapabilities`.
+    pub async fn validate_volume_capabilities(
+        &self,
+        request: proto::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<proto::ValidateVolumeCapabilitiesResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::ValidateVolumeCapabilities,
+            volume,
+            request,
+            |ch, r| async move {
+                ControllerClient::new(ch)
+                    .validate_volume_capabilities(r)
+                    .await
+            },
+        )
+        .await
+    }
+
+    /// `ListVolumes` (one page; follow `next_token` for more).
+    pub async fn list_volumes(
+        &self,
+        request: proto::ListVolumesRequest,
+    ) -> Result<proto::ListVolumesResponse, CsiError> {
+        self.call(Rpc::ListVolumes, None, request, |ch, r| async move {
+            ControllerClient::new(ch).list_volumes(r).await
+        })
+        .await
+    }
+
+    /// `GetCapacity`.
+    pub async fn get_capacity(
+        &self,
+        request: proto::GetCapacityRequest,
+    ) -> Result<proto::GetCapacityResponse, CsiError> {
+        self.call(Rpc::GetCapacity, None, request, |ch, r| async move {
+            ControllerClient::new(ch).get_capacity(r).await
+        })
+        .await
+    }
+
+    // ---- Node ----
+
+    /// `NodeGetCapabilities`.
+    pub async fn node_get_capabilities(
+        &self,
+        request: proto::NodeGetCapabilitiesRequest,
+    ) -> Result<proto::NodeGetCapabilitiesResponse, CsiError> {
+        self.call(
+            Rpc::NodeGetCapabilities,
+            None,
+            request,
+            |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
+        )
+        .await
+    }
+
+    /// `NodeGetInfo`.
+    pub async fn node_get_info(
+        &self,
+        request: proto::NodeGetInfoRequest,
+    ) -> Result<proto::NodeGetInfoResponse, CsiError> {
+        self.call(Rpc::NodeGetInfo, None, request, |ch, r| async move {
+            NodeClient::new(ch).node_get_info(r).await
+        })
+        .await
+    }
+
+    /// `NodeStageVolume`.
+    pub async fn node_stage_volume(
+        &self,
+        request: proto::NodeStageVolumeRequest,
+    ) -> Result<proto::NodeStageVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(Rpc::NodeStageVolume, volume, request, |ch, r| async move {
+            NodeClient::new(ch).node_stage_volume(r).await
+        })
+        .await
+    }
+
+    /// `NodeUnstageVolume`.
+    pub async fn node_unstage_volume(
+        &self,
+        request: proto::NodeUnstageVolumeRequest,
+    ) -> Result<proto::NodeUnstageVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::NodeUnstageVolume,
+            volume,
+            request,
+            |ch, r| async move { NodeClient::new(ch).node_unstage_volume(r).await },
+        )
+        .await
+    }
+
+    /// `NodePublishVolume`.
+    pub async fn node_publish_volume(
+        &self,
+        request: proto::NodePublishVolumeRequest,
+    ) -> Result<proto::NodePublishVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::NodePublishVolume,
+            volume,
+            request,
+            |ch, r| async move { NodeClient::new(ch).node_publish_volume(r).await },
+        )
+        .await
+    }
+
+    /// `NodeUnpublishVolume`.
+    pub async fn node_unpublish_volume(
+        &self,
+        request: proto::NodeUnpublishVolumeRequest,
+    ) -> Result<proto::NodeUnpublishVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::NodeUnpublishVolume,
+            volume,
+            request,
+            |ch, r| async move { NodeClient::new(ch).node_unpublish_volume(r).await },
+        )
+        .await
+    }
+
+    /// `NodeGetVolumeStats`.
+    pub async fn node_get_volume_stats(
+        &self,
+        request: proto::NodeGetVolumeStatsRequest,
+    ) -> Result<proto::NodeGetVolumeStatsResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::NodeGetVolumeStats,
+            volume,
+            request,
+            |ch, r| async move { NodeClient::new(ch).node_get_volume_stats(r).await },
+        )
+        .await
+    }
+
+    // ---- machinery ----
+
+    /// Sends one call with deadline, retries and metrics. `send` makes one
+    /// attempt on a (cheaply cloned) channel.
+    async fn call<Req, Resp, F, Fut>(
+        &self,
+        rpc: Rpc,
+        volume: Option<VolumeRef>,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, CsiError>
+    where
+        Req: Clone,
+        F: Fn(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let span = match &volume {
+            Some(VolumeRef::Id(id)) => {
+                tracing::debug_span!("csi_call", rpc = rpc.name(), volume_id = %id)
+            }
+            Some(VolumeRef::Name(name)) => {
+                tracing::debug_span!("csi_call", rpc = rpc.name(), volume_name = %name)
+            }
+            None => tracing::debug_span!("csi_call", rpc = rpc.name()),
+        };
+        let options = &self.inner.options;
+        let guard = self.inner.metrics.start(rpc);
+        async move {
+            let started = Instant::now();
+            let mut attempts = 0u32;
+            loop {
+                attempts += 1;
+                let mut req = tonic::Request::new(request.clone());
+                req.set_timeout(options.deadline);
+                let attempt_started = Instant::now();
+                let result = tokio::time::timeout(options.deadline, send(self.inner.channel.clone(), req)).await;
+                let status = match result {
+                    Ok(Ok(response)) => {
+                        tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
+                        guard.finish(true);
+                        return Ok(response.into_inner());
+                    }
+                    Ok(Err(status)) => normalize(status, attempt_started.elapsed(), options.deadline),
+                    Err(_elapsed) => Status::deadline_exceeded(format!(
+                        "no reply within {} (deadline enforced by the client)",
+                        fmt_duration(options.deadline)
+                    )),
+                };
+                let next = options
+                    .retry
+                    .next_backoff(status.code(), attempts, started.elapsed(), &mut rand::rng());
+                match next {
+                    Some(sleep) => {
+                        tracing::info!(
+                            attempt = attempts,
+                            code = code_name(status.code()),
+                            message = status.message(),
+                            backoff = ?sleep,
+                            "csi call failed, retrying"
+                        );
+                        guard.retry();
+                        tokio::time::sleep(sleep).await;
+                    }
+                    None => {
+                        tracing::debug!(
+                            attempts,
+                            code = code_name(status.code()),
+                            message = status.message(),
+                            "csi call failed"
+                        );
+                        guard.finish(false);
+                        return Err(CsiError::Rpc {
+                            rpc: rpc.name(),
+                            volume,
+                            code: status.code(),
+                            message: status.message().to_string(),
+                            attempts,
+                        });
+                    }
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Probes until the plugin reports ready (an absent `ready` means
+    /// ready, per the spec), until the connect timeout runs out.
+    async fn wait_until_ready(&self, started: Instant) -> Result<(), CsiError> {
+        let timeout = self.inner.options.connect_timeout;
+        let mut not_ready = 0;
+        loop {
+            let resp = self
+                .probe(proto::ProbeRequest {})
+                .await
+                .map_err(|e| self.connect_error(e))?;
+            if resp.ready.is_none_or(|r| r) {
+                return Ok(());
+            }
+            not_ready += 1;
+            let sleep = DIAL_BACKOFF.backoff(not_ready, &mut rand::rng());
+            if started.elapsed() + sleep >= timeout {
+                return Err(CsiError::NotReady {
+                    endpoint: self.inner.endpoint.clone(),
+                    timeout,
+                });
+            }
+            tracing::debug!(backoff = ?sleep, "plugin not ready yet");
+            tokio::time::sleep(sleep).await;
+        }
+    }
+
+    fn connect_error(&self, source: CsiError) -> CsiError {
+        CsiError::Connect {
+            endpoint: self.inner.endpoint.clone(),
+            source: Box::new(source),
+        }
+    }
+}
+
+fn volume_id(id: &str) -> Option<VolumeRef> {
+    (!id.is_empty()).then(|| VolumeRef::Id(id.to_string()))
+}
+
+/// Turns tonic's local failures into the codes they mean:
+/// - its own expiry of `grpc-timeout` (client or server side) arrives as
+///   `CANCELLED: Timeout expired`; nobody cancelled, the deadline ran out;
+/// - a connection that died under the request (the plugin was killed or
+///   restarted) arrives as `UNKNOWN: transport error` with the I/O error as
+///   its source. The plugin never answered, so it is `UNAVAILABLE` (and
+///   retried: CSI calls are idempotent). A plugin's own `UNKNOWN` comes off
+///   the wire and has no source, so it stays final.
+fn normalize(status: Status, attempt: Duration, deadline: Duration) -> Status {
+    if status.code() == Code::Cancelled && attempt >= deadline {
+        return Status::deadline_exceeded(format!(
+            "no reply within {} ({})",
+            fmt_duration(deadline),
+            status.message()
+        ));
+    }
+    if status.code() == Code::Unknown {
+        if let Some(source) = std::error::Error::source(&status) {
+            let mut chain = status.message().to_string();
+            let mut next = Some(source);
+            while let Some(err) = next {
+                let text = err.to_string();
+                if !chain.ends_with(&text) {
+                    chain = format!("{chain}: {text}");
+                }
+                next = err.source();
+            }
+            return Status::unavailable(format!("connection to the plugin lost: {chain}"));
+        }
+    }
+    status
+}
+
+/// Dials until the socket accepts a connection or `timeout` runs out.
+async fn wait_for_socket(endpoint: &str, path: &Path, timeout: Duration) -> Result<(), CsiError> {
+    let started = Instant::now();
+    let mut failures = 0;
+    loop {
+        let err = match UnixStream::connect(path).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
+        };
+        failures += 1;
+        let elapsed = started.elapsed();
+        if elapsed >= timeout {
+            let appeared = err.kind() != std::io::ErrorKind::NotFound;
+            return Err(CsiError::ConnectTimeout {
+                endpoint: endpoint.to_string(),
+                what: if appeared {
+                    "socket did not accept connections"
+                } else {
+                    "socket did not appear"
+                },
+                timeout,
+                last_error: appeared.then(|| err.to_string()),
+            });
+        }
+        let sleep = DIAL_BACKOFF
+            .backoff(failures, &mut rand::rng())
+            .min(timeout - elapsed);
+        tracing::debug!(error = %err, backoff = ?sleep, "waiting for the plugin socket");
+        tokio::time::sleep(sleep).await;
+    }
+}
+
+/// A channel that dials `path` on first use and again after every lost
+/// connection, so a plugin restarted on the same socket is picked up.
+fn lazy_channel(path: &Path) -> Channel {
+    let path = path.to_path_buf();
+    Endpoint::from_static("http://csi.local").connect_with_connector_lazy(tower::service_fn(
+        move |_| {
+            let path = path.clone();
+            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+        },
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tonic_timeouts_become_deadline_exceeded() {
+        let d = Duration::from_millis(200);
+        let s = normalize(
+            Status::cancelled("Timeout expired"),
+            Duration::from_millis(201),
+            d,
+        );
+        assert_eq!(s.code(), Code::DeadlineExceeded);
+        assert_eq!(s.message(), "no reply within 200ms (Timeout expired)");
+        // A cancel before the deadline is the plugin's answer and stays.
+        let s = normalize(Status::cancelled("stop"), Duration::from_millis(5), d);
+        assert_eq!(s.code(), Code::Cancelled);
+        let s = normalize(Status::unavailable("x"), Duration::from_secs(1), d);
+        assert_eq!(s.code(), Code::Unavailable);
+    }
+
+    #[test]
+    fn lost_connections_become_unavailable_but_plugin_unknown_stays() {
+        let d = Duration::from_secs(60);
+        let io = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "broken pipe");
+        let lost = Status::from_error(Box::new(io));
+        assert_eq!(lost.code(), Code::Unknown);
+        let s = normalize(lost, Duration::ZERO, d);
+        assert_eq!(s.code(), Code::Unavailable);
+        assert!(
+            s.message().starts_with("connection to the plugin lost: "),
+            "{}",
+            s.message()
+        );
+        assert!(s.message().contains("broken pipe"), "{}", s.message());
+        let from_plugin = Status::unknown("plugin bug");
+        assert_eq!(
+            normalize(from_plugin, Duration::ZERO, d).code(),
+            Code::Unknown
+        );
+    }
+
+    #[tokio::test]
+    async fn connect_names_endpoint_when_socket_never_appears() {
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint = format!("unix://{}/csi.sock", dir.path().display());
+        let options = ClientOptions {
+            connect_timeout: Duration::from_millis(300),
+            ..ClientOptions::default()
+        };
+        let started = Instant::now();
+        let err = Client::connect(&endpoint, options).await.unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(
+            err.to_string(),
+            format!("connect to {endpoint}: socket did not appear within 300ms")
+        );
+    }
+
+    #[tokio::test]
+    async fn connect_names_endpoint_when_socket_refuses() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        // A socket file whose listener is gone: connect() is refused.
+        drop(std::os::unix::net::UnixListener::bind(&path).unwrap());
+        let endpoint = format!("unix://{}", path.display());
+        let options = ClientOptions {
+            connect_timeout: Duration::from_millis(200),
+            ..ClientOptions::default()
+        };
+        let err = Client::connect(&endpoint, options).await.unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.starts_with(&format!("connect to {endpoint}: socket did not accept connections within 200ms (last error: ")),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test]
+    async fn bad_endpoint_is_refused() {
+        let err = Client::connect("tcp://1.2.3.4:5", ClientOptions::default())
+            .await
+            .unwrap_err();
+        assert!(matches!(err, CsiError::BadEndpoint { .. }));
+        assert!(
+            err.to_string().starts_with("connect to tcp://1.2.3.4:5: "),
+            "{err}"
+        );
+    }
+}

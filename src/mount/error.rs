@@ -1,0 +1,214 @@
+//! The one error type of the `mount` module: one variant per failing step, each naming the path it failed on.
+
+use std::io;
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+
+/// Every way a mount-related step can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    /// `mount(MS_BIND)` failed.
+    #[error("bind mount {source_path} onto {target}: {errno}")]
+    Bind {
+        /// The directory or file being bound (named `source_path`: thiserror reserves `source`).
+        source_path: PathBuf,
+        /// Where it was to be mounted.
+        target: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `mount(MS_REMOUNT|MS_BIND|MS_RDONLY)` failed.
+    #[error("remount {target} read-only: {errno}")]
+    RemountReadonly {
+        /// The mount point.
+        target: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `statvfs` of a mount point (to keep its flags on remount) failed.
+    #[error("statvfs {target}: {errno}")]
+    Statvfs {
+        /// The mount point.
+        target: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `mount(device, target, fstype, ...)` failed.
+    #[error("mount {fstype} from {device} onto {target}: {errno}")]
+    MountFilesystem {
+        /// The block device (or pseudo source).
+        device: PathBuf,
+        /// The mount point.
+        target: PathBuf,
+        /// The file system type.
+        fstype: String,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Changing the propagation type of a mount failed.
+    #[error("set propagation {propagation} on {target}: {errno}")]
+    Propagation {
+        /// The mount point.
+        target: PathBuf,
+        /// The requested propagation, as text.
+        propagation: &'static str,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `umount2` failed.
+    #[error("unmount {target}: {errno}")]
+    Unmount {
+        /// The mount point.
+        target: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `umount2` found no mount at the path (EINVAL): callers treat this as done.
+    #[error("unmount {target}: not mounted")]
+    NotMounted {
+        /// The path that is not a mount point.
+        target: PathBuf,
+    },
+    /// `setns(CLONE_NEWNS)` failed.
+    #[error("enter mount namespace (fd {fd}): {errno}")]
+    Setns {
+        /// The namespace fd.
+        fd: i32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `open_tree(OPEN_TREE_CLONE)` failed.
+    #[error("open_tree clone of {source_path}: {errno}")]
+    OpenTree {
+        /// The tree to clone.
+        source_path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `move_mount` failed.
+    #[error("move_mount fd {from} onto fd {to}: {errno}")]
+    MoveMount {
+        /// The detached mount's fd.
+        from: i32,
+        /// The target's fd.
+        to: i32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `mount_setattr` failed.
+    #[error("mount_setattr read-only on fd {fd}: {errno}")]
+    MountSetattr {
+        /// The mount's fd.
+        fd: i32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// `pivot_root` failed.
+    #[error("pivot_root to {new_root} (old root at {put_old}): {errno}")]
+    PivotRoot {
+        /// The new root.
+        new_root: PathBuf,
+        /// Where the old root goes.
+        put_old: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Reading a mountinfo file failed.
+    #[error("read mountinfo {path}: {source}")]
+    ReadMountInfo {
+        /// The mountinfo file.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// A mountinfo line is malformed.
+    #[error("parse mountinfo line {line:?}: {reason}")]
+    ParseMountInfo {
+        /// The whole offending line.
+        line: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Resolving `path` inside `root` would leave `root`.
+    #[error("resolve {path} inside {root}: escapes the root")]
+    Escape {
+        /// The container root.
+        root: PathBuf,
+        /// The path being resolved.
+        path: PathBuf,
+    },
+    /// A resolution step (open, openat2, mkdirat, readlinkat, ...) failed.
+    #[error("resolve {path} inside {root}: {step}: {errno}")]
+    Resolve {
+        /// The syscall step.
+        step: &'static str,
+        /// The container root.
+        root: PathBuf,
+        /// The path being resolved.
+        path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Reading the path of an fd from /proc/self/fd failed.
+    #[error("read path of fd {fd}: {errno}")]
+    FdPath {
+        /// The fd.
+        fd: i32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// A loop device step failed.
+    #[error("loop device {step} on {path}: {errno}")]
+    Loop {
+        /// The step (open, LOOP_CTL_GET_FREE, LOOP_CONFIGURE, ...).
+        step: &'static str,
+        /// The device or backing file.
+        path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Reading loop device state from sysfs failed.
+    #[error("read loop device state {path}: {source}")]
+    LoopSysfs {
+        /// The sysfs file or directory.
+        path: PathBuf,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// A path contains an interior NUL byte and cannot be passed to the kernel.
+    #[error("path {path} contains a NUL byte")]
+    NulInPath {
+        /// The offending path.
+        path: PathBuf,
+    },
+}
+
+impl MountError {
+    /// The kernel errno behind this error, if there is one.
+    pub fn errno(&self) -> Option<Errno> {
+        match self {
+            MountError::Bind { errno, .. }
+            | MountError::RemountReadonly { errno, .. }
+            | MountError::Statvfs { errno, .. }
+            | MountError::MountFilesystem { errno, .. }
+            | MountError::Propagation { errno, .. }
+            | MountError::Unmount { errno, .. }
+            | MountError::Setns { errno, .. }
+            | MountError::OpenTree { errno, .. }
+            | MountError::MoveMount { errno, .. }
+            | MountError::MountSetattr { errno, .. }
+            | MountError::PivotRoot { errno, .. }
+            | MountError::Resolve { errno, .. }
+            | MountError::FdPath { errno, .. }
+            | MountError::Loop { errno, .. } => Some(*errno),
+            MountError::NotMounted { .. } => Some(Errno::EINVAL),
+            MountError::Escape { .. } => Some(Errno::EXDEV),
+            MountError::ReadMountInfo { source, .. } | MountError::LoopSysfs { source, .. } => {
+                source.raw_os_error().map(Errno::from_raw)
+            }
+            MountError::ParseMountInfo { .. } => None,
+            MountError::NulInPath { .. } => Some(Errno::EINVAL),
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! [`LinuxSyscall`]: the [`Syscall`] seam implemented with real kernel calls.
+//!
+//! mount/umount2/setns/pivot_root go through nix; the new mount API (open_tree, move_mount, mount_setattr)
+//! has no wrapper there, so it is called with `libc::syscall` and the uapi constants defined below.
+
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sched::{setns, CloneFlags};
+use nix::sys::statvfs::{statvfs, FsFlags};
+
+use super::{MountError, MountFlags, Propagation, Syscall};
+
+// include/uapi/linux/mount.h
+/// open_tree(2): make a detached copy of the tree instead of opening the mounted one.
+pub const OPEN_TREE_CLONE: libc::c_uint = 1;
+/// open_tree(2): close-on-exec for the returned fd (same value as O_CLOEXEC).
+pub const OPEN_TREE_CLOEXEC: libc::c_uint = libc::O_CLOEXEC as libc::c_uint;
+/// move_mount(2): the source is the fd itself (empty path).
+pub const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x0000_0004;
+/// move_mount(2): the destination is the fd itself (empty path).
+pub const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x0000_0040;
+/// mount_setattr(2): mount read-only.
+pub const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+
+/// `struct mount_attr` from include/uapi/linux/mount.h (MOUNT_ATTR_SIZE_VER0 = 32 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MountAttr {
+    /// Attributes to set.
+    pub attr_set: u64,
+    /// Attributes to clear.
+    pub attr_clr: u64,
+    /// New propagation type (MS_SHARED, ...), or 0.
+    pub propagation: u64,
+    /// User namespace fd for idmapped mounts.
+    pub userns_fd: u64,
+}
+
+/// The real kernel.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LinuxSyscall;
+
+impl LinuxSyscall {
+    /// A handle to the real kernel.
+    pub fn new() -> Self {
+        LinuxSyscall
+    }
+}
+
+fn cstring(path: &Path) -> Result<CString, MountError> {
+    use std::os::unix::ffi::OsStrExt;
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| MountError::NulInPath {
+        path: path.to_path_buf(),
+    })
+}
+
+/// `/proc/self/fd/N`: lets path-based calls (mount(2)) act on exactly the object an fd holds.
+pub(crate) fn proc_fd_path(fd: BorrowedFd<'_>) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+/// Per-mount flags a read-only bind remount must keep: the kernel refuses (EPERM) to clear locked flags,
+/// and MS_REMOUNT replaces the whole set.
+fn kept_flags(target: &Path) -> Result<MsFlags, MountError> {
+    let st = statvfs(target).map_err(|errno| MountError::Statvfs {
+        target: target.to_path_buf(),
+        errno,
+    })?;
+    let have = st.flags();
+    let map = [
+        (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
+        (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
+        (FsFlags::ST_NOEXEC, MsFlags::MS_NOEXEC),
+        (FsFlags::ST_NOATIME, MsFlags::MS_NOATIME),
+        (FsFlags::ST_NODIRATIME, MsFlags::MS_NODIRATIME),
+        (FsFlags::ST_RELATIME, MsFlags::MS_RELATIME),
+        (FsFlags::ST_SYNCHRONOUS, MsFlags::MS_SYNCHRONOUS),
+    ];
+    Ok(map
+        .iter()
+        .filter(|(st, _)| have.contains(*st))
+        .fold(MsFlags::empty(), |acc, (_, ms)| acc | *ms))
+}
+
+fn bind(source: &Path, target: &Path, shown: &Path, recursive: bool) -> Result<(), MountError> {
+    let mut flags = MsFlags::MS_BIND;
+    if recursive {
+        flags |= MsFlags::MS_REC;
+    }
+    mount(Some(source), target, None::<&str>, flags, None::<&str>).map_err(|errno| {
+        MountError::Bind {
+            source_path: source.to_path_buf(),
+            target: shown.to_path_buf(),
+            errno,
+        }
+    })
+}
+
+impl Syscall for LinuxSyscall {
+    fn bind_mount(&self, source: &Path, target: &Path, recursive: bool) -> Result<(), MountError> {
+        bind(source, target, target, recursive)
+    }
+
+    fn remount_bind_readonly(&self, target: &Path) -> Result<(), MountError> {
+        let flags =
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY | kept_flags(target)?;
+        mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(|errno| {
+            MountError::RemountReadonly {
+                target: target.to_path_buf(),
+                errno,
+            }
+        })
+    }
+
+    fn mount_filesystem(
+        &self,
+        device: &Path,
+        target: &Path,
+        fstype: &str,
+        flags: MountFlags,
+        data: &str,
+    ) -> Result<(), MountError> {
+        let mut ms = MsFlags::empty();
+        ms.set(MsFlags::MS_RDONLY, flags.readonly);
+        ms.set(MsFlags::MS_NOSUID, flags.nosuid);
+        ms.set(MsFlags::MS_NODEV, flags.nodev);
+        ms.set(MsFlags::MS_NOEXEC, flags.noexec);
+        let data = if data.is_empty() { None } else { Some(data) };
+        mount(Some(device), target, Some(fstype), ms, data).map_err(|errno| {
+            MountError::MountFilesystem {
+                device: device.to_path_buf(),
+                target: target.to_path_buf(),
+                fstype: fstype.to_string(),
+                errno,
+            }
+        })
+    }
+
+    fn set_propagation(
+        &self,
+        target: &Path,
+        propagation: Propagation,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let mut flags = match propagation {
+            Propagation::Private => MsFlags::MS_PRIVATE,
+            Propagation::Slave => MsFlags::MS_SLAVE,
+            Propagation::Shared => MsFlags::MS_SHARED,
+            Propagation::Unbindable => MsFlags::MS_UNBINDABLE,
+        };
+        if recursive {
+            flags |= MsFlags::MS_REC;
+        }
+        mount(None::<&str>, target, None::<&str>, flags, None::<&str>).map_err(|errno| {
+            MountError::Propagation {
+                target: target.to_path_buf(),
+                propagation: propagation.as_str(),
+                errno,
+            }
+        })
+    }
+
+    fn unmount(&self, target: &Path, detach: bool) -> Result<(), MountError> {
+        let flags = if detach {
+            MntFlags::MNT_DETACH
+        } else {
+            MntFlags::empty()
+        };
+        umount2(target, flags).map_err(|errno| match errno {
+            Errno::EINVAL => MountError::NotMounted {
+                target: target.to_path_buf(),
+            },
+            errno => MountError::Unmount {
+                target: target.to_path_buf(),
+                errno,
+            },
+        })
+    }
+
+    fn enter_mount_namespace(&self, ns: BorrowedFd<'_>) -> Result<(), MountError> {
+        setns(ns, CloneFlags::CLONE_NEWNS).map_err(|errno| MountError::Setns {
+            fd: ns.as_raw_fd(),
+            errno,
+        })
+    }
+
+    fn open_tree_clone(&self, source: &Path, recursive: bool) -> Result<OwnedFd, MountError> {
+        let c = cstring(source)?;
+        let mut flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC;
+        if recursive {
+            flags |= libc::AT_RECURSIVE as libc::c_uint;
+        }
+        // SAFETY: open_tree(int dfd, const char *path, unsigned flags): `c` is a valid NUL-terminated string
+        // that outlives the call; the kernel does not keep the pointer.
+        let ret = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c.as_ptr(), flags) };
+        if ret < 0 {
+            return Err(MountError::OpenTree {
+                source_path: source.to_path_buf(),
+                errno: Errno::last(),
+            });
+        }
+        // SAFETY: on success open_tree returns a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) })
+    }
+
+    fn move_mount_to_fd(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>) -> Result<(), MountError> {
+        let empty = c"";
+        // SAFETY: move_mount(int from_dfd, const char *from_path, int to_dfd, const char *to_path,
+        // unsigned flags): both fds are borrowed and open for the call, both paths are the static empty
+        // C string.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                from.as_raw_fd(),
+                empty.as_ptr(),
+                to.as_raw_fd(),
+                empty.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+            )
+        };
+        if ret < 0 {
+            return Err(MountError::MoveMount {
+                from: from.as_raw_fd(),
+                to: to.as_raw_fd(),
+                errno: Errno::last(),
+            });
+        }
+        Ok(())
+    }
+
+    fn set_readonly_by_fd(&self, mount: BorrowedFd<'_>, recursive: bool) -> Result<(), MountError> {
+        let attr = MountAttr {
+            attr_set: MOUNT_ATTR_RDONLY,
+            ..MountAttr::default()
+        };
+        let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+        if recursive {
+            flags |= libc::AT_RECURSIVE as libc::c_uint;
+        }
+        let empty = c"";
+        // SAFETY: mount_setattr(int dfd, const char *path, unsigned flags, struct mount_attr *attr,
+        // size_t size): the fd is borrowed for the call, the path is the static empty string, and `attr`
+        // is a live repr(C) struct of exactly `size` bytes that the kernel only reads.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                mount.as_raw_fd(),
+                empty.as_ptr(),
+                flags,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        };
+        if ret < 0 {
+            return Err(MountError::MountSetattr {
+                fd: mount.as_raw_fd(),
+                errno: Errno::last(),
+            });
+        }
+        Ok(())
+    }
+
+    fn bind_mount_to_fd(
+        &self,
+        source: &Path,
+        target: BorrowedFd<'_>,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let via = proc_fd_path(target);
+        let shown = super::resolve::fd_path(target).unwrap_or_else(|_| via.clone());
+        bind(source, &via, &shown, recursive)
+    }
+
+    fn pivot_root(&self, new_root: &Path, put_old: &Path) -> Result<(), MountError> {
+        nix::unistd::pivot_root(new_root, put_old).map_err(|errno| MountError::PivotRoot {
+            new_root: new_root.to_path_buf(),
+            put_old: put_old.to_path_buf(),
+            errno,
+        })
+    }
+}

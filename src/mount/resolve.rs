@@ -1,0 +1,291 @@
+//! Path resolution inside an untrusted container root, by fd.
+//!
+//! Threat model: everything below `root` is controlled by the container (it may hold symlinks such as
+//! `target -> /etc` or `a -> ../../..`, and may change them while we look). Mounting onto a path string that
+//! goes through such a symlink would mount onto the host. So targets are opened as O_PATH fds whose
+//! resolution never leaves `root`, and mounts go onto the fd (`move_mount`, or `/proc/self/fd/N`).
+//!
+//! Invariant: every fd returned here refers to an object inside `root` (checked once more at the end against
+//! the kernel's own view of the fd's path; a mismatch is [`MountError::Escape`]).
+//!
+//! Two resolvers:
+//! - `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)`: the kernel treats `root` as `/` for this lookup.
+//! - A userspace walk for kernels without openat2 (ENOSYS, or EPERM/E2BIG from seccomp filters): one
+//!   component at a time with `O_PATH | O_NOFOLLOW`, keeping a stack of directory fds; symlinks are read
+//!   with readlinkat and their targets spliced into the remaining path (absolute ones restart at `root`),
+//!   `..` pops the stack and never goes above `root`, and at most [`MAX_SYMLINKS`] links are followed.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{open, openat, readlinkat, OFlag};
+use nix::sys::stat::{fstat, mkdirat, Mode, SFlag};
+
+use super::MountError;
+
+/// Symlinks followed in one resolution before giving up with ELOOP (the kernel's own limit).
+pub const MAX_SYMLINKS: u32 = 40;
+
+/// `struct open_how` from include/uapi/linux/openat2.h (OPEN_HOW_SIZE_VER0 = 24 bytes). libc has it, but
+/// marked non_exhaustive, so it cannot be built with a struct literal.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct OpenHow {
+    flags: u64,
+    mode: u64,
+    resolve: u64,
+}
+
+/// Which resolver to use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strategy {
+    /// openat2, falling back to the walk when the kernel lacks it.
+    Auto,
+    /// The userspace walk only.
+    Walk,
+}
+
+/// Open `path` (relative to `root`, or absolute meaning "inside root") as an O_PATH fd, with
+/// openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS); on ENOSYS/EPERM/E2BIG fall back to a component-by-component
+/// walk with O_PATH|O_NOFOLLOW that resolves symlinks itself, scoped to root (".." never above root).
+/// A symlink as the last component is followed (inside root).
+pub fn open_in_root(root: &Path, path: &Path) -> Result<OwnedFd, MountError> {
+    resolve(root, path, None, Strategy::Auto)
+}
+
+/// [`open_in_root`] through the userspace walk only (what runs on kernels without openat2).
+pub fn open_in_root_fallback(root: &Path, path: &Path) -> Result<OwnedFd, MountError> {
+    resolve(root, path, None, Strategy::Walk)
+}
+
+/// Like open_in_root, but creates missing components (directories; the last one a directory, or an empty file
+/// when `last_is_file`) with mkdirat/openat relative to the parent fd, then returns the O_PATH fd of the target.
+/// A dangling symlink is followed and its target created inside root.
+pub fn create_in_root(root: &Path, path: &Path, last_is_file: bool) -> Result<OwnedFd, MountError> {
+    resolve(root, path, Some(last_is_file), Strategy::Auto)
+}
+
+/// [`create_in_root`] through the userspace walk only.
+pub fn create_in_root_fallback(
+    root: &Path,
+    path: &Path,
+    last_is_file: bool,
+) -> Result<OwnedFd, MountError> {
+    resolve(root, path, Some(last_is_file), Strategy::Walk)
+}
+
+/// The path the kernel reports for an fd (readlink /proc/self/fd/N), used to check where a mount would land.
+pub fn fd_path(fd: BorrowedFd<'_>) -> Result<PathBuf, MountError> {
+    nix::fcntl::readlink(&super::linux::proc_fd_path(fd))
+        .map(PathBuf::from)
+        .map_err(|errno| MountError::FdPath {
+            fd: fd.as_raw_fd(),
+            errno,
+        })
+}
+
+struct Ctx<'a> {
+    root: &'a Path,
+    path: &'a Path,
+}
+
+impl Ctx<'_> {
+    fn err(&self, step: &'static str, errno: Errno) -> MountError {
+        MountError::Resolve {
+            step,
+            root: self.root.to_path_buf(),
+            path: self.path.to_path_buf(),
+            errno,
+        }
+    }
+}
+
+fn resolve(
+    root: &Path,
+    path: &Path,
+    create: Option<bool>,
+    strategy: Strategy,
+) -> Result<OwnedFd, MountError> {
+    let ctx = Ctx { root, path };
+    // The root itself is a trusted host path.
+    let root_fd = open(
+        root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| ctx.err("open root", e))?;
+    let relative: PathBuf = path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
+        .collect();
+
+    let fd = match strategy {
+        Strategy::Auto => match openat2_in_root(&ctx, root_fd.as_fd(), &relative) {
+            Ok(fd) => fd,
+            Err(Errno::ENOSYS | Errno::EPERM | Errno::E2BIG) => {
+                tracing::debug!(root = %root.display(), "openat2 unavailable, walking the path instead");
+                walk(&ctx, &root_fd, &relative, create)?
+            }
+            // Something is missing: the walk creates it, still scoped to root.
+            Err(Errno::ENOENT) if create.is_some() => walk(&ctx, &root_fd, &relative, create)?,
+            Err(e) => return Err(ctx.err("openat2", e)),
+        },
+        Strategy::Walk => walk(&ctx, &root_fd, &relative, create)?,
+    };
+    check_inside(&ctx, root_fd.as_fd(), fd.as_fd())?;
+    Ok(fd)
+}
+
+/// Defence in depth: the kernel's name for the result must lie under the kernel's name for the root.
+fn check_inside(ctx: &Ctx<'_>, root: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Result<(), MountError> {
+    let root_path = fd_path(root)?;
+    let got = fd_path(fd)?;
+    if got.starts_with(&root_path) {
+        Ok(())
+    } else {
+        Err(MountError::Escape {
+            root: ctx.root.to_path_buf(),
+            path: ctx.path.to_path_buf(),
+        })
+    }
+}
+
+fn openat2_in_root(ctx: &Ctx<'_>, root: BorrowedFd<'_>, relative: &Path) -> Result<OwnedFd, Errno> {
+    let target = if relative.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        relative
+    };
+    let c = std::ffi::CString::new(target.as_os_str().as_bytes()).map_err(|_| Errno::EINVAL)?;
+    let how = OpenHow {
+        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // RESOLVE_IN_ROOT fails with EAGAIN when a rename raced with a ".." step; retry a bounded number of times.
+    for _ in 0..16 {
+        // SAFETY: openat2(int dirfd, const char *path, struct open_how *how, size_t size): the dirfd is borrowed
+        // for the call, `c` is a NUL-terminated string and `how` a repr(C) struct of exactly `size` bytes, both
+        // alive across the call; the kernel only reads them.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                root.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const OpenHow,
+                std::mem::size_of::<OpenHow>(),
+            )
+        };
+        if ret >= 0 {
+            // SAFETY: on success openat2 returns a new fd that nothing else owns.
+            return Ok(unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) });
+        }
+        match Errno::last() {
+            Errno::EAGAIN | Errno::EINTR => continue,
+            e => return Err(e),
+        }
+    }
+    tracing::warn!(root = %ctx.root.display(), path = %ctx.path.display(), "openat2 kept racing");
+    Err(Errno::EAGAIN)
+}
+
+fn split(path: &Path) -> impl Iterator<Item = OsString> + '_ {
+    path.as_os_str()
+        .as_bytes()
+        .split(|b| *b == b'/')
+        .filter(|c| !c.is_empty() && *c != b".")
+        .map(|c| OsString::from(std::ffi::OsStr::from_bytes(c)))
+}
+
+/// The userspace resolver (see the module doc). `create`: None = open only, Some(last_is_file) = create
+/// what is missing.
+fn walk(
+    ctx: &Ctx<'_>,
+    root: &OwnedFd,
+    relative: &Path,
+    create: Option<bool>,
+) -> Result<OwnedFd, MountError> {
+    let o_path = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    // stack[0] is the root; ".." pops, never below it.
+    let mut stack: Vec<OwnedFd> = vec![root.try_clone().map_err(|e| {
+        ctx.err(
+            "dup root",
+            Errno::from_raw(e.raw_os_error().unwrap_or(libc::EBADF)),
+        )
+    })?];
+    let mut todo: VecDeque<OsString> = split(relative).collect();
+    let mut links = 0u32;
+
+    while let Some(name) = todo.pop_front() {
+        if name.as_bytes() == b".." {
+            if stack.len() > 1 {
+                stack.pop();
+            }
+            continue;
+        }
+        let is_last = todo.is_empty();
+        let cur = stack.last().expect("stack holds the root").as_fd();
+        let fd = match openat(cur, name.as_os_str(), o_path, Mode::empty()) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) if create.is_some() => {
+                let as_file = is_last && create == Some(true);
+                create_entry(ctx, cur, &name, as_file)?;
+                openat(cur, name.as_os_str(), o_path, Mode::empty())
+                    .map_err(|e| ctx.err("openat after create", e))?
+            }
+            Err(e) => return Err(ctx.err("openat", e)),
+        };
+        let st = fstat(&fd).map_err(|e| ctx.err("fstat", e))?;
+        let kind = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT;
+        if kind == SFlag::S_IFLNK {
+            links += 1;
+            if links > MAX_SYMLINKS {
+                return Err(ctx.err("follow symlinks", Errno::ELOOP));
+            }
+            let target = readlinkat(cur, name.as_os_str()).map_err(|e| ctx.err("readlinkat", e))?;
+            let target = PathBuf::from(target);
+            if target.is_absolute() {
+                // Absolute targets mean "from the container's root".
+                stack.truncate(1);
+            }
+            for component in split(&target).collect::<Vec<_>>().into_iter().rev() {
+                todo.push_front(component);
+            }
+            continue;
+        }
+        if !is_last && kind != SFlag::S_IFDIR {
+            return Err(ctx.err("openat", Errno::ENOTDIR));
+        }
+        stack.push(fd);
+    }
+    let top = stack.pop().expect("stack holds the root");
+    Ok(top)
+}
+
+fn create_entry(
+    ctx: &Ctx<'_>,
+    parent: BorrowedFd<'_>,
+    name: &OsString,
+    as_file: bool,
+) -> Result<(), MountError> {
+    let result = if as_file {
+        openat(
+            parent,
+            name.as_os_str(),
+            OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_WRONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::from_bits_truncate(0o644),
+        )
+        .map(drop)
+    } else {
+        mkdirat(parent, name.as_os_str(), Mode::from_bits_truncate(0o755))
+    };
+    match result {
+        // Someone created it between our open and now: use theirs (it is opened with O_NOFOLLOW again).
+        Ok(()) | Err(Errno::EEXIST) => Ok(()),
+        Err(e) => Err(ctx.err(if as_file { "create file" } else { "mkdirat" }, e)),
+    }
+}

@@ -1,0 +1,691 @@
+//! The Controller service: volume create/delete, controller publish, listing, capacity.
+//!
+//! Handlers are three lines: pick the RPC name, the volume and the lock, and hand the
+//! request to a synchronous operation on [`Plugin`] through [`PluginService::call`].
+
+use std::collections::{BTreeMap, HashMap};
+
+use rand::Rng;
+use tonic::{Request, Response, Status};
+
+use super::{LockKey, Plugin, PluginError, PluginService};
+use crate::csi::proto;
+use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
+use crate::csi::proto::volume_capability::access_mode::Mode;
+use crate::csi::proto::volume_capability::AccessType;
+
+/// Longest volume name accepted (the CSI spec asks plugins to support at least 128).
+const MAX_NAME_LEN: usize = 128;
+
+/// Prefix of the ListVolumes tokens this plugin issues.
+const TOKEN_PREFIX: &str = "after:";
+
+/// Checks one volume capability: an access mode is set and known, the access type is
+/// `mount` (block is not supported), and the fs type is one this backing can provide.
+pub(super) fn check_capability(
+    rpc: &'static str,
+    field: &'static str,
+    cap: &proto::VolumeCapability,
+) -> Result<(), PluginError> {
+    let invalid = |reason: &str| PluginError::InvalidField {
+        rpc,
+        field,
+        reason: reason.to_string(),
+    };
+    let mode = cap
+        .access_mode
+        .as_ref()
+        .ok_or_else(|| invalid("access_mode is required"))?;
+    match Mode::try_from(mode.mode) {
+        Ok(Mode::Unknown) | Err(_) => return Err(invalid("access_mode.mode is unknown")),
+        Ok(_) => {}
+    }
+    match &cap.access_type {
+        Some(AccessType::Mount(mount)) => {
+            if !matches!(mount.fs_type.as_str(), "" | "ext4") {
+                return Err(invalid(&format!(
+                    "fs_type {:?} is not supported (only ext4)",
+                    mount.fs_type
+                )));
+            }
+            Ok(())
+        }
+        Some(AccessType::Block(_)) => Err(invalid("block access is not supported, only mount")),
+        None => Err(invalid("access_type is required")),
+    }
+}
+
+fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
+    if value.is_empty() {
+        return Err(PluginError::MissingField { rpc, field });
+    }
+    Ok(())
+}
+
+fn new_volume_id() -> String {
+    let bits: u64 = rand::rng().random();
+    format!("vol-{bits:016x}")
+}
+
+/// The publish_context ControllerPublish returns for (volume, node); NodeStage and
+/// NodePublish require exactly it.
+pub(super) fn publish_context(volume_id: &str, node_id: &str) -> HashMap<String, String> {
+    HashMap::from([(
+        "csi-test-plugin/attachment".to_string(),
+        format!("{volume_id}@{node_id}"),
+    )])
+}
+
+fn to_volume(record: &super::store::VolumeRecord) -> proto::Volume {
+    proto::Volume {
+        capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
+        volume_id: record.id.clone(),
+        volume_context: record.volume_context.clone().into_iter().collect(),
+        ..Default::default()
+    }
+}
+
+impl Plugin {
+    fn controller_enabled(&self, rpc: &'static str) -> Result<(), PluginError> {
+        if !self.config.controller {
+            return Err(PluginError::Unimplemented { rpc });
+        }
+        Ok(())
+    }
+
+    fn create_volume(
+        &self,
+        req: proto::CreateVolumeRequest,
+    ) -> Result<proto::CreateVolumeResponse, PluginError> {
+        const RPC: &str = "CreateVolume";
+        self.controller_enabled(RPC)?;
+        require(RPC, "name", &req.name)?;
+        if req.name.len() > MAX_NAME_LEN {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "name",
+                reason: format!("longer than {MAX_NAME_LEN} bytes"),
+            });
+        }
+        if req.volume_capabilities.is_empty() {
+            return Err(PluginError::MissingField {
+                rpc: RPC,
+                field: "volume_capabilities",
+            });
+        }
+        for cap in &req.volume_capabilities {
+            check_capability(RPC, "volume_capabilities", cap)?;
+        }
+        if req.volume_content_source.is_some() {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "volume_content_source",
+                reason: "snapshots and clones are not supported".into(),
+            });
+        }
+        let range = req.capacity_range.unwrap_or_default();
+        let bad_range = |reason: &str| PluginError::InvalidField {
+            rpc: RPC,
+            field: "capacity_range",
+            reason: reason.to_string(),
+        };
+        let required = u64::try_from(range.required_bytes)
+            .map_err(|_| bad_range("required_bytes is negative"))?;
+        let limit =
+            u64::try_from(range.limit_bytes).map_err(|_| bad_range("limit_bytes is negative"))?;
+        if limit != 0 && limit < required {
+            return Err(bad_range("limit_bytes is smaller than required_bytes"));
+        }
+        let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
+
+        if let Some(existing) = self.store.find_by_name(&req.name) {
+            let fits = existing.capacity_bytes >= required
+                && (limit == 0 || existing.capacity_bytes <= limit);
+            if !fits || existing.parameters != parameters {
+                return Err(PluginError::NameConflict {
+                    name: req.name,
+                    volume_id: existing.id,
+                    capacity: existing.capacity_bytes,
+                });
+            }
+            return Ok(proto::CreateVolumeResponse {
+                volume: Some(to_volume(&existing)),
+            });
+        }
+
+        let size = self.backing.size_for(required);
+        if limit != 0 && size > limit {
+            return Err(PluginError::CapacityOutOfRange {
+                requested: size,
+                total: limit,
+            });
+        }
+        let total = self.config.capacity;
+        if size > total {
+            return Err(PluginError::CapacityOutOfRange {
+                requested: size,
+                total,
+            });
+        }
+        let available = total.saturating_sub(self.store.used_bytes());
+        if size > available {
+            return Err(PluginError::CapacityExhausted {
+                requested: size,
+                available,
+            });
+        }
+
+        let id = new_volume_id();
+        let record = super::store::VolumeRecord {
+            version: super::store::RECORD_VERSION,
+            id: id.clone(),
+            name: req.name,
+            capacity_bytes: size,
+            parameters,
+            volume_context: BTreeMap::from([(
+                "backing".to_string(),
+                self.backing.kind().as_str().to_string(),
+            )]),
+            published_nodes: BTreeMap::new(),
+        };
+        self.provision(RPC, &record)?;
+        tracing::info!(volume_id = %id, name = %record.name, size, "volume created");
+        Ok(proto::CreateVolumeResponse {
+            volume: Some(to_volume(&record)),
+        })
+    }
+
+    /// Creates the backing, then durably records the volume (in that order: a record
+    /// always has its data).
+    pub(super) fn provision(
+        &self,
+        rpc: &'static str,
+        record: &super::store::VolumeRecord,
+    ) -> Result<(), PluginError> {
+        let dir = self.store.volume_dir(&record.id);
+        self.backing
+            .provision(&dir, record.capacity_bytes)
+            .map_err(|source| PluginError::Backing {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            })?;
+        self.store
+            .save(record)
+            .map_err(|source| PluginError::Store {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            })
+    }
+
+    fn delete_volume(
+        &self,
+        req: proto::DeleteVolumeRequest,
+    ) -> Result<proto::DeleteVolumeResponse, PluginError> {
+        const RPC: &str = "DeleteVolume";
+        self.controller_enabled(RPC)?;
+        require(RPC, "volume_id", &req.volume_id)?;
+        let Some(record) = self.store.get(&req.volume_id) else {
+            return Ok(proto::DeleteVolumeResponse {});
+        };
+        let precondition = |reason: String| PluginError::FailedPrecondition {
+            rpc: RPC,
+            volume_id: record.id.clone(),
+            reason,
+        };
+        if let Some(node) = record.published_nodes.keys().next() {
+            return Err(precondition(format!(
+                "still controller-published to node {node}"
+            )));
+        }
+        let dir = self.store.volume_dir(&record.id);
+        let backing_err = |source| PluginError::Backing {
+            rpc: RPC,
+            volume_id: record.id.clone(),
+            source,
+        };
+        let mounts = self.backing.volume_mounts(&dir).map_err(backing_err)?;
+        if let Some(m) = mounts.first() {
+            return Err(precondition(format!(
+                "still staged or published at {}",
+                m.mount_point.display()
+            )));
+        }
+        self.backing.release_if_unused(&dir).map_err(backing_err)?;
+        self.store
+            .remove(&record.id)
+            .map_err(|source| PluginError::Store {
+                rpc: RPC,
+                volume_id: record.id.clone(),
+                source,
+            })?;
+        tracing::info!(volume_id = %record.id, "volume deleted");
+        Ok(proto::DeleteVolumeResponse {})
+    }
+
+    fn controller_publish(
+        &self,
+        req: proto::ControllerPublishVolumeRequest,
+    ) -> Result<proto::ControllerPublishVolumeResponse, PluginError> {
+        const RPC: &str = "ControllerPublishVolume";
+        self.controller_enabled(RPC)?;
+        if !self.config.controller_publish {
+            return Err(PluginError::Unimplemented { rpc: RPC });
+        }
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "node_id", &req.node_id)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or(PluginError::MissingField {
+                rpc: RPC,
+                field: "volume_capability",
+            })?;
+        check_capability(RPC, "volume_capability", cap)?;
+        let mut record =
+            self.store
+                .get(&req.volume_id)
+                .ok_or_else(|| PluginError::VolumeNotFound {
+                    rpc: RPC,
+                    volume_id: req.volume_id.clone(),
+                })?;
+        if req.node_id != self.config.node_id {
+            return Err(PluginError::NodeNotFound {
+                rpc: RPC,
+                node_id: req.node_id,
+                known: self.config.node_id.clone(),
+            });
+        }
+        match record.published_nodes.get(&req.node_id) {
+            Some(&readonly) if readonly != req.readonly => {
+                return Err(PluginError::PublishConflict {
+                    volume_id: record.id,
+                    node_id: req.node_id,
+                    readonly,
+                })
+            }
+            Some(_) => {}
+            None => {
+                record
+                    .published_nodes
+                    .insert(req.node_id.clone(), req.readonly);
+                self.store
+                    .save(&record)
+                    .map_err(|source| PluginError::Store {
+                        rpc: RPC,
+                        volume_id: record.id.clone(),
+                        source,
+                    })?;
+            }
+        }
+        Ok(proto::ControllerPublishVolumeResponse {
+            publish_context: publish_context(&record.id, &req.node_id),
+        })
+    }
+
+    fn controller_unpublish(
+        &self,
+        req: proto::ControllerUnpublishVolumeRequest,
+    ) -> Result<proto::ControllerUnpublishVolumeResponse, PluginError> {
+        const RPC: &str = "ControllerUnpublishVolume";
+        self.controller_enabled(RPC)?;
+        if !self.config.controller_publish {
+            return Err(PluginError::Unimplemented { rpc: RPC });
+        }
+        require(RPC, "volume_id", &req.volume_id)?;
+        // Unknown volume or node: nothing is published there, which is what was asked.
+        let Some(mut record) = self.store.get(&req.volume_id) else {
+            return Ok(proto::ControllerUnpublishVolumeResponse {});
+        };
+        let before = record.published_nodes.len();
+        if req.node_id.is_empty() {
+            record.published_nodes.clear();
+        } else {
+            record.published_nodes.remove(&req.node_id);
+        }
+        if record.published_nodes.len() != before {
+            self.store
+                .save(&record)
+                .map_err(|source| PluginError::Store {
+                    rpc: RPC,
+                    volume_id: record.id.clone(),
+                    source,
+                })?;
+        }
+        Ok(proto::ControllerUnpublishVolumeResponse {})
+    }
+
+    fn validate_capabilities(
+        &self,
+        req: proto::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<proto::ValidateVolumeCapabilitiesResponse, PluginError> {
+        const RPC: &str = "ValidateVolumeCapabilities";
+        self.controller_enabled(RPC)?;
+        require(RPC, "volume_id", &req.volume_id)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(PluginError::MissingField {
+                rpc: RPC,
+                field: "volume_capabilities",
+            });
+        }
+        let record = self
+            .store
+            .get(&req.volume_id)
+            .ok_or_else(|| PluginError::VolumeNotFound {
+                rpc: RPC,
+                volume_id: req.volume_id.clone(),
+            })?;
+        let unsupported = req
+            .volume_capabilities
+            .iter()
+            .find_map(|cap| check_capability(RPC, "volume_capabilities", cap).err());
+        if let Some(reason) = unsupported {
+            return Ok(proto::ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message: reason.to_string(),
+            });
+        }
+        Ok(proto::ValidateVolumeCapabilitiesResponse {
+            confirmed: Some(proto::validate_volume_capabilities_response::Confirmed {
+                volume_context: record.volume_context.into_iter().collect(),
+                volume_capabilities: req.volume_capabilities,
+                parameters: req.parameters,
+                ..Default::default()
+            }),
+            message: String::new(),
+        })
+    }
+
+    fn list_volumes(
+        &self,
+        req: proto::ListVolumesRequest,
+    ) -> Result<proto::ListVolumesResponse, PluginError> {
+        const RPC: &str = "ListVolumes";
+        self.controller_enabled(RPC)?;
+        if req.max_entries < 0 {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "max_entries",
+                reason: "negative".into(),
+            });
+        }
+        let after = if req.starting_token.is_empty() {
+            None
+        } else {
+            let id = req
+                .starting_token
+                .strip_prefix(TOKEN_PREFIX)
+                .filter(|id| !id.is_empty());
+            Some(id.ok_or(PluginError::InvalidToken {
+                token: req.starting_token.clone(),
+            })?)
+        };
+        let mut remaining: Vec<_> = self
+            .store
+            .list()
+            .into_iter()
+            .filter(|r| after.is_none_or(|after| r.id.as_str() > after))
+            .collect();
+        let mut next_token = String::new();
+        let max = usize::try_from(req.max_entries).unwrap_or(usize::MAX);
+        if max > 0 && remaining.len() > max {
+            remaining.truncate(max);
+            next_token = format!("{TOKEN_PREFIX}{}", remaining[max - 1].id);
+        }
+        let entries = remaining
+            .iter()
+            .map(|r| proto::list_volumes_response::Entry {
+                volume: Some(to_volume(r)),
+                status: Some(proto::list_volumes_response::VolumeStatus {
+                    published_node_ids: r.published_nodes.keys().cloned().collect(),
+                    ..Default::default()
+                }),
+            })
+            .collect();
+        Ok(proto::ListVolumesResponse {
+            entries,
+            next_token,
+        })
+    }
+
+    fn get_capacity(
+        &self,
+        req: proto::GetCapacityRequest,
+    ) -> Result<proto::GetCapacityResponse, PluginError> {
+        const RPC: &str = "GetCapacity";
+        self.controller_enabled(RPC)?;
+        let supported = req
+            .volume_capabilities
+            .iter()
+            .all(|cap| check_capability(RPC, "volume_capabilities", cap).is_ok());
+        let available = if supported {
+            self.config.capacity.saturating_sub(self.store.used_bytes())
+        } else {
+            0
+        };
+        let available = i64::try_from(available).unwrap_or(i64::MAX);
+        Ok(proto::GetCapacityResponse {
+            available_capacity: available,
+            maximum_volume_size: Some(available),
+            ..Default::default()
+        })
+    }
+
+    fn controller_capabilities(
+        &self,
+        _req: proto::ControllerGetCapabilitiesRequest,
+    ) -> Result<proto::ControllerGetCapabilitiesResponse, PluginError> {
+        let mut caps = Vec::new();
+        if self.config.controller {
+            caps.push(Cap::CreateDeleteVolume);
+            if self.config.controller_publish {
+                caps.push(Cap::PublishUnpublishVolume);
+            }
+            caps.extend([
+                Cap::ListVolumes,
+                Cap::GetCapacity,
+                Cap::ListVolumesPublishedNodes,
+            ]);
+        }
+        Ok(proto::ControllerGetCapabilitiesResponse {
+            capabilities: caps
+                .into_iter()
+                .map(|c| proto::ControllerServiceCapability {
+                    r#type: Some(proto::controller_service_capability::Type::Rpc(
+                        proto::controller_service_capability::Rpc { r#type: c as i32 },
+                    )),
+                })
+                .collect(),
+        })
+    }
+}
+
+impl PluginService {
+    /// An RPC of a capability this plugin never offers: logged and fault-injectable like
+    /// any other, then UNIMPLEMENTED.
+    pub(super) async fn unsupported<T: Send + 'static>(
+        &self,
+        rpc: &'static str,
+    ) -> Result<Response<T>, Status> {
+        self.call(rpc, "", LockKey::None, (), move |_, ()| {
+            Err(PluginError::Unimplemented { rpc })
+        })
+        .await
+    }
+}
+
+#[tonic::async_trait]
+impl proto::controller_server::Controller for PluginService {
+    async fn create_volume(
+        &self,
+        request: Request<proto::CreateVolumeRequest>,
+    ) -> Result<Response<proto::CreateVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let name = req.name.clone();
+        self.call(
+            "CreateVolume",
+            &name,
+            LockKey::Create,
+            req,
+            Plugin::create_volume,
+        )
+        .await
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<proto::DeleteVolumeRequest>,
+    ) -> Result<Response<proto::DeleteVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "DeleteVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::delete_volume,
+        )
+        .await
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        request: Request<proto::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<proto::ControllerPublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ControllerPublishVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::controller_publish,
+        )
+        .await
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        request: Request<proto::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<proto::ControllerUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ControllerUnpublishVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::controller_unpublish,
+        )
+        .await
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<proto::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<proto::ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ValidateVolumeCapabilities",
+            &id,
+            LockKey::None,
+            req,
+            Plugin::validate_capabilities,
+        )
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        request: Request<proto::ListVolumesRequest>,
+    ) -> Result<Response<proto::ListVolumesResponse>, Status> {
+        self.call(
+            "ListVolumes",
+            "",
+            LockKey::None,
+            request.into_inner(),
+            Plugin::list_volumes,
+        )
+        .await
+    }
+
+    async fn get_capacity(
+        &self,
+        request: Request<proto::GetCapacityRequest>,
+    ) -> Result<Response<proto::GetCapacityResponse>, Status> {
+        self.call(
+            "GetCapacity",
+            "",
+            LockKey::None,
+            request.into_inner(),
+            Plugin::get_capacity,
+        )
+        .await
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        request: Request<proto::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<proto::ControllerGetCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        self.call(
+            "ControllerGetCapabilities",
+            "",
+            LockKey::None,
+            req,
+            Plugin::controller_capabilities,
+        )
+        .await
+    }
+
+    async fn create_snapshot(
+        &self,
+        _request: Request<proto::CreateSnapshotRequest>,
+    ) -> Result<Response<proto::CreateSnapshotResponse>, Status> {
+        self.unsupported("CreateSnapshot").await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _request: Request<proto::DeleteSnapshotRequest>,
+    ) -> Result<Response<proto::DeleteSnapshotResponse>, Status> {
+        self.unsupported("DeleteSnapshot").await
+    }
+
+    async fn list_snapshots(
+        &self,
+        _request: Request<proto::ListSnapshotsRequest>,
+    ) -> Result<Response<proto::ListSnapshotsResponse>, Status> {
+        self.unsupported("ListSnapshots").await
+    }
+
+    async fn get_snapshot(
+        &self,
+        _request: Request<proto::GetSnapshotRequest>,
+    ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
+        self.unsupported("GetSnapshot").await
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        _request: Request<proto::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<proto::ControllerExpandVolumeResponse>, Status> {
+        self.unsupported("ControllerExpandVolume").await
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _request: Request<proto::ControllerGetVolumeRequest>,
+    ) -> Result<Response<proto::ControllerGetVolumeResponse>, Status> {
+        self.unsupported("ControllerGetVolume").await
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _request: Request<proto::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<proto::ControllerModifyVolumeResponse>, Status> {
+        self.unsupported("ControllerModifyVolume").await
+    }
+}

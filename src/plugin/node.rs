@@ -1,0 +1,498 @@
+//! The Node service: stage, publish, their reverses, volume stats and node info.
+//!
+//! Every "is it staged / published" question is answered by the backing from the kernel's
+//! mount table, so repeated calls are idempotent and a restarted plugin picks up where the
+//! previous one left off.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use tonic::{Request, Response, Status};
+
+use super::backing::MountState;
+use super::controller::{check_capability, publish_context};
+use super::store::{VolumeRecord, RECORD_VERSION};
+use super::{LockKey, Plugin, PluginError, PluginService};
+use crate::csi::proto;
+use crate::csi::proto::node_service_capability::rpc::Type as Cap;
+
+fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
+    if value.is_empty() {
+        return Err(PluginError::MissingField { rpc, field });
+    }
+    Ok(())
+}
+
+fn require_capability(
+    rpc: &'static str,
+    cap: Option<&proto::VolumeCapability>,
+) -> Result<(), PluginError> {
+    let cap = cap.ok_or(PluginError::MissingField {
+        rpc,
+        field: "volume_capability",
+    })?;
+    check_capability(rpc, "volume_capability", cap)
+}
+
+impl Plugin {
+    fn backing_err(
+        rpc: &'static str,
+        volume_id: &str,
+    ) -> impl FnOnce(super::BackingError) -> PluginError {
+        let volume_id = volume_id.to_string();
+        move |source| PluginError::Backing {
+            rpc,
+            volume_id,
+            source,
+        }
+    }
+
+    /// The volume a node RPC works on. A node-only plugin (no controller service) has no
+    /// CreateVolume, so it adopts any volume id it is handed, as a node plugin for
+    /// pre-provisioned storage would.
+    fn node_volume(&self, rpc: &'static str, volume_id: &str) -> Result<VolumeRecord, PluginError> {
+        if let Some(record) = self.store.get(volume_id) {
+            return Ok(record);
+        }
+        if self.config.controller {
+            return Err(PluginError::VolumeNotFound {
+                rpc,
+                volume_id: volume_id.to_string(),
+            });
+        }
+        let record = VolumeRecord {
+            version: RECORD_VERSION,
+            id: volume_id.to_string(),
+            name: volume_id.to_string(),
+            capacity_bytes: self.backing.size_for(0),
+            parameters: BTreeMap::new(),
+            volume_context: BTreeMap::new(),
+            published_nodes: BTreeMap::new(),
+        };
+        self.provision(rpc, &record)?;
+        tracing::info!(volume_id, "node-only plugin adopted volume");
+        Ok(record)
+    }
+
+    /// With PUBLISH_UNPUBLISH_VOLUME on, the volume must be controller-published to this
+    /// node and the request must carry the publish_context that call returned.
+    fn check_publish_context(
+        &self,
+        rpc: &'static str,
+        record: &VolumeRecord,
+        context: &HashMap<String, String>,
+    ) -> Result<(), PluginError> {
+        if !self.config.requires_controller_publish() {
+            return Ok(());
+        }
+        let node = &self.config.node_id;
+        let reason = if !record.published_nodes.contains_key(node) {
+            format!("not controller-published to node {node}")
+        } else if *context != publish_context(&record.id, node) {
+            "publish_context does not match the one ControllerPublishVolume returned".to_string()
+        } else {
+            return Ok(());
+        };
+        Err(PluginError::FailedPrecondition {
+            rpc,
+            volume_id: record.id.clone(),
+            reason,
+        })
+    }
+
+    fn node_stage(
+        &self,
+        req: proto::NodeStageVolumeRequest,
+    ) -> Result<proto::NodeStageVolumeResponse, PluginError> {
+        const RPC: &str = "NodeStageVolume";
+        if !self.config.stage {
+            return Err(PluginError::Unimplemented { rpc: RPC });
+        }
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "staging_target_path", &req.staging_target_path)?;
+        require_capability(RPC, req.volume_capability.as_ref())?;
+        let record = self.node_volume(RPC, &req.volume_id)?;
+        self.check_publish_context(RPC, &record, &req.publish_context)?;
+        let dir = self.store.volume_dir(&record.id);
+        let staging = PathBuf::from(&req.staging_target_path);
+        let err = Self::backing_err(RPC, &record.id);
+        match self
+            .backing
+            .mount_state(&dir, &staging)
+            .map_err(Self::backing_err(RPC, &record.id))?
+        {
+            MountState::Volume { .. } => Ok(proto::NodeStageVolumeResponse {}),
+            MountState::Other(what) => Err(PluginError::PathConflict {
+                rpc: RPC,
+                volume_id: record.id,
+                path: staging,
+                what,
+            }),
+            MountState::NotMounted => {
+                self.backing.stage(&dir, &staging).map_err(err)?;
+                tracing::info!(volume_id = %record.id, staging = %staging.display(), "volume staged");
+                Ok(proto::NodeStageVolumeResponse {})
+            }
+        }
+    }
+
+    fn node_unstage(
+        &self,
+        req: proto::NodeUnstageVolumeRequest,
+    ) -> Result<proto::NodeUnstageVolumeResponse, PluginError> {
+        const RPC: &str = "NodeUnstageVolume";
+        if !self.config.stage {
+            return Err(PluginError::Unimplemented { rpc: RPC });
+        }
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "staging_target_path", &req.staging_target_path)?;
+        // An unknown volume cannot be staged anywhere (DeleteVolume refuses staged volumes).
+        let Some(record) = self.store.get(&req.volume_id) else {
+            return Ok(proto::NodeUnstageVolumeResponse {});
+        };
+        let dir = self.store.volume_dir(&record.id);
+        let staging = PathBuf::from(&req.staging_target_path);
+        let err = || Self::backing_err(RPC, &record.id);
+        match self.backing.mount_state(&dir, &staging).map_err(err())? {
+            MountState::NotMounted => return Ok(proto::NodeUnstageVolumeResponse {}),
+            MountState::Other(what) => {
+                return Err(PluginError::FailedPrecondition {
+                    rpc: RPC,
+                    volume_id: record.id,
+                    reason: format!(
+                        "{} holds a mount that is not this volume ({what})",
+                        staging.display()
+                    ),
+                })
+            }
+            MountState::Volume { .. } => {}
+        }
+        let canonical = std::fs::canonicalize(&staging).unwrap_or_else(|_| staging.clone());
+        let mounts = self.backing.volume_mounts(&dir).map_err(err())?;
+        if let Some(other) = mounts.iter().find(|m| m.mount_point != canonical) {
+            return Err(PluginError::FailedPrecondition {
+                rpc: RPC,
+                volume_id: record.id,
+                reason: format!("still published at {}", other.mount_point.display()),
+            });
+        }
+        self.backing.unstage(&dir, &staging).map_err(err())?;
+        tracing::info!(volume_id = %record.id, staging = %staging.display(), "volume unstaged");
+        Ok(proto::NodeUnstageVolumeResponse {})
+    }
+
+    fn node_publish(
+        &self,
+        req: proto::NodePublishVolumeRequest,
+    ) -> Result<proto::NodePublishVolumeResponse, PluginError> {
+        const RPC: &str = "NodePublishVolume";
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "target_path", &req.target_path)?;
+        require_capability(RPC, req.volume_capability.as_ref())?;
+        if self.config.stage {
+            require(RPC, "staging_target_path", &req.staging_target_path)?;
+        }
+        let record = self.node_volume(RPC, &req.volume_id)?;
+        self.check_publish_context(RPC, &record, &req.publish_context)?;
+        let dir = self.store.volume_dir(&record.id);
+        let err = || Self::backing_err(RPC, &record.id);
+        let staging = self
+            .config
+            .stage
+            .then(|| PathBuf::from(&req.staging_target_path));
+        if let Some(staging) = &staging {
+            if !matches!(
+                self.backing.mount_state(&dir, staging).map_err(err())?,
+                MountState::Volume { .. }
+            ) {
+                return Err(PluginError::FailedPrecondition {
+                    rpc: RPC,
+                    volume_id: record.id,
+                    reason: format!("not staged at {}", staging.display()),
+                });
+            }
+        }
+        let target = PathBuf::from(&req.target_path);
+        match self.backing.mount_state(&dir, &target).map_err(err())? {
+            MountState::Volume { readonly } if readonly == req.readonly => {
+                Ok(proto::NodePublishVolumeResponse {})
+            }
+            MountState::Volume { readonly } => Err(PluginError::PathConflict {
+                rpc: RPC,
+                volume_id: record.id,
+                path: target,
+                what: format!("this volume with readonly={readonly}"),
+            }),
+            MountState::Other(what) => Err(PluginError::PathConflict {
+                rpc: RPC,
+                volume_id: record.id,
+                path: target,
+                what,
+            }),
+            MountState::NotMounted => {
+                self.backing
+                    .publish(&dir, staging.as_deref(), &target, req.readonly)
+                    .map_err(err())?;
+                tracing::info!(volume_id = %record.id, target = %target.display(), readonly = req.readonly, "volume published");
+                Ok(proto::NodePublishVolumeResponse {})
+            }
+        }
+    }
+
+    fn node_unpublish(
+        &self,
+        req: proto::NodeUnpublishVolumeRequest,
+    ) -> Result<proto::NodeUnpublishVolumeResponse, PluginError> {
+        const RPC: &str = "NodeUnpublishVolume";
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "target_path", &req.target_path)?;
+        let target = PathBuf::from(&req.target_path);
+        let record = self.store.get(&req.volume_id);
+        let dir = record.as_ref().map(|r| self.store.volume_dir(&r.id));
+        let state = match &dir {
+            Some(dir) => self
+                .backing
+                .mount_state(dir, &target)
+                .map_err(Self::backing_err(RPC, &req.volume_id))?,
+            None => MountState::NotMounted,
+        };
+        if let MountState::Other(what) = state {
+            return Err(PluginError::FailedPrecondition {
+                rpc: RPC,
+                volume_id: req.volume_id,
+                reason: format!(
+                    "{} holds a mount that is not this volume ({what})",
+                    target.display()
+                ),
+            });
+        }
+        if record.is_none() && is_mount_point(&target) {
+            // A mount at the target, but no such volume: not ours to remove.
+            return Err(PluginError::VolumeNotFound {
+                rpc: RPC,
+                volume_id: req.volume_id,
+            });
+        }
+        self.backing
+            .unpublish(dir.as_deref(), &target)
+            .map_err(Self::backing_err(RPC, &req.volume_id))?;
+        Ok(proto::NodeUnpublishVolumeResponse {})
+    }
+
+    fn node_stats(
+        &self,
+        req: proto::NodeGetVolumeStatsRequest,
+    ) -> Result<proto::NodeGetVolumeStatsResponse, PluginError> {
+        const RPC: &str = "NodeGetVolumeStats";
+        require(RPC, "volume_id", &req.volume_id)?;
+        require(RPC, "volume_path", &req.volume_path)?;
+        let record = self
+            .store
+            .get(&req.volume_id)
+            .ok_or_else(|| PluginError::VolumeNotFound {
+                rpc: RPC,
+                volume_id: req.volume_id.clone(),
+            })?;
+        let dir = self.store.volume_dir(&record.id);
+        let path = PathBuf::from(&req.volume_path);
+        let state = self
+            .backing
+            .mount_state(&dir, &path)
+            .map_err(Self::backing_err(RPC, &record.id))?;
+        if !matches!(state, MountState::Volume { .. }) {
+            return Err(PluginError::VolumeNotAtPath {
+                rpc: RPC,
+                volume_id: record.id,
+                path,
+            });
+        }
+        let st = nix::sys::statvfs::statvfs(&path).map_err(|errno| PluginError::Backing {
+            rpc: RPC,
+            volume_id: record.id.clone(),
+            source: super::BackingError::Io {
+                step: "statvfs",
+                path: path.clone(),
+                source: std::io::Error::from(errno),
+            },
+        })?;
+        let frsize = st.fragment_size() as i64;
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let bytes = proto::VolumeUsage {
+            total: as_i64(st.blocks() as u64).saturating_mul(frsize),
+            available: as_i64(st.blocks_available() as u64).saturating_mul(frsize),
+            used: as_i64((st.blocks() as u64).saturating_sub(st.blocks_free() as u64))
+                .saturating_mul(frsize),
+            unit: proto::volume_usage::Unit::Bytes as i32,
+        };
+        let inodes = proto::VolumeUsage {
+            total: as_i64(st.files() as u64),
+            available: as_i64(st.files_available() as u64),
+            used: as_i64((st.files() as u64).saturating_sub(st.files_free() as u64)),
+            unit: proto::volume_usage::Unit::Inodes as i32,
+        };
+        Ok(proto::NodeGetVolumeStatsResponse {
+            usage: vec![bytes, inodes],
+            ..Default::default()
+        })
+    }
+
+    fn node_capabilities(
+        &self,
+        _req: proto::NodeGetCapabilitiesRequest,
+    ) -> Result<proto::NodeGetCapabilitiesResponse, PluginError> {
+        let mut caps = Vec::new();
+        if self.config.stage {
+            caps.push(Cap::StageUnstageVolume);
+        }
+        caps.push(Cap::GetVolumeStats);
+        Ok(proto::NodeGetCapabilitiesResponse {
+            capabilities: caps
+                .into_iter()
+                .map(|c| proto::NodeServiceCapability {
+                    r#type: Some(proto::node_service_capability::Type::Rpc(
+                        proto::node_service_capability::Rpc { r#type: c as i32 },
+                    )),
+                })
+                .collect(),
+        })
+    }
+
+    fn node_info(
+        &self,
+        _req: proto::NodeGetInfoRequest,
+    ) -> Result<proto::NodeGetInfoResponse, PluginError> {
+        Ok(proto::NodeGetInfoResponse {
+            node_id: self.config.node_id.clone(),
+            ..Default::default()
+        })
+    }
+}
+
+fn is_mount_point(path: &Path) -> bool {
+    use crate::mount::MountTable;
+    let Ok(path) = std::fs::canonicalize(path) else {
+        return false;
+    };
+    crate::mount::ProcMountTable::new()
+        .is_mount_point(&path)
+        .unwrap_or(false)
+}
+
+#[tonic::async_trait]
+impl proto::node_server::Node for PluginService {
+    async fn node_stage_volume(
+        &self,
+        request: Request<proto::NodeStageVolumeRequest>,
+    ) -> Result<Response<proto::NodeStageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeStageVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_stage,
+        )
+        .await
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<proto::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<proto::NodeUnstageVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeUnstageVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_unstage,
+        )
+        .await
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<proto::NodePublishVolumeRequest>,
+    ) -> Result<Response<proto::NodePublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodePublishVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_publish,
+        )
+        .await
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<proto::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<proto::NodeUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeUnpublishVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_unpublish,
+        )
+        .await
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        request: Request<proto::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<proto::NodeGetVolumeStatsResponse>, Status> {
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeGetVolumeStats",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_stats,
+        )
+        .await
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _request: Request<proto::NodeExpandVolumeRequest>,
+    ) -> Result<Response<proto::NodeExpandVolumeResponse>, Status> {
+        self.unsupported("NodeExpandVolume").await
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        request: Request<proto::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<proto::NodeGetCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        self.call(
+            "NodeGetCapabilities",
+            "",
+            LockKey::None,
+            req,
+            Plugin::node_capabilities,
+        )
+        .await
+    }
+
+    async fn node_get_info(
+        &self,
+        request: Request<proto::NodeGetInfoRequest>,
+    ) -> Result<Response<proto::NodeGetInfoResponse>, Status> {
+        self.call(
+            "NodeGetInfo",
+            "",
+            LockKey::None,
+            request.into_inner(),
+            Plugin::node_info,
+        )
+        .await
+    }
+}

@@ -1,0 +1,302 @@
+//! Durable, atomic checkpoint files.
+//!
+//! Contract: after [`write_atomic`] returns, the file at `path` holds either
+//! its old content or the new content in full, across a crash or power loss:
+//! the bytes go to a temporary file in the same directory, which is fsynced,
+//! renamed over the target, and the directory is fsynced so the rename itself
+//! is durable. Readers never see a torn file.
+//!
+//! Every durable write passes through [`crash_point`], which lets the crash
+//! tests kill the process (SIGKILL, not an early return) right after the Nth
+//! durable write: `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::OnceLock;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The environment variable that arms the crash point (tests only).
+pub const CRASH_AFTER_WRITE_ENV: &str = "CSI_ISOLATOR_CRASH_AFTER_WRITE";
+
+/// Errors from writing or reading a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// Creating the directory that holds the checkpoint failed.
+    #[error("create checkpoint directory {path}: {source}")]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Writing or syncing the temporary file failed.
+    #[error("write checkpoint {path}: {source}")]
+    Write {
+        /// The file being written.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Renaming the temporary file over the checkpoint failed.
+    #[error("rename checkpoint into place at {path}: {source}")]
+    Rename {
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Syncing the directory after the rename failed.
+    #[error("sync checkpoint directory {path}: {source}")]
+    SyncDir {
+        /// The directory.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Reading the checkpoint failed.
+    #[error("read checkpoint {path}: {source}")]
+    Read {
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Removing the checkpoint failed.
+    #[error("remove checkpoint {path}: {source}")]
+    Remove {
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// Setting a corrupt checkpoint aside failed.
+    #[error("set aside corrupt checkpoint {path}: {source}")]
+    SetAside {
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+static WRITES: AtomicU64 = AtomicU64::new(0);
+
+/// Counts durable writes and, when the crash point is armed and this is the
+/// Nth one, kills the process on the spot.
+pub fn crash_point() {
+    static ARMED: OnceLock<Option<u64>> = OnceLock::new();
+    let n = WRITES.fetch_add(1, Ordering::SeqCst) + 1;
+    let armed = ARMED.get_or_init(|| {
+        std::env::var(CRASH_AFTER_WRITE_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+    });
+    if *armed == Some(n) {
+        tracing::warn!(write = n, "crash point reached: killing the process");
+        let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL);
+    }
+}
+
+/// How many durable writes this process has made (for the benchmarks and the
+/// crash tests, which step N through every write of an operation).
+pub fn durable_writes() -> u64 {
+    WRITES.load(Ordering::SeqCst)
+}
+
+/// Writes `bytes` to `path` atomically and durably (see the module doc).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    fs::create_dir_all(dir).map_err(|source| CheckpointError::CreateDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    let tmp = temp_name(path);
+    let write = |f: &mut File| -> io::Result<()> {
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    let result = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| write(&mut f));
+    if let Err(source) = result {
+        let _ = fs::remove_file(&tmp);
+        return Err(CheckpointError::Write {
+            path: path.to_path_buf(),
+            source,
+        });
+    }
+    if let Err(source) = fs::rename(&tmp, path) {
+        let _ = fs::remove_file(&tmp);
+        return Err(CheckpointError::Rename {
+            path: path.to_path_buf(),
+            source,
+        });
+    }
+    sync_dir(dir)?;
+    crash_point();
+    Ok(())
+}
+
+/// Removes `path` durably (the directory entry removal is fsynced). A file
+/// that is already gone is not an error.
+pub fn remove_durable(path: &Path) -> Result<(), CheckpointError> {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(source) => {
+            return Err(CheckpointError::Remove {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
+    }
+    if let Some(dir) = path.parent() {
+        sync_dir(dir)?;
+    }
+    crash_point();
+    Ok(())
+}
+
+/// Reads a checkpoint; `Ok(None)` when it does not exist.
+pub fn read(path: &Path) -> Result<Option<Vec<u8>>, CheckpointError> {
+    match fs::read(path) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(CheckpointError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+/// Moves a checkpoint that cannot be trusted out of the way, next to where it
+/// was (`<name>.corrupt-<unix seconds>`), and returns the new path. It is never
+/// deleted: an operator may want to read it.
+pub fn set_aside(path: &Path) -> Result<PathBuf, CheckpointError> {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".corrupt-{secs}"));
+    let aside = path.with_file_name(name);
+    fs::rename(path, &aside).map_err(|source| CheckpointError::SetAside {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if let Some(dir) = path.parent() {
+        sync_dir(dir)?;
+    }
+    Ok(aside)
+}
+
+fn temp_name(path: &Path) -> PathBuf {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    path.with_file_name(name)
+}
+
+/// fsyncs a directory so that entries created, renamed or removed in it are durable.
+pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| CheckpointError::SyncDir {
+            path: dir.to_path_buf(),
+            source,
+        })
+}
+
+/// Removes temporary files a crash left behind in `dir` (they were never
+/// renamed into place, so nothing refers to them).
+pub fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.contains(".tmp-") {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_read_replace_and_remove() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub/volume.state");
+        assert!(read(&p).unwrap().is_none());
+        write_atomic(&p, b"one").unwrap();
+        write_atomic(&p, b"two").unwrap();
+        assert_eq!(read(&p).unwrap().unwrap(), b"two");
+        // No temporary file is left next to it.
+        let names: Vec<_> = fs::read_dir(p.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("volume.state")]);
+        remove_durable(&p).unwrap();
+        remove_durable(&p).unwrap();
+        assert!(read(&p).unwrap().is_none());
+    }
+
+    #[test]
+    fn set_aside_keeps_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("volume.state");
+        fs::write(&p, b"{garbage").unwrap();
+        let aside = set_aside(&p).unwrap();
+        assert!(!p.exists());
+        assert_eq!(fs::read(&aside).unwrap(), b"{garbage");
+        assert!(aside
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("volume.state.corrupt-"));
+    }
+
+    #[test]
+    fn stale_temps_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(".volume.state.tmp-1-0"), b"x").unwrap();
+        fs::write(dir.path().join("volume.state"), b"y").unwrap();
+        remove_stale_temps(dir.path());
+        assert!(!dir.path().join(".volume.state.tmp-1-0").exists());
+        assert!(dir.path().join("volume.state").exists());
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_old_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("volume.state");
+        write_atomic(&p, b"old").unwrap();
+        // A directory squatting on the temp name's parent makes the write fail:
+        // use a path whose parent is a file instead.
+        let bad = p.join("child");
+        assert!(write_atomic(&bad, b"new").is_err());
+        assert_eq!(read(&p).unwrap().unwrap(), b"old");
+    }
+}

@@ -1,0 +1,227 @@
+//! Creating, declaring and destroying volumes.
+//!
+//! create: a durable intent (`creating/<enc name>.intent`) is written before
+//! CreateVolume, so a crash between the RPC and the volume's first
+//! checkpoint is finished by recovery (CreateVolume is idempotent by name).
+//! destroy: marked durably, unpublished fully, then DeleteVolume; the
+//! checkpoint goes last, so a crash anywhere is finished by recovery.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::csi::proto;
+use crate::provider::checkpoint;
+use crate::provider::error::ProviderError;
+use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
+use crate::provider::storage::{remove_dir_if_unmounted, StorageProvider};
+use crate::resource::Resource;
+
+/// What to create.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CreateSpec {
+    /// The CreateVolume name (the same name is the same volume).
+    pub name: String,
+    /// Required capacity in bytes (0: the plugin's default).
+    pub capacity_bytes: u64,
+    /// The capability the volume will be published with.
+    pub capability: Capability,
+    /// CreateVolume parameters.
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    /// Disk profile, echoed into the resource.
+    #[serde(default)]
+    pub profile: Option<String>,
+}
+
+impl CreateSpec {
+    /// A single-node-writer mount volume of `capacity_bytes`.
+    pub fn new(name: impl Into<String>, capacity_bytes: u64) -> Self {
+        CreateSpec {
+            name: name.into(),
+            capacity_bytes,
+            capability: Capability::default(),
+            parameters: BTreeMap::new(),
+            profile: None,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct CreateIntent {
+    pub(crate) format: u32,
+    pub(crate) spec: CreateSpec,
+}
+
+impl StorageProvider {
+    /// The volume created under `name`, if any.
+    pub async fn find_by_name(&self, name: &str) -> Option<VolumeRecord> {
+        self.volumes()
+            .await
+            .into_iter()
+            .find(|r| r.name.as_deref() == Some(name))
+    }
+
+    /// Creates a volume (or returns the one already created under this
+    /// name) and returns the resource that hands it out.
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name))]
+    pub async fn create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
+        let lock = self.name_lock(&spec.name);
+        let _guard = lock.lock().await;
+        if let Some(rec) = self.find_by_name(&spec.name).await {
+            return Ok(self.resource_for(&rec));
+        }
+        let intent_path = self.layout.create_intent(&spec.name);
+        let intent = CreateIntent {
+            format: FORMAT_VERSION,
+            spec: spec.clone(),
+        };
+        checkpoint::write_atomic(
+            &intent_path,
+            &serde_json::to_vec(&intent).expect("an intent always serializes"),
+        )
+        .map_err(|source| ProviderError::Checkpoint {
+            volume: spec.name.clone(),
+            source,
+        })?;
+        let rec = self.finish_create(&spec).await?;
+        Ok(self.resource_for(&rec))
+    }
+
+    /// CreateVolume, the volume's first checkpoint, then the intent removed.
+    pub(crate) async fn finish_create(&self, spec: &CreateSpec) -> Result<VolumeRecord, ProviderError> {
+        let resp = self
+            .client
+            .create_volume(proto::CreateVolumeRequest {
+                name: spec.name.clone(),
+                capacity_range: (spec.capacity_bytes > 0).then_some(proto::CapacityRange {
+                    required_bytes: i64::try_from(spec.capacity_bytes).unwrap_or(i64::MAX),
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![spec.capability.to_proto()],
+                parameters: spec.parameters.clone().into_iter().collect(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|source| ProviderError::Csi {
+                volume: spec.name.clone(),
+                source,
+            })?;
+        let volume = resp.volume.ok_or_else(|| ProviderError::BadCreateResponse {
+            name: spec.name.clone(),
+            what: "no volume",
+        })?;
+        if volume.volume_id.is_empty() {
+            return Err(ProviderError::BadCreateResponse {
+                name: spec.name.clone(),
+                what: "an empty volume_id",
+            });
+        }
+        let mut rec = VolumeRecord::new(volume.volume_id, spec.capability.clone());
+        rec.name = Some(spec.name.clone());
+        rec.capacity_bytes = u64::try_from(volume.capacity_bytes).unwrap_or(0);
+        rec.parameters = spec.parameters.clone();
+        rec.volume_context = volume.volume_context.into_iter().collect();
+        rec.readonly = rec.capability.is_reader_only();
+        rec.profile = spec.profile.clone();
+        rec.vendor = Some(self.vendor.clone());
+        self.persist(&rec)?;
+        checkpoint::remove_durable(&self.layout.create_intent(&spec.name)).map_err(|source| {
+            ProviderError::Checkpoint {
+                volume: spec.name.clone(),
+                source,
+            }
+        })?;
+        self.insert_slot(rec.clone());
+        tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
+        Ok(rec)
+    }
+
+    /// Declares a pre-provisioned volume (one that exists in the plugin
+    /// already) by id, so it can be published and unpublished; it is never
+    /// created or deleted by us. Checked with ValidateVolumeCapabilities
+    /// when the plugin has a controller service.
+    #[tracing::instrument(skip(self, capability, volume_context))]
+    pub async fn declare_volume(
+        &self,
+        volume_id: &str,
+        capability: Capability,
+        volume_context: BTreeMap<String, String>,
+    ) -> Result<Resource, ProviderError> {
+        if let Some(rec) = self.volume(volume_id).await {
+            return Ok(self.resource_for(&rec));
+        }
+        if self.client.capabilities().plugin.controller_service() {
+            self.client
+                .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+                    volume_id: volume_id.to_string(),
+                    volume_context: volume_context.clone().into_iter().collect(),
+                    volume_capabilities: vec![capability.to_proto()],
+                    ..Default::default()
+                })
+                .await
+                .map_err(|source| ProviderError::Csi {
+                    volume: volume_id.to_string(),
+                    source,
+                })?;
+        }
+        let mut rec = VolumeRecord::new(volume_id, capability);
+        rec.pre_provisioned = true;
+        rec.readonly = rec.capability.is_reader_only();
+        rec.volume_context = volume_context;
+        rec.vendor = Some(self.vendor.clone());
+        self.persist(&rec)?;
+        self.insert_slot(rec.clone());
+        Ok(self.resource_for(&rec))
+    }
+
+    /// Destroys a volume: unpublishes it fully, then DeleteVolume (not for
+    /// pre-provisioned volumes, which are only forgotten). Refused while
+    /// containers use it. The data is gone afterwards.
+    #[tracing::instrument(skip(self))]
+    pub async fn destroy_volume(&self, volume_id: &str) -> Result<(), ProviderError> {
+        let slot = self.slot(volume_id)?;
+        let mut rec = slot.record.lock().await;
+        if !rec.users.is_empty() {
+            return Err(ProviderError::InUse {
+                volume: volume_id.to_string(),
+                users: rec.users.iter().cloned().collect(),
+            });
+        }
+        if !rec.destroying {
+            rec.destroying = true;
+            self.persist(&rec)?;
+        }
+        self.finish_destroy(&mut rec).await
+    }
+
+    /// The rest of a destroy, from any state (also run by recovery).
+    pub(crate) async fn finish_destroy(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
+        self.drive(rec, VolumeState::Created).await?;
+        if !rec.pre_provisioned {
+            self.client
+                .delete_volume(proto::DeleteVolumeRequest {
+                    volume_id: rec.volume_id.clone(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|source| ProviderError::Csi {
+                    volume: rec.volume_id.clone(),
+                    source,
+                })?;
+        }
+        let mount_dir = self.layout.mount_dir(&rec.volume_id);
+        remove_dir_if_unmounted(&*self.table, &self.layout.staging_path(&rec.volume_id));
+        remove_dir_if_unmounted(&*self.table, &mount_dir);
+        checkpoint::remove_durable(&self.layout.state_file(&rec.volume_id)).map_err(|source| {
+            ProviderError::Checkpoint {
+                volume: rec.volume_id.clone(),
+                source,
+            }
+        })?;
+        let _ = std::fs::remove_dir(self.layout.volume_dir(&rec.volume_id));
+        self.slots.lock().unwrap().remove(&rec.volume_id);
+        tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        Ok(())
+    }
+}

@@ -1,0 +1,171 @@
+//! Errors of the resource providers: one variant per failing step, naming
+//! the volume, the container or the plugin it failed on.
+
+use std::path::PathBuf;
+
+use crate::csi::CsiError;
+use crate::provider::checkpoint::CheckpointError;
+use crate::provider::state::VolumeState;
+
+/// A provider operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ProviderError {
+    /// A CSI call failed (the CSI error names the RPC, code and message).
+    #[error("volume '{volume}': {source}")]
+    Csi {
+        /// The volume id (or name, before it has an id).
+        volume: String,
+        /// The failed call.
+        #[source]
+        source: CsiError,
+    },
+    /// Connecting to, or talking to, the plugin failed outside of a volume call.
+    #[error("plugin {plugin}: {source}")]
+    Plugin {
+        /// `<type>/<name>` of the plugin.
+        plugin: String,
+        /// The failed call.
+        #[source]
+        source: CsiError,
+    },
+    /// Starting the managed plugin process failed.
+    #[error("start plugin {plugin} ({command}): {source}")]
+    Spawn {
+        /// `<type>/<name>` of the plugin.
+        plugin: String,
+        /// The command that was run.
+        command: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The managed plugin did not become ready in time.
+    #[error("plugin {plugin} not ready at {endpoint} after {waited_ms} ms: {reason}")]
+    NotReady {
+        /// `<type>/<name>` of the plugin.
+        plugin: String,
+        /// The endpoint it should serve.
+        endpoint: String,
+        /// How long we waited.
+        waited_ms: u128,
+        /// What went wrong last.
+        reason: String,
+    },
+    /// A checkpoint could not be written or read.
+    #[error("volume '{volume}': {source}")]
+    Checkpoint {
+        /// The volume id (or name).
+        volume: String,
+        /// The checkpoint error.
+        #[source]
+        source: CheckpointError,
+    },
+    /// A checkpoint exists but cannot be parsed; it was set aside.
+    #[error("corrupt state file {path} (set aside as {aside}): {reason}")]
+    CorruptState {
+        /// Where the file was.
+        path: PathBuf,
+        /// Where it is now.
+        aside: PathBuf,
+        /// Why it was rejected.
+        reason: String,
+    },
+    /// No such volume is known to the provider.
+    #[error("unknown volume '{volume}' in provider {provider}")]
+    UnknownVolume {
+        /// The volume id.
+        volume: String,
+        /// The provider id.
+        provider: String,
+    },
+    /// No provider has this id.
+    #[error("unknown resource provider '{provider}' (resource {resource})")]
+    UnknownProvider {
+        /// The provider id.
+        provider: String,
+        /// The resource that named it.
+        resource: String,
+    },
+    /// A disk resource of a provider lacks `disk.source.id`.
+    #[error("resource {resource} of provider {provider} has no disk.source.id")]
+    MissingVolumeId {
+        /// The resource.
+        resource: String,
+        /// The provider id.
+        provider: String,
+    },
+    /// The volume is in use and the operation needs it unused.
+    #[error("volume '{volume}' is in use by container(s) {}", users.join(", "))]
+    InUse {
+        /// The volume id.
+        volume: String,
+        /// The containers using it.
+        users: Vec<String>,
+    },
+    /// The volume is being destroyed; it cannot be published.
+    #[error("volume '{volume}' is being destroyed")]
+    Destroying {
+        /// The volume id.
+        volume: String,
+    },
+    /// A state the operation cannot start from (a bug or a hand-edited file).
+    #[error("volume '{volume}': cannot {operation} from state {state}")]
+    WrongState {
+        /// The volume id.
+        volume: String,
+        /// What was attempted.
+        operation: &'static str,
+        /// The state it was in.
+        state: VolumeState,
+    },
+    /// A directory of the layout could not be created or removed.
+    #[error("{step} {path}: {source}")]
+    Io {
+        /// The step (`create mount directory`, ...).
+        step: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Unmounting a leftover mount failed.
+    #[error("unmount {path}: {source}")]
+    Unmount {
+        /// The mount point.
+        path: PathBuf,
+        /// The mount error.
+        #[source]
+        source: crate::mount::MountError,
+    },
+    /// A name that becomes a path component is not safe.
+    #[error("invalid {field} '{value}': {reason}")]
+    InvalidName {
+        /// Which name (`plugin type`, `plugin name`, `container id`).
+        field: &'static str,
+        /// The value.
+        value: String,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// The CreateVolume response lacked something the spec requires.
+    #[error("CreateVolume of '{name}' returned {what}")]
+    BadCreateResponse {
+        /// The volume name.
+        name: String,
+        /// What was wrong.
+        what: &'static str,
+    },
+}
+
+impl ProviderError {
+    /// The gRPC code of the underlying CSI error, if any.
+    pub fn csi_code(&self) -> Option<tonic::Code> {
+        match self {
+            ProviderError::Csi { source, .. } | ProviderError::Plugin { source, .. } => {
+                source.code()
+            }
+            _ => None,
+        }
+    }
+}

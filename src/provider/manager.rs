@@ -1,0 +1,153 @@
+//! Routes publish and unpublish requests to resource providers by
+//! `Resource.provider_id`. Resources without one (the agent's own disks)
+//! pass through untouched; an unknown provider id fails, naming it.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use futures::future::join_all;
+
+use crate::provider::error::ProviderError;
+use crate::provider::storage::StorageProvider;
+use crate::resource::Resource;
+
+/// A resource the manager published: its index in the request and the
+/// volume's host mount point.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublishedVolume {
+    /// Index of the resource in the request.
+    pub index: usize,
+    /// The provider id.
+    pub provider_id: String,
+    /// The volume id.
+    pub volume_id: String,
+    /// Where the volume is mounted on the host.
+    pub mount_point: PathBuf,
+}
+
+/// Several providers side by side, keyed by provider id.
+#[derive(Debug, Default)]
+pub struct Manager {
+    providers: BTreeMap<String, Arc<StorageProvider>>,
+}
+
+impl Manager {
+    /// An empty manager.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a provider (replacing one with the same id).
+    pub fn add(&mut self, provider: Arc<StorageProvider>) {
+        self.providers.insert(provider.id().to_string(), provider);
+    }
+
+    /// The provider with this id.
+    pub fn get(&self, provider_id: &str) -> Option<&Arc<StorageProvider>> {
+        self.providers.get(provider_id)
+    }
+
+    /// Every provider.
+    pub fn providers(&self) -> impl Iterator<Item = &Arc<StorageProvider>> {
+        self.providers.values()
+    }
+
+    /// Groups the provider resources of a request by provider:
+    /// provider id -> [(index, volume id)].
+    fn route(
+        &self,
+        resources: &[Resource],
+    ) -> Result<BTreeMap<String, Vec<(usize, String)>>, ProviderError> {
+        let mut by_provider: BTreeMap<String, Vec<(usize, String)>> = BTreeMap::new();
+        for (i, r) in resources.iter().enumerate() {
+            let Some(pid) = r.provider_id() else { continue };
+            if !self.providers.contains_key(pid) {
+                return Err(ProviderError::UnknownProvider {
+                    provider: pid.to_string(),
+                    resource: r.describe(),
+                });
+            }
+            if !r.is_disk() {
+                continue;
+            }
+            let Some(id) = r.source_id() else {
+                return Err(ProviderError::MissingVolumeId {
+                    resource: r.describe(),
+                    provider: pid.to_string(),
+                });
+            };
+            by_provider
+                .entry(pid.to_string())
+                .or_default()
+                .push((i, id.to_string()));
+        }
+        Ok(by_provider)
+    }
+
+    /// Publishes a container's provider resources (ensure-all per provider).
+    /// On failure nothing published here stays in use by the container.
+    pub async fn publish(
+        &self,
+        container_id: &str,
+        resources: &[Resource],
+    ) -> Result<Vec<PublishedVolume>, ProviderError> {
+        let routes = self.route(resources)?;
+        let results = join_all(routes.iter().map(|(pid, vols)| async move {
+            let provider = &self.providers[pid];
+            let mut ids: Vec<String> = vols.iter().map(|(_, id)| id.clone()).collect();
+            ids.dedup();
+            provider
+                .publish_for_container(container_id, &ids)
+                .await
+                .map(|_| (pid, vols))
+        }))
+        .await;
+        if results.iter().any(|r| r.is_err()) {
+            for (pid, vols) in results.iter().flatten() {
+                let provider = &self.providers[*pid];
+                for (_, id) in vols.iter() {
+                    if let Err(e) = provider.release(id, container_id).await {
+                        tracing::error!(volume_id = %id, error = %e, "rollback release failed");
+                    }
+                }
+            }
+            return Err(results.into_iter().find_map(Result::err).unwrap());
+        }
+        let mut out = Vec::new();
+        for (pid, vols) in results.into_iter().flatten() {
+            let provider = &self.providers[pid];
+            for (index, id) in vols {
+                out.push(PublishedVolume {
+                    index: *index,
+                    provider_id: pid.clone(),
+                    volume_id: id.clone(),
+                    mount_point: provider.mount_point(id),
+                });
+            }
+        }
+        out.sort_by_key(|p| p.index);
+        Ok(out)
+    }
+
+    /// Ends a container's use of the given provider resources.
+    pub async fn unpublish(&self, container_id: &str, resources: &[Resource]) -> Result<(), ProviderError> {
+        let routes = self.route(resources)?;
+        let mut first_err = None;
+        for (pid, vols) in &routes {
+            let provider = &self.providers[pid];
+            for (_, id) in vols {
+                if let Err(e) = provider.release(id, container_id).await {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Ends a container's use of every volume of every provider.
+    pub async fn release_container(&self, container_id: &str) -> Result<(), ProviderError> {
+        let results = join_all(self.providers.values().map(|p| p.release_container(container_id))).await;
+        results.into_iter().collect::<Result<Vec<()>, _>>().map(|_| ())
+    }
+}

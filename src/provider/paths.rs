@@ -1,0 +1,110 @@
+//! The on-disk layout of a storage local resource provider, under the agent
+//! work dir (kept from Mesos):
+//!
+//! ```text
+//! <work_dir>/csi/<type>/<name>/volumes/<enc id>/volume.state   checkpoint
+//! <work_dir>/csi/<type>/<name>/mounts/<enc id>/staging         NodeStageVolume target (we create it)
+//! <work_dir>/csi/<type>/<name>/mounts/<enc id>/target          NodePublishVolume target (the plugin creates it)
+//! <work_dir>/csi/<type>/<name>/creating/<enc name>.intent      CreateVolume intent, until the volume is recorded
+//! <work_dir>/csi/<type>/<name>/plugin/csi.sock                 endpoint of a managed plugin
+//! <work_dir>/csi/<type>/<name>/plugin/data                     work dir of a managed plugin
+//! ```
+//! `<enc id>` is [`crate::resource::encode_volume_id`] of the volume id.
+
+use std::path::{Path, PathBuf};
+
+use crate::resource::encode_volume_id;
+
+/// File name of a volume's checkpoint.
+pub const STATE_FILE: &str = "volume.state";
+
+/// Paths of one provider (one plugin `type`/`name`).
+#[derive(Clone, Debug)]
+pub struct Layout {
+    base: PathBuf,
+    mounts_rel: PathBuf,
+}
+
+impl Layout {
+    /// The layout of plugin `plugin_type`/`plugin_name` under `work_dir`.
+    /// Both names must already be validated path components.
+    pub fn new(work_dir: &Path, plugin_type: &str, plugin_name: &str) -> Self {
+        let rel = Path::new("csi").join(plugin_type).join(plugin_name);
+        Layout {
+            base: work_dir.join(&rel),
+            mounts_rel: Path::new(".").join(rel).join("mounts"),
+        }
+    }
+
+    /// `csi/<type>/<name>`.
+    pub fn base(&self) -> &Path {
+        &self.base
+    }
+
+    /// `csi/<type>/<name>/volumes`.
+    pub fn volumes_dir(&self) -> PathBuf {
+        self.base.join("volumes")
+    }
+
+    /// `csi/<type>/<name>/mounts`.
+    pub fn mounts_dir(&self) -> PathBuf {
+        self.base.join("mounts")
+    }
+
+    /// The relative mount root written into created resources
+    /// (`./csi/<type>/<name>/mounts`).
+    pub fn relative_mount_root(&self) -> String {
+        self.mounts_rel.to_string_lossy().into_owned()
+    }
+
+    /// `volumes/<enc id>`.
+    pub fn volume_dir(&self, volume_id: &str) -> PathBuf {
+        self.volumes_dir().join(encode_volume_id(volume_id))
+    }
+
+    /// `volumes/<enc id>/volume.state`.
+    pub fn state_file(&self, volume_id: &str) -> PathBuf {
+        self.volume_dir(volume_id).join(STATE_FILE)
+    }
+
+    /// `mounts/<enc id>`.
+    pub fn mount_dir(&self, volume_id: &str) -> PathBuf {
+        self.mounts_dir().join(encode_volume_id(volume_id))
+    }
+
+    /// `mounts/<enc id>/staging`.
+    pub fn staging_path(&self, volume_id: &str) -> PathBuf {
+        self.mount_dir(volume_id).join("staging")
+    }
+
+    /// `mounts/<enc id>/target`: the volume's mount point.
+    pub fn target_path(&self, volume_id: &str) -> PathBuf {
+        self.mount_dir(volume_id).join("target")
+    }
+
+    /// `creating/`.
+    pub fn creating_dir(&self) -> PathBuf {
+        self.base.join("creating")
+    }
+
+    /// `creating/<enc name>.intent`.
+    pub fn create_intent(&self, name: &str) -> PathBuf {
+        self.creating_dir()
+            .join(format!("{}.intent", encode_volume_id(name)))
+    }
+
+    /// `plugin/`: what a managed plugin gets.
+    pub fn plugin_dir(&self) -> PathBuf {
+        self.base.join("plugin")
+    }
+
+    /// `plugin/csi.sock`.
+    pub fn plugin_socket(&self) -> PathBuf {
+        self.plugin_dir().join("csi.sock")
+    }
+
+    /// `plugin/data`.
+    pub fn plugin_data_dir(&self) -> PathBuf {
+        self.plugin_dir().join("data")
+    }
+}

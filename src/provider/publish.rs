@@ -1,0 +1,190 @@
+//! Publishing volumes for containers and releasing them.
+//!
+//! A container becomes a user of a volume durably *before* the volume is
+//! published, so a crash mid-publish leaves a user that recovery honours;
+//! the user is removed durably before the last-use unpublish starts.
+//! Publishing for a container re-ensures every volume of this provider that
+//! a live container uses (ensure-all), repairing any found unpublished.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use futures::future::join_all;
+
+use crate::provider::error::ProviderError;
+use crate::provider::state::{VolumeRecord, VolumeState};
+use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
+
+impl StorageProvider {
+    /// Publishes one volume for `container_id` and returns its host mount
+    /// point. Idempotent for the same container.
+    #[tracing::instrument(skip(self))]
+    pub async fn publish(&self, volume_id: &str, container_id: &str) -> Result<PathBuf, ProviderError> {
+        let slot = self.slot(volume_id)?;
+        let mut rec = slot.record.lock().await;
+        if rec.destroying {
+            return Err(ProviderError::Destroying {
+                volume: volume_id.to_string(),
+            });
+        }
+        let added = rec.users.insert(container_id.to_string());
+        if added {
+            self.persist(&rec)?;
+        }
+        let mounted = self.mounted_targets();
+        match self.ensure_published(&mut rec, &mounted).await {
+            Ok(()) => Ok(self.mount_point(volume_id)),
+            Err(e) => {
+                if added {
+                    // Leave nothing half-done: drop the use we just added and,
+                    // when it was the only one, take the volume back down.
+                    rec.users.remove(container_id);
+                    if let Err(undo) = self.settle_unused(&mut rec).await {
+                        tracing::error!(volume_id, error = %undo, "rollback after failed publish failed");
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Ends `container_id`'s use of a volume; under the last-use policy the
+    /// last release unpublishes it. Releasing a volume the container does not
+    /// use is a no-op.
+    #[tracing::instrument(skip(self))]
+    pub async fn release(&self, volume_id: &str, container_id: &str) -> Result<(), ProviderError> {
+        let slot = match self.slot(volume_id) {
+            Ok(s) => s,
+            Err(ProviderError::UnknownVolume { .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        let mut rec = slot.record.lock().await;
+        if !rec.users.remove(container_id) {
+            return Ok(());
+        }
+        self.persist(&rec)?;
+        self.settle_unused(&mut rec).await
+    }
+
+    /// Publishes a container's volumes concurrently, then re-ensures every
+    /// other volume in use. On failure the volumes published for it here are
+    /// released again and the first error is returned.
+    pub async fn publish_for_container(
+        &self,
+        container_id: &str,
+        volume_ids: &[String],
+    ) -> Result<Vec<PathBuf>, ProviderError> {
+        let results = join_all(volume_ids.iter().map(|id| self.publish(id, container_id))).await;
+        if let Some(pos) = results.iter().position(|r| r.is_err()) {
+            let done: Vec<&String> = volume_ids
+                .iter()
+                .zip(&results)
+                .filter(|(_, r)| r.is_ok())
+                .map(|(id, _)| id)
+                .collect();
+            join_all(done.iter().map(|id| self.release(id, container_id))).await;
+            let mut results = results;
+            return Err(results.swap_remove(pos).unwrap_err());
+        }
+        let skip: HashSet<&str> = volume_ids.iter().map(String::as_str).collect();
+        self.ensure_in_use(&skip).await;
+        Ok(results.into_iter().map(Result::unwrap).collect())
+    }
+
+    /// Releases every volume of this provider that `container_id` uses.
+    pub async fn release_container(&self, container_id: &str) -> Result<(), ProviderError> {
+        let ids: Vec<String> = self
+            .volumes()
+            .await
+            .into_iter()
+            .filter(|r| r.users.contains(container_id))
+            .map(|r| r.volume_id)
+            .collect();
+        let results = join_all(ids.iter().map(|id| self.release(id, container_id))).await;
+        results.into_iter().collect::<Result<Vec<()>, _>>().map(|_| ())
+    }
+
+    /// Ensure-all: every volume with users is published and really mounted;
+    /// one found otherwise is repaired. Failures are logged (they belong to
+    /// other containers' volumes) and returned as (volume id, error).
+    pub async fn ensure_in_use(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {
+        let slots: Vec<(String, Arc<Slot>)> = self
+            .slots
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(id, _)| !skip.contains(id.as_str()))
+            .map(|(id, s)| (id.clone(), s.clone()))
+            .collect();
+        let mounted = self.mounted_targets();
+        let results = join_all(slots.into_iter().map(|(id, slot)| {
+            let mounted = &mounted;
+            async move {
+                let mut rec = slot.record.lock().await;
+                if rec.users.is_empty() || rec.destroying {
+                    return None;
+                }
+                self.ensure_published(&mut rec, mounted)
+                    .await
+                    .err()
+                    .map(|e| (id, e))
+            }
+        }))
+        .await;
+        let failures: Vec<_> = results.into_iter().flatten().collect();
+        for (id, e) in &failures {
+            tracing::error!(volume_id = %id, error = %e, "cannot re-ensure a volume in use");
+        }
+        failures
+    }
+
+    /// Drives a volume to PUBLISHED and checks the mount table: a volume
+    /// recorded as published whose target is not mounted is re-staged and
+    /// re-published (both idempotent).
+    pub(crate) async fn ensure_published(
+        &self,
+        rec: &mut VolumeRecord,
+        mounted: &Option<HashSet<PathBuf>>,
+    ) -> Result<(), ProviderError> {
+        if rec.state == VolumeState::Published {
+            let target = self.mount_point(&rec.volume_id);
+            if let Some(m) = mounted {
+                if !m.contains(&target) {
+                    tracing::warn!(volume_id = %rec.volume_id, target = %target.display(),
+                        "recorded as published but not mounted; repairing");
+                    rec.state = VolumeState::NodeReady;
+                }
+            }
+        }
+        self.drive(rec, VolumeState::Published).await
+    }
+
+    /// After the last user left: unpublish under last-use, keep otherwise
+    /// (but never leave an interrupted step behind).
+    pub(crate) async fn settle_unused(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
+        if !rec.users.is_empty() {
+            return Ok(());
+        }
+        match self.config.policy {
+            UnpublishPolicy::LastUse => self.drive(rec, VolumeState::Created).await,
+            UnpublishPolicy::Keep => match rec.state.pending_step() {
+                Some(step) if step.is_forward() => self.drive(rec, step.from()).await,
+                Some(step) => self.drive(rec, step.to()).await,
+                None => Ok(()),
+            },
+        }
+    }
+
+    /// Mount points of this provider's targets per the mount table (`None`
+    /// if it cannot be read: then nothing is "repaired" on a guess).
+    pub(crate) fn mounted_targets(&self) -> Option<HashSet<PathBuf>> {
+        match self.table.mounts_under(&self.layout.mounts_dir()) {
+            Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the mount table");
+                None
+            }
+        }
+    }
+}

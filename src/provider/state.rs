@@ -1,0 +1,432 @@
+//! The per-volume state machine and its checkpoint record.
+//!
+//! Steady states: `CREATED`, `NODE_READY`, `VOL_READY`, `PUBLISHED`.
+//! Transient states (an intent, durable before its RPC is sent):
+//! `CONTROLLER_PUBLISH`, `NODE_STAGE`, `NODE_PUBLISH` (forward) and
+//! `NODE_UNPUBLISH`, `NODE_UNSTAGE`, `CONTROLLER_UNPUBLISH` (backward).
+//!
+//! ```text
+//! CREATED ─ControllerPublish→ NODE_READY ─NodeStage→ VOL_READY ─NodePublish→ PUBLISHED
+//!         ←ControllerUnpublish─          ←NodeUnstage─         ←NodeUnpublish─
+//! ```
+//! A step whose capability the plugin lacks is skipped (the state moves on
+//! without an RPC).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::csi::proto;
+
+/// The version of the `volume.state` format written by this build.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Where a volume is in its lifecycle (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum VolumeState {
+    /// Created (or declared, for a pre-provisioned volume); nothing on this node.
+    Created,
+    /// ControllerPublishVolume is being (or was about to be) sent.
+    ControllerPublish,
+    /// Attached to this node by the controller (or no controller step needed).
+    NodeReady,
+    /// NodeStageVolume is being sent.
+    NodeStage,
+    /// Staged at the staging path.
+    VolReady,
+    /// NodePublishVolume is being sent.
+    NodePublish,
+    /// Mounted at the volume's target path: usable by containers.
+    Published,
+    /// NodeUnpublishVolume is being sent.
+    NodeUnpublish,
+    /// NodeUnstageVolume is being sent.
+    NodeUnstage,
+    /// ControllerUnpublishVolume is being sent.
+    ControllerUnpublish,
+}
+
+/// One step of the machine: an RPC moving between two steady states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// `CREATED → NODE_READY`.
+    ControllerPublish,
+    /// `NODE_READY → VOL_READY`.
+    NodeStage,
+    /// `VOL_READY → PUBLISHED`.
+    NodePublish,
+    /// `PUBLISHED → VOL_READY`.
+    NodeUnpublish,
+    /// `VOL_READY → NODE_READY`.
+    NodeUnstage,
+    /// `NODE_READY → CREATED`.
+    ControllerUnpublish,
+}
+
+impl Step {
+    /// The transient state recorded before the step's RPC.
+    pub fn transient(self) -> VolumeState {
+        match self {
+            Step::ControllerPublish => VolumeState::ControllerPublish,
+            Step::NodeStage => VolumeState::NodeStage,
+            Step::NodePublish => VolumeState::NodePublish,
+            Step::NodeUnpublish => VolumeState::NodeUnpublish,
+            Step::NodeUnstage => VolumeState::NodeUnstage,
+            Step::ControllerUnpublish => VolumeState::ControllerUnpublish,
+        }
+    }
+
+    /// The steady state the step starts from.
+    pub fn from(self) -> VolumeState {
+        match self {
+            Step::ControllerPublish => VolumeState::Created,
+            Step::NodeStage => VolumeState::NodeReady,
+            Step::NodePublish | Step::NodeUnstage => VolumeState::VolReady,
+            Step::NodeUnpublish => VolumeState::Published,
+            Step::ControllerUnpublish => VolumeState::NodeReady,
+        }
+    }
+
+    /// The steady state recorded after the step's RPC succeeded.
+    pub fn to(self) -> VolumeState {
+        match self {
+            Step::ControllerPublish => VolumeState::NodeReady,
+            Step::NodeStage => VolumeState::VolReady,
+            Step::NodePublish => VolumeState::Published,
+            Step::NodeUnpublish => VolumeState::VolReady,
+            Step::NodeUnstage => VolumeState::NodeReady,
+            Step::ControllerUnpublish => VolumeState::Created,
+        }
+    }
+
+    /// The CSI RPC the step sends.
+    pub fn rpc(self) -> &'static str {
+        match self {
+            Step::ControllerPublish => "ControllerPublishVolume",
+            Step::NodeStage => "NodeStageVolume",
+            Step::NodePublish => "NodePublishVolume",
+            Step::NodeUnpublish => "NodeUnpublishVolume",
+            Step::NodeUnstage => "NodeUnstageVolume",
+            Step::ControllerUnpublish => "ControllerUnpublishVolume",
+        }
+    }
+
+    /// The step that undoes this one.
+    pub fn reverse(self) -> Step {
+        match self {
+            Step::ControllerPublish => Step::ControllerUnpublish,
+            Step::NodeStage => Step::NodeUnstage,
+            Step::NodePublish => Step::NodeUnpublish,
+            Step::NodeUnpublish => Step::NodePublish,
+            Step::NodeUnstage => Step::NodeStage,
+            Step::ControllerUnpublish => Step::ControllerPublish,
+        }
+    }
+
+    /// Whether the step moves towards `PUBLISHED`.
+    pub fn is_forward(self) -> bool {
+        matches!(
+            self,
+            Step::ControllerPublish | Step::NodeStage | Step::NodePublish
+        )
+    }
+}
+
+impl VolumeState {
+    /// Whether this is a steady state (no RPC in flight).
+    pub fn is_steady(self) -> bool {
+        matches!(
+            self,
+            VolumeState::Created
+                | VolumeState::NodeReady
+                | VolumeState::VolReady
+                | VolumeState::Published
+        )
+    }
+
+    /// The step whose intent this transient state records.
+    pub fn pending_step(self) -> Option<Step> {
+        Some(match self {
+            VolumeState::ControllerPublish => Step::ControllerPublish,
+            VolumeState::NodeStage => Step::NodeStage,
+            VolumeState::NodePublish => Step::NodePublish,
+            VolumeState::NodeUnpublish => Step::NodeUnpublish,
+            VolumeState::NodeUnstage => Step::NodeUnstage,
+            VolumeState::ControllerUnpublish => Step::ControllerUnpublish,
+            _ => return None,
+        })
+    }
+
+    /// Rank of a steady state along the forward path (CREATED = 0 ...
+    /// PUBLISHED = 3); transient states have none.
+    pub fn rank(self) -> Option<u8> {
+        Some(match self {
+            VolumeState::Created => 0,
+            VolumeState::NodeReady => 1,
+            VolumeState::VolReady => 2,
+            VolumeState::Published => 3,
+            _ => return None,
+        })
+    }
+
+    /// Whether the state involves this node's mounts (staging or target),
+    /// which a reboot wipes out.
+    pub fn is_node_side(self) -> bool {
+        matches!(
+            self,
+            VolumeState::NodeStage
+                | VolumeState::VolReady
+                | VolumeState::NodePublish
+                | VolumeState::Published
+                | VolumeState::NodeUnpublish
+                | VolumeState::NodeUnstage
+        )
+    }
+
+    /// The next step from this steady state towards `goal` (a steady state),
+    /// or `None` when there.
+    pub fn next_step_towards(self, goal: VolumeState) -> Option<Step> {
+        let (here, there) = (self.rank()?, goal.rank()?);
+        use std::cmp::Ordering::*;
+        match here.cmp(&there) {
+            Equal => None,
+            Less => Some(match self {
+                VolumeState::Created => Step::ControllerPublish,
+                VolumeState::NodeReady => Step::NodeStage,
+                _ => Step::NodePublish,
+            }),
+            Greater => Some(match self {
+                VolumeState::Published => Step::NodeUnpublish,
+                VolumeState::VolReady => Step::NodeUnstage,
+                _ => Step::ControllerUnpublish,
+            }),
+        }
+    }
+
+    /// The CSI-style name, as written in the checkpoint (`NODE_READY`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumeState::Created => "CREATED",
+            VolumeState::ControllerPublish => "CONTROLLER_PUBLISH",
+            VolumeState::NodeReady => "NODE_READY",
+            VolumeState::NodeStage => "NODE_STAGE",
+            VolumeState::VolReady => "VOL_READY",
+            VolumeState::NodePublish => "NODE_PUBLISH",
+            VolumeState::Published => "PUBLISHED",
+            VolumeState::NodeUnpublish => "NODE_UNPUBLISH",
+            VolumeState::NodeUnstage => "NODE_UNSTAGE",
+            VolumeState::ControllerUnpublish => "CONTROLLER_UNPUBLISH",
+        }
+    }
+}
+
+impl fmt::Display for VolumeState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.pad(self.as_str())
+    }
+}
+
+/// The volume capability a volume is published with, in checkpoint form.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Capability {
+    /// CSI access mode name, e.g. `SINGLE_NODE_WRITER`.
+    pub access_mode: String,
+    /// Filesystem type for the mount access type (empty: plugin's default).
+    #[serde(default)]
+    pub fs_type: String,
+    /// Mount flags for the mount access type.
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+}
+
+impl Default for Capability {
+    fn default() -> Self {
+        Capability {
+            access_mode: "SINGLE_NODE_WRITER".into(),
+            fs_type: String::new(),
+            mount_flags: Vec::new(),
+        }
+    }
+}
+
+impl Capability {
+    /// The CSI access mode, if the name is one the spec defines.
+    pub fn mode(&self) -> Option<proto::volume_capability::access_mode::Mode> {
+        proto::volume_capability::access_mode::Mode::from_str_name(&self.access_mode)
+            .filter(|m| *m != proto::volume_capability::access_mode::Mode::Unknown)
+    }
+
+    /// Whether the access mode only allows reading.
+    pub fn is_reader_only(&self) -> bool {
+        use proto::volume_capability::access_mode::Mode;
+        matches!(
+            self.mode(),
+            Some(Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
+        )
+    }
+
+    /// The capability as the CSI message (mount access type).
+    pub fn to_proto(&self) -> proto::VolumeCapability {
+        use proto::volume_capability::{AccessMode, AccessType, MountVolume};
+        proto::VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: self.mode().map(|m| m as i32).unwrap_or_default(),
+            }),
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: self.fs_type.clone(),
+                mount_flags: self.mount_flags.clone(),
+                ..Default::default()
+            })),
+        }
+    }
+}
+
+/// What a volume's `volume.state` checkpoint holds.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Format version ([`FORMAT_VERSION`]).
+    pub format: u32,
+    /// The plugin's volume id.
+    pub volume_id: String,
+    /// The CreateVolume name, for volumes this provider created.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Where the volume is in its lifecycle.
+    pub state: VolumeState,
+    /// The capability it is published with.
+    pub capability: Capability,
+    /// Capacity reported by CreateVolume (0: unknown).
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// CreateVolume parameters.
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    /// `volume_context` from CreateVolume, passed to every later call.
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+    /// `publish_context` from ControllerPublishVolume, passed to the node calls.
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    /// The node id the volume was controller-published to.
+    #[serde(default)]
+    pub node_id: Option<String>,
+    /// The boot id at the last node-side transition (a changed boot id means
+    /// the node-side mounts are gone).
+    #[serde(default)]
+    pub boot_id: Option<String>,
+    /// Whether NodePublish was sent with `readonly` (reader-only access modes).
+    #[serde(default)]
+    pub readonly: bool,
+    /// Containers using the volume; it is never unpublished while non-empty.
+    #[serde(default)]
+    pub users: BTreeSet<String>,
+    /// A volume that existed in the plugin before and was declared by id:
+    /// published and unpublished, never created or deleted by us.
+    #[serde(default)]
+    pub pre_provisioned: bool,
+    /// A destroy was asked for: unpublish fully, then DeleteVolume.
+    #[serde(default)]
+    pub destroying: bool,
+    /// Disk profile of the volume, echoed into its resource.
+    #[serde(default)]
+    pub profile: Option<String>,
+    /// Vendor (the plugin's name), echoed into its resource.
+    #[serde(default)]
+    pub vendor: Option<String>,
+}
+
+impl VolumeRecord {
+    /// A new record in `CREATED`.
+    pub fn new(volume_id: impl Into<String>, capability: Capability) -> Self {
+        VolumeRecord {
+            format: FORMAT_VERSION,
+            volume_id: volume_id.into(),
+            name: None,
+            state: VolumeState::Created,
+            capability,
+            capacity_bytes: 0,
+            parameters: BTreeMap::new(),
+            volume_context: BTreeMap::new(),
+            publish_context: BTreeMap::new(),
+            node_id: None,
+            boot_id: None,
+            readonly: false,
+            users: BTreeSet::new(),
+            pre_provisioned: false,
+            destroying: false,
+            profile: None,
+            vendor: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use VolumeState::*;
+
+    #[test]
+    fn steps_chain_forward_and_backward() {
+        let mut s = Created;
+        let mut seen = vec![];
+        while let Some(step) = s.next_step_towards(Published) {
+            assert!(step.is_forward());
+            assert_eq!(step.from(), s);
+            seen.push(step.transient());
+            s = step.to();
+        }
+        assert_eq!(seen, vec![ControllerPublish, NodeStage, NodePublish]);
+        seen.clear();
+        while let Some(step) = s.next_step_towards(Created) {
+            assert!(!step.is_forward());
+            assert_eq!(step.from(), s);
+            seen.push(step.transient());
+            s = step.to();
+        }
+        assert_eq!(seen, vec![NodeUnpublish, NodeUnstage, ControllerUnpublish]);
+        assert_eq!(s, Created);
+    }
+
+    #[test]
+    fn transient_states_name_their_step() {
+        for st in [
+            ControllerPublish,
+            NodeStage,
+            NodePublish,
+            NodeUnpublish,
+            NodeUnstage,
+            ControllerUnpublish,
+        ] {
+            assert!(!st.is_steady());
+            assert_eq!(st.pending_step().unwrap().transient(), st);
+            assert!(st.next_step_towards(Published).is_none());
+        }
+        for st in [Created, NodeReady, VolReady, Published] {
+            assert!(st.is_steady());
+            assert!(st.pending_step().is_none());
+        }
+    }
+
+    #[test]
+    fn record_round_trips_with_screaming_states() {
+        let mut r = VolumeRecord::new("vol-1", Capability::default());
+        r.state = NodeStage;
+        r.users.insert("c1".into());
+        let json = serde_json::to_string(&r).unwrap();
+        assert!(json.contains("\"NODE_STAGE\""), "{json}");
+        let back: VolumeRecord = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn reader_only_modes() {
+        let mut c = Capability::default();
+        assert!(!c.is_reader_only());
+        c.access_mode = "MULTI_NODE_READER_ONLY".into();
+        assert!(c.is_reader_only());
+        c.access_mode = "BOGUS".into();
+        assert!(c.mode().is_none());
+    }
+}

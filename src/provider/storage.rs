@@ -1,0 +1,596 @@
+//! The storage local resource provider: one CSI plugin instance (`type`,
+//! `name`) and the volumes made through it.
+//!
+//! Invariants:
+//! - Every transition is checkpointed: the transient state (the intent) is
+//!   durable before its RPC is sent, the steady state after it returns.
+//! - Operations on one volume run one at a time, in arrival order (a fair
+//!   async mutex per volume, held for the whole operation); different
+//!   volumes run in parallel. No provider-wide lock is held across an RPC.
+//! - A volume with users (containers) is never unpublished.
+//!
+//! The lifecycle steps live in their own files: `create.rs` (create,
+//! declare, destroy), `publish.rs` (publish, release, ensure-all) and
+//! `recover.rs` (load and recovery on start).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::csi::proto;
+use crate::csi::{Client, ClientOptions};
+use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
+use crate::provider::checkpoint;
+use crate::provider::error::ProviderError;
+use crate::provider::paths::Layout;
+use crate::provider::state::{Step, VolumeRecord, VolumeState};
+use crate::provider::supervisor::{PluginCommand, Supervisor};
+use crate::resource::{validate_path_component, Resource};
+
+/// When a volume that nobody uses any more is unpublished.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum UnpublishPolicy {
+    /// Unpublish when the last container using it is cleaned up.
+    #[default]
+    LastUse,
+    /// Stay published until the volume is destroyed (Mesos SLRP).
+    Keep,
+}
+
+impl std::str::FromStr for UnpublishPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "last-use" => Ok(UnpublishPolicy::LastUse),
+            "keep" => Ok(UnpublishPolicy::Keep),
+            _ => Err(format!("unknown unpublish policy '{s}' (expected last-use or keep)")),
+        }
+    }
+}
+
+/// Where the provider's plugin comes from.
+#[derive(Clone, Debug)]
+pub enum PluginSource {
+    /// A plugin already serving this endpoint (`unix:///path`).
+    Endpoint(String),
+    /// A plugin the provider starts and supervises itself.
+    Managed(PluginCommand),
+}
+
+/// Configuration of one storage local resource provider.
+#[derive(Clone, Debug)]
+pub struct ProviderConfig {
+    /// The provider id (`Resource.provider_id.value`) its resources carry.
+    pub provider_id: String,
+    /// The plugin type (e.g. its GetPluginInfo name); a path component.
+    /// Empty with [`PluginSource::Endpoint`]: asked from GetPluginInfo.
+    pub plugin_type: String,
+    /// The plugin instance name; a path component.
+    pub plugin_name: String,
+    /// The agent work dir.
+    pub work_dir: PathBuf,
+    /// Where the plugin comes from.
+    pub plugin: PluginSource,
+    /// The unpublish policy.
+    pub policy: UnpublishPolicy,
+    /// CSI client settings.
+    pub client: ClientOptions,
+    /// How long a managed plugin may take to answer Probe as ready.
+    pub ready_timeout: Duration,
+    /// The boot id to compare checkpoints against (default: the kernel's,
+    /// `/proc/sys/kernel/random/boot_id`); tests simulate a reboot with it.
+    pub boot_id: Option<String>,
+}
+
+impl ProviderConfig {
+    /// A configuration with the defaults: last-use policy, default client
+    /// options, 30 s readiness timeout, provider id `<type>.<name>`.
+    pub fn new(
+        plugin_type: impl Into<String>,
+        plugin_name: impl Into<String>,
+        work_dir: impl Into<PathBuf>,
+        plugin: PluginSource,
+    ) -> Self {
+        let plugin_type = plugin_type.into();
+        let plugin_name = plugin_name.into();
+        ProviderConfig {
+            provider_id: format!("{plugin_type}.{plugin_name}"),
+            plugin_type,
+            plugin_name,
+            work_dir: work_dir.into(),
+            plugin,
+            policy: UnpublishPolicy::LastUse,
+            client: ClientOptions::default(),
+            ready_timeout: Duration::from_secs(30),
+            boot_id: None,
+        }
+    }
+}
+
+/// What recovery found and did, for `status` and the logs.
+#[derive(Clone, Debug, Default)]
+pub struct RecoveryReport {
+    /// Volumes loaded from their checkpoints.
+    pub loaded: usize,
+    /// State files that could not be read, set aside (path, aside, reason).
+    pub corrupt: Vec<(PathBuf, PathBuf, String)>,
+    /// One line per action taken.
+    pub actions: Vec<String>,
+    /// Volumes recovery could not bring to their goal (id, error).
+    pub failures: Vec<(String, String)>,
+}
+
+/// A volume's slot: its record, behind a fair (FIFO) async mutex that
+/// serializes operations on it.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub(crate) record: tokio::sync::Mutex<VolumeRecord>,
+}
+
+/// The storage local resource provider (see the module doc).
+#[derive(Debug)]
+pub struct StorageProvider {
+    pub(crate) config: ProviderConfig,
+    pub(crate) plugin: String,
+    pub(crate) layout: Layout,
+    pub(crate) client: Client,
+    pub(crate) supervisor: Option<Supervisor>,
+    pub(crate) boot_id: String,
+    pub(crate) node_id: tokio::sync::OnceCell<String>,
+    pub(crate) vendor: String,
+    pub(crate) slots: Mutex<BTreeMap<String, Arc<Slot>>>,
+    pub(crate) name_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    pub(crate) sys: Arc<dyn Syscall>,
+    pub(crate) table: Arc<dyn MountTable>,
+    pub(crate) report: Mutex<RecoveryReport>,
+}
+
+impl StorageProvider {
+    /// Starts the provider: validates its names, starts (or connects to)
+    /// the plugin, loads every checkpoint and runs recovery.
+    pub async fn start(config: ProviderConfig) -> Result<Arc<Self>, ProviderError> {
+        Self::start_with(
+            config,
+            Arc::new(LinuxSyscall::new()),
+            Arc::new(ProcMountTable::new()),
+        )
+        .await
+    }
+
+    /// [`start`](Self::start) with the mount seam injected.
+    pub async fn start_with(
+        mut config: ProviderConfig,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Result<Arc<Self>, ProviderError> {
+        // A plugin reached by endpoint may leave its type to be asked.
+        let early_client = match (&config.plugin, config.plugin_type.is_empty()) {
+            (PluginSource::Endpoint(endpoint), true) => {
+                let plugin = format!("{endpoint} ({})", config.plugin_name);
+                let client = Client::connect(endpoint, config.client.clone())
+                    .await
+                    .map_err(|source| ProviderError::Plugin {
+                        plugin: plugin.clone(),
+                        source,
+                    })?;
+                let info = client
+                    .get_plugin_info(proto::GetPluginInfoRequest {})
+                    .await
+                    .map_err(|source| ProviderError::Plugin { plugin, source })?;
+                if config.provider_id.is_empty() || config.provider_id.starts_with('.') {
+                    config.provider_id = format!("{}.{}", info.name, config.plugin_name);
+                }
+                config.plugin_type = info.name;
+                Some(client)
+            }
+            _ => None,
+        };
+        for (field, value) in [
+            ("plugin type", &config.plugin_type),
+            ("plugin name", &config.plugin_name),
+        ] {
+            validate_path_component(field, value).map_err(|e| ProviderError::InvalidName {
+                field,
+                value: value.clone(),
+                reason: e.to_string(),
+            })?;
+        }
+        let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
+        let layout = Layout::new(&config.work_dir, &config.plugin_type, &config.plugin_name);
+        for dir in [layout.volumes_dir(), layout.mounts_dir()] {
+            std::fs::create_dir_all(&dir).map_err(|source| ProviderError::Io {
+                step: "create provider directory",
+                path: dir.clone(),
+                source,
+            })?;
+        }
+        let (client, supervisor) = match (&config.plugin, early_client) {
+            (_, Some(client)) => (client, None),
+            (PluginSource::Endpoint(endpoint), None) => {
+                (connect(endpoint, &config, &plugin).await?, None)
+            }
+            (PluginSource::Managed(cmd), None) => {
+                let sup = Supervisor::start(
+                    plugin.clone(),
+                    cmd.clone(),
+                    layout.plugin_socket(),
+                    config.ready_timeout,
+                )
+                .await?;
+                (connect(&sup.endpoint(), &config, &plugin).await?, Some(sup))
+            }
+        };
+        let vendor = client
+            .get_plugin_info(proto::GetPluginInfoRequest {})
+            .await
+            .map(|r| r.name)
+            .map_err(|source| ProviderError::Plugin {
+                plugin: plugin.clone(),
+                source,
+            })?;
+        let provider = Arc::new(StorageProvider {
+            plugin,
+            layout,
+            client,
+            supervisor,
+            boot_id: config.boot_id.clone().unwrap_or_else(current_boot_id),
+            node_id: tokio::sync::OnceCell::new(),
+            vendor,
+            slots: Mutex::new(BTreeMap::new()),
+            name_locks: Mutex::new(HashMap::new()),
+            sys,
+            table,
+            report: Mutex::new(RecoveryReport::default()),
+            config,
+        });
+        provider.recover().await?;
+        Ok(provider)
+    }
+
+    /// The provider id its resources carry.
+    pub fn id(&self) -> &str {
+        &self.config.provider_id
+    }
+
+    /// `<type>/<name>` of its plugin.
+    pub fn plugin(&self) -> &str {
+        &self.plugin
+    }
+
+    /// Its on-disk layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Its CSI client (capabilities, metrics).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &ProviderConfig {
+        &self.config
+    }
+
+    /// How many times its managed plugin terminated unexpectedly.
+    pub fn plugin_terminations(&self) -> u64 {
+        self.supervisor.as_ref().map_or(0, |s| s.terminations())
+    }
+
+    /// The managed plugin's pid, if any.
+    pub fn plugin_pid(&self) -> Option<u32> {
+        self.supervisor.as_ref().and_then(|s| s.pid())
+    }
+
+    /// What recovery found and did.
+    pub fn recovery_report(&self) -> RecoveryReport {
+        self.report.lock().unwrap().clone()
+    }
+
+    /// A snapshot of every volume's record (waits for operations in flight).
+    pub async fn volumes(&self) -> Vec<VolumeRecord> {
+        let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
+        let mut out = Vec::with_capacity(slots.len());
+        for s in slots {
+            out.push(s.record.lock().await.clone());
+        }
+        out
+    }
+
+    /// The record of one volume, if known.
+    pub async fn volume(&self, volume_id: &str) -> Option<VolumeRecord> {
+        let slot = self.slots.lock().unwrap().get(volume_id).cloned()?;
+        let rec = slot.record.lock().await.clone();
+        Some(rec)
+    }
+
+    /// The host mount point of a volume (where NodePublishVolume mounts it).
+    pub fn mount_point(&self, volume_id: &str) -> PathBuf {
+        self.layout.target_path(volume_id)
+    }
+
+    /// The resource that hands a volume out: `disk.source.id` = the volume
+    /// id, `disk.source.mount.root` = `./csi/<type>/<name>/mounts`,
+    /// metadata = its volume_context, with profile and vendor.
+    pub fn resource_for(&self, rec: &VolumeRecord) -> Resource {
+        Resource::csi_volume(
+            &self.config.provider_id,
+            &rec.volume_id,
+            &self.layout.relative_mount_root(),
+            rec.capacity_bytes.div_ceil(1024 * 1024),
+            rec.profile.as_deref(),
+            rec.vendor.as_deref(),
+            rec.volume_context.clone(),
+        )
+    }
+
+    /// Stops a managed plugin (SIGTERM, then SIGKILL after `grace`).
+    pub async fn shutdown(&self, grace: Duration) {
+        if let Some(s) = &self.supervisor {
+            s.stop(grace).await;
+        }
+    }
+
+    pub(crate) fn slot(&self, volume_id: &str) -> Result<Arc<Slot>, ProviderError> {
+        self.slots
+            .lock()
+            .unwrap()
+            .get(volume_id)
+            .cloned()
+            .ok_or_else(|| ProviderError::UnknownVolume {
+                volume: volume_id.to_string(),
+                provider: self.config.provider_id.clone(),
+            })
+    }
+
+    pub(crate) fn insert_slot(&self, rec: VolumeRecord) -> Arc<Slot> {
+        let id = rec.volume_id.clone();
+        let slot = Arc::new(Slot {
+            record: tokio::sync::Mutex::new(rec),
+        });
+        self.slots.lock().unwrap().insert(id, slot.clone());
+        slot
+    }
+
+    /// Writes a volume's checkpoint.
+    pub(crate) fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+        let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
+        checkpoint::write_atomic(&self.layout.state_file(&rec.volume_id), &bytes).map_err(
+            |source| ProviderError::Checkpoint {
+                volume: rec.volume_id.clone(),
+                source,
+            },
+        )
+    }
+
+    /// The node id from NodeGetInfo, asked once.
+    pub(crate) async fn node_id(&self) -> Result<String, ProviderError> {
+        self.node_id
+            .get_or_try_init(|| async {
+                self.client
+                    .node_get_info(proto::NodeGetInfoRequest {})
+                    .await
+                    .map(|r| r.node_id)
+                    .map_err(|source| ProviderError::Plugin {
+                        plugin: self.plugin.clone(),
+                        source,
+                    })
+            })
+            .await
+            .cloned()
+    }
+
+    /// Whether the plugin needs the RPC of `step` (else the step is skipped).
+    pub(crate) fn supports(&self, step: Step) -> bool {
+        let caps = self.client.capabilities();
+        match step {
+            Step::ControllerPublish | Step::ControllerUnpublish => {
+                caps.plugin.controller_service() && caps.controller.publish_unpublish_volume()
+            }
+            Step::NodeStage | Step::NodeUnstage => caps.node.stage_unstage_volume(),
+            Step::NodePublish | Step::NodeUnpublish => true,
+        }
+    }
+
+    /// Drives a volume to the steady state `goal`, one checkpointed step at
+    /// a time. An interrupted step is dealt with first: a backward step is
+    /// finished; a forward step is re-issued when the goal lies beyond it
+    /// and undone otherwise (CSI calls are idempotent, so both are safe
+    /// whether or not the plugin had done it).
+    pub(crate) async fn drive(
+        &self,
+        rec: &mut VolumeRecord,
+        goal: VolumeState,
+    ) -> Result<(), ProviderError> {
+        loop {
+            let step = if let Some(pending) = rec.state.pending_step() {
+                if pending.is_forward() && goal.rank() < pending.to().rank() {
+                    pending.reverse()
+                } else {
+                    pending
+                }
+            } else {
+                match rec.state.next_step_towards(goal) {
+                    None => return Ok(()),
+                    Some(step) => step,
+                }
+            };
+            if !self.supports(step) {
+                rec.state = step.to();
+                continue;
+            }
+            self.run_step(rec, step).await?;
+        }
+    }
+
+    async fn run_step(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
+        rec.state = step.transient();
+        if matches!(step, Step::NodeStage | Step::NodePublish) {
+            rec.boot_id = Some(self.boot_id.clone());
+        }
+        self.persist(rec)?;
+        tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
+        self.call(rec, step).await?;
+        rec.state = step.to();
+        if rec.state == VolumeState::Created {
+            rec.publish_context.clear();
+            rec.node_id = None;
+            rec.boot_id = None;
+        }
+        self.persist(rec)?;
+        tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
+        Ok(())
+    }
+
+    async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
+        let id = rec.volume_id.clone();
+        let csi = |source| ProviderError::Csi {
+            volume: id.clone(),
+            source,
+        };
+        let volume_context: HashMap<String, String> = rec.volume_context.clone().into_iter().collect();
+        let publish_context: HashMap<String, String> = rec.publish_context.clone().into_iter().collect();
+        let staging = self.layout.staging_path(&rec.volume_id);
+        let target = self.layout.target_path(&rec.volume_id);
+        let stage = self.supports(Step::NodeStage);
+        match step {
+            Step::ControllerPublish => {
+                let node_id = self.node_id().await?;
+                let resp = self
+                    .client
+                    .controller_publish_volume(proto::ControllerPublishVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        node_id: node_id.clone(),
+                        volume_capability: Some(rec.capability.to_proto()),
+                        readonly: rec.readonly,
+                        volume_context,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(csi)?;
+                rec.publish_context = resp.publish_context.into_iter().collect();
+                rec.node_id = Some(node_id);
+            }
+            Step::NodeStage => {
+                mkdir(&staging, "create staging directory")?;
+                self.client
+                    .node_stage_volume(proto::NodeStageVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        publish_context,
+                        staging_target_path: staging.to_string_lossy().into_owned(),
+                        volume_capability: Some(rec.capability.to_proto()),
+                        volume_context,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(csi)?;
+            }
+            Step::NodePublish => {
+                // The CO creates only the parent; the plugin creates the target.
+                mkdir(&self.layout.mount_dir(&rec.volume_id), "create mount directory")?;
+                self.client
+                    .node_publish_volume(proto::NodePublishVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        publish_context,
+                        staging_target_path: if stage {
+                            staging.to_string_lossy().into_owned()
+                        } else {
+                            String::new()
+                        },
+                        target_path: target.to_string_lossy().into_owned(),
+                        volume_capability: Some(rec.capability.to_proto()),
+                        readonly: rec.readonly,
+                        volume_context,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(csi)?;
+            }
+            Step::NodeUnpublish => {
+                self.client
+                    .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        target_path: target.to_string_lossy().into_owned(),
+                    })
+                    .await
+                    .map_err(csi)?;
+            }
+            Step::NodeUnstage => {
+                self.client
+                    .node_unstage_volume(proto::NodeUnstageVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        staging_target_path: staging.to_string_lossy().into_owned(),
+                    })
+                    .await
+                    .map_err(csi)?;
+                remove_dir_if_unmounted(&*self.table, &staging);
+            }
+            Step::ControllerUnpublish => {
+                let node_id = match &rec.node_id {
+                    Some(n) => n.clone(),
+                    None => self.node_id().await?,
+                };
+                self.client
+                    .controller_unpublish_volume(proto::ControllerUnpublishVolumeRequest {
+                        volume_id: rec.volume_id.clone(),
+                        node_id,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(csi)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn name_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.name_locks
+            .lock()
+            .unwrap()
+            .entry(name.to_string())
+            .or_default()
+            .clone()
+    }
+}
+
+async fn connect(
+    endpoint: &str,
+    config: &ProviderConfig,
+    plugin: &str,
+) -> Result<Client, ProviderError> {
+    Client::connect(endpoint, config.client.clone())
+        .await
+        .map_err(|source| ProviderError::Plugin {
+            plugin: plugin.to_string(),
+            source,
+        })
+}
+
+pub(crate) fn mkdir(path: &std::path::Path, step: &'static str) -> Result<(), ProviderError> {
+    std::fs::create_dir_all(path).map_err(|source| ProviderError::Io {
+        step,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Removes an empty directory we created, unless something is mounted on it
+/// (never delete through a mount: that would be the volume's data).
+pub(crate) fn remove_dir_if_unmounted(table: &dyn MountTable, dir: &std::path::Path) {
+    match table.mounts_under(dir) {
+        Ok(m) if m.is_empty() => {
+            let _ = std::fs::remove_dir(dir);
+        }
+        Ok(_) => tracing::warn!(path = %dir.display(), "still mounted; directory kept"),
+        Err(e) => tracing::warn!(path = %dir.display(), error = %e, "cannot read mount table; directory kept"),
+    }
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`); a changed id means
+/// the node rebooted and every node-side mount is gone.
+pub fn current_boot_id() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}

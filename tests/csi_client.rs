@@ -1,0 +1,852 @@
+//! `csi::Client` against the real `csi-test-plugin` binary over a real Unix
+//! socket: every RPC of a volume's lifecycle, capability discovery, retries
+//! (UNAVAILABLE retried, DEADLINE_EXCEEDED exhausting the budget, final codes
+//! not retried), waiting for a late socket, surviving a plugin restart, and
+//! the call metrics.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use csi_isolator::csi::proto::{self, volume_capability};
+use csi_isolator::csi::{
+    Client, ClientOptions, ControllerRpc, NodeRpc, PluginService, RetryPolicy, RpcStats,
+};
+use tonic::Code;
+
+mod support {
+    //! Spawning the plugin in a sandbox; everything it mounted and the
+    //! process itself are gone when the guard drops.
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    pub fn require_root() {
+        assert!(
+            nix::unistd::geteuid().is_root(),
+            "this test mounts volumes and must run as root (it does not skip silently)"
+        );
+    }
+
+    /// A temp dir for one test; unmounts everything beneath it on drop.
+    pub struct Sandbox {
+        pub dir: tempfile::TempDir,
+    }
+
+    impl Sandbox {
+        pub fn new() -> Self {
+            Self {
+                dir: tempfile::Builder::new()
+                    .prefix("csi-client-")
+                    .tempdir()
+                    .unwrap(),
+            }
+        }
+
+        pub fn path(&self) -> &Path {
+            self.dir.path()
+        }
+
+        pub fn socket(&self) -> PathBuf {
+            self.path().join("csi.sock")
+        }
+
+        pub fn endpoint(&self) -> String {
+            format!("unix://{}", self.socket().display())
+        }
+
+        pub fn calls_log(&self) -> PathBuf {
+            self.path().join("calls.log")
+        }
+
+        /// The RPCs the plugin saw, in order, as "<RPC> <volume id or ->".
+        pub fn calls(&self) -> Vec<String> {
+            std::fs::read_to_string(self.calls_log())
+                .unwrap_or_default()
+                .lines()
+                .map(str::to_string)
+                .collect()
+        }
+
+        fn mounts_beneath(&self) -> Vec<PathBuf> {
+            let root =
+                std::fs::canonicalize(self.path()).unwrap_or_else(|_| self.path().to_path_buf());
+            let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+            info.lines()
+                .filter_map(|l| l.split(' ').nth(4))
+                .map(|p| PathBuf::from(p.replace("\\040", " ")))
+                .filter(|p| p.starts_with(&root))
+                .collect()
+        }
+    }
+
+    impl Drop for Sandbox {
+        fn drop(&mut self) {
+            let mut mounts = self.mounts_beneath();
+            mounts.reverse();
+            for m in &mounts {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
+
+    /// A running `csi-test-plugin`, killed (SIGKILL) and reaped on drop.
+    pub struct PluginProcess {
+        child: Option<Child>,
+    }
+
+    impl PluginProcess {
+        /// Starts the plugin on the sandbox socket with call logging and
+        /// `args`; does not wait for the socket.
+        pub fn spawn(sandbox: &Sandbox, args: &[&str]) -> Self {
+            let child = Command::new(env!("CARGO_BIN_EXE_csi-test-plugin"))
+                .arg("--endpoint")
+                .arg(sandbox.endpoint())
+                .arg("--work-dir")
+                .arg(sandbox.path().join("plugin"))
+                .arg("--log-calls")
+                .arg(sandbox.calls_log())
+                .arg("--node-id")
+                .arg("node-1")
+                .args(args)
+                .stdin(Stdio::null())
+                .spawn()
+                .expect("spawn csi-test-plugin");
+            Self { child: Some(child) }
+        }
+
+        /// Starts the plugin and waits until its socket accepts connections.
+        pub fn start(sandbox: &Sandbox, args: &[&str]) -> Self {
+            let plugin = Self::spawn(sandbox, args);
+            let started = Instant::now();
+            while std::os::unix::net::UnixStream::connect(sandbox.socket()).is_err() {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "plugin socket never came up"
+                );
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            plugin
+        }
+
+        /// SIGKILLs the plugin and reaps it.
+        pub fn kill(&mut self) {
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+
+    impl Drop for PluginProcess {
+        fn drop(&mut self) {
+            self.kill();
+        }
+    }
+}
+
+use support::{require_root, PluginProcess, Sandbox};
+
+fn fast_retries() -> ClientOptions {
+    ClientOptions {
+        deadline: Duration::from_secs(10),
+        connect_timeout: Duration::from_secs(10),
+        retry: RetryPolicy {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(200),
+            max_total: Duration::from_secs(20),
+            multiplier: 2.0,
+        },
+    }
+}
+
+fn mount_capability() -> proto::VolumeCapability {
+    proto::VolumeCapability {
+        access_type: Some(volume_capability::AccessType::Mount(
+            volume_capability::MountVolume::default(),
+        )),
+        access_mode: Some(volume_capability::AccessMode {
+            mode: volume_capability::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+    }
+}
+
+fn stats(client: &Client) -> BTreeMap<&'static str, RpcStats> {
+    client.metrics().snapshot()
+}
+
+/// (finished, failed, cancelled, retries, pending) of one RPC.
+fn outcome(client: &Client, rpc: &str) -> (u64, u64, u64, u64, u64) {
+    let s = &stats(client)[rpc];
+    (s.finished, s.failed, s.cancelled, s.retries, s.pending)
+}
+
+fn is_mountpoint(path: &Path) -> bool {
+    let path = std::fs::canonicalize(path).unwrap();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|p| Path::new(p) == path)
+}
+
+/// Paths the CO owns for one volume: the staging dir (created by the CO) and
+/// the publish target (its parent created by the CO, itself by the plugin).
+struct VolumePaths {
+    staging: PathBuf,
+    target: PathBuf,
+}
+
+impl VolumePaths {
+    fn new(sandbox: &Sandbox, name: &str) -> Self {
+        let base = sandbox.path().join("mounts").join(name);
+        let staging = base.join("staging");
+        std::fs::create_dir_all(&staging).unwrap();
+        Self {
+            staging,
+            target: base.join("target"),
+        }
+    }
+}
+
+async fn create(client: &Client, name: &str) -> proto::Volume {
+    client
+        .create_volume(proto::CreateVolumeRequest {
+            name: name.to_string(),
+            capacity_range: Some(proto::CapacityRange {
+                required_bytes: 1 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_capability()],
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .volume
+        .expect("CreateVolume returns a volume")
+}
+
+async fn stage(
+    client: &Client,
+    volume: &proto::Volume,
+    paths: &VolumePaths,
+    publish_context: BTreeMap<String, String>,
+) {
+    client
+        .node_stage_volume(proto::NodeStageVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            publish_context: publish_context.into_iter().collect(),
+            staging_target_path: paths.staging.display().to_string(),
+            volume_capability: Some(mount_capability()),
+            volume_context: volume.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("NodeStageVolume");
+}
+
+fn publish_request(
+    volume: &proto::Volume,
+    paths: &VolumePaths,
+    staged: bool,
+) -> proto::NodePublishVolumeRequest {
+    proto::NodePublishVolumeRequest {
+        volume_id: volume.volume_id.clone(),
+        staging_target_path: if staged {
+            paths.staging.display().to_string()
+        } else {
+            String::new()
+        },
+        target_path: paths.target.display().to_string(),
+        volume_capability: Some(mount_capability()),
+        volume_context: volume.volume_context.clone(),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn full_lifecycle_exercises_every_rpc() {
+    require_root();
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(
+        &sandbox,
+        &["--name", "lifecycle.csi.test", "--capacity", "1G"],
+    );
+    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        .await
+        .unwrap();
+
+    // Identity.
+    let info = client
+        .get_plugin_info(proto::GetPluginInfoRequest {})
+        .await
+        .unwrap();
+    assert_eq!(info.name, "lifecycle.csi.test");
+    let probe = client.probe(proto::ProbeRequest {}).await.unwrap();
+    assert_ne!(probe.ready, Some(false));
+    let caps = client.capabilities();
+    assert!(caps.plugin.controller_service());
+    assert!(caps.plugin.has(PluginService::ControllerService));
+    assert!(caps.controller.create_delete_volume());
+    assert!(caps.controller.publish_unpublish_volume());
+    assert!(caps.controller.has(ControllerRpc::PublishUnpublishVolume));
+    assert!(caps.node.stage_unstage_volume());
+    assert!(caps.node.contains(NodeRpc::StageUnstageVolume));
+
+    // Capacity before and after creating.
+    let capacity = |c: &Client| {
+        let c = c.clone();
+        async move {
+            c.get_capacity(proto::GetCapacityRequest {
+                volume_capabilities: vec![mount_capability()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .available_capacity
+        }
+    };
+    assert_eq!(capacity(&client).await, 1 << 30);
+
+    let volume = create(&client, "lifecycle").await;
+    assert!(!volume.volume_id.is_empty());
+    assert!(volume.capacity_bytes >= 1 << 20);
+    assert_eq!(capacity(&client).await, (1 << 30) - volume.capacity_bytes);
+
+    let validated = client
+        .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+            volume_id: volume.volume_id.clone(),
+            volume_context: volume.volume_context.clone(),
+            volume_capabilities: vec![mount_capability()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        validated.confirmed.is_some(),
+        "mount capability not confirmed: {}",
+        validated.message
+    );
+
+    let listed = client
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap();
+    let ids: Vec<_> = listed
+        .entries
+        .iter()
+        .filter_map(|e| e.volume.as_ref())
+        .map(|v| v.volume_id.clone())
+        .collect();
+    assert_eq!(ids, vec![volume.volume_id.clone()]);
+
+    // Publish, all the way to a mounted target.
+    let node = client
+        .node_get_info(proto::NodeGetInfoRequest {})
+        .await
+        .unwrap();
+    assert_eq!(node.node_id, "node-1");
+    let published = client
+        .controller_publish_volume(proto::ControllerPublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            node_id: node.node_id.clone(),
+            volume_capability: Some(mount_capability()),
+            volume_context: volume.volume_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let paths = VolumePaths::new(&sandbox, "lifecycle");
+    stage(
+        &client,
+        &volume,
+        &paths,
+        published.publish_context.clone().into_iter().collect(),
+    )
+    .await;
+    assert!(is_mountpoint(&paths.staging), "staging path not mounted");
+    let mut publish = publish_request(&volume, &paths, true);
+    publish.publish_context = published.publish_context.clone();
+    client.node_publish_volume(publish).await.unwrap();
+    assert!(is_mountpoint(&paths.target), "target path not mounted");
+    std::fs::write(paths.target.join("hello"), b"world").unwrap();
+    assert_eq!(
+        std::fs::read(paths.staging.join("hello")).unwrap(),
+        b"world"
+    );
+
+    let volume_stats = client
+        .node_get_volume_stats(proto::NodeGetVolumeStatsRequest {
+            volume_id: volume.volume_id.clone(),
+            volume_path: paths.target.display().to_string(),
+            staging_target_path: paths.staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    assert!(
+        volume_stats
+            .usage
+            .iter()
+            .any(|u| u.unit == proto::volume_usage::Unit::Bytes as i32 && u.total > 0),
+        "no byte usage reported"
+    );
+
+    // And back down.
+    client
+        .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            target_path: paths.target.display().to_string(),
+        })
+        .await
+        .unwrap();
+    assert!(!paths.target.exists() || !is_mountpoint(&paths.target));
+    client
+        .node_unstage_volume(proto::NodeUnstageVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            staging_target_path: paths.staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    assert!(!is_mountpoint(&paths.staging));
+    client
+        .controller_unpublish_volume(proto::ControllerUnpublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            node_id: node.node_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    client
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let listed = client
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap();
+    assert!(
+        listed.entries.is_empty(),
+        "volume still listed after DeleteVolume"
+    );
+    assert_eq!(capacity(&client).await, 1 << 30);
+
+    // The plugin saw the lifecycle in order.
+    let id = &volume.volume_id;
+    let seen: Vec<String> = sandbox
+        .calls()
+        .into_iter()
+        .filter(|l| l.ends_with(&format!(" {id}")))
+        .collect();
+    let want: Vec<String> = [
+        "ValidateVolumeCapabilities",
+        "ControllerPublishVolume",
+        "NodeStageVolume",
+        "NodePublishVolume",
+        "NodeGetVolumeStats",
+        "NodeUnpublishVolume",
+        "NodeUnstageVolume",
+        "ControllerUnpublishVolume",
+        "DeleteVolume",
+    ]
+    .iter()
+    .map(|rpc| format!("{rpc} {id}"))
+    .collect();
+    assert_eq!(seen, want);
+
+    // Metrics: every call counted once, none failed, retried or in flight.
+    let snap = stats(&client);
+    let finished = |rpc: &str| snap[rpc].finished;
+    for (rpc, n) in [
+        ("GetPluginInfo", 1),
+        ("GetPluginCapabilities", 1),
+        ("ControllerGetCapabilities", 1),
+        ("NodeGetCapabilities", 1),
+        ("Probe", 2),
+        ("GetCapacity", 3),
+        ("CreateVolume", 1),
+        ("ValidateVolumeCapabilities", 1),
+        ("ListVolumes", 2),
+        ("NodeGetInfo", 1),
+        ("ControllerPublishVolume", 1),
+        ("NodeStageVolume", 1),
+        ("NodePublishVolume", 1),
+        ("NodeGetVolumeStats", 1),
+        ("NodeUnpublishVolume", 1),
+        ("NodeUnstageVolume", 1),
+        ("ControllerUnpublishVolume", 1),
+        ("DeleteVolume", 1),
+    ] {
+        assert_eq!(finished(rpc), n, "{rpc} finished");
+        assert_eq!(snap[rpc].latency.count, n, "{rpc} latency observations");
+    }
+    for (rpc, s) in &snap {
+        assert_eq!(
+            (s.failed, s.cancelled, s.retries, s.pending),
+            (0, 0, 0, 0),
+            "{rpc}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn capability_switches_are_reflected() {
+    let cases: [(&[&str], bool, bool, bool); 4] = [
+        // flags, controller service, controller publish, node stage
+        (&[], true, true, true),
+        (&["--no-stage"], true, true, false),
+        (&["--no-controller-publish"], true, false, true),
+        (&["--no-controller"], false, false, true),
+    ];
+    for (flags, controller, publish, stage) in cases {
+        let sandbox = Sandbox::new();
+        let _plugin = PluginProcess::start(&sandbox, flags);
+        let client = Client::connect(&sandbox.endpoint(), fast_retries())
+            .await
+            .unwrap();
+        let caps = client.capabilities();
+        assert_eq!(caps.plugin.controller_service(), controller, "{flags:?}");
+        assert_eq!(
+            caps.controller.publish_unpublish_volume(),
+            publish,
+            "{flags:?}"
+        );
+        assert_eq!(caps.node.stage_unstage_volume(), stage, "{flags:?}");
+        assert_eq!(
+            caps.controller.create_delete_volume(),
+            controller,
+            "{flags:?}"
+        );
+        // Without the controller service, ControllerGetCapabilities is never asked.
+        let asked = u64::from(controller);
+        assert_eq!(
+            stats(&client)["ControllerGetCapabilities"].finished,
+            asked,
+            "{flags:?}"
+        );
+        let controller_calls = sandbox
+            .calls()
+            .iter()
+            .filter(|l| l.starts_with("ControllerGetCapabilities"))
+            .count();
+        assert_eq!(controller_calls as u64, asked, "{flags:?}");
+
+        // A dropped capability really is gone, and the error says so.
+        if !stage {
+            let err = client
+                .node_stage_volume(proto::NodeStageVolumeRequest {
+                    volume_id: "vol-x".into(),
+                    staging_target_path: sandbox.path().join("s").display().to_string(),
+                    volume_capability: Some(mount_capability()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Some(Code::Unimplemented), "{err}");
+            assert_eq!(err.attempts(), 1);
+            assert!(
+                err.to_string()
+                    .starts_with("NodeStageVolume of volume 'vol-x' failed: UNIMPLEMENTED"),
+                "{err}"
+            );
+        }
+        if !publish {
+            let err = client
+                .controller_publish_volume(proto::ControllerPublishVolumeRequest {
+                    volume_id: "vol-y".into(),
+                    node_id: "node-1".into(),
+                    volume_capability: Some(mount_capability()),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), Some(Code::Unimplemented), "{err}");
+        }
+
+        // refresh_capabilities asks again and finds the same.
+        let mut refreshed = client.clone();
+        let again = refreshed.refresh_capabilities().await.unwrap().clone();
+        assert_eq!(&again, client.capabilities());
+        assert_eq!(stats(&client)["GetPluginCapabilities"].finished, 2);
+    }
+}
+
+#[tokio::test]
+async fn unavailable_is_retried_until_it_succeeds() {
+    require_root();
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(
+        &sandbox,
+        &[
+            "--fail",
+            "NodePublishVolume=UNAVAILABLE:2",
+            "--no-controller-publish",
+        ],
+    );
+    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    let volume = create(&client, "retried").await;
+    let paths = VolumePaths::new(&sandbox, "retried");
+    stage(&client, &volume, &paths, BTreeMap::new()).await;
+
+    client
+        .node_publish_volume(publish_request(&volume, &paths, true))
+        .await
+        .unwrap();
+    assert!(is_mountpoint(&paths.target));
+
+    // One call, finished, after three attempts.
+    assert_eq!(outcome(&client, "NodePublishVolume"), (1, 0, 0, 2, 0));
+    let publishes = sandbox
+        .calls()
+        .iter()
+        .filter(|l| l.starts_with("NodePublishVolume "))
+        .count();
+    assert_eq!(publishes, 3);
+
+    client
+        .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            target_path: paths.target.display().to_string(),
+        })
+        .await
+        .unwrap();
+    client
+        .node_unstage_volume(proto::NodeUnstageVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            staging_target_path: paths.staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn unavailable_that_persists_exhausts_the_attempts() {
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(&sandbox, &["--fail", "NodeGetInfo=UNAVAILABLE"]);
+    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    let err = client
+        .node_get_info(proto::NodeGetInfoRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::Unavailable));
+    assert_eq!(err.attempts(), 5);
+    assert_eq!(err.rpc(), Some("NodeGetInfo"));
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("NodeGetInfo failed: UNAVAILABLE: "),
+        "{msg}"
+    );
+    assert!(msg.ends_with(" (after 5 attempts)"), "{msg}");
+    assert_eq!(outcome(&client, "NodeGetInfo"), (0, 1, 0, 4, 0));
+}
+
+#[tokio::test]
+async fn deadline_exceeded_exhausts_the_retries() {
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(&sandbox, &["--delay", "GetCapacity=3000"]);
+    let options = ClientOptions {
+        deadline: Duration::from_millis(200),
+        retry: RetryPolicy {
+            max_attempts: 3,
+            ..fast_retries().retry
+        },
+        ..fast_retries()
+    };
+    let client = Client::connect(&sandbox.endpoint(), options).await.unwrap();
+    let started = Instant::now();
+    let err = client
+        .get_capacity(proto::GetCapacityRequest::default())
+        .await
+        .unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(err.code(), Some(Code::DeadlineExceeded), "{err}");
+    assert_eq!(err.attempts(), 3);
+    assert!(
+        err.to_string()
+            .starts_with("GetCapacity failed: DEADLINE_EXCEEDED: "),
+        "{err}"
+    );
+    assert!(err.to_string().ends_with(" (after 3 attempts)"), "{err}");
+    // Three cut-off attempts, not three full plugin delays.
+    assert!(elapsed >= Duration::from_millis(600), "{elapsed:?}");
+    assert!(elapsed < Duration::from_millis(2500), "{elapsed:?}");
+    assert_eq!(outcome(&client, "GetCapacity"), (0, 1, 0, 2, 0));
+}
+
+#[tokio::test]
+async fn final_codes_are_not_retried() {
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(&sandbox, &["--fail", "DeleteVolume=INVALID_ARGUMENT"]);
+    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    let err = client
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: "vol-1".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some(Code::InvalidArgument));
+    assert_eq!(err.attempts(), 1);
+    assert_eq!(err.volume_id(), Some("vol-1"));
+    assert_eq!(err.rpc(), Some("DeleteVolume"));
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("DeleteVolume of volume 'vol-1' failed: INVALID_ARGUMENT"),
+        "{msg}"
+    );
+    assert!(!msg.contains("attempts"), "{msg}");
+    let deletes: Vec<_> = sandbox
+        .calls()
+        .into_iter()
+        .filter(|l| l.starts_with("DeleteVolume"))
+        .collect();
+    assert_eq!(deletes, vec!["DeleteVolume vol-1".to_string()]);
+    assert_eq!(outcome(&client, "DeleteVolume"), (0, 1, 0, 0, 0));
+}
+
+#[tokio::test]
+async fn connect_waits_for_a_socket_that_appears_late() {
+    let sandbox = Sandbox::new();
+    let endpoint = sandbox.endpoint();
+    let started = Instant::now();
+    let connecting = tokio::spawn(async move { Client::connect(&endpoint, fast_retries()).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        !connecting.is_finished(),
+        "connect returned before the plugin existed"
+    );
+    let _plugin = PluginProcess::spawn(&sandbox, &[]);
+    let client = connecting.await.unwrap().expect("connect to a late plugin");
+    assert!(started.elapsed() >= Duration::from_secs(1));
+    assert!(client.capabilities().plugin.controller_service());
+    client.probe(proto::ProbeRequest {}).await.unwrap();
+}
+
+#[tokio::test]
+async fn connect_gives_up_naming_the_endpoint() {
+    let sandbox = Sandbox::new();
+    let options = ClientOptions {
+        connect_timeout: Duration::from_millis(500),
+        ..fast_retries()
+    };
+    let err = Client::connect(&sandbox.endpoint(), options)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "connect to {}: socket did not appear within 500ms",
+            sandbox.endpoint()
+        )
+    );
+}
+
+#[tokio::test]
+async fn survives_a_plugin_restart_on_the_same_socket() {
+    let sandbox = Sandbox::new();
+    let mut plugin = PluginProcess::start(&sandbox, &[]);
+    let options = ClientOptions {
+        retry: RetryPolicy {
+            max_attempts: 30,
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(200),
+            max_total: Duration::from_secs(30),
+            multiplier: 2.0,
+        },
+        ..fast_retries()
+    };
+    let client = Client::connect(&sandbox.endpoint(), options).await.unwrap();
+    let volume = create(&client, "survivor").await;
+
+    // Killed and restarted between two calls.
+    plugin.kill();
+    let _restarted = PluginProcess::start(&sandbox, &[]);
+    let listed = client
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.entries.len(), 1);
+    assert_eq!(
+        listed.entries[0].volume.as_ref().unwrap().volume_id,
+        volume.volume_id
+    );
+    drop(_restarted);
+
+    // Killed, called while down, restarted while the call is retrying.
+    let calling = {
+        let client = client.clone();
+        tokio::spawn(async move { client.get_plugin_info(proto::GetPluginInfoRequest {}).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !calling.is_finished(),
+        "call finished while no plugin was running"
+    );
+    let _again = PluginProcess::start(&sandbox, &[]);
+    calling
+        .await
+        .unwrap()
+        .expect("GetPluginInfo across a restart");
+    let (finished, failed, _, retries, pending) = outcome(&client, "GetPluginInfo");
+    assert_eq!((finished, failed, pending), (1, 0, 0));
+    assert!(
+        retries >= 1,
+        "the call was retried while the plugin was down"
+    );
+
+    client
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: volume.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn dropped_calls_count_as_cancelled_and_clones_share_metrics() {
+    let sandbox = Sandbox::new();
+    let _plugin = PluginProcess::start(&sandbox, &["--delay", "NodeGetInfo=2000"]);
+    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    let clone = client.clone();
+    let timed_out = tokio::time::timeout(
+        Duration::from_millis(100),
+        clone.node_get_info(proto::NodeGetInfoRequest {}),
+    )
+    .await;
+    assert!(timed_out.is_err(), "the delayed call returned early");
+    assert_eq!(outcome(&client, "NodeGetInfo"), (0, 0, 1, 0, 0));
+
+    // Many calls in parallel on clones of one client.
+    let calls: Vec<_> = (0..32)
+        .map(|_| {
+            let c = client.clone();
+            tokio::spawn(async move { c.probe(proto::ProbeRequest {}).await })
+        })
+        .collect();
+    for call in calls {
+        call.await.unwrap().unwrap();
+    }
+    // 1 probe at connect + 32.
+    assert_eq!(outcome(&client, "Probe"), (33, 0, 0, 0, 0));
+    let text = client.metrics().encode_prometheus("csi_client");
+    assert!(
+        text.contains("csi_client_finished_total{rpc=\"Probe\"} 33\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("csi_client_cancelled_total{rpc=\"NodeGetInfo\"} 1\n"),
+        "{text}"
+    );
+}

@@ -1,0 +1,564 @@
+//! `crate::mount` against the real kernel: bind mounts, read-only remounts, propagation, unmount retries,
+//! the new mount API, resolution inside a hostile root, and loop devices with ext4.
+//!
+//! Needs root. Every test works in its own temp dir, and a guard unmounts everything below it and detaches
+//! its loop devices when the test ends, pass or fail; each test also asserts that nothing is left mounted.
+
+use std::fs;
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use csi_isolator::mount::resolve::{create_in_root_fallback, open_in_root_fallback};
+use csi_isolator::mount::{
+    self, create_in_root, fd_path, open_in_root, unmount_all_under, unmount_with_retry,
+    LinuxSyscall, MountError, MountFlags, MountTable, ProcMountTable, Propagation, Syscall,
+    UnmountOutcome,
+};
+use nix::errno::Errno;
+
+fn require_root() {
+    assert!(
+        nix::unistd::geteuid().is_root(),
+        "tests/mount_kernel.rs needs root (mounts, loop devices): run it as root"
+    );
+}
+
+/// A unique temp dir whose mounts and loop devices are torn down on drop.
+struct Sandbox {
+    dir: tempfile::TempDir,
+    /// The canonical path (what mountinfo shows).
+    path: PathBuf,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        require_root();
+        let dir = tempfile::Builder::new()
+            .prefix("mount-kernel-")
+            .tempdir()
+            .unwrap();
+        let path = fs::canonicalize(dir.path()).unwrap();
+        Sandbox { dir, path }
+    }
+
+    fn mkdir(&self, rel: &str) -> PathBuf {
+        let p = self.path.join(rel);
+        fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    fn mounts(&self) -> Vec<mount::MountInfo> {
+        ProcMountTable::new().mounts_under(&self.path).unwrap()
+    }
+
+    fn assert_clean(&self) {
+        let left = self.mounts();
+        assert!(
+            left.is_empty(),
+            "mounts left under {}: {left:#?}",
+            self.path.display()
+        );
+        let loops = mount::find_backed_under(&self.path).unwrap();
+        assert!(loops.is_empty(), "loop devices left: {loops:?}");
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        if let Err(e) = unmount_all_under(&LinuxSyscall, &ProcMountTable::new(), &self.path) {
+            eprintln!("cleanup: {e}");
+        }
+        // Anything still there (e.g. an unmount failed): detach lazily.
+        for m in ProcMountTable::new()
+            .mounts_under(&self.path)
+            .unwrap_or_default()
+        {
+            let _ = LinuxSyscall.unmount(&m.mount_point, true);
+        }
+        for (device, _) in mount::find_backed_under(&self.path).unwrap_or_default() {
+            let _ = mount::detach(&device);
+        }
+        let _ = &self.dir;
+    }
+}
+
+fn write_file(path: &Path, text: &str) -> std::io::Result<()> {
+    let mut f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .open(path)?;
+    f.write_all(text.as_bytes())
+}
+
+fn erofs(result: std::io::Result<()>) -> bool {
+    matches!(result, Err(e) if e.raw_os_error() == Some(libc::EROFS))
+}
+
+#[test]
+fn bind_mount_and_readonly_remount() {
+    let sb = Sandbox::new();
+    let src = sb.mkdir("src");
+    let dst = sb.mkdir("dst");
+    write_file(&src.join("f"), "hello").unwrap();
+    let sys = LinuxSyscall;
+
+    sys.bind_mount(&src, &dst, false).unwrap();
+    let table = ProcMountTable::new();
+    let m = table
+        .find(&dst)
+        .unwrap()
+        .expect("bind mount is in the table");
+    assert!(!m.is_readonly());
+    assert_eq!(fs::read_to_string(dst.join("f")).unwrap(), "hello");
+    write_file(&dst.join("g"), "rw").unwrap();
+
+    sys.remount_bind_readonly(&dst).unwrap();
+    assert!(table.find(&dst).unwrap().unwrap().is_readonly());
+    assert!(
+        erofs(write_file(&dst.join("f"), "x")),
+        "write on a read-only bind must fail with EROFS"
+    );
+    // Only the bind is read-only, not the source.
+    write_file(&src.join("f"), "changed").unwrap();
+    assert_eq!(fs::read_to_string(dst.join("f")).unwrap(), "changed");
+
+    assert_eq!(
+        unmount_with_retry(&sys, &dst, 3, Duration::from_millis(10)).unwrap(),
+        UnmountOutcome::Unmounted
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn readonly_remount_keeps_locked_flags() {
+    let sb = Sandbox::new();
+    let dev = Path::new("tmpfs");
+    let dst = sb.mkdir("t");
+    let sys = LinuxSyscall;
+    let flags = MountFlags {
+        nosuid: true,
+        nodev: true,
+        noexec: true,
+        readonly: false,
+    };
+    sys.mount_filesystem(dev, &dst, "tmpfs", flags, "size=1m")
+        .unwrap();
+    let bind = sb.mkdir("b");
+    sys.bind_mount(&dst, &bind, false).unwrap();
+    sys.remount_bind_readonly(&bind).unwrap();
+    let m = ProcMountTable::new().find(&bind).unwrap().unwrap();
+    for opt in ["ro", "nosuid", "nodev", "noexec"] {
+        assert!(
+            m.mount_options.iter().any(|o| o == opt),
+            "{opt} missing in {:?}",
+            m.mount_options
+        );
+    }
+    assert_eq!(m.fs_type, "tmpfs");
+    assert_eq!(
+        unmount_all_under(&sys, &ProcMountTable::new(), &sb.path).unwrap(),
+        2
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn propagation_changes_show_in_mountinfo() {
+    let sb = Sandbox::new();
+    let dst = sb.mkdir("p");
+    let sys = LinuxSyscall;
+    sys.mount_filesystem(Path::new("tmpfs"), &dst, "tmpfs", MountFlags::default(), "")
+        .unwrap();
+    let sub = sb.mkdir("p/sub");
+    sys.mount_filesystem(Path::new("tmpfs"), &sub, "tmpfs", MountFlags::default(), "")
+        .unwrap();
+    let table = ProcMountTable::new();
+    let find = |p: &Path| table.find(p).unwrap().unwrap();
+
+    sys.set_propagation(&dst, Propagation::Private, true)
+        .unwrap();
+    assert_eq!(find(&dst).shared_peer_group(), None);
+    assert_eq!(find(&sub).shared_peer_group(), None);
+
+    sys.set_propagation(&dst, Propagation::Shared, false)
+        .unwrap();
+    let group = find(&dst).shared_peer_group();
+    assert!(group.is_some(), "{:?}", find(&dst).optional_fields);
+    assert_eq!(
+        find(&sub).shared_peer_group(),
+        None,
+        "non-recursive change must not reach sub"
+    );
+
+    // A bind of a shared mount joins its peer group; making it a slave turns that group into its master.
+    let peer = sb.mkdir("peer");
+    sys.bind_mount(&dst, &peer, false).unwrap();
+    assert_eq!(find(&peer).shared_peer_group(), group);
+    sys.set_propagation(&peer, Propagation::Slave, false)
+        .unwrap();
+    assert_eq!(find(&peer).master_peer_group(), group);
+    assert_eq!(find(&peer).shared_peer_group(), None);
+
+    sys.set_propagation(&dst, Propagation::Unbindable, true)
+        .unwrap();
+    assert!(find(&dst).is_unbindable());
+    assert!(find(&sub).is_unbindable());
+    let err = sys.bind_mount(&dst, &sb.mkdir("nope"), false).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::EINVAL), "{err}");
+
+    let err = sys
+        .set_propagation(&sb.mkdir("plain"), Propagation::Private, false)
+        .unwrap_err();
+    assert!(matches!(err, MountError::Propagation { .. }), "{err}");
+
+    assert_eq!(unmount_all_under(&sys, &table, &sb.path).unwrap(), 3);
+    sb.assert_clean();
+}
+
+#[test]
+fn unmount_of_a_non_mount_is_not_mounted() {
+    let sb = Sandbox::new();
+    let dir = sb.mkdir("plain");
+    let err = LinuxSyscall.unmount(&dir, false).unwrap_err();
+    assert!(
+        matches!(err, MountError::NotMounted { ref target } if *target == dir),
+        "{err}"
+    );
+    assert_eq!(
+        unmount_with_retry(&LinuxSyscall, &dir, 3, Duration::ZERO).unwrap(),
+        UnmountOutcome::NotMounted
+    );
+    // A missing path is an error, not "not mounted".
+    let err = LinuxSyscall
+        .unmount(&sb.path.join("missing"), false)
+        .unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::ENOENT));
+    sb.assert_clean();
+}
+
+#[test]
+fn busy_mount_is_detached_after_retries() {
+    let sb = Sandbox::new();
+    let dst = sb.mkdir("busy");
+    let sys = LinuxSyscall;
+    sys.mount_filesystem(Path::new("tmpfs"), &dst, "tmpfs", MountFlags::default(), "")
+        .unwrap();
+    // An open file keeps the mount busy.
+    let held = fs::File::create(dst.join("held")).unwrap();
+    let err = sys.unmount(&dst, false).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::EBUSY), "{err}");
+
+    let start = Instant::now();
+    let outcome = unmount_with_retry(&sys, &dst, 3, Duration::from_millis(20)).unwrap();
+    assert_eq!(outcome, UnmountOutcome::Detached);
+    assert!(
+        start.elapsed() >= Duration::from_millis(60),
+        "three retries 20ms apart"
+    );
+    assert!(!ProcMountTable::new().is_mount_point(&dst).unwrap());
+    // The detached file system lives on for the holder.
+    held.metadata().unwrap();
+    drop(held);
+    sb.assert_clean();
+}
+
+#[test]
+fn open_tree_move_mount_onto_created_target() {
+    let sb = Sandbox::new();
+    let src = sb.mkdir("vol");
+    write_file(&src.join("data"), "volume").unwrap();
+    let root = sb.mkdir("rootfs");
+    let sys = LinuxSyscall;
+
+    let target = create_in_root(&root, Path::new("/mnt/a/b"), false).unwrap();
+    assert_eq!(fd_path(target.as_fd()).unwrap(), root.join("mnt/a/b"));
+    let tree = sys.open_tree_clone(&src, true).unwrap();
+    sys.set_readonly_by_fd(tree.as_fd(), true).unwrap();
+    sys.move_mount_to_fd(tree.as_fd(), target.as_fd()).unwrap();
+
+    let at = root.join("mnt/a/b");
+    let m = ProcMountTable::new()
+        .find(&at)
+        .unwrap()
+        .expect("moved mount is in the table");
+    assert!(m.is_readonly());
+    assert_eq!(fs::read_to_string(at.join("data")).unwrap(), "volume");
+    assert!(erofs(write_file(&at.join("data"), "x")));
+    write_file(&src.join("data"), "still writable").unwrap();
+
+    // A file target made with create_in_root(last_is_file) takes a file bind through /proc/self/fd.
+    let file_target = create_in_root(&root, Path::new("etc/hosts"), true).unwrap();
+    sys.bind_mount_to_fd(&src.join("data"), file_target.as_fd(), false)
+        .unwrap();
+    assert_eq!(
+        fs::read_to_string(root.join("etc/hosts")).unwrap(),
+        "still writable"
+    );
+
+    drop((tree, target, file_target));
+    assert_eq!(
+        unmount_all_under(&sys, &ProcMountTable::new(), &sb.path).unwrap(),
+        2
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn mount_setattr_readonly_on_attached_mount() {
+    let sb = Sandbox::new();
+    let src = sb.mkdir("src");
+    let dst = sb.mkdir("dst");
+    let sys = LinuxSyscall;
+    sys.bind_mount(&src, &dst, false).unwrap();
+    write_file(&dst.join("f"), "rw").unwrap();
+    let fd = open_in_root(&sb.path, Path::new("dst")).unwrap();
+    sys.set_readonly_by_fd(fd.as_fd(), false).unwrap();
+    assert!(ProcMountTable::new()
+        .find(&dst)
+        .unwrap()
+        .unwrap()
+        .is_readonly());
+    assert!(erofs(write_file(&dst.join("f"), "x")));
+    // Not the root of a mount: the kernel refuses.
+    let inner = open_in_root(&sb.path, Path::new("src")).unwrap();
+    let err = sys.set_readonly_by_fd(inner.as_fd(), false).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::EINVAL), "{err}");
+    drop((fd, inner));
+    assert_eq!(
+        unmount_with_retry(&sys, &dst, 3, Duration::from_millis(10)).unwrap(),
+        UnmountOutcome::Unmounted
+    );
+    sb.assert_clean();
+}
+
+/// A hostile container root: symlinks to the host's /etc and above the root, at the target and in parents.
+fn hostile_root(sb: &Sandbox) -> PathBuf {
+    let root = sb.mkdir("root");
+    fs::create_dir_all(root.join("x/y")).unwrap();
+    symlink("/etc", root.join("to-etc")).unwrap();
+    symlink("../../..", root.join("x/y/up")).unwrap();
+    symlink("../../../../../../etc", root.join("x/y/up-etc")).unwrap();
+    symlink("/etc/passwd", root.join("passwd")).unwrap();
+    symlink("/etc", root.join("x/y/abs-etc")).unwrap();
+    symlink("loop-b", root.join("loop-a")).unwrap();
+    symlink("loop-a", root.join("loop-b")).unwrap();
+    root
+}
+
+type Opener = fn(&Path, &Path) -> Result<std::os::fd::OwnedFd, MountError>;
+type Creator = fn(&Path, &Path, bool) -> Result<std::os::fd::OwnedFd, MountError>;
+
+fn check_resolution(open: Opener, create: Creator) {
+    let sb = Sandbox::new();
+    let root = hostile_root(&sb);
+    let under = |p: &Path| {
+        let got = fd_path(open(&root, p).unwrap().as_fd()).unwrap();
+        assert!(
+            got.starts_with(&root),
+            "{} resolved to {} outside {}",
+            p.display(),
+            got.display(),
+            root.display()
+        );
+        got
+    };
+    // ".." and "/" never leave the root.
+    assert_eq!(under(Path::new("x/y/up")), root);
+    assert_eq!(under(Path::new("../../..")), root);
+    assert_eq!(under(Path::new("/")), root);
+    assert_eq!(under(Path::new("x/y/up/x")), root.join("x"));
+    // Symlinks to the host's /etc do not reach it: there is no etc in this root yet.
+    for p in [
+        "to-etc",
+        "to-etc/passwd",
+        "x/y/up-etc",
+        "passwd",
+        "x/y/up/etc",
+        "x/y/abs-etc/passwd",
+        "/etc/passwd",
+    ] {
+        let err = open(&root, Path::new(p)).unwrap_err();
+        assert_eq!(err.errno(), Some(Errno::ENOENT), "{p}: {err}");
+    }
+    let err = open(&root, Path::new("loop-a")).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::ELOOP), "{err}");
+
+    // Creating through the symlinks creates inside the root.
+    let target = create(&root, Path::new("to-etc"), false).unwrap();
+    assert_eq!(fd_path(target.as_fd()).unwrap(), root.join("etc"));
+    let deep = create(&root, Path::new("x/y/up-etc/ssl/certs"), false).unwrap();
+    assert_eq!(fd_path(deep.as_fd()).unwrap(), root.join("etc/ssl/certs"));
+    // An absolute link deep inside restarts at the root, not at the host's /.
+    let again = create(&root, Path::new("x/y/abs-etc"), false).unwrap();
+    assert_eq!(fd_path(again.as_fd()).unwrap(), root.join("etc"));
+    let file = create(&root, Path::new("passwd"), true).unwrap();
+    assert_eq!(fd_path(file.as_fd()).unwrap(), root.join("etc/passwd"));
+    assert!(root.join("etc/passwd").is_file());
+
+    // A bind onto the resolved fd lands in the root, and the host's /etc is untouched.
+    let host_etc_before = fs::read_dir("/etc").unwrap().count();
+    let vol = sb.mkdir("vol");
+    write_file(&vol.join("marker"), "vol").unwrap();
+    LinuxSyscall
+        .bind_mount_to_fd(&vol, target.as_fd(), false)
+        .unwrap();
+    let table = ProcMountTable::new();
+    assert!(table.is_mount_point(&root.join("etc")).unwrap());
+    assert!(!table
+        .mounts()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_point == Path::new("/etc")));
+    assert!(!Path::new("/etc/marker").exists());
+    assert_eq!(fs::read_dir("/etc").unwrap().count(), host_etc_before);
+    assert_eq!(fs::read_to_string(root.join("etc/marker")).unwrap(), "vol");
+
+    drop((target, deep, again, file));
+    assert_eq!(
+        unmount_all_under(&LinuxSyscall, &table, &sb.path).unwrap(),
+        1
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn resolution_stays_in_root_with_openat2() {
+    check_resolution(open_in_root, create_in_root);
+}
+
+#[test]
+fn resolution_stays_in_root_with_fallback_walk() {
+    check_resolution(open_in_root_fallback, create_in_root_fallback);
+}
+
+#[test]
+fn fallback_walk_matches_openat2_on_plain_paths() {
+    let sb = Sandbox::new();
+    let root = hostile_root(&sb);
+    fs::create_dir_all(root.join("a/b/c")).unwrap();
+    symlink("b/c", root.join("a/rel")).unwrap();
+    for p in [
+        "a",
+        "a/b/c",
+        "a/rel",
+        "a/rel/..",
+        "./a/./b",
+        "a/b/c/../../b",
+        "x/y/up/a/rel",
+    ] {
+        let k = fd_path(open_in_root(&root, Path::new(p)).unwrap().as_fd()).unwrap();
+        let w = fd_path(open_in_root_fallback(&root, Path::new(p)).unwrap().as_fd()).unwrap();
+        assert_eq!(k, w, "{p}");
+    }
+    let err = open_in_root_fallback(&root, Path::new("a/b/c/missing/x")).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::ENOENT));
+    write_file(&root.join("a/file"), "").unwrap();
+    let err = open_in_root_fallback(&root, Path::new("a/file/x")).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::ENOTDIR));
+    sb.assert_clean();
+}
+
+/// The loop devices backed by `file`, waiting a little for the kernel to finish an autoclear.
+fn wait_no_loop(file: &Path) -> Vec<PathBuf> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let found = mount::find_by_backing_file(file).unwrap();
+        if found.is_empty() || Instant::now() > deadline {
+            return found;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn make_ext4(sb: &Sandbox) -> PathBuf {
+    let img = sb.path.join("disk.img");
+    fs::File::create(&img).unwrap().set_len(16 << 20).unwrap();
+    let status = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F"])
+        .arg(&img)
+        .status()
+        .unwrap();
+    assert!(status.success(), "mkfs.ext4 failed: {status}");
+    img
+}
+
+#[test]
+fn loop_device_with_ext4() {
+    let sb = Sandbox::new();
+    let img = make_ext4(&sb);
+    let dev = mount::attach(&img, false).unwrap();
+    assert_eq!(dev.path, PathBuf::from(format!("/dev/loop{}", dev.number)));
+    assert_eq!(
+        mount::find_by_backing_file(&img).unwrap(),
+        vec![dev.path.clone()]
+    );
+    assert_eq!(
+        mount::find_backed_under(&sb.path).unwrap(),
+        vec![(dev.path.clone(), img.clone())]
+    );
+
+    let mnt = sb.mkdir("mnt");
+    let sys = LinuxSyscall;
+    sys.mount_filesystem(&dev.path, &mnt, "ext4", MountFlags::default(), "")
+        .unwrap();
+    let m = ProcMountTable::new().find(&mnt).unwrap().unwrap();
+    assert_eq!(m.fs_type, "ext4");
+    assert_eq!(m.source, dev.path.display().to_string());
+    write_file(&mnt.join("hello"), "ext4").unwrap();
+    nix::unistd::sync();
+
+    assert_eq!(
+        unmount_with_retry(&sys, &mnt, 3, Duration::from_millis(10)).unwrap(),
+        UnmountOutcome::Unmounted
+    );
+    let path = dev.path.clone();
+    dev.detach().unwrap();
+    assert_eq!(wait_no_loop(&img), Vec::<PathBuf>::new());
+    // Detaching a free device is fine.
+    mount::detach(&path).unwrap();
+
+    // The data reached the image: mount it again read-only.
+    let dev = mount::attach(&img, true).unwrap();
+    let ro = MountFlags {
+        readonly: true,
+        ..MountFlags::default()
+    };
+    sys.mount_filesystem(&dev.path, &mnt, "ext4", ro, "")
+        .unwrap();
+    // With autoclear the mount keeps the device; dropping our handle does not free it.
+    drop(dev);
+    assert_eq!(fs::read_to_string(mnt.join("hello")).unwrap(), "ext4");
+    assert!(erofs(write_file(&mnt.join("hello"), "x")));
+    assert_eq!(mount::find_by_backing_file(&img).unwrap().len(), 1);
+    LinuxSyscall.unmount(&mnt, false).unwrap();
+    assert_eq!(
+        wait_no_loop(&img),
+        Vec::<PathBuf>::new(),
+        "autoclear frees the device on unmount"
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn dropped_loop_device_is_freed_and_deleted_backing_file_is_found() {
+    let sb = Sandbox::new();
+    let img = sb.path.join("raw.img");
+    fs::File::create(&img).unwrap().set_len(1 << 20).unwrap();
+    let dev = mount::attach(&img, false).unwrap();
+    fs::remove_file(&img).unwrap();
+    // The kernel reports "<path> (deleted)" now; lookups still find it by the old path.
+    let sysfs =
+        fs::read_to_string(format!("/sys/block/loop{}/loop/backing_file", dev.number)).unwrap();
+    assert!(sysfs.trim_end().ends_with(" (deleted)"), "{sysfs:?}");
+    assert_eq!(
+        mount::find_by_backing_file(&img).unwrap(),
+        vec![dev.path.clone()]
+    );
+    drop(dev);
+    assert_eq!(wait_no_loop(&img), Vec::<PathBuf>::new());
+    sb.assert_clean();
+}
