@@ -276,7 +276,7 @@ impl PluginProcess {
     }
 
     /// The RPCs the plugin received so far, one "<RPC> <volume_id or ->" line each, across
-    /// restarts.
+    /// restarts. The readiness checks of start/restart appear as `Probe -` lines.
     pub fn calls(&self) -> Vec<String> {
         match fs::read_to_string(self.calls_path()) {
             Ok(text) => text.lines().map(str::to_string).collect(),

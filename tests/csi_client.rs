@@ -14,138 +14,7 @@ use csi_isolator::csi::{
 };
 use tonic::Code;
 
-mod support {
-    //! Spawning the plugin in a sandbox; everything it mounted and the
-    //! process itself are gone when the guard drops.
-    use std::path::{Path, PathBuf};
-    use std::process::{Child, Command, Stdio};
-    use std::time::{Duration, Instant};
-
-    pub fn require_root() {
-        assert!(
-            nix::unistd::geteuid().is_root(),
-            "this test mounts volumes and must run as root (it does not skip silently)"
-        );
-    }
-
-    /// A temp dir for one test; unmounts everything beneath it on drop.
-    pub struct Sandbox {
-        pub dir: tempfile::TempDir,
-    }
-
-    impl Sandbox {
-        pub fn new() -> Self {
-            Self {
-                dir: tempfile::Builder::new()
-                    .prefix("csi-client-")
-                    .tempdir()
-                    .unwrap(),
-            }
-        }
-
-        pub fn path(&self) -> &Path {
-            self.dir.path()
-        }
-
-        pub fn socket(&self) -> PathBuf {
-            self.path().join("csi.sock")
-        }
-
-        pub fn endpoint(&self) -> String {
-            format!("unix://{}", self.socket().display())
-        }
-
-        pub fn calls_log(&self) -> PathBuf {
-            self.path().join("calls.log")
-        }
-
-        /// The RPCs the plugin saw, in order, as "<RPC> <volume id or ->".
-        pub fn calls(&self) -> Vec<String> {
-            std::fs::read_to_string(self.calls_log())
-                .unwrap_or_default()
-                .lines()
-                .map(str::to_string)
-                .collect()
-        }
-
-        fn mounts_beneath(&self) -> Vec<PathBuf> {
-            let root =
-                std::fs::canonicalize(self.path()).unwrap_or_else(|_| self.path().to_path_buf());
-            let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-            info.lines()
-                .filter_map(|l| l.split(' ').nth(4))
-                .map(|p| PathBuf::from(p.replace("\\040", " ")))
-                .filter(|p| p.starts_with(&root))
-                .collect()
-        }
-    }
-
-    impl Drop for Sandbox {
-        fn drop(&mut self) {
-            let mut mounts = self.mounts_beneath();
-            mounts.reverse();
-            for m in &mounts {
-                let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
-            }
-        }
-    }
-
-    /// A running `csi-test-plugin`, killed (SIGKILL) and reaped on drop.
-    pub struct PluginProcess {
-        child: Option<Child>,
-    }
-
-    impl PluginProcess {
-        /// Starts the plugin on the sandbox socket with call logging and
-        /// `args`; does not wait for the socket.
-        pub fn spawn(sandbox: &Sandbox, args: &[&str]) -> Self {
-            let child = Command::new(env!("CARGO_BIN_EXE_csi-test-plugin"))
-                .arg("--endpoint")
-                .arg(sandbox.endpoint())
-                .arg("--work-dir")
-                .arg(sandbox.path().join("plugin"))
-                .arg("--log-calls")
-                .arg(sandbox.calls_log())
-                .arg("--node-id")
-                .arg("node-1")
-                .args(args)
-                .stdin(Stdio::null())
-                .spawn()
-                .expect("spawn csi-test-plugin");
-            Self { child: Some(child) }
-        }
-
-        /// Starts the plugin and waits until its socket accepts connections.
-        pub fn start(sandbox: &Sandbox, args: &[&str]) -> Self {
-            let plugin = Self::spawn(sandbox, args);
-            let started = Instant::now();
-            while std::os::unix::net::UnixStream::connect(sandbox.socket()).is_err() {
-                assert!(
-                    started.elapsed() < Duration::from_secs(20),
-                    "plugin socket never came up"
-                );
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            plugin
-        }
-
-        /// SIGKILLs the plugin and reaps it.
-        pub fn kill(&mut self) {
-            if let Some(mut child) = self.child.take() {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-        }
-    }
-
-    impl Drop for PluginProcess {
-        fn drop(&mut self) {
-            self.kill();
-        }
-    }
-}
-
-use support::{require_root, PluginProcess, Sandbox};
+use csi_isolator::testing::{self, require_root, PluginProcess, Sandbox};
 
 fn fast_retries() -> ClientOptions {
     ClientOptions {
@@ -161,15 +30,17 @@ fn fast_retries() -> ClientOptions {
     }
 }
 
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+
 fn mount_capability() -> proto::VolumeCapability {
-    proto::VolumeCapability {
-        access_type: Some(volume_capability::AccessType::Mount(
-            volume_capability::MountVolume::default(),
-        )),
-        access_mode: Some(volume_capability::AccessMode {
-            mode: volume_capability::access_mode::Mode::SingleNodeWriter as i32,
-        }),
-    }
+    testing::mount_capability(volume_capability::access_mode::Mode::SingleNodeWriter)
+}
+
+/// Starts the plugin (node id `node-1`, calls logged) and waits until it is ready.
+async fn start_plugin(sandbox: &Sandbox, args: &[&str]) -> PluginProcess {
+    let mut all = vec!["--node-id", "node-1"];
+    all.extend_from_slice(args);
+    PluginProcess::start(sandbox, PLUGIN, &all).await
 }
 
 fn stats(client: &Client) -> BTreeMap<&'static str, RpcStats> {
@@ -182,13 +53,8 @@ fn outcome(client: &Client, rpc: &str) -> (u64, u64, u64, u64, u64) {
     (s.finished, s.failed, s.cancelled, s.retries, s.pending)
 }
 
-fn is_mountpoint(path: &Path) -> bool {
-    let path = std::fs::canonicalize(path).unwrap();
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .any(|p| Path::new(p) == path)
+fn is_mountpoint(sandbox: &Sandbox, path: &Path) -> bool {
+    sandbox.mounts_under().iter().any(|m| m.mount_point == path)
 }
 
 /// Paths the CO owns for one volume: the staging dir (created by the CO) and
@@ -200,11 +66,9 @@ struct VolumePaths {
 
 impl VolumePaths {
     fn new(sandbox: &Sandbox, name: &str) -> Self {
-        let base = sandbox.path().join("mounts").join(name);
-        let staging = base.join("staging");
-        std::fs::create_dir_all(&staging).unwrap();
+        let base = sandbox.mkdir(Path::new("mounts").join(name));
         Self {
-            staging,
+            staging: sandbox.mkdir(base.join("staging")),
             target: base.join("target"),
         }
     }
@@ -268,12 +132,13 @@ fn publish_request(
 #[tokio::test]
 async fn full_lifecycle_exercises_every_rpc() {
     require_root();
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(
+    let sandbox = Sandbox::new("csi-client-lifecycle");
+    let plugin = start_plugin(
         &sandbox,
         &["--name", "lifecycle.csi.test", "--capacity", "1G"],
-    );
-    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+    )
+    .await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
         .await
         .unwrap();
 
@@ -365,11 +230,17 @@ async fn full_lifecycle_exercises_every_rpc() {
         published.publish_context.clone().into_iter().collect(),
     )
     .await;
-    assert!(is_mountpoint(&paths.staging), "staging path not mounted");
+    assert!(
+        is_mountpoint(&sandbox, &paths.staging),
+        "staging path not mounted"
+    );
     let mut publish = publish_request(&volume, &paths, true);
     publish.publish_context = published.publish_context.clone();
     client.node_publish_volume(publish).await.unwrap();
-    assert!(is_mountpoint(&paths.target), "target path not mounted");
+    assert!(
+        is_mountpoint(&sandbox, &paths.target),
+        "target path not mounted"
+    );
     std::fs::write(paths.target.join("hello"), b"world").unwrap();
     assert_eq!(
         std::fs::read(paths.staging.join("hello")).unwrap(),
@@ -400,7 +271,7 @@ async fn full_lifecycle_exercises_every_rpc() {
         })
         .await
         .unwrap();
-    assert!(!paths.target.exists() || !is_mountpoint(&paths.target));
+    assert!(!is_mountpoint(&sandbox, &paths.target));
     client
         .node_unstage_volume(proto::NodeUnstageVolumeRequest {
             volume_id: volume.volume_id.clone(),
@@ -408,7 +279,7 @@ async fn full_lifecycle_exercises_every_rpc() {
         })
         .await
         .unwrap();
-    assert!(!is_mountpoint(&paths.staging));
+    assert!(!is_mountpoint(&sandbox, &paths.staging));
     client
         .controller_unpublish_volume(proto::ControllerUnpublishVolumeRequest {
             volume_id: volume.volume_id.clone(),
@@ -433,10 +304,11 @@ async fn full_lifecycle_exercises_every_rpc() {
         "volume still listed after DeleteVolume"
     );
     assert_eq!(capacity(&client).await, 1 << 30);
+    sandbox.assert_no_mounts_under();
 
     // The plugin saw the lifecycle in order.
     let id = &volume.volume_id;
-    let seen: Vec<String> = sandbox
+    let seen: Vec<String> = plugin
         .calls()
         .into_iter()
         .filter(|l| l.ends_with(&format!(" {id}")))
@@ -459,7 +331,6 @@ async fn full_lifecycle_exercises_every_rpc() {
 
     // Metrics: every call counted once, none failed, retried or in flight.
     let snap = stats(&client);
-    let finished = |rpc: &str| snap[rpc].finished;
     for (rpc, n) in [
         ("GetPluginInfo", 1),
         ("GetPluginCapabilities", 1),
@@ -480,7 +351,7 @@ async fn full_lifecycle_exercises_every_rpc() {
         ("ControllerUnpublishVolume", 1),
         ("DeleteVolume", 1),
     ] {
-        assert_eq!(finished(rpc), n, "{rpc} finished");
+        assert_eq!(snap[rpc].finished, n, "{rpc} finished");
         assert_eq!(snap[rpc].latency.count, n, "{rpc} latency observations");
     }
     for (rpc, s) in &snap {
@@ -502,9 +373,9 @@ async fn capability_switches_are_reflected() {
         (&["--no-controller"], false, false, true),
     ];
     for (flags, controller, publish, stage) in cases {
-        let sandbox = Sandbox::new();
-        let _plugin = PluginProcess::start(&sandbox, flags);
-        let client = Client::connect(&sandbox.endpoint(), fast_retries())
+        let sandbox = Sandbox::new("csi-client-caps");
+        let plugin = start_plugin(&sandbox, flags).await;
+        let client = Client::connect(&plugin.endpoint(), fast_retries())
             .await
             .unwrap();
         let caps = client.capabilities();
@@ -527,7 +398,7 @@ async fn capability_switches_are_reflected() {
             asked,
             "{flags:?}"
         );
-        let controller_calls = sandbox
+        let controller_calls = plugin
             .calls()
             .iter()
             .filter(|l| l.starts_with("ControllerGetCapabilities"))
@@ -539,7 +410,7 @@ async fn capability_switches_are_reflected() {
             let err = client
                 .node_stage_volume(proto::NodeStageVolumeRequest {
                     volume_id: "vol-x".into(),
-                    staging_target_path: sandbox.path().join("s").display().to_string(),
+                    staging_target_path: sandbox.mkdir("s").display().to_string(),
                     volume_capability: Some(mount_capability()),
                     ..Default::default()
                 })
@@ -577,16 +448,17 @@ async fn capability_switches_are_reflected() {
 #[tokio::test]
 async fn unavailable_is_retried_until_it_succeeds() {
     require_root();
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(
+    let sandbox = Sandbox::new("csi-client-retried");
+    let plugin = start_plugin(
         &sandbox,
         &[
             "--fail",
             "NodePublishVolume=UNAVAILABLE:2",
             "--no-controller-publish",
         ],
-    );
-    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+    )
+    .await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
         .await
         .unwrap();
     let volume = create(&client, "retried").await;
@@ -597,11 +469,11 @@ async fn unavailable_is_retried_until_it_succeeds() {
         .node_publish_volume(publish_request(&volume, &paths, true))
         .await
         .unwrap();
-    assert!(is_mountpoint(&paths.target));
+    assert!(is_mountpoint(&sandbox, &paths.target));
 
-    // One call, finished, after three attempts.
+    // One call, finished, after three attempts (two retries).
     assert_eq!(outcome(&client, "NodePublishVolume"), (1, 0, 0, 2, 0));
-    let publishes = sandbox
+    let publishes = plugin
         .calls()
         .iter()
         .filter(|l| l.starts_with("NodePublishVolume "))
@@ -622,13 +494,14 @@ async fn unavailable_is_retried_until_it_succeeds() {
         })
         .await
         .unwrap();
+    sandbox.assert_no_mounts_under();
 }
 
 #[tokio::test]
 async fn unavailable_that_persists_exhausts_the_attempts() {
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(&sandbox, &["--fail", "NodeGetInfo=UNAVAILABLE"]);
-    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+    let sandbox = Sandbox::new("csi-client-exhausted");
+    let plugin = start_plugin(&sandbox, &["--fail", "NodeGetInfo=UNAVAILABLE"]).await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
         .await
         .unwrap();
     let err = client
@@ -645,12 +518,20 @@ async fn unavailable_that_persists_exhausts_the_attempts() {
     );
     assert!(msg.ends_with(" (after 5 attempts)"), "{msg}");
     assert_eq!(outcome(&client, "NodeGetInfo"), (0, 1, 0, 4, 0));
+    assert_eq!(
+        plugin
+            .calls()
+            .iter()
+            .filter(|l| l.starts_with("NodeGetInfo "))
+            .count(),
+        5
+    );
 }
 
 #[tokio::test]
 async fn deadline_exceeded_exhausts_the_retries() {
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(&sandbox, &["--delay", "GetCapacity=3000"]);
+    let sandbox = Sandbox::new("csi-client-deadline");
+    let plugin = start_plugin(&sandbox, &["--delay", "GetCapacity=3000"]).await;
     let options = ClientOptions {
         deadline: Duration::from_millis(200),
         retry: RetryPolicy {
@@ -659,7 +540,7 @@ async fn deadline_exceeded_exhausts_the_retries() {
         },
         ..fast_retries()
     };
-    let client = Client::connect(&sandbox.endpoint(), options).await.unwrap();
+    let client = Client::connect(&plugin.endpoint(), options).await.unwrap();
     let started = Instant::now();
     let err = client
         .get_capacity(proto::GetCapacityRequest::default())
@@ -682,9 +563,9 @@ async fn deadline_exceeded_exhausts_the_retries() {
 
 #[tokio::test]
 async fn final_codes_are_not_retried() {
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(&sandbox, &["--fail", "DeleteVolume=INVALID_ARGUMENT"]);
-    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+    let sandbox = Sandbox::new("csi-client-final");
+    let plugin = start_plugin(&sandbox, &["--fail", "DeleteVolume=INVALID_ARGUMENT"]).await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
         .await
         .unwrap();
     let err = client
@@ -704,7 +585,7 @@ async fn final_codes_are_not_retried() {
         "{msg}"
     );
     assert!(!msg.contains("attempts"), "{msg}");
-    let deletes: Vec<_> = sandbox
+    let deletes: Vec<_> = plugin
         .calls()
         .into_iter()
         .filter(|l| l.starts_with("DeleteVolume"))
@@ -715,8 +596,8 @@ async fn final_codes_are_not_retried() {
 
 #[tokio::test]
 async fn connect_waits_for_a_socket_that_appears_late() {
-    let sandbox = Sandbox::new();
-    let endpoint = sandbox.endpoint();
+    let sandbox = Sandbox::new("csi-client-late");
+    let endpoint = format!("unix://{}", sandbox.join("plugin/csi.sock").display());
     let started = Instant::now();
     let connecting = tokio::spawn(async move { Client::connect(&endpoint, fast_retries()).await });
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -724,8 +605,9 @@ async fn connect_waits_for_a_socket_that_appears_late() {
         !connecting.is_finished(),
         "connect returned before the plugin existed"
     );
-    let _plugin = PluginProcess::spawn(&sandbox, &[]);
+    let plugin = start_plugin(&sandbox, &[]).await;
     let client = connecting.await.unwrap().expect("connect to a late plugin");
+    assert_eq!(client.endpoint(), plugin.endpoint());
     assert!(started.elapsed() >= Duration::from_secs(1));
     assert!(client.capabilities().plugin.controller_service());
     client.probe(proto::ProbeRequest {}).await.unwrap();
@@ -733,28 +615,21 @@ async fn connect_waits_for_a_socket_that_appears_late() {
 
 #[tokio::test]
 async fn connect_gives_up_naming_the_endpoint() {
-    let sandbox = Sandbox::new();
+    let sandbox = Sandbox::new("csi-client-never");
+    let endpoint = format!("unix://{}", sandbox.join("csi.sock").display());
     let options = ClientOptions {
         connect_timeout: Duration::from_millis(500),
         ..fast_retries()
     };
-    let err = Client::connect(&sandbox.endpoint(), options)
-        .await
-        .unwrap_err();
+    let err = Client::connect(&endpoint, options).await.unwrap_err();
     assert_eq!(
         err.to_string(),
-        format!(
-            "connect to {}: socket did not appear within 500ms",
-            sandbox.endpoint()
-        )
+        format!("connect to {endpoint}: socket did not appear within 500ms")
     );
 }
 
-#[tokio::test]
-async fn survives_a_plugin_restart_on_the_same_socket() {
-    let sandbox = Sandbox::new();
-    let mut plugin = PluginProcess::start(&sandbox, &[]);
-    let options = ClientOptions {
+fn patient() -> ClientOptions {
+    ClientOptions {
         retry: RetryPolicy {
             max_attempts: 30,
             initial_backoff: Duration::from_millis(50),
@@ -763,13 +638,20 @@ async fn survives_a_plugin_restart_on_the_same_socket() {
             multiplier: 2.0,
         },
         ..fast_retries()
-    };
-    let client = Client::connect(&sandbox.endpoint(), options).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn survives_a_plugin_restart_on_the_same_socket() {
+    let sandbox = Sandbox::new("csi-client-restart");
+    let mut plugin = start_plugin(&sandbox, &[]).await;
+    let client = Client::connect(&plugin.endpoint(), patient())
+        .await
+        .unwrap();
     let volume = create(&client, "survivor").await;
 
-    // Killed and restarted between two calls.
-    plugin.kill();
-    let _restarted = PluginProcess::start(&sandbox, &[]);
+    // Killed and restarted between two calls: the old connection is dead.
+    plugin.restart().await;
     let listed = client
         .list_volumes(proto::ListVolumesRequest::default())
         .await
@@ -779,9 +661,9 @@ async fn survives_a_plugin_restart_on_the_same_socket() {
         listed.entries[0].volume.as_ref().unwrap().volume_id,
         volume.volume_id
     );
-    drop(_restarted);
 
     // Killed, called while down, restarted while the call is retrying.
+    plugin.kill();
     let calling = {
         let client = client.clone();
         tokio::spawn(async move { client.get_plugin_info(proto::GetPluginInfoRequest {}).await })
@@ -791,7 +673,7 @@ async fn survives_a_plugin_restart_on_the_same_socket() {
         !calling.is_finished(),
         "call finished while no plugin was running"
     );
-    let _again = PluginProcess::start(&sandbox, &[]);
+    plugin.restart().await;
     calling
         .await
         .unwrap()
@@ -813,10 +695,50 @@ async fn survives_a_plugin_restart_on_the_same_socket() {
 }
 
 #[tokio::test]
+async fn survives_a_plugin_that_dies_during_a_call() {
+    let sandbox = Sandbox::new("csi-client-dies");
+    let faults = sandbox.join("faults");
+    std::fs::write(&faults, "exit-in NodeGetInfo:before\n").unwrap();
+    let faults_arg = faults.display().to_string();
+    let mut plugin = start_plugin(&sandbox, &["--faults-file", &faults_arg]).await;
+    let client = Client::connect(&plugin.endpoint(), patient())
+        .await
+        .unwrap();
+
+    // The plugin exits with the call in flight; the connection is torn down
+    // under it. The call keeps retrying until the plugin is back.
+    let calling = {
+        let client = client.clone();
+        tokio::spawn(async move { client.node_get_info(proto::NodeGetInfoRequest {}).await })
+    };
+    let status = plugin.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(status.code(), Some(137), "plugin exit: {status}");
+    std::fs::write(&faults, "").unwrap();
+    plugin.restart().await;
+    let info = calling
+        .await
+        .unwrap()
+        .expect("NodeGetInfo across a plugin crash");
+    assert_eq!(info.node_id, "node-1");
+    let (finished, failed, _, retries, _) = outcome(&client, "NodeGetInfo");
+    assert_eq!((finished, failed), (1, 0));
+    assert!(retries >= 1);
+    // The plugin saw the call twice: once in the process that died, once after.
+    assert_eq!(
+        plugin
+            .calls()
+            .iter()
+            .filter(|l| l.starts_with("NodeGetInfo "))
+            .count(),
+        2
+    );
+}
+
+#[tokio::test]
 async fn dropped_calls_count_as_cancelled_and_clones_share_metrics() {
-    let sandbox = Sandbox::new();
-    let _plugin = PluginProcess::start(&sandbox, &["--delay", "NodeGetInfo=2000"]);
-    let client = Client::connect(&sandbox.endpoint(), fast_retries())
+    let sandbox = Sandbox::new("csi-client-metrics");
+    let plugin = start_plugin(&sandbox, &["--delay", "NodeGetInfo=2000"]).await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
         .await
         .unwrap();
     let clone = client.clone();
@@ -827,6 +749,7 @@ async fn dropped_calls_count_as_cancelled_and_clones_share_metrics() {
     .await;
     assert!(timed_out.is_err(), "the delayed call returned early");
     assert_eq!(outcome(&client, "NodeGetInfo"), (0, 0, 1, 0, 0));
+    assert_eq!(stats(&client)["NodeGetInfo"].latency.count, 0);
 
     // Many calls in parallel on clones of one client.
     let calls: Vec<_> = (0..32)

@@ -530,9 +530,10 @@ async fn without_stage_publish_does_it_all(backing: &'static str) {
 
     let rw = env.target("rw");
     let ro = env.target("ro");
+    // Read-only first: later read-write publishes must not inherit its read-only flag.
     for _ in 0..2 {
-        env.publish(&id, None, &rw, false, &ctx).await.unwrap();
         env.publish(&id, None, &ro, true, &ctx).await.unwrap();
+        env.publish(&id, None, &rw, false, &ctx).await.unwrap();
     }
     std::fs::write(rw.join("f"), b"x").unwrap();
     assert_eq!(std::fs::read(ro.join("f")).unwrap(), b"x");
@@ -804,5 +805,29 @@ async fn concurrent_publishes_of_one_target_mount_once(backing: &'static str) {
     env.unstage(&id, &staging).await.unwrap();
     env.cunpublish(&id).await.unwrap();
     env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_shuts_down_gracefully_and_removes_the_socket() {
+    use std::os::unix::fs::PermissionsExt;
+    let mut env = setup("dir", &[]).await;
+    let socket = env.plugin.socket();
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+    let pid = env.plugin.pid().expect("running");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = env.plugin.wait_exit(Duration::from_secs(10)).await;
+    assert!(status.success(), "{status}");
+    assert!(!socket.exists(), "socket removed on shutdown");
+    // A stale socket file (left by a SIGKILL) does not stop a new start.
+    std::fs::write(&socket, b"").unwrap();
+    env.plugin.restart().await;
+    env.reconnect().await;
+    env.c.identity.probe(proto::ProbeRequest {}).await.unwrap();
     env.finish();
 }

@@ -17,8 +17,8 @@ use csi_isolator::plugin::{self, faults, BackingKind, PluginConfig};
     about = "A CSI v1 plugin for mount volumes, for tests and `csi-isolator run`"
 )]
 struct Args {
-    /// The socket to serve on, as unix:///PATH.
-    #[arg(long)]
+    /// The socket to serve on, as unix:///PATH (default: $CSI_ENDPOINT, as a CO sets it).
+    #[arg(long, env = "CSI_ENDPOINT")]
     endpoint: String,
     /// Where volumes and their metadata live.
     #[arg(long)]

@@ -79,7 +79,7 @@ impl Client {
     /// discovers its capabilities, all within `options.connect_timeout`
     /// (the probe and discovery calls themselves follow the per-call
     /// deadline and retry policy).
-    #[tracing::instrument(skip(options), fields(endpoint = %endpoint))]
+    #[tracing::instrument(skip_all, fields(endpoint = %endpoint))]
     pub async fn connect(endpoint: &str, options: ClientOptions) -> Result<Self, CsiError> {
         let path = socket_path(endpoint).map_err(|source| CsiError::BadEndpoint {
             endpoint: endpoint.to_string(),

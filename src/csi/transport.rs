@@ -14,7 +14,9 @@ use tonic::transport::{Channel, Endpoint};
 #[derive(Debug, thiserror::Error)]
 pub enum TransportError {
     /// The endpoint is not of the form `unix:///absolute/path`.
-    #[error("endpoint '{endpoint}' is not a unix socket endpoint (expected unix:///ABSOLUTE/PATH)")]
+    #[error(
+        "endpoint '{endpoint}' is not a unix socket endpoint (expected unix:///ABSOLUTE/PATH)"
+    )]
     BadEndpoint {
         /// The endpoint as given.
         endpoint: String,
@@ -35,7 +37,10 @@ pub fn socket_path(endpoint: &str) -> Result<PathBuf, TransportError> {
     let bad = || TransportError::BadEndpoint {
         endpoint: endpoint.to_string(),
     };
-    let rest = endpoint.strip_prefix("unix://").or_else(|| endpoint.strip_prefix("unix:")).ok_or_else(bad)?;
+    let rest = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .ok_or_else(bad)?;
     if !rest.starts_with('/') || rest.contains('\0') {
         return Err(bad());
     }
@@ -69,9 +74,20 @@ mod tests {
 
     #[test]
     fn parses_unix_endpoints() {
-        assert_eq!(socket_path("unix:///run/csi.sock").unwrap(), PathBuf::from("/run/csi.sock"));
-        assert_eq!(socket_path("unix:/run/csi.sock").unwrap(), PathBuf::from("/run/csi.sock"));
-        for bad in ["tcp://1.2.3.4:5", "unix://relative", "/run/csi.sock", "unix:///a\0b"] {
+        assert_eq!(
+            socket_path("unix:///run/csi.sock").unwrap(),
+            PathBuf::from("/run/csi.sock")
+        );
+        assert_eq!(
+            socket_path("unix:/run/csi.sock").unwrap(),
+            PathBuf::from("/run/csi.sock")
+        );
+        for bad in [
+            "tcp://1.2.3.4:5",
+            "unix://relative",
+            "/run/csi.sock",
+            "unix:///a\0b",
+        ] {
             assert!(socket_path(bad).is_err(), "{bad}");
         }
     }

@@ -5,8 +5,8 @@
 //! - [`BackingKind::Loop`]: the volume is the sparse ext4 image `<volume dir>/image.ext4`
 //!   (made by `mkfs.ext4` at create). It is attached to a loop device and mounted where it
 //!   is first needed (the staging path, or the target without STAGE_UNSTAGE_VOLUME); every
-//!   further use binds that mount, so the filesystem is mounted once however many targets
-//!   share it (two ext4 mounts of one image through two loop devices would corrupt it).
+//!   further use mounts that same loop device again, which shares the one superblock (two
+//!   ext4 instances of one image through two loop devices would corrupt it).
 //!   The loop device is detached when the volume's last mount goes away.
 //!
 //! Whether a path holds "this volume" is read from the kernel: a mount of the volume is one
@@ -316,10 +316,14 @@ impl Backing {
             }
             BackingKind::Loop => {
                 if let Some(existing) = self.volume_mounts(vol_dir)?.into_iter().next() {
+                    // Mounting the device that is already mounted shares its superblock (one
+                    // filesystem instance), and unlike a bind of an existing mount it does not
+                    // inherit that mount's per-mount flags such as read-only.
+                    let device = PathBuf::from(&existing.source);
                     return self
                         .sys
-                        .bind_mount(&existing.mount_point, path, false)
-                        .map_err(mount_err("bind existing ext4 mount onto", path));
+                        .mount_filesystem(&device, path, "ext4", MountFlags::default(), "")
+                        .map_err(mount_err("mount already attached ext4 onto", path));
                 }
                 let image = Self::image(vol_dir);
                 let dev = loopdev::attach(&image, false)

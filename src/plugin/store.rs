@@ -299,7 +299,8 @@ mod tests {
     #[test]
     fn encodes_ids_into_safe_components() {
         assert_eq!(encode_id("vol-0123abcd"), "vol-0123abcd");
-        assert_eq!(encode_id("../x"), "%2E%2E%2Fx");
+        assert_eq!(encode_id("../x"), "%2E.%2Fx");
+        assert_eq!(encode_id(".."), "%2E.");
         assert_eq!(encode_id("a/b"), "a%2Fb");
         assert_eq!(encode_id(".hidden"), "%2Ehidden");
         assert_eq!(encode_id("a.b"), "a.b");

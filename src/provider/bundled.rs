@@ -32,12 +32,11 @@ pub fn bundled_config(
 ) -> ProviderConfig {
     let layout = Layout::new(work_dir, BUNDLED_TYPE, plugin_name);
     let mut args = vec![
-        "--endpoint".to_string(),
-        crate::csi::transport::endpoint_for(&layout.plugin_socket()),
         "--work-dir".to_string(),
         layout.plugin_data_dir().to_string_lossy().into_owned(),
     ];
     args.extend(extra_args.iter().cloned());
+    // The plugin reads its endpoint from CSI_ENDPOINT, which the supervisor sets.
     ProviderConfig::new(
         BUNDLED_TYPE,
         plugin_name,

@@ -89,7 +89,10 @@ impl StorageProvider {
     }
 
     /// CreateVolume, the volume's first checkpoint, then the intent removed.
-    pub(crate) async fn finish_create(&self, spec: &CreateSpec) -> Result<VolumeRecord, ProviderError> {
+    pub(crate) async fn finish_create(
+        &self,
+        spec: &CreateSpec,
+    ) -> Result<VolumeRecord, ProviderError> {
         let resp = self
             .client
             .create_volume(proto::CreateVolumeRequest {
@@ -107,10 +110,12 @@ impl StorageProvider {
                 volume: spec.name.clone(),
                 source,
             })?;
-        let volume = resp.volume.ok_or_else(|| ProviderError::BadCreateResponse {
-            name: spec.name.clone(),
-            what: "no volume",
-        })?;
+        let volume = resp
+            .volume
+            .ok_or_else(|| ProviderError::BadCreateResponse {
+                name: spec.name.clone(),
+                what: "no volume",
+            })?;
         if volume.volume_id.is_empty() {
             return Err(ProviderError::BadCreateResponse {
                 name: spec.name.clone(),

@@ -131,7 +131,11 @@ impl Manager {
     }
 
     /// Ends a container's use of the given provider resources.
-    pub async fn unpublish(&self, container_id: &str, resources: &[Resource]) -> Result<(), ProviderError> {
+    pub async fn unpublish(
+        &self,
+        container_id: &str,
+        resources: &[Resource],
+    ) -> Result<(), ProviderError> {
         let routes = self.route(resources)?;
         let mut first_err = None;
         for (pid, vols) in &routes {
@@ -147,7 +151,15 @@ impl Manager {
 
     /// Ends a container's use of every volume of every provider.
     pub async fn release_container(&self, container_id: &str) -> Result<(), ProviderError> {
-        let results = join_all(self.providers.values().map(|p| p.release_container(container_id))).await;
-        results.into_iter().collect::<Result<Vec<()>, _>>().map(|_| ())
+        let results = join_all(
+            self.providers
+                .values()
+                .map(|p| p.release_container(container_id)),
+        )
+        .await;
+        results
+            .into_iter()
+            .collect::<Result<Vec<()>, _>>()
+            .map(|_| ())
     }
 }

@@ -25,7 +25,5 @@ pub use create::CreateSpec;
 pub use error::ProviderError;
 pub use manager::{Manager, PublishedVolume};
 pub use state::{Capability, VolumeRecord, VolumeState};
-pub use storage::{
-    PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy,
-};
+pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};

@@ -7,13 +7,23 @@
 //! <work_dir>/csi/<type>/<name>/mounts/<enc id>/target          NodePublishVolume target (the plugin creates it)
 //! <work_dir>/csi/<type>/<name>/creating/<enc name>.intent      CreateVolume intent, until the volume is recorded
 //! <work_dir>/csi/<type>/<name>/plugin/csi.sock                 endpoint of a managed plugin
+//!                                     (or /run/csi-isolator/sockets/<hash>/csi.sock if that is too long)
 //! <work_dir>/csi/<type>/<name>/plugin/data                     work dir of a managed plugin
 //! ```
 //! `<enc id>` is [`crate::resource::encode_volume_id`] of the volume id.
 
 use std::path::{Path, PathBuf};
 
+use sha2::{Digest, Sha256};
+
 use crate::resource::encode_volume_id;
+
+/// Where plugin sockets go when the work dir is too deep for a socket path.
+pub const SHORT_SOCKET_DIR: &str = "/run/csi-isolator/sockets";
+
+/// The longest socket path used as is (`sun_path` holds 108 bytes with the
+/// terminating NUL; keep a margin).
+pub const MAX_SOCKET_PATH: usize = 100;
 
 /// File name of a volume's checkpoint.
 pub const STATE_FILE: &str = "volume.state";
@@ -98,9 +108,19 @@ impl Layout {
         self.base.join("plugin")
     }
 
-    /// `plugin/csi.sock`.
-    pub fn plugin_socket(&self) -> PathBuf {
-        self.plugin_dir().join("csi.sock")
+    /// `plugin/csi.sock`, or, when that path does not fit in a Unix
+    /// socket address (108 bytes with the NUL), a short one under
+    /// `short_dir` (by default [`SHORT_SOCKET_DIR`]) named after a hash of
+    /// the long one (Mesos hit the same limit and keeps its sockets under a
+    /// short temp dir too).
+    pub fn plugin_socket(&self, short_dir: &Path) -> PathBuf {
+        let long = self.plugin_dir().join("csi.sock");
+        if long.as_os_str().len() <= MAX_SOCKET_PATH {
+            return long;
+        }
+        let digest = Sha256::digest(long.as_os_str().as_encoded_bytes());
+        let tag: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        short_dir.join(tag).join("csi.sock")
     }
 
     /// `plugin/data`.

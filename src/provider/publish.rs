@@ -20,7 +20,11 @@ impl StorageProvider {
     /// Publishes one volume for `container_id` and returns its host mount
     /// point. Idempotent for the same container.
     #[tracing::instrument(skip(self))]
-    pub async fn publish(&self, volume_id: &str, container_id: &str) -> Result<PathBuf, ProviderError> {
+    pub async fn publish(
+        &self,
+        volume_id: &str,
+        container_id: &str,
+    ) -> Result<PathBuf, ProviderError> {
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
         if rec.destroying {
@@ -102,7 +106,10 @@ impl StorageProvider {
             .map(|r| r.volume_id)
             .collect();
         let results = join_all(ids.iter().map(|id| self.release(id, container_id))).await;
-        results.into_iter().collect::<Result<Vec<()>, _>>().map(|_| ())
+        results
+            .into_iter()
+            .collect::<Result<Vec<()>, _>>()
+            .map(|_| ())
     }
 
     /// Ensure-all: every volume with users is published and really mounted;

@@ -33,13 +33,17 @@ impl StorageProvider {
                 let mut rec = slot.record.lock().await;
                 let before = rec.state;
                 let result = if rec.destroying {
-                    self.finish_destroy(&mut rec).await.map(|_| "finished destroy")
+                    self.finish_destroy(&mut rec)
+                        .await
+                        .map(|_| "finished destroy")
                 } else if !rec.users.is_empty() {
                     self.ensure_published(&mut rec, mounted)
                         .await
                         .map(|_| "republished for its users")
                 } else {
-                    self.settle_unused(&mut rec).await.map(|_| "settled (no users)")
+                    self.settle_unused(&mut rec)
+                        .await
+                        .map(|_| "settled (no users)")
                 };
                 (rec.volume_id.clone(), before, rec.state, result)
             }
@@ -50,7 +54,9 @@ impl StorageProvider {
             match result {
                 Ok(what) if before != after => {
                     tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
-                    report.actions.push(format!("{id}: {before} -> {after} ({what})"));
+                    report
+                        .actions
+                        .push(format!("{id}: {before} -> {after} ({what})"));
                 }
                 Ok(_) => {}
                 Err(e) => {
@@ -87,7 +93,9 @@ impl StorageProvider {
                 }
                 Err(e) => {
                     tracing::error!(path = %path.display(), error = %e, "cannot read volume state");
-                    report.failures.push((path.display().to_string(), e.to_string()));
+                    report
+                        .failures
+                        .push((path.display().to_string(), e.to_string()));
                     continue;
                 }
             };
@@ -95,9 +103,16 @@ impl StorageProvider {
                 .map_err(|e| e.to_string())
                 .and_then(|r| {
                     if r.format > FORMAT_VERSION {
-                        Err(format!("format {} is newer than this build's {FORMAT_VERSION}", r.format))
-                    } else if encode_volume_id(&r.volume_id) != entry.file_name().to_string_lossy() {
-                        Err(format!("volume id '{}' does not match its directory", r.volume_id))
+                        Err(format!(
+                            "format {} is newer than this build's {FORMAT_VERSION}",
+                            r.format
+                        ))
+                    } else if encode_volume_id(&r.volume_id) != entry.file_name().to_string_lossy()
+                    {
+                        Err(format!(
+                            "volume id '{}' does not match its directory",
+                            r.volume_id
+                        ))
                     } else {
                         Ok(r)
                     }
@@ -160,7 +175,11 @@ impl StorageProvider {
                 Err(reason) => {
                     let aside = checkpoint::set_aside(&path).unwrap_or_default();
                     tracing::error!(path = %path.display(), %reason, "create intent set aside");
-                    self.report.lock().unwrap().corrupt.push((path, aside, reason));
+                    self.report
+                        .lock()
+                        .unwrap()
+                        .corrupt
+                        .push((path, aside, reason));
                     continue;
                 }
             };
@@ -172,15 +191,18 @@ impl StorageProvider {
             match self.finish_create(&intent.spec).await {
                 Ok(rec) => {
                     tracing::info!(name = %name, volume_id = %rec.volume_id, "recovery: finished interrupted create");
-                    self.report
-                        .lock()
-                        .unwrap()
-                        .actions
-                        .push(format!("{}: created (interrupted create of '{name}')", rec.volume_id));
+                    self.report.lock().unwrap().actions.push(format!(
+                        "{}: created (interrupted create of '{name}')",
+                        rec.volume_id
+                    ));
                 }
                 Err(e) => {
                     tracing::error!(name = %name, error = %e, "recovery: cannot finish create");
-                    self.report.lock().unwrap().failures.push((name, e.to_string()));
+                    self.report
+                        .lock()
+                        .unwrap()
+                        .failures
+                        .push((name, e.to_string()));
                 }
             }
         }
@@ -200,7 +222,11 @@ impl StorageProvider {
             .map(|id| encode_volume_id(id))
             .collect();
         if let Ok(entries) = std::fs::read_dir(self.layout.volumes_dir()) {
-            known.extend(entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+            known.extend(
+                entries
+                    .flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned()),
+            );
         }
         let Ok(entries) = std::fs::read_dir(self.layout.mounts_dir()) else {
             return;

@@ -44,7 +44,9 @@ impl std::str::FromStr for UnpublishPolicy {
         match s {
             "last-use" => Ok(UnpublishPolicy::LastUse),
             "keep" => Ok(UnpublishPolicy::Keep),
-            _ => Err(format!("unknown unpublish policy '{s}' (expected last-use or keep)")),
+            _ => Err(format!(
+                "unknown unpublish policy '{s}' (expected last-use or keep)"
+            )),
         }
     }
 }
@@ -81,6 +83,9 @@ pub struct ProviderConfig {
     /// The boot id to compare checkpoints against (default: the kernel's,
     /// `/proc/sys/kernel/random/boot_id`); tests simulate a reboot with it.
     pub boot_id: Option<String>,
+    /// Where a managed plugin's socket goes when the one under the work dir
+    /// would be too long for a socket address.
+    pub socket_dir: PathBuf,
 }
 
 impl ProviderConfig {
@@ -104,6 +109,7 @@ impl ProviderConfig {
             client: ClientOptions::default(),
             ready_timeout: Duration::from_secs(30),
             boot_id: None,
+            socket_dir: PathBuf::from(crate::provider::paths::SHORT_SOCKET_DIR),
         }
     }
 }
@@ -214,7 +220,8 @@ impl StorageProvider {
                 let sup = Supervisor::start(
                     plugin.clone(),
                     cmd.clone(),
-                    layout.plugin_socket(),
+                    layout.plugin_socket(&config.socket_dir),
+                    layout.plugin_dir().join("plugin.log"),
                     config.ready_timeout,
                 )
                 .await?;
@@ -449,8 +456,10 @@ impl StorageProvider {
             volume: id.clone(),
             source,
         };
-        let volume_context: HashMap<String, String> = rec.volume_context.clone().into_iter().collect();
-        let publish_context: HashMap<String, String> = rec.publish_context.clone().into_iter().collect();
+        let volume_context: HashMap<String, String> =
+            rec.volume_context.clone().into_iter().collect();
+        let publish_context: HashMap<String, String> =
+            rec.publish_context.clone().into_iter().collect();
         let staging = self.layout.staging_path(&rec.volume_id);
         let target = self.layout.target_path(&rec.volume_id);
         let stage = self.supports(Step::NodeStage);
@@ -488,7 +497,10 @@ impl StorageProvider {
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
-                mkdir(&self.layout.mount_dir(&rec.volume_id), "create mount directory")?;
+                mkdir(
+                    &self.layout.mount_dir(&rec.volume_id),
+                    "create mount directory",
+                )?;
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -583,7 +595,9 @@ pub(crate) fn remove_dir_if_unmounted(table: &dyn MountTable, dir: &std::path::P
             let _ = std::fs::remove_dir(dir);
         }
         Ok(_) => tracing::warn!(path = %dir.display(), "still mounted; directory kept"),
-        Err(e) => tracing::warn!(path = %dir.display(), error = %e, "cannot read mount table; directory kept"),
+        Err(e) => {
+            tracing::warn!(path = %dir.display(), error = %e, "cannot read mount table; directory kept")
+        }
     }
 }
 

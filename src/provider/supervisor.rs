@@ -8,6 +8,7 @@
 //! after a grace period). The plugin is started with a parent-death signal,
 //! so it never outlives a crashed agent.
 
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,6 +47,7 @@ struct Inner {
     plugin: String,
     command: PluginCommand,
     socket: PathBuf,
+    log_path: PathBuf,
     ready_timeout: Duration,
     pid: Mutex<Option<u32>>,
     terminations: AtomicU64,
@@ -55,17 +57,20 @@ struct Inner {
 }
 
 impl Supervisor {
-    /// Starts the plugin and waits until it is ready.
+    /// Starts the plugin and waits until it is ready. Its stdout and
+    /// stderr are appended to `log_path`.
     pub async fn start(
         plugin: String,
         command: PluginCommand,
         socket: PathBuf,
+        log_path: PathBuf,
         ready_timeout: Duration,
     ) -> Result<Self, ProviderError> {
         let inner = Arc::new(Inner {
             plugin,
             command,
             socket,
+            log_path,
             ready_timeout,
             pid: Mutex::new(None),
             terminations: AtomicU64::new(0),
@@ -73,11 +78,18 @@ impl Supervisor {
             stopped: Notify::new(),
             exited: Notify::new(),
         });
-        let child = inner.spawn()?;
+        let child = match inner.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                inner.remove_socket();
+                return Err(e);
+            }
+        };
         if let Err(e) = inner.wait_ready().await {
             let mut child = child;
             let _ = child.start_kill();
             let _ = child.wait().await;
+            inner.remove_socket();
             return Err(e);
         }
         tokio::spawn(monitor(inner.clone(), child));
@@ -113,7 +125,7 @@ impl Supervisor {
             }
         }
         self.inner.stopped.notify_waiters();
-        let _ = std::fs::remove_file(&self.inner.socket);
+        self.inner.remove_socket();
     }
 }
 
@@ -124,24 +136,43 @@ impl Drop for Supervisor {
             if let Some(pid) = self.pid() {
                 let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
             }
+            self.inner.remove_socket();
         }
         self.inner.stopped.notify_waiters();
     }
 }
 
 impl Inner {
-    fn spawn(&self) -> Result<Child, ProviderError> {
+    /// Removes the socket, and its directory when that was made for it
+    /// alone (the short-path fallback), so nothing is left behind.
+    fn remove_socket(&self) {
+        let _ = std::fs::remove_file(&self.socket);
         if let Some(dir) = self.socket.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| ProviderError::Io {
-                step: "create plugin directory",
-                path: dir.to_path_buf(),
-                source,
-            })?;
+            if dir != self.log_path.parent().unwrap_or(dir) {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+    }
+
+    fn spawn(&self) -> Result<Child, ProviderError> {
+        for dir in [self.socket.parent(), self.log_path.parent()]
+            .into_iter()
+            .flatten()
+        {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|source| ProviderError::Io {
+                    step: "create plugin socket directory",
+                    path: dir.to_path_buf(),
+                    source,
+                })?;
         }
         remove_stale_socket(&self.socket);
         // The plugin's output goes to a log file next to its socket, as
         // Mesos keeps a plugin container's stdout/stderr.
-        let log_path = self.socket.with_file_name("plugin.log");
+        let log_path = self.log_path.clone();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -222,7 +253,9 @@ fn remove_stale_socket(socket: &Path) {
     match std::fs::remove_file(socket) {
         Ok(()) => tracing::info!(socket = %socket.display(), "removed stale plugin socket"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => tracing::warn!(socket = %socket.display(), error = %e, "cannot remove stale plugin socket"),
+        Err(e) => {
+            tracing::warn!(socket = %socket.display(), error = %e, "cannot remove stale plugin socket")
+        }
     }
 }
 

@@ -31,7 +31,9 @@ impl PluginArgs {
         let mut config = match &self.plugin_endpoint {
             Some(endpoint) => {
                 if !self.plugin_arg.is_empty() {
-                    bail!("--plugin-arg only applies to the bundled plugin, not to --plugin-endpoint");
+                    bail!(
+                        "--plugin-arg only applies to the bundled plugin, not to --plugin-endpoint"
+                    );
                 }
                 let mut c = ProviderConfig::new(
                     "",

@@ -139,5 +139,10 @@ async fn resolve(provider: &StorageProvider, volume: &str) -> anyhow::Result<Str
         .find_by_name(volume)
         .await
         .map(|r| r.volume_id)
-        .ok_or_else(|| anyhow!("no volume with id or name '{volume}' in provider {}", provider.id()))
+        .ok_or_else(|| {
+            anyhow!(
+                "no volume with id or name '{volume}' in provider {}",
+                provider.id()
+            )
+        })
 }

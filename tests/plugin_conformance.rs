@@ -1,0 +1,1072 @@
+//! Conformance of the test plugin with the CSI spec, for mount volumes, in both backings.
+//!
+//! These are our own tests of the behaviours the official conformance suite (csi-sanity from
+//! kubernetes-csi/csi-test, `pkg/sanity/{identity,controller,node}.go`) checks, spec by spec,
+//! driven like that suite drives a plugin: a staging directory and a target parent created by
+//! the "CO", the target itself left to the plugin, and after each spec the suite's cleanup
+//! order (NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume) for every volume the
+//! spec created. Each spec ends by asserting no mount and no loop device is left.
+
+use std::collections::{HashMap, HashSet};
+use std::path::PathBuf;
+
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+use csi_isolator::testing::{
+    mount_capability, raw_clients, require_root, PluginProcess, RawClients, Sandbox,
+};
+use tonic::Code;
+
+const BIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+/// csi-sanity's test volume size is configurable; a small one keeps loop images cheap.
+const SIZE: i64 = 16 << 20;
+
+fn cap() -> proto::VolumeCapability {
+    mount_capability(Mode::SingleNodeWriter)
+}
+
+fn code<T: std::fmt::Debug>(r: Result<T, tonic::Status>) -> Code {
+    match r {
+        Ok(v) => panic!("expected an error, got {v:?}"),
+        Err(s) => s.code(),
+    }
+}
+
+/// What a spec published, so cleanup can undo it in the suite's order.
+#[derive(Default)]
+struct Published {
+    node: Option<String>,
+    staged: bool,
+    targets: Vec<PathBuf>,
+}
+
+struct Suite {
+    sandbox: Sandbox,
+    _plugin: PluginProcess,
+    c: RawClients,
+    staging: PathBuf,
+    target_parent: PathBuf,
+    volumes: Vec<(String, Published)>,
+    counter: u32,
+}
+
+async fn suite(backing: &str) -> Suite {
+    require_root();
+    let sandbox = Sandbox::new("plugin-conformance");
+    let plugin = PluginProcess::start(&sandbox, BIN, &["--backing", backing]).await;
+    let c = raw_clients(&plugin.socket())
+        .await
+        .expect("connect to plugin");
+    let staging = sandbox.mkdir("csi-staging");
+    let target_parent = sandbox.mkdir("csi-mount");
+    Suite {
+        sandbox,
+        _plugin: plugin,
+        c,
+        staging,
+        target_parent,
+        volumes: Vec::new(),
+        counter: 0,
+    }
+}
+
+impl Suite {
+    fn unique(&mut self, prefix: &str) -> String {
+        self.counter += 1;
+        format!("{prefix}-{}-{}", std::process::id(), self.counter)
+    }
+
+    fn target(&self) -> PathBuf {
+        self.target_parent.join("target")
+    }
+
+    fn published(&mut self, id: &str) -> &mut Published {
+        let i = self
+            .volumes
+            .iter()
+            .position(|(v, _)| v == id)
+            .expect("volume created by this spec");
+        &mut self.volumes[i].1
+    }
+
+    async fn node_id(&mut self) -> String {
+        let info = self
+            .c
+            .node
+            .node_get_info(proto::NodeGetInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(!info.node_id.is_empty());
+        info.node_id
+    }
+
+    fn create_req(&self, name: &str, required: i64) -> proto::CreateVolumeRequest {
+        proto::CreateVolumeRequest {
+            name: name.into(),
+            volume_capabilities: vec![cap()],
+            capacity_range: (required > 0).then_some(proto::CapacityRange {
+                required_bytes: required,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
+    /// CreateVolume that must succeed; the volume is deleted by cleanup.
+    async fn must_create(&mut self, req: proto::CreateVolumeRequest) -> proto::Volume {
+        let vol = self
+            .c
+            .controller
+            .create_volume(req)
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        assert!(!vol.volume_id.is_empty());
+        if !self.volumes.iter().any(|(v, _)| *v == vol.volume_id) {
+            self.volumes
+                .push((vol.volume_id.clone(), Published::default()));
+        }
+        vol
+    }
+
+    async fn create(&mut self, prefix: &str) -> proto::Volume {
+        let name = self.unique(prefix);
+        let req = self.create_req(&name, SIZE);
+        self.must_create(req).await
+    }
+
+    async fn controller_publish(
+        &mut self,
+        vol: &proto::Volume,
+        node: &str,
+    ) -> HashMap<String, String> {
+        let req = proto::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: node.into(),
+            volume_capability: Some(cap()),
+            volume_context: vol.volume_context.clone(),
+            readonly: false,
+            ..Default::default()
+        };
+        let resp = self
+            .c
+            .controller
+            .controller_publish_volume(req)
+            .await
+            .unwrap()
+            .into_inner();
+        self.published(&vol.volume_id).node = Some(node.to_string());
+        resp.publish_context
+    }
+
+    async fn node_stage(&mut self, vol: &proto::Volume, ctx: &HashMap<String, String>) {
+        let req = proto::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: self.staging.display().to_string(),
+            volume_capability: Some(cap()),
+            volume_context: vol.volume_context.clone(),
+            publish_context: ctx.clone(),
+            ..Default::default()
+        };
+        self.c.node.node_stage_volume(req).await.unwrap();
+        self.published(&vol.volume_id).staged = true;
+    }
+
+    async fn node_publish(&mut self, vol: &proto::Volume, ctx: &HashMap<String, String>) {
+        let target = self.target();
+        let req = proto::NodePublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: self.staging.display().to_string(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(cap()),
+            volume_context: vol.volume_context.clone(),
+            publish_context: ctx.clone(),
+            ..Default::default()
+        };
+        self.c.node.node_publish_volume(req).await.unwrap();
+        let published = self.published(&vol.volume_id);
+        if !published.targets.contains(&target) {
+            published.targets.push(target);
+        }
+    }
+
+    /// The suite's AfterEach: undo everything in CO order, then check nothing is left.
+    async fn cleanup(mut self) {
+        for (id, p) in std::mem::take(&mut self.volumes) {
+            for target in &p.targets {
+                let req = proto::NodeUnpublishVolumeRequest {
+                    volume_id: id.clone(),
+                    target_path: target.display().to_string(),
+                };
+                self.c.node.node_unpublish_volume(req).await.unwrap();
+            }
+            if p.staged {
+                let req = proto::NodeUnstageVolumeRequest {
+                    volume_id: id.clone(),
+                    staging_target_path: self.staging.display().to_string(),
+                };
+                self.c.node.node_unstage_volume(req).await.unwrap();
+            }
+            if let Some(node) = &p.node {
+                let req = proto::ControllerUnpublishVolumeRequest {
+                    volume_id: id.clone(),
+                    node_id: node.clone(),
+                    ..Default::default()
+                };
+                self.c
+                    .controller
+                    .controller_unpublish_volume(req)
+                    .await
+                    .unwrap();
+            }
+            let req = proto::DeleteVolumeRequest {
+                volume_id: id.clone(),
+                ..Default::default()
+            };
+            self.c.controller.delete_volume(req).await.unwrap();
+        }
+        let left = self
+            .c
+            .controller
+            .list_volumes(proto::ListVolumesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(left.entries.is_empty(), "volumes left: {:?}", left.entries);
+        self.sandbox.assert_no_mounts_under();
+        self.sandbox.assert_no_loop_devices();
+    }
+}
+
+/// Runs each spec once per backing.
+macro_rules! both_backings {
+    ($($name:ident),* $(,)?) => {
+        mod dir {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::suite("dir").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+        mod loop_backing {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::suite("loop").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+    };
+}
+
+both_backings!(
+    identity_get_plugin_info_returns_appropriate_information,
+    identity_get_plugin_capabilities_returns_known_capabilities,
+    identity_probe_is_ready,
+    controller_get_capabilities_returns_known_capabilities,
+    get_capacity_without_optional_values,
+    list_volumes_returns_appropriate_values,
+    list_volumes_rejects_invalid_starting_token,
+    list_volumes_shows_new_and_hides_deleted_volumes,
+    list_volumes_paginates,
+    create_volume_fails_without_name,
+    create_volume_fails_without_capabilities,
+    create_volume_single_node_writer_no_capacity,
+    create_volume_single_node_writer_with_capacity,
+    create_volume_same_name_same_capacity_is_idempotent,
+    create_volume_same_name_different_capacity_fails,
+    create_volume_with_maximum_length_name,
+    delete_volume_fails_without_id,
+    delete_volume_succeeds_for_unknown_id,
+    delete_volume_returns_appropriate_values,
+    validate_capabilities_fails_without_id,
+    validate_capabilities_fails_without_capabilities,
+    validate_capabilities_returns_appropriate_values,
+    validate_capabilities_fails_for_unknown_volume,
+    controller_publish_fails_without_volume_id,
+    controller_publish_fails_without_node_id,
+    controller_publish_fails_without_capability,
+    controller_publish_fails_for_unknown_volume,
+    controller_publish_fails_for_unknown_node,
+    controller_publish_fails_when_published_incompatibly,
+    controller_volume_lifecycle_works,
+    controller_volume_lifecycle_is_idempotent,
+    controller_unpublish_fails_without_volume_id,
+    node_get_capabilities_returns_known_capabilities,
+    node_get_info_returns_appropriate_values,
+    node_publish_fails_without_volume_id,
+    node_publish_fails_without_target_path,
+    node_publish_fails_without_capability,
+    node_unpublish_fails_without_volume_id,
+    node_unpublish_fails_without_target_path,
+    node_unpublish_removes_target_path,
+    node_stage_fails_without_volume_id,
+    node_stage_fails_without_staging_path,
+    node_stage_fails_without_capability,
+    node_unstage_fails_without_volume_id,
+    node_unstage_fails_without_staging_path,
+    node_volume_stats_fails_without_volume_id,
+    node_volume_stats_fails_without_volume_path,
+    node_volume_stats_fails_for_unknown_volume,
+    node_volume_stats_fails_for_wrong_path,
+    node_full_flow_works,
+    node_full_flow_is_idempotent,
+);
+
+// ---- Identity ----
+
+async fn identity_get_plugin_info_returns_appropriate_information(mut s: Suite) {
+    let info =
+        s.c.identity
+            .get_plugin_info(proto::GetPluginInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    assert!(
+        !info.name.is_empty() && info.name.len() <= 63,
+        "{}",
+        info.name
+    );
+    assert!(!info.vendor_version.is_empty());
+    s.cleanup().await;
+}
+
+async fn identity_get_plugin_capabilities_returns_known_capabilities(mut s: Suite) {
+    use proto::plugin_capability::service::Type;
+    let caps =
+        s.c.identity
+            .get_plugin_capabilities(proto::GetPluginCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let mut controller = false;
+    for c in &caps.capabilities {
+        if let Some(proto::plugin_capability::Type::Service(svc)) = &c.r#type {
+            let t = Type::try_from(svc.r#type).expect("known service capability");
+            controller |= t == Type::ControllerService;
+        }
+    }
+    assert!(controller, "CONTROLLER_SERVICE offered by default");
+    s.cleanup().await;
+}
+
+async fn identity_probe_is_ready(mut s: Suite) {
+    let probe =
+        s.c.identity
+            .probe(proto::ProbeRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    assert_ne!(probe.ready, Some(false));
+    s.cleanup().await;
+}
+
+// ---- Controller ----
+
+async fn controller_get_capabilities_returns_known_capabilities(mut s: Suite) {
+    use proto::controller_service_capability::rpc::Type;
+    let caps =
+        s.c.controller
+            .controller_get_capabilities(proto::ControllerGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let mut seen = HashSet::new();
+    for c in &caps.capabilities {
+        let Some(proto::controller_service_capability::Type::Rpc(rpc)) = &c.r#type else {
+            panic!("capability without rpc: {c:?}");
+        };
+        let t = Type::try_from(rpc.r#type).expect("known controller capability");
+        assert_ne!(t, Type::Unknown);
+        seen.insert(t);
+    }
+    for want in [
+        Type::CreateDeleteVolume,
+        Type::PublishUnpublishVolume,
+        Type::ListVolumes,
+        Type::GetCapacity,
+        Type::ListVolumesPublishedNodes,
+    ] {
+        assert!(seen.contains(&want), "{want:?} missing");
+    }
+    s.cleanup().await;
+}
+
+async fn get_capacity_without_optional_values(mut s: Suite) {
+    let before =
+        s.c.controller
+            .get_capacity(proto::GetCapacityRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    let vol = s.create("sanity-capacity").await;
+    let after =
+        s.c.controller
+            .get_capacity(proto::GetCapacityRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    assert_eq!(
+        after.available_capacity,
+        before.available_capacity - vol.capacity_bytes
+    );
+    s.cleanup().await;
+}
+
+async fn list_volumes_returns_appropriate_values(mut s: Suite) {
+    s.create("sanity-list").await;
+    let vols =
+        s.c.controller
+            .list_volumes(proto::ListVolumesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    for e in &vols.entries {
+        assert!(!e.volume.as_ref().unwrap().volume_id.is_empty());
+    }
+    assert_eq!(vols.entries.len(), 1);
+    s.cleanup().await;
+}
+
+async fn list_volumes_rejects_invalid_starting_token(mut s: Suite) {
+    let req = proto::ListVolumesRequest {
+        starting_token: "invalid-token".into(),
+        ..Default::default()
+    };
+    assert_eq!(code(s.c.controller.list_volumes(req).await), Code::Aborted);
+    s.cleanup().await;
+}
+
+async fn list_volumes_shows_new_and_hides_deleted_volumes(mut s: Suite) {
+    let count = |s: &mut Suite| {
+        let mut c = s.c.controller.clone();
+        async move {
+            c.list_volumes(proto::ListVolumesRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .entries
+                .len()
+        }
+    };
+    let total = count(&mut s).await;
+    let req = s.create_req("sanity", 0);
+    let vol = s.must_create(req).await;
+    assert_eq!(count(&mut s).await, total + 1);
+    s.c.controller
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    s.volumes.clear();
+    assert_eq!(count(&mut s).await, total);
+    s.cleanup().await;
+}
+
+async fn list_volumes_paginates(mut s: Suite) {
+    let mut created = HashSet::new();
+    for _ in 0..5 {
+        created.insert(s.create("sanity-page").await.volume_id);
+    }
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let req = proto::ListVolumesRequest {
+            max_entries: 2,
+            starting_token: token.clone(),
+        };
+        let page = s.c.controller.list_volumes(req).await.unwrap().into_inner();
+        assert!(page.entries.len() <= 2);
+        seen.extend(
+            page.entries
+                .into_iter()
+                .map(|e| e.volume.unwrap().volume_id),
+        );
+        if page.next_token.is_empty() {
+            break;
+        }
+        token = page.next_token;
+    }
+    assert_eq!(seen.len(), 5, "no duplicates: {seen:?}");
+    assert_eq!(seen.into_iter().collect::<HashSet<_>>(), created);
+    s.cleanup().await;
+}
+
+async fn create_volume_fails_without_name(mut s: Suite) {
+    let req = proto::CreateVolumeRequest::default();
+    assert_eq!(
+        code(s.c.controller.create_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn create_volume_fails_without_capabilities(mut s: Suite) {
+    let req = proto::CreateVolumeRequest {
+        name: s.unique("sanity-controller-create-no-volume-capabilities"),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.create_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn create_volume_single_node_writer_no_capacity(mut s: Suite) {
+    let name = s.unique("sanity-controller-create-single-no-capacity");
+    let req = s.create_req(&name, 0);
+    let vol = s.must_create(req).await;
+    assert!(vol.capacity_bytes > 0);
+    s.cleanup().await;
+}
+
+async fn create_volume_single_node_writer_with_capacity(mut s: Suite) {
+    let name = s.unique("sanity-controller-create-single-with-capacity");
+    let req = s.create_req(&name, SIZE);
+    let vol = s.must_create(req).await;
+    assert!(vol.capacity_bytes >= SIZE);
+    s.cleanup().await;
+}
+
+async fn create_volume_same_name_same_capacity_is_idempotent(mut s: Suite) {
+    let name = s.unique("sanity-controller-create-twice");
+    let req = s.create_req(&name, SIZE);
+    let v1 = s.must_create(req.clone()).await;
+    let v2 = s.must_create(req).await;
+    assert!(v1.capacity_bytes >= SIZE && v2.capacity_bytes >= SIZE);
+    assert_eq!(v1.volume_id, v2.volume_id);
+    s.cleanup().await;
+}
+
+async fn create_volume_same_name_different_capacity_fails(mut s: Suite) {
+    let name = s.unique("sanity-controller-create-twice-different");
+    let mut req = s.create_req(&name, SIZE);
+    req.capacity_range.as_mut().unwrap().limit_bytes = SIZE;
+    s.must_create(req).await;
+    let mut req = s.create_req(&name, 2 * SIZE);
+    req.capacity_range.as_mut().unwrap().limit_bytes = 2 * SIZE;
+    assert_eq!(
+        code(s.c.controller.create_volume(req).await),
+        Code::AlreadyExists
+    );
+    s.cleanup().await;
+}
+
+async fn create_volume_with_maximum_length_name(mut s: Suite) {
+    let mut name = s.unique("sanity-controller-create-maxlen");
+    while name.len() < 128 {
+        name.push('x');
+    }
+    let req = s.create_req(&name, SIZE);
+    let vol = s.must_create(req).await;
+    assert!(vol.capacity_bytes >= SIZE);
+    s.cleanup().await;
+}
+
+async fn delete_volume_fails_without_id(mut s: Suite) {
+    let req = proto::DeleteVolumeRequest::default();
+    assert_eq!(
+        code(s.c.controller.delete_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn delete_volume_succeeds_for_unknown_id(mut s: Suite) {
+    let req = proto::DeleteVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    s.c.controller.delete_volume(req).await.unwrap();
+    s.cleanup().await;
+}
+
+async fn delete_volume_returns_appropriate_values(mut s: Suite) {
+    let vol = s.create("sanity-controller-create-appropriate").await;
+    let req = proto::DeleteVolumeRequest {
+        volume_id: vol.volume_id,
+        ..Default::default()
+    };
+    s.c.controller.delete_volume(req).await.unwrap();
+    s.volumes.clear();
+    s.cleanup().await;
+}
+
+async fn validate_capabilities_fails_without_id(mut s: Suite) {
+    let req = proto::ValidateVolumeCapabilitiesRequest::default();
+    assert_eq!(
+        code(s.c.controller.validate_volume_capabilities(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn validate_capabilities_fails_without_capabilities(mut s: Suite) {
+    let vol = s.create("sanity-controller-validate-nocaps").await;
+    let req = proto::ValidateVolumeCapabilitiesRequest {
+        volume_id: vol.volume_id,
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.validate_volume_capabilities(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn validate_capabilities_returns_appropriate_values(mut s: Suite) {
+    let vol = s.create("sanity-controller-validate").await;
+    let req = proto::ValidateVolumeCapabilitiesRequest {
+        volume_id: vol.volume_id,
+        volume_capabilities: vec![cap()],
+        ..Default::default()
+    };
+    let resp =
+        s.c.controller
+            .validate_volume_capabilities(req)
+            .await
+            .unwrap()
+            .into_inner();
+    let confirmed = resp.confirmed.expect("a mount capability is supported");
+    assert!(!confirmed.volume_capabilities.is_empty());
+    s.cleanup().await;
+}
+
+async fn validate_capabilities_fails_for_unknown_volume(mut s: Suite) {
+    let req = proto::ValidateVolumeCapabilitiesRequest {
+        volume_id: "fake-volume-id".into(),
+        volume_capabilities: vec![cap()],
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.validate_volume_capabilities(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_without_volume_id(mut s: Suite) {
+    let req = proto::ControllerPublishVolumeRequest::default();
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_without_node_id(mut s: Suite) {
+    let req = proto::ControllerPublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_without_capability(mut s: Suite) {
+    let req = proto::ControllerPublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        node_id: "fake-node-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_for_unknown_volume(mut s: Suite) {
+    let req = proto::ControllerPublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        node_id: "fake-node-id".into(),
+        volume_capability: Some(cap()),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_for_unknown_node(mut s: Suite) {
+    let vol = s.create("sanity-controller-wrong-node").await;
+    let req = proto::ControllerPublishVolumeRequest {
+        volume_id: vol.volume_id,
+        node_id: "fake-node-id".into(),
+        volume_capability: Some(cap()),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+async fn controller_publish_fails_when_published_incompatibly(mut s: Suite) {
+    let vol = s.create("sanity-controller-published-incompatible").await;
+    let node = s.node_id().await;
+    s.controller_publish(&vol, &node).await;
+    let req = proto::ControllerPublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        node_id: node,
+        volume_capability: Some(cap()),
+        readonly: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.controller_publish_volume(req).await),
+        Code::AlreadyExists
+    );
+    s.cleanup().await;
+}
+
+/// csi-sanity's VolumeLifecycle: create, ControllerPublish `count` times, ControllerUnpublish
+/// `count` times, delete.
+async fn volume_lifecycle(mut s: Suite, count: usize) {
+    let node = s.node_id().await;
+    let vol = s.create("sanity-controller-publish").await;
+    let mut contexts = HashSet::new();
+    for _ in 0..count {
+        let ctx = s.controller_publish(&vol, &node).await;
+        contexts.insert(format!(
+            "{:?}",
+            ctx.into_iter()
+                .collect::<std::collections::BTreeMap<_, _>>()
+        ));
+    }
+    assert_eq!(
+        contexts.len(),
+        1,
+        "a repeated publish returns the same publish_context"
+    );
+    for _ in 0..count {
+        let req = proto::ControllerUnpublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: node.clone(),
+            ..Default::default()
+        };
+        s.c.controller
+            .controller_unpublish_volume(req)
+            .await
+            .unwrap();
+    }
+    s.published(&vol.volume_id).node = None;
+    s.cleanup().await;
+}
+
+async fn controller_volume_lifecycle_works(s: Suite) {
+    volume_lifecycle(s, 1).await;
+}
+
+async fn controller_volume_lifecycle_is_idempotent(s: Suite) {
+    volume_lifecycle(s, 3).await;
+}
+
+async fn controller_unpublish_fails_without_volume_id(mut s: Suite) {
+    let req = proto::ControllerUnpublishVolumeRequest::default();
+    assert_eq!(
+        code(s.c.controller.controller_unpublish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+// ---- Node ----
+
+async fn node_get_capabilities_returns_known_capabilities(mut s: Suite) {
+    use proto::node_service_capability::rpc::Type;
+    let caps =
+        s.c.node
+            .node_get_capabilities(proto::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let mut seen = HashSet::new();
+    for c in &caps.capabilities {
+        let Some(proto::node_service_capability::Type::Rpc(rpc)) = &c.r#type else {
+            panic!("capability without rpc: {c:?}");
+        };
+        seen.insert(Type::try_from(rpc.r#type).expect("known node capability"));
+    }
+    assert!(seen.contains(&Type::StageUnstageVolume));
+    assert!(seen.contains(&Type::GetVolumeStats));
+    s.cleanup().await;
+}
+
+async fn node_get_info_returns_appropriate_values(mut s: Suite) {
+    let info =
+        s.c.node
+            .node_get_info(proto::NodeGetInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    assert!(!info.node_id.is_empty());
+    assert!(info.max_volumes_per_node >= 0);
+    s.cleanup().await;
+}
+
+async fn node_publish_fails_without_volume_id(mut s: Suite) {
+    let req = proto::NodePublishVolumeRequest::default();
+    assert_eq!(
+        code(s.c.node.node_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_publish_fails_without_target_path(mut s: Suite) {
+    let req = proto::NodePublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_publish_fails_without_capability(mut s: Suite) {
+    let req = proto::NodePublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        target_path: s.target().display().to_string(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_publish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_unpublish_fails_without_volume_id(mut s: Suite) {
+    let req = proto::NodeUnpublishVolumeRequest::default();
+    assert_eq!(
+        code(s.c.node.node_unpublish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_unpublish_fails_without_target_path(mut s: Suite) {
+    let req = proto::NodeUnpublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_unpublish_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_unpublish_removes_target_path(mut s: Suite) {
+    let vol = s.create("sanity-node-unpublish-volume").await;
+    let node = s.node_id().await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    s.node_publish(&vol, &ctx).await;
+    let target = s.target();
+    assert!(target.is_dir(), "the plugin creates the target");
+    let req = proto::NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    };
+    s.c.node.node_unpublish_volume(req).await.unwrap();
+    assert!(!target.exists(), "the plugin removes the target it created");
+    s.cleanup().await;
+}
+
+async fn node_stage_fails_without_volume_id(mut s: Suite) {
+    let req = proto::NodeStageVolumeRequest {
+        staging_target_path: s.staging.display().to_string(),
+        volume_capability: Some(cap()),
+        publish_context: HashMap::from([("device".to_string(), "/dev/mock".to_string())]),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_stage_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_stage_fails_without_staging_path(mut s: Suite) {
+    let req = proto::NodeStageVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        volume_capability: Some(cap()),
+        publish_context: HashMap::from([("device".to_string(), "/dev/mock".to_string())]),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_stage_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_stage_fails_without_capability(mut s: Suite) {
+    let vol = s.create("sanity-node-stage-nocaps").await;
+    let req = proto::NodeStageVolumeRequest {
+        volume_id: vol.volume_id,
+        staging_target_path: s.staging.display().to_string(),
+        publish_context: HashMap::from([("device".to_string(), "/dev/mock".to_string())]),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_stage_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_unstage_fails_without_volume_id(mut s: Suite) {
+    let req = proto::NodeUnstageVolumeRequest {
+        staging_target_path: s.staging.display().to_string(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_unstage_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_unstage_fails_without_staging_path(mut s: Suite) {
+    let req = proto::NodeUnstageVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_unstage_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_volume_stats_fails_without_volume_id(mut s: Suite) {
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_path: "some/path".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_get_volume_stats(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_volume_stats_fails_without_volume_path(mut s: Suite) {
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: "fake-volume-id".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_get_volume_stats(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn node_volume_stats_fails_for_unknown_volume(mut s: Suite) {
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: "fake-volume-id".into(),
+        volume_path: "some/path".into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_get_volume_stats(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+async fn node_volume_stats_fails_for_wrong_path(mut s: Suite) {
+    let vol = s.create("sanity-node-get-volume-stats").await;
+    let node = s.node_id().await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    s.node_publish(&vol, &ctx).await;
+    for path in [
+        "some/path".to_string(),
+        s.target_parent.display().to_string(),
+    ] {
+        let req = proto::NodeGetVolumeStatsRequest {
+            volume_id: vol.volume_id.clone(),
+            volume_path: path.clone(),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(s.c.node.node_get_volume_stats(req).await),
+            Code::NotFound,
+            "{path}"
+        );
+    }
+    s.cleanup().await;
+}
+
+/// csi-sanity's runControllerTest: create, ControllerPublish, NodeStage and NodePublish
+/// `count` times each, NodeGetVolumeStats on the target; cleanup undoes it.
+async fn node_full_flow(mut s: Suite, count: usize) {
+    let node = s.node_id().await;
+    let vol = s.create("sanity-node-full").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    for _ in 0..count {
+        s.node_stage(&vol, &ctx).await;
+    }
+    for _ in 0..count {
+        s.node_publish(&vol, &ctx).await;
+    }
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_path: s.target().display().to_string(),
+        ..Default::default()
+    };
+    let stats =
+        s.c.node
+            .node_get_volume_stats(req)
+            .await
+            .unwrap()
+            .into_inner();
+    assert!(!stats.usage.is_empty());
+    let mounts: Vec<_> = s
+        .sandbox
+        .mounts_under()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    assert_eq!(
+        mounts.iter().filter(|m| **m == s.target()).count(),
+        1,
+        "{mounts:?}"
+    );
+    assert_eq!(
+        mounts.iter().filter(|m| **m == s.staging).count(),
+        1,
+        "{mounts:?}"
+    );
+    s.cleanup().await;
+}
+
+async fn node_full_flow_works(s: Suite) {
+    node_full_flow(s, 1).await;
+}
+
+async fn node_full_flow_is_idempotent(s: Suite) {
+    node_full_flow(s, 3).await;
+}
