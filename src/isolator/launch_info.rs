@@ -33,7 +33,7 @@ pub struct ContainerConfig {
 }
 
 /// The root a mount target is resolved in.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TargetRoot {
     /// The container's sandbox (relative `container_path`).

@@ -1,7 +1,22 @@
-//! The volume isolator: `prepare` publishes a container's CSI volumes and
-//! returns the bind mounts to make; `isolate`, `update`, `cleanup` and
-//! `recover` follow the container through its life.
+//! The volume isolator, a containerizer pipeline stage: `recover(known
+//! containers)`, `prepare(container, config) -> launch info`,
+//! `isolate(container, pid)`, `update(container, resources)`,
+//! `cleanup(container)`.
+//!
+//! `prepare` publishes a container's CSI volumes through the provider
+//! manager (ensure-all), resolves each volume's host mount point from its
+//! resource (`disk.source.*.root`, relative roots joined to this agent's
+//! work dir) and returns one bind mount per volume: relative
+//! `container_path`s land in the sandbox, absolute ones in the rootfs.
+//! The launcher applies them in the container's new mount namespace;
+//! `update` mounts into (and unmounts from) a running container's
+//! namespace; the Docker/OCI path binds on the host instead (`oci`).
 
+pub mod error;
 pub mod launch_info;
+pub mod oci;
+pub mod targets;
+// pub mod volume; (waits for launcher::inject)
 
+pub use error::IsolatorError;
 pub use launch_info::{ContainerConfig, LaunchInfo, TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};

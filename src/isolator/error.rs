@@ -1,0 +1,112 @@
+//! Errors of the volume isolator, naming the container, the volume and the
+//! step.
+
+use std::path::PathBuf;
+
+use crate::provider::ProviderError;
+use crate::resource::ResourceError;
+
+/// An isolator operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IsolatorError {
+    /// The container id cannot be used as a path component.
+    #[error("invalid container id '{container}': {reason}")]
+    InvalidContainerId {
+        /// The id.
+        container: String,
+        /// Why.
+        reason: String,
+    },
+    /// The container is already prepared (prepare is not idempotent across configs).
+    #[error("container '{container}' is already prepared")]
+    AlreadyPrepared {
+        /// The container id.
+        container: String,
+    },
+    /// The container is not known to the isolator.
+    #[error("unknown container '{container}'")]
+    UnknownContainer {
+        /// The container id.
+        container: String,
+    },
+    /// A resource's mount point or target could not be worked out.
+    #[error("container '{container}': volume {volume}: {source}")]
+    Resource {
+        /// The container id.
+        container: String,
+        /// The volume (id, or resource description).
+        volume: String,
+        /// The resource error.
+        #[source]
+        source: ResourceError,
+    },
+    /// A volume target is refused (escapes its root, duplicate, needs a rootfs...).
+    #[error("container '{container}': volume {volume}: container_path '{container_path}': {reason}")]
+    BadTarget {
+        /// The container id.
+        container: String,
+        /// The volume.
+        volume: String,
+        /// The container path as given.
+        container_path: String,
+        /// Why it is refused.
+        reason: String,
+    },
+    /// A read-write mount of a volume that may only be read.
+    #[error("container '{container}': volume {volume} is {why}: it can only be mounted read-only (set disk.volume.mode to RO)")]
+    ReadOnlyVolume {
+        /// The container id.
+        container: String,
+        /// The volume id.
+        volume: String,
+        /// Published read-only, or a reader-only access mode.
+        why: String,
+    },
+    /// Publishing or unpublishing through the provider failed.
+    #[error("container '{container}': {source}")]
+    Provider {
+        /// The container id.
+        container: String,
+        /// The provider error (names the volume, RPC, code and message).
+        #[source]
+        source: ProviderError,
+    },
+    /// The isolator's checkpoint could not be written or read.
+    #[error("container '{container}': checkpoint {path}: {reason}")]
+    Checkpoint {
+        /// The container id.
+        container: String,
+        /// The checkpoint path.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+    /// Mounting into or unmounting from the running container failed.
+    #[error("container '{container}': {step} volume {volume}: {reason}")]
+    Namespace {
+        /// The container id.
+        container: String,
+        /// `mount` or `unmount`.
+        step: &'static str,
+        /// The volume.
+        volume: String,
+        /// The launcher's error.
+        reason: String,
+    },
+    /// The running container's pid is unknown (isolate was never called).
+    #[error("container '{container}' has no known pid: call isolate first")]
+    NoPid {
+        /// The container id.
+        container: String,
+    },
+    /// Unmounting a host-side mount of the container failed.
+    #[error("container '{container}': unmount {path}: {reason}")]
+    Unmount {
+        /// The container id.
+        container: String,
+        /// The mount point.
+        path: PathBuf,
+        /// What failed.
+        reason: String,
+    },
+}

@@ -1,0 +1,111 @@
+//! From a container's disk resources to the mounts to make: the host source
+//! (DESIGN.md's resolution rules) and the target (relative `container_path`
+//! inside the sandbox, absolute inside the rootfs), checked lexically here
+//! and resolved by fd when applied.
+
+use std::collections::BTreeSet;
+use std::path::{Component, Path, PathBuf};
+
+use crate::isolator::error::IsolatorError;
+use crate::isolator::launch_info::{ContainerConfig, TargetRoot, VolumeMount};
+use crate::resource::Resource;
+
+/// The mounts for a container's resources, in resource order: every disk
+/// resource with a `disk.volume.container_path`.
+pub fn volume_mounts(
+    container: &str,
+    config: &ContainerConfig,
+    resources: &[Resource],
+    work_dir: &Path,
+) -> Result<Vec<VolumeMount>, IsolatorError> {
+    let mut seen = BTreeSet::new();
+    let mut out = Vec::new();
+    for r in resources {
+        let Some(container_path) = r.container_path() else {
+            continue;
+        };
+        let volume = r.source_id().map(str::to_string).unwrap_or_else(|| r.describe());
+        let bad = |reason: &str| IsolatorError::BadTarget {
+            container: container.to_string(),
+            volume: volume.clone(),
+            container_path: container_path.to_string(),
+            reason: reason.to_string(),
+        };
+        let source = r.host_path(work_dir).map_err(|source| IsolatorError::Resource {
+            container: container.to_string(),
+            volume: volume.clone(),
+            source,
+        })?;
+        let (root, target) = target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
+        if !seen.insert((root, target.clone())) {
+            return Err(bad("another volume of the container is mounted at the same target"));
+        }
+        out.push(VolumeMount {
+            source,
+            root,
+            target,
+            container_path: container_path.to_string(),
+            readonly: r.read_only(),
+            volume_id: r.source_id().map(str::to_string),
+            provider_id: r.provider_id().map(str::to_string),
+        });
+    }
+    // Parents before children, so a volume nested in another lands on top.
+    out.sort_by_key(|m| m.target.components().count());
+    Ok(out)
+}
+
+/// The root and the normalized relative target of a `container_path`.
+pub fn target_of(container_path: &str, has_rootfs: bool) -> Result<(TargetRoot, PathBuf), String> {
+    if container_path.is_empty() {
+        return Err("is empty".into());
+    }
+    if container_path.contains('\0') {
+        return Err("contains a NUL byte".into());
+    }
+    let path = Path::new(container_path);
+    let root = if path.is_absolute() {
+        if has_rootfs {
+            TargetRoot::Rootfs
+        } else {
+            TargetRoot::Host
+        }
+    } else {
+        TargetRoot::Sandbox
+    };
+    let mut target = PathBuf::new();
+    for c in path.components() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::Normal(n) => target.push(n),
+            Component::ParentDir => {
+                if !target.pop() {
+                    return Err("resolves outside the container's root".into());
+                }
+            }
+            Component::Prefix(_) => return Err("is not a Unix path".into()),
+        }
+    }
+    if target.as_os_str().is_empty() {
+        return Err("is the root itself".into());
+    }
+    Ok((root, target))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_table() {
+        let ok = |p: &str, rootfs: bool| target_of(p, rootfs).unwrap();
+        assert_eq!(ok("data", false), (TargetRoot::Sandbox, PathBuf::from("data")));
+        assert_eq!(ok("./a/b/../c", false), (TargetRoot::Sandbox, PathBuf::from("a/c")));
+        assert_eq!(ok("/data", true), (TargetRoot::Rootfs, PathBuf::from("data")));
+        assert_eq!(ok("/data", false), (TargetRoot::Host, PathBuf::from("data")));
+        assert_eq!(ok("//x//y/", true), (TargetRoot::Rootfs, PathBuf::from("x/y")));
+        for bad in ["", "..", "../x", "a/../../x", "/..", "/", ".", "/a/../..", "a\0b"] {
+            assert!(target_of(bad, true).is_err(), "{bad:?}");
+        }
+    }
+}

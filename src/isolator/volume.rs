@@ -1,0 +1,467 @@
+//! The volume isolator (see the module doc of [`crate::isolator`]).
+//!
+//! Invariants:
+//! - A container's checkpoint (`<work_dir>/isolators/volume/csi/<id>/state.json`)
+//!   is durable before its volumes are published, so a crash in between
+//!   leaves a record that `recover` cleans up; it is removed last at cleanup.
+//! - A failed prepare or update leaves nothing behind: what was published
+//!   for it is released, what was mounted is unmounted.
+//! - Operations on one container run one at a time; different containers in
+//!   parallel (no isolator-wide lock is held across a publish).
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use crate::isolator::error::IsolatorError;
+use crate::isolator::launch_info::{ContainerConfig, LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::isolator::targets::volume_mounts;
+use crate::mount::{unmount_with_retry, MountTable, Syscall, DEFAULT_ATTEMPTS, DEFAULT_DELAY};
+use crate::provider::checkpoint;
+use crate::provider::Manager;
+use crate::resource::{validate_path_component, Resource};
+
+/// Format version of the isolator's container checkpoint.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// What the isolator checkpoints per container.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ContainerRecord {
+    /// Format version.
+    pub format: u32,
+    /// The container id.
+    pub container_id: String,
+    /// The container's configuration (with its current resources).
+    pub config: ContainerConfig,
+    /// The volume mounts made for it.
+    pub mounts: Vec<VolumeMount>,
+    /// Its pid, once isolated (for update).
+    #[serde(default)]
+    pub pid: Option<u32>,
+    /// Mounts made on the host for it (the Docker/OCI path), unmounted at cleanup.
+    #[serde(default)]
+    pub host_binds: Vec<PathBuf>,
+}
+
+/// What `recover` found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IsolatorRecovery {
+    /// Containers recovered (known and checkpointed).
+    pub recovered: Vec<String>,
+    /// Containers cleaned up because they no longer exist.
+    pub cleaned: Vec<String>,
+    /// (volume, container) uses released because the container is gone.
+    pub released_uses: Vec<(String, String)>,
+    /// Checkpoints that could not be read, set aside (path, reason).
+    pub corrupt: Vec<(PathBuf, String)>,
+}
+
+type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
+
+/// The volume isolator.
+#[derive(Debug)]
+pub struct VolumeIsolator {
+    work_dir: PathBuf,
+    manager: Arc<Manager>,
+    sys: Arc<dyn Syscall>,
+    table: Arc<dyn MountTable>,
+    containers: Mutex<BTreeMap<String, Entry>>,
+}
+
+impl VolumeIsolator {
+    /// An isolator for the agent work dir `work_dir`, publishing through `manager`.
+    pub fn new(
+        work_dir: impl Into<PathBuf>,
+        manager: Arc<Manager>,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Self {
+        VolumeIsolator {
+            work_dir: work_dir.into(),
+            manager,
+            sys,
+            table,
+            containers: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The provider manager.
+    pub fn manager(&self) -> &Arc<Manager> {
+        &self.manager
+    }
+
+    /// `<work_dir>/isolators/volume/csi`.
+    pub fn checkpoint_root(&self) -> PathBuf {
+        self.work_dir.join("isolators").join("volume").join("csi")
+    }
+
+    fn checkpoint_path(&self, container: &str) -> PathBuf {
+        self.checkpoint_root().join(container).join("state.json")
+    }
+
+    fn entry(&self, container: &str) -> Entry {
+        self.containers
+            .lock()
+            .unwrap()
+            .entry(container.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// The records of the containers the isolator knows.
+    pub async fn containers(&self) -> Vec<ContainerRecord> {
+        let entries: Vec<Entry> = self.containers.lock().unwrap().values().cloned().collect();
+        let mut out = Vec::new();
+        for e in entries {
+            if let Some(r) = e.lock().await.clone() {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
+        let path = self.checkpoint_path(&rec.container_id);
+        let bytes = serde_json::to_vec_pretty(rec).expect("a container record always serializes");
+        checkpoint::write_atomic(&path, &bytes).map_err(|e| IsolatorError::Checkpoint {
+            container: rec.container_id.clone(),
+            path,
+            reason: e.to_string(),
+        })
+    }
+
+    fn forget(&self, container: &str) -> Result<(), IsolatorError> {
+        let path = self.checkpoint_path(container);
+        checkpoint::remove_durable(&path).map_err(|e| IsolatorError::Checkpoint {
+            container: container.to_string(),
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
+        Ok(())
+    }
+
+    /// Prepare: publishes the container's volumes (ensure-all, per
+    /// provider) and returns one bind mount per volume. On failure nothing
+    /// stays published for it and the error names the volume.
+    #[tracing::instrument(skip(self, config))]
+    pub async fn prepare(
+        &self,
+        container_id: &str,
+        config: ContainerConfig,
+    ) -> Result<LaunchInfo, IsolatorError> {
+        validate_path_component("container id", container_id).map_err(|e| {
+            IsolatorError::InvalidContainerId {
+                container: container_id.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        if slot.is_some() {
+            return Err(IsolatorError::AlreadyPrepared {
+                container: container_id.to_string(),
+            });
+        }
+        let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
+        self.check_writable(container_id, &mounts).await?;
+        let rec = ContainerRecord {
+            format: FORMAT_VERSION,
+            container_id: container_id.to_string(),
+            config,
+            mounts: mounts.clone(),
+            pid: None,
+            host_binds: Vec::new(),
+        };
+        self.persist(&rec)?;
+        if let Err(source) = self.manager.publish(container_id, &rec.config.resources).await {
+            let _ = self.forget(container_id);
+            return Err(IsolatorError::Provider {
+                container: container_id.to_string(),
+                source,
+            });
+        }
+        *slot = Some(rec);
+        Ok(LaunchInfo { mounts })
+    }
+
+    /// Refuses read-write mounts of volumes published read-only or with a
+    /// reader-only access mode.
+    async fn check_writable(&self, container: &str, mounts: &[VolumeMount]) -> Result<(), IsolatorError> {
+        for m in mounts.iter().filter(|m| !m.readonly) {
+            let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) else {
+                continue;
+            };
+            let Some(provider) = self.manager.get(pid) else {
+                continue;
+            };
+            if let Some(rec) = provider.volume(vid).await {
+                let why = if rec.capability.is_reader_only() {
+                    Some(format!("of reader-only access mode {}", rec.capability.access_mode))
+                } else if rec.readonly {
+                    Some("published read-only".to_string())
+                } else {
+                    None
+                };
+                if let Some(why) = why {
+                    return Err(IsolatorError::ReadOnlyVolume {
+                        container: container.to_string(),
+                        volume: vid.clone(),
+                        why,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Isolate: records the container's pid (needed to mount into its
+    /// namespace on update).
+    pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
+            container: container_id.to_string(),
+        })?;
+        rec.pid = Some(pid);
+        self.persist(rec)
+    }
+
+    /// Records mounts made on the host for the container (Docker/OCI path),
+    /// so cleanup unmounts them.
+    pub async fn record_host_binds(&self, container_id: &str, binds: Vec<PathBuf>) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
+            container: container_id.to_string(),
+        })?;
+        rec.host_binds.extend(binds);
+        self.persist(rec)
+    }
+
+    /// Update: new volumes are published first, then mounted into the
+    /// running container's mount namespace; removed ones are unmounted from
+    /// it, then released. On failure the new volumes are unmounted and
+    /// released again and the container keeps its old set.
+    #[tracing::instrument(skip(self, resources))]
+    pub async fn update(&self, container_id: &str, resources: Vec<Resource>) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
+            container: container_id.to_string(),
+        })?;
+        let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
+            container: container_id.to_string(),
+        })?;
+        let mut config = rec.config.clone();
+        config.resources = resources.clone();
+        let new_mounts = volume_mounts(container_id, &config, &resources, &self.work_dir)?;
+        let added: Vec<VolumeMount> = new_mounts.iter().filter(|m| !rec.mounts.contains(m)).cloned().collect();
+        let removed: Vec<VolumeMount> = rec.mounts.iter().filter(|m| !new_mounts.contains(m)).cloned().collect();
+        self.check_writable(container_id, &added).await?;
+        let sandbox_in = self.sandbox_in_container(&config);
+        let has_rootfs = config.rootfs.is_some();
+
+        // Publish the new set (already-used volumes are only re-ensured).
+        let added_resources = resources_of(&resources, &added);
+        self.manager
+            .publish(container_id, &added_resources)
+            .await
+            .map_err(|source| IsolatorError::Provider {
+                container: container_id.to_string(),
+                source,
+            })?;
+        let mut injected: Vec<&VolumeMount> = Vec::new();
+        for m in &added {
+            if let Err(reason) = crate::launcher::inject::mount_into(pid, m, &sandbox_in) {
+                for done in injected.iter().rev() {
+                    let _ = crate::launcher::inject::unmount_from(pid, &done.container_target(&sandbox_in, has_rootfs));
+                }
+                let still_used = resources_of(&rec.config.resources, &rec.mounts);
+                let undo: Vec<Resource> = added_resources.iter().filter(|r| !still_used.contains(r)).cloned().collect();
+                if let Err(e) = self.manager.unpublish(container_id, &undo).await {
+                    tracing::error!(container_id, error = %e, "rollback of update failed");
+                }
+                return Err(IsolatorError::Namespace {
+                    container: container_id.to_string(),
+                    step: "mount",
+                    volume: volume_name(m),
+                    reason: reason.to_string(),
+                });
+            }
+            injected.push(m);
+        }
+        for m in &removed {
+            crate::launcher::inject::unmount_from(pid, &m.container_target(&sandbox_in, has_rootfs)).map_err(
+                |reason| IsolatorError::Namespace {
+                    container: container_id.to_string(),
+                    step: "unmount",
+                    volume: volume_name(m),
+                    reason: reason.to_string(),
+                },
+            )?;
+        }
+        let removed_resources: Vec<Resource> = resources_of(&rec.config.resources, &removed)
+            .into_iter()
+            .filter(|r| !resources.contains(r))
+            .collect();
+        rec.config = config;
+        rec.mounts = new_mounts;
+        self.persist(rec)?;
+        self.manager
+            .unpublish(container_id, &removed_resources)
+            .await
+            .map_err(|source| IsolatorError::Provider {
+                container: container_id.to_string(),
+                source,
+            })
+    }
+
+    fn sandbox_in_container(&self, config: &ContainerConfig) -> PathBuf {
+        if config.rootfs.is_some() {
+            PathBuf::from(SANDBOX_IN_ROOTFS)
+        } else {
+            config.sandbox.clone()
+        }
+    }
+
+    /// Cleanup: unmounts what the isolator mounted on the host for the
+    /// container (bounded EBUSY retries, then a lazy detach) and releases its
+    /// use of every volume (the provider unpublishes on last use).
+    /// Idempotent.
+    #[tracing::instrument(skip(self))]
+    pub async fn cleanup(&self, container_id: &str) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        if let Some(rec) = slot.as_ref() {
+            let mut binds = rec.host_binds.clone();
+            binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
+            for b in binds {
+                unmount_with_retry(&*self.sys, &b, DEFAULT_ATTEMPTS, DEFAULT_DELAY).map_err(|e| {
+                    IsolatorError::Unmount {
+                        container: container_id.to_string(),
+                        path: b.clone(),
+                        reason: e.to_string(),
+                    }
+                })?;
+            }
+        }
+        self.manager
+            .release_container(container_id)
+            .await
+            .map_err(|source| IsolatorError::Provider {
+                container: container_id.to_string(),
+                source,
+            })?;
+        self.forget(container_id)?;
+        *slot = None;
+        drop(slot);
+        self.containers.lock().unwrap().remove(container_id);
+        Ok(())
+    }
+
+    /// Recover: rebuilds from the checkpoints; containers not in `known`
+    /// are cleaned up, and volume uses by containers that exist nowhere are
+    /// released.
+    pub async fn recover(&self, known: &[String]) -> Result<IsolatorRecovery, IsolatorError> {
+        let known: HashSet<&str> = known.iter().map(String::as_str).collect();
+        let mut report = IsolatorRecovery::default();
+        let root = self.checkpoint_root();
+        let mut gone = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            for e in entries.flatten() {
+                let id = e.file_name().to_string_lossy().into_owned();
+                let path = e.path().join("state.json");
+                checkpoint::remove_stale_temps(&e.path());
+                let parsed = std::fs::read(&path)
+                    .map_err(|e| e.to_string())
+                    .and_then(|b| serde_json::from_slice::<ContainerRecord>(&b).map_err(|e| e.to_string()))
+                    .and_then(|r| {
+                        if r.container_id != id {
+                            Err(format!("container id '{}' does not match its directory", r.container_id))
+                        } else if r.format > FORMAT_VERSION {
+                            Err(format!("format {} is newer than this build's {FORMAT_VERSION}", r.format))
+                        } else {
+                            Ok(r)
+                        }
+                    });
+                match parsed {
+                    Ok(rec) => {
+                        *self.entry(&id).lock().await = Some(rec);
+                        if known.contains(id.as_str()) {
+                            report.recovered.push(id);
+                        } else {
+                            gone.push(id);
+                        }
+                    }
+                    Err(reason) if path.exists() => {
+                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                        let _ = checkpoint::set_aside(&path);
+                        report.corrupt.push((path, reason));
+                    }
+                    Err(_) => {
+                        let _ = std::fs::remove_dir(e.path());
+                    }
+                }
+            }
+        }
+        for id in gone {
+            tracing::info!(container_id = %id, "recovery: container is gone; cleaning up");
+            self.cleanup(&id).await?;
+            report.cleaned.push(id);
+        }
+        let live: HashSet<String> = known
+            .iter()
+            .map(|s| s.to_string())
+            .chain(report.recovered.iter().cloned())
+            .collect();
+        for provider in self.manager.providers() {
+            for vol in provider.volumes().await {
+                for user in vol.users.iter().filter(|u| !live.contains(*u)) {
+                    tracing::info!(volume_id = %vol.volume_id, container_id = %user, "recovery: releasing use by a container that is gone");
+                    provider
+                        .release(&vol.volume_id, user)
+                        .await
+                        .map_err(|source| IsolatorError::Provider {
+                            container: user.clone(),
+                            source,
+                        })?;
+                    report.released_uses.push((vol.volume_id.clone(), user.clone()));
+                }
+            }
+        }
+        Ok(report)
+    }
+
+    /// The sandbox-relative and rootfs-relative host paths where mounts of
+    /// this container may live on the host (for status and cleanup checks).
+    pub fn host_targets(rec: &ContainerRecord) -> Vec<PathBuf> {
+        rec.mounts
+            .iter()
+            .map(|m| m.host_target(&rec.config.sandbox, rec.config.rootfs.as_deref()))
+            .collect()
+    }
+}
+
+/// The resources among `all` whose mounts are in `mounts` (same volume,
+/// same container path).
+fn resources_of(all: &[Resource], mounts: &[VolumeMount]) -> Vec<Resource> {
+    all.iter()
+        .filter(|r| {
+            mounts.iter().any(|m| {
+                r.container_path() == Some(m.container_path.as_str())
+                    && r.source_id().map(str::to_string) == m.volume_id
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+fn volume_name(m: &VolumeMount) -> String {
+    m.volume_id.clone().unwrap_or_else(|| m.source.display().to_string())
+}
+
