@@ -18,6 +18,7 @@ pub mod paths;
 mod publish;
 mod recover;
 pub mod state;
+pub mod status;
 pub mod storage;
 pub mod supervisor;
 

@@ -1,0 +1,206 @@
+//! A read-only view of every volume under a work dir, checked against the
+//! mount table: what `csi-isolator status` prints. It reads checkpoints and
+//! `/proc/self/mountinfo` only; it starts no plugin and changes nothing.
+
+use std::collections::{BTreeSet, HashSet};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::mount::{MountError, MountTable};
+use crate::provider::paths::{Layout, STATE_FILE};
+use crate::provider::state::{VolumeRecord, VolumeState};
+
+/// One volume as its checkpoint and the mount table see it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct VolumeStatus {
+    /// `<type>/<name>` of the plugin.
+    pub plugin: String,
+    /// The volume id.
+    pub volume_id: String,
+    /// The CreateVolume name, if any.
+    pub name: Option<String>,
+    /// The recorded state.
+    pub state: VolumeState,
+    /// Containers using it.
+    pub users: BTreeSet<String>,
+    /// Its mount point (the NodePublish target).
+    pub mount_point: PathBuf,
+    /// Whether the mount table has a mount at the mount point.
+    pub mounted: bool,
+    /// Whether the mount table has a mount at the staging path.
+    pub staged: bool,
+    /// What disagrees, if anything.
+    pub disagreement: Option<String>,
+}
+
+/// A state file that could not be read.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct UnreadableState {
+    /// The file.
+    pub path: PathBuf,
+    /// Why.
+    pub reason: String,
+}
+
+/// Everything `status` reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct StatusReport {
+    /// The volumes.
+    pub volumes: Vec<VolumeStatus>,
+    /// State files that could not be read (and files set aside earlier).
+    pub unreadable: Vec<UnreadableState>,
+}
+
+/// Scans `<work_dir>/csi/*/*/volumes/*/volume.state` and compares with `table`.
+pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, MountError> {
+    let csi = work_dir.join("csi");
+    let mounted: HashSet<PathBuf> = table
+        .mounts_under(&csi)?
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    let mut report = StatusReport::default();
+    for (plugin_type, plugin_name) in plugins(&csi) {
+        let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
+        let Ok(entries) = std::fs::read_dir(layout.volumes_dir()) else {
+            continue;
+        };
+        let mut dirs: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        dirs.sort();
+        for dir in dirs {
+            collect_set_aside(&dir, &mut report);
+            let path = dir.join(STATE_FILE);
+            let rec = match std::fs::read(&path) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => Err(e.to_string()),
+                Ok(b) => serde_json::from_slice::<VolumeRecord>(&b).map_err(|e| e.to_string()),
+            };
+            let rec = match rec {
+                Ok(r) => r,
+                Err(reason) => {
+                    report.unreadable.push(UnreadableState { path, reason });
+                    continue;
+                }
+            };
+            let target = layout.target_path(&rec.volume_id);
+            let is_mounted = mounted.contains(&target);
+            let staged = mounted.contains(&layout.staging_path(&rec.volume_id));
+            report.volumes.push(VolumeStatus {
+                plugin: format!("{plugin_type}/{plugin_name}"),
+                disagreement: disagreement(&rec, is_mounted),
+                volume_id: rec.volume_id,
+                name: rec.name,
+                state: rec.state,
+                users: rec.users,
+                mount_point: target,
+                mounted: is_mounted,
+                staged,
+            });
+        }
+    }
+    Ok(report)
+}
+
+fn disagreement(rec: &VolumeRecord, mounted: bool) -> Option<String> {
+    match rec.state {
+        VolumeState::Published if !mounted => {
+            Some("recorded PUBLISHED but nothing is mounted at the mount point".into())
+        }
+        VolumeState::Created | VolumeState::NodeReady | VolumeState::VolReady if mounted => Some(
+            format!("recorded {} but the mount point is mounted", rec.state),
+        ),
+        s if !s.is_steady() => Some(format!(
+            "{s}: an operation is in progress or was interrupted"
+        )),
+        _ if !rec.users.is_empty() && rec.state != VolumeState::Published => {
+            Some("in use but not published".into())
+        }
+        _ => None,
+    }
+}
+
+fn collect_set_aside(dir: &Path, report: &mut StatusReport) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&format!("{STATE_FILE}.corrupt-")) {
+            report.unreadable.push(UnreadableState {
+                path: e.path(),
+                reason: "set aside as corrupt by an earlier recovery".into(),
+            });
+        }
+    }
+}
+
+fn plugins(csi: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let Ok(types) = std::fs::read_dir(csi) else {
+        return out;
+    };
+    for t in types.flatten().filter(|e| e.path().is_dir()) {
+        let Ok(names) = std::fs::read_dir(t.path()) else {
+            continue;
+        };
+        for n in names.flatten().filter(|e| e.path().is_dir()) {
+            out.push((
+                t.file_name().to_string_lossy().into_owned(),
+                n.file_name().to_string_lossy().into_owned(),
+            ));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mount::FakeSyscall;
+    use crate::provider::state::Capability;
+
+    #[test]
+    fn flags_disagreements_with_the_mount_table() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        let write = |id: &str, state: VolumeState, users: &[&str]| {
+            let mut r = VolumeRecord::new(id, Capability::default());
+            r.state = state;
+            r.users = users.iter().map(|s| s.to_string()).collect();
+            let p = layout.state_file(id);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, serde_json::to_vec(&r).unwrap()).unwrap();
+        };
+        write("ok", VolumeState::Published, &["c1"]);
+        write("lost", VolumeState::Published, &["c1"]);
+        write("stray", VolumeState::Created, &[]);
+        write("busy", VolumeState::NodeStage, &["c2"]);
+        std::fs::create_dir_all(layout.volume_dir("bad")).unwrap();
+        std::fs::write(layout.volume_dir("bad").join(STATE_FILE), b"{").unwrap();
+        let table = FakeSyscall::new();
+        table.add_mount("x", &layout.target_path("ok"), "ext4");
+        table.add_mount("x", &layout.target_path("stray"), "ext4");
+        let report = scan(dir.path(), &table).unwrap();
+        let by_id = |id: &str| report.volumes.iter().find(|v| v.volume_id == id).unwrap();
+        assert_eq!(by_id("ok").disagreement, None);
+        assert!(by_id("ok").mounted);
+        assert!(by_id("lost")
+            .disagreement
+            .as_deref()
+            .unwrap()
+            .contains("nothing is mounted"));
+        assert!(by_id("stray")
+            .disagreement
+            .as_deref()
+            .unwrap()
+            .contains("CREATED"));
+        assert!(by_id("busy")
+            .disagreement
+            .as_deref()
+            .unwrap()
+            .contains("interrupted"));
+        assert_eq!(report.unreadable.len(), 1);
+    }
+}
