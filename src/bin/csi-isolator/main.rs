@@ -30,6 +30,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Every volume with its state, users, mount point and what the mount table says.
+    Status(commands::status::StatusArgs),
     /// Create, publish, release, destroy and list volumes of a provider.
     Volume(commands::volume::VolumeArgs),
 }
@@ -49,6 +51,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Status(args) => commands::status::run(&cli.work_dir, args),
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
         }
     });

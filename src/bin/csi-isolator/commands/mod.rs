@@ -1,6 +1,7 @@
 //! One module per verb.
 
 pub mod plugin_args;
+pub mod status;
 pub mod volume;
 
 /// Examples shown by `--help`.

@@ -1,0 +1,55 @@
+//! `csi-isolator status [--json]`: every volume with its state, its users,
+//! its mount point and what the mount table says, disagreements flagged.
+//! Read-only: starts no plugin and changes nothing.
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use clap::Args;
+use csi_isolator::mount::ProcMountTable;
+use csi_isolator::provider::status::scan;
+
+/// `status` options.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs `status`; exits 1 when anything disagrees or cannot be read.
+pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
+    let report = scan(work_dir, &ProcMountTable::new())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{:<40} {:<24} {:<14} {:<20} {:<8} USERS",
+            "PLUGIN", "VOLUME", "NAME", "STATE", "MOUNTED"
+        );
+        for v in &report.volumes {
+            let users: Vec<&str> = v.users.iter().map(String::as_str).collect();
+            println!(
+                "{:<40} {:<24} {:<14} {:<20} {:<8} {}",
+                v.plugin,
+                v.volume_id,
+                v.name.as_deref().unwrap_or("-"),
+                v.state,
+                if v.mounted { "yes" } else { "no" },
+                if users.is_empty() { "-".to_string() } else { users.join(",") }
+            );
+            println!("    mount point: {}", v.mount_point.display());
+            if let Some(d) = &v.disagreement {
+                println!("    ! {d}");
+            }
+        }
+        for u in &report.unreadable {
+            println!("! unreadable state {}: {}", u.path.display(), u.reason);
+        }
+        if report.volumes.is_empty() && report.unreadable.is_empty() {
+            println!("(no volumes under {})", work_dir.display());
+        }
+    }
+    let healthy = report.unreadable.is_empty() && report.volumes.iter().all(|v| v.disagreement.is_none());
+    Ok(if healthy { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
