@@ -520,22 +520,24 @@ impl StorageProvider {
                     .map_err(csi)?;
             }
             Step::NodeUnpublish => {
-                self.client
+                let result = self
+                    .client
                     .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
                         target_path: target.to_string_lossy().into_owned(),
                     })
-                    .await
-                    .map_err(csi)?;
+                    .await;
+                gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
             }
             Step::NodeUnstage => {
-                self.client
+                let result = self
+                    .client
                     .node_unstage_volume(proto::NodeUnstageVolumeRequest {
                         volume_id: rec.volume_id.clone(),
                         staging_target_path: staging.to_string_lossy().into_owned(),
                     })
-                    .await
-                    .map_err(csi)?;
+                    .await;
+                gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
                 remove_dir_if_unmounted(&*self.table, &staging);
             }
             Step::ControllerUnpublish => {
@@ -563,6 +565,23 @@ impl StorageProvider {
             .entry(name.to_string())
             .or_default()
             .clone()
+    }
+}
+
+/// A backward node step answered NOT_FOUND ("volume does not exist"):
+/// there is nothing left to undo on the plugin's side, so the step is done.
+fn gone_is_done<T>(
+    result: Result<T, crate::csi::CsiError>,
+    volume_id: &str,
+    step: Step,
+) -> Result<(), crate::csi::CsiError> {
+    match result {
+        Ok(_) => Ok(()),
+        Err(e) if e.code() == Some(tonic::Code::NotFound) => {
+            tracing::warn!(volume_id, rpc = step.rpc(), error = %e, "the plugin does not know the volume; treating the step as done");
+            Ok(())
+        }
+        Err(e) => Err(e),
     }
 }
 
