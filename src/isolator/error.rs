@@ -38,10 +38,12 @@ pub enum IsolatorError {
         volume: String,
         /// The resource error.
         #[source]
-        source: ResourceError,
+        source: Box<ResourceError>,
     },
     /// A volume target is refused (escapes its root, duplicate, needs a rootfs...).
-    #[error("container '{container}': volume {volume}: container_path '{container_path}': {reason}")]
+    #[error(
+        "container '{container}': volume {volume}: container_path '{container_path}': {reason}"
+    )]
     BadTarget {
         /// The container id.
         container: String,
@@ -69,7 +71,7 @@ pub enum IsolatorError {
         container: String,
         /// The provider error (names the volume, RPC, code and message).
         #[source]
-        source: ProviderError,
+        source: Box<ProviderError>,
     },
     /// The isolator's checkpoint could not be written or read.
     #[error("container '{container}': checkpoint {path}: {reason}")]

@@ -99,8 +99,8 @@ pub enum OciError {
         path: PathBuf,
         /// The sandbox.
         sandbox: PathBuf,
-        /// The mount module's error.
-        source: MountError,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
     },
     /// Cloning the source tree (`open_tree`) or binding it by path failed.
     #[error("volume {volume}: bind source {path}: {source}")]
@@ -109,8 +109,8 @@ pub enum OciError {
         volume: String,
         /// The source path.
         path: PathBuf,
-        /// The mount module's error.
-        source: MountError,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
     },
     /// Making the bind read-only failed.
     #[error("volume {volume}: make bind at {path} read-only: {source}")]
@@ -119,8 +119,8 @@ pub enum OciError {
         volume: String,
         /// The host bind path.
         path: PathBuf,
-        /// The mount module's error.
-        source: MountError,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
     },
     /// Attaching the cloned tree at the target (`move_mount`) failed.
     #[error("volume {volume}: attach bind at {path}: {source}")]
@@ -129,8 +129,8 @@ pub enum OciError {
         volume: String,
         /// The host bind path.
         path: PathBuf,
-        /// The mount module's error.
-        source: MountError,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
     },
     /// A path is not UTF-8 and cannot be written into config.json.
     #[error("volume {volume}: host bind path {path} is not valid UTF-8")]
@@ -145,8 +145,8 @@ pub enum OciError {
     Cleanup {
         /// The sandbox.
         path: PathBuf,
-        /// The mount module's error.
-        source: MountError,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
     },
 }
 
@@ -387,11 +387,11 @@ fn bind_one(
             source,
         })?
         .is_dir();
-    let resolve_err = |source| OciError::ResolveTarget {
+    let resolve_err = |source: MountError| OciError::ResolveTarget {
         volume: p.volume.clone(),
         path: p.relative.clone(),
         sandbox: sandbox.to_path_buf(),
-        source,
+        source: Box::new(source),
     };
     let target = create_in_root(sandbox, &p.relative, !is_dir).map_err(resolve_err)?;
     let host = fd_path(target.as_fd()).map_err(resolve_err)?;
@@ -403,14 +403,14 @@ fn bind_one(
                     .map_err(|source| OciError::SetReadonly {
                         volume: p.volume.clone(),
                         path: host.clone(),
-                        source,
+                        source: Box::new(source),
                     })?;
             }
             sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
                 .map_err(|source| OciError::AttachBind {
                     volume: p.volume.clone(),
                     path: host.clone(),
-                    source,
+                    source: Box::new(source),
                 })?;
         }
         // Kernels before 5.2 lack open_tree: bind onto the resolved fd with
@@ -420,7 +420,7 @@ fn bind_one(
                 .map_err(|source| OciError::BindSource {
                     volume: p.volume.clone(),
                     path: m.source.clone(),
-                    source,
+                    source: Box::new(source),
                 })?;
             if m.readonly {
                 if let Err(source) = sys.remount_bind_readonly(&host) {
@@ -428,7 +428,7 @@ fn bind_one(
                     return Err(OciError::SetReadonly {
                         volume: p.volume.clone(),
                         path: host,
-                        source,
+                        source: Box::new(source),
                     });
                 }
             }
@@ -437,7 +437,7 @@ fn bind_one(
             return Err(OciError::BindSource {
                 volume: p.volume.clone(),
                 path: m.source.clone(),
-                source,
+                source: Box::new(source),
             })
         }
     }
@@ -468,7 +468,7 @@ pub fn cleanup(
     let path = std::fs::canonicalize(sandbox).unwrap_or_else(|_| sandbox.to_path_buf());
     let count = unmount_all_under(sys, table, &path).map_err(|source| OciError::Cleanup {
         path: path.clone(),
-        source,
+        source: Box::new(source),
     })?;
     tracing::debug!(count, "unmounted sandbox mounts");
     Ok(count)

@@ -24,21 +24,29 @@ pub fn volume_mounts(
         let Some(container_path) = r.container_path() else {
             continue;
         };
-        let volume = r.source_id().map(str::to_string).unwrap_or_else(|| r.describe());
+        let volume = r
+            .source_id()
+            .map(str::to_string)
+            .unwrap_or_else(|| r.describe());
         let bad = |reason: &str| IsolatorError::BadTarget {
             container: container.to_string(),
             volume: volume.clone(),
             container_path: container_path.to_string(),
             reason: reason.to_string(),
         };
-        let source = r.host_path(work_dir).map_err(|source| IsolatorError::Resource {
-            container: container.to_string(),
-            volume: volume.clone(),
-            source,
-        })?;
-        let (root, target) = target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
+        let source = r
+            .host_path(work_dir)
+            .map_err(|source| IsolatorError::Resource {
+                container: container.to_string(),
+                volume: volume.clone(),
+                source: Box::new(source),
+            })?;
+        let (root, target) =
+            target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
         if !seen.insert((root, target.clone())) {
-            return Err(bad("another volume of the container is mounted at the same target"));
+            return Err(bad(
+                "another volume of the container is mounted at the same target",
+            ));
         }
         out.push(VolumeMount {
             source,
@@ -99,12 +107,37 @@ mod tests {
     #[test]
     fn targets_table() {
         let ok = |p: &str, rootfs: bool| target_of(p, rootfs).unwrap();
-        assert_eq!(ok("data", false), (TargetRoot::Sandbox, PathBuf::from("data")));
-        assert_eq!(ok("./a/b/../c", false), (TargetRoot::Sandbox, PathBuf::from("a/c")));
-        assert_eq!(ok("/data", true), (TargetRoot::Rootfs, PathBuf::from("data")));
-        assert_eq!(ok("/data", false), (TargetRoot::Host, PathBuf::from("data")));
-        assert_eq!(ok("//x//y/", true), (TargetRoot::Rootfs, PathBuf::from("x/y")));
-        for bad in ["", "..", "../x", "a/../../x", "/..", "/", ".", "/a/../..", "a\0b"] {
+        assert_eq!(
+            ok("data", false),
+            (TargetRoot::Sandbox, PathBuf::from("data"))
+        );
+        assert_eq!(
+            ok("./a/b/../c", false),
+            (TargetRoot::Sandbox, PathBuf::from("a/c"))
+        );
+        assert_eq!(
+            ok("/data", true),
+            (TargetRoot::Rootfs, PathBuf::from("data"))
+        );
+        assert_eq!(
+            ok("/data", false),
+            (TargetRoot::Host, PathBuf::from("data"))
+        );
+        assert_eq!(
+            ok("//x//y/", true),
+            (TargetRoot::Rootfs, PathBuf::from("x/y"))
+        );
+        for bad in [
+            "",
+            "..",
+            "../x",
+            "a/../../x",
+            "/..",
+            "/",
+            ".",
+            "/a/../..",
+            "a\0b",
+        ] {
             assert!(target_of(bad, true).is_err(), "{bad:?}");
         }
     }

@@ -178,11 +178,15 @@ impl VolumeIsolator {
             host_binds: Vec::new(),
         };
         self.persist(&rec)?;
-        if let Err(source) = self.manager.publish(container_id, &rec.config.resources).await {
+        if let Err(source) = self
+            .manager
+            .publish(container_id, &rec.config.resources)
+            .await
+        {
             let _ = self.forget(container_id);
             return Err(IsolatorError::Provider {
                 container: container_id.to_string(),
-                source,
+                source: Box::new(source),
             });
         }
         *slot = Some(rec);
@@ -191,7 +195,11 @@ impl VolumeIsolator {
 
     /// Refuses read-write mounts of volumes published read-only or with a
     /// reader-only access mode.
-    async fn check_writable(&self, container: &str, mounts: &[VolumeMount]) -> Result<(), IsolatorError> {
+    async fn check_writable(
+        &self,
+        container: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<(), IsolatorError> {
         for m in mounts.iter().filter(|m| !m.readonly) {
             let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) else {
                 continue;
@@ -201,7 +209,10 @@ impl VolumeIsolator {
             };
             if let Some(rec) = provider.volume(vid).await {
                 let why = if rec.capability.is_reader_only() {
-                    Some(format!("of reader-only access mode {}", rec.capability.access_mode))
+                    Some(format!(
+                        "of reader-only access mode {}",
+                        rec.capability.access_mode
+                    ))
                 } else if rec.readonly {
                     Some("published read-only".to_string())
                 } else {
@@ -224,21 +235,29 @@ impl VolumeIsolator {
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
-            container: container_id.to_string(),
-        })?;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
         rec.pid = Some(pid);
         self.persist(rec)
     }
 
     /// Records mounts made on the host for the container (Docker/OCI path),
     /// so cleanup unmounts them.
-    pub async fn record_host_binds(&self, container_id: &str, binds: Vec<PathBuf>) -> Result<(), IsolatorError> {
+    pub async fn record_host_binds(
+        &self,
+        container_id: &str,
+        binds: Vec<PathBuf>,
+    ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
-            container: container_id.to_string(),
-        })?;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
         rec.host_binds.extend(binds);
         self.persist(rec)
     }
@@ -248,20 +267,35 @@ impl VolumeIsolator {
     /// it, then released. On failure the new volumes are unmounted and
     /// released again and the container keeps its old set.
     #[tracing::instrument(skip(self, resources))]
-    pub async fn update(&self, container_id: &str, resources: Vec<Resource>) -> Result<(), IsolatorError> {
+    pub async fn update(
+        &self,
+        container_id: &str,
+        resources: Vec<Resource>,
+    ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot.as_mut().ok_or_else(|| IsolatorError::UnknownContainer {
-            container: container_id.to_string(),
-        })?;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
         let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
             container: container_id.to_string(),
         })?;
         let mut config = rec.config.clone();
         config.resources = resources.clone();
         let new_mounts = volume_mounts(container_id, &config, &resources, &self.work_dir)?;
-        let added: Vec<VolumeMount> = new_mounts.iter().filter(|m| !rec.mounts.contains(m)).cloned().collect();
-        let removed: Vec<VolumeMount> = rec.mounts.iter().filter(|m| !new_mounts.contains(m)).cloned().collect();
+        let added: Vec<VolumeMount> = new_mounts
+            .iter()
+            .filter(|m| !rec.mounts.contains(m))
+            .cloned()
+            .collect();
+        let removed: Vec<VolumeMount> = rec
+            .mounts
+            .iter()
+            .filter(|m| !new_mounts.contains(m))
+            .cloned()
+            .collect();
         self.check_writable(container_id, &added).await?;
         let sandbox_in = self.sandbox_in_container(&config);
         let has_rootfs = config.rootfs.is_some();
@@ -273,16 +307,23 @@ impl VolumeIsolator {
             .await
             .map_err(|source| IsolatorError::Provider {
                 container: container_id.to_string(),
-                source,
+                source: Box::new(source),
             })?;
         let mut injected: Vec<&VolumeMount> = Vec::new();
         for m in &added {
             if let Err(reason) = crate::launcher::inject::mount_into(pid, m, &sandbox_in) {
                 for done in injected.iter().rev() {
-                    let _ = crate::launcher::inject::unmount_from(pid, &done.container_target(&sandbox_in, has_rootfs));
+                    let _ = crate::launcher::inject::unmount_from(
+                        pid,
+                        &done.container_target(&sandbox_in, has_rootfs),
+                    );
                 }
                 let still_used = resources_of(&rec.config.resources, &rec.mounts);
-                let undo: Vec<Resource> = added_resources.iter().filter(|r| !still_used.contains(r)).cloned().collect();
+                let undo: Vec<Resource> = added_resources
+                    .iter()
+                    .filter(|r| !still_used.contains(r))
+                    .cloned()
+                    .collect();
                 if let Err(e) = self.manager.unpublish(container_id, &undo).await {
                     tracing::error!(container_id, error = %e, "rollback of update failed");
                 }
@@ -296,14 +337,16 @@ impl VolumeIsolator {
             injected.push(m);
         }
         for m in &removed {
-            crate::launcher::inject::unmount_from(pid, &m.container_target(&sandbox_in, has_rootfs)).map_err(
-                |reason| IsolatorError::Namespace {
-                    container: container_id.to_string(),
-                    step: "unmount",
-                    volume: volume_name(m),
-                    reason: reason.to_string(),
-                },
-            )?;
+            crate::launcher::inject::unmount_from(
+                pid,
+                &m.container_target(&sandbox_in, has_rootfs),
+            )
+            .map_err(|reason| IsolatorError::Namespace {
+                container: container_id.to_string(),
+                step: "unmount",
+                volume: volume_name(m),
+                reason: reason.to_string(),
+            })?;
         }
         let removed_resources: Vec<Resource> = resources_of(&rec.config.resources, &removed)
             .into_iter()
@@ -317,7 +360,7 @@ impl VolumeIsolator {
             .await
             .map_err(|source| IsolatorError::Provider {
                 container: container_id.to_string(),
-                source,
+                source: Box::new(source),
             })
     }
 
@@ -341,13 +384,13 @@ impl VolumeIsolator {
             let mut binds = rec.host_binds.clone();
             binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
             for b in binds {
-                unmount_with_retry(&*self.sys, &b, DEFAULT_ATTEMPTS, DEFAULT_DELAY).map_err(|e| {
-                    IsolatorError::Unmount {
+                unmount_with_retry(&*self.sys, &b, DEFAULT_ATTEMPTS, DEFAULT_DELAY).map_err(
+                    |e| IsolatorError::Unmount {
                         container: container_id.to_string(),
                         path: b.clone(),
                         reason: e.to_string(),
-                    }
-                })?;
+                    },
+                )?;
             }
         }
         self.manager
@@ -355,7 +398,7 @@ impl VolumeIsolator {
             .await
             .map_err(|source| IsolatorError::Provider {
                 container: container_id.to_string(),
-                source,
+                source: Box::new(source),
             })?;
         self.forget(container_id)?;
         *slot = None;
@@ -379,12 +422,20 @@ impl VolumeIsolator {
                 checkpoint::remove_stale_temps(&e.path());
                 let parsed = std::fs::read(&path)
                     .map_err(|e| e.to_string())
-                    .and_then(|b| serde_json::from_slice::<ContainerRecord>(&b).map_err(|e| e.to_string()))
+                    .and_then(|b| {
+                        serde_json::from_slice::<ContainerRecord>(&b).map_err(|e| e.to_string())
+                    })
                     .and_then(|r| {
                         if r.container_id != id {
-                            Err(format!("container id '{}' does not match its directory", r.container_id))
+                            Err(format!(
+                                "container id '{}' does not match its directory",
+                                r.container_id
+                            ))
                         } else if r.format > FORMAT_VERSION {
-                            Err(format!("format {} is newer than this build's {FORMAT_VERSION}", r.format))
+                            Err(format!(
+                                "format {} is newer than this build's {FORMAT_VERSION}",
+                                r.format
+                            ))
                         } else {
                             Ok(r)
                         }
@@ -428,9 +479,11 @@ impl VolumeIsolator {
                         .await
                         .map_err(|source| IsolatorError::Provider {
                             container: user.clone(),
-                            source,
+                            source: Box::new(source),
                         })?;
-                    report.released_uses.push((vol.volume_id.clone(), user.clone()));
+                    report
+                        .released_uses
+                        .push((vol.volume_id.clone(), user.clone()));
                 }
             }
         }
@@ -462,6 +515,7 @@ fn resources_of(all: &[Resource], mounts: &[VolumeMount]) -> Vec<Resource> {
 }
 
 fn volume_name(m: &VolumeMount) -> String {
-    m.volume_id.clone().unwrap_or_else(|| m.source.display().to_string())
+    m.volume_id
+        .clone()
+        .unwrap_or_else(|| m.source.display().to_string())
 }
-
