@@ -1,1 +1,104 @@
-//! Placeholder: filled in by its own change.
+//! The namespace launcher used by `csi-isolator run` and the tests: runs a workload in a new mount namespace
+//! (optionally a new pid namespace too) with its volume mounts applied, optionally pivoted into a rootfs, and
+//! hands back its exit status. [`inject`] mounts into and unmounts from a container that already runs.
+//!
+//! # Contract
+//! [`launch`] returns only once the workload has exec'd with every mount of [`LaunchSpec::mounts`] in place,
+//! or with the error of the first step that failed, naming the step and the volume or path. On failure no
+//! mount is left anywhere: everything was made in a mount namespace that dies with the failed attempt, and
+//! the host's mount table is never changed (`/` is made recursively slave before the first mount). Targets
+//! are resolved by fd inside their root (sandbox, rootfs, or `/` for host targets, which must exist), so a
+//! symlink in the container's filesystem cannot send a mount out of it. stdin, stdout and stderr are
+//! inherited. The workload's cwd is the sandbox (at [`SANDBOX_IN_ROOTFS`] with a rootfs). Its environment
+//! is the launcher's plus [`LaunchSpec::env`]; the program is looked up in that environment's `PATH` (inside
+//! the rootfs, if any) the way `execvp` does (without its `/bin/sh` fallback for `ENOEXEC`).
+//!
+//! # Design: build the namespace on a thread, fork from that thread
+//! The parent is a multi-threaded tokio process. A child forked from it may only do async-signal-safe work
+//! until exec: another thread may have held the allocator's or any other lock at the moment of the fork.
+//! Yet resolving targets by fd and reporting useful errors allocates. And the resolution cannot simply be
+//! done in the parent and handed over as O_PATH fds: an fd opened in the host namespace names a *host*
+//! mount, and after the child's `unshare(CLONE_NEWNS)` the kernel refuses to attach onto a mount of another
+//! namespace (`move_mount` checks that the target mount belongs to the caller's namespace).
+//!
+//! So [`launch`] starts a dedicated thread, and that thread does the whole setup in ordinary Rust:
+//! 1. `unshare(CLONE_NEWNS)`: mount namespaces (and, implied, `CLONE_FS` root/cwd) are per task, so only this
+//!    thread moves into the new namespace; the tokio workers never notice.
+//! 2. `/` made recursively slave: host mount events still flow in, none flow out.
+//! 3. Sandbox volumes: each source cloned as a detached tree (`open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)`),
+//!    made read-only on the detached tree (`mount_setattr`) if asked, the target resolved (and created) by
+//!    fd inside the host sandbox, then `move_mount` onto that fd. Sources are cloned before targets are
+//!    created, so a missing source fails before anything is touched.
+//! 4. With a rootfs: the rootfs bound onto itself (pivot_root needs a mount point), the sandbox bound
+//!    recursively, carrying its volumes, at [`SANDBOX_IN_ROOTFS`] resolved by fd inside the rootfs; then the
+//!    rootfs volumes, resolved inside the rootfs. Without one, host volumes, whose targets must exist.
+//! 5. With a pid namespace, the mount point for the new proc (`<rootfs>/proc` by fd, or `/proc`) is opened.
+//! 6. With a rootfs: `pivot_root(".", ".")` from inside it and a lazy unmount of the old root. pivot_root
+//!    moves the root of every task whose root was the old one *in this namespace*: only this thread.
+//! 7. With a pid namespace: `unshare(CLONE_NEWPID)`, so the next child of this thread is pid 1 there.
+//! 8. fork, from this thread. The child inherits this thread's namespaces, root and cwd. It runs only
+//!    [`exec`]'s child code: reset the signal mask and SIGPIPE, mount a new proc on the prepared fd (it must
+//!    be the child, as proc shows the pid namespace of whoever mounts it), `fchdir` to the prepared cwd fd,
+//!    `execve` each PATH candidate prepared before the fork. Every C string, pointer array and fd was
+//!    prepared before the fork; the child allocates nothing and takes no lock. A failure is written as a
+//!    fixed-size (step, errno) record to a close-on-exec pipe; the thread reads EOF on a successful exec.
+//!
+//! The thread then ends; the namespace lives on with the workload and vanishes with it, or with the
+//! thread if a step failed first. The process's other threads never changed namespace.
+//!
+//! [`launch`] blocks (mount work and waiting for exec): call it from `tokio::task::spawn_blocking` in async
+//! code. [`Launched::wait`] blocks too; [`Launched::wait_async`] waits on a pidfd through tokio's reactor.
+
+pub mod error;
+pub mod exec;
+pub mod inject;
+pub mod process;
+mod setup;
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+pub use error::{LaunchError, VolumeRef};
+pub use process::Launched;
+
+use crate::isolator::launch_info::VolumeMount;
+
+// Intra-doc link target for the docs above.
+#[cfg(doc)]
+use crate::isolator::launch_info::SANDBOX_IN_ROOTFS;
+
+/// What to run, and where.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LaunchSpec {
+    /// The program and its arguments (argv\[0\] is looked up in PATH unless it contains a `/`).
+    pub argv: Vec<OsString>,
+    /// Environment variables added to (and overriding) the inherited environment.
+    pub env: Vec<(OsString, OsString)>,
+    /// The sandbox on the host: the workload's cwd; with a rootfs it is bound at [`SANDBOX_IN_ROOTFS`]
+    /// inside it and the cwd is that.
+    pub sandbox: PathBuf,
+    /// The root filesystem to pivot into (host path), if any.
+    pub rootfs: Option<PathBuf>,
+    /// The volume mounts, parents before children (as `prepare` returns them in `LaunchInfo`).
+    pub mounts: Vec<VolumeMount>,
+    /// Also run the workload as pid 1 of a new pid namespace, with a fresh `/proc`.
+    pub pid_namespace: bool,
+}
+
+/// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place.
+/// Blocking.
+#[tracing::instrument(skip(spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
+pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
+    // Everything the forked child will need, built here, long before the fork.
+    let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env)?;
+    setup::check_roots(spec)?;
+    let launched = std::thread::scope(|scope| {
+        let handle = std::thread::Builder::new()
+            .name("csi-launcher".to_string())
+            .spawn_scoped(scope, || setup::build_and_fork(spec, &plan))
+            .map_err(|source| LaunchError::SpawnThread { source })?;
+        handle.join().map_err(|_| LaunchError::ThreadPanicked)?
+    })?;
+    tracing::info!(pid = launched.pid(), "workload started");
+    Ok(launched)
+}

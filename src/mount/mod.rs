@@ -17,6 +17,7 @@ mod fake;
 mod linux;
 pub mod loopdev;
 mod mountinfo;
+pub mod ns;
 pub mod resolve;
 mod syscall;
 mod unmount;

@@ -3,8 +3,12 @@
 //!
 //! Format (proc(5)): `id parent major:minor root mount_point options [optional fields...] - fstype source
 //! super_options`. The kernel escapes space, tab, newline and backslash in root, mount point and source as
-//! three-digit octal (`\040`, `\011`, `\012`, `\134`); the parser undoes that.
+//! three-digit octal (`\040`, `\011`, `\012`, `\134`); the parser undoes that. Every other byte is
+//! written as is, so a path need not be UTF-8: the table is parsed as bytes, and root and mount point
+//! keep their exact bytes (a non-UTF-8 mount point anywhere in the table must not break readers).
 
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
 use super::MountError;
@@ -135,33 +139,36 @@ impl ProcMountTable {
 impl MountTable for ProcMountTable {
     fn mounts(&self) -> Result<Vec<MountInfo>, MountError> {
         let path = self.path();
-        let text = std::fs::read_to_string(&path)
-            .map_err(|source| MountError::ReadMountInfo { path, source })?;
-        parse_mountinfo(&text)
+        let bytes =
+            std::fs::read(&path).map_err(|source| MountError::ReadMountInfo { path, source })?;
+        parse_mountinfo(bytes)
     }
 }
 
-/// Parses the text of a mountinfo file. Empty lines are skipped; any malformed line fails the whole parse
-/// with [`MountError::ParseMountInfo`] naming that line.
-pub fn parse_mountinfo(text: &str) -> Result<Vec<MountInfo>, MountError> {
-    text.lines()
-        .filter(|l| !l.trim().is_empty())
+/// Parses the contents of a mountinfo file (bytes: paths need not be UTF-8). Empty lines are skipped; any
+/// malformed line fails the whole parse with [`MountError::ParseMountInfo`] naming that line.
+pub fn parse_mountinfo(text: impl AsRef<[u8]>) -> Result<Vec<MountInfo>, MountError> {
+    text.as_ref()
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.trim_ascii().is_empty())
         .map(parse_line)
         .collect()
 }
 
-fn parse_line(line: &str) -> Result<MountInfo, MountError> {
+fn parse_line(line: &[u8]) -> Result<MountInfo, MountError> {
     let bad = |reason: String| MountError::ParseMountInfo {
-        line: line.to_string(),
+        line: String::from_utf8_lossy(line).into_owned(),
         reason,
     };
-    let fields: Vec<&str> = line.split(' ').collect();
+    let fields: Vec<&[u8]> = line.split(|b| *b == b' ').collect();
     if fields.iter().any(|f| f.is_empty()) {
         return Err(bad("empty field (doubled or trailing space)".into()));
     }
+    // Numbers, options and types are ASCII; only root, mount point and source are kept as bytes.
+    let text = |f: &[u8]| String::from_utf8_lossy(f).into_owned();
     let sep = fields
         .iter()
-        .position(|f| *f == "-")
+        .position(|f| *f == b"-")
         .ok_or_else(|| bad("no \"-\" separator".into()))?;
     if sep < 6 {
         return Err(bad(format!(
@@ -174,21 +181,24 @@ fn parse_line(line: &str) -> Result<MountInfo, MountError> {
             fields.len() - sep - 1
         )));
     }
-    let number = |name: &str, s: &str| -> Result<u32, MountError> {
+    let number = |name: &str, s: &[u8]| -> Result<u32, MountError> {
+        let s = text(s);
         s.parse::<u32>()
             .map_err(|e| bad(format!("{name} {s:?}: {e}")))
     };
     let mount_id = number("mount id", fields[0])?;
     let parent_id = number("parent id", fields[1])?;
-    let (major, minor) = fields[2]
+    let device = text(fields[2]);
+    let (major, minor) = device
         .split_once(':')
-        .ok_or_else(|| bad(format!("device {:?} is not major:minor", fields[2])))?;
-    let major = number("major", major)?;
-    let minor = number("minor", minor)?;
-    let root = PathBuf::from(unescape(fields[3]).map_err(|r| bad(format!("root: {r}")))?);
-    let mount_point =
-        PathBuf::from(unescape(fields[4]).map_err(|r| bad(format!("mount point: {r}")))?);
-    let list = |s: &str| s.split(',').map(str::to_string).collect::<Vec<_>>();
+        .ok_or_else(|| bad(format!("device {device:?} is not major:minor")))?;
+    let major = number("major", major.as_bytes())?;
+    let minor = number("minor", minor.as_bytes())?;
+    let path = |f: &[u8]| unescape(f).map(|b| PathBuf::from(OsString::from_vec(b)));
+    let root = path(fields[3]).map_err(|r| bad(format!("root: {r}")))?;
+    let mount_point = path(fields[4]).map_err(|r| bad(format!("mount point: {r}")))?;
+    let source = unescape(fields[sep + 2]).map_err(|r| bad(format!("source: {r}")))?;
+    let list = |s: &[u8]| text(s).split(',').map(str::to_string).collect::<Vec<_>>();
     Ok(MountInfo {
         mount_id,
         parent_id,
@@ -197,19 +207,18 @@ fn parse_line(line: &str) -> Result<MountInfo, MountError> {
         root,
         mount_point,
         mount_options: list(fields[5]),
-        optional_fields: fields[6..sep].iter().map(|s| s.to_string()).collect(),
-        fs_type: fields[sep + 1].to_string(),
-        source: unescape(fields[sep + 2]).map_err(|r| bad(format!("source: {r}")))?,
+        optional_fields: fields[6..sep].iter().map(|s| text(s)).collect(),
+        fs_type: text(fields[sep + 1]),
+        // Sources are device paths or names; a non-UTF-8 one is kept visible, lossily.
+        source: String::from_utf8_lossy(&source).into_owned(),
         super_options: list(fields[sep + 3]),
     })
 }
 
-/// Undoes the kernel's `\ooo` octal escapes (show_mountinfo uses them for " \t\n\\").
-fn unescape(s: &str) -> Result<String, String> {
-    if !s.contains('\\') {
-        return Ok(s.to_string());
-    }
-    let bytes = s.as_bytes();
+/// Undoes the kernel's `\ooo` octal escapes (show_mountinfo uses them for " \t\n\\"), giving the raw
+/// bytes.
+fn unescape(bytes: &[u8]) -> Result<Vec<u8>, String> {
+    let s = || String::from_utf8_lossy(bytes);
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
@@ -217,11 +226,12 @@ fn unescape(s: &str) -> Result<String, String> {
             let digits = bytes
                 .get(i + 1..i + 4)
                 .filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)))
-                .ok_or_else(|| format!("bad escape at byte {i} of {s:?}"))?;
+                .ok_or_else(|| format!("bad escape at byte {i} of {:?}", s()))?;
             let value = digits
                 .iter()
                 .fold(0u32, |acc, d| acc * 8 + u32::from(d - b'0'));
-            let byte = u8::try_from(value).map_err(|_| format!("escape out of range in {s:?}"))?;
+            let byte =
+                u8::try_from(value).map_err(|_| format!("escape out of range in {:?}", s()))?;
             out.push(byte);
             i += 4;
         } else {
@@ -229,68 +239,95 @@ fn unescape(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    // Paths are bytes on Linux; keep invalid UTF-8 visible rather than failing the whole table.
-    Ok(String::from_utf8_lossy(&out).into_owned())
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
 
     #[test]
     fn parses_table() {
         struct Case {
-            line: &'static str,
-            mount_point: &'static str,
-            root: &'static str,
+            line: &'static [u8],
+            mount_point: &'static [u8],
+            root: &'static [u8],
             source: &'static str,
             optional: &'static [&'static str],
             readonly: bool,
         }
         let cases = [
             Case {
-                line: "36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue",
-                mount_point: "/mnt2",
-                root: "/mnt1",
+                line: b"36 35 98:0 /mnt1 /mnt2 rw,noatime master:1 - ext3 /dev/root rw,errors=continue",
+                mount_point: b"/mnt2",
+                root: b"/mnt1",
                 source: "/dev/root",
                 optional: &["master:1"],
                 readonly: false,
             },
             Case {
-                line: "22 1 0:21 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc rw",
-                mount_point: "/proc",
-                root: "/",
+                line: b"22 1 0:21 / /proc rw,nosuid,nodev,noexec,relatime shared:12 - proc proc rw",
+                mount_point: b"/proc",
+                root: b"/",
                 source: "proc",
                 optional: &["shared:12"],
                 readonly: false,
             },
             Case {
-                line: "99 22 8:1 /a\\040b /mnt/with\\040space\\011tab\\012nl\\134bs ro,relatime - ext4 /dev/sd\\040a ro",
-                mount_point: "/mnt/with space\ttab\nnl\\bs",
-                root: "/a b",
+                line: b"99 22 8:1 /a\\040b /mnt/with\\040space\\011tab\\012nl\\134bs ro,relatime - ext4 /dev/sd\\040a ro",
+                mount_point: b"/mnt/with space\ttab\nnl\\bs",
+                root: b"/a b",
                 source: "/dev/sd a",
                 optional: &[],
                 readonly: true,
             },
             Case {
-                line: "100 99 0:50 / /x ro shared:3 master:2 propagate_from:1 unbindable - tmpfs tmpfs rw,size=10k",
-                mount_point: "/x",
-                root: "/",
+                line: b"100 99 0:50 / /x ro shared:3 master:2 propagate_from:1 unbindable - tmpfs tmpfs rw,size=10k",
+                mount_point: b"/x",
+                root: b"/",
                 source: "tmpfs",
                 optional: &["shared:3", "master:2", "propagate_from:1", "unbindable"],
                 readonly: true,
             },
+            // The kernel writes bytes other than " \t\n\\" as they are: not UTF-8 here.
+            Case {
+                line: b"101 22 8:1 /d\xff\xfe /mnt/caf\xe9\\040x rw - ext4 /dev/sda1 rw",
+                mount_point: b"/mnt/caf\xe9 x",
+                root: b"/d\xff\xfe",
+                source: "/dev/sda1",
+                optional: &[],
+                readonly: false,
+            },
         ];
         for c in &cases {
-            let parsed = parse_mountinfo(c.line).unwrap_or_else(|e| panic!("{}: {e}", c.line));
+            let shown = String::from_utf8_lossy(c.line);
+            let parsed = parse_mountinfo(c.line).unwrap_or_else(|e| panic!("{shown}: {e}"));
             assert_eq!(parsed.len(), 1);
             let m = &parsed[0];
-            assert_eq!(m.mount_point, Path::new(c.mount_point), "{}", c.line);
-            assert_eq!(m.root, Path::new(c.root), "{}", c.line);
-            assert_eq!(m.source, c.source, "{}", c.line);
-            assert_eq!(m.optional_fields, c.optional, "{}", c.line);
-            assert_eq!(m.is_readonly(), c.readonly, "{}", c.line);
+            assert_eq!(
+                m.mount_point.as_os_str().as_bytes(),
+                c.mount_point,
+                "{shown}"
+            );
+            assert_eq!(m.root.as_os_str().as_bytes(), c.root, "{shown}");
+            assert_eq!(m.source, c.source, "{shown}");
+            assert_eq!(m.optional_fields, c.optional, "{shown}");
+            assert_eq!(m.is_readonly(), c.readonly, "{shown}");
         }
+    }
+
+    #[test]
+    fn a_non_utf8_line_does_not_break_the_rest_of_the_table() {
+        let mut table = b"22 1 0:21 / /proc rw - proc proc rw\n".to_vec();
+        table.extend_from_slice(b"23 1 8:1 / /mnt/\xff rw - ext4 /dev/sda1 rw\n");
+        table.extend_from_slice(b"24 1 0:22 / /sys rw - sysfs sysfs rw\n");
+        let parsed = parse_mountinfo(&table).unwrap();
+        let points: Vec<&[u8]> = parsed
+            .iter()
+            .map(|m| m.mount_point.as_os_str().as_bytes())
+            .collect();
+        assert_eq!(points, [&b"/proc"[..], b"/mnt/\xff", b"/sys"]);
     }
 
     #[test]

@@ -1,0 +1,413 @@
+//! The one error type of the `launcher` module: one variant per failing step, each naming the volume, path or
+//! process it failed on.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+use nix::errno::Errno;
+use nix::sys::signal::Signal;
+
+use crate::isolator::launch_info::VolumeMount;
+use crate::mount::MountError;
+
+/// Names one volume mount in messages: `volume 'vol-1' at /data in container root /x/rootfs`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeRef {
+    /// The volume id, if the mount has one.
+    pub volume_id: Option<String>,
+    /// The `container_path` as written in the resource.
+    pub container_path: String,
+    /// The root the target is resolved in (host sandbox, rootfs, `/`, or `/proc/<pid>/root`).
+    pub root: PathBuf,
+}
+
+impl VolumeRef {
+    /// The reference for `mount`, resolved in `root`.
+    pub fn new(mount: &VolumeMount, root: impl Into<PathBuf>) -> Self {
+        VolumeRef {
+            volume_id: mount.volume_id.clone(),
+            container_path: mount.container_path.clone(),
+            root: root.into(),
+        }
+    }
+}
+
+impl fmt::Display for VolumeRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.volume_id {
+            Some(id) => write!(f, "volume '{id}'")?,
+            None => f.write_str("volume")?,
+        }
+        write!(
+            f,
+            " at {} in container root {}",
+            self.container_path,
+            self.root.display()
+        )
+    }
+}
+
+/// Every way launching a container, or mounting into a running one, can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The spec has no program to run.
+    #[error("launch: empty command")]
+    EmptyCommand,
+    /// An argument, environment entry or path cannot be passed to the kernel.
+    #[error("launch: {what} contains a NUL byte: {value:?}")]
+    NulByte {
+        /// Which kind of string (argument, environment, path).
+        what: &'static str,
+        /// The offending value.
+        value: OsString,
+    },
+    /// An environment variable name is empty or contains `=`.
+    #[error("launch: invalid environment variable name {name:?}")]
+    InvalidEnvName {
+        /// The offending name.
+        name: OsString,
+    },
+    /// A mount's root does not fit the container (a host target with a rootfs, a rootfs target without).
+    #[error("mount {at}: {reason}")]
+    RootMismatch {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// What does not fit.
+        reason: &'static str,
+    },
+    /// The dedicated launcher thread could not be started.
+    #[error("spawn the launcher thread: {source}")]
+    SpawnThread {
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The dedicated launcher thread panicked.
+    #[error("the launcher thread panicked")]
+    ThreadPanicked,
+    /// `unshare` failed.
+    #[error("unshare {namespace}: {errno}")]
+    Unshare {
+        /// What was unshared (`mount namespace`, `pid namespace`, `fs`).
+        namespace: &'static str,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Making `/` recursively slave in the new mount namespace failed.
+    #[error("make / recursively slave: {source}")]
+    MakeRootSlave {
+        /// The mount error.
+        source: MountError,
+    },
+    /// Cloning the volume's source tree (open_tree) failed.
+    #[error("mount {at}: clone source {source_path}: {source}")]
+    CloneSource {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The host source.
+        source_path: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Making the detached tree (or the bind mount) read-only failed.
+    #[error("mount {at}: make read-only: {source}")]
+    SetReadonly {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Resolving (and creating) the target inside its root failed.
+    #[error("mount {at}: resolve target: {source}")]
+    ResolveTarget {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Attaching the tree onto the target (move_mount, or the bind fallback) failed.
+    #[error("mount {at}: attach: {source}")]
+    Attach {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Binding the rootfs onto itself (pivot_root needs a mount point) failed.
+    #[error("bind rootfs {rootfs} onto itself: {source}")]
+    BindRootfs {
+        /// The rootfs.
+        rootfs: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Binding the sandbox at [`crate::isolator::launch_info::SANDBOX_IN_ROOTFS`] in the rootfs failed.
+    #[error(
+        "bind sandbox {sandbox} at {} in rootfs {rootfs}: {source}",
+        crate::isolator::launch_info::SANDBOX_IN_ROOTFS
+    )]
+    BindSandbox {
+        /// The host sandbox.
+        sandbox: PathBuf,
+        /// The rootfs.
+        rootfs: PathBuf,
+        /// The mount error (boxed: keeps the error small).
+        source: Box<MountError>,
+    },
+    /// Opening a directory the child needs (its cwd, the `/proc` mount point) failed.
+    #[error("open {what} {path}: {source}")]
+    OpenDir {
+        /// Which directory.
+        what: &'static str,
+        /// Its path.
+        path: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Changing into a directory in the launcher thread failed.
+    #[error("chdir to {path}: {errno}")]
+    Chdir {
+        /// The directory.
+        path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// pivot_root into the rootfs failed.
+    #[error("pivot_root into {rootfs}: {source}")]
+    PivotRoot {
+        /// The rootfs.
+        rootfs: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Detaching the old root after pivot_root failed.
+    #[error("detach the old root after pivot_root into {rootfs}: {source}")]
+    DetachOldRoot {
+        /// The rootfs.
+        rootfs: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Creating the child's status pipe failed.
+    #[error("create the exec status pipe: {errno}")]
+    Pipe {
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// fork failed.
+    #[error("fork {program:?}: {errno}")]
+    Fork {
+        /// The program.
+        program: OsString,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Reading the child's status pipe failed.
+    #[error("read the exec status of pid {pid}: {errno}")]
+    ReadStatus {
+        /// The child.
+        pid: u32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The child could not reset its signal mask.
+    #[error("child: reset the signal mask: {errno}")]
+    ChildSignals {
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The child could not mount `/proc` for its new pid namespace.
+    #[error("child: mount proc at {path}: {errno}")]
+    ChildMountProc {
+        /// The mount point, as the container sees it.
+        path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The child could not change into its working directory.
+    #[error("child: chdir to {path}: {errno}")]
+    ChildChdir {
+        /// The working directory, as the container sees it.
+        path: PathBuf,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The child's exec failed (for every PATH candidate).
+    #[error("exec {program:?}: {errno}")]
+    Exec {
+        /// The program as given (argv\[0\]).
+        program: OsString,
+        /// The kernel's answer (EACCES if any candidate said so, else the last one).
+        errno: Errno,
+    },
+    /// The child reported a step this launcher does not know (a bug).
+    #[error("child reported unknown step {step}: {errno}")]
+    UnknownChildStep {
+        /// The raw step code.
+        step: u32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// waitpid failed.
+    #[error("wait for pid {pid}: {errno}")]
+    Wait {
+        /// The child.
+        pid: u32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Sending a signal failed.
+    #[error("send {signal} to pid {pid}: {errno}")]
+    Kill {
+        /// The child.
+        pid: u32,
+        /// The signal.
+        signal: Signal,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The child was already reaped: its pid may belong to another process now.
+    #[error("pid {pid} was already reaped")]
+    Reaped {
+        /// The child.
+        pid: u32,
+    },
+    /// Opening `/proc/<pid>/ns/mnt` failed.
+    #[error("open the mount namespace of pid {pid}: {errno}")]
+    OpenNamespace {
+        /// The container's process.
+        pid: u32,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Opening the container's sandbox inside its root failed.
+    #[error("open sandbox {sandbox} inside the root of pid {pid}: {source}")]
+    OpenSandbox {
+        /// The container's process.
+        pid: u32,
+        /// The sandbox as the container sees it.
+        sandbox: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Entering the container's mount namespace failed.
+    #[error("enter the mount namespace of pid {pid}: {source}")]
+    EnterNamespace {
+        /// The container's process.
+        pid: u32,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Unmounting from a running container failed.
+    #[error("unmount {target} in the mount namespace of pid {pid}: {source}")]
+    Unmount {
+        /// The container's process.
+        pid: u32,
+        /// The mount point, as the container sees it.
+        target: PathBuf,
+        /// The mount error.
+        source: MountError,
+    },
+}
+
+impl LaunchError {
+    /// The kernel errno behind this error, if there is one.
+    pub fn errno(&self) -> Option<Errno> {
+        match self {
+            LaunchError::Unshare { errno, .. }
+            | LaunchError::Chdir { errno, .. }
+            | LaunchError::Pipe { errno }
+            | LaunchError::Fork { errno, .. }
+            | LaunchError::ReadStatus { errno, .. }
+            | LaunchError::ChildSignals { errno }
+            | LaunchError::ChildMountProc { errno, .. }
+            | LaunchError::ChildChdir { errno, .. }
+            | LaunchError::Exec { errno, .. }
+            | LaunchError::UnknownChildStep { errno, .. }
+            | LaunchError::Wait { errno, .. }
+            | LaunchError::Kill { errno, .. }
+            | LaunchError::OpenNamespace { errno, .. } => Some(*errno),
+            LaunchError::MakeRootSlave { source }
+            | LaunchError::CloneSource { source, .. }
+            | LaunchError::SetReadonly { source, .. }
+            | LaunchError::ResolveTarget { source, .. }
+            | LaunchError::Attach { source, .. }
+            | LaunchError::BindRootfs { source, .. }
+            | LaunchError::OpenDir { source, .. }
+            | LaunchError::PivotRoot { source, .. }
+            | LaunchError::DetachOldRoot { source, .. }
+            | LaunchError::OpenSandbox { source, .. }
+            | LaunchError::EnterNamespace { source, .. }
+            | LaunchError::Unmount { source, .. } => source.errno(),
+            LaunchError::BindSandbox { source, .. } => source.errno(),
+            LaunchError::SpawnThread { source } => source.raw_os_error().map(Errno::from_raw),
+            LaunchError::EmptyCommand
+            | LaunchError::NulByte { .. }
+            | LaunchError::InvalidEnvName { .. }
+            | LaunchError::RootMismatch { .. }
+            | LaunchError::ThreadPanicked
+            | LaunchError::Reaped { .. } => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolator::launch_info::TargetRoot;
+
+    fn mount(id: Option<&str>) -> VolumeMount {
+        VolumeMount {
+            source: PathBuf::from("/src"),
+            root: TargetRoot::Rootfs,
+            target: PathBuf::from("data"),
+            container_path: "/data".to_string(),
+            readonly: false,
+            volume_id: id.map(str::to_string),
+            provider_id: None,
+        }
+    }
+
+    #[test]
+    fn messages_name_the_step_and_the_volume() {
+        let cases = [
+            (
+                LaunchError::ResolveTarget {
+                    at: Box::new(VolumeRef::new(&mount(Some("vol-1")), "/x/rootfs")),
+                    source: MountError::Resolve {
+                        step: "openat2",
+                        root: PathBuf::from("/x/rootfs"),
+                        path: PathBuf::from("data"),
+                        errno: Errno::ELOOP,
+                    },
+                },
+                "mount volume 'vol-1' at /data in container root /x/rootfs: resolve target: \
+                 resolve data inside /x/rootfs: openat2: ELOOP",
+            ),
+            (
+                LaunchError::Attach {
+                    at: Box::new(VolumeRef::new(&mount(None), "/")),
+                    source: MountError::MoveMount {
+                        from: 3,
+                        to: 4,
+                        errno: Errno::EINVAL,
+                    },
+                },
+                "mount volume at /data in container root /: attach: move_mount fd 3 onto fd 4: EINVAL",
+            ),
+            (
+                LaunchError::Exec {
+                    program: OsString::from("nope"),
+                    errno: Errno::ENOENT,
+                },
+                "exec \"nope\": ENOENT",
+            ),
+        ];
+        for (error, want) in cases {
+            let got = error.to_string();
+            assert!(got.starts_with(want), "got {got:?}, want prefix {want:?}");
+            assert!(error.errno().is_some());
+        }
+    }
+}

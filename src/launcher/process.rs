@@ -1,0 +1,154 @@
+//! [`Launched`]: a running workload, waited for either by blocking ([`Launched::wait`], for
+//! `spawn_blocking` or plain threads) or asynchronously on a pidfd ([`Launched::wait_async`], inside a tokio
+//! runtime).
+//!
+//! Contract: the workload is our child and stays unreaped until one of the wait calls sees it exit, so its
+//! pid cannot be recycled while a [`Launched`] may still signal it; after it is reaped, [`Launched::kill`]
+//! refuses. Dropping a [`Launched`] neither kills nor reaps the workload (like `std::process::Child`).
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
+
+use nix::errno::Errno;
+use nix::sys::signal::Signal;
+use nix::unistd::Pid;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+use super::LaunchError;
+
+/// `pidfd_open(pid, 0)`: an fd that polls readable once process `pid` has exited (Linux 5.3+).
+fn pidfd_open(pid: Pid) -> Result<OwnedFd, Errno> {
+    // SAFETY: pidfd_open(pid_t pid, unsigned flags) takes two integers and returns a new fd or -1.
+    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
+    if ret < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: on success pidfd_open returns a new fd (close-on-exec) that nothing else owns.
+    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(ret as libc::c_int) })
+}
+
+/// A workload started by [`super::launch`].
+#[derive(Debug)]
+pub struct Launched {
+    pid: Pid,
+    pidfd: Option<OwnedFd>,
+    status: Option<ExitStatus>,
+}
+
+impl Launched {
+    /// Wraps our unreaped child `pid`.
+    pub(crate) fn new(pid: Pid) -> Launched {
+        // Without pidfd (old kernels) wait_async falls back to polling.
+        let pidfd = pidfd_open(pid).ok();
+        Launched {
+            pid,
+            pidfd,
+            status: None,
+        }
+    }
+
+    /// The workload's pid, in the launcher's pid namespace (with `pid_namespace` it is 1 inside).
+    pub fn pid(&self) -> u32 {
+        self.pid.as_raw() as u32
+    }
+
+    /// The exit status, if the workload was already reaped.
+    pub fn status(&self) -> Option<ExitStatus> {
+        self.status
+    }
+
+    fn waitpid(&mut self, options: libc::c_int) -> Result<Option<ExitStatus>, LaunchError> {
+        if let Some(status) = self.status {
+            return Ok(Some(status));
+        }
+        loop {
+            let mut raw: libc::c_int = 0;
+            // SAFETY: waitpid(pid, int *status, options): `raw` is a live, writable int.
+            let ret = unsafe { libc::waitpid(self.pid.as_raw(), &mut raw, options) };
+            if ret == self.pid.as_raw() {
+                let status = ExitStatus::from_raw(raw);
+                self.status = Some(status);
+                return Ok(Some(status));
+            }
+            if ret == 0 {
+                return Ok(None);
+            }
+            match Errno::last() {
+                Errno::EINTR => continue,
+                errno => {
+                    return Err(LaunchError::Wait {
+                        pid: self.pid(),
+                        errno,
+                    })
+                }
+            }
+        }
+    }
+
+    /// Blocks until the workload exits and returns its status (`code()` for an exit, `signal()` for a
+    /// kill). In async code call it through `tokio::task::spawn_blocking`, or use [`Launched::wait_async`].
+    pub fn wait(&mut self) -> Result<ExitStatus, LaunchError> {
+        Ok(self
+            .waitpid(0)?
+            .expect("waitpid without WNOHANG returns a status"))
+    }
+
+    /// The status if the workload has exited, without blocking.
+    pub fn try_wait(&mut self) -> Result<Option<ExitStatus>, LaunchError> {
+        self.waitpid(libc::WNOHANG)
+    }
+
+    /// Waits for the workload without blocking a runtime thread: the pidfd is registered with tokio's
+    /// reactor (must be called inside a tokio runtime). Polls every 20 ms on kernels without pidfd.
+    pub async fn wait_async(&mut self) -> Result<ExitStatus, LaunchError> {
+        loop {
+            if let Some(status) = self.try_wait()? {
+                return Ok(status);
+            }
+            let registered = self
+                .pidfd
+                .as_ref()
+                .and_then(|fd| fd.try_clone().ok())
+                .and_then(|fd| {
+                    // SAFETY: the AsyncFd owns this OwnedFd (a dup of our pidfd), so the fd stays open and
+                    // names the same pidfd until the AsyncFd, and the registration with it, is dropped.
+                    unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }.ok()
+                });
+            match registered {
+                Some(pidfd) => {
+                    let mut guard = pidfd.readable().await.map_err(|e| LaunchError::Wait {
+                        pid: self.pid(),
+                        errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
+                    })?;
+                    guard.retain_ready();
+                    // The pidfd is readable once the process has exited: reap it now.
+                    if let Some(status) = self.try_wait()? {
+                        return Ok(status);
+                    }
+                    tracing::debug!(
+                        pid = self.pid(),
+                        fd = pidfd.get_ref().as_raw_fd(),
+                        "pidfd readable before exit status"
+                    );
+                }
+                None => tokio::time::sleep(std::time::Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    /// Sends `signal` to the workload. Refused once it has been reaped (its pid may be someone else's by
+    /// then). Note that pid 1 of a pid namespace only receives, from here, SIGKILL, SIGSTOP and signals it
+    /// installed a handler for.
+    pub fn kill(&self, signal: Signal) -> Result<(), LaunchError> {
+        if self.status.is_some() {
+            return Err(LaunchError::Reaped { pid: self.pid() });
+        }
+        nix::sys::signal::kill(self.pid, signal).map_err(|errno| LaunchError::Kill {
+            pid: self.pid(),
+            signal,
+            errno,
+        })
+    }
+}

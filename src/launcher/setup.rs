@@ -1,0 +1,458 @@
+//! The launcher thread: builds the container's mount namespace on a dedicated thread, then forks the
+//! workload from that thread (see the module doc of [`super`] for why).
+
+use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::unistd::Pid;
+
+use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
+use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
+use crate::isolator::launch_info::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::mount::{self, ns, MountError, Propagation, Syscall};
+
+/// An O_PATH, close-on-exec fd of a trusted host directory.
+fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
+    nix::fcntl::open(
+        path,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map_err(|errno| MountError::Resolve {
+        step: "open",
+        root: path.to_path_buf(),
+        path: PathBuf::new(),
+        errno,
+    })
+}
+
+/// `/proc/self/fd/N`: a path naming exactly the object `fd` holds (path-based calls use it).
+pub(crate) fn fd_link(fd: BorrowedFd<'_>) -> PathBuf {
+    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+}
+
+/// Whether the target should be created as a file (the source is not a directory: a file or device node).
+fn target_is_file(source: &Path) -> bool {
+    std::fs::metadata(source)
+        .map(|m| !m.is_dir())
+        .unwrap_or(false)
+}
+
+/// How a volume's target is found inside its root.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Resolve {
+    /// Create missing directories (or the final file) inside the root.
+    Create,
+    /// The target must exist (host targets: nothing is created on the host).
+    Existing,
+}
+
+/// A detached copy of a volume's source tree, read-only already if asked and the kernel can do it early.
+pub(crate) struct DetachedTree {
+    tree: Option<OwnedFd>,
+    readonly_pending: bool,
+}
+
+/// Step 1 of a mount, in the namespace the source lives in: `open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)` and,
+/// for read-only mounts, `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels
+/// without the new mount API (ENOSYS) the tree is left to the bind fallback of [`attach`].
+pub(crate) fn clone_source(
+    sys: &dyn Syscall,
+    mount: &VolumeMount,
+    at: &VolumeRef,
+) -> Result<DetachedTree, LaunchError> {
+    let tree = match sys.open_tree_clone(&mount.source, true) {
+        Ok(tree) => tree,
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => {
+            // Still fail early, and before anything is created, when the source is missing.
+            std::fs::symlink_metadata(&mount.source).map_err(|_| LaunchError::CloneSource {
+                at: Box::new(at.clone()),
+                source_path: mount.source.clone(),
+                source: e,
+            })?;
+            return Ok(DetachedTree {
+                tree: None,
+                readonly_pending: mount.readonly,
+            });
+        }
+        Err(source) => {
+            return Err(LaunchError::CloneSource {
+                at: Box::new(at.clone()),
+                source_path: mount.source.clone(),
+                source,
+            })
+        }
+    };
+    let mut readonly_pending = false;
+    if mount.readonly {
+        match sys.set_readonly_by_fd(tree.as_fd(), true) {
+            Ok(()) => {}
+            // open_tree without mount_setattr (5.2 to 5.11): remount after attaching.
+            Err(e) if e.errno() == Some(Errno::ENOSYS) => readonly_pending = true,
+            Err(source) => {
+                return Err(LaunchError::SetReadonly {
+                    at: Box::new(at.clone()),
+                    source,
+                })
+            }
+        }
+    }
+    Ok(DetachedTree {
+        tree: Some(tree),
+        readonly_pending,
+    })
+}
+
+/// Step 2: the target, resolved by fd inside `root` (created there if asked).
+pub(crate) fn resolve_target(
+    mount: &VolumeMount,
+    root: &Path,
+    how: Resolve,
+    at: &VolumeRef,
+) -> Result<OwnedFd, LaunchError> {
+    match how {
+        Resolve::Create => {
+            mount::create_in_root(root, &mount.target, target_is_file(&mount.source))
+        }
+        Resolve::Existing => mount::open_in_root(root, &mount.target),
+    }
+    .map_err(|source| LaunchError::ResolveTarget {
+        at: Box::new(at.clone()),
+        source,
+    })
+}
+
+/// Step 3, in the namespace the target lives in: `move_mount` of the detached tree onto the target fd; or,
+/// without the new mount API, a recursive bind onto `/proc/self/fd/<target>` and a read-only remount.
+pub(crate) fn attach(
+    sys: &dyn Syscall,
+    mount: &VolumeMount,
+    clone: DetachedTree,
+    target: BorrowedFd<'_>,
+    at: &VolumeRef,
+) -> Result<(), LaunchError> {
+    let attach_err = |source| LaunchError::Attach {
+        at: Box::new(at.clone()),
+        source,
+    };
+    let ro_err = |source| LaunchError::SetReadonly {
+        at: Box::new(at.clone()),
+        source,
+    };
+    match clone.tree {
+        Some(tree) => {
+            sys.move_mount_to_fd(tree.as_fd(), target)
+                .map_err(attach_err)?;
+            if clone.readonly_pending {
+                // The tree fd now names the attached mount's root.
+                sys.remount_bind_readonly(&fd_link(tree.as_fd()))
+                    .map_err(ro_err)?;
+            }
+        }
+        None => {
+            sys.bind_mount_to_fd(&mount.source, target, true)
+                .map_err(attach_err)?;
+            if clone.readonly_pending {
+                // The target fd still names the covered directory; its path now leads to the new mount.
+                let path = mount::fd_path(target).map_err(ro_err)?;
+                let top = open_dir(&path)
+                    .or_else(|_| {
+                        nix::fcntl::open(
+                            &path,
+                            OFlag::O_PATH | OFlag::O_CLOEXEC,
+                            nix::sys::stat::Mode::empty(),
+                        )
+                        .map_err(|errno| MountError::Resolve {
+                            step: "open",
+                            root: path.clone(),
+                            path: PathBuf::new(),
+                            errno,
+                        })
+                    })
+                    .map_err(ro_err)?;
+                sys.remount_bind_readonly(&fd_link(top.as_fd()))
+                    .map_err(ro_err)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One volume mount, all three steps in the calling thread's namespace.
+fn apply(
+    sys: &dyn Syscall,
+    mount: &VolumeMount,
+    root: &Path,
+    how: Resolve,
+) -> Result<(), LaunchError> {
+    let at = VolumeRef::new(mount, root);
+    let clone = clone_source(sys, mount, &at)?;
+    let target = resolve_target(mount, root, how, &at)?;
+    attach(sys, mount, clone, target.as_fd(), &at)?;
+    tracing::debug!(
+        volume_id = mount.volume_id.as_deref().unwrap_or("-"),
+        container_path = %mount.container_path,
+        root = %root.display(),
+        readonly = mount.readonly,
+        "volume mounted"
+    );
+    Ok(())
+}
+
+/// `open_tree` + `move_mount` of `source` onto the fd `target`; returns the attached tree's fd (it names
+/// the new mount's root).
+fn bind_tree(
+    sys: &dyn Syscall,
+    source: &Path,
+    target: BorrowedFd<'_>,
+) -> Result<OwnedFd, MountError> {
+    let tree = sys.open_tree_clone(source, true)?;
+    sys.move_mount_to_fd(tree.as_fd(), target)?;
+    Ok(tree)
+}
+
+/// Checks that every mount's root fits the container before anything is touched.
+pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
+    for m in &spec.mounts {
+        let reason = match (m.root, spec.rootfs.is_some()) {
+            (TargetRoot::Host, true) => "a host target cannot be used with a rootfs",
+            (TargetRoot::Rootfs, false) => "a rootfs target needs a rootfs",
+            _ => continue,
+        };
+        let root = spec.rootfs.clone().unwrap_or_else(|| PathBuf::from("/"));
+        return Err(LaunchError::RootMismatch {
+            at: Box::new(VolumeRef::new(m, root)),
+            reason,
+        });
+    }
+    Ok(())
+}
+
+/// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
+/// allocate, except the forked child (see [`exec::run_child`]).
+pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launched, LaunchError> {
+    let sys = crate::mount::LinuxSyscall::new();
+    ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
+        namespace: "mount namespace",
+        errno,
+    })?;
+    // From here on nothing we mount propagates back to the host; host mounts still propagate in.
+    sys.set_propagation(Path::new("/"), Propagation::Slave, true)
+        .map_err(|source| LaunchError::MakeRootSlave { source })?;
+
+    // Sandbox volumes go onto the host sandbox first, so that the recursive bind of the sandbox into the
+    // rootfs below carries them along.
+    for m in spec.mounts.iter().filter(|m| m.root == TargetRoot::Sandbox) {
+        apply(&sys, m, &spec.sandbox, Resolve::Create)?;
+    }
+
+    let mut cwd: Option<OwnedFd> = None;
+    if let Some(rootfs) = &spec.rootfs {
+        // pivot_root needs the new root to be a mount point.
+        let rootfs_fd = open_dir(rootfs).map_err(|source| LaunchError::BindRootfs {
+            rootfs: rootfs.clone(),
+            source,
+        })?;
+        bind_tree(&sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
+            rootfs: rootfs.clone(),
+            source,
+        })?;
+        // Resolved by fd in the (now bound) rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
+        let bind_sandbox = || -> Result<OwnedFd, MountError> {
+            let target = mount::create_in_root(rootfs, Path::new(SANDBOX_IN_ROOTFS), false)?;
+            bind_tree(&sys, &spec.sandbox, target.as_fd())
+        };
+        let sandbox_tree = bind_sandbox().map_err(|source| LaunchError::BindSandbox {
+            sandbox: spec.sandbox.clone(),
+            rootfs: rootfs.clone(),
+            source: Box::new(source),
+        })?;
+        cwd = Some(sandbox_tree);
+    }
+    for m in spec.mounts.iter().filter(|m| m.root != TargetRoot::Sandbox) {
+        match (m.root, &spec.rootfs) {
+            (TargetRoot::Rootfs, Some(rootfs)) => apply(&sys, m, rootfs, Resolve::Create)?,
+            (TargetRoot::Host, None) => apply(&sys, m, Path::new("/"), Resolve::Existing)?,
+            // Refused up front by check_roots; refuse again rather than guess.
+            _ => check_roots(spec)?,
+        }
+    }
+
+    // The new proc must show the new pid namespace, so the child mounts it; its mount point is resolved
+    // here, by fd (inside the rootfs, or the namespace's own /proc without one).
+    let proc_dir = if spec.pid_namespace {
+        let fd = match &spec.rootfs {
+            Some(rootfs) => mount::create_in_root(rootfs, Path::new("proc"), false),
+            None => open_dir(Path::new("/proc")),
+        };
+        Some(fd.map_err(|source| LaunchError::OpenDir {
+            what: "proc mount point",
+            path: match &spec.rootfs {
+                Some(rootfs) => rootfs.join("proc"),
+                None => PathBuf::from("/proc"),
+            },
+            source,
+        })?)
+    } else {
+        None
+    };
+    let (cwd, cwd_shown) = match cwd {
+        Some(fd) => (fd, PathBuf::from(SANDBOX_IN_ROOTFS)),
+        None => (
+            open_dir(&spec.sandbox).map_err(|source| LaunchError::OpenDir {
+                what: "sandbox",
+                path: spec.sandbox.clone(),
+                source,
+            })?,
+            spec.sandbox.clone(),
+        ),
+    };
+
+    if let Some(rootfs) = &spec.rootfs {
+        pivot(&sys, rootfs)?;
+    }
+    if spec.pid_namespace {
+        ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
+            namespace: "pid namespace",
+            errno,
+        })?;
+    }
+    fork_exec(plan, proc_dir, cwd, cwd_shown)
+}
+
+/// pivot_root into the (self-bound) rootfs, the way pivot_root(2) suggests: change into it,
+/// `pivot_root(".", ".")` stacks the old root on top of it, and a lazy unmount of "." drops the old root.
+/// Only this thread's root and cwd change: nothing else lives in this mount namespace.
+fn pivot(sys: &dyn Syscall, rootfs: &Path) -> Result<(), LaunchError> {
+    nix::unistd::chdir(rootfs).map_err(|errno| LaunchError::Chdir {
+        path: rootfs.to_path_buf(),
+        errno,
+    })?;
+    sys.pivot_root(Path::new("."), Path::new("."))
+        .map_err(|source| LaunchError::PivotRoot {
+            rootfs: rootfs.to_path_buf(),
+            source,
+        })?;
+    sys.unmount(Path::new("."), true)
+        .map_err(|source| LaunchError::DetachOldRoot {
+            rootfs: rootfs.to_path_buf(),
+            source,
+        })?;
+    nix::unistd::chdir("/").map_err(|errno| LaunchError::Chdir {
+        path: PathBuf::from("/"),
+        errno,
+    })
+}
+
+/// Forks the workload from this thread and waits until it has exec'd (the status pipe closes) or reported
+/// why it could not.
+fn fork_exec(
+    plan: &ExecPlan,
+    proc_dir: Option<OwnedFd>,
+    cwd: OwnedFd,
+    cwd_shown: PathBuf,
+) -> Result<Launched, LaunchError> {
+    let (read_end, write_end) =
+        nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|errno| LaunchError::Pipe { errno })?;
+    let child_plan = ChildPlan::new(plan, proc_dir, cwd, write_end);
+
+    // SAFETY: fork in a multi-threaded process: the child only runs exec::run_child, which makes raw,
+    // async-signal-safe syscalls on data prepared above (no allocation, no locks) and ends in execve or
+    // _exit.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(LaunchError::Fork {
+            program: OsString::from(plan.program()),
+            errno: Errno::last(),
+        });
+    }
+    if pid == 0 {
+        exec::run_child(&child_plan);
+    }
+    let pid = Pid::from_raw(pid);
+    drop(child_plan);
+
+    let mut record = [0u8; REPORT_LEN];
+    let mut got = 0;
+    while got < REPORT_LEN {
+        match nix::unistd::read(&read_end, &mut record[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(Errno::EINTR) => continue,
+            Err(errno) => {
+                // Do not leave a half-started workload behind.
+                let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+                let _ = nix::sys::wait::waitpid(pid, None);
+                return Err(LaunchError::ReadStatus {
+                    pid: pid.as_raw() as u32,
+                    errno,
+                });
+            }
+        }
+    }
+    if got == 0 {
+        return Ok(Launched::new(pid));
+    }
+    // The child failed before exec and is exiting: reap it, then report why.
+    let _ = nix::sys::wait::waitpid(pid, None);
+    if got < REPORT_LEN {
+        return Err(LaunchError::ReadStatus {
+            pid: pid.as_raw() as u32,
+            errno: Errno::EIO,
+        });
+    }
+    Err(exec::decode_report(
+        &record,
+        plan,
+        PathBuf::from("/proc"),
+        cwd_shown,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(root: TargetRoot, rootfs: Option<&str>) -> LaunchSpec {
+        LaunchSpec {
+            argv: vec!["true".into()],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: rootfs.map(PathBuf::from),
+            mounts: vec![VolumeMount {
+                source: PathBuf::from("/src"),
+                root,
+                target: PathBuf::from("data"),
+                container_path: "/data".to_string(),
+                readonly: false,
+                volume_id: Some("vol-1".to_string()),
+                provider_id: None,
+            }],
+            ..LaunchSpec::default()
+        }
+    }
+
+    #[test]
+    fn roots_must_fit_the_container() {
+        let cases = [
+            (TargetRoot::Sandbox, None, true),
+            (TargetRoot::Sandbox, Some("/r"), true),
+            (TargetRoot::Host, None, true),
+            (TargetRoot::Host, Some("/r"), false),
+            (TargetRoot::Rootfs, Some("/r"), true),
+            (TargetRoot::Rootfs, None, false),
+        ];
+        for (root, rootfs, ok) in cases {
+            let got = check_roots(&spec(root, rootfs));
+            assert_eq!(got.is_ok(), ok, "{root:?} with rootfs {rootfs:?}: {got:?}");
+            if let Err(e) = got {
+                assert!(
+                    e.to_string().starts_with("mount volume 'vol-1' at /data"),
+                    "{e}"
+                );
+            }
+        }
+    }
+}
