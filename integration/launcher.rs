@@ -16,25 +16,10 @@ use std::time::{Duration, Instant};
 use csi_isolator::isolator::launch_info::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 use csi_isolator::launcher::{self, inject, LaunchError, LaunchSpec, Launched};
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator::testing::{require_root, Sandbox};
+use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
-
-/// The host's mount points (this process's namespace), leaving out other tests' temp dirs: tests of other
-/// targets may run at the same time and mount there. Everything else, and our own sandbox, is compared.
-fn host_mount_points(sb: &Sandbox) -> Vec<PathBuf> {
-    let tmp = fs::canonicalize(std::env::temp_dir()).expect("canonicalize temp dir");
-    let mut points: Vec<PathBuf> = ProcMountTable::new()
-        .mounts()
-        .expect("read host mount table")
-        .into_iter()
-        .map(|m| m.mount_point)
-        .filter(|p| !p.starts_with(&tmp) || p.starts_with(sb.path()))
-        .collect();
-    points.sort();
-    points
-}
 
 fn mount_points_of(pid: u32) -> Vec<PathBuf> {
     ProcMountTable::for_pid(pid)
@@ -127,21 +112,6 @@ fn wait_for_file(path: &Path) -> String {
 
 fn read(path: &Path) -> String {
     fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-/// A minimal rootfs: the static busybox and its applets as symlinks, plus /proc and /tmp.
-fn busybox_rootfs(sb: &Sandbox, rel: &str) -> PathBuf {
-    let rootfs = sb.mkdir(rel);
-    fs::create_dir_all(rootfs.join("bin")).expect("mkdir rootfs/bin");
-    fs::copy("/bin/busybox", rootfs.join("bin/busybox")).expect("copy /bin/busybox");
-    for applet in [
-        "sh", "ls", "cat", "touch", "sleep", "mount", "echo", "pwd", "test", "[", "grep", "mkdir",
-    ] {
-        symlink("busybox", rootfs.join("bin").join(applet)).expect("applet symlink");
-    }
-    fs::create_dir_all(rootfs.join("proc")).expect("mkdir rootfs/proc");
-    fs::create_dir_all(rootfs.join("tmp")).expect("mkdir rootfs/tmp");
-    rootfs
 }
 
 /// The host's table and the sandbox: unchanged and clean.

@@ -415,3 +415,42 @@ pub fn block_capability(
         access_type: Some(AccessType::Block(BlockVolume::default())),
     }
 }
+
+/// The host's mount points (this process's namespace), leaving out other tests' sandboxes under the
+/// temp dir: tests of other targets may run at the same time and mount there. Everything else,
+/// and `sb` itself, is kept, so a test can compare the table before and after.
+pub fn host_mount_points(sb: &Sandbox) -> Vec<PathBuf> {
+    let tmp = fs::canonicalize(std::env::temp_dir()).expect("canonicalize temp dir");
+    let mut points: Vec<PathBuf> = ProcMountTable::new()
+        .mounts()
+        .expect("read host mount table")
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|p| !p.starts_with(&tmp) || p.starts_with(sb.path()))
+        .collect();
+    points.sort();
+    points
+}
+
+/// Where the static busybox is (Debian package busybox-static).
+pub const BUSYBOX: &str = "/bin/busybox";
+
+/// A minimal rootfs at `<sandbox>/<rel>`: the static busybox and its applets as symlinks, plus
+/// /proc and /tmp. Panics, naming the package, when busybox is missing (tests never skip).
+pub fn busybox_rootfs(sb: &Sandbox, rel: &str) -> PathBuf {
+    if !Path::new(BUSYBOX).is_file() {
+        panic!("{BUSYBOX} is missing: install the Debian package busybox-static; this test does not skip");
+    }
+    let rootfs = sb.mkdir(rel);
+    fs::create_dir_all(rootfs.join("bin")).expect("mkdir rootfs/bin");
+    fs::copy(BUSYBOX, rootfs.join("bin/busybox")).expect("copy busybox");
+    for applet in [
+        "sh", "ls", "cat", "touch", "sleep", "mount", "echo", "pwd", "test", "[", "grep", "mkdir",
+    ] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))
+            .expect("applet symlink");
+    }
+    fs::create_dir_all(rootfs.join("proc")).expect("mkdir rootfs/proc");
+    fs::create_dir_all(rootfs.join("tmp")).expect("mkdir rootfs/tmp");
+    rootfs
+}

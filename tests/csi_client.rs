@@ -354,6 +354,13 @@ async fn full_lifecycle_exercises_every_rpc() {
         assert_eq!(snap[rpc].finished, n, "{rpc} finished");
         assert_eq!(snap[rpc].latency.count, n, "{rpc} latency observations");
     }
+    // What the client counted is what the plugin received.
+    let received = plugin
+        .calls()
+        .iter()
+        .filter(|l| *l == "GetCapacity -")
+        .count();
+    assert_eq!(received, 3, "GetCapacity calls received by the plugin");
     for (rpc, s) in &snap {
         assert_eq!(
             (s.failed, s.cancelled, s.retries, s.pending),
@@ -559,6 +566,44 @@ async fn deadline_exceeded_exhausts_the_retries() {
     assert!(elapsed >= Duration::from_millis(600), "{elapsed:?}");
     assert!(elapsed < Duration::from_millis(2500), "{elapsed:?}");
     assert_eq!(outcome(&client, "GetCapacity"), (0, 1, 0, 2, 0));
+    // The plugin saw every attempt.
+    let received = plugin
+        .calls()
+        .iter()
+        .filter(|l| l.starts_with("GetCapacity "))
+        .count();
+    assert_eq!(received, 3);
+}
+
+#[tokio::test]
+async fn no_call_outlives_the_retry_budget() {
+    let sandbox = Sandbox::new("csi-client-budget");
+    let plugin = start_plugin(&sandbox, &["--delay", "GetCapacity=5000"]).await;
+    let options = ClientOptions {
+        deadline: Duration::from_secs(3),
+        retry: RetryPolicy {
+            max_total: Duration::from_millis(700),
+            ..fast_retries().retry
+        },
+        ..fast_retries()
+    };
+    let client = Client::connect(&plugin.endpoint(), options).await.unwrap();
+    let started = Instant::now();
+    let err = client
+        .get_capacity(proto::GetCapacityRequest::default())
+        .await
+        .unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(err.code(), Some(Code::DeadlineExceeded), "{err}");
+    // Cut at the 700ms budget, not after a full 3s deadline.
+    assert!(elapsed >= Duration::from_millis(650), "{elapsed:?}");
+    assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
+    // The attempt's deadline was cut to what was left of the budget (just under 700ms).
+    let msg = err.to_string();
+    assert!(
+        msg.contains("no reply within 69") || msg.contains("no reply within 700ms"),
+        "{msg}"
+    );
 }
 
 #[tokio::test]
@@ -625,6 +670,35 @@ async fn connect_gives_up_naming_the_endpoint() {
     assert_eq!(
         err.to_string(),
         format!("connect to {endpoint}: socket did not appear within 500ms")
+    );
+}
+
+#[tokio::test]
+async fn connect_timeout_covers_probe_and_discovery() {
+    let sandbox = Sandbox::new("csi-client-slow-probe");
+    let faults = sandbox.join("faults");
+    std::fs::write(&faults, "").unwrap();
+    let faults_arg = faults.display().to_string();
+    let plugin = start_plugin(&sandbox, &["--faults-file", &faults_arg]).await;
+    // The socket accepts at once, but the plugin takes 5s per Probe.
+    std::fs::write(&faults, "delay Probe=5000\n").unwrap();
+    let options = ClientOptions {
+        connect_timeout: Duration::from_millis(500),
+        ..fast_retries()
+    };
+    let started = Instant::now();
+    let err = Client::connect(&plugin.endpoint(), options)
+        .await
+        .unwrap_err();
+    let elapsed = started.elapsed();
+    assert!(elapsed >= Duration::from_millis(450), "{elapsed:?}");
+    assert!(elapsed < Duration::from_millis(1500), "{elapsed:?}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "connect to {}: plugin did not answer Probe and capability discovery within 500ms",
+            plugin.endpoint()
+        )
     );
 }
 

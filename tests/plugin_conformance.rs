@@ -275,6 +275,7 @@ both_backings!(
     list_volumes_rejects_invalid_starting_token,
     list_volumes_shows_new_and_hides_deleted_volumes,
     list_volumes_paginates,
+    volumes_of_the_suites_default_size_fit_the_default_capacity,
     create_volume_fails_without_name,
     create_volume_fails_without_capabilities,
     create_volume_single_node_writer_no_capacity,
@@ -306,6 +307,8 @@ both_backings!(
     node_unpublish_fails_without_volume_id,
     node_unpublish_fails_without_target_path,
     node_unpublish_removes_target_path,
+    node_unpublish_fails_for_unknown_volume,
+    node_unstage_fails_for_unknown_volume,
     node_stage_fails_without_volume_id,
     node_stage_fails_without_staging_path,
     node_stage_fails_without_capability,
@@ -497,6 +500,48 @@ async fn list_volumes_paginates(mut s: Suite) {
     }
     assert_eq!(seen.len(), 5, "no duplicates: {seen:?}");
     assert_eq!(seen.into_iter().collect::<HashSet<_>>(), created);
+    s.cleanup().await;
+}
+
+/// csi-sanity's default TestVolumeSize is 10 GiB, and its pagination spec creates several
+/// volumes of it: the plugin's default capacity must hold them (loop images are sparse, and
+/// mkfs.ext4 of a 10 GiB image stays fast).
+async fn volumes_of_the_suites_default_size_fit_the_default_capacity(mut s: Suite) {
+    const TEN_GIB: i64 = 10 << 30;
+    let mut created = HashSet::new();
+    for _ in 0..4 {
+        let name = s.unique("sanity-default-size");
+        let req = s.create_req(&name, TEN_GIB);
+        let vol = s.must_create(req).await;
+        assert!(vol.capacity_bytes >= TEN_GIB);
+        created.insert(vol.volume_id);
+    }
+    let mut seen = HashSet::new();
+    let mut token = String::new();
+    loop {
+        let req = proto::ListVolumesRequest {
+            max_entries: 3,
+            starting_token: token.clone(),
+        };
+        let page = s.c.controller.list_volumes(req).await.unwrap().into_inner();
+        seen.extend(
+            page.entries
+                .into_iter()
+                .map(|e| e.volume.unwrap().volume_id),
+        );
+        if page.next_token.is_empty() {
+            break;
+        }
+        token = page.next_token;
+    }
+    assert_eq!(seen, created);
+    let capacity =
+        s.c.controller
+            .get_capacity(proto::GetCapacityRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    assert_eq!(capacity.available_capacity, (1 << 40) - 4 * TEN_GIB);
     s.cleanup().await;
 }
 
@@ -889,6 +934,36 @@ async fn node_unpublish_removes_target_path(mut s: Suite) {
     };
     s.c.node.node_unpublish_volume(req).await.unwrap();
     assert!(!target.exists(), "the plugin removes the target it created");
+    s.cleanup().await;
+}
+
+/// The spec's "Volume does not exist" (NOT_FOUND); the CO's directory stays.
+async fn node_unpublish_fails_for_unknown_volume(mut s: Suite) {
+    let target = s.target();
+    std::fs::create_dir(&target).unwrap();
+    let req = proto::NodeUnpublishVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        target_path: target.display().to_string(),
+    };
+    assert_eq!(
+        code(s.c.node.node_unpublish_volume(req).await),
+        Code::NotFound
+    );
+    assert!(target.is_dir());
+    std::fs::remove_dir(&target).unwrap();
+    s.cleanup().await;
+}
+
+async fn node_unstage_fails_for_unknown_volume(mut s: Suite) {
+    let req = proto::NodeUnstageVolumeRequest {
+        volume_id: "fake-volume-id".into(),
+        staging_target_path: s.staging.display().to_string(),
+    };
+    assert_eq!(
+        code(s.c.node.node_unstage_volume(req).await),
+        Code::NotFound
+    );
+    assert!(s.staging.is_dir());
     s.cleanup().await;
 }
 

@@ -243,7 +243,21 @@ both_backings!(
     counted_failures_then_success,
     exit_in_kills_mid_call,
     concurrent_publishes_of_one_target_mount_once,
+    a_retry_after_the_client_gave_up_never_overlaps_the_first_call,
+    create_waits_for_a_running_delete_of_the_same_name,
+    a_busy_volume_is_not_unpublished,
+    repeated_calls_with_another_capability_are_refused,
+    mount_flags_are_applied_or_refused,
 );
+
+/// A mount capability with access `mode` and `flags`.
+fn capability(mode: Mode, flags: &[&str]) -> proto::VolumeCapability {
+    let mut cap = mount_capability(mode);
+    if let Some(proto::volume_capability::AccessType::Mount(m)) = &mut cap.access_type {
+        m.mount_flags = flags.iter().map(|f| f.to_string()).collect();
+    }
+    cap
+}
 
 async fn full_lifecycle_twice_each(backing: &'static str) {
     let mut env = setup(backing, &[]).await;
@@ -439,11 +453,26 @@ async fn out_of_order_calls_are_rejected(backing: &'static str) {
     env.unstage(&id, &staging).await.unwrap();
     env.delete(&id).await.unwrap();
 
-    // Unknown volumes and nodes.
+    // Unknown volumes and nodes. Unstage and unpublish of an unknown volume are NOT_FOUND
+    // too (the spec's "volume does not exist"), and leave the CO's directories alone.
     assert_eq!(
         code(env.stage("vol-nope", &staging, &ctx).await),
         Code::NotFound
     );
+    assert_eq!(
+        code(env.unstage("vol-nope", &staging).await),
+        Code::NotFound
+    );
+    std::fs::create_dir_all(&target).unwrap();
+    assert_eq!(
+        code(env.unpublish("vol-nope", &target).await),
+        Code::NotFound
+    );
+    assert!(
+        staging.is_dir() && target.is_dir(),
+        "the CO's directories stay"
+    );
+    std::fs::remove_dir(&target).unwrap();
     assert_eq!(
         code(
             env.publish("vol-nope", Some(&staging), &target, false, &ctx)
@@ -829,5 +858,369 @@ async fn sigterm_shuts_down_gracefully_and_removes_the_socket() {
     env.plugin.restart().await;
     env.reconnect().await;
     env.c.identity.probe(proto::ProbeRequest {}).await.unwrap();
+    env.finish();
+}
+
+/// Finding: the per-volume lock must be held by the work itself, not by the RPC handler that
+/// tonic drops when the client gives up. A call stalled mid-work (after its checks, before
+/// its side effect) is abandoned by its client and retried at once: the retry must wait for
+/// the first call's work, so there is exactly one effect.
+async fn a_retry_after_the_client_gave_up_never_overlaps_the_first_call(backing: &'static str) {
+    let mut env = setup(backing, &[]).await;
+    std::fs::write(&env.faults, "stall CreateVolume=700\n").unwrap();
+    let req = proto::CreateVolumeRequest {
+        name: "once".into(),
+        capacity_range: Some(proto::CapacityRange {
+            required_bytes: 16 * MIB,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![mount_capability(Mode::SingleNodeWriter)],
+        ..Default::default()
+    };
+    let mut impatient = tonic::Request::new(req.clone());
+    impatient.set_timeout(Duration::from_millis(150));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        env.c.controller.create_volume(impatient),
+    )
+    .await;
+    assert!(
+        !matches!(gave_up, Ok(Ok(_))),
+        "the stalled call answered in time"
+    );
+    let id = env
+        .c
+        .controller
+        .create_volume(req)
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let listed = env
+        .c
+        .controller
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries;
+    assert_eq!(listed.len(), 1, "one CreateVolume effect: {listed:?}");
+    let dirs = std::fs::read_dir(env.plugin.work_dir().join("volumes"))
+        .unwrap()
+        .count();
+    assert_eq!(dirs, 1, "one volume directory");
+
+    std::fs::write(&env.faults, "stall NodePublishVolume=700\n").unwrap();
+    let ctx = env.cpublish(&id, false).await.unwrap();
+    let staging = env.staging("once");
+    env.stage(&id, &staging, &ctx).await.unwrap();
+    let target = env.target("once");
+    let req = proto::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(mount_capability(Mode::SingleNodeWriter)),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    let mut impatient = tonic::Request::new(req.clone());
+    impatient.set_timeout(Duration::from_millis(150));
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        env.c.node.node_publish_volume(impatient),
+    )
+    .await;
+    assert!(
+        !matches!(gave_up, Ok(Ok(_))),
+        "the stalled call answered in time"
+    );
+    env.c.node.node_publish_volume(req).await.unwrap();
+    assert_eq!(
+        env.mounts_at(&target).len(),
+        1,
+        "one NodePublishVolume effect"
+    );
+
+    std::fs::write(&env.faults, "").unwrap();
+    env.unpublish(&id, &target).await.unwrap();
+    assert!(env.mounts_at(&target).is_empty());
+    env.unstage(&id, &staging).await.unwrap();
+    env.cunpublish(&id).await.unwrap();
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// CreateVolume of a name whose volume is being deleted waits for the delete, then creates
+/// a new volume: it never returns the id the delete is removing.
+async fn create_waits_for_a_running_delete_of_the_same_name(backing: &'static str) {
+    let mut env = setup(backing, &[]).await;
+    let old = env.create("race", 16 * MIB).await.unwrap().volume_id;
+    std::fs::write(&env.faults, "stall DeleteVolume=600\n").unwrap();
+    let mut controller = env.c.controller.clone();
+    let delete = {
+        let req = proto::DeleteVolumeRequest {
+            volume_id: old.clone(),
+            ..Default::default()
+        };
+        tokio::spawn(async move { controller.delete_volume(req).await.map(drop) })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let new = env.create("race", 16 * MIB).await.unwrap().volume_id;
+    delete.await.unwrap().unwrap();
+    assert_ne!(new, old, "create answered with the volume being deleted");
+    let listed: Vec<String> = env
+        .c
+        .controller
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .map(|e| e.volume.unwrap().volume_id)
+        .collect();
+    assert_eq!(listed, vec![new.clone()]);
+    std::fs::write(&env.faults, "").unwrap();
+    env.delete(&new).await.unwrap();
+    env.finish();
+}
+
+/// A volume in use (a process works in it) is not unpublished: no lazy detach behind the
+/// user's back, FAILED_PRECONDITION instead, and the volume cannot be deleted meanwhile.
+async fn a_busy_volume_is_not_unpublished(backing: &'static str) {
+    let mut env = setup(backing, &["--no-stage"]).await;
+    let id = env.create("busy", 16 * MIB).await.unwrap().volume_id;
+    let ctx = env.cpublish(&id, false).await.unwrap();
+    let target = env.target("busy");
+    env.publish(&id, None, &target, false, &ctx).await.unwrap();
+    let mut user = env
+        .sandbox
+        .spawn(
+            std::process::Command::new("sleep")
+                .arg("60")
+                .current_dir(&target),
+        )
+        .unwrap();
+    let status = env.unpublish(&id, &target).await.unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::FailedPrecondition,
+        "{}",
+        status.message()
+    );
+    assert!(status.message().contains("busy"), "{}", status.message());
+    assert_eq!(
+        env.mounts_at(&target).len(),
+        1,
+        "still mounted, not detached"
+    );
+    env.cunpublish(&id).await.unwrap();
+    assert_eq!(code(env.delete(&id).await), Code::FailedPrecondition);
+    let _ = user.kill();
+    let _ = user.wait();
+    env.sandbox.untrack(user.id());
+    env.unpublish(&id, &target).await.unwrap();
+    assert!(!target.exists());
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// A repeated ControllerPublish, NodeStage or NodePublish with another capability is
+/// ALREADY_EXISTS (not OK), also after a plugin restart (the capability is persisted).
+async fn repeated_calls_with_another_capability_are_refused(backing: &'static str) {
+    let mut env = setup(backing, &[]).await;
+    let id = env.create("caps", 16 * MIB).await.unwrap().volume_id;
+    let writer = capability(Mode::SingleNodeWriter, &[]);
+    let reader = capability(Mode::SingleNodeReaderOnly, &[]);
+    let cpublish = |cap: &proto::VolumeCapability| proto::ControllerPublishVolumeRequest {
+        volume_id: id.clone(),
+        node_id: NODE.into(),
+        volume_capability: Some(cap.clone()),
+        ..Default::default()
+    };
+    let ctx = env
+        .c
+        .controller
+        .controller_publish_volume(cpublish(&writer))
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    let staging = env.staging("caps");
+    let target = env.target("caps");
+    let stage = |cap: &proto::VolumeCapability| proto::NodeStageVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    let publish = |cap: &proto::VolumeCapability| proto::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    env.c.node.node_stage_volume(stage(&writer)).await.unwrap();
+    env.c
+        .node
+        .node_publish_volume(publish(&writer))
+        .await
+        .unwrap();
+    for round in ["running", "restarted"] {
+        let c = &mut env.c;
+        assert_eq!(
+            code(
+                c.controller
+                    .controller_publish_volume(cpublish(&reader))
+                    .await
+            ),
+            Code::AlreadyExists,
+            "{round}"
+        );
+        c.controller
+            .controller_publish_volume(cpublish(&writer))
+            .await
+            .unwrap();
+        assert_eq!(
+            code(c.node.node_stage_volume(stage(&reader)).await),
+            Code::AlreadyExists,
+            "{round}"
+        );
+        c.node.node_stage_volume(stage(&writer)).await.unwrap();
+        assert_eq!(
+            code(c.node.node_publish_volume(publish(&reader)).await),
+            Code::AlreadyExists,
+            "{round}"
+        );
+        c.node.node_publish_volume(publish(&writer)).await.unwrap();
+        env.plugin.restart().await;
+        env.reconnect().await;
+    }
+    assert_eq!(env.mounts_at(&target).len(), 1);
+    assert_eq!(env.mounts_at(&staging).len(), 1);
+    // After unpublish the target is free for another capability.
+    env.unpublish(&id, &target).await.unwrap();
+    env.c
+        .node
+        .node_publish_volume(publish(&reader))
+        .await
+        .unwrap();
+    env.unpublish(&id, &target).await.unwrap();
+    env.unstage(&id, &staging).await.unwrap();
+    env.cunpublish(&id).await.unwrap();
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// Mount flags are never silently ignored: `ro` makes the mount read-only, unsupported
+/// flags are INVALID_ARGUMENT naming the flag.
+async fn mount_flags_are_applied_or_refused(backing: &'static str) {
+    let mut env = setup(backing, &[]).await;
+    let create = proto::CreateVolumeRequest {
+        name: "flags".into(),
+        volume_capabilities: vec![capability(Mode::SingleNodeWriter, &["nosuid"])],
+        ..Default::default()
+    };
+    let status = env.c.controller.create_volume(create).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("\"nosuid\""),
+        "{}",
+        status.message()
+    );
+    let id = env.create("flags", 16 * MIB).await.unwrap().volume_id;
+    let ctx = env.cpublish(&id, false).await.unwrap();
+    let staging = env.staging("flags");
+    env.stage(&id, &staging, &ctx).await.unwrap();
+    let target = env.target("flags");
+    let publish = |flags: &[&str]| proto::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter, flags)),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    let status = env
+        .c
+        .node
+        .node_publish_volume(publish(&["noatime"]))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("\"noatime\""),
+        "{}",
+        status.message()
+    );
+    assert!(!target.exists());
+    assert_eq!(
+        code(env.c.node.node_publish_volume(publish(&["ro", "rw"])).await),
+        Code::InvalidArgument
+    );
+    env.c
+        .node
+        .node_publish_volume(publish(&["ro"]))
+        .await
+        .unwrap();
+    env.c
+        .node
+        .node_publish_volume(publish(&["ro"]))
+        .await
+        .unwrap();
+    let mounts = env.mounts_at(&target);
+    assert_eq!(mounts.len(), 1);
+    assert!(mounts[0].is_readonly(), "the ro mount flag was applied");
+    write_fails_with_erofs(&target.join("f"));
+    std::fs::write(staging.join("f"), b"rw").unwrap();
+    env.unpublish(&id, &target).await.unwrap();
+    env.unstage(&id, &staging).await.unwrap();
+    env.cunpublish(&id).await.unwrap();
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// A loop volume really has the size asked for: its filesystem is about that big (ext4
+/// metadata and the journal take a part), and writing past it fails with ENOSPC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_volumes_have_real_capacity() {
+    let mut env = setup("loop", &["--no-stage"]).await;
+    for (name, size) in [("big", 64 * MIB), ("small", 8 * MIB)] {
+        let vol = env.create(name, size).await.unwrap();
+        assert_eq!(vol.capacity_bytes, size);
+        let id = vol.volume_id;
+        let ctx = env.cpublish(&id, false).await.unwrap();
+        let target = env.target(name);
+        env.publish(&id, None, &target, false, &ctx).await.unwrap();
+        let st = nix::sys::statvfs::statvfs(&target).unwrap();
+        let total = st.blocks() as i64 * st.fragment_size() as i64;
+        assert!(
+            total <= size && total >= size * 8 / 10,
+            "{name}: filesystem of {total} bytes for a {size}-byte volume"
+        );
+        if name == "small" {
+            let chunk = vec![0xa5u8; 1 << 20];
+            let mut file = std::fs::File::create(target.join("fill")).unwrap();
+            let mut written = 0i64;
+            let err = loop {
+                use std::io::Write;
+                match file.write_all(&chunk).and_then(|()| file.sync_all()) {
+                    Ok(()) => written += chunk.len() as i64,
+                    Err(e) => break e,
+                }
+                assert!(written <= size, "wrote {written} bytes into {size}");
+            };
+            assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+            drop(file);
+        }
+        env.unpublish(&id, &target).await.unwrap();
+        env.cunpublish(&id).await.unwrap();
+        env.delete(&id).await.unwrap();
+    }
     env.finish();
 }

@@ -32,8 +32,10 @@ struct Args {
     /// GetPluginInfo name.
     #[arg(long, default_value = plugin::DEFAULT_NAME)]
     name: String,
-    /// Total capacity in bytes (suffixes K, M, G, T).
-    #[arg(long, default_value = "10G", value_parser = parse_capacity)]
+    /// Total capacity in bytes (suffixes K, M, G, T). Large by default: nothing is reserved
+    /// up front (loop images are sparse), and conformance suites create several volumes of
+    /// 10 GiB each.
+    #[arg(long, default_value_t = plugin::DEFAULT_CAPACITY, value_parser = parse_capacity)]
     capacity: u64,
     /// Drop the controller PUBLISH_UNPUBLISH_VOLUME capability.
     #[arg(long)]
@@ -50,6 +52,10 @@ struct Args {
     /// Sleep before handling RPC: RPC=MILLIS.
     #[arg(long, value_name = "RPC=MILLIS")]
     delay: Vec<String>,
+    /// Sleep inside RPC's work, right before its side effect, holding the volume's lock:
+    /// RPC=MILLIS.
+    #[arg(long, value_name = "RPC=MILLIS")]
+    stall: Vec<String>,
     /// Exit (code 137, no reply) during the first call of RPC: RPC[:before|after].
     #[arg(long, value_name = "RPC[:before|after]")]
     exit_in: Vec<String>,
@@ -82,6 +88,9 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     }
     for spec in &args.delay {
         config.faults.push(faults::parse_delay(spec)?);
+    }
+    for spec in &args.stall {
+        config.faults.push(faults::parse_stall(spec)?);
     }
     for spec in &args.exit_in {
         config.faults.push(faults::parse_exit_in(spec)?);

@@ -1,15 +1,16 @@
 //! [`Client`]: a CSI v1 client for a plugin on a Unix domain socket.
 //!
 //! Contract:
-//! - `connect` waits (up to `connect_timeout`) for the socket to appear and
-//!   accept a connection, then probes the plugin until it reports ready and
-//!   discovers its capabilities once.
+//! - `connect` waits for the socket to appear and accept a connection, then
+//!   probes the plugin until it reports ready and discovers its capabilities
+//!   once, all of it within `connect_timeout`.
 //! - Every call takes the generated request and returns the generated
 //!   response or a [`CsiError`] naming the RPC, the volume, the gRPC code and
 //!   the plugin's message. Each attempt carries the deadline as
 //!   `grpc-timeout` and is also cut off locally; `UNAVAILABLE` and
 //!   `DEADLINE_EXCEEDED` are retried per the [`RetryPolicy`], every other
-//!   code is returned at once.
+//!   code is returned at once. An attempt's deadline is cut to what is left
+//!   of the policy's `max_total`, so no call outlives that budget.
 //! - The channel reconnects lazily: when the plugin restarts on the same
 //!   socket, the next attempt dials it again, so retries carry calls across
 //!   a restart.
@@ -77,8 +78,8 @@ impl Client {
     /// Connects to the plugin at `endpoint` (`unix:///path`): waits for the
     /// socket to accept connections, probes the plugin until it is ready and
     /// discovers its capabilities, all within `options.connect_timeout`
-    /// (the probe and discovery calls themselves follow the per-call
-    /// deadline and retry policy).
+    /// (the probe and discovery calls follow the per-call deadline and retry
+    /// policy, and are cut off when the connect timeout runs out).
     #[tracing::instrument(skip_all, fields(endpoint = %endpoint))]
     pub async fn connect(endpoint: &str, options: ClientOptions) -> Result<Self, CsiError> {
         let path = socket_path(endpoint).map_err(|source| CsiError::BadEndpoint {
@@ -98,9 +99,26 @@ impl Client {
             }),
             caps: Arc::new(Capabilities::default()),
         };
-        client.wait_until_ready(started).await?;
-        if let Err(e) = client.refresh_capabilities().await.map(|_| ()) {
-            return Err(client.connect_error(e));
+        let timeout = client.inner.options.connect_timeout;
+        let left = timeout.saturating_sub(started.elapsed());
+        let handshake = async {
+            client.wait_until_ready(started).await?;
+            client
+                .refresh_capabilities()
+                .await
+                .map(|_| ())
+                .map_err(|e| client.connect_error(e))
+        };
+        match tokio::time::timeout(left, handshake).await {
+            Ok(result) => result?,
+            Err(_elapsed) => {
+                return Err(CsiError::ConnectTimeout {
+                    endpoint: endpoint.to_string(),
+                    what: "plugin did not answer Probe and capability discovery",
+                    timeout,
+                    last_error: None,
+                })
+            }
         }
         tracing::debug!(capabilities = ?client.caps, "connected to csi plugin");
         Ok(client)
@@ -448,21 +466,39 @@ impl Client {
             let started = Instant::now();
             let mut attempts = 0u32;
             loop {
+                // Cut to what is left of the call's total budget; the retry policy
+                // only sleeps when some of it is left, so this is rarely `None`.
+                let Some(deadline) = options
+                    .retry
+                    .attempt_deadline(options.deadline, started.elapsed())
+                else {
+                    guard.finish(false);
+                    return Err(CsiError::Rpc {
+                        rpc: rpc.name(),
+                        volume,
+                        code: Code::DeadlineExceeded,
+                        message: format!(
+                            "call budget of {} used up",
+                            fmt_duration(options.retry.max_total)
+                        ),
+                        attempts,
+                    });
+                };
                 attempts += 1;
                 let mut req = tonic::Request::new(request.clone());
-                req.set_timeout(options.deadline);
+                req.set_timeout(deadline);
                 let attempt_started = Instant::now();
-                let result = tokio::time::timeout(options.deadline, send(self.inner.channel.clone(), req)).await;
+                let result = tokio::time::timeout(deadline, send(self.inner.channel.clone(), req)).await;
                 let status = match result {
                     Ok(Ok(response)) => {
                         tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
                         guard.finish(true);
                         return Ok(response.into_inner());
                     }
-                    Ok(Err(status)) => normalize(status, attempt_started.elapsed(), options.deadline),
+                    Ok(Err(status)) => normalize(status, attempt_started.elapsed(), deadline),
                     Err(_elapsed) => Status::deadline_exceeded(format!(
                         "no reply within {} (deadline enforced by the client)",
-                        fmt_duration(options.deadline)
+                        fmt_duration(deadline)
                     )),
                 };
                 let next = options

@@ -4,7 +4,10 @@
 //! plugin is restarting or slow; CSI calls are idempotent, so re-sending is
 //! safe). Every other code is the plugin's answer and is final. Retries are
 //! bounded both in count (`max_attempts`, which counts the first attempt)
-//! and in total time (`max_total`, measured from the first attempt). Each
+//! and in total time (`max_total`, measured from the first attempt): no
+//! sleep ends past it, and each attempt's deadline is cut to what is left of
+//! it ([`RetryPolicy::attempt_deadline`]), so a call never runs longer than
+//! `max_total`. Each
 //! sleep is drawn uniformly from `[0, ceiling]` ("full jitter"), where the
 //! ceiling grows by `multiplier` per retry from `initial_backoff` up to
 //! `max_backoff`, so that many volumes retrying at once against a restarting
@@ -78,6 +81,14 @@ impl RetryPolicy {
         let ceiling = self.backoff_ceiling(failed_attempts);
         let nanos = u64::try_from(ceiling.as_nanos()).unwrap_or(u64::MAX);
         Duration::from_nanos(rng.random_range(0..=nanos))
+    }
+
+    /// The deadline of an attempt starting `elapsed` after the first one: the
+    /// per-call `deadline`, cut to what is left of `max_total`; `None` when
+    /// nothing is left (no attempt may start).
+    pub fn attempt_deadline(&self, deadline: Duration, elapsed: Duration) -> Option<Duration> {
+        let left = self.max_total.checked_sub(elapsed)?;
+        (!left.is_zero()).then(|| deadline.min(left))
     }
 
     /// Decides what to do after attempt number `attempts` (1-based) failed
@@ -215,6 +226,40 @@ mod tests {
         assert_eq!(
             RetryPolicy::no_retry().next_backoff(Code::Unavailable, 1, Duration::ZERO, &mut rng),
             None
+        );
+    }
+
+    #[test]
+    fn attempt_deadlines_are_cut_to_the_total_budget() {
+        let p = RetryPolicy {
+            max_total: Duration::from_secs(10),
+            ..policy()
+        };
+        let d = Duration::from_secs(3);
+        let cases = [
+            (0, Some(3000)),
+            (6_000, Some(3000)),
+            (7_000, Some(3000)),
+            (8_500, Some(1500)),
+            (9_999, Some(1)),
+            (10_000, None),
+            (12_000, None),
+        ];
+        for (elapsed, want) in cases {
+            assert_eq!(
+                p.attempt_deadline(d, Duration::from_millis(elapsed)),
+                want.map(Duration::from_millis),
+                "elapsed {elapsed}ms"
+            );
+        }
+        // With the default unbounded-looking budget the deadline is untouched.
+        let unbounded = RetryPolicy {
+            max_total: Duration::MAX,
+            ..policy()
+        };
+        assert_eq!(
+            unbounded.attempt_deadline(d, Duration::from_secs(1)),
+            Some(d)
         );
     }
 

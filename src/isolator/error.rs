@@ -101,6 +101,15 @@ pub enum IsolatorError {
         /// The container id.
         container: String,
     },
+    /// The Docker/OCI host binds could not be made.
+    #[error("container '{container}': {source}")]
+    Oci {
+        /// The container id.
+        container: String,
+        /// The OCI error (names the volume and the step).
+        #[source]
+        source: Box<crate::isolator::oci::OciError>,
+    },
     /// Unmounting a host-side mount of the container failed.
     #[error("container '{container}': unmount {path}: {reason}")]
     Unmount {

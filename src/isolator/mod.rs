@@ -16,7 +16,8 @@ pub mod error;
 pub mod launch_info;
 pub mod oci;
 pub mod targets;
-// pub mod volume; (waits for launcher::inject)
+pub mod volume;
 
 pub use error::IsolatorError;
 pub use launch_info::{ContainerConfig, LaunchInfo, TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
+pub use volume::{ContainerRecord, IsolatorRecovery, VolumeIsolator};

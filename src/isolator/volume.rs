@@ -17,8 +17,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::isolator::oci::{self, OciPrepared};
 use crate::isolator::targets::volume_mounts;
-use crate::mount::{unmount_with_retry, MountTable, Syscall, DEFAULT_ATTEMPTS, DEFAULT_DELAY};
+use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::Manager;
 use crate::resource::{validate_path_component, Resource};
@@ -191,6 +192,32 @@ impl VolumeIsolator {
         }
         *slot = Some(rec);
         Ok(LaunchInfo { mounts })
+    }
+
+    /// Prepare for the Docker/OCI path: [`prepare`](Self::prepare), then each
+    /// volume bind-mounted on the host into `<sandbox>/<container_path>`
+    /// (recorded, so cleanup unmounts it); returns the runtime's mounts.
+    pub async fn prepare_oci(
+        &self,
+        container_id: &str,
+        config: ContainerConfig,
+    ) -> Result<(LaunchInfo, OciPrepared), IsolatorError> {
+        let sandbox = config.sandbox.clone();
+        let launch = self.prepare(container_id, config).await?;
+        match oci::prepare(&*self.sys, &sandbox, &launch) {
+            Ok(prepared) => {
+                self.record_host_binds(container_id, prepared.host_binds.clone())
+                    .await?;
+                Ok((launch, prepared))
+            }
+            Err(e) => {
+                let _ = self.cleanup(container_id).await;
+                Err(IsolatorError::Oci {
+                    container: container_id.to_string(),
+                    source: Box::new(e),
+                })
+            }
+        }
     }
 
     /// Refuses read-write mounts of volumes published read-only or with a
@@ -384,13 +411,13 @@ impl VolumeIsolator {
             let mut binds = rec.host_binds.clone();
             binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
             for b in binds {
-                unmount_with_retry(&*self.sys, &b, DEFAULT_ATTEMPTS, DEFAULT_DELAY).map_err(
-                    |e| IsolatorError::Unmount {
+                unmount_all_under(&*self.sys, &*self.table, &b).map_err(|e| {
+                    IsolatorError::Unmount {
                         container: container_id.to_string(),
                         path: b.clone(),
                         reason: e.to_string(),
-                    },
-                )?;
+                    }
+                })?;
             }
         }
         self.manager

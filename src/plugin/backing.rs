@@ -9,10 +9,17 @@
 //!   ext4 instances of one image through two loop devices would corrupt it).
 //!   The loop device is detached when the volume's last mount goes away.
 //!
-//! Whether a path holds "this volume" is read from the kernel: a mount of the volume is one
-//! whose device is the data directory's filesystem and whose root is the data directory
-//! (same device and inode), or, for loop volumes, one whose device is a loop device backed
-//! by the volume's image.
+//! Whether a path holds "this volume" is read from the kernel's mount table: a dir volume's
+//! mount is one of the filesystem holding the data directory (the device of the mount that
+//! contains it) whose root (the mountinfo `root` field: the mounted directory, relative to
+//! its filesystem) is the data directory. Device numbers from stat() are not used: on btrfs a
+//! subvolume's st_dev differs from the device the mount table shows. A loop volume's mount is
+//! one whose device is a loop device backed by the volume's image.
+//!
+//! Unmounting only ever removes this volume's mounts: it stops at a mount that is not the
+//! volume's, and a mount that stays busy (open files, a working directory in it) after a few
+//! retries is reported as [`BackingError::Busy`], never detached lazily (a lazily detached
+//! volume would still be in use while the plugin reports it gone and lets it be deleted).
 
 use std::fs;
 use std::io;
@@ -21,9 +28,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use nix::errno::Errno;
+
 use crate::mount::{
-    loopdev, unmount_with_retry, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable,
-    ProcMountTable, Syscall,
+    loopdev, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable, ProcMountTable, Syscall,
 };
 
 /// How volumes are backed.
@@ -59,6 +67,10 @@ impl std::str::FromStr for BackingKind {
 /// Smallest ext4 image the loop backing makes (room for the journal).
 pub const MIN_LOOP_BYTES: u64 = 8 << 20;
 
+/// Unmount attempts while a mount is busy, and the pause between them.
+const UNMOUNT_ATTEMPTS: u32 = 5;
+const UNMOUNT_PAUSE: Duration = Duration::from_millis(50);
+
 /// Errors of the backing, one per step.
 #[derive(Debug, thiserror::Error)]
 pub enum BackingError {
@@ -80,6 +92,28 @@ pub enum BackingError {
         path: PathBuf,
         /// Its exit status and stderr, or why it did not start.
         reason: String,
+    },
+    /// The mount at a path stayed busy (in use) through every unmount attempt.
+    #[error("unmount {path}: still busy after {attempts} attempts (the volume is in use)")]
+    Busy {
+        /// The mount point.
+        path: PathBuf,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The data directory is on no mount of the mount table.
+    #[error("find the mount holding data directory {path}: none")]
+    NoContainingMount {
+        /// The data directory.
+        path: PathBuf,
+    },
+    /// A mount that is not the volume's covers one of the volume's mounts at a path.
+    #[error("{path}: a mount that is not this volume ({what}) covers a mount of the volume")]
+    Covered {
+        /// The mount point.
+        path: PathBuf,
+        /// What covers it.
+        what: String,
     },
     /// A mount-layer call failed.
     #[error("{step} {path}: {source}")]
@@ -124,10 +158,19 @@ pub enum MountState {
 
 /// How the kernel identifies a volume's mounts.
 enum Identity {
-    /// Device number and inode of the data directory.
-    Dir { dev: u64, ino: u64 },
+    /// The device of the filesystem holding the data directory (as the mount table shows
+    /// it) and the data directory's path inside that filesystem.
+    Dir {
+        major: u32,
+        minor: u32,
+        root: PathBuf,
+    },
     /// (major, minor) of the loop devices backed by the image.
     Loop { devices: Vec<(u32, u32)> },
+}
+
+fn describe(m: &MountInfo) -> String {
+    format!("{} {} from {}", m.fs_type, m.root.display(), m.source)
 }
 
 fn split_dev(dev: u64) -> (u32, u32) {
@@ -216,14 +259,29 @@ impl Backing {
         }
     }
 
-    fn identity(&self, vol_dir: &Path) -> Result<Identity, BackingError> {
+    /// The volume's identity, given the current mount table.
+    fn identity(&self, vol_dir: &Path, mounts: &[MountInfo]) -> Result<Identity, BackingError> {
         match self.kind {
             BackingKind::Dir => {
                 let data = Self::data_dir(vol_dir);
-                let meta = fs::metadata(&data).map_err(io_err("stat data directory", &data))?;
+                let data =
+                    fs::canonicalize(&data).map_err(io_err("resolve data directory", &data))?;
+                // The mount the data directory is reached through: the deepest mount point
+                // above it, the topmost one (last in table order) at that point.
+                let containing = mounts
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| data.starts_with(&m.mount_point))
+                    .max_by_key(|(i, m)| (m.mount_point.components().count(), *i))
+                    .map(|(_, m)| m)
+                    .ok_or_else(|| BackingError::NoContainingMount { path: data.clone() })?;
+                let inside = data
+                    .strip_prefix(&containing.mount_point)
+                    .unwrap_or(Path::new(""));
                 Ok(Identity::Dir {
-                    dev: meta.dev(),
-                    ino: meta.ino(),
+                    major: containing.major,
+                    minor: containing.minor,
+                    root: containing.root.join(inside),
                 })
             }
             BackingKind::Loop => {
@@ -249,10 +307,9 @@ impl Backing {
 
     fn is_volume(identity: &Identity, m: &MountInfo) -> bool {
         match identity {
-            Identity::Dir { dev, ino } => {
-                (m.major, m.minor) == split_dev(*dev)
-                    && fs::metadata(&m.mount_point)
-                        .is_ok_and(|meta| meta.dev() == *dev && meta.ino() == *ino)
+            // Paths compare by components, so "/a/b/" and "/a/b" are equal.
+            Identity::Dir { major, minor, root } => {
+                (m.major, m.minor) == (*major, *minor) && m.root == *root
             }
             Identity::Loop { devices } => devices.contains(&(m.major, m.minor)),
         }
@@ -266,9 +323,9 @@ impl Backing {
 
     /// Every mount of the volume, in table order.
     pub fn volume_mounts(&self, vol_dir: &Path) -> Result<Vec<MountInfo>, BackingError> {
-        let identity = self.identity(vol_dir)?;
-        Ok(self
-            .mounts()?
+        let mounts = self.mounts()?;
+        let identity = self.identity(vol_dir, &mounts)?;
+        Ok(mounts
             .into_iter()
             .filter(|m| Self::is_volume(&identity, m))
             .collect())
@@ -282,25 +339,16 @@ impl Backing {
         let Ok(path) = fs::canonicalize(path) else {
             return Ok(MountState::NotMounted);
         };
-        let Some(top) = self
-            .mounts()?
-            .into_iter()
-            .rev()
-            .find(|m| m.mount_point == path)
-        else {
+        let mounts = self.mounts()?;
+        let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
             return Ok(MountState::NotMounted);
         };
-        if Self::is_volume(&self.identity(vol_dir)?, &top) {
+        if Self::is_volume(&self.identity(vol_dir, &mounts)?, top) {
             Ok(MountState::Volume {
                 readonly: top.is_readonly(),
             })
         } else {
-            Ok(MountState::Other(format!(
-                "{} {} from {}",
-                top.fs_type,
-                top.root.display(),
-                top.source
-            )))
+            Ok(MountState::Other(describe(top)))
         }
     }
 
@@ -340,16 +388,30 @@ impl Backing {
         }
     }
 
-    /// NodeStage: the volume at `staging` (created if missing).
-    pub fn stage(&self, vol_dir: &Path, staging: &Path) -> Result<(), BackingError> {
+    /// NodeStage: the volume at `staging` (created if missing), read-only as a read-only
+    /// remount of that mount. On failure nothing stays mounted.
+    pub fn stage(
+        &self,
+        vol_dir: &Path,
+        staging: &Path,
+        readonly: bool,
+    ) -> Result<(), BackingError> {
         fs::create_dir_all(staging).map_err(io_err("create staging directory", staging))?;
-        self.attach_at(vol_dir, staging)
+        self.attach_at(vol_dir, staging)?;
+        if readonly {
+            if let Err(e) = self.sys.remount_bind_readonly(staging) {
+                let _ = self.unmount_bounded(staging);
+                let _ = self.release_if_unused(vol_dir);
+                return Err(mount_err("remount read-only", staging)(e));
+            }
+        }
+        Ok(())
     }
 
-    /// NodeUnstage: unmount `staging` (every mount stacked there); detach the loop
-    /// device when nothing of the volume stays mounted.
+    /// NodeUnstage: unmount the volume's mounts stacked at `staging`; detach the loop device
+    /// when nothing of the volume stays mounted.
     pub fn unstage(&self, vol_dir: &Path, staging: &Path) -> Result<(), BackingError> {
-        self.unmount_all_at(staging)?;
+        self.unmount_volume_at(vol_dir, staging)?;
         self.release_if_unused(vol_dir)
     }
 
@@ -378,7 +440,7 @@ impl Backing {
             }
             if readonly {
                 if let Err(e) = self.sys.remount_bind_readonly(target) {
-                    let _ = unmount_with_retry(&self.sys, target, 3, Duration::from_millis(20));
+                    let _ = self.unmount_bounded(target);
                     return Err(mount_err("remount read-only", target)(e));
                 }
             }
@@ -393,41 +455,70 @@ impl Backing {
         result
     }
 
-    /// NodeUnpublish: unmount `target` (every mount stacked there) and remove it; detach
-    /// the loop device when nothing of the volume stays mounted.
-    pub fn unpublish(&self, vol_dir: Option<&Path>, target: &Path) -> Result<(), BackingError> {
-        self.unmount_all_at(target)?;
-        match fs::remove_dir(target) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_err("remove target directory", target)(e)),
+    /// NodeUnpublish: unmount the volume's mounts stacked at `target` and remove it (unless
+    /// a mount that is not the volume's stays there); detach the loop device when nothing of
+    /// the volume stays mounted.
+    pub fn unpublish(&self, vol_dir: &Path, target: &Path) -> Result<(), BackingError> {
+        if self.unmount_volume_at(vol_dir, target)? {
+            match fs::remove_dir(target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_err("remove target directory", target)(e)),
+            }
         }
-        match vol_dir {
-            Some(vol_dir) => self.release_if_unused(vol_dir),
-            None => Ok(()),
-        }
+        self.release_if_unused(vol_dir)
     }
 
-    fn unmount_all_at(&self, path: &Path) -> Result<(), BackingError> {
+    /// Unmounts the volume's mounts at `path`, topmost first, while the topmost mount there
+    /// is the volume's. Returns whether nothing is left mounted at `path`; a foreign mount
+    /// is never unmounted, and one covering a mount of the volume is an error.
+    fn unmount_volume_at(&self, vol_dir: &Path, path: &Path) -> Result<bool, BackingError> {
         let Ok(path) = fs::canonicalize(path) else {
-            return Ok(());
+            return Ok(true);
         };
         // Bounded: a path can hold only so many stacked mounts of ours.
         for _ in 0..16 {
-            let mounted = self
-                .table
-                .is_mount_point(&path)
-                .map_err(mount_err("read mount table for", &path))?;
-            if !mounted {
-                return Ok(());
+            let mounts = self.mounts()?;
+            let identity = self.identity(vol_dir, &mounts)?;
+            let mut here = mounts.iter().filter(|m| m.mount_point == path).rev();
+            let Some(top) = here.next() else {
+                return Ok(true);
+            };
+            if !Self::is_volume(&identity, top) {
+                if here.any(|m| Self::is_volume(&identity, m)) {
+                    return Err(BackingError::Covered {
+                        path,
+                        what: describe(top),
+                    });
+                }
+                return Ok(false);
             }
-            unmount_with_retry(&self.sys, &path, 5, Duration::from_millis(50))
-                .map_err(mount_err("unmount", &path))?;
+            self.unmount_bounded(&path)?;
         }
         Err(BackingError::Io {
             step: "unmount (too many stacked mounts)",
             path,
             source: io::Error::from(io::ErrorKind::ResourceBusy),
+        })
+    }
+
+    /// Unmounts the topmost mount at `path`, retrying a few times while it is busy; never
+    /// detaches lazily.
+    fn unmount_bounded(&self, path: &Path) -> Result<(), BackingError> {
+        for attempt in 1..=UNMOUNT_ATTEMPTS {
+            match self.sys.unmount(path, false) {
+                Ok(()) | Err(MountError::NotMounted { .. }) => return Ok(()),
+                Err(e) if e.errno() == Some(Errno::EBUSY) => {
+                    if attempt < UNMOUNT_ATTEMPTS {
+                        std::thread::sleep(UNMOUNT_PAUSE);
+                    }
+                }
+                Err(e) => return Err(mount_err("unmount", path)(e)),
+            }
+        }
+        Err(BackingError::Busy {
+            path: path.to_path_buf(),
+            attempts: UNMOUNT_ATTEMPTS,
         })
     }
 

@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, HashMap};
 use rand::Rng;
 use tonic::{Request, Response, Status};
 
-use super::{LockKey, Plugin, PluginError, PluginService};
+use super::store::{CapabilityRecord, ControllerPublication};
+use super::{volume_key, LockKey, Plugin, PluginError, PluginService};
 use crate::csi::proto;
 use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
 use crate::csi::proto::volume_capability::access_mode::Mode;
@@ -20,8 +21,13 @@ const MAX_NAME_LEN: usize = 128;
 /// Prefix of the ListVolumes tokens this plugin issues.
 const TOKEN_PREFIX: &str = "after:";
 
+/// Mount flags the plugin applies: `ro` (the volume read-only where it is staged or
+/// published) and `rw` (the default, stated).
+const MOUNT_FLAGS: [&str; 2] = ["ro", "rw"];
+
 /// Checks one volume capability: an access mode is set and known, the access type is
-/// `mount` (block is not supported), and the fs type is one this backing can provide.
+/// `mount` (block is not supported), the fs type is one this backing can provide, and every
+/// mount flag is one the plugin applies ([`MOUNT_FLAGS`]; others are refused, never ignored).
 pub(super) fn check_capability(
     rpc: &'static str,
     field: &'static str,
@@ -48,11 +54,53 @@ pub(super) fn check_capability(
                     mount.fs_type
                 )));
             }
+            if let Some(flag) = mount
+                .mount_flags
+                .iter()
+                .find(|f| !MOUNT_FLAGS.contains(&f.as_str()))
+            {
+                return Err(invalid(&format!(
+                    "mount flag {flag:?} is not supported (supported: {})",
+                    MOUNT_FLAGS.join(", ")
+                )));
+            }
+            if MOUNT_FLAGS
+                .iter()
+                .all(|f| mount.mount_flags.iter().any(|m| m == f))
+            {
+                return Err(invalid(
+                    "mount flags \"ro\" and \"rw\" contradict each other",
+                ));
+            }
             Ok(())
         }
         Some(AccessType::Block(_)) => Err(invalid("block access is not supported, only mount")),
         None => Err(invalid("access_type is required")),
     }
+}
+
+/// The comparable form of a checked capability.
+pub(super) fn capability_record(cap: &proto::VolumeCapability) -> CapabilityRecord {
+    let (fs_type, mut mount_flags) = match &cap.access_type {
+        Some(AccessType::Mount(mount)) => (mount.fs_type.clone(), mount.mount_flags.clone()),
+        _ => (String::new(), Vec::new()),
+    };
+    mount_flags.sort();
+    mount_flags.dedup();
+    CapabilityRecord {
+        access_mode: cap.access_mode.as_ref().map_or(0, |m| m.mode),
+        fs_type: if fs_type.is_empty() {
+            "ext4".to_string()
+        } else {
+            fs_type
+        },
+        mount_flags,
+    }
+}
+
+/// Whether a capability asks for a read-only mount (the `ro` mount flag).
+pub(super) fn wants_readonly(cap: &CapabilityRecord) -> bool {
+    cap.mount_flags.iter().any(|f| f == "ro")
 }
 
 fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
@@ -138,19 +186,24 @@ impl Plugin {
         }
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
 
-        if let Some(existing) = self.store.find_by_name(&req.name) {
-            let fits = existing.capacity_bytes >= required
-                && (limit == 0 || existing.capacity_bytes <= limit);
-            if !fits || existing.parameters != parameters {
-                return Err(PluginError::NameConflict {
-                    name: req.name,
-                    volume_id: existing.id,
-                    capacity: existing.capacity_bytes,
+        if let Some(found) = self.store.find_by_name(&req.name) {
+            // A DeleteVolume of it may be running (it holds only the volume's lock): wait for
+            // it, then answer from what is left. Lock order: create, then volume.
+            let _volume = self.locks.blocking_lock(&volume_key(&found.id));
+            if let Some(existing) = self.store.get(&found.id) {
+                let fits = existing.capacity_bytes >= required
+                    && (limit == 0 || existing.capacity_bytes <= limit);
+                if !fits || existing.parameters != parameters {
+                    return Err(PluginError::NameConflict {
+                        name: req.name,
+                        volume_id: existing.id,
+                        capacity: existing.capacity_bytes,
+                    });
+                }
+                return Ok(proto::CreateVolumeResponse {
+                    volume: Some(to_volume(&existing)),
                 });
             }
-            return Ok(proto::CreateVolumeResponse {
-                volume: Some(to_volume(&existing)),
-            });
         }
 
         let size = self.backing.size_for(required);
@@ -187,7 +240,10 @@ impl Plugin {
                 self.backing.kind().as_str().to_string(),
             )]),
             published_nodes: BTreeMap::new(),
+            staged: BTreeMap::new(),
+            published: BTreeMap::new(),
         };
+        self.faults.stall(RPC);
         self.provision(RPC, &record)?;
         tracing::info!(volume_id = %id, name = %record.name, size, "volume created");
         Ok(proto::CreateVolumeResponse {
@@ -252,6 +308,7 @@ impl Plugin {
                 m.mount_point.display()
             )));
         }
+        self.faults.stall(RPC);
         self.backing.release_if_unused(&dir).map_err(backing_err)?;
         self.store
             .remove(&record.id)
@@ -297,19 +354,32 @@ impl Plugin {
                 known: self.config.node_id.clone(),
             });
         }
+        let capability = capability_record(cap);
         match record.published_nodes.get(&req.node_id) {
-            Some(&readonly) if readonly != req.readonly => {
+            Some(existing)
+                if existing.readonly != req.readonly
+                    || existing
+                        .capability
+                        .as_ref()
+                        .is_some_and(|c| *c != capability) =>
+            {
                 return Err(PluginError::PublishConflict {
                     volume_id: record.id,
                     node_id: req.node_id,
-                    readonly,
+                    readonly: existing.readonly,
+                    capability: existing.capability.clone(),
                 })
             }
             Some(_) => {}
             None => {
+                self.faults.stall(RPC);
+                let publication = ControllerPublication {
+                    readonly: req.readonly,
+                    capability: Some(capability),
+                };
                 record
                     .published_nodes
-                    .insert(req.node_id.clone(), req.readonly);
+                    .insert(req.node_id.clone(), publication);
                 self.store
                     .save(&record)
                     .map_err(|source| PluginError::Store {

@@ -2,7 +2,9 @@
 //!
 //! Every RPC enters through [`Faults::enter`] before it touches anything and leaves
 //! through [`Faults::leave`] after its side effect, so a fault spec can fail a call,
-//! delay it, or kill the process on either side of the side effect. Specs come from the
+//! delay it, or kill the process on either side of the side effect. A `stall` sleeps inside
+//! the work itself, after the RPC's checks and right before its side effect, holding the
+//! volume's lock (so tests can give up on a call mid-work and retry it). Specs come from the
 //! command line and, optionally, from a file that is re-read whenever its mtime changes
 //! (counters reset then), so tests can change faults on a running plugin.
 
@@ -71,6 +73,13 @@ pub enum FaultSpec {
     },
     /// Sleep before handling `rpc`.
     Delay {
+        /// The CSI method name.
+        rpc: String,
+        /// The sleep.
+        millis: u64,
+    },
+    /// Sleep inside `rpc`'s work, right before its side effect (holding the volume's lock).
+    Stall {
         /// The CSI method name.
         rpc: String,
         /// The sleep.
@@ -155,18 +164,26 @@ pub fn parse_fail(spec: &str) -> Result<FaultSpec, FaultError> {
     })
 }
 
-/// Parses the value of `--delay`: `RPC=MILLIS`.
-pub fn parse_delay(spec: &str) -> Result<FaultSpec, FaultError> {
+fn parse_rpc_millis(spec: &str) -> Result<(String, u64), FaultError> {
     let (rpc, millis) = spec
         .split_once('=')
         .ok_or_else(|| parse_error(spec, "expected RPC=MILLIS"))?;
     let millis = millis
         .parse::<u64>()
         .map_err(|_| parse_error(spec, "MILLIS must be a number"))?;
-    Ok(FaultSpec::Delay {
-        rpc: check_rpc(spec, rpc)?,
-        millis,
-    })
+    Ok((check_rpc(spec, rpc)?, millis))
+}
+
+/// Parses the value of `--delay`: `RPC=MILLIS`.
+pub fn parse_delay(spec: &str) -> Result<FaultSpec, FaultError> {
+    let (rpc, millis) = parse_rpc_millis(spec)?;
+    Ok(FaultSpec::Delay { rpc, millis })
+}
+
+/// Parses the value of `--stall`: `RPC=MILLIS`.
+pub fn parse_stall(spec: &str) -> Result<FaultSpec, FaultError> {
+    let (rpc, millis) = parse_rpc_millis(spec)?;
+    Ok(FaultSpec::Stall { rpc, millis })
 }
 
 /// Parses the value of `--exit-in`: `RPC[:before|after]`.
@@ -183,7 +200,7 @@ pub fn parse_exit_in(spec: &str) -> Result<FaultSpec, FaultError> {
     })
 }
 
-/// Parses a faults file: one `fail ...`, `delay ...` or `exit-in ...` spec per line;
+/// Parses a faults file: one `fail ...`, `delay ...`, `stall ...` or `exit-in ...` spec per line;
 /// blank lines and lines starting with `#` are ignored.
 pub fn parse_file(text: &str) -> Result<Vec<FaultSpec>, FaultError> {
     let mut specs = Vec::new();
@@ -196,8 +213,14 @@ pub fn parse_file(text: &str) -> Result<Vec<FaultSpec>, FaultError> {
         specs.push(match kind {
             "fail" => parse_fail(rest)?,
             "delay" => parse_delay(rest)?,
+            "stall" => parse_stall(rest)?,
             "exit-in" => parse_exit_in(rest)?,
-            _ => return Err(parse_error(line, "expected 'fail', 'delay' or 'exit-in'")),
+            _ => {
+                return Err(parse_error(
+                    line,
+                    "expected 'fail', 'delay', 'stall' or 'exit-in'",
+                ))
+            }
         });
     }
     Ok(specs)
@@ -309,6 +332,28 @@ impl Faults {
             return Err(Status::new(code, format!("{rpc}: injected fault")));
         }
         Ok(Entered { exit_after })
+    }
+
+    /// Runs inside the RPC's work (on its blocking thread, under the volume's lock), right
+    /// before the side effect: sleeps for the `stall` specs of `rpc`.
+    pub fn stall(&self, rpc: &str) {
+        let millis: u64 = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            self.reload(&mut state);
+            state
+                .cli
+                .iter()
+                .chain(state.file.iter())
+                .map(|armed| match &armed.spec {
+                    FaultSpec::Stall { rpc: r, millis } if r == rpc => *millis,
+                    _ => 0,
+                })
+                .sum()
+        };
+        if millis > 0 {
+            tracing::info!(rpc, millis, "stall fault: sleeping before the side effect");
+            std::thread::sleep(Duration::from_millis(millis));
+        }
     }
 
     /// Runs after the RPC's side effect, before the reply.
@@ -424,13 +469,21 @@ mod tests {
         }
         assert!(parse_exit_in("Probe:during").is_err());
         assert!(parse_delay("Probe=soon").is_err());
+        assert_eq!(
+            parse_stall("CreateVolume=250").unwrap(),
+            FaultSpec::Stall {
+                rpc: "CreateVolume".into(),
+                millis: 250
+            }
+        );
+        assert!(parse_stall("CreateVolume").is_err());
     }
 
     #[test]
     fn parses_files() {
-        let specs = parse_file("# comment\nfail NodePublishVolume=UNAVAILABLE:2\n\ndelay Probe=100\nexit-in NodeStageVolume:after\n")
+        let specs = parse_file("# comment\nfail NodePublishVolume=UNAVAILABLE:2\n\ndelay Probe=100\nexit-in NodeStageVolume:after\nstall CreateVolume=10\n")
             .unwrap();
-        assert_eq!(specs.len(), 3);
+        assert_eq!(specs.len(), 4);
         assert!(parse_file("explode Probe").is_err());
     }
 

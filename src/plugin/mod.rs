@@ -7,25 +7,26 @@
 //!   written atomically, so a restarted plugin knows its volumes.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
-//! - Operations on one volume are serialized (a per-volume async mutex); different volumes
-//!   proceed in parallel.
+//! - Operations on one volume are serialized (a per-volume lock, [`locks`]); different volumes
+//!   proceed in parallel. The lock is owned by the blocking task doing the work, so a call
+//!   whose client gave up keeps it until its work really ends: a retry never overlaps it.
 //! - Every RPC passes through one seam ([`PluginService::call`]): call log, fault injection
 //!   ([`faults`]), the per-volume lock, the blocking work on a blocking thread, and the
-//!   mapping of [`PluginError`] to a gRPC status ([`status`]).
+//!   mapping of [`PluginError`] (a panic included) to a gRPC status ([`status`]).
 
 pub mod backing;
 mod controller;
 pub mod faults;
 mod identity;
+mod locks;
 mod node;
 pub mod status;
 pub mod store;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
@@ -38,8 +39,10 @@ use store::{Store, StoreError};
 
 /// Default `GetPluginInfo` name.
 pub const DEFAULT_NAME: &str = "csi-test-plugin.csi-isolator.io";
-/// Default total capacity: 10 GiB.
-pub const DEFAULT_CAPACITY: u64 = 10 << 30;
+/// Default total capacity: 1 TiB. Large on purpose: conformance suites create several
+/// volumes of their default size (csi-sanity: 10 GiB each), and nothing is reserved up front
+/// (dir volumes take what their files use; loop images are sparse files).
+pub const DEFAULT_CAPACITY: u64 = 1 << 40;
 
 /// Everything the plugin is configured with (the command line of `csi-test-plugin`).
 #[derive(Clone, Debug)]
@@ -181,8 +184,9 @@ pub enum PluginError {
         /// Its capacity.
         capacity: u64,
     },
-    /// ControllerPublish of a volume already published to the node with another readonly.
-    #[error("ControllerPublishVolume: volume {volume_id} is already published to node {node_id} with readonly={readonly}")]
+    /// ControllerPublish of a volume already published to the node with another readonly
+    /// flag or volume capability.
+    #[error("ControllerPublishVolume: volume {volume_id} is already published to node {node_id} with readonly={readonly} and capability {capability:?}")]
     PublishConflict {
         /// The volume.
         volume_id: String,
@@ -190,6 +194,8 @@ pub enum PluginError {
         node_id: String,
         /// The readonly flag of the existing publish.
         readonly: bool,
+        /// The capability of the existing publish (unknown for old records).
+        capability: Option<store::CapabilityRecord>,
     },
     /// Something incompatible is already mounted at a target or staging path.
     #[error("{rpc}: {path} already holds an incompatible mount ({what}) for volume {volume_id}")]
@@ -283,6 +289,16 @@ pub enum PluginError {
         #[source]
         source: std::io::Error,
     },
+    /// The handler of an RPC panicked.
+    #[error("{rpc}: volume {volume_id}: handler panicked: {message}")]
+    Panicked {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume (empty for RPCs without one).
+        volume_id: String,
+        /// The panic message.
+        message: String,
+    },
     /// The gRPC server failed.
     #[error("serve gRPC on socket {path}: {source}")]
     Serve {
@@ -301,18 +317,16 @@ pub(crate) struct Plugin {
     store: Store,
     backing: backing::Backing,
     faults: Faults,
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Arc<locks::LockMap>,
 }
 
-impl Plugin {
-    async fn lock(&self, key: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let lock = {
-            let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-            locks.entry(key.to_string()).or_default().clone()
-        };
-        lock.lock_owned().await
-    }
+/// The lock key of a volume.
+fn volume_key(volume_id: &str) -> String {
+    format!("volume/{volume_id}")
 }
+
+/// The lock key serializing CreateVolume.
+const CREATE_KEY: &str = "create";
 
 /// The Identity, Controller and Node services of one plugin instance.
 #[derive(Clone, Debug)]
@@ -349,7 +363,7 @@ impl PluginService {
                 store,
                 backing,
                 faults,
-                locks: Mutex::new(HashMap::new()),
+                locks: Arc::default(),
             }),
         })
     }
@@ -370,20 +384,45 @@ impl PluginService {
         F: FnOnce(&Plugin, Req) -> Result<T, PluginError> + Send + 'static,
     {
         let entered = self.inner.faults.enter(rpc, volume_id).await?;
-        let _guard = match key {
+        let guard = match key {
             LockKey::None => None,
             LockKey::Volume(id) if id.is_empty() => None,
-            LockKey::Volume(id) => Some(self.inner.lock(&format!("volume/{id}")).await),
-            LockKey::Create => Some(self.inner.lock("create").await),
+            LockKey::Volume(id) => Some(self.inner.locks.lock(&volume_key(&id)).await),
+            LockKey::Create => Some(self.inner.locks.lock(CREATE_KEY).await),
         };
         let inner = self.inner.clone();
-        let result = tokio::task::spawn_blocking(move || op(&inner, req))
-            .await
-            .map_err(|e| Status::internal(format!("{rpc}: handler panicked: {e}")))?;
+        // The blocking task owns the guard: if this handler is dropped (the client gave up),
+        // the work still runs to its end under the lock.
+        let work = tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            op(&inner, req)
+        });
+        let result = work.await.unwrap_or_else(|e| {
+            Err(PluginError::Panicked {
+                rpc,
+                volume_id: volume_id.to_string(),
+                message: join_error_message(e),
+            })
+        });
         self.inner.faults.leave(rpc, entered);
         result
             .map(Response::new)
             .map_err(|e| status::to_status(rpc, volume_id, e))
+    }
+}
+
+/// The panic message of a failed blocking task (or why it did not finish).
+fn join_error_message(err: tokio::task::JoinError) -> String {
+    if !err.is_panic() {
+        return err.to_string();
+    }
+    let payload = err.into_panic();
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
     }
 }
 
@@ -447,5 +486,39 @@ mod tests {
         assert_eq!(parse_size("x"), None);
         assert_eq!(parse_size(""), None);
         assert_eq!(parse_size("99999999999T"), None);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_handler_becomes_internal_naming_rpc_and_volume() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = PluginConfig::new(dir.path().join("csi.sock"), dir.path().join("work"));
+        let service = PluginService::new(config).unwrap();
+        let result: Result<Response<()>, Status> = service
+            .call(
+                "NodeStageVolume",
+                "vol-1",
+                LockKey::Volume("vol-1".into()),
+                (),
+                |_, ()| panic!("boom"),
+            )
+            .await;
+        let status = result.unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Internal);
+        assert_eq!(
+            status.message(),
+            "NodeStageVolume: volume vol-1: handler panicked: boom"
+        );
+        assert_eq!(service.inner.locks.len(), 0, "the lock was released");
+        // The volume is usable again.
+        let ok: Result<Response<u8>, Status> = service
+            .call(
+                "NodeStageVolume",
+                "vol-1",
+                LockKey::Volume("vol-1".into()),
+                (),
+                |_, ()| Ok(7),
+            )
+            .await;
+        assert_eq!(ok.unwrap().into_inner(), 7);
     }
 }

@@ -2,16 +2,20 @@
 //!
 //! Every "is it staged / published" question is answered by the backing from the kernel's
 //! mount table, so repeated calls are idempotent and a restarted plugin picks up where the
-//! previous one left off.
+//! previous one left off. The volume record keeps the capability each staging path and
+//! target was mounted with, so a repeated call with another capability is refused
+//! (ALREADY_EXISTS) instead of answered OK. Node calls about a volume the plugin does not
+//! know fail with NOT_FOUND, unstage and unpublish included: the plugin never touches a
+//! path for a volume it does not know.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use tonic::{Request, Response, Status};
 
 use super::backing::MountState;
-use super::controller::{check_capability, publish_context};
-use super::store::{VolumeRecord, RECORD_VERSION};
+use super::controller::{capability_record, check_capability, publish_context, wants_readonly};
+use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
 use super::{LockKey, Plugin, PluginError, PluginService};
 use crate::csi::proto;
 use crate::csi::proto::node_service_capability::rpc::Type as Cap;
@@ -23,15 +27,17 @@ fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), Pl
     Ok(())
 }
 
+/// Checks the request's capability and returns its comparable form.
 fn require_capability(
     rpc: &'static str,
     cap: Option<&proto::VolumeCapability>,
-) -> Result<(), PluginError> {
+) -> Result<CapabilityRecord, PluginError> {
     let cap = cap.ok_or(PluginError::MissingField {
         rpc,
         field: "volume_capability",
     })?;
-    check_capability(rpc, "volume_capability", cap)
+    check_capability(rpc, "volume_capability", cap)?;
+    Ok(capability_record(cap))
 }
 
 impl Plugin {
@@ -68,10 +74,75 @@ impl Plugin {
             parameters: BTreeMap::new(),
             volume_context: BTreeMap::new(),
             published_nodes: BTreeMap::new(),
+            staged: BTreeMap::new(),
+            published: BTreeMap::new(),
         };
         self.provision(rpc, &record)?;
         tracing::info!(volume_id, "node-only plugin adopted volume");
         Ok(record)
+    }
+
+    /// The record of a volume the request names, or NOT_FOUND.
+    fn known_volume(
+        &self,
+        rpc: &'static str,
+        volume_id: &str,
+    ) -> Result<VolumeRecord, PluginError> {
+        self.store
+            .get(volume_id)
+            .ok_or_else(|| PluginError::VolumeNotFound {
+                rpc,
+                volume_id: volume_id.to_string(),
+            })
+    }
+
+    fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
+        self.store
+            .save(record)
+            .map_err(|source| PluginError::Store {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            })
+    }
+
+    /// A path already holds the volume: compatible with `cap` when the recorded capability
+    /// (of `uses`, keyed by the path as requested) is the same, or, with none recorded (a
+    /// mount made before its record was written), when the read-only state matches; then
+    /// recorded.
+    #[allow(clippy::too_many_arguments)]
+    fn check_existing_use(
+        &self,
+        rpc: &'static str,
+        record: &mut VolumeRecord,
+        uses: fn(&mut VolumeRecord) -> &mut BTreeMap<String, CapabilityRecord>,
+        key: &str,
+        cap: CapabilityRecord,
+        mounted_readonly: bool,
+        wanted_readonly: bool,
+    ) -> Result<(), PluginError> {
+        let volume_id = record.id.clone();
+        let conflict = |what: String| PluginError::PathConflict {
+            rpc,
+            volume_id,
+            path: PathBuf::from(key),
+            what,
+        };
+        if mounted_readonly != wanted_readonly {
+            return Err(conflict(format!(
+                "this volume with readonly={mounted_readonly}"
+            )));
+        }
+        match uses(record).get(key) {
+            Some(existing) if *existing != cap => Err(conflict(format!(
+                "this volume with capability {existing:?}"
+            ))),
+            Some(_) => Ok(()),
+            None => {
+                uses(record).insert(key.to_string(), cap);
+                self.save(rpc, record)
+            }
+        }
     }
 
     /// With PUBLISH_UNPUBLISH_VOLUME on, the volume must be controller-published to this
@@ -110,18 +181,26 @@ impl Plugin {
         }
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "staging_target_path", &req.staging_target_path)?;
-        require_capability(RPC, req.volume_capability.as_ref())?;
-        let record = self.node_volume(RPC, &req.volume_id)?;
+        let cap = require_capability(RPC, req.volume_capability.as_ref())?;
+        let mut record = self.node_volume(RPC, &req.volume_id)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         let dir = self.store.volume_dir(&record.id);
         let staging = PathBuf::from(&req.staging_target_path);
-        let err = Self::backing_err(RPC, &record.id);
-        match self
-            .backing
-            .mount_state(&dir, &staging)
-            .map_err(Self::backing_err(RPC, &record.id))?
-        {
-            MountState::Volume { .. } => Ok(proto::NodeStageVolumeResponse {}),
+        let readonly = wants_readonly(&cap);
+        let err = || Self::backing_err(RPC, &req.volume_id);
+        match self.backing.mount_state(&dir, &staging).map_err(err())? {
+            MountState::Volume { readonly: mounted } => {
+                self.check_existing_use(
+                    RPC,
+                    &mut record,
+                    |r| &mut r.staged,
+                    &req.staging_target_path,
+                    cap,
+                    mounted,
+                    readonly,
+                )?;
+                Ok(proto::NodeStageVolumeResponse {})
+            }
             MountState::Other(what) => Err(PluginError::PathConflict {
                 rpc: RPC,
                 volume_id: record.id,
@@ -129,8 +208,13 @@ impl Plugin {
                 what,
             }),
             MountState::NotMounted => {
-                self.backing.stage(&dir, &staging).map_err(err)?;
-                tracing::info!(volume_id = %record.id, staging = %staging.display(), "volume staged");
+                self.faults.stall(RPC);
+                self.backing
+                    .stage(&dir, &staging, readonly)
+                    .map_err(err())?;
+                record.staged.insert(req.staging_target_path.clone(), cap);
+                self.save(RPC, &record)?;
+                tracing::info!(volume_id = %record.id, staging = %staging.display(), readonly, "volume staged");
                 Ok(proto::NodeStageVolumeResponse {})
             }
         }
@@ -146,15 +230,12 @@ impl Plugin {
         }
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "staging_target_path", &req.staging_target_path)?;
-        // An unknown volume cannot be staged anywhere (DeleteVolume refuses staged volumes).
-        let Some(record) = self.store.get(&req.volume_id) else {
-            return Ok(proto::NodeUnstageVolumeResponse {});
-        };
+        let mut record = self.known_volume(RPC, &req.volume_id)?;
         let dir = self.store.volume_dir(&record.id);
         let staging = PathBuf::from(&req.staging_target_path);
-        let err = || Self::backing_err(RPC, &record.id);
+        let err = || Self::backing_err(RPC, &req.volume_id);
         match self.backing.mount_state(&dir, &staging).map_err(err())? {
-            MountState::NotMounted => return Ok(proto::NodeUnstageVolumeResponse {}),
+            MountState::NotMounted => {}
             MountState::Other(what) => {
                 return Err(PluginError::FailedPrecondition {
                     rpc: RPC,
@@ -165,19 +246,24 @@ impl Plugin {
                     ),
                 })
             }
-            MountState::Volume { .. } => {}
+            MountState::Volume { .. } => {
+                let canonical = std::fs::canonicalize(&staging).unwrap_or_else(|_| staging.clone());
+                let mounts = self.backing.volume_mounts(&dir).map_err(err())?;
+                if let Some(other) = mounts.iter().find(|m| m.mount_point != canonical) {
+                    return Err(PluginError::FailedPrecondition {
+                        rpc: RPC,
+                        volume_id: record.id,
+                        reason: format!("still published at {}", other.mount_point.display()),
+                    });
+                }
+                self.faults.stall(RPC);
+                self.backing.unstage(&dir, &staging).map_err(err())?;
+                tracing::info!(volume_id = %record.id, staging = %staging.display(), "volume unstaged");
+            }
         }
-        let canonical = std::fs::canonicalize(&staging).unwrap_or_else(|_| staging.clone());
-        let mounts = self.backing.volume_mounts(&dir).map_err(err())?;
-        if let Some(other) = mounts.iter().find(|m| m.mount_point != canonical) {
-            return Err(PluginError::FailedPrecondition {
-                rpc: RPC,
-                volume_id: record.id,
-                reason: format!("still published at {}", other.mount_point.display()),
-            });
+        if record.staged.remove(&req.staging_target_path).is_some() {
+            self.save(RPC, &record)?;
         }
-        self.backing.unstage(&dir, &staging).map_err(err())?;
-        tracing::info!(volume_id = %record.id, staging = %staging.display(), "volume unstaged");
         Ok(proto::NodeUnstageVolumeResponse {})
     }
 
@@ -188,41 +274,49 @@ impl Plugin {
         const RPC: &str = "NodePublishVolume";
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "target_path", &req.target_path)?;
-        require_capability(RPC, req.volume_capability.as_ref())?;
+        let cap = require_capability(RPC, req.volume_capability.as_ref())?;
         if self.config.stage {
             require(RPC, "staging_target_path", &req.staging_target_path)?;
         }
-        let record = self.node_volume(RPC, &req.volume_id)?;
+        let mut record = self.node_volume(RPC, &req.volume_id)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         let dir = self.store.volume_dir(&record.id);
-        let err = || Self::backing_err(RPC, &record.id);
+        let err = || Self::backing_err(RPC, &req.volume_id);
+        // Read-only when asked by the flag or the `ro` mount flag; a bind of a read-only
+        // staging mount is read-only too.
+        let mut readonly = req.readonly || wants_readonly(&cap);
         let staging = self
             .config
             .stage
             .then(|| PathBuf::from(&req.staging_target_path));
         if let Some(staging) = &staging {
-            if !matches!(
-                self.backing.mount_state(&dir, staging).map_err(err())?,
-                MountState::Volume { .. }
-            ) {
-                return Err(PluginError::FailedPrecondition {
-                    rpc: RPC,
-                    volume_id: record.id,
-                    reason: format!("not staged at {}", staging.display()),
-                });
+            match self.backing.mount_state(&dir, staging).map_err(err())? {
+                MountState::Volume {
+                    readonly: staged_ro,
+                } => readonly |= staged_ro,
+                _ => {
+                    return Err(PluginError::FailedPrecondition {
+                        rpc: RPC,
+                        volume_id: record.id,
+                        reason: format!("not staged at {}", staging.display()),
+                    })
+                }
             }
         }
         let target = PathBuf::from(&req.target_path);
         match self.backing.mount_state(&dir, &target).map_err(err())? {
-            MountState::Volume { readonly } if readonly == req.readonly => {
+            MountState::Volume { readonly: mounted } => {
+                self.check_existing_use(
+                    RPC,
+                    &mut record,
+                    |r| &mut r.published,
+                    &req.target_path,
+                    cap,
+                    mounted,
+                    readonly,
+                )?;
                 Ok(proto::NodePublishVolumeResponse {})
             }
-            MountState::Volume { readonly } => Err(PluginError::PathConflict {
-                rpc: RPC,
-                volume_id: record.id,
-                path: target,
-                what: format!("this volume with readonly={readonly}"),
-            }),
             MountState::Other(what) => Err(PluginError::PathConflict {
                 rpc: RPC,
                 volume_id: record.id,
@@ -230,10 +324,13 @@ impl Plugin {
                 what,
             }),
             MountState::NotMounted => {
+                self.faults.stall(RPC);
                 self.backing
-                    .publish(&dir, staging.as_deref(), &target, req.readonly)
+                    .publish(&dir, staging.as_deref(), &target, readonly)
                     .map_err(err())?;
-                tracing::info!(volume_id = %record.id, target = %target.display(), readonly = req.readonly, "volume published");
+                record.published.insert(req.target_path.clone(), cap);
+                self.save(RPC, &record)?;
+                tracing::info!(volume_id = %record.id, target = %target.display(), readonly, "volume published");
                 Ok(proto::NodePublishVolumeResponse {})
             }
         }
@@ -246,36 +343,28 @@ impl Plugin {
         const RPC: &str = "NodeUnpublishVolume";
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "target_path", &req.target_path)?;
+        let mut record = self.known_volume(RPC, &req.volume_id)?;
+        let dir = self.store.volume_dir(&record.id);
         let target = PathBuf::from(&req.target_path);
-        let record = self.store.get(&req.volume_id);
-        let dir = record.as_ref().map(|r| self.store.volume_dir(&r.id));
-        let state = match &dir {
-            Some(dir) => self
-                .backing
-                .mount_state(dir, &target)
-                .map_err(Self::backing_err(RPC, &req.volume_id))?,
-            None => MountState::NotMounted,
-        };
-        if let MountState::Other(what) = state {
-            return Err(PluginError::FailedPrecondition {
-                rpc: RPC,
-                volume_id: req.volume_id,
-                reason: format!(
-                    "{} holds a mount that is not this volume ({what})",
-                    target.display()
-                ),
-            });
+        let err = || Self::backing_err(RPC, &req.volume_id);
+        match self.backing.mount_state(&dir, &target).map_err(err())? {
+            MountState::Other(what) => {
+                return Err(PluginError::FailedPrecondition {
+                    rpc: RPC,
+                    volume_id: record.id,
+                    reason: format!(
+                        "{} holds a mount that is not this volume ({what})",
+                        target.display()
+                    ),
+                })
+            }
+            MountState::Volume { .. } => self.faults.stall(RPC),
+            MountState::NotMounted => {}
         }
-        if record.is_none() && is_mount_point(&target) {
-            // A mount at the target, but no such volume: not ours to remove.
-            return Err(PluginError::VolumeNotFound {
-                rpc: RPC,
-                volume_id: req.volume_id,
-            });
+        self.backing.unpublish(&dir, &target).map_err(err())?;
+        if record.published.remove(&req.target_path).is_some() {
+            self.save(RPC, &record)?;
         }
-        self.backing
-            .unpublish(dir.as_deref(), &target)
-            .map_err(Self::backing_err(RPC, &req.volume_id))?;
         Ok(proto::NodeUnpublishVolumeResponse {})
     }
 
@@ -366,16 +455,6 @@ impl Plugin {
             ..Default::default()
         })
     }
-}
-
-fn is_mount_point(path: &Path) -> bool {
-    use crate::mount::MountTable;
-    let Ok(path) = std::fs::canonicalize(path) else {
-        return false;
-    };
-    crate::mount::ProcMountTable::new()
-        .is_mount_point(&path)
-        .unwrap_or(false)
 }
 
 #[tonic::async_trait]

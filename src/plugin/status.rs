@@ -3,7 +3,7 @@
 
 use tonic::{Code, Status};
 
-use super::PluginError;
+use super::{BackingError, PluginError};
 
 /// The gRPC code the CSI spec prescribes for `err`.
 pub fn code_of(err: &PluginError) -> Code {
@@ -20,10 +20,16 @@ pub fn code_of(err: &PluginError) -> Code {
         PluginError::CapacityOutOfRange { .. } => Code::OutOfRange,
         PluginError::CapacityExhausted { .. } => Code::ResourceExhausted,
         PluginError::FailedPrecondition { .. } => Code::FailedPrecondition,
+        // In use, or covered by someone else's mount: the caller must act first.
+        PluginError::Backing {
+            source: BackingError::Busy { .. } | BackingError::Covered { .. },
+            ..
+        } => Code::FailedPrecondition,
         PluginError::InvalidToken { .. } => Code::Aborted,
         PluginError::Unimplemented { .. } => Code::Unimplemented,
         PluginError::Store { .. }
         | PluginError::Backing { .. }
+        | PluginError::Panicked { .. }
         | PluginError::OpenStore { .. }
         | PluginError::Listen { .. }
         | PluginError::Serve { .. } => Code::Internal,
@@ -75,6 +81,7 @@ mod tests {
                     volume_id: "v".into(),
                     node_id: "n".into(),
                     readonly: true,
+                    capability: None,
                 },
                 Code::AlreadyExists,
             ),

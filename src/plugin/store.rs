@@ -4,9 +4,17 @@
 //! `volumes/<enc id>/volume.json` (the record), next to the volume's backing (`data/` or
 //! `image.ext4`). A record is written atomically (temp file, fsync, rename, fsync of the
 //! directory), and only after the backing exists, so a crash mid-create leaves a directory
-//! without a record, which loading ignores and the next create of that id replaces.
+//! without a record. Removal first renames the volume's directory to a tombstone
+//! (`volumes/.deleted-<enc id>`, a name no encoded id can take), which drops the record
+//! atomically, then deletes the tombstone. Opening the store deletes both kinds of leftovers
+//! (directories without a record, tombstones), so no crash leaks a volume's storage.
 //! The name -> id index is rebuilt from the records on load: the records are the only
 //! source of truth, so the two can never disagree.
+//!
+//! Format history: version 1 kept only the readonly flag per controller-published node;
+//! version 2 adds the volume capability of each controller publish, staging path and target
+//! (a repeated call with another capability is refused). Version 1 records are read and
+//! rewritten as version 2 on their next change.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File, OpenOptions};
@@ -17,9 +25,12 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 /// Version of the on-disk record format.
-pub const RECORD_VERSION: u32 = 1;
+pub const RECORD_VERSION: u32 = 2;
 
 const RECORD_FILE: &str = "volume.json";
+
+/// Prefix of a volume directory being removed.
+const TOMBSTONE_PREFIX: &str = ".deleted-";
 
 /// Errors of the metadata store.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +101,26 @@ pub enum StoreError {
     },
 }
 
+/// The parts of a CSI volume capability that make two calls compatible or not.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapabilityRecord {
+    /// The access mode (`VolumeCapability.AccessMode.Mode` as its number).
+    pub access_mode: i32,
+    /// The file system type (`ext4` when the request left it empty: the plugin's default).
+    pub fs_type: String,
+    /// The mount flags, sorted and deduplicated.
+    pub mount_flags: Vec<String>,
+}
+
+/// A controller publish of the volume to one node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControllerPublication {
+    /// The readonly flag of the publish.
+    pub readonly: bool,
+    /// Its capability; `None` when recorded by a version 1 record (unknown, not compared).
+    pub capability: Option<CapabilityRecord>,
+}
+
 /// The persisted state of one volume.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeRecord {
@@ -105,8 +136,76 @@ pub struct VolumeRecord {
     pub parameters: BTreeMap<String, String>,
     /// The volume_context returned by CreateVolume.
     pub volume_context: BTreeMap<String, String>,
-    /// Nodes the volume is controller-published to, with the readonly flag of that publish.
-    pub published_nodes: BTreeMap<String, bool>,
+    /// Nodes the volume is controller-published to, with that publish's flag and capability.
+    pub published_nodes: BTreeMap<String, ControllerPublication>,
+    /// Capability of each staging path (as the request spelled it) the volume was staged at.
+    /// The mount table says whether it still is; this only says with what.
+    #[serde(default)]
+    pub staged: BTreeMap<String, CapabilityRecord>,
+    /// Capability of each target path the volume was published at (same caveat).
+    #[serde(default)]
+    pub published: BTreeMap<String, CapabilityRecord>,
+}
+
+/// A version 1 record (controller publishes as a bare readonly flag).
+#[derive(Deserialize)]
+struct VolumeRecordV1 {
+    id: String,
+    name: String,
+    capacity_bytes: u64,
+    parameters: BTreeMap<String, String>,
+    volume_context: BTreeMap<String, String>,
+    published_nodes: BTreeMap<String, bool>,
+}
+
+impl From<VolumeRecordV1> for VolumeRecord {
+    fn from(v1: VolumeRecordV1) -> VolumeRecord {
+        VolumeRecord {
+            version: RECORD_VERSION,
+            id: v1.id,
+            name: v1.name,
+            capacity_bytes: v1.capacity_bytes,
+            parameters: v1.parameters,
+            volume_context: v1.volume_context,
+            published_nodes: v1
+                .published_nodes
+                .into_iter()
+                .map(|(node, readonly)| {
+                    let publication = ControllerPublication {
+                        readonly,
+                        capability: None,
+                    };
+                    (node, publication)
+                })
+                .collect(),
+            staged: BTreeMap::new(),
+            published: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct VersionOnly {
+    version: u32,
+}
+
+/// Decodes a record of any known version.
+fn decode(path: &Path, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
+    let decode_err = |source| StoreError::Decode {
+        path: path.to_path_buf(),
+        source,
+    };
+    let VersionOnly { version } = serde_json::from_slice(bytes).map_err(decode_err)?;
+    match version {
+        1 => Ok(serde_json::from_slice::<VolumeRecordV1>(bytes)
+            .map_err(decode_err)?
+            .into()),
+        RECORD_VERSION => serde_json::from_slice(bytes).map_err(decode_err),
+        version => Err(StoreError::Version {
+            path: path.to_path_buf(),
+            version,
+        }),
+    }
 }
 
 /// Percent-encodes an id so that it is a single safe path component: bytes outside
@@ -132,7 +231,8 @@ pub struct Store {
 }
 
 impl Store {
-    /// Opens (creating if needed) the store under `work_dir` and loads every record.
+    /// Opens (creating if needed) the store under `work_dir`, deletes the leftovers of
+    /// interrupted creates and removals, and loads every record.
     pub fn open(work_dir: &Path) -> Result<Store, StoreError> {
         let root = work_dir.join("volumes");
         fs::create_dir_all(&root).map_err(|source| StoreError::CreateDir {
@@ -149,24 +249,28 @@ impl Store {
                 path: root.clone(),
                 source,
             })?;
-            let path = entry.path().join(RECORD_FILE);
+            let dir = entry.path();
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .starts_with(TOMBSTONE_PREFIX)
+            {
+                tracing::info!(path = %dir.display(), "deleting the rest of an interrupted volume removal");
+                remove_dir(&dir)?;
+                continue;
+            }
+            let path = dir.join(RECORD_FILE);
             let text = match fs::read(&path) {
                 Ok(text) => text,
-                // A directory without a record is an interrupted create: not a volume.
-                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    // An interrupted create: storage nobody will ever reference.
+                    tracing::info!(path = %dir.display(), "deleting the rest of an interrupted volume create");
+                    remove_dir(&dir)?;
+                    continue;
+                }
                 Err(source) => return Err(StoreError::Read { path, source }),
             };
-            let record: VolumeRecord =
-                serde_json::from_slice(&text).map_err(|source| StoreError::Decode {
-                    path: path.clone(),
-                    source,
-                })?;
-            if record.version != RECORD_VERSION {
-                return Err(StoreError::Version {
-                    path,
-                    version: record.version,
-                });
-            }
+            let record = decode(&path, &text)?;
             records.insert(record.id.clone(), record);
         }
         Ok(Store {
@@ -217,34 +321,47 @@ impl Store {
         Ok(())
     }
 
-    /// Removes volume `id`: first its record (so a crash never leaves a record without
-    /// data), then its directory.
+    /// Removes volume `id`: renames its directory (record included) to a tombstone and
+    /// syncs that, so the record and the data go away together, then deletes the tombstone
+    /// (which [`Store::open`] finishes after a crash).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let dir = self.volume_dir(id);
-        let path = dir.join(RECORD_FILE);
-        match fs::remove_file(&path) {
-            Ok(()) => sync_dir(&dir, &path)?,
+        let tombstone = self
+            .root
+            .join(format!("{TOMBSTONE_PREFIX}{}", encode_id(id)));
+        // A tombstone left by an earlier, interrupted removal of the same id.
+        remove_dir(&tombstone)?;
+        match fs::rename(&dir, &tombstone) {
+            Ok(()) => sync_dir(&self.root, &dir)?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => {
                 return Err(StoreError::Write {
-                    path,
-                    step: "unlink",
+                    path: dir,
+                    step: "rename to tombstone",
                     source,
                 })
             }
         }
         self.lock().remove(id);
-        match fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(StoreError::Remove { path: dir, source }),
-        }
+        remove_dir(&tombstone)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, VolumeRecord>> {
         // A panic while holding this lock cannot leave a half-updated map (every
         // mutation is a single insert/remove), so a poisoned lock is still consistent.
         self.records.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Deletes a directory tree; a missing one is fine.
+fn remove_dir(dir: &Path) -> Result<(), StoreError> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(StoreError::Remove {
+            path: dir.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -292,7 +409,23 @@ mod tests {
             capacity_bytes: 1024,
             parameters: BTreeMap::new(),
             volume_context: BTreeMap::new(),
-            published_nodes: BTreeMap::from([("n1".to_string(), true)]),
+            published_nodes: BTreeMap::from([(
+                "n1".to_string(),
+                ControllerPublication {
+                    readonly: true,
+                    capability: Some(capability()),
+                },
+            )]),
+            staged: BTreeMap::from([("/staging".to_string(), capability())]),
+            published: BTreeMap::new(),
+        }
+    }
+
+    fn capability() -> CapabilityRecord {
+        CapabilityRecord {
+            access_mode: 1,
+            fs_type: "ext4".into(),
+            mount_flags: vec!["ro".into()],
         }
     }
 
@@ -314,11 +447,20 @@ mod tests {
         store.save(&record("vol-2", "two")).unwrap();
         // An interrupted create: a directory without a record.
         fs::create_dir_all(store.volume_dir("vol-3").join("data")).unwrap();
+        fs::write(store.volume_dir("vol-3").join("data/f"), b"x").unwrap();
+        // An interrupted removal: the tombstone was made, its deletion did not finish.
+        fs::create_dir_all(dir.path().join("volumes/.deleted-vol-4/data")).unwrap();
         let reopened = Store::open(dir.path()).unwrap();
         assert_eq!(
             reopened.list(),
             vec![record("vol-1", "one"), record("vol-2", "two")]
         );
+        let mut left: Vec<String> = fs::read_dir(dir.path().join("volumes"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["vol-1", "vol-2"], "leftovers are deleted at open");
         assert_eq!(reopened.find_by_name("two").unwrap().id, "vol-2");
         assert_eq!(reopened.used_bytes(), 2048);
         reopened.remove("vol-1").unwrap();
@@ -328,6 +470,91 @@ mod tests {
             Store::open(dir.path()).unwrap().list(),
             vec![record("vol-2", "two")]
         );
+    }
+
+    /// Sets the immutable attribute on a directory (so even root cannot delete its entries)
+    /// and clears it again when dropped, pass or fail, wherever the directory was moved to
+    /// among the given paths.
+    struct Immutable(Vec<PathBuf>);
+
+    impl Immutable {
+        fn set(path: PathBuf, moved_to: PathBuf) -> Immutable {
+            let status = std::process::Command::new("chattr")
+                .arg("+i")
+                .arg(&path)
+                .status()
+                .expect("run chattr");
+            assert!(status.success(), "chattr +i {}", path.display());
+            Immutable(vec![path, moved_to])
+        }
+
+        fn clear(&self) {
+            for path in self.0.iter().filter(|p| p.exists()) {
+                let _ = std::process::Command::new("chattr")
+                    .arg("-i")
+                    .arg(path)
+                    .status();
+            }
+        }
+    }
+
+    impl Drop for Immutable {
+        fn drop(&mut self) {
+            self.clear();
+        }
+    }
+
+    #[test]
+    fn removal_renames_the_directory_away_before_dropping_the_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        store.save(&record("vol-1", "one")).unwrap();
+        let locked = store.volume_dir("vol-1").join("data/locked");
+        fs::create_dir_all(locked.join("inner")).unwrap();
+        let tombstone = dir.path().join("volumes/.deleted-vol-1");
+        // The final deletion fails halfway (an immutable subdirectory): by then the record
+        // is gone and the directory is a tombstone, never a record without its data.
+        let guard = Immutable::set(locked, tombstone.join("data/locked"));
+        let result = store.remove("vol-1");
+        assert!(
+            matches!(result, Err(StoreError::Remove { .. })),
+            "{result:?}"
+        );
+        assert!(!store.volume_dir("vol-1").exists(), "renamed away first");
+        assert!(store.get("vol-1").is_none());
+        assert!(tombstone.exists());
+        assert!(
+            Store::open(dir.path()).is_err(),
+            "the tombstone is still undeletable"
+        );
+        guard.clear();
+        assert!(Store::open(dir.path()).unwrap().list().is_empty());
+        assert!(!tombstone.exists(), "open finishes the removal");
+    }
+
+    #[test]
+    fn reads_version_1_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let vol = dir.path().join("volumes/vol-1");
+        fs::create_dir_all(&vol).unwrap();
+        fs::write(
+            vol.join(RECORD_FILE),
+            r#"{"version":1,"id":"vol-1","name":"one","capacity_bytes":1024,
+               "parameters":{},"volume_context":{},"published_nodes":{"n1":true}}"#,
+        )
+        .unwrap();
+        let store = Store::open(dir.path()).unwrap();
+        let r = store.get("vol-1").unwrap();
+        assert_eq!(r.version, RECORD_VERSION);
+        assert_eq!(
+            r.published_nodes["n1"],
+            ControllerPublication {
+                readonly: true,
+                capability: None
+            }
+        );
+        store.save(&r).unwrap();
+        assert_eq!(Store::open(dir.path()).unwrap().get("vol-1").unwrap(), r);
     }
 
     #[test]

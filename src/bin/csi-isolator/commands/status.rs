@@ -36,7 +36,11 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
                 v.name.as_deref().unwrap_or("-"),
                 v.state,
                 if v.mounted { "yes" } else { "no" },
-                if users.is_empty() { "-".to_string() } else { users.join(",") }
+                if users.is_empty() {
+                    "-".to_string()
+                } else {
+                    users.join(",")
+                }
             );
             println!("    mount point: {}", v.mount_point.display());
             if let Some(d) = &v.disagreement {
@@ -50,6 +54,11 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
             println!("(no volumes under {})", work_dir.display());
         }
     }
-    let healthy = report.unreadable.is_empty() && report.volumes.iter().all(|v| v.disagreement.is_none());
-    Ok(if healthy { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    let healthy =
+        report.unreadable.is_empty() && report.volumes.iter().all(|v| v.disagreement.is_none());
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -1,0 +1,593 @@
+//! The volume isolator end to end, as root against the real kernel: CSI
+//! volumes from the bundled plugin, published through the provider,
+//! bind-mounted into containers started by the namespace launcher. Every
+//! test checks that the host mount table afterwards equals the one before.
+
+use std::ffi::OsString;
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use csi_isolator::isolator::{ContainerConfig, IsolatorError, LaunchInfo, VolumeIsolator};
+use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use csi_isolator::provider::bundled::bundled_config;
+use csi_isolator::provider::{
+    Capability, CreateSpec, Manager, PluginSource, ProviderConfig, StorageProvider, VolumeState,
+};
+use csi_isolator::resource::{Resource, VolumeMode};
+use csi_isolator::testing::{
+    busybox_rootfs, host_mount_points, require_root, PluginProcess, Sandbox,
+};
+use nix::sys::signal::Signal;
+
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+const MIB: u64 = 1024 * 1024;
+const TIMEOUT: Duration = Duration::from_secs(20);
+
+struct Agent {
+    provider: Arc<StorageProvider>,
+    isolator: VolumeIsolator,
+    work: PathBuf,
+}
+
+impl Agent {
+    async fn start(sb: &Sandbox, work_rel: &str, plugin_args: &[&str]) -> Agent {
+        let work = sb.mkdir(work_rel);
+        let args: Vec<String> = plugin_args.iter().map(|s| s.to_string()).collect();
+        let mut c = bundled_config(Path::new(PLUGIN), &work, "default", &args);
+        c.socket_dir = sb.join("s");
+        Self::with_config(c).await
+    }
+
+    async fn with_config(c: ProviderConfig) -> Agent {
+        let work = c.work_dir.clone();
+        let provider = StorageProvider::start(c).await.expect("start provider");
+        let mut manager = Manager::new();
+        manager.add(provider.clone());
+        let isolator = VolumeIsolator::new(
+            &work,
+            Arc::new(manager),
+            Arc::new(LinuxSyscall::new()),
+            Arc::new(ProcMountTable::new()),
+        );
+        Agent {
+            provider,
+            isolator,
+            work,
+        }
+    }
+
+    async fn volume(&self, name: &str, container_path: &str, mode: VolumeMode) -> Resource {
+        self.provider
+            .create_volume(CreateSpec::new(name, 16 * MIB))
+            .await
+            .expect("create volume")
+            .with_volume(container_path, mode)
+    }
+
+    async fn stop(self) {
+        self.provider.shutdown(Duration::from_secs(5)).await;
+    }
+}
+
+fn config(
+    sb: &Sandbox,
+    container: &str,
+    resources: Vec<Resource>,
+    rootfs: Option<PathBuf>,
+) -> ContainerConfig {
+    ContainerConfig {
+        resources,
+        sandbox: sb.mkdir(format!("sandboxes/{container}")),
+        rootfs,
+        user: None,
+    }
+}
+
+fn spec(cfg: &ContainerConfig, info: &LaunchInfo, script: &str) -> LaunchSpec {
+    LaunchSpec {
+        argv: vec!["sh".into(), "-c".into(), OsString::from(script)],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        sandbox: cfg.sandbox.clone(),
+        rootfs: cfg.rootfs.clone(),
+        mounts: info.mounts.clone(),
+        pid_namespace: false,
+    }
+}
+
+async fn start(sb: &Sandbox, spec: LaunchSpec) -> Launched {
+    let launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
+        .await
+        .unwrap()
+        .unwrap_or_else(|e| panic!("launch: {e}"));
+    sb.track(launched.pid());
+    launched
+}
+
+async fn finish(sb: &Sandbox, launched: &mut Launched) -> ExitStatus {
+    let status = tokio::time::timeout(TIMEOUT, launched.wait_async())
+        .await
+        .unwrap_or_else(|_| {
+            let _ = launched.kill(Signal::SIGKILL);
+            panic!("workload still running after {TIMEOUT:?}")
+        })
+        .expect("wait");
+    sb.untrack(launched.pid());
+    status
+}
+
+async fn run(sb: &Sandbox, spec: LaunchSpec) -> ExitStatus {
+    let mut l = start(sb, spec).await;
+    finish(sb, &mut l).await
+}
+
+fn read(p: &Path) -> String {
+    fs::read_to_string(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+fn assert_clean(sb: &Sandbox, before: &[PathBuf]) {
+    assert_eq!(
+        host_mount_points(sb),
+        before,
+        "the host mount table changed"
+    );
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test]
+async fn a_container_writes_into_its_volume_and_a_second_one_reads_it() {
+    require_root();
+    let sb = Sandbox::new("iso-rw");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let res = agent.volume("v", "data", VolumeMode::Rw).await;
+
+    let c1 = config(&sb, "c1", vec![res.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    assert_eq!(info.mounts.len(), 1);
+    assert_eq!(info.mounts[0].source, res.host_path(&agent.work).unwrap());
+    let status = run(&sb, spec(&c1, &info, "echo written-by-c1 > data/f")).await;
+    assert!(status.success());
+    agent.isolator.cleanup("c1").await.unwrap();
+    let id = res.source_id().unwrap();
+    assert_eq!(
+        agent.provider.volume(id).await.unwrap().state,
+        VolumeState::Created
+    );
+
+    let c2 = config(&sb, "c2", vec![res.clone()], None);
+    let info = agent.isolator.prepare("c2", c2.clone()).await.unwrap();
+    let status = run(&sb, spec(&c2, &info, "cat data/f > seen")).await;
+    assert!(status.success());
+    assert_eq!(read(&c2.sandbox.join("seen")), "written-by-c1\n");
+    // The sandbox itself holds no trace of the volume: the mount was private.
+    assert!(!c1.sandbox.join("data/f").exists());
+    agent.isolator.cleanup("c2").await.unwrap();
+    agent.provider.destroy_volume(id).await.unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn a_read_only_volume_refuses_writes() {
+    require_root();
+    let sb = Sandbox::new("iso-ro");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let res = agent.volume("v", "data", VolumeMode::Ro).await;
+    let c1 = config(&sb, "c1", vec![res.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    assert!(info.mounts[0].readonly);
+    let status = run(&sb, spec(&c1, &info, "touch data/f 2> err; echo $? > rc")).await;
+    assert!(status.success());
+    assert_ne!(read(&c1.sandbox.join("rc")).trim(), "0");
+    assert!(read(&c1.sandbox.join("err")).contains("Read-only file system"));
+    // The host side is unchanged.
+    let mp = agent.provider.mount_point(res.source_id().unwrap());
+    assert!(!mp.join("f").exists());
+    agent.isolator.cleanup("c1").await.unwrap();
+    agent
+        .provider
+        .destroy_volume(res.source_id().unwrap())
+        .await
+        .unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn two_containers_share_a_volume_at_the_same_time() {
+    require_root();
+    let sb = Sandbox::new("iso-share");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let res = agent.volume("shared", "data", VolumeMode::Rw).await;
+    let id = res.source_id().unwrap().to_string();
+    let c1 = config(&sb, "c1", vec![res.clone()], None);
+    let c2 = config(&sb, "c2", vec![res.clone()], None);
+    let i1 = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let i2 = agent.isolator.prepare("c2", c2.clone()).await.unwrap();
+    // c1 waits for c2's message in the shared volume, then answers.
+    let mut waiter = start(
+        &sb,
+        spec(
+            &c1,
+            &i1,
+            "while [ ! -e data/ping ]; do sleep 0.05; done; echo pong > data/pong",
+        ),
+    )
+    .await;
+    let status = run(
+        &sb,
+        spec(
+            &c2,
+            &i2,
+            "echo ping > data/ping; while [ ! -e data/pong ]; do sleep 0.05; done",
+        ),
+    )
+    .await;
+    assert!(status.success());
+    assert!(finish(&sb, &mut waiter).await.success());
+    assert_eq!(agent.provider.volume(&id).await.unwrap().users.len(), 2);
+    agent.isolator.cleanup("c1").await.unwrap();
+    assert!(
+        ProcMountTable::new()
+            .is_mount_point(&agent.provider.mount_point(&id))
+            .unwrap(),
+        "still used by c2"
+    );
+    agent.isolator.cleanup("c2").await.unwrap();
+    assert_eq!(
+        agent.provider.volume(&id).await.unwrap().state,
+        VolumeState::Created
+    );
+    agent.provider.destroy_volume(&id).await.unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn update_mounts_into_a_running_container_and_removes_again() {
+    require_root();
+    let sb = Sandbox::new("iso-update");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let base = agent.volume("base", "data", VolumeMode::Rw).await;
+    let extra = agent.volume("extra", "extra", VolumeMode::Rw).await;
+    // Seed the extra volume with a marker while nobody uses it.
+    let extra_id = extra.source_id().unwrap().to_string();
+    let mp = agent.provider.publish(&extra_id, "seed").await.unwrap();
+    fs::write(mp.join("ready"), b"1").unwrap();
+    agent.provider.release(&extra_id, "seed").await.unwrap();
+
+    let c1 = config(&sb, "c1", vec![base.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let mut running = start(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "while [ ! -e extra/ready ]; do sleep 0.05; done; echo seen > out; \
+             while [ -e extra/ready ]; do sleep 0.05; done; echo gone >> out",
+        ),
+    )
+    .await;
+    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+    agent
+        .isolator
+        .update("c1", vec![base.clone(), extra.clone()])
+        .await
+        .unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    while !c1.sandbox.join("out").exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the running process never saw the new volume"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        agent.provider.volume(&extra_id).await.unwrap().state,
+        VolumeState::Published
+    );
+    agent
+        .isolator
+        .update("c1", vec![base.clone()])
+        .await
+        .unwrap();
+    assert!(finish(&sb, &mut running).await.success());
+    assert_eq!(read(&c1.sandbox.join("out")), "seen\ngone\n");
+    assert_eq!(
+        agent.provider.volume(&extra_id).await.unwrap().state,
+        VolumeState::Created
+    );
+    agent.isolator.cleanup("c1").await.unwrap();
+    for id in [base.source_id().unwrap(), &extra_id] {
+        agent.provider.destroy_volume(id).await.unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn symlinks_in_the_rootfs_cannot_send_mounts_outside() {
+    require_root();
+    let sb = Sandbox::new("iso-symlink");
+    let before = host_mount_points(&sb);
+    let etc_before: Vec<_> = fs::read_dir("/etc")
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let rootfs = busybox_rootfs(&sb, "rootfs");
+    symlink("/etc", rootfs.join("data")).unwrap();
+    symlink("../../..", rootfs.join("up")).unwrap();
+    let a = agent.volume("a", "/data", VolumeMode::Rw).await;
+    let b = agent.volume("b", "/up/x", VolumeMode::Rw).await;
+    let c1 = config(&sb, "c1", vec![a.clone(), b.clone()], Some(rootfs.clone()));
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let status = run(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "echo a > /data/marker-a && echo b > /up/x/marker-b",
+        ),
+    )
+    .await;
+    assert!(status.success());
+    let etc_after: Vec<_> = fs::read_dir("/etc")
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(etc_before, etc_after, "host /etc untouched");
+    // The writes landed in the volumes.
+    for (res, file) in [(&a, "marker-a"), (&b, "marker-b")] {
+        let id = res.source_id().unwrap();
+        let mp = agent.provider.publish(id, "check").await.unwrap();
+        assert!(mp.join(file).exists(), "{file} in its volume");
+        agent.provider.release(id, "check").await.unwrap();
+    }
+    agent.isolator.cleanup("c1").await.unwrap();
+    for res in [&a, &b] {
+        agent
+            .provider
+            .destroy_volume(res.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn a_relative_root_created_on_one_agent_is_mounted_on_another() {
+    require_root();
+    let sb = Sandbox::new("iso-agents");
+    let before = host_mount_points(&sb);
+    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let agent_x = {
+        let mut c = ProviderConfig::new(
+            "",
+            "default",
+            sb.mkdir("x"),
+            PluginSource::Endpoint(plugin.endpoint()),
+        );
+        c.provider_id.clear();
+        Agent::with_config(c).await
+    };
+    let agent_y = {
+        let mut c = ProviderConfig::new(
+            "",
+            "default",
+            sb.mkdir("y"),
+            PluginSource::Endpoint(plugin.endpoint()),
+        );
+        c.provider_id.clear();
+        Agent::with_config(c).await
+    };
+    let res = agent_x.volume("v", "data", VolumeMode::Rw).await;
+    let root = res
+        .disk
+        .as_ref()
+        .unwrap()
+        .source
+        .as_ref()
+        .unwrap()
+        .root()
+        .unwrap()
+        .to_string();
+    assert!(root.starts_with("./csi/"), "{root}");
+    let id = res.source_id().unwrap().to_string();
+    // Agent Y learns of the volume by id (it exists in the plugin already).
+    let rec = agent_x.provider.volume(&id).await.unwrap();
+    agent_y
+        .provider
+        .declare_volume(&id, Capability::default(), rec.volume_context.clone())
+        .await
+        .unwrap();
+    let c1 = config(&sb, "c1", vec![res.clone()], None);
+    let info = agent_y.isolator.prepare("c1", c1.clone()).await.unwrap();
+    assert!(
+        info.mounts[0].source.starts_with(&agent_y.work),
+        "resolved under Y's work dir"
+    );
+    assert_eq!(info.mounts[0].source, agent_y.provider.mount_point(&id));
+    let status = run(&sb, spec(&c1, &info, "echo from-y > data/f")).await;
+    assert!(status.success());
+    agent_y.isolator.cleanup("c1").await.unwrap();
+    // X sees the data Y's container wrote.
+    let mp = agent_x.provider.publish(&id, "reader").await.unwrap();
+    assert_eq!(read(&mp.join("f")), "from-y\n");
+    agent_x.provider.release(&id, "reader").await.unwrap();
+    agent_y.provider.destroy_volume(&id).await.unwrap();
+    agent_x.provider.destroy_volume(&id).await.unwrap();
+    agent_x.stop().await;
+    agent_y.stop().await;
+    drop(plugin);
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn a_failed_node_publish_fails_the_launch_before_exec() {
+    require_root();
+    let sb = Sandbox::new("iso-fail");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &["--fail=NodePublishVolume=INTERNAL"]).await;
+    let ok = agent.volume("ok", "ok", VolumeMode::Rw).await;
+    let bad = agent.volume("bad", "bad", VolumeMode::Rw).await;
+    let c1 = config(&sb, "c1", vec![ok.clone(), bad.clone()], None);
+    let err = agent.isolator.prepare("c1", c1).await.unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, IsolatorError::Provider { .. }), "{text}");
+    assert!(text.contains("NodePublishVolume"), "{text}");
+    assert!(text.contains("INTERNAL"), "{text}");
+    assert!(
+        text.contains(ok.source_id().unwrap()) || text.contains(bad.source_id().unwrap()),
+        "names the volume: {text}"
+    );
+    for res in [&ok, &bad] {
+        let rec = agent
+            .provider
+            .volume(res.source_id().unwrap())
+            .await
+            .unwrap();
+        assert!(rec.users.is_empty());
+        assert_eq!(rec.state, VolumeState::Created);
+    }
+    assert!(agent.isolator.containers().await.is_empty());
+    assert!(!agent.isolator.checkpoint_root().join("c1").exists());
+    for res in [&ok, &bad] {
+        agent
+            .provider
+            .destroy_volume(res.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn refused_targets_publish_nothing() {
+    require_root();
+    let sb = Sandbox::new("iso-refuse");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let a = agent.volume("a", "same", VolumeMode::Rw).await;
+    let b = agent.volume("b", "./x/../same", VolumeMode::Rw).await;
+    let err = agent
+        .isolator
+        .prepare("c1", config(&sb, "c1", vec![a.clone(), b.clone()], None))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, IsolatorError::BadTarget { .. }), "{err}");
+    let escape = a.clone().with_volume("../../outside", VolumeMode::Rw);
+    let err = agent
+        .isolator
+        .prepare("c2", config(&sb, "c2", vec![escape], None))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("outside the container's root"),
+        "{err}"
+    );
+    // A reader-only volume cannot be mounted read-write, only read-only.
+    let mut spec_ro = CreateSpec::new("ro", 16 * MIB);
+    spec_ro.capability.access_mode = "MULTI_NODE_READER_ONLY".into();
+    let ro = agent.provider.create_volume(spec_ro).await.unwrap();
+    let err = agent
+        .isolator
+        .prepare(
+            "c3",
+            config(
+                &sb,
+                "c3",
+                vec![ro.clone().with_volume("r", VolumeMode::Rw)],
+                None,
+            ),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, IsolatorError::ReadOnlyVolume { .. }), "{err}");
+    let c4 = config(
+        &sb,
+        "c4",
+        vec![ro.clone().with_volume("r", VolumeMode::Ro)],
+        None,
+    );
+    let info = agent.isolator.prepare("c4", c4.clone()).await.unwrap();
+    assert!(run(&sb, spec(&c4, &info, "test -d r")).await.success());
+    agent.isolator.cleanup("c4").await.unwrap();
+    for r in [&a, &b, &ro] {
+        let rec = agent.provider.volume(r.source_id().unwrap()).await.unwrap();
+        assert!(rec.users.is_empty(), "{:?}", rec.users);
+        agent
+            .provider
+            .destroy_volume(r.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn recover_cleans_up_after_containers_that_are_gone() {
+    require_root();
+    let sb = Sandbox::new("iso-recover");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let a = agent.volume("a", "a", VolumeMode::Rw).await;
+    let b = agent.volume("b", "b", VolumeMode::Rw).await;
+    agent
+        .isolator
+        .prepare("gone", config(&sb, "gone", vec![a.clone()], None))
+        .await
+        .unwrap();
+    agent
+        .isolator
+        .prepare("alive", config(&sb, "alive", vec![b.clone()], None))
+        .await
+        .unwrap();
+    // A use recorded by the provider for a container the isolator never checkpointed.
+    agent
+        .provider
+        .publish(a.source_id().unwrap(), "phantom")
+        .await
+        .unwrap();
+    agent.stop().await;
+
+    // The agent restarts; only "alive" still exists.
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let report = agent
+        .isolator
+        .recover(&["alive".to_string()])
+        .await
+        .unwrap();
+    assert_eq!(report.recovered, vec!["alive".to_string()]);
+    assert_eq!(report.cleaned, vec!["gone".to_string()]);
+    assert!(
+        report.released_uses.iter().any(|(_, c)| c == "phantom"),
+        "{report:?}"
+    );
+    let ra = agent.provider.volume(a.source_id().unwrap()).await.unwrap();
+    assert!(ra.users.is_empty());
+    assert_eq!(ra.state, VolumeState::Created);
+    let rb = agent.provider.volume(b.source_id().unwrap()).await.unwrap();
+    assert_eq!(rb.state, VolumeState::Published, "alive keeps its volume");
+    agent.isolator.cleanup("alive").await.unwrap();
+    for r in [&a, &b] {
+        agent
+            .provider
+            .destroy_volume(r.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
