@@ -19,5 +19,6 @@ pub mod mount;
 pub mod plugin;
 pub mod provider;
 pub mod resource;
+pub mod runner;
 #[doc(hidden)]
 pub mod testing;

@@ -30,6 +30,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run a command with CSI volumes in a new mount namespace; exits with its status.
+    Run(commands::run::RunArgs),
     /// Every volume with its state, users, mount point and what the mount table says.
     Status(commands::status::StatusArgs),
     /// Create, publish, release, destroy and list volumes of a provider.
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Run(args) => commands::run::run(&cli.work_dir, args).await,
             Command::Status(args) => commands::status::run(&cli.work_dir, args),
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
         }

@@ -1,0 +1,373 @@
+//! `csi-isolator run`: one workload with CSI volumes, start to finish.
+//!
+//! Contract: the volumes named by `--volume` are created if they do not
+//! exist yet (the same name is the same volume next time) or taken from
+//! `--resources`; they are published through the provider, the workload
+//! runs in a new mount namespace with each volume at its container path,
+//! and whatever happens (exit, failure, SIGINT, SIGTERM) everything is
+//! cleaned up before returning the workload's status: its volumes are
+//! released (unpublished on last use), the managed plugin is stopped, the
+//! sandbox and the work-dir lock are removed. One `run` or `serve` uses a
+//! work dir at a time (an exclusive lock); a run that crashed is cleaned up
+//! by the next one's recovery.
+
+use std::ffi::OsString;
+use std::fs::File;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::fcntl::{Flock, FlockArg};
+use nix::sys::signal::Signal;
+use tokio::signal::unix::{signal, SignalKind};
+
+use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
+use crate::launcher::{self, LaunchError, LaunchSpec};
+use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
+use crate::resource::{validate_path_component, Resource, VolumeMode};
+
+/// One `--volume NAME:SIZE:CONTAINER_PATH[:ro]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeArg {
+    /// The volume name (the same name is the same volume).
+    pub name: String,
+    /// Its capacity in bytes.
+    pub size_bytes: u64,
+    /// Where the workload sees it (relative: in its sandbox).
+    pub container_path: String,
+    /// Mounted read-only.
+    pub readonly: bool,
+}
+
+impl FromStr for VolumeArg {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        const FORM: &str = "expected NAME:SIZE:CONTAINER_PATH[:ro], e.g. data:64M:data";
+        let parts: Vec<&str> = s.split(':').collect();
+        let part = |i: usize, what: &str| -> Result<&str, String> {
+            match parts.get(i) {
+                Some(p) if !p.is_empty() => Ok(*p),
+                _ => Err(format!("--volume '{s}': missing {what} ({FORM})")),
+            }
+        };
+        let name = part(0, "NAME")?;
+        let size = part(1, "SIZE")?;
+        let container_path = part(2, "CONTAINER_PATH")?;
+        let readonly = match parts.get(3) {
+            None | Some(&"rw") => false,
+            Some(&"ro") => true,
+            Some(other) => {
+                return Err(format!(
+                    "--volume '{s}': unknown mode '{other}' (expected ro or rw)"
+                ))
+            }
+        };
+        if parts.len() > 4 {
+            return Err(format!(
+                "--volume '{s}': too many ':'-separated parts ({FORM})"
+            ));
+        }
+        let size_bytes = crate::plugin::parse_size(size)
+            .filter(|b| *b > 0)
+            .ok_or_else(|| format!("--volume '{s}': invalid SIZE '{size}' (examples: 64M, 1G)"))?;
+        Ok(VolumeArg {
+            name: name.to_string(),
+            size_bytes,
+            container_path: container_path.to_string(),
+            readonly,
+        })
+    }
+}
+
+/// What `run` does.
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// The agent work dir.
+    pub work_dir: PathBuf,
+    /// The provider (bundled plugin or an endpoint).
+    pub provider: ProviderConfig,
+    /// Volumes to create (if new) and mount.
+    pub volumes: Vec<VolumeArg>,
+    /// Resources (Mesos JSON) to mount as given.
+    pub resources: Vec<Resource>,
+    /// A root filesystem to pivot into.
+    pub rootfs: Option<PathBuf>,
+    /// The container id (default: `run-<random>`).
+    pub container_id: Option<String>,
+    /// The command and its arguments.
+    pub argv: Vec<OsString>,
+    /// How long the workload gets to exit after SIGTERM before SIGKILL.
+    pub stop_grace: Duration,
+}
+
+/// `run` failed before or around the workload.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// Missing privilege.
+    #[error("csi-isolator run needs {capability} (it creates mount namespaces and bind mounts): run it as root")]
+    NotPrivileged {
+        /// The missing capability.
+        capability: &'static str,
+    },
+    /// Another run or serve holds the work dir.
+    #[error("work dir {work_dir} is in use by another csi-isolator run or serve (lock {lock})")]
+    Busy {
+        /// The work dir.
+        work_dir: PathBuf,
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// The command line was wrong.
+    #[error("{0}")]
+    Usage(String),
+    /// A file or directory of the run could not be made.
+    #[error("{step} {path}: {source}")]
+    Io {
+        /// The step.
+        step: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The provider failed (plugin unreachable, create failed...).
+    #[error(transparent)]
+    Provider(#[from] ProviderError),
+    /// The isolator failed (publish failed, bad target...).
+    #[error(transparent)]
+    Isolator(#[from] IsolatorError),
+    /// The workload could not be started.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+}
+
+/// Runs the workload; returns its exit code (128 + signal if killed).
+pub async fn run(opts: RunOptions) -> Result<i32, RunError> {
+    check_privilege()?;
+    if opts.argv.is_empty() {
+        return Err(RunError::Usage(
+            "no command given (csi-isolator run [OPTIONS] -- COMMAND [ARG...])".into(),
+        ));
+    }
+    let container_id = opts
+        .container_id
+        .clone()
+        .unwrap_or_else(|| format!("run-{:016x}", rand::random::<u64>()));
+    validate_path_component("container id", &container_id)
+        .map_err(|e| RunError::Usage(e.to_string()))?;
+    mkdir(&opts.work_dir)?;
+    let lock_path = opts.work_dir.join("run.lock");
+    let lock = lock_work_dir(&opts.work_dir, &lock_path)?;
+
+    let provider = StorageProvider::start(opts.provider.clone()).await?;
+    let result = run_with_provider(&opts, &container_id, provider.clone()).await;
+    provider.shutdown(Duration::from_secs(5)).await;
+    let _ = std::fs::remove_file(&lock_path);
+    drop(lock);
+    result
+}
+
+async fn run_with_provider(
+    opts: &RunOptions,
+    container_id: &str,
+    provider: Arc<StorageProvider>,
+) -> Result<i32, RunError> {
+    let mut manager = Manager::new();
+    manager.add(provider.clone());
+    let table: Arc<dyn MountTable> = Arc::new(ProcMountTable::new());
+    let isolator = VolumeIsolator::new(
+        &opts.work_dir,
+        Arc::new(manager),
+        Arc::new(LinuxSyscall::new()),
+        table.clone(),
+    );
+    // We hold the work dir exclusively: any other container is gone.
+    let recovered = isolator.recover(&[]).await?;
+    if !recovered.cleaned.is_empty() {
+        tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
+    }
+
+    let mut resources = opts.resources.clone();
+    for v in &opts.volumes {
+        let mut spec = CreateSpec::new(&v.name, v.size_bytes);
+        if let Some(existing) = provider.find_by_name(&v.name).await {
+            spec.capability = existing.capability;
+        }
+        let res = provider.create_volume(spec).await?;
+        let mode = if v.readonly {
+            VolumeMode::Ro
+        } else {
+            VolumeMode::Rw
+        };
+        resources.push(res.with_volume(&v.container_path, mode));
+    }
+
+    let sandbox = opts.work_dir.join("sandboxes").join(container_id);
+    mkdir(&sandbox)?;
+    let config = ContainerConfig {
+        resources,
+        sandbox: sandbox.clone(),
+        rootfs: opts.rootfs.clone(),
+        user: None,
+    };
+    let outcome = match isolator.prepare(container_id, config).await {
+        Ok(info) => {
+            let spec = LaunchSpec {
+                argv: opts.argv.clone(),
+                env: Vec::new(),
+                sandbox: sandbox.clone(),
+                rootfs: opts.rootfs.clone(),
+                mounts: info.mounts,
+                pid_namespace: false,
+            };
+            supervise(&isolator, container_id, spec, opts.stop_grace).await
+        }
+        Err(e) => Err(e.into()),
+    };
+    let cleaned = isolator.cleanup(container_id).await;
+    remove_sandbox(&*table, &sandbox);
+    let code = outcome?;
+    cleaned?;
+    Ok(code)
+}
+
+/// Starts the workload, forwards SIGINT/SIGTERM to it (then SIGKILL after
+/// the grace period) and returns its exit code.
+async fn supervise(
+    isolator: &VolumeIsolator,
+    container_id: &str,
+    spec: LaunchSpec,
+    grace: Duration,
+) -> Result<i32, RunError> {
+    let mut sigint = signal(SignalKind::interrupt()).map_err(|source| RunError::Io {
+        step: "install signal handler for",
+        path: PathBuf::from("SIGINT"),
+        source,
+    })?;
+    let mut sigterm = signal(SignalKind::terminate()).map_err(|source| RunError::Io {
+        step: "install signal handler for",
+        path: PathBuf::from("SIGTERM"),
+        source,
+    })?;
+    let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
+        .await
+        .expect("the launch task does not panic")?;
+    if let Err(e) = isolator.isolate(container_id, launched.pid()).await {
+        let _ = launched.kill(Signal::SIGKILL);
+        let _ = launched.wait_async().await;
+        return Err(e.into());
+    }
+    // On SIGINT/SIGTERM: SIGTERM to the workload once, SIGKILL after the grace period.
+    let mut kill_at: Option<tokio::time::Instant> = None;
+    let mut signalled = false;
+    let status = loop {
+        let deadline = kill_at;
+        tokio::select! {
+            status = launched.wait_async() => break status?,
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                tracing::warn!(pid = launched.pid(), "workload still running after {grace:?}: SIGKILL");
+                let _ = launched.kill(Signal::SIGKILL);
+                kill_at = None;
+                continue;
+            }
+        }
+        if !signalled {
+            signalled = true;
+            tracing::info!(pid = launched.pid(), "stopping the workload (SIGTERM)");
+            let _ = launched.kill(Signal::SIGTERM);
+            kill_at = Some(tokio::time::Instant::now() + grace);
+        }
+    };
+    Ok(status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+fn check_privilege() -> Result<(), RunError> {
+    use caps::{CapSet, Capability};
+    match caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN) {
+        Ok(true) => Ok(()),
+        _ => Err(RunError::NotPrivileged {
+            capability: "CAP_SYS_ADMIN",
+        }),
+    }
+}
+
+fn lock_work_dir(work_dir: &Path, lock_path: &Path) -> Result<Flock<File>, RunError> {
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(lock_path)
+        .map_err(|source| RunError::Io {
+            step: "open lock",
+            path: lock_path.to_path_buf(),
+            source,
+        })?;
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| RunError::Busy {
+        work_dir: work_dir.to_path_buf(),
+        lock: lock_path.to_path_buf(),
+    })
+}
+
+fn mkdir(path: &Path) -> Result<(), RunError> {
+    std::fs::create_dir_all(path).map_err(|source| RunError::Io {
+        step: "create directory",
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Removes the sandbox unless something is still mounted under it (then
+/// its content may be a volume's data: keep it and say so).
+fn remove_sandbox(table: &dyn MountTable, sandbox: &Path) {
+    match table.mounts_under(sandbox) {
+        Ok(m) if m.is_empty() => {
+            if let Err(e) = std::fs::remove_dir_all(sandbox) {
+                tracing::warn!(sandbox = %sandbox.display(), error = %e, "cannot remove the sandbox");
+            }
+        }
+        _ => tracing::error!(sandbox = %sandbox.display(), "still mounted under the sandbox; kept"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volume_args() {
+        let v: VolumeArg = "data:64M:data".parse().unwrap();
+        assert_eq!(
+            v,
+            VolumeArg {
+                name: "data".into(),
+                size_bytes: 64 << 20,
+                container_path: "data".into(),
+                readonly: false
+            }
+        );
+        let v: VolumeArg = "logs:1G:/var/log/app:ro".parse().unwrap();
+        assert!(v.readonly);
+        assert_eq!(v.container_path, "/var/log/app");
+        for (bad, says) in [
+            ("data", "missing SIZE"),
+            ("data:64M", "missing CONTAINER_PATH"),
+            (":64M:x", "missing NAME"),
+            ("data:lots:x", "invalid SIZE 'lots'"),
+            ("data:0:x", "invalid SIZE '0'"),
+            ("data:64M:x:rx", "unknown mode 'rx'"),
+            ("data:64M:x:ro:more", "too many"),
+        ] {
+            let err = bad.parse::<VolumeArg>().unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+}
