@@ -137,13 +137,31 @@ pub enum RunError {
     },
     /// The provider failed (plugin unreachable, create failed...).
     #[error(transparent)]
-    Provider(#[from] ProviderError),
+    Provider(Box<ProviderError>),
     /// The isolator failed (publish failed, bad target...).
     #[error(transparent)]
-    Isolator(#[from] IsolatorError),
+    Isolator(Box<IsolatorError>),
     /// The workload could not be started.
     #[error(transparent)]
-    Launch(#[from] LaunchError),
+    Launch(Box<LaunchError>),
+}
+
+impl From<ProviderError> for RunError {
+    fn from(e: ProviderError) -> Self {
+        RunError::Provider(Box::new(e))
+    }
+}
+
+impl From<IsolatorError> for RunError {
+    fn from(e: IsolatorError) -> Self {
+        RunError::Isolator(Box::new(e))
+    }
+}
+
+impl From<LaunchError> for RunError {
+    fn from(e: LaunchError) -> Self {
+        RunError::Launch(Box::new(e))
+    }
 }
 
 /// Runs the workload; returns its exit code (128 + signal if killed).
