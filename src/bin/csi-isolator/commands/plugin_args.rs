@@ -23,6 +23,9 @@ pub struct PluginArgs {
     /// When an unused volume is unpublished: last-use or keep.
     #[arg(long, default_value = "last-use")]
     pub policy: UnpublishPolicy,
+    /// Seconds to wait for the plugin to come up and answer Probe.
+    #[arg(long, default_value = "30", value_name = "SECS")]
+    pub plugin_timeout: u64,
 }
 
 impl PluginArgs {
@@ -52,6 +55,8 @@ impl PluginArgs {
             }
         };
         config.policy = self.policy;
+        config.client.connect_timeout = std::time::Duration::from_secs(self.plugin_timeout);
+        config.ready_timeout = std::time::Duration::from_secs(self.plugin_timeout);
         Ok(config)
     }
 }
