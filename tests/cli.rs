@@ -1,0 +1,369 @@
+//! The `csi-isolator` command end to end, as a user runs it: the built
+//! binaries, the bundled plugin (or an external one), real namespaces.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator::testing::{busybox_rootfs, require_root, PluginProcess, Sandbox};
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+
+fn cli(work: &Path) -> Command {
+    let mut c = Command::new(CLI);
+    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
+    c
+}
+
+fn output(cmd: &mut Command) -> Output {
+    cmd.output().expect("run csi-isolator")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Processes whose command line mentions `needle` (plugins, workloads).
+fn processes_mentioning(needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
+            if String::from_utf8_lossy(&cmdline).contains(needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+fn assert_nothing_left(sb: &Sandbox, work: &Path) {
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(!work.join("run.lock").exists(), "the work-dir lock is gone");
+    let procs = processes_mentioning(&work.display().to_string());
+    assert!(procs.is_empty(), "processes left: {procs:?}");
+}
+
+#[test]
+fn a_second_run_reads_what_the_first_wrote() {
+    require_root();
+    let sb = Sandbox::new("cli-twice");
+    let work = sb.join("work");
+    let first = output(cli(&work).args([
+        "run",
+        "--volume",
+        "data:32M:data",
+        "--",
+        "sh",
+        "-c",
+        "echo first >> data/log; cat data/log",
+    ]));
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert_eq!(text(&first.stdout), "first\n");
+    let second = output(cli(&work).args([
+        "run",
+        "--volume",
+        "data:32M:data",
+        "--",
+        "sh",
+        "-c",
+        "echo second >> data/log; cat data/log; exit 7",
+    ]));
+    assert_eq!(
+        second.status.code(),
+        Some(7),
+        "the workload's status: {}",
+        text(&second.stderr)
+    );
+    assert_eq!(text(&second.stdout), "first\nsecond\n");
+    // status: one volume, not in use, not mounted, nothing disagrees.
+    let status = output(cli(&work).args(["status", "--json"]));
+    assert!(status.status.success(), "{}", text(&status.stdout));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let vols = report["volumes"].as_array().unwrap();
+    assert_eq!(vols.len(), 1);
+    assert_eq!(vols[0]["name"], "data");
+    assert_eq!(vols[0]["state"], "CREATED");
+    assert_eq!(vols[0]["mounted"], false);
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn stdin_passes_through_and_read_only_volumes_stay_unchanged() {
+    require_root();
+    let sb = Sandbox::new("cli-stdin");
+    let work = sb.join("work");
+    let mut child = cli(&work)
+        .args([
+            "run",
+            "--volume",
+            "ro:16M:ro:ro",
+            "--",
+            "sh",
+            "-c",
+            "read line; echo got:$line; echo x > ro/f",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write;
+    child.stdin.take().unwrap().write_all(b"hello\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(text(&out.stdout), "got:hello\n");
+    assert_ne!(
+        out.status.code(),
+        Some(0),
+        "a write into a read-only volume fails"
+    );
+    assert!(
+        text(&out.stderr).contains("Read-only file system"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn sigint_stops_the_workload_and_cleans_everything_up() {
+    require_root();
+    let sb = Sandbox::new("cli-sigint");
+    let work = sb.join("work");
+    let pidfile = sb.join("workload.pid");
+    let script = format!("echo $$ > {}; exec sleep 60", pidfile.display());
+    let child = cli(&work)
+        .args(["run", "--volume", "v:16M:v", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    sb.track(child.id());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !pidfile.exists() || std::fs::read_to_string(&pidfile).unwrap().trim().is_empty() {
+        assert!(Instant::now() < deadline, "the workload never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let workload: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // While it runs: published and mounted, the lock held.
+    assert!(!ProcMountTable::new()
+        .mounts_under(&work)
+        .unwrap()
+        .is_empty());
+    assert!(work.join("run.lock").exists());
+    let busy = output(cli(&work).args(["run", "--volume", "v:16M:v", "--", "true"]));
+    assert!(!busy.status.success());
+    assert!(
+        text(&busy.stderr).contains("in use by another csi-isolator"),
+        "{}",
+        text(&busy.stderr)
+    );
+
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    )
+    .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    sb.untrack(pid);
+    assert_eq!(
+        out.status.code(),
+        Some(128 + 15),
+        "the workload died of SIGTERM: {}",
+        text(&out.stderr)
+    );
+    assert!(
+        !Path::new(&format!("/proc/{workload}")).exists(),
+        "workload gone"
+    );
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn resources_json_and_an_external_plugin() {
+    require_root();
+    let sb = Sandbox::new("cli-resources");
+    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "loop"]).await_blocking();
+    let work = sb.join("work");
+    let endpoint = plugin.endpoint();
+    let created = output(cli(&work).args([
+        "volume",
+        "--plugin-endpoint",
+        &endpoint,
+        "create",
+        "db",
+        "16M",
+    ]));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let mut res: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    res["disk"]["volume"] = serde_json::json!({"container_path": "db", "mode": "RW"});
+    let file = sb.join("resources.json");
+    std::fs::write(
+        &file,
+        serde_json::to_vec(
+            &serde_json::json!([res, {"name": "cpus", "type": "SCALAR", "scalar": {"value": 1}}]),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let out = output(
+        cli(&work)
+            .args(["run", "--plugin-endpoint", &endpoint, "--resources"])
+            .arg(&file)
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "df -T db | tail -1 | grep -q ext4 && echo ok > db/f && cat db/f",
+            ]),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "ok\n");
+    let destroyed =
+        output(cli(&work).args(["volume", "--plugin-endpoint", &endpoint, "destroy", "db"]));
+    assert!(destroyed.status.success(), "{}", text(&destroyed.stderr));
+    drop(plugin);
+    assert_nothing_left(&sb, &work);
+}
+
+trait Blocking {
+    type Out;
+    fn await_blocking(self) -> Self::Out;
+}
+impl<F: std::future::Future> Blocking for F {
+    type Out = F::Output;
+    fn await_blocking(self) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(self)
+    }
+}
+
+#[test]
+fn rootfs_pivot_with_a_volume_at_an_absolute_path() {
+    require_root();
+    let sb = Sandbox::new("cli-rootfs");
+    let work = sb.join("work");
+    let rootfs = busybox_rootfs(&sb, "rootfs");
+    let out = output(cli(&work).arg("run").arg("--rootfs").arg(&rootfs).args([
+        "--volume",
+        "abs:16M:/srv/data",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo inside > /srv/data/f && cat /srv/data/f && pwd",
+    ]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "inside\n/mnt/mesos/sandbox\n");
+    assert!(
+        !rootfs.join("srv/data/f").exists(),
+        "the write went to the volume, not the rootfs"
+    );
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn errors_are_written_for_people() {
+    require_root();
+    let sb = Sandbox::new("cli-errors");
+    let work = sb.join("work");
+    let bad = output(cli(&work).args(["run", "--volume", "data:64M", "--", "true"]));
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        text(&bad.stderr).contains("missing CONTAINER_PATH"),
+        "{}",
+        text(&bad.stderr)
+    );
+
+    let unreachable = output(cli(&work).args([
+        "run",
+        "--plugin-endpoint",
+        "unix:///nonexistent/csi.sock",
+        "--plugin-timeout",
+        "1",
+        "--volume",
+        "a:1M:a",
+        "--",
+        "true",
+    ]));
+    assert!(!unreachable.status.success());
+    let msg = text(&unreachable.stderr);
+    assert!(
+        msg.contains("unix:///nonexistent/csi.sock") && msg.contains("did not appear"),
+        "{msg}"
+    );
+    assert_eq!(msg.lines().count(), 1, "one line: {msg}");
+
+    let unprivileged = output(
+        Command::new("setpriv")
+            .args(["--bounding-set=-sys_admin", CLI, "--work-dir"])
+            .arg(&work)
+            .args(["run", "--volume", "a:1M:a", "--", "true"]),
+    );
+    assert!(!unprivileged.status.success());
+    assert_eq!(
+        text(&unprivileged.stderr).trim(),
+        "csi-isolator: csi-isolator run needs CAP_SYS_ADMIN (it creates mount namespaces and bind mounts): run it as root"
+    );
+
+    assert!(output(cli(&work).args(["volume", "create", "inuse", "8M"]))
+        .status
+        .success());
+    assert!(
+        output(cli(&work).args(["volume", "publish", "inuse", "--container", "c-42"]))
+            .status
+            .success()
+    );
+    let refused = output(cli(&work).args(["volume", "destroy", "inuse"]));
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("in use by container(s) c-42"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(
+        output(cli(&work).args(["volume", "release", "inuse", "--container", "c-42"]))
+            .status
+            .success()
+    );
+    assert!(output(cli(&work).args(["volume", "destroy", "inuse"]))
+        .status
+        .success());
+
+    let failing = output(cli(&work).args([
+        "run",
+        "--plugin-arg=--fail=NodePublishVolume=PERMISSION_DENIED",
+        "--volume",
+        "x:8M:x",
+        "--",
+        "sh",
+        "-c",
+        "echo should-not-run",
+    ]));
+    assert!(!failing.status.success());
+    let msg = text(&failing.stderr);
+    assert!(
+        msg.contains("NodePublishVolume") && msg.contains("PERMISSION_DENIED"),
+        "{msg}"
+    );
+    assert!(
+        !text(&failing.stdout).contains("should-not-run"),
+        "failed before exec"
+    );
+    assert_nothing_left(&sb, &work);
+}
