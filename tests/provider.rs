@@ -663,3 +663,56 @@ async fn pre_provisioned_volume_is_published_but_never_deleted() {
     assert_eq!(listed.entries.len(), 1, "still in the plugin");
     sb.assert_no_mounts_under();
 }
+
+#[tokio::test]
+async fn recovery_unmounts_and_removes_orphaned_mount_directories() {
+    require_root();
+    let sb = Sandbox::new("prov-orphan");
+    let work = sb.mkdir("work");
+    let p = start(config(&work, "default", &[])).await;
+    let layout = p.layout().clone();
+    let id = p
+        .create_volume(CreateSpec::new("kept", 4 * MIB))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    let mp = p.publish(&id, "c1").await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    drop(p);
+    // A mount directory no volume knows of, with a mount on it (what a
+    // crash of some older process could leave), and data of its own.
+    let orphan = layout.mounts_dir().join("vol-unknown");
+    let target = orphan.join("target");
+    std::fs::create_dir_all(&target).unwrap();
+    let src = sb.mkdir("orphan-src");
+    std::fs::write(src.join("precious"), b"data").unwrap();
+    nix::mount::mount(
+        Some(&src),
+        &target,
+        None::<&str>,
+        nix::mount::MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap();
+
+    let p = start(config(&work, "default", &[])).await;
+    assert!(!orphan.exists(), "orphaned directory removed");
+    assert!(!is_mounted(&target));
+    assert_eq!(
+        std::fs::read(src.join("precious")).unwrap(),
+        b"data",
+        "unmounted before removal: the data behind it is untouched"
+    );
+    let report = p.recovery_report();
+    assert!(
+        report.actions.iter().any(|a| a.contains("orphan")),
+        "{report:?}"
+    );
+    assert!(is_mounted(&mp), "the known volume in use stays published");
+    p.release(&id, "c1").await.unwrap();
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+}

@@ -14,6 +14,16 @@ use super::plugin_args::PluginArgs;
 
 /// `run` options.
 #[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  # A 64 MiB volume at ./data (in the sandbox, the working directory), created on first use
+  csi-isolator --work-dir /tmp/w run --volume data:64M:data -- sh -c 'date >> data/log; cat data/log'
+  # Read-only, at an absolute path inside a root filesystem
+  csi-isolator run --rootfs /srv/rootfs --volume ref:1G:/ref:ro -- /bin/ls /ref
+  # ext4 volumes on loop devices from the bundled plugin
+  csi-isolator run --plugin-arg=--backing=loop --volume db:256M:db -- ./server
+  # Mesos Resource JSON, against a CSI plugin that is already running
+  csi-isolator run --plugin-endpoint unix:///run/csi/plugin.sock --resources volumes.json -- ./task")]
 pub struct RunArgs {
     #[command(flatten)]
     plugin: PluginArgs,

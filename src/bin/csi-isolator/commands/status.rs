@@ -11,6 +11,11 @@ use csi_isolator::provider::status::scan;
 
 /// `status` options.
 #[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  csi-isolator --work-dir /tmp/w status
+  csi-isolator status --json | jq '.volumes[] | select(.disagreement != null)'
+Exit status: 0 when every volume agrees with the mount table, 1 otherwise.")]
 pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]

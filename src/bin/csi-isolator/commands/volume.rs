@@ -15,6 +15,14 @@ use super::plugin_args::PluginArgs;
 
 /// `volume` options.
 #[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  csi-isolator --work-dir /tmp/w volume create data 64M
+  csi-isolator --work-dir /tmp/w volume publish data --container c1   # prints the mount point
+  csi-isolator --work-dir /tmp/w volume list
+  csi-isolator --work-dir /tmp/w volume release data --container c1
+  csi-isolator --work-dir /tmp/w volume destroy data
+  csi-isolator volume --plugin-endpoint unix:///run/csi/plugin.sock list --json")]
 pub struct VolumeArgs {
     #[command(flatten)]
     plugin: PluginArgs,
