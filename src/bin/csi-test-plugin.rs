@@ -10,11 +10,24 @@ use clap::Parser;
 use csi_isolator::csi::transport::socket_path;
 use csi_isolator::plugin::{self, faults, BackingKind, PluginConfig};
 
+const EXAMPLES: &str = "\
+Examples:
+  # Directory volumes on a socket
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data
+  # ext4-on-loop volumes, node staging switched off
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data --backing loop --no-stage
+  # Faults: NodePublishVolume fails twice with UNAVAILABLE, Probe answers after 200 ms
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
+      --fail NodePublishVolume=UNAVAILABLE:2 --delay Probe=200
+  # Started by a CO that sets CSI_ENDPOINT
+  CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "csi-test-plugin",
     version,
-    about = "A CSI v1 plugin for mount volumes, for tests and `csi-isolator run`"
+    about = "A CSI v1 plugin for mount volumes, for tests and `csi-isolator run`",
+    after_help = EXAMPLES
 )]
 struct Args {
     /// The socket to serve on, as unix:///PATH (default: $CSI_ENDPOINT, as a CO sets it).
