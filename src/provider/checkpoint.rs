@@ -90,6 +90,13 @@ pub enum CheckpointError {
 }
 
 static WRITES: AtomicU64 = AtomicU64::new(0);
+static FSYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many fsync/fdatasync calls the checkpoint code has made in this
+/// process (files and directories), for the benchmarks.
+pub fn fsyncs() -> u64 {
+    FSYNCS.load(Ordering::SeqCst)
+}
 
 /// Counts durable writes and, when the crash point is armed and this is the
 /// Nth one, kills the process on the spot.
@@ -123,6 +130,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let tmp = temp_name(path);
     let write = |f: &mut File| -> io::Result<()> {
         f.write_all(bytes)?;
+        FSYNCS.fetch_add(1, Ordering::Relaxed);
         f.sync_all()
     };
     let result = OpenOptions::new()
@@ -217,6 +225,7 @@ fn temp_name(path: &Path) -> PathBuf {
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    FSYNCS.fetch_add(1, Ordering::Relaxed);
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(|source| CheckpointError::SyncDir {
