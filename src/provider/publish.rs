@@ -32,12 +32,20 @@ impl StorageProvider {
                 volume: volume_id.to_string(),
             });
         }
+        // The new user becomes durable with the first transition's intent,
+        // before any RPC (or on its own when there is nothing to do).
         let added = rec.users.insert(container_id.to_string());
-        if added {
-            self.persist(&rec)?;
-        }
-        let mounted = self.mounted_targets();
-        match self.ensure_published(&mut rec, &mounted).await {
+        let mounted = if rec.state == VolumeState::Published {
+            self.mounted_targets()
+        } else {
+            None
+        };
+        let outcome = match self.ensure_published(&mut rec, &mounted).await {
+            Ok(false) if added => self.persist(&rec),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        match outcome {
             Ok(()) => Ok(self.mount_point(volume_id)),
             Err(e) => {
                 if added {
@@ -67,8 +75,12 @@ impl StorageProvider {
         if !rec.users.remove(container_id) {
             return Ok(());
         }
-        self.persist(&rec)?;
-        self.settle_unused(&mut rec).await
+        // The removal becomes durable with the first unpublish intent (or on
+        // its own when the volume stays published).
+        if !self.settle_unused(&mut rec).await? {
+            self.persist(&rec)?;
+        }
+        Ok(())
     }
 
     /// Publishes a container's volumes concurrently, then re-ensures every
@@ -116,6 +128,26 @@ impl StorageProvider {
     /// one found otherwise is repaired. Failures are logged (they belong to
     /// other containers' volumes) and returned as (volume id, error).
     pub async fn ensure_in_use(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {
+        // One sweep at a time: a publish arriving during a sweep relies on it.
+        if self
+            .sweeping
+            .compare_exchange(
+                false,
+                true,
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+            )
+            .is_err()
+        {
+            return Vec::new();
+        }
+        let failures = self.sweep(skip).await;
+        self.sweeping
+            .store(false, std::sync::atomic::Ordering::Release);
+        failures
+    }
+
+    async fn sweep(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {
         let slots: Vec<(String, Arc<Slot>)> = self
             .slots
             .lock()
@@ -128,7 +160,12 @@ impl StorageProvider {
         let results = join_all(slots.into_iter().map(|(id, slot)| {
             let mounted = &mounted;
             async move {
-                let mut rec = slot.record.lock().await;
+                // A volume with an operation in flight is left to it: that
+                // operation ends in a consistent state, and waiting for it
+                // would serialize every launch behind every other.
+                let Ok(mut rec) = slot.record.try_lock() else {
+                    return None;
+                };
                 if rec.users.is_empty() || rec.destroying {
                     return None;
                 }
@@ -153,7 +190,7 @@ impl StorageProvider {
         &self,
         rec: &mut VolumeRecord,
         mounted: &Option<HashSet<PathBuf>>,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<bool, ProviderError> {
         if rec.state == VolumeState::Published {
             let target = self.mount_point(&rec.volume_id);
             if let Some(m) = mounted {
@@ -169,16 +206,19 @@ impl StorageProvider {
 
     /// After the last user left: unpublish under last-use, keep otherwise
     /// (but never leave an interrupted step behind).
-    pub(crate) async fn settle_unused(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
+    pub(crate) async fn settle_unused(
+        &self,
+        rec: &mut VolumeRecord,
+    ) -> Result<bool, ProviderError> {
         if !rec.users.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         match self.config.policy {
             UnpublishPolicy::LastUse => self.drive(rec, VolumeState::Created).await,
             UnpublishPolicy::Keep => match rec.state.pending_step() {
                 Some(step) if step.is_forward() => self.drive(rec, step.from()).await,
                 Some(step) => self.drive(rec, step.to()).await,
-                None => Ok(()),
+                None => Ok(false),
             },
         }
     }

@@ -150,6 +150,7 @@ pub struct StorageProvider {
     pub(crate) sys: Arc<dyn Syscall>,
     pub(crate) table: Arc<dyn MountTable>,
     pub(crate) report: Mutex<RecoveryReport>,
+    pub(crate) sweeping: std::sync::atomic::AtomicBool,
 }
 
 impl StorageProvider {
@@ -249,6 +250,7 @@ impl StorageProvider {
             sys,
             table,
             report: Mutex::new(RecoveryReport::default()),
+            sweeping: std::sync::atomic::AtomicBool::new(false),
             config,
         });
         provider.recover().await?;
@@ -405,11 +407,14 @@ impl StorageProvider {
     /// finished; a forward step is re-issued when the goal lies beyond it
     /// and undone otherwise (CSI calls are idempotent, so both are safe
     /// whether or not the plugin had done it).
+    /// Returns whether it wrote the checkpoint (callers with other changes
+    /// to the record, such as its users, persist them otherwise).
     pub(crate) async fn drive(
         &self,
         rec: &mut VolumeRecord,
         goal: VolumeState,
-    ) -> Result<(), ProviderError> {
+    ) -> Result<bool, ProviderError> {
+        let mut wrote = false;
         loop {
             let step = if let Some(pending) = rec.state.pending_step() {
                 if pending.is_forward() && goal.rank() < pending.to().rank() {
@@ -419,7 +424,7 @@ impl StorageProvider {
                 }
             } else {
                 match rec.state.next_step_towards(goal) {
-                    None => return Ok(()),
+                    None => return Ok(wrote),
                     Some(step) => step,
                 }
             };
@@ -427,6 +432,7 @@ impl StorageProvider {
                 rec.state = step.to();
                 continue;
             }
+            wrote = true;
             self.run_step(rec, step).await?;
         }
     }
