@@ -204,8 +204,17 @@ async fn run_with_provider(
         Arc::new(LinuxSyscall::new()),
         table.clone(),
     );
-    // We hold the work dir exclusively: any other container is gone.
-    let recovered = isolator.recover(&[]).await?;
+    // We hold the work dir's lock, so no other `run` is live: containers of
+    // earlier runs (sandboxes under <work_dir>/sandboxes) are gone. Others
+    // (the OCI hook's) belong to their own containerizer and are kept.
+    let own = opts.work_dir.join("sandboxes");
+    let others: Vec<String> = isolator
+        .checkpointed()
+        .into_iter()
+        .filter(|c| !c.config.sandbox.starts_with(&own))
+        .map(|c| c.container_id)
+        .collect();
+    let recovered = isolator.recover(&others).await?;
     if !recovered.cleaned.is_empty() {
         tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
     }

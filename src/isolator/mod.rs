@@ -13,6 +13,7 @@
 //! namespace; the Docker/OCI path binds on the host instead (`oci`).
 
 pub mod error;
+pub mod hook;
 pub mod launch_info;
 pub mod oci;
 pub mod targets;

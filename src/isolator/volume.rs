@@ -434,6 +434,20 @@ impl VolumeIsolator {
         Ok(())
     }
 
+    /// The containers checkpointed on disk (readable ones only), without
+    /// loading or changing anything: lets a caller that shares the work dir
+    /// with other containerizers work out which containers are not its own.
+    pub fn checkpointed(&self) -> Vec<ContainerRecord> {
+        let Ok(entries) = std::fs::read_dir(self.checkpoint_root()) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| std::fs::read(e.path().join("state.json")).ok())
+            .filter_map(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
+            .collect()
+    }
+
     /// Recover: rebuilds from the checkpoints; containers not in `known`
     /// are cleaned up, and volume uses by containers that exist nowhere are
     /// released.

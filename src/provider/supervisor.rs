@@ -114,13 +114,18 @@ impl Supervisor {
     /// Stops the plugin: SIGTERM, then SIGKILL after `grace`.
     pub async fn stop(&self, grace: Duration) {
         self.inner.stopping.store(true, Ordering::SeqCst);
-        let pid = self.pid();
-        if let Some(pid) = pid {
+        // Arm the exit notification before signalling, so an exit that
+        // happens right away is not missed.
+        let exited = self.inner.exited.notified();
+        tokio::pin!(exited);
+        exited.as_mut().enable();
+        if let Some(pid) = self.pid() {
             let _ = kill(Pid::from_raw(pid as i32), Signal::SIGTERM);
-            let exited = self.inner.exited.notified();
-            if tokio::time::timeout(grace, exited).await.is_err() {
+            if tokio::time::timeout(grace, exited.as_mut()).await.is_err() {
                 if let Some(pid) = self.pid() {
+                    tracing::warn!(plugin = %self.inner.plugin, pid, "plugin ignored SIGTERM: SIGKILL");
                     let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+                    let _ = tokio::time::timeout(Duration::from_secs(5), exited.as_mut()).await;
                 }
             }
         }
