@@ -2,7 +2,7 @@
 //! `protoc` is needed, and generates the tonic clients and servers from it.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["proto/csi.proto"];
+    let protos = ["proto/csi.proto", "proto/isolator.proto"];
     for p in protos {
         println!("cargo:rerun-if-changed={p}");
     }

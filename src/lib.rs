@@ -11,6 +11,7 @@
 //! - [`provider`]: resource providers and the volume state machine.
 //! - [`isolator`]: prepare / isolate / update / cleanup / recover.
 //! - [`launcher`]: the namespace launcher used by `run` and the tests.
+//! - [`service`]: `serve`, the isolator as a gRPC service on a Unix socket, with metrics.
 
 pub mod csi;
 pub mod isolator;
@@ -20,5 +21,6 @@ pub mod plugin;
 pub mod provider;
 pub mod resource;
 pub mod runner;
+pub mod service;
 #[doc(hidden)]
 pub mod testing;

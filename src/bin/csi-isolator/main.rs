@@ -36,6 +36,10 @@ enum Command {
     Status(commands::status::StatusArgs),
     /// Create, publish, release, destroy and list volumes of a provider.
     Volume(commands::volume::VolumeArgs),
+    /// Serve the isolator on a Unix socket (gRPC) for containerizers, with Prometheus metrics.
+    Serve(commands::serve::ServeArgs),
+    /// OCI runtime hook (createRuntime, poststop): CSI volumes named by annotations; state on stdin.
+    OciHook(commands::oci_hook::OciHookArgs),
 }
 
 fn main() -> ExitCode {
@@ -56,6 +60,8 @@ fn main() -> ExitCode {
             Command::Run(args) => commands::run::run(&cli.work_dir, args).await,
             Command::Status(args) => commands::status::run(&cli.work_dir, args),
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
+            Command::Serve(args) => commands::serve::run(&cli.work_dir, args).await,
+            Command::OciHook(args) => commands::oci_hook::run(&cli.work_dir, args).await,
         }
     });
     match result {

@@ -1,7 +1,9 @@
 //! One module per verb.
 
+pub mod oci_hook;
 pub mod plugin_args;
 pub mod run;
+pub mod serve;
 pub mod status;
 pub mod volume;
 

@@ -1,0 +1,268 @@
+//! Wire messages to and from library types. Request fields are checked
+//! here, once: a malformed one is an [`ServiceError::InvalidArgument`]
+//! naming the field. Paths travel as UTF-8 strings (non-UTF-8 bytes in a
+//! host path are replaced when reported).
+
+use std::path::{Path, PathBuf};
+
+use crate::isolator::{
+    ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo, TargetRoot, VolumeMount,
+};
+use crate::provider::status::StatusReport;
+use crate::resource::{parse_resources, Resource};
+use crate::service::error::ServiceError;
+use crate::service::proto;
+
+/// Parses a `resources_json` field: a JSON list of Mesos `Resource`
+/// objects (an empty string is an empty list).
+pub fn resources(field: &'static str, json: &str) -> Result<Vec<Resource>, ServiceError> {
+    if json.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    parse_resources(json).map_err(|e| ServiceError::InvalidArgument {
+        field,
+        reason: e.to_string(),
+    })
+}
+
+/// An absolute path from a request field.
+fn absolute(field: &'static str, value: &str) -> Result<PathBuf, ServiceError> {
+    let path = Path::new(value);
+    if !path.is_absolute() {
+        return Err(ServiceError::InvalidArgument {
+            field,
+            reason: format!("{value:?} is not an absolute path"),
+        });
+    }
+    Ok(path.to_path_buf())
+}
+
+/// The library's container configuration from the wire one.
+pub fn container_config(
+    config: Option<proto::ContainerConfig>,
+) -> Result<ContainerConfig, ServiceError> {
+    let config = config.ok_or(ServiceError::InvalidArgument {
+        field: "config",
+        reason: "missing".into(),
+    })?;
+    Ok(ContainerConfig {
+        resources: resources("config.resources_json", &config.resources_json)?,
+        sandbox: absolute("config.sandbox", &config.sandbox)?,
+        rootfs: match config.rootfs.as_str() {
+            "" => None,
+            r => Some(absolute("config.rootfs", r)?),
+        },
+        user: Some(config.user).filter(|u| !u.is_empty()),
+    })
+}
+
+fn path_string(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
+impl From<TargetRoot> for proto::TargetRoot {
+    fn from(r: TargetRoot) -> Self {
+        match r {
+            TargetRoot::Sandbox => proto::TargetRoot::Sandbox,
+            TargetRoot::Rootfs => proto::TargetRoot::Rootfs,
+            TargetRoot::Host => proto::TargetRoot::Host,
+        }
+    }
+}
+
+impl From<&VolumeMount> for proto::VolumeMount {
+    fn from(m: &VolumeMount) -> Self {
+        proto::VolumeMount {
+            source: path_string(&m.source),
+            root: proto::TargetRoot::from(m.root).into(),
+            target: path_string(&m.target),
+            container_path: m.container_path.clone(),
+            readonly: m.readonly,
+            volume_id: m.volume_id.clone().unwrap_or_default(),
+            provider_id: m.provider_id.clone().unwrap_or_default(),
+        }
+    }
+}
+
+/// For clients written in Rust: a mount from the wire back into the type
+/// the launcher applies.
+impl TryFrom<proto::VolumeMount> for VolumeMount {
+    type Error = String;
+
+    fn try_from(m: proto::VolumeMount) -> Result<Self, String> {
+        let root = match proto::TargetRoot::try_from(m.root) {
+            Ok(proto::TargetRoot::Sandbox) => TargetRoot::Sandbox,
+            Ok(proto::TargetRoot::Rootfs) => TargetRoot::Rootfs,
+            Ok(proto::TargetRoot::Host) => TargetRoot::Host,
+            Ok(proto::TargetRoot::Unspecified) | Err(_) => {
+                return Err(format!(
+                    "mount of {:?}: unknown target root {}",
+                    m.container_path, m.root
+                ))
+            }
+        };
+        Ok(VolumeMount {
+            source: PathBuf::from(m.source),
+            root,
+            target: PathBuf::from(m.target),
+            container_path: m.container_path,
+            readonly: m.readonly,
+            volume_id: Some(m.volume_id).filter(|s| !s.is_empty()),
+            provider_id: Some(m.provider_id).filter(|s| !s.is_empty()),
+        })
+    }
+}
+
+/// The wire form of a list of mounts.
+pub fn mounts(mounts: &[VolumeMount]) -> Vec<proto::VolumeMount> {
+    mounts.iter().map(proto::VolumeMount::from).collect()
+}
+
+impl From<LaunchInfo> for proto::LaunchInfo {
+    fn from(info: LaunchInfo) -> Self {
+        proto::LaunchInfo {
+            mounts: mounts(&info.mounts),
+        }
+    }
+}
+
+impl From<IsolatorRecovery> for proto::RecoverResponse {
+    fn from(r: IsolatorRecovery) -> Self {
+        proto::RecoverResponse {
+            recovered: r.recovered,
+            cleaned: r.cleaned,
+            released_uses: r
+                .released_uses
+                .into_iter()
+                .map(|(volume_id, container_id)| proto::ReleasedUse {
+                    volume_id,
+                    container_id,
+                })
+                .collect(),
+            corrupt: r
+                .corrupt
+                .into_iter()
+                .map(|(path, reason)| proto::CorruptCheckpoint {
+                    path: path_string(&path),
+                    reason,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl From<&ContainerRecord> for proto::ContainerStatus {
+    fn from(r: &ContainerRecord) -> Self {
+        proto::ContainerStatus {
+            container_id: r.container_id.clone(),
+            sandbox: path_string(&r.config.sandbox),
+            rootfs: r
+                .config
+                .rootfs
+                .as_deref()
+                .map(path_string)
+                .unwrap_or_default(),
+            pid: r.pid.unwrap_or(0),
+            mounts: mounts(&r.mounts),
+        }
+    }
+}
+
+/// The wire status report from the volume scan and the isolator's containers.
+pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::StatusResponse {
+    proto::StatusResponse {
+        volumes: report
+            .volumes
+            .into_iter()
+            .map(|v| proto::VolumeStatus {
+                plugin: v.plugin,
+                volume_id: v.volume_id,
+                name: v.name.unwrap_or_default(),
+                state: v.state.to_string(),
+                users: v.users.into_iter().collect(),
+                mount_point: path_string(&v.mount_point),
+                mounted: v.mounted,
+                disagreement: v.disagreement.unwrap_or_default(),
+            })
+            .collect(),
+        containers: containers
+            .iter()
+            .map(proto::ContainerStatus::from)
+            .collect(),
+        unreadable: report
+            .unreadable
+            .into_iter()
+            .map(|u| proto::UnreadableState {
+                path: path_string(&u.path),
+                reason: u.reason,
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mounts_round_trip() {
+        let m = VolumeMount {
+            source: PathBuf::from("/w/csi/t/n/mounts/v/target"),
+            root: TargetRoot::Rootfs,
+            target: PathBuf::from("data/x"),
+            container_path: "/data/x".into(),
+            readonly: true,
+            volume_id: Some("v".into()),
+            provider_id: None,
+        };
+        let wire = proto::VolumeMount::from(&m);
+        assert_eq!(wire.provider_id, "");
+        assert_eq!(VolumeMount::try_from(wire).unwrap(), m);
+        let bad = proto::VolumeMount {
+            root: 0,
+            ..Default::default()
+        };
+        assert!(VolumeMount::try_from(bad).is_err());
+    }
+
+    #[test]
+    fn config_fields_are_checked() {
+        let ok = proto::ContainerConfig {
+            resources_json: String::new(),
+            sandbox: "/s".into(),
+            rootfs: String::new(),
+            user: String::new(),
+        };
+        let c = container_config(Some(ok.clone())).unwrap();
+        assert!(c.resources.is_empty() && c.rootfs.is_none() && c.user.is_none());
+        for (bad, field) in [
+            (
+                proto::ContainerConfig {
+                    sandbox: "rel".into(),
+                    ..ok.clone()
+                },
+                "config.sandbox",
+            ),
+            (
+                proto::ContainerConfig {
+                    rootfs: "r".into(),
+                    ..ok.clone()
+                },
+                "config.rootfs",
+            ),
+            (
+                proto::ContainerConfig {
+                    resources_json: "{not json".into(),
+                    ..ok.clone()
+                },
+                "config.resources_json",
+            ),
+        ] {
+            match container_config(Some(bad)) {
+                Err(ServiceError::InvalidArgument { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        assert!(container_config(None).is_err());
+    }
+}

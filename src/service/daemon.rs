@@ -1,0 +1,314 @@
+//! Start-up, serving and shutdown of `csi-isolator serve` (see the module
+//! doc of [`crate::service`] for the contract).
+
+use std::fs::File;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::fcntl::{Flock, FlockArg};
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::isolator::VolumeIsolator;
+use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use crate::provider::{Manager, ProviderConfig, ProviderError, StorageProvider};
+use crate::service::http;
+use crate::service::metrics::ServiceMetrics;
+use crate::service::proto::isolator_server::IsolatorServer;
+use crate::service::server::IsolatorService;
+use crate::service::socket::{self, SocketError, SocketGuard};
+
+pub use crate::service::socket::default_socket_path;
+
+/// The lock file `run` and `serve` hold exclusively in the work dir.
+pub const LOCK_FILE: &str = "run.lock";
+
+/// What `serve` does.
+#[derive(Clone, Debug)]
+pub struct ServeOptions {
+    /// The agent work dir.
+    pub work_dir: PathBuf,
+    /// The provider (bundled plugin or an endpoint).
+    pub provider: ProviderConfig,
+    /// The service socket (default: [`default_socket_path`] of the work dir).
+    pub socket: Option<PathBuf>,
+    /// Where to serve `/metrics` over HTTP (port 0: any free port); none: no metrics server.
+    pub metrics: Option<SocketAddr>,
+    /// How long calls in flight get to finish after the shutdown signal.
+    pub drain: Duration,
+    /// How long a managed plugin gets to exit after SIGTERM before SIGKILL.
+    pub plugin_grace: Duration,
+}
+
+impl ServeOptions {
+    /// Options with the default socket, no metrics server, 10 s to drain
+    /// calls and 5 s for the plugin to stop.
+    pub fn new(work_dir: impl Into<PathBuf>, provider: ProviderConfig) -> Self {
+        ServeOptions {
+            work_dir: work_dir.into(),
+            provider,
+            socket: None,
+            metrics: None,
+            drain: Duration::from_secs(10),
+            plugin_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Where the service listens, once it does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// The service socket.
+    pub socket: PathBuf,
+    /// The metrics server's bound address, if any.
+    pub metrics: Option<SocketAddr>,
+    /// The provider id the service's volumes carry.
+    pub provider_id: String,
+}
+
+/// `serve` failed to start or to serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Missing privilege.
+    #[error("csi-isolator serve needs {capability} (it publishes volumes and mounts into containers): run it as root")]
+    NotPrivileged {
+        /// The missing capability.
+        capability: &'static str,
+    },
+    /// Another run or serve holds the work dir.
+    #[error("work dir {work_dir} is in use by another csi-isolator run or serve (lock {lock})")]
+    Busy {
+        /// The work dir.
+        work_dir: PathBuf,
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// A file or directory could not be made.
+    #[error("{step} {path}: {source}")]
+    Io {
+        /// The step.
+        step: &'static str,
+        /// The path.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The provider could not start.
+    #[error(transparent)]
+    Provider(Box<ProviderError>),
+    /// The service socket could not be set up.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    /// The metrics address could not be bound.
+    #[error("bind metrics address {addr}: {source}")]
+    MetricsBind {
+        /// The address.
+        addr: SocketAddr,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The gRPC server failed.
+    #[error("serve on {socket}: {source}")]
+    Serve {
+        /// The socket.
+        socket: PathBuf,
+        /// The transport error.
+        #[source]
+        source: tonic::transport::Error,
+    },
+}
+
+impl From<ProviderError> for ServeError {
+    fn from(e: ProviderError) -> Self {
+        ServeError::Provider(Box::new(e))
+    }
+}
+
+/// Runs the service until `shutdown` resolves (see the module doc of
+/// [`crate::service`]); `on_ready` is called once it accepts calls.
+pub async fn serve(
+    opts: ServeOptions,
+    on_ready: impl FnOnce(&Started),
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    check_privilege()?;
+    std::fs::create_dir_all(&opts.work_dir).map_err(|source| ServeError::Io {
+        step: "create work dir",
+        path: opts.work_dir.clone(),
+        source,
+    })?;
+    let lock_path = opts.work_dir.join(LOCK_FILE);
+    let lock = lock_work_dir(&opts.work_dir, &lock_path)?;
+    let result = match listen(&opts).await {
+        Ok(listeners) => match StorageProvider::start(opts.provider.clone()).await {
+            Ok(provider) => {
+                let result =
+                    serve_with_provider(&opts, listeners, provider.clone(), on_ready, shutdown)
+                        .await;
+                provider.shutdown(opts.plugin_grace).await;
+                result
+            }
+            Err(e) => Err(e.into()),
+        },
+        Err(e) => Err(e),
+    };
+    let _ = std::fs::remove_file(&lock_path);
+    drop(lock);
+    result
+}
+
+/// The service socket and the metrics listener, bound before the provider
+/// starts so a busy socket or port fails fast (calls that arrive meanwhile
+/// wait in the backlog).
+struct Listeners {
+    socket_path: PathBuf,
+    socket: tokio::net::UnixListener,
+    socket_guard: SocketGuard,
+    metrics: Option<(tokio::net::TcpListener, SocketAddr)>,
+}
+
+async fn listen(opts: &ServeOptions) -> Result<Listeners, ServeError> {
+    let metrics = match opts.metrics {
+        Some(addr) => {
+            let bound = async {
+                let l = tokio::net::TcpListener::bind(addr).await?;
+                let local = l.local_addr()?;
+                Ok((l, local))
+            };
+            Some(
+                bound
+                    .await
+                    .map_err(|source| ServeError::MetricsBind { addr, source })?,
+            )
+        }
+        None => None,
+    };
+    let socket_path = opts
+        .socket
+        .clone()
+        .unwrap_or_else(|| default_socket_path(&opts.work_dir));
+    let (socket, socket_guard) = socket::bind(&socket_path)?;
+    Ok(Listeners {
+        socket_path,
+        socket,
+        socket_guard,
+        metrics,
+    })
+}
+
+async fn serve_with_provider(
+    opts: &ServeOptions,
+    listeners: Listeners,
+    provider: Arc<StorageProvider>,
+    on_ready: impl FnOnce(&Started),
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), ServeError> {
+    let report = provider.recovery_report();
+    if !report.actions.is_empty() || !report.failures.is_empty() {
+        tracing::warn!(actions = ?report.actions, failures = ?report.failures, "provider recovery");
+    }
+    let provider_id = provider.id().to_string();
+    let mut manager = Manager::new();
+    manager.add(provider);
+    let table: Arc<dyn MountTable> = Arc::new(ProcMountTable::new());
+    let isolator = Arc::new(VolumeIsolator::new(
+        &opts.work_dir,
+        Arc::new(manager),
+        Arc::new(LinuxSyscall::new()),
+        table.clone(),
+    ));
+    let metrics = Arc::new(ServiceMetrics::default());
+    let service = IsolatorService::new(
+        isolator.clone(),
+        &opts.work_dir,
+        table.clone(),
+        metrics.clone(),
+    );
+    let Listeners {
+        socket_path,
+        socket,
+        socket_guard,
+        metrics: metrics_listener,
+    } = listeners;
+    let metrics_addr = metrics_listener.as_ref().map(|(_, addr)| *addr);
+    let metrics_task = metrics_listener.map(|(l, _)| {
+        let work_dir = opts.work_dir.clone();
+        let render: http::Render =
+            Arc::new(move || metrics.render(isolator.manager(), &work_dir, &*table));
+        tokio::spawn(async move {
+            if let Err(e) = http::serve(l, render).await {
+                tracing::error!(error = %e, "metrics server stopped");
+            }
+        })
+    });
+
+    on_ready(&Started {
+        socket: socket_path.clone(),
+        metrics: metrics_addr,
+        provider_id,
+    });
+    tracing::info!(socket = %socket_path.display(), metrics = ?metrics_addr, "csi-isolator serve ready");
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tonic::transport::Server::builder()
+        .add_service(IsolatorServer::new(service))
+        .serve_with_incoming_shutdown(UnixListenerStream::new(socket), async {
+            let _ = stop_rx.await;
+        });
+    tokio::pin!(server);
+    let served = tokio::select! {
+        r = &mut server => r,
+        () = shutdown => {
+            tracing::info!("shutting down: no new calls; waiting for calls in flight");
+            let _ = stop_tx.send(());
+            match tokio::time::timeout(opts.drain, &mut server).await {
+                Ok(r) => r,
+                Err(_) => {
+                    tracing::warn!("calls still in flight after {:?}; stopping anyway", opts.drain);
+                    Ok(())
+                }
+            }
+        }
+    };
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
+    drop(socket_guard);
+    served.map_err(|source| ServeError::Serve {
+        socket: socket_path,
+        source,
+    })
+}
+
+/// `serve` publishes volumes and mounts into other mount namespaces.
+fn check_privilege() -> Result<(), ServeError> {
+    use caps::{CapSet, Capability};
+    match caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN) {
+        Ok(true) => Ok(()),
+        _ => Err(ServeError::NotPrivileged {
+            capability: "CAP_SYS_ADMIN",
+        }),
+    }
+}
+
+/// Takes the work dir's lock exclusively, without waiting.
+fn lock_work_dir(work_dir: &Path, lock_path: &Path) -> Result<Flock<File>, ServeError> {
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(lock_path)
+        .map_err(|source| ServeError::Io {
+            step: "open lock",
+            path: lock_path.to_path_buf(),
+            source,
+        })?;
+    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| ServeError::Busy {
+        work_dir: work_dir.to_path_buf(),
+        lock: lock_path.to_path_buf(),
+    })
+}

@@ -1,0 +1,292 @@
+//! The gRPC handlers of the `Isolator` service.
+//!
+//! Each handler is two lines: the operation (a method returning
+//! `Result<_, ServiceError>`, which checks the request and calls the
+//! library) and [`IsolatorService::reply`], the one place a result is
+//! counted, logged and turned into a response or a `tonic::Status`.
+//! Container ids are checked to be one safe path component before the
+//! isolator sees them (they become checkpoint paths).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tonic::{Code, Request, Response, Status};
+
+use crate::isolator::VolumeIsolator;
+use crate::mount::MountTable;
+use crate::provider::status::scan;
+use crate::provider::{Capability, CreateSpec, StorageProvider};
+use crate::resource::{validate_path_component, Resource, VolumeMode};
+use crate::service::convert;
+use crate::service::error::{full_message, ServiceError};
+use crate::service::metrics::{PublishOp, ServiceMetrics};
+use crate::service::proto;
+use crate::service::proto::isolator_server::Isolator;
+
+/// The `Isolator` service over one [`VolumeIsolator`] and its providers.
+#[derive(Debug, Clone)]
+pub struct IsolatorService {
+    isolator: Arc<VolumeIsolator>,
+    work_dir: PathBuf,
+    table: Arc<dyn MountTable>,
+    metrics: Arc<ServiceMetrics>,
+}
+
+type Reply<T> = Result<Response<T>, Status>;
+
+impl IsolatorService {
+    /// A service over `isolator` (whose work dir is `work_dir`); `table` is
+    /// read for the status report, `metrics` counts the calls.
+    pub fn new(
+        isolator: Arc<VolumeIsolator>,
+        work_dir: impl Into<PathBuf>,
+        table: Arc<dyn MountTable>,
+        metrics: Arc<ServiceMetrics>,
+    ) -> Self {
+        IsolatorService {
+            isolator,
+            work_dir: work_dir.into(),
+            table,
+            metrics,
+        }
+    }
+
+    /// The isolator served.
+    pub fn isolator(&self) -> &Arc<VolumeIsolator> {
+        &self.isolator
+    }
+
+    /// Counts the call, logs a failure once, and converts the result.
+    fn reply<T>(&self, method: &'static str, result: Result<T, ServiceError>) -> Reply<T> {
+        let code = result
+            .as_ref()
+            .map_or_else(ServiceError::code, |_| Code::Ok);
+        self.metrics.request(method, code);
+        if let Err(e) = &result {
+            tracing::warn!(method, code = ?code, error = %full_message(e), "isolator call failed");
+        }
+        result.map(Response::new).map_err(Status::from)
+    }
+
+    /// The provider a volume request names (empty: the only one).
+    fn provider(&self, provider_id: &str) -> Result<Arc<StorageProvider>, ServiceError> {
+        let manager = self.isolator.manager();
+        if provider_id.is_empty() {
+            let all: Vec<&Arc<StorageProvider>> = manager.providers().collect();
+            return match all.as_slice() {
+                [only] => Ok(Arc::clone(only)),
+                _ => Err(ServiceError::AmbiguousProvider { count: all.len() }),
+            };
+        }
+        manager
+            .get(provider_id)
+            .cloned()
+            .ok_or_else(|| ServiceError::UnknownProvider {
+                provider: provider_id.to_string(),
+                known: manager.providers().map(|p| p.id().to_string()).collect(),
+            })
+    }
+
+    async fn create_volume(
+        &self,
+        req: proto::CreateVolumeRequest,
+    ) -> Result<proto::CreateVolumeResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.name.is_empty() {
+            return Err(invalid("name", "is empty"));
+        }
+        let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
+        if !req.access_mode.is_empty() {
+            spec.capability = Capability {
+                access_mode: req.access_mode.clone(),
+                ..Capability::default()
+            };
+        }
+        if spec.capability.mode().is_none() {
+            return Err(invalid(
+                "access_mode",
+                format!("unknown CSI access mode '{}'", req.access_mode),
+            ));
+        }
+        let mut resource = provider.create_volume(spec).await?;
+        if !req.container_path.is_empty() {
+            let mode = if req.readonly {
+                VolumeMode::Ro
+            } else {
+                VolumeMode::Rw
+            };
+            resource = resource.with_volume(&req.container_path, mode);
+        }
+        Ok(proto::CreateVolumeResponse {
+            resource_json: serde_json::to_string(&resource).expect("a resource always serializes"),
+            volume_id: resource.source_id().unwrap_or_default().to_string(),
+            provider_id: provider.id().to_string(),
+        })
+    }
+
+    async fn destroy_volume(
+        &self,
+        req: proto::DestroyVolumeRequest,
+    ) -> Result<proto::DestroyVolumeResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.volume_id.is_empty() {
+            return Err(invalid("volume_id", "is empty"));
+        }
+        provider.destroy_volume(&req.volume_id).await?;
+        Ok(proto::DestroyVolumeResponse {})
+    }
+
+    async fn prepare(&self, req: proto::PrepareRequest) -> Result<proto::LaunchInfo, ServiceError> {
+        container_id(&req.container_id)?;
+        let config = convert::container_config(req.config)?;
+        let publishes = has_provider_volumes(&config.resources);
+        let started = Instant::now();
+        let info = self.isolator.prepare(&req.container_id, config).await?;
+        if publishes {
+            self.metrics
+                .publish(PublishOp::Prepare)
+                .observe(started.elapsed());
+        }
+        Ok(info.into())
+    }
+
+    async fn isolate(
+        &self,
+        req: proto::IsolateRequest,
+    ) -> Result<proto::IsolateResponse, ServiceError> {
+        container_id(&req.container_id)?;
+        if req.pid == 0 || !PathBuf::from(format!("/proc/{}", req.pid)).exists() {
+            return Err(invalid("pid", format!("no process with pid {}", req.pid)));
+        }
+        self.isolator.isolate(&req.container_id, req.pid).await?;
+        Ok(proto::IsolateResponse {})
+    }
+
+    async fn update(
+        &self,
+        req: proto::UpdateRequest,
+    ) -> Result<proto::UpdateResponse, ServiceError> {
+        container_id(&req.container_id)?;
+        let resources = convert::resources("resources_json", &req.resources_json)?;
+        let publishes = has_provider_volumes(&resources);
+        let started = Instant::now();
+        self.isolator.update(&req.container_id, resources).await?;
+        if publishes {
+            self.metrics
+                .publish(PublishOp::Update)
+                .observe(started.elapsed());
+        }
+        Ok(proto::UpdateResponse {})
+    }
+
+    async fn cleanup(
+        &self,
+        req: proto::CleanupRequest,
+    ) -> Result<proto::CleanupResponse, ServiceError> {
+        container_id(&req.container_id)?;
+        self.isolator.cleanup(&req.container_id).await?;
+        Ok(proto::CleanupResponse {})
+    }
+
+    async fn recover(
+        &self,
+        req: proto::RecoverRequest,
+    ) -> Result<proto::RecoverResponse, ServiceError> {
+        for id in &req.known_container_ids {
+            container_id(id)?;
+        }
+        let report = self.isolator.recover(&req.known_container_ids).await?;
+        tracing::info!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered");
+        Ok(report.into())
+    }
+
+    async fn status(&self) -> Result<proto::StatusResponse, ServiceError> {
+        let (work_dir, table) = (self.work_dir.clone(), self.table.clone());
+        let report = tokio::task::spawn_blocking(move || scan(&work_dir, &*table))
+            .await
+            .expect("the status scan does not panic")
+            .map_err(|source| ServiceError::MountTable { source })?;
+        let containers = self.isolator.containers().await;
+        Ok(convert::status(report, &containers))
+    }
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {
+    ServiceError::InvalidArgument {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn container_id(id: &str) -> Result<(), ServiceError> {
+    validate_path_component("container id", id).map_err(|e| invalid("container_id", e.to_string()))
+}
+
+/// Whether any resource is a provider's disk (so the call publishes).
+fn has_provider_volumes(resources: &[Resource]) -> bool {
+    resources
+        .iter()
+        .any(|r| r.is_disk() && r.provider_id().is_some())
+}
+
+#[tonic::async_trait]
+impl Isolator for IsolatorService {
+    async fn create_volume(
+        &self,
+        request: Request<proto::CreateVolumeRequest>,
+    ) -> Reply<proto::CreateVolumeResponse> {
+        let result = IsolatorService::create_volume(self, request.into_inner()).await;
+        self.reply("CreateVolume", result)
+    }
+
+    async fn destroy_volume(
+        &self,
+        request: Request<proto::DestroyVolumeRequest>,
+    ) -> Reply<proto::DestroyVolumeResponse> {
+        let result = IsolatorService::destroy_volume(self, request.into_inner()).await;
+        self.reply("DestroyVolume", result)
+    }
+
+    async fn prepare(&self, request: Request<proto::PrepareRequest>) -> Reply<proto::LaunchInfo> {
+        let result = IsolatorService::prepare(self, request.into_inner()).await;
+        self.reply("Prepare", result)
+    }
+
+    async fn isolate(
+        &self,
+        request: Request<proto::IsolateRequest>,
+    ) -> Reply<proto::IsolateResponse> {
+        let result = IsolatorService::isolate(self, request.into_inner()).await;
+        self.reply("Isolate", result)
+    }
+
+    async fn update(&self, request: Request<proto::UpdateRequest>) -> Reply<proto::UpdateResponse> {
+        let result = IsolatorService::update(self, request.into_inner()).await;
+        self.reply("Update", result)
+    }
+
+    async fn cleanup(
+        &self,
+        request: Request<proto::CleanupRequest>,
+    ) -> Reply<proto::CleanupResponse> {
+        let result = IsolatorService::cleanup(self, request.into_inner()).await;
+        self.reply("Cleanup", result)
+    }
+
+    async fn recover(
+        &self,
+        request: Request<proto::RecoverRequest>,
+    ) -> Reply<proto::RecoverResponse> {
+        let result = IsolatorService::recover(self, request.into_inner()).await;
+        self.reply("Recover", result)
+    }
+
+    async fn status(
+        &self,
+        _request: Request<proto::StatusRequest>,
+    ) -> Reply<proto::StatusResponse> {
+        let result = IsolatorService::status(self).await;
+        self.reply("Status", result)
+    }
+}

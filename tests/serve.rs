@@ -1,0 +1,796 @@
+//! `csi-isolator serve` end to end, as root: the built binary with the
+//! bundled plugin, driven over its Unix socket with the generated client,
+//! containers started by the namespace launcher, metrics read over HTTP.
+//! Every test ends with no mount, no loop device and no process left.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use csi_isolator::csi::transport::connect_unix;
+use csi_isolator::isolator::VolumeMount;
+use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator::service::proto::isolator_client::IsolatorClient;
+use csi_isolator::service::proto::{
+    self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
+    IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, TargetRoot, UpdateRequest,
+};
+use csi_isolator::testing::{require_root, Sandbox};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+use tonic::Code;
+
+const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const MIB: u64 = 1024 * 1024;
+const TIMEOUT: Duration = Duration::from_secs(30);
+const PLUGIN: &str = "csi-test-plugin.csi-isolator.io/default";
+
+/// A running `csi-isolator serve`; killed (SIGKILL) if still running when dropped.
+struct Serve {
+    child: Child,
+    socket: PathBuf,
+    metrics: Option<SocketAddr>,
+    lines: Vec<String>,
+}
+
+impl Serve {
+    /// Starts serve on `work` and waits for its `ready` line.
+    fn start(sb: &Sandbox, work: &Path, socket: &Path, metrics_wanted: bool) -> Serve {
+        let mut cmd = Command::new(BIN);
+        cmd.arg("--work-dir")
+            .arg(work)
+            .arg("serve")
+            .arg("--socket")
+            .arg(socket);
+        if metrics_wanted {
+            cmd.args(["--metrics", "127.0.0.1:0"]);
+        }
+        let mut child = sb
+            .spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()))
+            .expect("spawn csi-isolator serve");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + TIMEOUT;
+        let mut lines = Vec::new();
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(line) if line == "csi-isolator serve: ready" => break,
+                Ok(line) => lines.push(line),
+                Err(e) => {
+                    let status = child.try_wait().ok().flatten();
+                    panic!("serve did not get ready ({e}); exit {status:?}; stdout {lines:?}");
+                }
+            }
+        }
+        let metrics = lines.iter().find_map(|l| {
+            l.strip_prefix("csi-isolator serve: metrics on http://")
+                .and_then(|rest| rest.strip_suffix("/metrics"))
+                .map(|addr| addr.parse().expect("metrics address"))
+        });
+        assert_eq!(
+            metrics.is_some(),
+            metrics_wanted,
+            "metrics line in {lines:?}"
+        );
+        Serve {
+            child,
+            socket: socket.to_path_buf(),
+            metrics,
+            lines,
+        }
+    }
+
+    async fn client(&self) -> IsolatorClient<Channel> {
+        let channel = connect_unix(&self.socket)
+            .await
+            .expect("connect to the service socket");
+        IsolatorClient::new(channel)
+    }
+
+    /// SIGTERM, then waits for the exit.
+    fn terminate(&mut self, sb: &Sandbox) -> ExitStatus {
+        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).unwrap();
+        let status = wait_exit(&mut self.child);
+        sb.untrack(self.child.id());
+        status
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn wait_exit(child: &mut Child) -> ExitStatus {
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            return status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "process {} did not exit within {TIMEOUT:?}",
+            child.id()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Pids of processes (other than us) whose command line mentions `needle`.
+fn processes_mentioning(needle: &Path) -> Vec<u32> {
+    let needle = needle.to_string_lossy().into_owned();
+    let me = std::process::id();
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
+            if String::from_utf8_lossy(&cmdline).contains(&needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
+async fn create(
+    client: &mut IsolatorClient<Channel>,
+    name: &str,
+    container_path: &str,
+) -> proto::CreateVolumeResponse {
+    client
+        .create_volume(CreateVolumeRequest {
+            name: name.into(),
+            capacity_bytes: 16 * MIB,
+            container_path: container_path.into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume {name}: {s}"))
+        .into_inner()
+}
+
+fn list(resources: &[&proto::CreateVolumeResponse]) -> String {
+    let items: Vec<&str> = resources.iter().map(|r| r.resource_json.as_str()).collect();
+    format!("[{}]", items.join(","))
+}
+
+async fn status(client: &mut IsolatorClient<Channel>) -> proto::StatusResponse {
+    client
+        .status(StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner()
+}
+
+/// (state, users, mounted) of a volume per Status.
+async fn volume(client: &mut IsolatorClient<Channel>, id: &str) -> (String, Vec<String>, bool) {
+    let s = status(client).await;
+    let v = s
+        .volumes
+        .iter()
+        .find(|v| v.volume_id == id)
+        .unwrap_or_else(|| panic!("volume {id} not in status {s:?}"));
+    assert_eq!(v.plugin, PLUGIN);
+    assert_eq!(v.disagreement, "", "{v:?}");
+    (v.state.clone(), v.users.clone(), v.mounted)
+}
+
+fn expect_code<T: std::fmt::Debug>(
+    result: Result<tonic::Response<T>, tonic::Status>,
+    code: Code,
+    says: &str,
+) {
+    match result {
+        Ok(r) => panic!("expected {code:?}, got {r:?}"),
+        Err(s) => {
+            assert_eq!(s.code(), code, "{s:?}");
+            assert!(
+                s.message().contains(says),
+                "{says:?} not in {:?}",
+                s.message()
+            );
+        }
+    }
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(TIMEOUT, s.read_to_string(&mut out))
+        .await
+        .expect("metrics response in time")
+        .unwrap();
+    out
+}
+
+/// Checks the exposition format: every sample belongs to the family of
+/// the last `# TYPE` (histogram samples with their suffixes), every TYPE
+/// follows its HELP, counters end in `_total`, and no family appears twice.
+fn check_exposition(text: &str) -> Vec<(String, String)> {
+    let mut families: Vec<(String, String)> = Vec::new();
+    let mut help: Option<String> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            help = Some(rest.split(' ').next().unwrap().to_string());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert_eq!(help.as_deref(), Some(name), "TYPE {name} without HELP");
+            assert!(
+                !families.iter().any(|(n, _)| n == name),
+                "family {name} twice"
+            );
+            if kind == "counter" {
+                assert!(name.ends_with("_total"), "counter {name}");
+            }
+            families.push((name.to_string(), kind.to_string()));
+        } else {
+            let (series, value) = line.rsplit_once(' ').expect("sample line");
+            value
+                .parse::<f64>()
+                .unwrap_or_else(|_| panic!("value of {line}"));
+            let name = series.split('{').next().unwrap();
+            let (family, kind) = families.last().expect("sample before any TYPE");
+            let ok = match kind.as_str() {
+                "histogram" => [
+                    format!("{family}_bucket"),
+                    format!("{family}_sum"),
+                    format!("{family}_count"),
+                ]
+                .contains(&name.to_string()),
+                _ => name == family,
+            };
+            assert!(ok, "sample {line} outside its family {family}");
+        }
+    }
+    families
+}
+
+/// The value of one exact series.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+fn launch_sleep(sb: &Sandbox, sandbox: &Path, mounts: Vec<VolumeMount>) -> Launched {
+    let spec = LaunchSpec {
+        argv: vec!["sleep".into(), "60".into()],
+        sandbox: sandbox.to_path_buf(),
+        mounts,
+        ..Default::default()
+    };
+    let launched = launcher::launch(&spec).unwrap_or_else(|e| panic!("launch: {e}"));
+    sb.track(launched.pid());
+    launched
+}
+
+fn mounted_in(pid: u32, path: &Path) -> bool {
+    ProcMountTable::for_pid(pid)
+        .mounts()
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_point == path)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_end_to_end() {
+    require_root();
+    let sb = Sandbox::new("serve");
+    let work = sb.join("work");
+    let socket = sb.join("isolator.sock");
+    let mut serve = Serve::start(&sb, &work, &socket, true);
+    let meta = std::fs::symlink_metadata(&socket).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "socket mode");
+    assert!(work.join("run.lock").exists());
+    let mut c = serve.client().await;
+
+    // A containerizer recovers first; nothing to do on a fresh work dir.
+    let r = c
+        .recover(RecoverRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.recovered.is_empty() && r.cleaned.is_empty(), "{r:?}");
+
+    let data = create(&mut c, "data", "data").await;
+    let extra = create(&mut c, "extra", "extra").await;
+    assert!(!data.volume_id.is_empty() && data.volume_id != extra.volume_id);
+    assert_eq!(
+        create(&mut c, "data", "data").await,
+        data,
+        "same name, same volume"
+    );
+
+    // Prepare: published, one sandbox mount.
+    let sandbox = sb.mkdir("sandboxes/c1");
+    let info = c
+        .prepare(PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(ContainerConfig {
+                resources_json: list(&[&data]),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1, "{info:?}");
+    let m = &info.mounts[0];
+    assert_eq!(m.root(), TargetRoot::Sandbox);
+    assert_eq!(
+        (m.target.as_str(), m.container_path.as_str()),
+        ("data", "data")
+    );
+    assert_eq!(m.volume_id, data.volume_id);
+    assert_eq!(m.provider_id, data.provider_id);
+    assert!(!m.readonly);
+    let (state, users, mounted) = volume(&mut c, &data.volume_id).await;
+    assert_eq!(
+        (state.as_str(), users, mounted),
+        ("PUBLISHED", vec!["c1".to_string()], true)
+    );
+    assert_eq!(volume(&mut c, &extra.volume_id).await.0, "CREATED");
+    expect_code(
+        c.prepare(PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(ContainerConfig {
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await,
+        Code::AlreadyExists,
+        "already prepared",
+    );
+
+    // Launch the container with the returned mounts; isolate it.
+    let mounts: Vec<VolumeMount> = info
+        .mounts
+        .iter()
+        .cloned()
+        .map(|m| VolumeMount::try_from(m).unwrap())
+        .collect();
+    let (sb_ref, sandbox_ref) = (&sb, sandbox.clone());
+    let mut sleeper = tokio::task::block_in_place(|| launch_sleep(sb_ref, &sandbox_ref, mounts));
+    let pid = sleeper.pid();
+    // A write inside the container lands on the volume.
+    let inside =
+        PathBuf::from(format!("/proc/{pid}/root")).join(sandbox.strip_prefix("/").unwrap());
+    std::fs::write(inside.join("data/hello"), b"from c1").unwrap();
+    assert_eq!(
+        std::fs::read(Path::new(&m.source).join("hello")).unwrap(),
+        b"from c1"
+    );
+    c.isolate(IsolateRequest {
+        container_id: "c1".into(),
+        pid,
+    })
+    .await
+    .unwrap();
+
+    // Update: a second volume is published and mounted into the running container.
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: list(&[&data, &extra]),
+    })
+    .await
+    .unwrap();
+    assert!(
+        mounted_in(pid, &sandbox.join("extra")),
+        "extra not mounted in the container"
+    );
+    assert!(mounted_in(pid, &sandbox.join("data")));
+    assert!(
+        !ProcMountTable::new()
+            .is_mount_point(&sandbox.join("extra"))
+            .unwrap(),
+        "not on the host"
+    );
+    assert_eq!(volume(&mut c, &extra.volume_id).await.0, "PUBLISHED");
+    // Update: the first volume is removed: unmounted from the container, unpublished (last use).
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: list(&[&extra]),
+    })
+    .await
+    .unwrap();
+    assert!(
+        !mounted_in(pid, &sandbox.join("data")),
+        "data still mounted in the container"
+    );
+    let (state, users, mounted) = volume(&mut c, &data.volume_id).await;
+    assert_eq!(
+        (state.as_str(), users.len(), mounted),
+        ("CREATED", 0, false)
+    );
+    let st = status(&mut c).await;
+    assert_eq!(st.containers.len(), 1, "{st:?}");
+    assert_eq!(st.containers[0].pid, pid);
+    assert_eq!(st.containers[0].mounts.len(), 1);
+    assert_eq!(st.containers[0].mounts[0].volume_id, extra.volume_id);
+
+    // Errors and their codes.
+    expect_code(
+        c.isolate(IsolateRequest {
+            container_id: "nope".into(),
+            pid,
+        })
+        .await,
+        Code::NotFound,
+        "unknown container 'nope'",
+    );
+    expect_code(
+        c.update(UpdateRequest {
+            container_id: "nope".into(),
+            resources_json: "[]".into(),
+        })
+        .await,
+        Code::NotFound,
+        "unknown container 'nope'",
+    );
+    expect_code(
+        c.prepare(PrepareRequest {
+            container_id: "c2".into(),
+            config: Some(ContainerConfig {
+                resources_json: "[{\"name\": \"disk\",".into(),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await,
+        Code::InvalidArgument,
+        "config.resources_json",
+    );
+    expect_code(
+        c.update(UpdateRequest {
+            container_id: "c1".into(),
+            resources_json: "{\"not\": \"a list\"}".into(),
+        })
+        .await,
+        Code::InvalidArgument,
+        "resources_json",
+    );
+    expect_code(
+        c.cleanup(CleanupRequest {
+            container_id: "../c1".into(),
+        })
+        .await,
+        Code::InvalidArgument,
+        "container id",
+    );
+    expect_code(
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: extra.volume_id.clone(),
+            ..Default::default()
+        })
+        .await,
+        Code::FailedPrecondition,
+        "in use by container(s) c1",
+    );
+    expect_code(
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: "no-such-volume".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::NotFound,
+        "no-such-volume",
+    );
+    expect_code(
+        c.create_volume(CreateVolumeRequest {
+            name: "x".into(),
+            access_mode: "SOMETIMES_WRITER".into(),
+            ..Default::default()
+        })
+        .await,
+        Code::InvalidArgument,
+        "SOMETIMES_WRITER",
+    );
+
+    // Metrics.
+    let addr = serve.metrics.expect("metrics address printed");
+    let response = http_get(addr, "/metrics").await;
+    let (head, body) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+    assert!(
+        head.contains("Content-Type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    assert!(
+        head.contains(&format!("Content-Length: {}\r\n", body.len())),
+        "{head}"
+    );
+    let families = check_exposition(body);
+    for (name, kind) in [
+        ("csi_isolator_requests_total", "counter"),
+        ("csi_isolator_publish_duration_seconds", "histogram"),
+        ("csi_isolator_volumes", "gauge"),
+        ("csi_isolator_volumes_published", "gauge"),
+        ("csi_isolator_plugin_terminations_total", "counter"),
+        ("csi_isolator_csi_finished_total", "counter"),
+        ("csi_isolator_csi_failed_total", "counter"),
+        ("csi_isolator_csi_latency_seconds", "histogram"),
+    ] {
+        assert!(
+            families.contains(&(name.to_string(), kind.to_string())),
+            "{name} {kind} missing: {families:?}"
+        );
+    }
+    let p = format!("plugin=\"{PLUGIN}\"");
+    assert_eq!(
+        sample(
+            body,
+            "csi_isolator_publish_duration_seconds_count{op=\"prepare\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            "csi_isolator_publish_duration_seconds_count{op=\"update\"}"
+        ),
+        2.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            "csi_isolator_publish_duration_seconds_bucket{op=\"prepare\",le=\"+Inf\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(body, &format!("csi_isolator_volumes_published{{{p}}}")),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            &format!("csi_isolator_volumes{{{p},state=\"CREATED\"}}")
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            &format!("csi_isolator_plugin_terminations_total{{{p}}}")
+        ),
+        0.0
+    );
+    assert!(
+        sample(
+            body,
+            &format!("csi_isolator_csi_finished_total{{{p},rpc=\"NodePublishVolume\"}}")
+        ) >= 2.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            "csi_isolator_requests_total{method=\"Isolate\",code=\"NOT_FOUND\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        sample(
+            body,
+            "csi_isolator_requests_total{method=\"Prepare\",code=\"OK\"}"
+        ),
+        1.0
+    );
+    let missing = http_get(addr, "/other").await;
+    assert!(missing.starts_with("HTTP/1.1 404 "), "{missing}");
+
+    // Cleanup: unmounted on the host side, released, unpublished on last use.
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(volume(&mut c, &extra.volume_id).await.0, "CREATED");
+    assert!(status(&mut c).await.containers.is_empty());
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("cleanup is idempotent");
+    sleeper.kill(Signal::SIGKILL).unwrap();
+    tokio::time::timeout(TIMEOUT, sleeper.wait_async())
+        .await
+        .expect("container exits")
+        .unwrap();
+    sb.untrack(pid);
+
+    // Recover with no live container cleans up a prepared one.
+    let sandbox2 = sb.mkdir("sandboxes/c2");
+    c.prepare(PrepareRequest {
+        container_id: "c2".into(),
+        config: Some(ContainerConfig {
+            resources_json: list(&[&data]),
+            sandbox: sandbox2.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap();
+    assert_eq!(volume(&mut c, &data.volume_id).await.0, "PUBLISHED");
+    let r = c
+        .recover(RecoverRequest {
+            known_container_ids: vec![],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.cleaned, vec!["c2".to_string()], "{r:?}");
+    let (state, users, mounted) = volume(&mut c, &data.volume_id).await;
+    assert_eq!(
+        (state.as_str(), users.len(), mounted),
+        ("CREATED", 0, false)
+    );
+
+    for v in [&data, &extra] {
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            provider_id: v.provider_id.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(status(&mut c).await.volumes.is_empty());
+    drop(c);
+
+    // SIGTERM: exits 0, socket and lock gone, plugin stopped, nothing mounted.
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    assert!(!socket.exists(), "socket left behind");
+    assert!(!work.join("run.lock").exists(), "lock left behind");
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(serve
+        .lines
+        .iter()
+        .any(|l| l.contains("isolator on unix://")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_replaces_a_stale_socket_and_refuses_to_share() {
+    require_root();
+    let sb = Sandbox::new("serve-busy");
+    let work = sb.join("work");
+    let socket = sb.join("isolator.sock");
+    // A socket nobody listens on any more: a service that died.
+    drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
+    assert!(socket.exists());
+    let mut serve = Serve::start(&sb, &work, &socket, false);
+    assert!(serve.metrics.is_none());
+    let mut c = serve.client().await;
+    assert!(status(&mut c).await.volumes.is_empty());
+
+    // The same work dir: refused by the lock.
+    let out = Command::new(BIN)
+        .arg("--work-dir")
+        .arg(&work)
+        .args(["serve", "--socket"])
+        .arg(sb.join("other.sock"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is in use by another csi-isolator run or serve"),
+        "{err}"
+    );
+    // Another work dir on the same, live socket: refused, the socket untouched.
+    let out = Command::new(BIN)
+        .arg("--work-dir")
+        .arg(sb.join("work2"))
+        .args(["serve", "--socket"])
+        .arg(&socket)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by a running service"), "{err}");
+    assert!(
+        status(&mut c).await.containers.is_empty(),
+        "first service still answers"
+    );
+    drop(c);
+
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    assert!(!socket.exists());
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_plugin_terminations() {
+    require_root();
+    let sb = Sandbox::new("serve-plugin");
+    let work = sb.join("work");
+    let mut serve = Serve::start(&sb, &work, &sb.join("isolator.sock"), true);
+    let addr = serve.metrics.unwrap();
+    let series = format!("csi_isolator_plugin_terminations_total{{plugin=\"{PLUGIN}\"}}");
+    let body = http_get(addr, "/metrics").await;
+    assert_eq!(sample(&body, &series), 0.0);
+
+    // The managed plugin is the one other process started with our work dir.
+    let serve_pid = serve.child.id();
+    let plugins: Vec<u32> = processes_mentioning(&work)
+        .into_iter()
+        .filter(|p| *p != serve_pid)
+        .collect();
+    assert_eq!(plugins.len(), 1, "plugin processes: {plugins:?}");
+    kill(Pid::from_raw(plugins[0] as i32), Signal::SIGKILL).unwrap();
+    let deadline = Instant::now() + TIMEOUT;
+    loop {
+        let body = http_get(addr, "/metrics").await;
+        check_exposition(body.split_once("\r\n\r\n").unwrap().1);
+        if sample(&body, &series) == 1.0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "termination not counted:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The restarted plugin serves again.
+    let mut c = serve.client().await;
+    let v = create(&mut c, "after-restart", "").await;
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: v.volume_id,
+        provider_id: String::new(),
+    })
+    .await
+    .unwrap();
+    drop(c);
+
+    assert!(serve.terminate(&sb).success());
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+}
