@@ -441,6 +441,7 @@ async fn ensure_all_repairs_a_volume_found_unpublished() {
         .publish_for_container("c1", std::slice::from_ref(&v1))
         .await
         .unwrap()[0]
+        .0
         .clone();
     nix::mount::umount2(&mp1, nix::mount::MntFlags::empty()).unwrap();
     assert!(!is_mounted(&mp1));

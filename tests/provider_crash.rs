@@ -1,4 +1,5 @@
-//! Crash at every durable write: for each write N of create, publish,
+//! Crash at every durable write (and right after every RPC, before its
+//! result is recorded): for each such point N of create, publish,
 //! release (unpublish) and destroy, the `csi-isolator` process is killed
 //! with SIGKILL right after write N (`CSI_ISOLATOR_CRASH_AFTER_WRITE=N`, a
 //! real kill, not an early return), a new process recovers, and then the
@@ -287,26 +288,28 @@ async fn crash_at_every_write(op: Op, at_least: u32) {
 
 #[tokio::test]
 async fn crash_at_every_write_of_create() {
-    // The intent, the volume's first checkpoint, the intent's removal.
-    crash_at_every_write(Op::Create, 3).await;
+    // The intent, CreateVolume returned, the volume's first checkpoint, the
+    // intent's removal.
+    crash_at_every_write(Op::Create, 4).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_publish() {
-    // Intent + result of ControllerPublish, NodeStage, NodePublish (the new
-    // user is recorded with the first intent).
-    crash_at_every_write(Op::Publish, 6).await;
+    // Intent, RPC returned, result of ControllerPublish, NodeStage,
+    // NodePublish (the new user is recorded with the first intent).
+    crash_at_every_write(Op::Publish, 9).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_release() {
-    // NodeUnpublish, NodeUnstage, ControllerUnpublish (the user's removal is
-    // recorded with the first intent).
-    crash_at_every_write(Op::Release, 6).await;
+    // Intent, RPC returned, result of NodeUnpublish, NodeUnstage,
+    // ControllerUnpublish (the user's removal is recorded with the first intent).
+    crash_at_every_write(Op::Release, 9).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_destroy() {
-    // The mark, the three backward steps, the checkpoint's removal.
-    crash_at_every_write(Op::Destroy, 8).await;
+    // The mark, the three backward steps (3 points each), DeleteVolume
+    // returned, the checkpoint's removal.
+    crash_at_every_write(Op::Destroy, 12).await;
 }

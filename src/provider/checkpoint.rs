@@ -8,7 +8,9 @@
 //!
 //! Every durable write passes through [`crash_point`], which lets the crash
 //! tests kill the process (SIGKILL, not an early return) right after the Nth
-//! durable write: `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`.
+//! durable write: `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`. The provider also
+//! calls it right after each RPC returns and before its result is recorded,
+//! so that window is crashed at too.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
@@ -123,10 +125,7 @@ pub fn durable_writes() -> u64 {
 /// Writes `bytes` to `path` atomically and durably (see the module doc).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    fs::create_dir_all(dir).map_err(|source| CheckpointError::CreateDir {
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    create_dir_durable(dir)?;
     let tmp = temp_name(path);
     let write = |f: &mut File| -> io::Result<()> {
         f.write_all(bytes)?;
@@ -156,6 +155,33 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     sync_dir(dir)?;
     crash_point();
     Ok(())
+}
+
+/// Creates `dir` and any missing parents, fsyncing the parent of each
+/// directory it creates, so a new checkpoint's directory survives a power
+/// loss as surely as the checkpoint does.
+pub fn create_dir_durable(dir: &Path) -> Result<(), CheckpointError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    if let Some(parent) = dir.parent() {
+        if !parent.as_os_str().is_empty() {
+            create_dir_durable(parent)?;
+        }
+    }
+    match fs::create_dir(dir) {
+        Ok(()) => {
+            if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+                sync_dir(parent)?;
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(CheckpointError::CreateDir {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// Removes `path` durably (the directory entry removal is fsynced). A file

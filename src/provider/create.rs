@@ -56,10 +56,17 @@ pub(crate) struct CreateIntent {
 impl StorageProvider {
     /// The volume created under `name`, if any.
     pub async fn find_by_name(&self, name: &str) -> Option<VolumeRecord> {
-        self.volumes()
-            .await
-            .into_iter()
-            .find(|r| r.name.as_deref() == Some(name))
+        // Names never change: find the slot without waiting on other
+        // volumes' operations, then wait for this one only.
+        let slot = self
+            .slots
+            .lock()
+            .unwrap()
+            .values()
+            .find(|s| s.name.as_deref() == Some(name))
+            .cloned()?;
+        let rec = slot.record.lock().await.clone();
+        Some(rec)
     }
 
     /// Creates a volume (or returns the one already created under this
@@ -106,10 +113,27 @@ impl StorageProvider {
                 ..Default::default()
             })
             .await
-            .map_err(|source| ProviderError::Csi {
-                volume: spec.name.clone(),
-                source,
+            .map_err(|source| {
+                // A definite failure created nothing: drop the intent so that
+                // recovery does not create a volume nobody asks for any more.
+                // An ambiguous one (the plugin may have created it) keeps it.
+                let ambiguous = matches!(
+                    source.code(),
+                    None | Some(
+                        tonic::Code::Unavailable
+                            | tonic::Code::DeadlineExceeded
+                            | tonic::Code::Cancelled
+                    )
+                );
+                if !ambiguous {
+                    let _ = checkpoint::remove_durable(&self.layout.create_intent(&spec.name));
+                }
+                ProviderError::Csi {
+                    volume: spec.name.clone(),
+                    source,
+                }
             })?;
+        checkpoint::crash_point();
         let volume = resp
             .volume
             .ok_or_else(|| ProviderError::BadCreateResponse {
@@ -214,6 +238,7 @@ impl StorageProvider {
                     volume: rec.volume_id.clone(),
                     source,
                 })?;
+            checkpoint::crash_point();
         }
         let mount_dir = self.layout.mount_dir(&rec.volume_id);
         remove_dir_if_unmounted(&*self.table, &self.layout.staging_path(&rec.volume_id));

@@ -96,17 +96,28 @@ impl Manager {
         let results = join_all(routes.iter().map(|(pid, vols)| async move {
             let provider = &self.providers[pid];
             let mut ids: Vec<String> = vols.iter().map(|(_, id)| id.clone()).collect();
+            ids.sort();
             ids.dedup();
             provider
                 .publish_for_container(container_id, &ids)
                 .await
-                .map(|_| (pid, vols))
+                .map(|published| {
+                    let added: Vec<String> = ids
+                        .iter()
+                        .zip(published)
+                        .filter(|(_, (_, added))| *added)
+                        .map(|(id, _)| id.clone())
+                        .collect();
+                    (pid, vols, added)
+                })
         }))
         .await;
         if results.iter().any(|r| r.is_err()) {
-            for (pid, vols) in results.iter().flatten() {
+            // Undo only the uses this call added: the container may have used
+            // some of these volumes before (an update).
+            for (pid, _, added) in results.iter().flatten() {
                 let provider = &self.providers[*pid];
-                for (_, id) in vols.iter() {
+                for id in added {
                     if let Err(e) = provider.release(id, container_id).await {
                         tracing::error!(volume_id = %id, error = %e, "rollback release failed");
                     }
@@ -115,7 +126,7 @@ impl Manager {
             return Err(results.into_iter().find_map(Result::err).unwrap());
         }
         let mut out = Vec::new();
-        for (pid, vols) in results.into_iter().flatten() {
+        for (pid, vols, _) in results.into_iter().flatten() {
             let provider = &self.providers[pid];
             for (index, id) in vols {
                 out.push(PublishedVolume {

@@ -25,6 +25,18 @@ impl StorageProvider {
         volume_id: &str,
         container_id: &str,
     ) -> Result<PathBuf, ProviderError> {
+        self.publish_use(volume_id, container_id)
+            .await
+            .map(|(p, _)| p)
+    }
+
+    /// [`publish`](Self::publish), also saying whether the container became
+    /// a user now (rollbacks must only undo uses they added).
+    pub(crate) async fn publish_use(
+        &self,
+        volume_id: &str,
+        container_id: &str,
+    ) -> Result<(PathBuf, bool), ProviderError> {
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
         if rec.destroying {
@@ -45,25 +57,33 @@ impl StorageProvider {
             Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
-        match outcome {
-            Ok(()) => Ok(self.mount_point(volume_id)),
+        let result = match outcome {
+            Ok(()) => Ok((self.mount_point(volume_id), added)),
             Err(e) => {
                 if added {
                     // Leave nothing half-done: drop the use we just added and,
                     // when it was the only one, take the volume back down.
                     rec.users.remove(container_id);
-                    if let Err(undo) = self.settle_unused(&mut rec).await {
+                    let undo = match self.settle_unused(&mut rec).await {
+                        Ok(false) => self.persist(&rec),
+                        Ok(true) => Ok(()),
+                        Err(undo) => Err(undo),
+                    };
+                    if let Err(undo) = undo {
                         tracing::error!(volume_id, error = %undo, "rollback after failed publish failed");
                     }
                 }
                 Err(e)
             }
-        }
+        };
+        slot.sync_users(&rec);
+        result
     }
 
     /// Ends `container_id`'s use of a volume; under the last-use policy the
     /// last release unpublishes it. Releasing a volume the container does not
-    /// use is a no-op.
+    /// use is a no-op, except that an unused volume left mid-way by an
+    /// earlier failed release is settled again.
     #[tracing::instrument(skip(self))]
     pub async fn release(&self, volume_id: &str, container_id: &str) -> Result<(), ProviderError> {
         let slot = match self.slot(volume_id) {
@@ -72,34 +92,70 @@ impl StorageProvider {
             Err(e) => return Err(e),
         };
         let mut rec = slot.record.lock().await;
-        if !rec.users.remove(container_id) {
+        let removed = rec.users.remove(container_id);
+        if !removed && !self.needs_settling(&rec) {
             return Ok(());
         }
         // The removal becomes durable with the first unpublish intent (or on
         // its own when the volume stays published).
-        if !self.settle_unused(&mut rec).await? {
-            self.persist(&rec)?;
+        let result = match self.settle_unused(&mut rec).await {
+            Ok(false) if removed => self.persist(&rec),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        slot.sync_users(&rec);
+        result
+    }
+
+    /// Whether an unused volume is not where the policy wants it (an
+    /// interrupted or failed unpublish).
+    fn needs_settling(&self, rec: &VolumeRecord) -> bool {
+        rec.users.is_empty()
+            && !rec.destroying
+            && (!rec.state.is_steady()
+                || (self.config.policy == UnpublishPolicy::LastUse
+                    && rec.state != VolumeState::Created))
+    }
+
+    /// Settles every unused volume that a failed release left mid-way
+    /// (skipping volumes with an operation in flight). Failures are logged.
+    pub async fn settle_idle(&self) {
+        let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
+        for slot in slots {
+            let Ok(mut rec) = slot.record.try_lock() else {
+                continue;
+            };
+            if self.needs_settling(&rec) {
+                if let Err(e) = self.settle_unused(&mut rec).await {
+                    tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot settle an unused volume yet");
+                }
+            }
         }
-        Ok(())
     }
 
     /// Publishes a container's volumes concurrently, then re-ensures every
-    /// other volume in use. On failure the volumes published for it here are
-    /// released again and the first error is returned.
+    /// other volume in use. Returns each mount point and whether the use is
+    /// new. On failure the uses added here are released again (uses the
+    /// container had before are kept) and the first error is returned.
     pub async fn publish_for_container(
         &self,
         container_id: &str,
         volume_ids: &[String],
-    ) -> Result<Vec<PathBuf>, ProviderError> {
-        let results = join_all(volume_ids.iter().map(|id| self.publish(id, container_id))).await;
+    ) -> Result<Vec<(PathBuf, bool)>, ProviderError> {
+        let results = join_all(
+            volume_ids
+                .iter()
+                .map(|id| self.publish_use(id, container_id)),
+        )
+        .await;
         if let Some(pos) = results.iter().position(|r| r.is_err()) {
-            let done: Vec<&String> = volume_ids
+            let added: Vec<&String> = volume_ids
                 .iter()
                 .zip(&results)
-                .filter(|(_, r)| r.is_ok())
+                .filter(|(_, r)| matches!(r, Ok((_, true))))
                 .map(|(id, _)| id)
                 .collect();
-            join_all(done.iter().map(|id| self.release(id, container_id))).await;
+            join_all(added.iter().map(|id| self.release(id, container_id))).await;
             let mut results = results;
             return Err(results.swap_remove(pos).unwrap_err());
         }
@@ -108,16 +164,19 @@ impl StorageProvider {
         Ok(results.into_iter().map(Result::unwrap).collect())
     }
 
-    /// Releases every volume of this provider that `container_id` uses.
+    /// Releases every volume of this provider that `container_id` uses, then
+    /// retries any unused volume a failed release left mid-way.
     pub async fn release_container(&self, container_id: &str) -> Result<(), ProviderError> {
         let ids: Vec<String> = self
-            .volumes()
-            .await
-            .into_iter()
-            .filter(|r| r.users.contains(container_id))
-            .map(|r| r.volume_id)
+            .slots
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, s)| s.has_user(container_id))
+            .map(|(id, _)| id.clone())
             .collect();
         let results = join_all(ids.iter().map(|id| self.release(id, container_id))).await;
+        self.settle_idle().await;
         results
             .into_iter()
             .collect::<Result<Vec<()>, _>>()
@@ -129,22 +188,23 @@ impl StorageProvider {
     /// other containers' volumes) and returned as (volume id, error).
     pub async fn ensure_in_use(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {
         // One sweep at a time: a publish arriving during a sweep relies on it.
+        use std::sync::atomic::Ordering;
         if self
             .sweeping
-            .compare_exchange(
-                false,
-                true,
-                std::sync::atomic::Ordering::AcqRel,
-                std::sync::atomic::Ordering::Acquire,
-            )
+            .compare_exchange(false, true, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
         {
             return Vec::new();
         }
-        let failures = self.sweep(skip).await;
-        self.sweeping
-            .store(false, std::sync::atomic::Ordering::Release);
-        failures
+        // Reset even when the caller drops this future mid-sweep.
+        struct Reset<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Reset<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _reset = Reset(&self.sweeping);
+        self.sweep(skip).await
     }
 
     async fn sweep(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {

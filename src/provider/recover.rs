@@ -71,6 +71,7 @@ impl StorageProvider {
     }
 
     fn load_records(&self) {
+        let mounted = self.mounted_targets();
         let dir = self.layout.volumes_dir();
         let Ok(entries) = std::fs::read_dir(&dir) else {
             return;
@@ -138,7 +139,16 @@ impl StorageProvider {
                     continue;
                 }
             };
-            if rec.state.is_node_side() && rec.boot_id.as_deref() != Some(self.boot_id.as_str()) {
+            // After a reboot the node-side mounts are gone. An unreadable boot
+            // id proves nothing, and a mount still in the table wins over the
+            // boot id (the mount table is the truth for "is it mounted").
+            let rebooted =
+                !self.boot_id.is_empty() && rec.boot_id.as_deref() != Some(self.boot_id.as_str());
+            let still_mounted = mounted.as_ref().is_none_or(|m| {
+                m.contains(&self.layout.target_path(&rec.volume_id))
+                    || m.contains(&self.layout.staging_path(&rec.volume_id))
+            });
+            if rec.state.is_node_side() && rebooted && !still_mounted {
                 tracing::warn!(volume_id = %rec.volume_id, state = %rec.state,
                     "node rebooted since the last transition: node-side state reset to NODE_READY");
                 report.actions.push(format!(
