@@ -24,3 +24,4 @@ pub mod runner;
 pub mod service;
 #[doc(hidden)]
 pub mod testing;
+pub mod workdir;

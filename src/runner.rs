@@ -12,14 +12,12 @@
 //! by the next one's recovery.
 
 use std::ffi::OsString;
-use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::fcntl::{Flock, FlockArg};
 use nix::sys::signal::Signal;
 use tokio::signal::unix::{signal, SignalKind};
 
@@ -28,6 +26,7 @@ use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
 use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
 use crate::resource::{validate_path_component, Resource, VolumeMode};
+use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
 /// One `--volume NAME:SIZE:CONTAINER_PATH[:ro]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,20 +106,12 @@ pub struct RunOptions {
 /// `run` failed before or around the workload.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    /// Missing privilege.
-    #[error("csi-isolator run needs {capability} (it creates mount namespaces and bind mounts): run it as root")]
-    NotPrivileged {
-        /// The missing capability.
-        capability: &'static str,
-    },
-    /// Another run or serve holds the work dir.
-    #[error("work dir {work_dir} is in use by another csi-isolator run or serve (lock {lock})")]
-    Busy {
-        /// The work dir.
-        work_dir: PathBuf,
-        /// The lock file.
-        lock: PathBuf,
-    },
+    /// The work dir, its lock or the privilege check failed.
+    #[error(transparent)]
+    WorkDir(#[from] WorkDirError),
+    /// SIGINT or SIGTERM arrived before the workload started.
+    #[error("stopped by a signal before the workload started")]
+    Stopped,
     /// The command line was wrong.
     #[error("{0}")]
     Usage(String),
@@ -164,9 +155,52 @@ impl From<LaunchError> for RunError {
     }
 }
 
+/// Signals received so far (SIGINT or SIGTERM): the first asks to stop
+/// after the current step, a second one cancels the step in flight.
+type Stops = tokio::sync::watch::Receiver<u32>;
+
+fn watch_signals() -> Result<Stops, RunError> {
+    let install = |kind: SignalKind, name: &str| {
+        signal(kind).map_err(|source| RunError::Io {
+            step: "install signal handler for",
+            path: PathBuf::from(name),
+            source,
+        })
+    };
+    let mut sigint = install(SignalKind::interrupt(), "SIGINT")?;
+    let mut sigterm = install(SignalKind::terminate(), "SIGTERM")?;
+    let (tx, rx) = tokio::sync::watch::channel(0u32);
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = sigint.recv() => {}
+                _ = sigterm.recv() => {}
+            }
+            tx.send_modify(|n| *n += 1);
+            if tx.is_closed() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// Runs `step` unless a stop was asked for; a second signal cancels it.
+async fn step<T>(stops: &Stops, f: impl std::future::Future<Output = T>) -> Result<T, RunError> {
+    if *stops.borrow() > 0 {
+        return Err(RunError::Stopped);
+    }
+    let mut stops = stops.clone();
+    tokio::select! {
+        out = f => Ok(out),
+        _ = stops.wait_for(|n| *n >= 2) => Err(RunError::Stopped),
+    }
+}
+
 /// Runs the workload; returns its exit code (128 + signal if killed).
-pub async fn run(opts: RunOptions) -> Result<i32, RunError> {
-    check_privilege()?;
+pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
+    require_mount_privilege("csi-isolator run")?;
+    let stops = watch_signals()?;
     if opts.argv.is_empty() {
         return Err(RunError::Usage(
             "no command given (csi-isolator run [OPTIONS] -- COMMAND [ARG...])".into(),
@@ -178,22 +212,24 @@ pub async fn run(opts: RunOptions) -> Result<i32, RunError> {
         .unwrap_or_else(|| format!("run-{:016x}", rand::random::<u64>()));
     validate_path_component("container id", &container_id)
         .map_err(|e| RunError::Usage(e.to_string()))?;
-    mkdir(&opts.work_dir)?;
-    let lock_path = opts.work_dir.join("run.lock");
-    let lock = lock_work_dir(&opts.work_dir, &lock_path)?;
+    opts.work_dir = workdir::canonical(&opts.work_dir)?;
+    opts.provider.work_dir = opts.work_dir.clone();
+    let _lock = workdir::lock(&opts.work_dir, None).await?;
 
-    let provider = StorageProvider::start(opts.provider.clone()).await?;
-    let result = run_with_provider(&opts, &container_id, provider.clone()).await;
+    let provider = step(&stops, StorageProvider::start(opts.provider.clone())).await??;
+    let result = run_with_provider(&opts, &container_id, provider.clone(), &stops).await;
     provider.shutdown(Duration::from_secs(5)).await;
-    let _ = std::fs::remove_file(&lock_path);
-    drop(lock);
-    result
+    match result {
+        Err(RunError::Stopped) => Ok(130),
+        other => other,
+    }
 }
 
 async fn run_with_provider(
     opts: &RunOptions,
     container_id: &str,
     provider: Arc<StorageProvider>,
+    stops: &Stops,
 ) -> Result<i32, RunError> {
     let mut manager = Manager::new();
     manager.add(provider.clone());
@@ -205,27 +241,48 @@ async fn run_with_provider(
         table.clone(),
     );
     // We hold the work dir's lock, so no other `run` is live: containers of
-    // earlier runs (sandboxes under <work_dir>/sandboxes) are gone. Others
-    // (the OCI hook's) belong to their own containerizer and are kept.
+    // earlier runs (sandboxes under <work_dir>/sandboxes) are gone, and a
+    // workload such a run left behind when it was killed is stopped first.
+    // Others (the OCI hook's) belong to their own containerizer and are kept.
     let own = opts.work_dir.join("sandboxes");
-    let others: Vec<String> = isolator
+    let (stale, others): (Vec<_>, Vec<_>) = isolator
         .checkpointed()
         .into_iter()
-        .filter(|c| !c.config.sandbox.starts_with(&own))
-        .map(|c| c.container_id)
-        .collect();
-    let recovered = isolator.recover(&others).await?;
+        .partition(|c| c.config.sandbox.starts_with(&own));
+    for c in &stale {
+        kill_stale_workload(c).await;
+    }
+    let others: Vec<String> = others.into_iter().map(|c| c.container_id).collect();
+    let recovered = step(stops, isolator.recover(&others)).await??;
     if !recovered.cleaned.is_empty() {
         tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
     }
 
+    let sandbox = own.join(container_id);
+    let outcome =
+        prepare_and_supervise(opts, container_id, &provider, &isolator, &sandbox, stops).await;
+    let cleaned = isolator.cleanup(container_id).await;
+    remove_sandbox(&*table, &sandbox);
+    let code = outcome?;
+    cleaned?;
+    Ok(code)
+}
+
+async fn prepare_and_supervise(
+    opts: &RunOptions,
+    container_id: &str,
+    provider: &StorageProvider,
+    isolator: &VolumeIsolator,
+    sandbox: &Path,
+    stops: &Stops,
+) -> Result<i32, RunError> {
     let mut resources = opts.resources.clone();
     for v in &opts.volumes {
         let mut spec = CreateSpec::new(&v.name, v.size_bytes);
         if let Some(existing) = provider.find_by_name(&v.name).await {
             spec.capability = existing.capability;
         }
-        let res = provider.create_volume(spec).await?;
+        let res = step(stops, provider.create_volume(spec)).await??;
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
@@ -233,34 +290,46 @@ async fn run_with_provider(
         };
         resources.push(res.with_volume(&v.container_path, mode));
     }
-
-    let sandbox = opts.work_dir.join("sandboxes").join(container_id);
-    mkdir(&sandbox)?;
+    mkdir(sandbox)?;
     let config = ContainerConfig {
         resources,
-        sandbox: sandbox.clone(),
+        sandbox: sandbox.to_path_buf(),
         rootfs: opts.rootfs.clone(),
         user: None,
     };
-    let outcome = match isolator.prepare(container_id, config).await {
-        Ok(info) => {
-            let spec = LaunchSpec {
-                argv: opts.argv.clone(),
-                env: Vec::new(),
-                sandbox: sandbox.clone(),
-                rootfs: opts.rootfs.clone(),
-                mounts: info.mounts,
-                pid_namespace: false,
-            };
-            supervise(&isolator, container_id, spec, opts.stop_grace).await
-        }
-        Err(e) => Err(e.into()),
+    let info = step(stops, isolator.prepare(container_id, config)).await??;
+    let spec = LaunchSpec {
+        argv: opts.argv.clone(),
+        env: Vec::new(),
+        sandbox: sandbox.to_path_buf(),
+        rootfs: opts.rootfs.clone(),
+        mounts: info.mounts,
+        pid_namespace: false,
     };
-    let cleaned = isolator.cleanup(container_id).await;
-    remove_sandbox(&*table, &sandbox);
-    let code = outcome?;
-    cleaned?;
-    Ok(code)
+    if *stops.borrow() > 0 {
+        return Err(RunError::Stopped);
+    }
+    supervise(isolator, container_id, spec, opts.stop_grace, stops.clone()).await
+}
+
+/// A workload an earlier, killed `run` left running: stop it before its
+/// volumes are released (only if the pid is still that process).
+async fn kill_stale_workload(c: &crate::isolator::ContainerRecord) {
+    use crate::launcher::process::process_start_time;
+    let (Some(pid), Some(start)) = (c.pid, c.pid_start) else {
+        return;
+    };
+    if process_start_time(pid) != Some(start) {
+        return;
+    }
+    tracing::warn!(container_id = %c.container_id, pid, "stopping a workload an earlier run left behind");
+    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
+    for _ in 0..100 {
+        if process_start_time(pid) != Some(start) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Starts the workload, forwards SIGINT/SIGTERM to it (then SIGKILL after
@@ -270,17 +339,8 @@ async fn supervise(
     container_id: &str,
     spec: LaunchSpec,
     grace: Duration,
+    mut stops: Stops,
 ) -> Result<i32, RunError> {
-    let mut sigint = signal(SignalKind::interrupt()).map_err(|source| RunError::Io {
-        step: "install signal handler for",
-        path: PathBuf::from("SIGINT"),
-        source,
-    })?;
-    let mut sigterm = signal(SignalKind::terminate()).map_err(|source| RunError::Io {
-        step: "install signal handler for",
-        path: PathBuf::from("SIGTERM"),
-        source,
-    })?;
     let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
         .await
         .expect("the launch task does not panic")?;
@@ -291,13 +351,20 @@ async fn supervise(
     }
     // On SIGINT/SIGTERM: SIGTERM to the workload once, SIGKILL after the grace period.
     let mut kill_at: Option<tokio::time::Instant> = None;
-    let mut signalled = false;
+    let mut signalled = *stops.borrow_and_update() > 0;
+    if signalled {
+        let _ = launched.kill(Signal::SIGTERM);
+        kill_at = Some(tokio::time::Instant::now() + grace);
+    }
     let status = loop {
         let deadline = kill_at;
         tokio::select! {
             status = launched.wait_async() => break status?,
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
+            changed = stops.changed() => {
+                if changed.is_err() {
+                    continue;
+                }
+            }
             _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
                 tracing::warn!(pid = launched.pid(), "workload still running after {grace:?}: SIGKILL");
                 let _ = launched.kill(Signal::SIGKILL);
@@ -315,33 +382,6 @@ async fn supervise(
     Ok(status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
-}
-
-fn check_privilege() -> Result<(), RunError> {
-    use caps::{CapSet, Capability};
-    match caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN) {
-        Ok(true) => Ok(()),
-        _ => Err(RunError::NotPrivileged {
-            capability: "CAP_SYS_ADMIN",
-        }),
-    }
-}
-
-fn lock_work_dir(work_dir: &Path, lock_path: &Path) -> Result<Flock<File>, RunError> {
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(lock_path)
-        .map_err(|source| RunError::Io {
-            step: "open lock",
-            path: lock_path.to_path_buf(),
-            source,
-        })?;
-    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| RunError::Busy {
-        work_dir: work_dir.to_path_buf(),
-        lock: lock_path.to_path_buf(),
-    })
 }
 
 fn mkdir(path: &Path) -> Result<(), RunError> {

@@ -47,7 +47,11 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 fn assert_nothing_left(sb: &Sandbox, work: &Path) {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
-    assert!(!work.join("run.lock").exists(), "the work-dir lock is gone");
+    let lock = std::fs::File::open(work.join("run.lock")).expect("the lock file stays");
+    assert!(
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
+        "nobody holds the work-dir lock"
+    );
     let procs = processes_mentioning(&work.display().to_string());
     assert!(procs.is_empty(), "processes left: {procs:?}");
 }

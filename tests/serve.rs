@@ -673,7 +673,11 @@ async fn serve_end_to_end() {
     let status = serve.terminate(&sb);
     assert!(status.success(), "serve exited with {status:?}");
     assert!(!socket.exists(), "socket left behind");
-    assert!(!work.join("run.lock").exists(), "lock left behind");
+    let lock = std::fs::File::open(work.join("run.lock")).expect("the lock file stays");
+    assert!(
+        nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
+        "nobody holds the work-dir lock"
+    );
     assert_eq!(
         processes_mentioning(sb.path()),
         Vec::<u32>::new(),
@@ -712,7 +716,7 @@ async fn serve_replaces_a_stale_socket_and_refuses_to_share() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("is in use by another csi-isolator run or serve"),
+        err.contains("is in use by another csi-isolator process"),
         "{err}"
     );
     // Another work dir on the same, live socket: refused, the socket untouched.

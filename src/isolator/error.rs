@@ -110,6 +110,16 @@ pub enum IsolatorError {
         #[source]
         source: Box<crate::isolator::oci::OciError>,
     },
+    /// The container's recorded process is gone or is not the container.
+    #[error("container '{container}': process {pid} cannot be used: {why}")]
+    PidGone {
+        /// The container id.
+        container: String,
+        /// The recorded pid.
+        pid: u32,
+        /// Why.
+        why: String,
+    },
     /// Unmounting a host-side mount of the container failed.
     #[error("container '{container}': unmount {path}: {reason}")]
     Unmount {

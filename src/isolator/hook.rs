@@ -64,15 +64,12 @@
 //! (sandboxes under `<work_dir>/sandboxes`) and keeps the hook's, whose sandboxes are under `oci-hook/`.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use nix::errno::Errno;
-use nix::fcntl::{Flock, FlockArg};
 use serde::Deserialize;
 
 use crate::isolator::{
@@ -82,6 +79,7 @@ use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
 use crate::resource::{parse_resources, validate_path_component, Resource, VolumeMode};
 use crate::runner::VolumeArg;
+use crate::workdir::WorkDirLock;
 
 /// The annotation naming volumes by `NAME:SIZE:CONTAINER_PATH[:ro]`, comma-separated.
 pub const VOLUMES_ANNOTATION: &str = "io.csi-isolator.volumes";
@@ -94,7 +92,6 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the bundled plugin gets to stop after the hook's work.
 const PLUGIN_STOP_GRACE: Duration = Duration::from_secs(5);
 /// How often a waiting hook retries the lock.
-const LOCK_POLL: Duration = Duration::from_millis(50);
 
 /// A hook failed.
 #[derive(Debug, thiserror::Error)]
@@ -176,26 +173,9 @@ pub enum HookError {
         #[source]
         source: std::io::Error,
     },
-    /// The work-dir lock could not be taken.
-    #[error("lock {path}: {errno}")]
-    Lock {
-        /// The lock file.
-        path: PathBuf,
-        /// The error.
-        errno: Errno,
-    },
-    /// Another csi-isolator held the work dir for too long.
-    #[error(
-        "work dir {work_dir} stayed in use by another csi-isolator for {waited:?} (lock {lock})"
-    )]
-    LockTimeout {
-        /// The work dir.
-        work_dir: PathBuf,
-        /// The lock file.
-        lock: PathBuf,
-        /// How long the hook waited.
-        waited: Duration,
-    },
+    /// The work dir's lock could not be taken.
+    #[error(transparent)]
+    WorkDir(#[from] crate::workdir::WorkDirError),
     /// The provider could not be started.
     #[error("container '{container}': start the provider: {source}")]
     Provider {
@@ -639,45 +619,10 @@ async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
     }
 }
 
-/// Takes `<work_dir>/run.lock` exclusively, retrying until `timeout`. The file is never removed by the
-/// hook; if another holder removed it meanwhile, the lock taken on the old file is dropped and retried, so
-/// two holders never hold locks on different files of the same path.
-pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<Flock<File>, HookError> {
-    let path = work_dir.join("run.lock");
-    let start = Instant::now();
-    loop {
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|source| HookError::Io {
-                step: "open lock",
-                path: path.clone(),
-                source,
-            })?;
-        match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(locked) => {
-                let same = match (locked.metadata(), std::fs::metadata(&path)) {
-                    (Ok(held), Ok(now)) => held.dev() == now.dev() && held.ino() == now.ino(),
-                    _ => false,
-                };
-                if same {
-                    return Ok(locked);
-                }
-            }
-            Err((_, Errno::EWOULDBLOCK)) => {}
-            Err((_, errno)) => return Err(HookError::Lock { path, errno }),
-        }
-        if start.elapsed() >= timeout {
-            return Err(HookError::LockTimeout {
-                work_dir: work_dir.to_path_buf(),
-                lock: path,
-                waited: start.elapsed(),
-            });
-        }
-        tokio::time::sleep(LOCK_POLL).await;
-    }
+/// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
+/// one waits for another instead of failing).
+pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<WorkDirLock, HookError> {
+    Ok(crate::workdir::lock(work_dir, Some(timeout)).await?)
 }
 
 fn mkdir(path: &Path) -> Result<(), HookError> {

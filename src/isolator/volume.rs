@@ -41,9 +41,17 @@ pub struct ContainerRecord {
     /// Its pid, once isolated (for update).
     #[serde(default)]
     pub pid: Option<u32>,
+    /// The start time of that pid (`/proc/<pid>/stat`), so a reused pid is
+    /// never mistaken for the container.
+    #[serde(default)]
+    pub pid_start: Option<u64>,
     /// Mounts made on the host for it (the Docker/OCI path), unmounted at cleanup.
     #[serde(default)]
     pub host_binds: Vec<PathBuf>,
+    /// Host binds are (or were about to be) made in its sandbox: cleanup
+    /// sweeps every mount under the sandbox, recorded or not.
+    #[serde(default)]
+    pub binds_in_sandbox: bool,
 }
 
 /// What `recover` found and did.
@@ -57,6 +65,9 @@ pub struct IsolatorRecovery {
     pub released_uses: Vec<(String, String)>,
     /// Checkpoints that could not be read, set aside (path, reason).
     pub corrupt: Vec<(PathBuf, String)>,
+    /// What could not be done, per container (id, error); retried at the
+    /// next recovery or cleanup.
+    pub failures: Vec<(String, String)>,
 }
 
 type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
@@ -176,7 +187,9 @@ impl VolumeIsolator {
             config,
             mounts: mounts.clone(),
             pid: None,
+            pid_start: None,
             host_binds: Vec::new(),
+            binds_in_sandbox: false,
         };
         self.persist(&rec)?;
         if let Err(source) = self
@@ -204,6 +217,9 @@ impl VolumeIsolator {
     ) -> Result<(LaunchInfo, OciPrepared), IsolatorError> {
         let sandbox = config.sandbox.clone();
         let launch = self.prepare(container_id, config).await?;
+        // Durably say that binds will be made in the sandbox before making
+        // them, so cleanup after a crash in between still sweeps them.
+        self.mark_host_binds(container_id).await?;
         match oci::prepare(&*self.sys, &sandbox, &launch) {
             Ok(prepared) => {
                 self.record_host_binds(container_id, prepared.host_binds.clone())
@@ -268,6 +284,19 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
             })?;
         rec.pid = Some(pid);
+        rec.pid_start = crate::launcher::process::process_start_time(pid);
+        self.persist(rec)
+    }
+
+    async fn mark_host_binds(&self, container_id: &str) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
+        rec.binds_in_sandbox = true;
         self.persist(rec)
     }
 
@@ -306,9 +335,7 @@ impl VolumeIsolator {
             .ok_or_else(|| IsolatorError::UnknownContainer {
                 container: container_id.to_string(),
             })?;
-        let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
-            container: container_id.to_string(),
-        })?;
+        let pid = live_pid(container_id, rec)?;
         let mut config = rec.config.clone();
         config.resources = resources.clone();
         let new_mounts = volume_mounts(container_id, &config, &resources, &self.work_dir)?;
@@ -327,7 +354,8 @@ impl VolumeIsolator {
         let sandbox_in = self.sandbox_in_container(&config);
         let has_rootfs = config.rootfs.is_some();
 
-        // Publish the new set (already-used volumes are only re-ensured).
+        // 1. Publish what is new. Volumes the container uses already are only
+        //    re-ensured; a failure undoes only the uses it added.
         let added_resources = resources_of(&resources, &added);
         self.manager
             .publish(container_id, &added_resources)
@@ -336,59 +364,83 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
                 source: Box::new(source),
             })?;
-        let mut injected: Vec<&VolumeMount> = Vec::new();
-        for m in &added {
-            if let Err(reason) = crate::launcher::inject::mount_into(pid, m, &sandbox_in) {
-                for done in injected.iter().rev() {
-                    let _ = crate::launcher::inject::unmount_from(
-                        pid,
-                        &done.container_target(&sandbox_in, has_rootfs),
-                    );
-                }
-                let still_used = resources_of(&rec.config.resources, &rec.mounts);
-                let undo: Vec<Resource> = added_resources
-                    .iter()
-                    .filter(|r| !still_used.contains(r))
-                    .cloned()
-                    .collect();
-                if let Err(e) = self.manager.unpublish(container_id, &undo).await {
-                    tracing::error!(container_id, error = %e, "rollback of update failed");
-                }
-                return Err(IsolatorError::Namespace {
-                    container: container_id.to_string(),
-                    step: "mount",
-                    volume: volume_name(m),
-                    reason: reason.to_string(),
-                });
-            }
-            injected.push(m);
-        }
+
+        // 2. Unmount what goes first (a target that changes volume or mode is
+        //    then free), then mount what comes. `current` tracks what is
+        //    really mounted in the container, whatever fails.
+        let mut current = rec.mounts.clone();
+        let mut failure = None;
         for m in &removed {
-            crate::launcher::inject::unmount_from(
+            match crate::launcher::inject::unmount_from(
                 pid,
                 &m.container_target(&sandbox_in, has_rootfs),
-            )
-            .map_err(|reason| IsolatorError::Namespace {
-                container: container_id.to_string(),
-                step: "unmount",
-                volume: volume_name(m),
-                reason: reason.to_string(),
-            })?;
+            ) {
+                Ok(()) => current.retain(|c| c != m),
+                Err(reason) => {
+                    failure = Some(IsolatorError::Namespace {
+                        container: container_id.to_string(),
+                        step: "unmount",
+                        volume: volume_name(m),
+                        reason: reason.to_string(),
+                    });
+                    break;
+                }
+            }
         }
-        let removed_resources: Vec<Resource> = resources_of(&rec.config.resources, &removed)
-            .into_iter()
-            .filter(|r| !resources.contains(r))
-            .collect();
-        rec.config = config;
-        rec.mounts = new_mounts;
+        if failure.is_none() {
+            for m in &added {
+                match crate::launcher::inject::mount_into(pid, m, &sandbox_in) {
+                    Ok(()) => current.push(m.clone()),
+                    Err(reason) => {
+                        failure = Some(IsolatorError::Namespace {
+                            container: container_id.to_string(),
+                            step: "mount",
+                            volume: volume_name(m),
+                            reason: reason.to_string(),
+                        });
+                        break;
+                    }
+                }
+            }
+        }
+
+        // 3. Record what is mounted, then end the uses of volumes the
+        //    container no longer mounts (and of new ones that did not make it).
+        let mut all_resources = rec.config.resources.clone();
+        all_resources.extend(resources.iter().cloned());
+        if failure.is_none() {
+            rec.config = config;
+            rec.mounts = new_mounts;
+        } else {
+            rec.config.resources = resources_of(&all_resources, &current);
+            rec.mounts = current;
+        }
         self.persist(rec)?;
-        self.manager
-            .unpublish(container_id, &removed_resources)
-            .await
-            .map_err(|source| IsolatorError::Provider {
-                container: container_id.to_string(),
-                source: Box::new(source),
+        let kept: HashSet<(Option<String>, Option<String>)> =
+            rec.mounts.iter().map(volume_key).collect();
+        let mut seen = HashSet::new();
+        let release: Vec<Resource> = all_resources
+            .into_iter()
+            .filter(|r| r.container_path().is_some())
+            .filter(|r| {
+                let key = (
+                    r.provider_id().map(str::to_string),
+                    r.source_id().map(str::to_string),
+                );
+                !kept.contains(&key) && seen.insert(key)
             })
+            .collect();
+        let released = self.manager.unpublish(container_id, &release).await;
+        if let Some(e) = failure {
+            if let Err(r) = released {
+                tracing::error!(container_id, error = %r, "release after a failed update failed");
+            }
+            return Err(e);
+        }
+        released.map_err(|source| IsolatorError::Provider {
+            container: container_id.to_string(),
+            source: Box::new(source),
+        })
     }
 
     fn sandbox_in_container(&self, config: &ContainerConfig) -> PathBuf {
@@ -408,6 +460,17 @@ impl VolumeIsolator {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         if let Some(rec) = slot.as_ref() {
+            if rec.binds_in_sandbox {
+                let sandbox = std::fs::canonicalize(&rec.config.sandbox)
+                    .unwrap_or_else(|_| rec.config.sandbox.clone());
+                oci::cleanup(&*self.sys, &*self.table, &sandbox).map_err(|e| {
+                    IsolatorError::Unmount {
+                        container: container_id.to_string(),
+                        path: sandbox.clone(),
+                        reason: e.to_string(),
+                    }
+                })?;
+            }
             let mut binds = rec.host_binds.clone();
             binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
             for b in binds {
@@ -501,10 +564,31 @@ impl VolumeIsolator {
                 }
             }
         }
+        // One container's trouble does not stop the others' recovery.
         for id in gone {
             tracing::info!(container_id = %id, "recovery: container is gone; cleaning up");
-            self.cleanup(&id).await?;
-            report.cleaned.push(id);
+            match self.cleanup(&id).await {
+                Ok(()) => report.cleaned.push(id),
+                Err(e) => {
+                    tracing::error!(container_id = %id, error = %e, "recovery: cleanup failed");
+                    report.failures.push((id, e.to_string()));
+                }
+            }
+        }
+        // Containers that live on keep their uses: put back any the
+        // providers lost (publish is idempotent and repairs unpublished ones).
+        for id in report.recovered.clone() {
+            let resources = self
+                .entry(&id)
+                .lock()
+                .await
+                .as_ref()
+                .map(|r| r.config.resources.clone())
+                .unwrap_or_default();
+            if let Err(e) = self.manager.publish(&id, &resources).await {
+                tracing::error!(container_id = %id, error = %e, "recovery: cannot re-ensure the container's volumes");
+                report.failures.push((id, e.to_string()));
+            }
         }
         let live: HashSet<String> = known
             .iter()
@@ -515,16 +599,12 @@ impl VolumeIsolator {
             for vol in provider.volumes().await {
                 for user in vol.users.iter().filter(|u| !live.contains(*u)) {
                     tracing::info!(volume_id = %vol.volume_id, container_id = %user, "recovery: releasing use by a container that is gone");
-                    provider
-                        .release(&vol.volume_id, user)
-                        .await
-                        .map_err(|source| IsolatorError::Provider {
-                            container: user.clone(),
-                            source: Box::new(source),
-                        })?;
-                    report
-                        .released_uses
-                        .push((vol.volume_id.clone(), user.clone()));
+                    match provider.release(&vol.volume_id, user).await {
+                        Ok(()) => report
+                            .released_uses
+                            .push((vol.volume_id.clone(), user.clone())),
+                        Err(e) => report.failures.push((user.clone(), e.to_string())),
+                    }
                 }
             }
         }
@@ -553,6 +633,37 @@ fn resources_of(all: &[Resource], mounts: &[VolumeMount]) -> Vec<Resource> {
         })
         .cloned()
         .collect()
+}
+
+/// The volume a mount belongs to: (provider id, volume id).
+fn volume_key(m: &VolumeMount) -> (Option<String>, Option<String>) {
+    (m.provider_id.clone(), m.volume_id.clone())
+}
+
+/// The container's pid, checked to still be the container's: same start
+/// time as at `isolate`, and not in the agent's own mount namespace (then it
+/// is not a container, and mounting "into" it would mount on the host).
+fn live_pid(container: &str, rec: &ContainerRecord) -> Result<u32, IsolatorError> {
+    use crate::launcher::process::{process_start_time, shares_mount_namespace};
+    let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
+        container: container.to_string(),
+    })?;
+    let gone = |why: &str| IsolatorError::PidGone {
+        container: container.to_string(),
+        pid,
+        why: why.to_string(),
+    };
+    match process_start_time(pid) {
+        None => return Err(gone("no such process")),
+        Some(t) if rec.pid_start.is_some_and(|s| s != t) => {
+            return Err(gone("the pid now belongs to another process"))
+        }
+        Some(_) => {}
+    }
+    if shares_mount_namespace(pid) == Some(true) {
+        return Err(gone("it is in the agent's own mount namespace"));
+    }
+    Ok(pid)
 }
 
 fn volume_name(m: &VolumeMount) -> String {

@@ -152,3 +152,36 @@ impl Launched {
         })
     }
 }
+
+/// The start time of process `pid` (field 22 of `/proc/<pid>/stat`, in clock
+/// ticks since boot), which with the pid identifies a process across pid
+/// reuse. `None` when the process does not exist.
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may contain spaces:
+    // count fields after the last ')'.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Whether process `pid` is in the caller's own mount namespace.
+pub fn shares_mount_namespace(pid: u32) -> Option<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let theirs = std::fs::metadata(format!("/proc/{pid}/ns/mnt")).ok()?;
+    let ours = std::fs::metadata("/proc/self/ns/mnt").ok()?;
+    Some(theirs.ino() == ours.ino() && theirs.dev() == ours.dev())
+}
+
+#[cfg(test)]
+mod identity_tests {
+    use super::*;
+
+    #[test]
+    fn start_time_of_self_is_stable_and_of_a_missing_pid_is_none() {
+        let me = std::process::id();
+        let t = process_start_time(me).unwrap();
+        assert_eq!(process_start_time(me), Some(t));
+        assert_eq!(process_start_time(u32::MAX - 1), None);
+        assert_eq!(shares_mount_namespace(me), Some(true));
+    }
+}

@@ -197,6 +197,9 @@ impl Inner {
             .env("CSI_ENDPOINT", endpoint_for(&self.socket))
             .envs(self.command.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
+            // Its own process group: a terminal's Ctrl-C reaches us, not the
+            // plugin, which must keep serving our cleanup calls.
+            .process_group(0)
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log_err))
             .kill_on_drop(true);

@@ -1,14 +1,12 @@
 //! Start-up, serving and shutdown of `csi-isolator serve` (see the module
 //! doc of [`crate::service`] for the contract).
 
-use std::fs::File;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use nix::fcntl::{Flock, FlockArg};
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::isolator::VolumeIsolator;
@@ -23,7 +21,7 @@ use crate::service::socket::{self, SocketError, SocketGuard};
 pub use crate::service::socket::default_socket_path;
 
 /// The lock file `run` and `serve` hold exclusively in the work dir.
-pub const LOCK_FILE: &str = "run.lock";
+pub use crate::workdir::LOCK_FILE;
 
 /// What `serve` does.
 #[derive(Clone, Debug)]
@@ -71,20 +69,9 @@ pub struct Started {
 /// `serve` failed to start or to serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
-    /// Missing privilege.
-    #[error("csi-isolator serve needs {capability} (it publishes volumes and mounts into containers): run it as root")]
-    NotPrivileged {
-        /// The missing capability.
-        capability: &'static str,
-    },
-    /// Another run or serve holds the work dir.
-    #[error("work dir {work_dir} is in use by another csi-isolator run or serve (lock {lock})")]
-    Busy {
-        /// The work dir.
-        work_dir: PathBuf,
-        /// The lock file.
-        lock: PathBuf,
-    },
+    /// The work dir, its lock or the privilege check failed.
+    #[error(transparent)]
+    WorkDir(#[from] crate::workdir::WorkDirError),
     /// A file or directory could not be made.
     #[error("{step} {path}: {source}")]
     Io {
@@ -135,14 +122,11 @@ pub async fn serve(
     on_ready: impl FnOnce(&Started),
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), ServeError> {
-    check_privilege()?;
-    std::fs::create_dir_all(&opts.work_dir).map_err(|source| ServeError::Io {
-        step: "create work dir",
-        path: opts.work_dir.clone(),
-        source,
-    })?;
-    let lock_path = opts.work_dir.join(LOCK_FILE);
-    let lock = lock_work_dir(&opts.work_dir, &lock_path)?;
+    crate::workdir::require_mount_privilege("csi-isolator serve")?;
+    let mut opts = opts;
+    opts.work_dir = crate::workdir::canonical(&opts.work_dir)?;
+    opts.provider.work_dir = opts.work_dir.clone();
+    let lock = crate::workdir::lock(&opts.work_dir, None).await?;
     let result = match listen(&opts).await {
         Ok(listeners) => match StorageProvider::start(opts.provider.clone()).await {
             Ok(provider) => {
@@ -156,7 +140,6 @@ pub async fn serve(
         },
         Err(e) => Err(e),
     };
-    let _ = std::fs::remove_file(&lock_path);
     drop(lock);
     result
 }
@@ -281,34 +264,5 @@ async fn serve_with_provider(
     served.map_err(|source| ServeError::Serve {
         socket: socket_path,
         source,
-    })
-}
-
-/// `serve` publishes volumes and mounts into other mount namespaces.
-fn check_privilege() -> Result<(), ServeError> {
-    use caps::{CapSet, Capability};
-    match caps::has_cap(None, CapSet::Effective, Capability::CAP_SYS_ADMIN) {
-        Ok(true) => Ok(()),
-        _ => Err(ServeError::NotPrivileged {
-            capability: "CAP_SYS_ADMIN",
-        }),
-    }
-}
-
-/// Takes the work dir's lock exclusively, without waiting.
-fn lock_work_dir(work_dir: &Path, lock_path: &Path) -> Result<Flock<File>, ServeError> {
-    let file = File::options()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(lock_path)
-        .map_err(|source| ServeError::Io {
-            step: "open lock",
-            path: lock_path.to_path_buf(),
-            source,
-        })?;
-    Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|_| ServeError::Busy {
-        work_dir: work_dir.to_path_buf(),
-        lock: lock_path.to_path_buf(),
     })
 }

@@ -97,9 +97,9 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         | IsolatorError::BadTarget { .. } => Code::InvalidArgument,
         IsolatorError::UnknownContainer { .. } => Code::NotFound,
         IsolatorError::AlreadyPrepared { .. } => Code::AlreadyExists,
-        IsolatorError::ReadOnlyVolume { .. } | IsolatorError::NoPid { .. } => {
-            Code::FailedPrecondition
-        }
+        IsolatorError::ReadOnlyVolume { .. }
+        | IsolatorError::NoPid { .. }
+        | IsolatorError::PidGone { .. } => Code::FailedPrecondition,
         IsolatorError::Provider { source, .. } => provider_code(source),
         IsolatorError::Checkpoint { .. }
         | IsolatorError::Namespace { .. }

@@ -73,7 +73,11 @@ enum Action {
 
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
-    let config = args.plugin.config(work_dir)?;
+    // One process drives a work dir's volumes at a time (run, serve, hooks):
+    // wait for them briefly rather than racing their checkpoints.
+    let work_dir = csi_isolator::workdir::canonical(work_dir)?;
+    let _lock = csi_isolator::workdir::lock(&work_dir, Some(Duration::from_secs(30))).await?;
+    let config = args.plugin.config(&work_dir)?;
     let provider = StorageProvider::start(config)
         .await
         .context("start the resource provider")?;
