@@ -91,7 +91,6 @@ pub const HOOK_DIR: &str = "oci-hook";
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the bundled plugin gets to stop after the hook's work.
 const PLUGIN_STOP_GRACE: Duration = Duration::from_secs(5);
-/// How often a waiting hook retries the lock.
 
 /// A hook failed.
 #[derive(Debug, thiserror::Error)]
