@@ -591,3 +591,82 @@ async fn recover_cleans_up_after_containers_that_are_gone() {
     agent.stop().await;
     assert_clean(&sb, &before);
 }
+
+#[tokio::test]
+async fn update_moving_a_volume_or_changing_its_mode_keeps_it_published() {
+    require_root();
+    let sb = Sandbox::new("iso-move");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let v = agent.volume("v", "data", VolumeMode::Rw).await;
+    let id = v.source_id().unwrap().to_string();
+    let c1 = config(&sb, "c1", vec![v.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    // The workload reports what it sees at each stage, driven by files the
+    // test drops into the sandbox.
+    let mut running = start(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "echo one > data/f; \
+             while [ ! -e go1 ]; do sleep 0.05; done; cat moved/f > seen1 2>&1; \
+             while [ ! -e go2 ]; do sleep 0.05; done; (echo two > moved/g) 2> seen2; echo rc=$? >> seen2",
+        ),
+    )
+    .await;
+    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+    // Wait for the first write, then move the volume to another path.
+    let deadline = Instant::now() + TIMEOUT;
+    let mp = agent.provider.mount_point(&id);
+    while !mp.join("f").exists() {
+        assert!(Instant::now() < deadline, "the workload never wrote");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let moved = v.clone().with_volume("moved", VolumeMode::Rw);
+    agent
+        .isolator
+        .update("c1", vec![moved.clone()])
+        .await
+        .unwrap();
+    let rec = agent.provider.volume(&id).await.unwrap();
+    assert_eq!(
+        rec.state,
+        VolumeState::Published,
+        "still published after the move"
+    );
+    assert_eq!(rec.users.iter().collect::<Vec<_>>(), vec!["c1"]);
+    fs::write(c1.sandbox.join("go1"), b"").unwrap();
+    while !c1.sandbox.join("seen1").exists() {
+        assert!(Instant::now() < deadline, "no answer after the move");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Now the same path, read-only: the old read-write mount must be gone.
+    let ro = v.clone().with_volume("moved", VolumeMode::Ro);
+    agent.isolator.update("c1", vec![ro]).await.unwrap();
+    assert_eq!(
+        agent.provider.volume(&id).await.unwrap().state,
+        VolumeState::Published
+    );
+    fs::write(c1.sandbox.join("go2"), b"").unwrap();
+    assert!(finish(&sb, &mut running).await.success());
+    assert!(
+        read(&c1.sandbox.join("seen1")).starts_with("one"),
+        "{}",
+        read(&c1.sandbox.join("seen1"))
+    );
+    let seen2 = read(&c1.sandbox.join("seen2"));
+    assert!(
+        seen2.contains("Read-only file system") && !seen2.contains("rc=0"),
+        "{seen2}"
+    );
+    assert!(!mp.join("g").exists());
+    agent.isolator.cleanup("c1").await.unwrap();
+    assert_eq!(
+        agent.provider.volume(&id).await.unwrap().state,
+        VolumeState::Created
+    );
+    agent.provider.destroy_volume(&id).await.unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}

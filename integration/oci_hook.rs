@@ -69,7 +69,8 @@ fn build_bundle(sb: &Sandbox) -> Bundle {
     let hook = |stage: &str| {
         serde_json::json!([{
             "path": BIN,
-            "args": ["csi-isolator", "--work-dir", work.to_str().unwrap(), "oci-hook", stage],
+            "args": ["csi-isolator", "--work-dir", work.to_str().unwrap(), "oci-hook",
+                     "--plugin-socket-dir", work.parent().unwrap().join("s").to_str().unwrap(), stage],
         }])
     };
     config["hooks"] = serde_json::json!({

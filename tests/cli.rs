@@ -14,6 +14,9 @@ const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 fn cli(work: &Path) -> Command {
     let mut c = Command::new(CLI);
     c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
+    // Managed plugin sockets stay inside the sandbox (its paths are too
+    // long for a socket address, so they would go to /run otherwise).
+    c.env("CSI_ISOLATOR_SOCKET_DIR", work.parent().unwrap().join("s"));
     c
 }
 
@@ -315,6 +318,7 @@ fn errors_are_written_for_people() {
 
     let unprivileged = output(
         Command::new("setpriv")
+            .env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
             .args(["--bounding-set=-sys_admin", CLI, "--work-dir"])
             .arg(&work)
             .args(["run", "--volume", "a:1M:a", "--", "true"]),

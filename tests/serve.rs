@@ -44,6 +44,8 @@ impl Serve {
     /// Starts serve on `work` and waits for its `ready` line.
     fn start(sb: &Sandbox, work: &Path, socket: &Path, metrics_wanted: bool) -> Serve {
         let mut cmd = Command::new(BIN);
+        // Managed plugin sockets stay inside the sandbox.
+        cmd.env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"));
         cmd.arg("--work-dir")
             .arg(work)
             .arg("serve")

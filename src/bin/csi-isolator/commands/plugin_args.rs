@@ -23,6 +23,15 @@ pub struct PluginArgs {
     /// When an unused volume is unpublished: last-use or keep.
     #[arg(long, default_value = "last-use")]
     pub policy: UnpublishPolicy,
+    /// Where a managed plugin's socket goes when the path under the work dir is
+    /// too long for a Unix socket address.
+    #[arg(
+        long,
+        env = "CSI_ISOLATOR_SOCKET_DIR",
+        default_value = csi_isolator::provider::paths::SHORT_SOCKET_DIR,
+        value_name = "DIR"
+    )]
+    pub plugin_socket_dir: std::path::PathBuf,
     /// Seconds to wait for the plugin to come up and answer Probe.
     #[arg(long, default_value = "30", value_name = "SECS")]
     pub plugin_timeout: u64,
@@ -55,6 +64,7 @@ impl PluginArgs {
             }
         };
         config.policy = self.policy;
+        config.socket_dir = self.plugin_socket_dir.clone();
         config.client.connect_timeout = std::time::Duration::from_secs(self.plugin_timeout);
         config.ready_timeout = std::time::Duration::from_secs(self.plugin_timeout);
         Ok(config)
