@@ -295,21 +295,22 @@ async fn crash_at_every_write_of_create() {
 
 #[tokio::test]
 async fn crash_at_every_write_of_publish() {
-    // Intent, RPC returned, result of ControllerPublish, NodeStage,
-    // NodePublish (the new user is recorded with the first intent).
-    crash_at_every_write(Op::Publish, 9).await;
+    // Intent and RPC returned for ControllerPublish, NodeStage, NodePublish,
+    // then the final state (the new user is recorded with the first intent).
+    crash_at_every_write(Op::Publish, 7).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_release() {
-    // Intent, RPC returned, result of NodeUnpublish, NodeUnstage,
-    // ControllerUnpublish (the user's removal is recorded with the first intent).
-    crash_at_every_write(Op::Release, 9).await;
+    // Intent and RPC returned for NodeUnpublish, NodeUnstage,
+    // ControllerUnpublish, then the final state (the user's removal is
+    // recorded with the first intent).
+    crash_at_every_write(Op::Release, 7).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_destroy() {
-    // The mark, the three backward steps (3 points each), DeleteVolume
-    // returned, the checkpoint's removal.
-    crash_at_every_write(Op::Destroy, 12).await;
+    // The mark, the three backward steps (intent, RPC returned), the final
+    // state, DeleteVolume returned, the checkpoint's removal.
+    crash_at_every_write(Op::Destroy, 10).await;
 }

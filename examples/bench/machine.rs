@@ -14,8 +14,11 @@ pub fn describe(work_dir: &Path) -> String {
     let cpu = cpu_model().unwrap_or_else(|| "unknown".into());
     let mounts = mount_count();
     let fs = file_system_of(work_dir).unwrap_or_else(|| "unknown".into());
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
     format!(
-        "machine: nproc {nproc} | kernel {kernel} | CPU {cpu}\n\
+        "machine: nproc {nproc} | kernel {kernel} | CPU {cpu} | load average at start {load}\n\
          work dir: {} ({fs}) | mounts in this namespace at start: {mounts}",
         work_dir.display()
     )

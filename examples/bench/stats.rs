@@ -20,11 +20,6 @@ impl Samples {
         self.values.push(d);
     }
 
-    /// Adds every latency of `other`.
-    pub fn extend(&mut self, other: &Samples) {
-        self.values.extend_from_slice(&other.values);
-    }
-
     /// How many latencies.
     pub fn len(&self) -> usize {
         self.values.len()

@@ -100,6 +100,13 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
         Ok(found.into_iter().map(|(_, m)| m).collect())
     }
 
+    /// Whether `path` is the root of a mount. Same answer as
+    /// [`is_mount_point`](Self::is_mount_point); implementations may answer
+    /// it without reading the whole table (it is on every publish's path).
+    fn is_mount_root(&self, path: &Path) -> Result<bool, MountError> {
+        self.is_mount_point(path)
+    }
+
     /// The topmost mount at `path` (the last one in table order), if any.
     fn find(&self, path: &Path) -> Result<Option<MountInfo>, MountError> {
         Ok(self
@@ -142,6 +149,67 @@ impl MountTable for ProcMountTable {
         let bytes =
             std::fs::read(&path).map_err(|source| MountError::ReadMountInfo { path, source })?;
         parse_mountinfo(bytes)
+    }
+
+    /// One `statx` (STATX_ATTR_MOUNT_ROOT) instead of parsing the table,
+    /// whose cost grows with every mount on the node; falls back to the
+    /// table where the kernel does not report the attribute.
+    fn is_mount_root(&self, path: &Path) -> Result<bool, MountError> {
+        if self.pid.is_some() {
+            return self.is_mount_point(path);
+        }
+        match statx_mount_root(path) {
+            Some(answer) => Ok(answer),
+            None => self.is_mount_point(path),
+        }
+    }
+}
+
+/// `Some(is a mount root)` from statx, `None` when the kernel cannot say.
+fn statx_mount_root(path: &Path) -> Option<bool> {
+    use std::os::unix::ffi::OsStrExt;
+    const STATX_ATTR_MOUNT_ROOT: u64 = 0x2000; // include/uapi/linux/stat.h
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
+    // SAFETY: c_path is a valid NUL-terminated string and buf points to a
+    // writable statx struct that outlives the call.
+    let rc = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c_path.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
+            0,
+            buf.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ENOTDIR) => Some(false),
+            _ => None,
+        };
+    }
+    // SAFETY: statx returned 0, so it filled the struct.
+    let st = unsafe { buf.assume_init() };
+    (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT != 0)
+        .then_some(st.stx_attributes & STATX_ATTR_MOUNT_ROOT != 0)
+}
+
+#[cfg(test)]
+mod statx_tests {
+    use super::*;
+
+    #[test]
+    fn statx_agrees_with_the_table() {
+        let t = ProcMountTable::new();
+        for p in ["/", "/proc", "/proc/self", "/nonexistent/x"] {
+            let p = Path::new(p);
+            assert_eq!(
+                t.is_mount_root(p).unwrap(),
+                t.is_mount_point(p).unwrap(),
+                "{}",
+                p.display()
+            );
+        }
     }
 }
 

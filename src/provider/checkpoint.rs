@@ -91,6 +91,7 @@ pub enum CheckpointError {
     },
 }
 
+static POINTS: AtomicU64 = AtomicU64::new(0);
 static WRITES: AtomicU64 = AtomicU64::new(0);
 static FSYNCS: AtomicU64 = AtomicU64::new(0);
 
@@ -100,11 +101,12 @@ pub fn fsyncs() -> u64 {
     FSYNCS.load(Ordering::SeqCst)
 }
 
-/// Counts durable writes and, when the crash point is armed and this is the
+/// Counts crash points (durable writes, and RPCs returned before their
+/// result is recorded) and, when the crash point is armed and this is the
 /// Nth one, kills the process on the spot.
 pub fn crash_point() {
     static ARMED: OnceLock<Option<u64>> = OnceLock::new();
-    let n = WRITES.fetch_add(1, Ordering::SeqCst) + 1;
+    let n = POINTS.fetch_add(1, Ordering::SeqCst) + 1;
     let armed = ARMED.get_or_init(|| {
         std::env::var(CRASH_AFTER_WRITE_ENV)
             .ok()
@@ -116,8 +118,14 @@ pub fn crash_point() {
     }
 }
 
-/// How many durable writes this process has made (for the benchmarks and the
-/// crash tests, which step N through every write of an operation).
+/// How many crash points this process has passed (the crash tests step N
+/// through every one of an operation).
+pub fn crash_points() -> u64 {
+    POINTS.load(Ordering::SeqCst)
+}
+
+/// How many durable writes (atomic writes and durable removals) this
+/// process has made, for the benchmarks.
 pub fn durable_writes() -> u64 {
     WRITES.load(Ordering::SeqCst)
 }
@@ -153,6 +161,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         });
     }
     sync_dir(dir)?;
+    WRITES.fetch_add(1, Ordering::Relaxed);
     crash_point();
     Ok(())
 }
@@ -200,6 +209,7 @@ pub fn remove_durable(path: &Path) -> Result<(), CheckpointError> {
     if let Some(dir) = path.parent() {
         sync_dir(dir)?;
     }
+    WRITES.fetch_add(1, Ordering::Relaxed);
     crash_point();
     Ok(())
 }

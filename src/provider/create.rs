@@ -14,7 +14,7 @@ use crate::csi::proto;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
-use crate::provider::storage::{remove_dir_if_unmounted, StorageProvider};
+use crate::provider::storage::{remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
 
 /// What to create.
@@ -241,8 +241,8 @@ impl StorageProvider {
             checkpoint::crash_point();
         }
         let mount_dir = self.layout.mount_dir(&rec.volume_id);
-        remove_dir_if_unmounted(&*self.table, &self.layout.staging_path(&rec.volume_id));
-        remove_dir_if_unmounted(&*self.table, &mount_dir);
+        remove_empty_dir(&self.layout.staging_path(&rec.volume_id));
+        remove_empty_dir(&mount_dir);
         checkpoint::remove_durable(&self.layout.state_file(&rec.volume_id)).map_err(|source| {
             ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),

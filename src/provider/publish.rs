@@ -47,12 +47,7 @@ impl StorageProvider {
         // The new user becomes durable with the first transition's intent,
         // before any RPC (or on its own when there is nothing to do).
         let added = rec.users.insert(container_id.to_string());
-        let mounted = if rec.state == VolumeState::Published {
-            self.mounted_targets()
-        } else {
-            None
-        };
-        let outcome = match self.ensure_published(&mut rec, &mounted).await {
+        let outcome = match self.ensure_published(&mut rec).await {
             Ok(false) if added => self.persist(&rec),
             Ok(_) => Ok(()),
             Err(e) => Err(e),
@@ -216,9 +211,7 @@ impl StorageProvider {
             .filter(|(id, _)| !skip.contains(id.as_str()))
             .map(|(id, s)| (id.clone(), s.clone()))
             .collect();
-        let mounted = self.mounted_targets();
         let results = join_all(slots.into_iter().map(|(id, slot)| {
-            let mounted = &mounted;
             async move {
                 // A volume with an operation in flight is left to it: that
                 // operation ends in a consistent state, and waiting for it
@@ -229,10 +222,7 @@ impl StorageProvider {
                 if rec.users.is_empty() || rec.destroying {
                     return None;
                 }
-                self.ensure_published(&mut rec, mounted)
-                    .await
-                    .err()
-                    .map(|e| (id, e))
+                self.ensure_published(&mut rec).await.err().map(|e| (id, e))
             }
         }))
         .await;
@@ -249,15 +239,21 @@ impl StorageProvider {
     pub(crate) async fn ensure_published(
         &self,
         rec: &mut VolumeRecord,
-        mounted: &Option<HashSet<PathBuf>>,
     ) -> Result<bool, ProviderError> {
         if rec.state == VolumeState::Published {
             let target = self.mount_point(&rec.volume_id);
-            if let Some(m) = mounted {
-                if !m.contains(&target) {
+            // One statx, not a read of the whole table (which grows with
+            // every mount on the node). An unreadable answer repairs nothing
+            // on a guess.
+            match self.table.is_mount_root(&target) {
+                Ok(true) => {}
+                Ok(false) => {
                     tracing::warn!(volume_id = %rec.volume_id, target = %target.display(),
                         "recorded as published but not mounted; repairing");
                     rec.state = VolumeState::NodeReady;
+                }
+                Err(e) => {
+                    tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the mount")
                 }
             }
         }

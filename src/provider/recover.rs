@@ -26,27 +26,23 @@ impl StorageProvider {
         self.load_records();
         self.finish_creates().await;
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
-        let mounted = self.mounted_targets();
-        let outcomes = join_all(slots.into_iter().map(|slot| {
-            let mounted = &mounted;
-            async move {
-                let mut rec = slot.record.lock().await;
-                let before = rec.state;
-                let result = if rec.destroying {
-                    self.finish_destroy(&mut rec)
-                        .await
-                        .map(|_| "finished destroy")
-                } else if !rec.users.is_empty() {
-                    self.ensure_published(&mut rec, mounted)
-                        .await
-                        .map(|_| "republished for its users")
-                } else {
-                    self.settle_unused(&mut rec)
-                        .await
-                        .map(|_| "settled (no users)")
-                };
-                (rec.volume_id.clone(), before, rec.state, result)
-            }
+        let outcomes = join_all(slots.into_iter().map(|slot| async move {
+            let mut rec = slot.record.lock().await;
+            let before = rec.state;
+            let result = if rec.destroying {
+                self.finish_destroy(&mut rec)
+                    .await
+                    .map(|_| "finished destroy")
+            } else if !rec.users.is_empty() {
+                self.ensure_published(&mut rec)
+                    .await
+                    .map(|_| "republished for its users")
+            } else {
+                self.settle_unused(&mut rec)
+                    .await
+                    .map(|_| "settled (no users)")
+            };
+            (rec.volume_id.clone(), before, rec.state, result)
         }))
         .await;
         let mut report = self.report.lock().unwrap();

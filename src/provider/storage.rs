@@ -3,7 +3,8 @@
 //!
 //! Invariants:
 //! - Every transition is checkpointed: the transient state (the intent) is
-//!   durable before its RPC is sent, the steady state after it returns.
+//!   durable before its RPC is sent; the steady state is written once, when
+//!   the operation reaches its goal (recovery re-issues an interrupted step).
 //! - Operations on one volume run one at a time, in arrival order (a fair
 //!   async mutex per volume, held for the whole operation); different
 //!   volumes run in parallel. No provider-wide lock is held across an RPC.
@@ -433,8 +434,12 @@ impl StorageProvider {
         rec: &mut VolumeRecord,
         goal: VolumeState,
     ) -> Result<bool, ProviderError> {
+        // Each step's intent is written before its RPC; the result of a step
+        // is not written on its own, since the next step's intent (or the
+        // final write below) supersedes it, and recovery re-issues an
+        // interrupted step either way (CSI calls are idempotent).
         let mut wrote = false;
-        let mut skipped = false;
+        let mut dirty = false;
         loop {
             let step = if let Some(pending) = rec.state.pending_step() {
                 if pending.is_forward() && goal.rank() < pending.to().rank() {
@@ -448,23 +453,15 @@ impl StorageProvider {
                     Some(step) => step,
                 }
             };
+            dirty = true;
             if !self.supports(step) {
-                rec.state = step.to();
-                if rec.state == VolumeState::Created {
-                    rec.publish_context.clear();
-                    rec.node_id = None;
-                    rec.boot_id = None;
-                }
-                skipped = true;
+                advance(rec, step);
                 continue;
             }
             wrote = true;
-            skipped = false;
             self.run_step(rec, step).await?;
         }
-        // Steps skipped after the last write still moved the state: record
-        // it, so the file never lags behind (it errs towards re-issuing).
-        if skipped {
+        if dirty {
             self.persist(rec)?;
             wrote = true;
         }
@@ -482,13 +479,7 @@ impl StorageProvider {
         // The RPC is done but not yet recorded: a crash here is the window
         // recovery must close by re-issuing (the crash tests stop here too).
         checkpoint::crash_point();
-        rec.state = step.to();
-        if rec.state == VolumeState::Created {
-            rec.publish_context.clear();
-            rec.node_id = None;
-            rec.boot_id = None;
-        }
-        self.persist(rec)?;
+        advance(rec, step);
         tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
         Ok(())
     }
@@ -581,7 +572,7 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
-                remove_dir_if_unmounted(&*self.table, &staging);
+                remove_empty_dir(&staging);
             }
             Step::ControllerUnpublish => {
                 let node_id = match &rec.node_id {
@@ -608,6 +599,16 @@ impl StorageProvider {
             .entry(name.to_string())
             .or_default()
             .clone()
+    }
+}
+
+/// Moves the record to the steady state after `step` (in memory).
+fn advance(rec: &mut VolumeRecord, step: Step) {
+    rec.state = step.to();
+    if rec.state == VolumeState::Created {
+        rec.publish_context.clear();
+        rec.node_id = None;
+        rec.boot_id = None;
     }
 }
 
@@ -649,16 +650,13 @@ pub(crate) fn mkdir(path: &std::path::Path, step: &'static str) -> Result<(), Pr
     })
 }
 
-/// Removes an empty directory we created, unless something is mounted on it
-/// (never delete through a mount: that would be the volume's data).
-pub(crate) fn remove_dir_if_unmounted(table: &dyn MountTable, dir: &std::path::Path) {
-    match table.mounts_under(dir) {
-        Ok(m) if m.is_empty() => {
-            let _ = std::fs::remove_dir(dir);
-        }
-        Ok(_) => tracing::warn!(path = %dir.display(), "still mounted; directory kept"),
-        Err(e) => {
-            tracing::warn!(path = %dir.display(), error = %e, "cannot read mount table; directory kept")
+/// Removes a directory we created if it is empty. `rmdir` never removes
+/// content and fails with EBUSY on a mount point, so a volume's data can
+/// never go with it.
+pub(crate) fn remove_empty_dir(dir: &std::path::Path) {
+    if let Err(e) = std::fs::remove_dir(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::debug!(path = %dir.display(), error = %e, "directory kept");
         }
     }
 }

@@ -1,0 +1,992 @@
+//! `cargo run --release --example bench [-- --quick]`: what publishing and
+//! launching cost, next to the least they could cost, on this machine.
+//!
+//! One run prints, with the machine at the top:
+//! 1. the floor: the CSI RPCs of a publish issued back to back by the raw
+//!    generated clients straight to a `csi-test-plugin`, plus one fsync;
+//! 2. publish through the provider, cold and warm, per volume, with its
+//!    ratio to the floor and its fsyncs and durable writes;
+//! 3. launching `/bin/true` in a new mount namespace with 0, 1, 8, 64 volumes;
+//! 4. 1 to 256 containers at once through the isolator (prepare, launch,
+//!    wait, cleanup), each with its own volume, and 64 sharing one;
+//! 5. a serve-like child process holding 1,000 published volumes: its RSS
+//!    and the latency of a status scan;
+//!
+//! and the targets with PASS or MISS. Everything lives in one unique temp
+//! dir that is unmounted and removed at the end, on error and on Ctrl-C.
+//! It needs root (mounts, mount namespaces).
+
+#[path = "bench/floor.rs"]
+mod floor;
+#[path = "bench/hold.rs"]
+mod hold;
+#[path = "bench/machine.rs"]
+mod machine;
+#[path = "bench/serve.rs"]
+mod serve;
+#[path = "bench/stats.rs"]
+mod stats;
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Parser;
+use futures::{StreamExt, TryStreamExt};
+use tokio::io::AsyncBufReadExt;
+
+use csi_isolator::isolator::targets::volume_mounts;
+use csi_isolator::isolator::{ContainerConfig, VolumeIsolator};
+use csi_isolator::launcher::{self, LaunchSpec};
+use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use csi_isolator::provider::bundled::{bundled_config, bundled_plugin_path, BUNDLED_BINARY};
+use csi_isolator::provider::checkpoint;
+use csi_isolator::provider::{CreateSpec, Manager, StorageProvider, UnpublishPolicy};
+use csi_isolator::resource::{Resource, VolumeMode};
+use csi_isolator::testing::Sandbox;
+
+use floor::Floor;
+use hold::HoldReport;
+use stats::{fmt_dur, ratio, verdict, Samples};
+
+/// Capacity of every volume (directory backing: bookkeeping only).
+const VOLUME_BYTES: u64 = 1 << 20;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "bench",
+    about = "csi-isolator benchmark: publish vs. the raw CSI floor, launch with volumes, concurrency, \
+             memory with 1,000 published volumes. Run as root.",
+    after_help = "Example:\n  cargo run --release --example bench -- --quick"
+)]
+struct Args {
+    /// Fewer iterations (a sanity run of well under a minute).
+    #[arg(long)]
+    quick: bool,
+    /// The csi-test-plugin binary (default: next to this example's directory, built if missing).
+    #[arg(long, env = "CSI_TEST_PLUGIN")]
+    plugin: Option<PathBuf>,
+    /// Volumes the serve-like child holds (default 1000).
+    #[arg(long)]
+    hold_volumes: Option<usize>,
+    /// Internal: be the serve-like child holding N volumes.
+    #[arg(long, hide = true)]
+    hold: Option<usize>,
+    /// Internal: the hold child's work dir.
+    #[arg(long, hide = true)]
+    hold_dir: Option<PathBuf>,
+}
+
+/// Iteration counts of one run.
+#[derive(Clone, Debug)]
+struct Plan {
+    name: &'static str,
+    cold: usize,
+    warm: usize,
+    launch: usize,
+    /// (containers, runs)
+    concurrency: Vec<(usize, usize)>,
+    shared: (usize, usize),
+    hold: usize,
+}
+
+impl Plan {
+    fn new(quick: bool, hold: Option<usize>) -> Plan {
+        if quick {
+            Plan {
+                name: "quick",
+                cold: 30,
+                warm: 60,
+                launch: 30,
+                concurrency: vec![(1, 3), (16, 1), (64, 1), (256, 1)],
+                shared: (64, 1),
+                hold: hold.unwrap_or(1000),
+            }
+        } else {
+            Plan {
+                name: "full",
+                cold: 200,
+                warm: 500,
+                launch: 200,
+                concurrency: vec![(1, 20), (16, 5), (64, 3), (256, 2)],
+                shared: (64, 3),
+                hold: hold.unwrap_or(1000),
+            }
+        }
+    }
+
+    fn max_containers(&self) -> usize {
+        self.concurrency.iter().map(|(c, _)| *c).max().unwrap_or(1)
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if let Some(count) = args.hold {
+        let (Some(dir), Some(plugin)) = (args.hold_dir.clone(), args.plugin.clone()) else {
+            eprintln!("bench --hold needs --hold-dir and --plugin");
+            return ExitCode::from(2);
+        };
+        return match hold::main(count, dir, plugin) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench --hold: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!(
+            "bench: must run as root: it mounts volumes, creates mount namespaces and runs a CSI \
+             plugin (try: sudo -E cargo run --release --example bench)"
+        );
+        return ExitCode::from(2);
+    }
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
+    let plan = Plan::new(args.quick, args.hold_volumes);
+    let plugin = match find_plugin(args.plugin.as_deref()) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("bench: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let sandbox = Sandbox::new("bench");
+    let root = sandbox.path().to_path_buf();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("bench: build the tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let outcome = rt.block_on(async {
+        tokio::select! {
+            r = run(&plan, &plugin, &sandbox) => r.map(|()| None),
+            sig = interrupted() => Ok(Some(sig)),
+        }
+    });
+    // Cancels whatever was still running (on error or signal), which drops
+    // the providers and so kills their plugins.
+    rt.shutdown_timeout(Duration::from_secs(5));
+    // Kills what is left, unmounts everything under the temp dir, removes it.
+    drop(sandbox);
+    let left = ProcMountTable::new()
+        .mounts_under(&root)
+        .map(|m| m.len())
+        .unwrap_or(usize::MAX);
+    let cleaned = left == 0 && !root.exists();
+    println!(
+        "cleanup: {} ({} mounts left under {}, directory {})",
+        if cleaned { "ok" } else { "INCOMPLETE" },
+        left,
+        root.display(),
+        if root.exists() {
+            "still there"
+        } else {
+            "removed"
+        }
+    );
+    match outcome {
+        Ok(None) if cleaned => ExitCode::SUCCESS,
+        Ok(None) => ExitCode::FAILURE,
+        Ok(Some(sig)) => {
+            eprintln!("bench: interrupted by {sig}; cleaned up");
+            ExitCode::from(130)
+        }
+        Err(e) => {
+            eprintln!("bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut int), Ok(mut term)) = (
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::terminate()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = int.recv() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// The plugin binary: given, or next to this example's directory (built
+/// with cargo first when missing or older than this binary).
+fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = given {
+        ensure!(p.is_file(), "plugin {} is not a file", p.display());
+        return Ok(p.to_path_buf());
+    }
+    let mtime = |p: &Path| p.metadata().and_then(|m| m.modified()).ok();
+    let exe = std::env::current_exe().context("find this executable")?;
+    let found = bundled_plugin_path();
+    let stale = match &found {
+        None => true,
+        Some(p) => mtime(p) < mtime(&exe),
+    };
+    if stale {
+        if let Some(cargo) = std::env::var_os("CARGO") {
+            let mut cmd = std::process::Command::new(cargo);
+            cmd.args([
+                "build",
+                "--quiet",
+                "--bin",
+                BUNDLED_BINARY,
+                "--bin",
+                "csi-isolator",
+                "--manifest-path",
+            ])
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+            if !cfg!(debug_assertions) {
+                cmd.arg("--release");
+            }
+            eprintln!("bench: building {BUNDLED_BINARY} ({cmd:?})");
+            match cmd.status() {
+                Ok(s) if s.success() => {}
+                Ok(s) => eprintln!("bench: building {BUNDLED_BINARY} failed ({s})"),
+                Err(e) => eprintln!("bench: cannot run cargo: {e}"),
+            }
+        }
+    }
+    bundled_plugin_path().with_context(|| {
+        format!(
+            "{BUNDLED_BINARY} not found next to {}: run `cargo build --release --bin {BUNDLED_BINARY}` \
+             or set CSI_TEST_PLUGIN",
+            exe.display()
+        )
+    })
+}
+
+/// Prints a progress line on stderr.
+fn progress(text: &str) {
+    eprintln!("bench: {text}");
+}
+
+async fn start_provider(
+    plugin: &Path,
+    work: &Path,
+    name: &str,
+    policy: UnpublishPolicy,
+    sandbox: &Sandbox,
+) -> Result<Arc<StorageProvider>> {
+    let mut config = bundled_config(plugin, work, name, &[]);
+    config.policy = policy;
+    config.socket_dir = sandbox.join("s");
+    let provider = StorageProvider::start(config)
+        .await
+        .with_context(|| format!("start provider {name}"))?;
+    if let Some(pid) = provider.plugin_pid() {
+        sandbox.track(pid);
+    }
+    Ok(provider)
+}
+
+async fn stop_provider(provider: &StorageProvider, sandbox: &Sandbox) {
+    let pid = provider.plugin_pid();
+    provider.shutdown(Duration::from_secs(5)).await;
+    if let Some(pid) = pid {
+        sandbox.untrack(pid);
+    }
+}
+
+/// A volume of the provider: its id and the resource that hands it out.
+#[derive(Clone, Debug)]
+struct Vol {
+    id: String,
+    resource: Resource,
+}
+
+async fn create_pool(provider: &StorageProvider, prefix: &str, n: usize) -> Result<Vec<Vol>> {
+    let mut vols: Vec<(usize, Vol)> = futures::stream::iter(0..n)
+        .map(|i| async move {
+            let name = format!("{prefix}-{i}");
+            let resource = provider
+                .create_volume(CreateSpec::new(&name, VOLUME_BYTES))
+                .await
+                .with_context(|| format!("create volume {name}"))?;
+            let id = resource
+                .source_id()
+                .context("created resource without a volume id")?
+                .to_string();
+            anyhow::Ok((i, Vol { id, resource }))
+        })
+        .buffer_unordered(8)
+        .try_collect()
+        .await?;
+    vols.sort_by_key(|(i, _)| *i);
+    Ok(vols.into_iter().map(|(_, v)| v).collect())
+}
+
+/// Sections 1 and 2.
+#[derive(Debug, Default)]
+struct PublishResults {
+    floor_cold: Samples,
+    floor_warm: Samples,
+    cold: Samples,
+    warm: Samples,
+    cold_fsyncs: f64,
+    cold_writes: f64,
+    warm_fsyncs: f64,
+    warm_writes: f64,
+}
+
+/// Everything one run measured.
+#[derive(Debug)]
+struct Results {
+    publish: PublishResults,
+    launch: Vec<(usize, Samples)>,
+    conc: Vec<ConcRow>,
+    held: HoldReport,
+    served: std::result::Result<serve::ServeReport, String>,
+}
+
+/// Section 4, one row.
+#[derive(Debug)]
+struct ConcRow {
+    label: String,
+    containers: usize,
+    runs: usize,
+    throughput: f64,
+    latency: Samples,
+}
+
+async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
+    let work = sandbox.mkdir("work");
+    let started = Instant::now();
+    let header = format!(
+        "csi-isolator benchmark ({} run{})\n{}\nplugin: {} (directory backing); every volume {} MiB",
+        plan.name,
+        if cfg!(debug_assertions) {
+            ", DEBUG BUILD: not representative"
+        } else {
+            ""
+        },
+        machine::describe(&work),
+        plugin.display(),
+        VOLUME_BYTES >> 20
+    );
+    progress(&format!("temp dir {}", sandbox.path().display()));
+
+    let cold = start_provider(plugin, &work, "cold", UnpublishPolicy::LastUse, sandbox).await?;
+    let warm = start_provider(plugin, &work, "warm", UnpublishPolicy::Keep, sandbox).await?;
+    let mut floor = Floor::start(plugin, &sandbox.join("floor"), sandbox).await?;
+
+    let pool_size = (plan.cold + 1).max(plan.max_containers()).max(64);
+    progress(&format!("creating {pool_size} volumes (not timed)"));
+    let pool = create_pool(&cold, "vol", pool_size).await?;
+
+    progress(&format!(
+        "[1-2/5] publish: {} cold, {} warm, floor and provider interleaved",
+        plan.cold, plan.warm
+    ));
+    let publish = measure_publish(plan, &cold, &warm, &mut floor, &pool).await?;
+    let floor_pid = floor.pid();
+    floor.stop().await;
+    sandbox.untrack(floor_pid);
+    stop_provider(&warm, sandbox).await;
+
+    progress(&format!(
+        "[3/5] launch /bin/true with 0, 1, 8, 64 volumes, {} each",
+        plan.launch
+    ));
+    let launch = measure_launch(plan, &cold, &pool, &work, sandbox).await?;
+
+    progress("[4/5] concurrent containers through the isolator");
+    let conc = measure_concurrency(plan, &cold, &pool, &work, sandbox).await?;
+    stop_provider(&cold, sandbox).await;
+
+    progress(&format!(
+        "[5/5] serve-like child holding {} published volumes",
+        plan.hold
+    ));
+    let held = measure_hold(plan, plugin, sandbox).await?;
+    let serve_bin = plugin.with_file_name("csi-isolator");
+    let served = if serve::available(&serve_bin) {
+        progress(&format!(
+            "  optional: csi-isolator serve with {} volumes prepared through its socket",
+            plan.hold
+        ));
+        serve::measure(&serve_bin, &sandbox.join("serve"), plan.hold, sandbox)
+            .await
+            .map_err(|e| format!("{e:#}"))
+    } else {
+        Err(format!("{} has no serve verb", serve_bin.display()))
+    };
+
+    let results = Results {
+        publish,
+        launch,
+        conc,
+        held,
+        served,
+    };
+    print_report(&header, plan, &results, started.elapsed());
+    Ok(())
+}
+
+async fn measure_publish(
+    plan: &Plan,
+    cold: &StorageProvider,
+    warm: &StorageProvider,
+    floor: &mut Floor,
+    pool: &[Vol],
+) -> Result<PublishResults> {
+    let mut r = PublishResults::default();
+    let mut floor_vols = Vec::with_capacity(plan.cold + 1);
+    for i in 0..=plan.cold {
+        floor_vols.push(floor.create(&format!("floor-{i}"), VOLUME_BYTES).await?);
+    }
+    // One untimed round of each first (connections, page cache, directories).
+    floor.cold(&mut floor_vols[plan.cold]).await?;
+    let v = &pool[plan.cold];
+    cold.publish(&v.id, "cold-warmup").await?;
+    cold.release(&v.id, "cold-warmup").await?;
+
+    let (mut fsyncs, mut writes) = (0, 0);
+    for i in 0..plan.cold {
+        r.floor_cold.push(floor.cold(&mut floor_vols[i]).await?);
+        let v = &pool[i];
+        let container = format!("cold-{i}");
+        let (f0, w0) = (checkpoint::fsyncs(), checkpoint::durable_writes());
+        let t0 = Instant::now();
+        cold.publish(&v.id, &container)
+            .await
+            .with_context(|| format!("publish {} (cold)", v.id))?;
+        r.cold.push(t0.elapsed());
+        fsyncs += checkpoint::fsyncs() - f0;
+        writes += checkpoint::durable_writes() - w0;
+        cold.release(&v.id, &container).await?;
+    }
+    r.cold_fsyncs = fsyncs as f64 / plan.cold as f64;
+    r.cold_writes = writes as f64 / plan.cold as f64;
+
+    // Warm: the provider's volume was published and released under Keep
+    // (still PUBLISHED, no user); the floor's volume is staged.
+    let wv = create_pool(warm, "warm", 1).await?.remove(0);
+    warm.publish(&wv.id, "warm-setup").await?;
+    warm.release(&wv.id, "warm-setup").await?;
+    let mut fv = floor.create("floor-warm", VOLUME_BYTES).await?;
+    floor.stage(&mut fv).await?;
+    floor.warm(&fv).await?;
+    let (mut fsyncs, mut writes) = (0, 0);
+    for i in 0..plan.warm {
+        r.floor_warm.push(floor.warm(&fv).await?);
+        let container = format!("warm-{i}");
+        let (f0, w0) = (checkpoint::fsyncs(), checkpoint::durable_writes());
+        let t0 = Instant::now();
+        warm.publish(&wv.id, &container)
+            .await
+            .with_context(|| format!("publish {} (warm)", wv.id))?;
+        r.warm.push(t0.elapsed());
+        fsyncs += checkpoint::fsyncs() - f0;
+        writes += checkpoint::durable_writes() - w0;
+        warm.release(&wv.id, &container).await?;
+    }
+    r.warm_fsyncs = fsyncs as f64 / plan.warm as f64;
+    r.warm_writes = writes as f64 / plan.warm as f64;
+    floor.unstage(&fv).await?;
+    Ok(r)
+}
+
+/// The mounts of `vols` at `v0`, `v1`, ... in `sandbox`, the way `prepare` makes them.
+fn launch_spec(vols: &[Vol], sandbox: &Path, work: &Path) -> Result<LaunchSpec> {
+    let resources: Vec<Resource> = vols
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            v.resource
+                .clone()
+                .with_volume(&format!("v{i}"), VolumeMode::Rw)
+        })
+        .collect();
+    let config = ContainerConfig {
+        resources: resources.clone(),
+        sandbox: sandbox.to_path_buf(),
+        rootfs: None,
+        user: None,
+    };
+    let mounts = volume_mounts("launch", &config, &resources, work)?;
+    Ok(LaunchSpec {
+        argv: vec![OsString::from("/bin/true")],
+        sandbox: sandbox.to_path_buf(),
+        mounts,
+        ..Default::default()
+    })
+}
+
+async fn measure_launch(
+    plan: &Plan,
+    provider: &StorageProvider,
+    pool: &[Vol],
+    work: &Path,
+    sandbox: &Sandbox,
+) -> Result<Vec<(usize, Samples)>> {
+    const COUNTS: [usize; 4] = [0, 1, 8, 64];
+    let holder = "launch-holder";
+    let ids: Vec<String> = pool[..64].iter().map(|v| v.id.clone()).collect();
+    provider.publish_for_container(holder, &ids).await?;
+    let dir = sandbox.mkdir("sandboxes/launch");
+    let specs: Vec<(usize, LaunchSpec)> = COUNTS
+        .iter()
+        .map(|&k| Ok((k, launch_spec(&pool[..k], &dir, work)?)))
+        .collect::<Result<_>>()?;
+    let n = plan.launch;
+    let measured = tokio::task::spawn_blocking(move || -> Result<Vec<(usize, Samples)>> {
+        let mut out: Vec<(usize, Samples)> = COUNTS.iter().map(|&k| (k, Samples::new())).collect();
+        // Round 0 is a warm-up (it also creates the targets in the sandbox).
+        for round in 0..=n {
+            for (slot, (k, spec)) in specs.iter().enumerate() {
+                let t0 = Instant::now();
+                let mut launched =
+                    launcher::launch(spec).with_context(|| format!("launch with {k} volumes"))?;
+                let status = launched.wait().context("wait for /bin/true")?;
+                let took = t0.elapsed();
+                ensure!(status.success(), "/bin/true with {k} volumes: {status}");
+                if round > 0 {
+                    out[slot].1.push(took);
+                }
+            }
+        }
+        Ok(out)
+    })
+    .await
+    .context("launch thread")??;
+    provider.release_container(holder).await?;
+    Ok(measured)
+}
+
+/// One container through the whole pipeline; returns when it is cleaned up.
+async fn container(
+    isolator: Arc<VolumeIsolator>,
+    id: String,
+    config: ContainerConfig,
+    start: Arc<tokio::sync::Barrier>,
+) -> Result<Instant> {
+    start.wait().await;
+    let sandbox = config.sandbox.clone();
+    let info = isolator
+        .prepare(&id, config)
+        .await
+        .with_context(|| format!("prepare {id}"))?;
+    let spec = LaunchSpec {
+        argv: vec![OsString::from("/bin/true")],
+        sandbox,
+        mounts: info.mounts,
+        ..Default::default()
+    };
+    let ran = async {
+        let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
+            .await
+            .context("launch thread")?
+            .with_context(|| format!("launch {id}"))?;
+        let status = launched.wait_async().await?;
+        ensure!(status.success(), "/bin/true in {id}: {status}");
+        anyhow::Ok(())
+    }
+    .await;
+    let cleaned = isolator
+        .cleanup(&id)
+        .await
+        .with_context(|| format!("cleanup {id}"));
+    ran?;
+    cleaned?;
+    Ok(Instant::now())
+}
+
+/// `runs` bursts of `n` containers; `volume(j)` is container j's volume.
+async fn burst(
+    isolator: &Arc<VolumeIsolator>,
+    label: &str,
+    n: usize,
+    runs: usize,
+    volume: impl Fn(usize) -> Resource,
+    sandbox: &Sandbox,
+) -> Result<ConcRow> {
+    let mut latency = Samples::new();
+    let mut wall = Duration::ZERO;
+    for run in 0..runs {
+        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+        let mut tasks = Vec::with_capacity(n);
+        for j in 0..n {
+            let id = format!("{label}-{n}-r{run}-{j}");
+            let dir = sandbox.mkdir(format!("sandboxes/{id}"));
+            let config = ContainerConfig {
+                resources: vec![volume(j).with_volume("data", VolumeMode::Rw)],
+                sandbox: dir,
+                rootfs: None,
+                user: None,
+            };
+            tasks.push(tokio::spawn(container(
+                isolator.clone(),
+                id,
+                config,
+                start.clone(),
+            )));
+        }
+        let t0 = Instant::now();
+        start.wait().await;
+        let mut last = t0;
+        let mut first_err = None;
+        for t in tasks {
+            match t.await.context("container task")? {
+                Ok(done) => {
+                    latency.push(done - t0);
+                    last = last.max(done);
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            return Err(e);
+        }
+        wall += last - t0;
+    }
+    Ok(ConcRow {
+        label: label.to_string(),
+        containers: n,
+        runs,
+        throughput: (n * runs) as f64 / wall.as_secs_f64(),
+        latency,
+    })
+}
+
+async fn measure_concurrency(
+    plan: &Plan,
+    provider: &Arc<StorageProvider>,
+    pool: &[Vol],
+    work: &Path,
+    sandbox: &Sandbox,
+) -> Result<Vec<ConcRow>> {
+    let mut manager = Manager::new();
+    manager.add(provider.clone());
+    let isolator = Arc::new(VolumeIsolator::new(
+        work,
+        Arc::new(manager),
+        Arc::new(LinuxSyscall::new()),
+        Arc::new(ProcMountTable::new()),
+    ));
+    // One untimed container first.
+    burst(
+        &isolator,
+        "warmup",
+        1,
+        1,
+        |_| pool[0].resource.clone(),
+        sandbox,
+    )
+    .await?;
+    let mut rows = Vec::new();
+    for &(n, runs) in &plan.concurrency {
+        progress(&format!("  {n} containers x {runs} runs, own volume each"));
+        rows.push(
+            burst(
+                &isolator,
+                "own",
+                n,
+                runs,
+                |j| pool[j].resource.clone(),
+                sandbox,
+            )
+            .await?,
+        );
+    }
+    let (n, runs) = plan.shared;
+    progress(&format!(
+        "  {n} containers x {runs} runs, one shared volume"
+    ));
+    rows.push(
+        burst(
+            &isolator,
+            "shared",
+            n,
+            runs,
+            |_| pool[0].resource.clone(),
+            sandbox,
+        )
+        .await?,
+    );
+    let left = provider
+        .volumes()
+        .await
+        .into_iter()
+        .filter(|r| !r.users.is_empty())
+        .count();
+    if left != 0 {
+        bail!("{left} volumes still have users after the concurrency runs");
+    }
+    Ok(rows)
+}
+
+async fn measure_hold(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<HoldReport> {
+    let exe = std::env::current_exe().context("find this executable")?;
+    let dir = sandbox.join("hold");
+    let mut child = tokio::process::Command::new(exe)
+        .arg("--hold")
+        .arg(plan.hold.to_string())
+        .arg("--hold-dir")
+        .arg(&dir)
+        .arg("--plugin")
+        .arg(plugin)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .context("spawn the hold child")?;
+    let pid = child.id().unwrap_or(0);
+    sandbox.track(pid);
+    let stdout = child.stdout.take().context("hold child stdout")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(600), lines.next_line())
+        .await
+        .context("the hold child did not report within 600 s")?
+        .context("read the hold child's report")?;
+    // Closing stdin lets it go; its mounts vanish with its namespace.
+    drop(child.stdin.take());
+    let status = match tokio::time::timeout(Duration::from_secs(15), child.wait()).await {
+        Ok(s) => s.ok(),
+        Err(_) => {
+            let _ = child.kill().await;
+            None
+        }
+    };
+    sandbox.untrack(pid);
+    let line =
+        line.with_context(|| format!("the hold child exited without a report ({status:?})"))?;
+    serde_json::from_str(&line).with_context(|| format!("parse the hold child's report: {line}"))
+}
+
+fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration) {
+    let Results {
+        publish: p,
+        launch,
+        conc,
+        held,
+        served,
+    } = results;
+    let mut targets: Vec<(String, String, bool)> = Vec::new();
+    let rule = "-".repeat(112);
+    println!("{rule}\n{header}\n{rule}");
+
+    println!("1-2. PUBLISH, per volume (latency of one call; fsyncs/writes: provider process only, per publish)");
+    println!(
+        "  {:<66} {:>5} {:>9} {:>9} {:>7} {:>7}",
+        "", "n", "p50", "p99", "fsyncs", "writes"
+    );
+    let row = |label: &str, s: &Samples, fsyncs: &str, writes: &str| {
+        println!(
+            "  {:<66} {:>5} {:>9} {:>9} {:>7} {:>7}",
+            label,
+            s.len(),
+            fmt_dur(s.p50()),
+            fmt_dur(s.p99()),
+            fsyncs,
+            writes
+        );
+    };
+    row(
+        "floor cold: raw CtrlPublish+NodeStage+NodePublish, +1 fsync",
+        &p.floor_cold,
+        "1",
+        "-",
+    );
+    row(
+        "provider cold: publish(), volume CREATED -> PUBLISHED",
+        &p.cold,
+        &format!("{:.1}", p.cold_fsyncs),
+        &format!("{:.1}", p.cold_writes),
+    );
+    let cold_ratio = ratio(p.cold.p50(), p.floor_cold.p50());
+    println!(
+        "  {:<66} {:>5} {:>8.2}x {:>8.2}x   target p50 <= 2.0x: {}",
+        "  ratio cold / floor cold",
+        "",
+        cold_ratio,
+        ratio(p.cold.p99(), p.floor_cold.p99()),
+        verdict(cold_ratio <= 2.0)
+    );
+    row(
+        "floor warm: raw NodePublish on a staged volume, +1 fsync",
+        &p.floor_warm,
+        "1",
+        "-",
+    );
+    row(
+        "provider warm: publish(), already PUBLISHED (policy keep), new user",
+        &p.warm,
+        &format!("{:.1}", p.warm_fsyncs),
+        &format!("{:.1}", p.warm_writes),
+    );
+    let warm_ratio = ratio(p.warm.p50(), p.floor_warm.p50());
+    println!(
+        "  {:<66} {:>5} {:>8.2}x {:>8.2}x   target p50 <= 1.5x: {}",
+        "  ratio warm / floor warm",
+        "",
+        warm_ratio,
+        ratio(p.warm.p99(), p.floor_warm.p99()),
+        verdict(warm_ratio <= 1.5)
+    );
+    println!("  (the plugin's own fsyncs, in its process, are part of both floor and provider RPCs and not counted)");
+    targets.push((
+        "warm publish <= 1.5x its floor (p50)".into(),
+        format!("{warm_ratio:.2}x"),
+        warm_ratio <= 1.5,
+    ));
+    targets.push((
+        "cold publish <= 2x its floor (p50)".into(),
+        format!("{cold_ratio:.2}x"),
+        cold_ratio <= 2.0,
+    ));
+
+    println!("\n3. LAUNCH /bin/true in a new mount namespace, volumes bind-mounted into its sandbox (launch + wait)");
+    println!(
+        "  {:<20} {:>5} {:>9} {:>9} {:>14} {:>14}",
+        "volumes", "n", "p50", "p99", "p50 vs 0 vol", "p99 vs 0 vol"
+    );
+    let base = &launch[0].1;
+    for (k, s) in launch {
+        println!(
+            "  {:<20} {:>5} {:>9} {:>9} {:>13.2}x {:>13.2}x",
+            k,
+            s.len(),
+            fmt_dur(s.p50()),
+            fmt_dur(s.p99()),
+            ratio(s.p50(), base.p50()),
+            ratio(s.p99(), base.p99())
+        );
+    }
+    let by = |k: usize| launch.iter().find(|(c, _)| *c == k).map(|(_, s)| s);
+    if let (Some(one), Some(eight)) = (by(1), by(8)) {
+        let r = ratio(eight.p50(), one.p50());
+        println!(
+            "  8 volumes vs 1: {r:.2}x (p50), {:.2}x (p99)   target p50 <= 2x: {}",
+            ratio(eight.p99(), one.p99()),
+            verdict(r <= 2.0)
+        );
+        targets.push((
+            "launch with 8 volumes <= 2x with 1 (p50)".into(),
+            format!("{r:.2}x"),
+            r <= 2.0,
+        ));
+    }
+
+    println!("\n4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
+    println!(
+        "  {:<22} {:>5} {:>10} {:>12} {:>11} {:>11}",
+        "containers", "runs", "volumes", "launches/s", "p50 lat", "p99 lat"
+    );
+    for r in conc {
+        let volumes = if r.label == "shared" {
+            "1 shared".to_string()
+        } else {
+            "own each".to_string()
+        };
+        println!(
+            "  {:<22} {:>5} {:>10} {:>12.1} {:>11} {:>11}",
+            r.containers,
+            r.runs,
+            volumes,
+            r.throughput,
+            fmt_dur(r.latency.p50()),
+            fmt_dur(r.latency.p99())
+        );
+    }
+    println!("  (latency: from the burst's start to that container's cleanup done; launches/s: containers / wall time)");
+    let own = |n: usize| conc.iter().find(|r| r.label == "own" && r.containers == n);
+    if let (Some(c16), Some(c256)) = (own(16), own(256)) {
+        let r = c256.throughput / c16.throughput;
+        println!(
+            "  throughput 256 vs 16: {:.0}%   target >= 70%: {}",
+            r * 100.0,
+            verdict(r >= 0.7)
+        );
+        targets.push((
+            "256 concurrent >= 70% of the throughput of 16".into(),
+            format!("{:.0}%", r * 100.0),
+            r >= 0.7,
+        ));
+    }
+
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    println!(
+        "\n5. SERVE-LIKE PROCESS holding {} published volumes (child process: provider in process, managed plugin; own mount namespace)",
+        held.volumes
+    );
+    println!(
+        "  setup: {} creates + publishes (16 at a time) in {:.1} s; mount table then {} lines",
+        held.volumes,
+        held.setup_ms / 1e3,
+        held.mounts
+    );
+    let rss_ok = mib(held.vm_rss_kib) < 50.0;
+    println!(
+        "  VmRSS {:.1} MiB (peak VmHWM {:.1} MiB); plugin VmRSS {:.1} MiB   target < 50 MiB: {}",
+        mib(held.vm_rss_kib),
+        mib(held.vm_hwm_kib),
+        mib(held.plugin_rss_kib),
+        verdict(rss_ok)
+    );
+    let us = |v: f64| fmt_dur(Duration::from_secs_f64(v / 1e6));
+    println!(
+        "  status scan (provider::status::scan, {} volumes mounted): p50 {}  p99 {}  (50 runs)",
+        held.scan_volumes,
+        us(held.scan_p50_us),
+        us(held.scan_p99_us)
+    );
+    println!(
+        "  with all {} in use: publish() new user p50 {} p99 {}; publish_for_container() (ensure-all) p50 {} p99 {}  (20 runs)",
+        held.volumes,
+        us(held.publish_p50_us),
+        us(held.publish_p99_us),
+        us(held.pfc_p50_us),
+        us(held.pfc_p99_us)
+    );
+    targets.push((
+        format!("{} published volumes under 50 MiB RSS", held.volumes),
+        format!("{:.1} MiB", mib(held.vm_rss_kib)),
+        rss_ok,
+    ));
+    match served {
+        Ok(s) => println!(
+            "  optional, real `csi-isolator serve` ({} volumes created + prepared via its socket in {:.1} s): \
+             VmRSS {:.1} MiB (VmHWM {:.1} MiB)",
+            s.volumes,
+            s.setup.as_secs_f64(),
+            mib(s.vm_rss_kib),
+            mib(s.vm_hwm_kib)
+        ),
+        Err(e) => println!("  optional `csi-isolator serve`: not measured ({e})"),
+    }
+    if held.volumes < 1000 {
+        println!("  (fewer than the 1,000 volumes of the target: --hold-volumes)");
+    }
+
+    println!(
+        "\nTARGETS ({} run, {:.0} s)",
+        plan.name,
+        elapsed.as_secs_f64()
+    );
+    for (what, value, pass) in &targets {
+        println!("  {:<54} {:>10}  {}", what, value, verdict(*pass));
+    }
+    println!("{rule}");
+}
