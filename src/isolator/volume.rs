@@ -276,6 +276,20 @@ impl VolumeIsolator {
     /// Isolate: records the container's pid (needed to mount into its
     /// namespace on update).
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
+        let start = crate::launcher::process::process_start_time(pid);
+        self.modify(container_id, |rec| {
+            rec.pid = Some(pid);
+            rec.pid_start = start;
+        })
+        .await
+    }
+
+    /// Changes a known container's record and persists it.
+    async fn modify(
+        &self,
+        container_id: &str,
+        change: impl FnOnce(&mut ContainerRecord),
+    ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         let rec = slot
@@ -283,21 +297,13 @@ impl VolumeIsolator {
             .ok_or_else(|| IsolatorError::UnknownContainer {
                 container: container_id.to_string(),
             })?;
-        rec.pid = Some(pid);
-        rec.pid_start = crate::launcher::process::process_start_time(pid);
+        change(rec);
         self.persist(rec)
     }
 
     async fn mark_host_binds(&self, container_id: &str) -> Result<(), IsolatorError> {
-        let entry = self.entry(container_id);
-        let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
-        rec.binds_in_sandbox = true;
-        self.persist(rec)
+        self.modify(container_id, |rec| rec.binds_in_sandbox = true)
+            .await
     }
 
     /// Records mounts made on the host for the container (Docker/OCI path),
@@ -307,21 +313,15 @@ impl VolumeIsolator {
         container_id: &str,
         binds: Vec<PathBuf>,
     ) -> Result<(), IsolatorError> {
-        let entry = self.entry(container_id);
-        let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
-        rec.host_binds.extend(binds);
-        self.persist(rec)
+        self.modify(container_id, |rec| rec.host_binds.extend(binds))
+            .await
     }
 
-    /// Update: new volumes are published first, then mounted into the
-    /// running container's mount namespace; removed ones are unmounted from
-    /// it, then released. On failure the new volumes are unmounted and
-    /// released again and the container keeps its old set.
+    /// Update: new volumes are published first; then removed ones are
+    /// unmounted from the running container's mount namespace and new ones
+    /// mounted into it. Whatever fails, the checkpoint records what is
+    /// really mounted and only the volumes the container no longer mounts
+    /// are released; the error names the step and the volume.
     #[tracing::instrument(skip(self, resources))]
     pub async fn update(
         &self,
