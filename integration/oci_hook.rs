@@ -6,66 +6,42 @@
 //! time (`.ci/run` installs them).
 
 use std::fs;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use csi_isolator::isolator::hook::{HOOK_DIR, VOLUMES_ANNOTATION};
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::state::VolumeState;
 use csi_isolator::provider::StorageProvider;
-use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
+use csi_isolator::testing::{
+    host_mount_points, require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox,
+};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const RUN_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// Root, runc and busybox, or a panic saying what is missing.
+/// Root and runc, or a panic saying what is missing (busybox is checked when the bundle is built).
 fn require_tools() {
     require_root();
-    let runc = Command::new("runc")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
-    if !matches!(runc, Ok(s) if s.success()) {
-        panic!("`runc` is not on PATH: install the Debian package `runc` (apt-get install runc); this test does not skip");
-    }
+    require_runc();
 }
 
 /// A bundle (config.json from `runc spec`, busybox rootfs at the relative root path `rootfs`) whose hooks
 /// run `csi-isolator --work-dir <work> oci-hook ...`.
 struct Bundle {
-    dir: PathBuf,
+    runc: RuncBundle,
     rootfs: PathBuf,
     work: PathBuf,
-    state: PathBuf,
-    config: serde_json::Value,
 }
 
 fn build_bundle(sb: &Sandbox) -> Bundle {
-    let dir = sb.mkdir("bundle");
-    let rootfs = busybox_rootfs(sb, "bundle/rootfs");
+    // The root path stays relative to the bundle, as runtime-spec allows: the hook must resolve it the
+    // same way.
+    let mut runc = RuncBundle::new(sb, "bundle");
+    assert_eq!(runc.config["root"]["path"], "rootfs");
     let work = sb.join("work");
-    let out = Command::new("runc")
-        .arg("spec")
-        .arg("--bundle")
-        .arg(&dir)
-        .output()
-        .expect("run `runc spec`");
-    assert!(
-        out.status.success(),
-        "runc spec failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = fs::read_to_string(dir.join("config.json")).expect("read generated config.json");
-    let mut config: serde_json::Value = serde_json::from_str(&text).expect("parse config.json");
-    config["process"]["terminal"] = false.into();
-    // Relative to the bundle, as runtime-spec allows: the hook must resolve it the same way.
-    config["root"]["path"] = "rootfs".into();
-    config["root"]["readonly"] = false.into();
     let hook = |stage: &str| {
         serde_json::json!([{
             "path": BIN,
@@ -73,113 +49,31 @@ fn build_bundle(sb: &Sandbox) -> Bundle {
                      "--plugin-socket-dir", work.parent().unwrap().join("s").to_str().unwrap(), stage],
         }])
     };
-    config["hooks"] = serde_json::json!({
+    runc.config["hooks"] = serde_json::json!({
         "createRuntime": hook("create-runtime"),
         "poststop": hook("poststop"),
     });
     Bundle {
-        dir,
-        rootfs,
+        rootfs: runc.rootfs.clone(),
+        runc,
         work,
-        state: sb.join("runc-state"),
-        config,
     }
-}
-
-/// Deletes the container (forcibly) when dropped, pass or fail.
-struct ContainerGuard {
-    state: PathBuf,
-    id: String,
-}
-
-impl Drop for ContainerGuard {
-    fn drop(&mut self) {
-        let _ = Command::new("runc")
-            .arg("--root")
-            .arg(&self.state)
-            .args(["delete", "--force", &self.id])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
-/// The result of one `runc run`.
-struct Run {
-    id: String,
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
 }
 
 /// Writes config.json with `script` as the process and `volumes` as the volume annotation, then runs the
 /// container to completion (`runc run`, which destroys it and runs poststop at the end).
-fn run(sb: &Sandbox, bundle: &Bundle, name: &str, volumes: &str, script: &str) -> Run {
-    let mut config = bundle.config.clone();
-    config["process"]["args"] = serde_json::json!(["sh", "-c", script]);
+fn run(sb: &Sandbox, bundle: &Bundle, name: &str, volumes: &str, script: &str) -> RuncRun {
+    let mut config = bundle.runc.config_for(script);
     config["annotations"] = serde_json::json!({ VOLUMES_ANNOTATION: volumes });
-    fs::write(
-        bundle.dir.join("config.json"),
-        serde_json::to_vec_pretty(&config).unwrap(),
-    )
-    .expect("write config.json");
-
     let id = format!("csi-hook-{name}-{}", std::process::id());
-    let _guard = ContainerGuard {
-        state: bundle.state.clone(),
-        id: id.clone(),
-    };
-    let mut child = sb
-        .spawn(
-            Command::new("runc")
-                .arg("--root")
-                .arg(&bundle.state)
-                .args(["run", "--bundle"])
-                .arg(&bundle.dir)
-                .arg(&id)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped()),
-        )
-        .expect("spawn `runc run`");
-    let deadline = Instant::now() + RUN_TIMEOUT;
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("wait for runc") {
-            break status;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            sb.untrack(child.id());
-            panic!("runc run {id} did not finish within {RUN_TIMEOUT:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    sb.untrack(child.id());
-    let mut stdout = String::new();
-    let mut stderr = String::new();
-    child
-        .stdout
-        .take()
-        .unwrap()
-        .read_to_string(&mut stdout)
-        .unwrap();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut stderr)
-        .unwrap();
-    Run {
-        id,
-        code: status.code(),
-        stdout,
-        stderr,
-    }
+    let r = runc_run(sb, &bundle.runc, &id, &config, RUN_TIMEOUT);
+    // The forced delete runs right away, before the test looks at what is left (the guard's own
+    // delete at drop then finds nothing).
+    let _ = r.guard.delete();
+    r
 }
 
-fn assert_ran(r: &Run) {
+fn assert_ran(r: &RuncRun) {
     assert_eq!(
         r.code,
         Some(0),
@@ -191,7 +85,7 @@ fn assert_ran(r: &Run) {
 }
 
 /// Nothing of the container is left: no mount under the sandbox, no isolator checkpoint, no hook dir.
-fn assert_container_gone(sb: &Sandbox, bundle: &Bundle, r: &Run) {
+fn assert_container_gone(sb: &Sandbox, bundle: &Bundle, r: &RuncRun) {
     sb.assert_no_mounts_under();
     let checkpoint = bundle.work.join("isolators/volume/csi").join(&r.id);
     assert!(!checkpoint.exists(), "{} left", checkpoint.display());
