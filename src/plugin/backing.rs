@@ -315,6 +315,12 @@ impl Backing {
         }
     }
 
+    fn is_mount_root(&self, path: &Path) -> Result<bool, BackingError> {
+        self.table
+            .is_mount_root(path)
+            .map_err(mount_err("read mount table", &self.table.path()))
+    }
+
     fn mounts(&self) -> Result<Vec<MountInfo>, BackingError> {
         self.table
             .mounts()
@@ -339,6 +345,11 @@ impl Backing {
         let Ok(path) = fs::canonicalize(path) else {
             return Ok(MountState::NotMounted);
         };
+        // One statx answers "nothing mounted here" without parsing a table
+        // that grows with every mount on the node.
+        if !self.is_mount_root(&path)? {
+            return Ok(MountState::NotMounted);
+        }
         let mounts = self.mounts()?;
         let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
             return Ok(MountState::NotMounted);
@@ -478,6 +489,9 @@ impl Backing {
         };
         // Bounded: a path can hold only so many stacked mounts of ours.
         for _ in 0..16 {
+            if !self.is_mount_root(&path)? {
+                return Ok(true);
+            }
             let mounts = self.mounts()?;
             let identity = self.identity(vol_dir, &mounts)?;
             let mut here = mounts.iter().filter(|m| m.mount_point == path).rev();
