@@ -25,6 +25,14 @@ pub enum StageArg {
 
 /// `oci-hook` options.
 #[derive(Debug, Args)]
+#[command(after_help = "\
+Examples (entries of an OCI bundle's config.json; runc passes the state on stdin):
+  \"annotations\": {\"io.csi-isolator.volumes\": \"data:64M:/data,ref:1G:/ref:ro\"}
+  \"hooks\": {
+    \"createRuntime\": [{\"path\": \"/usr/bin/csi-isolator\",
+      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"create-runtime\"]}],
+    \"poststop\": [{\"path\": \"/usr/bin/csi-isolator\",
+      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"poststop\"]}]}")]
 pub struct OciHookArgs {
     #[command(flatten)]
     plugin: PluginArgs,

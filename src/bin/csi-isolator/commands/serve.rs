@@ -16,6 +16,14 @@ use super::plugin_args::PluginArgs;
 
 /// `serve` options.
 #[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  # The isolator service on the default socket, metrics on port 9464, the bundled plugin
+  csi-isolator --work-dir /var/lib/csi-isolator serve --metrics 127.0.0.1:9464
+  # Against a CSI plugin that is already running, on a chosen socket
+  csi-isolator serve --plugin-endpoint unix:///run/csi/plugin.sock --socket /run/csi-isolator.sock
+  curl -s http://127.0.0.1:9464/metrics | grep csi_isolator_volumes
+A containerizer calls Recover with its live containers right after connecting.")]
 pub struct ServeArgs {
     #[command(flatten)]
     plugin: PluginArgs,
