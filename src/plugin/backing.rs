@@ -315,6 +315,25 @@ impl Backing {
         }
     }
 
+    /// For the dir backing, when the mount root at `path` is a bind of the
+    /// volume's data directory (the path shows the data directory's own
+    /// inode), whether it is read-only; `None` otherwise (including the loop
+    /// backing), and callers then read the mount table. This is what the
+    /// table would say, without reading a table that grows with every mount
+    /// on the node.
+    fn shows_data_dir(&self, vol_dir: &Path, path: &Path) -> Option<bool> {
+        if self.kind != BackingKind::Dir {
+            return None;
+        }
+        let here = fs::symlink_metadata(path).ok()?;
+        let data = fs::metadata(Self::data_dir(vol_dir)).ok()?;
+        if (here.dev(), here.ino()) != (data.dev(), data.ino()) {
+            return None;
+        }
+        let flags = nix::sys::statvfs::statvfs(path).ok()?.flags();
+        Some(flags.contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
+    }
+
     fn is_mount_root(&self, path: &Path) -> Result<bool, BackingError> {
         self.table
             .is_mount_root(path)
@@ -349,6 +368,9 @@ impl Backing {
         // that grows with every mount on the node.
         if !self.is_mount_root(&path)? {
             return Ok(MountState::NotMounted);
+        }
+        if let Some(readonly) = self.shows_data_dir(vol_dir, &path) {
+            return Ok(MountState::Volume { readonly });
         }
         let mounts = self.mounts()?;
         let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
@@ -491,6 +513,10 @@ impl Backing {
         for _ in 0..16 {
             if !self.is_mount_root(&path)? {
                 return Ok(true);
+            }
+            if self.shows_data_dir(vol_dir, &path).is_some() {
+                self.unmount_bounded(&path)?;
+                continue;
             }
             let mounts = self.mounts()?;
             let identity = self.identity(vol_dir, &mounts)?;
