@@ -356,6 +356,34 @@ impl Backing {
             .collect())
     }
 
+    /// A mount of the volume other than at `except`: for the dir backing,
+    /// checked at the volume's known targets (a statx and a stat each); for
+    /// the loop backing, in the mount table.
+    pub fn mounted_elsewhere(
+        &self,
+        vol_dir: &Path,
+        targets: impl Iterator<Item = PathBuf>,
+        except: &Path,
+    ) -> Result<Option<PathBuf>, BackingError> {
+        if self.kind == BackingKind::Dir {
+            for t in targets {
+                let t = fs::canonicalize(&t).unwrap_or(t);
+                if t != except
+                    && self.is_mount_root(&t)?
+                    && self.shows_data_dir(vol_dir, &t).is_some()
+                {
+                    return Ok(Some(t));
+                }
+            }
+            return Ok(None);
+        }
+        Ok(self
+            .volume_mounts(vol_dir)?
+            .into_iter()
+            .map(|m| m.mount_point)
+            .find(|p| p != except))
+    }
+
     /// What is mounted at `path` (by its canonical form), relative to the volume.
     pub fn mount_state(&self, vol_dir: &Path, path: &Path) -> Result<MountState, BackingError> {
         if !path.is_absolute() {

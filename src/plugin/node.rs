@@ -248,12 +248,16 @@ impl Plugin {
             }
             MountState::Volume { .. } => {
                 let canonical = std::fs::canonicalize(&staging).unwrap_or_else(|_| staging.clone());
-                let mounts = self.backing.volume_mounts(&dir).map_err(err())?;
-                if let Some(other) = mounts.iter().find(|m| m.mount_point != canonical) {
+                let targets = record.published.keys().map(PathBuf::from);
+                if let Some(other) = self
+                    .backing
+                    .mounted_elsewhere(&dir, targets, &canonical)
+                    .map_err(err())?
+                {
                     return Err(PluginError::FailedPrecondition {
                         rpc: RPC,
                         volume_id: record.id,
-                        reason: format!("still published at {}", other.mount_point.display()),
+                        reason: format!("still published at {}", other.display()),
                     });
                 }
                 self.faults.stall(RPC);
