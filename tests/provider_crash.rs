@@ -295,22 +295,21 @@ async fn crash_at_every_write_of_create() {
 
 #[tokio::test]
 async fn crash_at_every_write_of_publish() {
-    // Intent and RPC returned for ControllerPublish, NodeStage, NodePublish,
-    // then the final state (the new user is recorded with the first intent).
-    crash_at_every_write(Op::Publish, 7).await;
+    // The intent (with the new user), each of ControllerPublish, NodeStage,
+    // NodePublish returned, the final state.
+    crash_at_every_write(Op::Publish, 5).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_release() {
-    // Intent and RPC returned for NodeUnpublish, NodeUnstage,
-    // ControllerUnpublish, then the final state (the user's removal is
-    // recorded with the first intent).
-    crash_at_every_write(Op::Release, 7).await;
+    // The intent (with the user's removal), each of NodeUnpublish,
+    // NodeUnstage, ControllerUnpublish returned, the final state.
+    crash_at_every_write(Op::Release, 5).await;
 }
 
 #[tokio::test]
 async fn crash_at_every_write_of_destroy() {
-    // The mark, the three backward steps (intent, RPC returned), the final
+    // The mark, the intent, the three backward RPCs returned, the final
     // state, DeleteVolume returned, the checkpoint's removal.
-    crash_at_every_write(Op::Destroy, 10).await;
+    crash_at_every_write(Op::Destroy, 8).await;
 }

@@ -113,6 +113,16 @@ impl Step {
         }
     }
 
+    /// The forward step that ends in `state` (a steady state past CREATED).
+    pub fn forward_into(state: VolumeState) -> Option<Step> {
+        Some(match state {
+            VolumeState::NodeReady => Step::ControllerPublish,
+            VolumeState::VolReady => Step::NodeStage,
+            VolumeState::Published => Step::NodePublish,
+            _ => return None,
+        })
+    }
+
     /// The step that undoes this one.
     pub fn reverse(self) -> Step {
         match self {
@@ -329,6 +339,11 @@ pub struct VolumeRecord {
     /// A destroy was asked for: unpublish fully, then DeleteVolume.
     #[serde(default)]
     pub destroying: bool,
+    /// While an operation is in flight: the steady state it is going to.
+    /// With the transient `state` (its first step) it bounds what the plugin
+    /// may have done if the operation was interrupted.
+    #[serde(default)]
+    pub towards: Option<VolumeState>,
     /// Disk profile of the volume, echoed into its resource.
     #[serde(default)]
     pub profile: Option<String>,
@@ -356,6 +371,7 @@ impl VolumeRecord {
             users: BTreeSet::new(),
             pre_provisioned: false,
             destroying: false,
+            towards: None,
             profile: None,
             vendor: None,
         }

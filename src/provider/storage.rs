@@ -2,9 +2,10 @@
 //! `name`) and the volumes made through it.
 //!
 //! Invariants:
-//! - Every transition is checkpointed: the transient state (the intent) is
-//!   durable before its RPC is sent; the steady state is written once, when
-//!   the operation reaches its goal (recovery re-issues an interrupted step).
+//! - Every operation is checkpointed: its intent (first step and goal) is
+//!   durable before its first RPC is sent; the steady state is written once,
+//!   when the operation reaches its goal (recovery re-issues or undoes the
+//!   steps the intent covers).
 //! - Operations on one volume run one at a time, in arrival order (a fair
 //!   async mutex per volume, held for the whole operation); different
 //!   volumes run in parallel. No provider-wide lock is held across an RPC.
@@ -422,11 +423,16 @@ impl StorageProvider {
         }
     }
 
-    /// Drives a volume to the steady state `goal`, one checkpointed step at
-    /// a time. An interrupted step is dealt with first: a backward step is
-    /// finished; a forward step is re-issued when the goal lies beyond it
-    /// and undone otherwise (CSI calls are idempotent, so both are safe
-    /// whether or not the plugin had done it).
+    /// Drives a volume to the steady state `goal`.
+    ///
+    /// One durable intent covers the whole operation: before the first RPC
+    /// the record says which step starts and where the operation is going
+    /// (`towards`); the final state is written once the goal is reached.
+    /// After a crash anywhere in between, the intent bounds what the plugin
+    /// may have done: going on re-issues the steps from the first one, going
+    /// back undoes every step up to `towards` (CSI calls are idempotent, so
+    /// both are safe whether or not the plugin had done them).
+    ///
     /// Returns whether it wrote the checkpoint (callers with other changes
     /// to the record, such as its users, persist them otherwise).
     pub(crate) async fn drive(
@@ -434,12 +440,21 @@ impl StorageProvider {
         rec: &mut VolumeRecord,
         goal: VolumeState,
     ) -> Result<bool, ProviderError> {
-        // Each step's intent is written before its RPC; the result of a step
-        // is not written on its own, since the next step's intent (or the
-        // final write below) supersedes it, and recovery re-issues an
-        // interrupted step either way (CSI calls are idempotent).
+        // Going back over an interrupted forward operation: the plugin may
+        // have gone as far as the operation's goal, so undo from there.
+        if let (Some(pending), Some(towards)) = (rec.state.pending_step(), rec.towards) {
+            if pending.is_forward()
+                && goal.rank() < pending.to().rank()
+                && towards.rank() > pending.to().rank()
+            {
+                if let Some(last) = Step::forward_into(towards) {
+                    rec.state = last.transient();
+                }
+            }
+        }
         let mut wrote = false;
         let mut dirty = false;
+        let mut intent = false;
         loop {
             let step = if let Some(pending) = rec.state.pending_step() {
                 if pending.is_forward() && goal.rank() < pending.to().rank() {
@@ -458,30 +473,31 @@ impl StorageProvider {
                 advance(rec, step);
                 continue;
             }
-            wrote = true;
-            self.run_step(rec, step).await?;
+            rec.state = step.transient();
+            if !intent {
+                rec.towards = Some(goal);
+                if goal.rank() >= VolumeState::VolReady.rank() {
+                    rec.boot_id = Some(self.boot_id.clone());
+                }
+                self.persist(rec)?;
+                intent = true;
+                wrote = true;
+            }
+            tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
+            self.call(rec, step).await?;
+            // The RPC is done but not yet recorded: a crash here is the
+            // window recovery must close by re-issuing (the crash tests stop
+            // here too).
+            checkpoint::crash_point();
+            advance(rec, step);
+            tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
         }
-        if dirty {
+        if dirty || rec.towards.is_some() {
+            rec.towards = None;
             self.persist(rec)?;
             wrote = true;
         }
         Ok(wrote)
-    }
-
-    async fn run_step(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
-        rec.state = step.transient();
-        if matches!(step, Step::NodeStage | Step::NodePublish) {
-            rec.boot_id = Some(self.boot_id.clone());
-        }
-        self.persist(rec)?;
-        tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
-        self.call(rec, step).await?;
-        // The RPC is done but not yet recorded: a crash here is the window
-        // recovery must close by re-issuing (the crash tests stop here too).
-        checkpoint::crash_point();
-        advance(rec, step);
-        tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
-        Ok(())
     }
 
     async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
