@@ -1,9 +1,12 @@
 //! The per-volume state machine and its checkpoint record.
 //!
 //! Steady states: `CREATED`, `NODE_READY`, `VOL_READY`, `PUBLISHED`.
-//! Transient states (an intent, durable before its RPC is sent):
-//! `CONTROLLER_PUBLISH`, `NODE_STAGE`, `NODE_PUBLISH` (forward) and
-//! `NODE_UNPUBLISH`, `NODE_UNSTAGE`, `CONTROLLER_UNPUBLISH` (backward).
+//! Transient states (a step in flight): `CONTROLLER_PUBLISH`, `NODE_STAGE`,
+//! `NODE_PUBLISH` (forward) and `NODE_UNPUBLISH`, `NODE_UNSTAGE`,
+//! `CONTROLLER_UNPUBLISH` (backward). The checkpoint holds one durably
+//! before an operation's first RPC, with the operation's goal in
+//! [`VolumeRecord::towards`]: together they bound what the plugin may have
+//! done if the operation is interrupted.
 //!
 //! ```text
 //! CREATED ─ControllerPublish→ NODE_READY ─NodeStage→ VOL_READY ─NodePublish→ PUBLISHED
