@@ -1,0 +1,87 @@
+//! The plugin sockets are owner-only: a client of another uid is refused
+//! by the kernel (the socket file is mode 0600, a managed plugin's socket
+//! directory 0700), while root connects.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use csi_isolator::provider::bundled::bundled_config;
+use csi_isolator::provider::StorageProvider;
+use csi_isolator::testing::{require_root, PluginProcess, Sandbox};
+
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+const PYTHON: &str = "/usr/bin/python3";
+const NOBODY: &str = "65534";
+
+/// Tries to connect to `socket` as `uid` (None: as ourselves); returns
+/// whether the connection was accepted, and what the client said.
+fn connect_as(uid: Option<&str>, socket: &Path) -> (bool, String) {
+    assert!(Path::new(PYTHON).is_file(), "{PYTHON} is missing: install the Debian package python3");
+    let script = "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\nprint('connected')";
+    let mut cmd = match uid {
+        Some(uid) => {
+            let mut c = Command::new("setpriv");
+            c.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups", PYTHON]);
+            c
+        }
+        None => Command::new(PYTHON),
+    };
+    let out = cmd.args(["-c", script]).arg(socket).output().expect("run the client");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), said)
+}
+
+/// Opens every directory from the sandbox down to `dir` for search, so
+/// that only the socket's own mode decides.
+fn open_path_to(sb: &Sandbox, dir: &Path) {
+    let mut p = dir.to_path_buf();
+    loop {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        if p == sb.path() || !p.pop() {
+            break;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_plugin_socket_refuses_other_uids() {
+    require_root();
+    let sb = Sandbox::new("sock-plugin");
+    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let socket = plugin.socket();
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "socket mode");
+    open_path_to(&sb, socket.parent().unwrap());
+    let (ok, said) = connect_as(None, &socket);
+    assert!(ok, "root connects: {said}");
+    let (ok, said) = connect_as(Some(NOBODY), &socket);
+    assert!(!ok, "another uid must be refused: {said}");
+    assert!(said.contains("PermissionError") || said.contains("Permission denied"), "{said}");
+    drop(plugin);
+}
+
+#[tokio::test]
+async fn a_managed_plugin_socket_lives_in_an_owner_only_directory() {
+    require_root();
+    let sb = Sandbox::new("sock-managed");
+    let work = sb.mkdir("work");
+    let mut config = bundled_config(Path::new(PLUGIN), &work, "default", &[]);
+    config.socket_dir = sb.join("s");
+    let provider = StorageProvider::start(config).await.unwrap();
+    let socket = csi_isolator::csi::transport::socket_path(provider.client().endpoint()).unwrap();
+    let dir = socket.parent().unwrap();
+    let dir_mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(dir_mode, 0o700, "{}", dir.display());
+    let (ok, said) = connect_as(Some(NOBODY), &socket);
+    assert!(!ok, "another uid must be refused: {said}");
+    let (ok, said) = connect_as(None, &socket);
+    assert!(ok, "root connects: {said}");
+    provider.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+}
