@@ -18,17 +18,29 @@ const NOBODY: &str = "65534";
 /// Tries to connect to `socket` as `uid` (None: as ourselves); returns
 /// whether the connection was accepted, and what the client said.
 fn connect_as(uid: Option<&str>, socket: &Path) -> (bool, String) {
-    assert!(Path::new(PYTHON).is_file(), "{PYTHON} is missing: install the Debian package python3");
+    assert!(
+        Path::new(PYTHON).is_file(),
+        "{PYTHON} is missing: install the Debian package python3"
+    );
     let script = "import socket,sys\ns=socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\nprint('connected')";
     let mut cmd = match uid {
         Some(uid) => {
             let mut c = Command::new("setpriv");
-            c.args([&format!("--reuid={uid}"), &format!("--regid={uid}"), "--clear-groups", PYTHON]);
+            c.args([
+                &format!("--reuid={uid}"),
+                &format!("--regid={uid}"),
+                "--clear-groups",
+                PYTHON,
+            ]);
             c
         }
         None => Command::new(PYTHON),
     };
-    let out = cmd.args(["-c", script]).arg(socket).output().expect("run the client");
+    let out = cmd
+        .args(["-c", script])
+        .arg(socket)
+        .output()
+        .expect("run the client");
     let said = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -62,7 +74,10 @@ async fn a_plugin_socket_refuses_other_uids() {
     assert!(ok, "root connects: {said}");
     let (ok, said) = connect_as(Some(NOBODY), &socket);
     assert!(!ok, "another uid must be refused: {said}");
-    assert!(said.contains("PermissionError") || said.contains("Permission denied"), "{said}");
+    assert!(
+        said.contains("PermissionError") || said.contains("Permission denied"),
+        "{said}"
+    );
     drop(plugin);
 }
 

@@ -440,6 +440,9 @@ impl StorageProvider {
         rec: &mut VolumeRecord,
         goal: VolumeState,
     ) -> Result<bool, ProviderError> {
+        // If the intent cannot be written nothing is sent, and the record in
+        // memory goes back to what it was (it must match the disk).
+        let before = rec.clone();
         // Going back over an interrupted forward operation: the plugin may
         // have gone as far as the operation's goal, so undo from there.
         if let (Some(pending), Some(towards)) = (rec.state.pending_step(), rec.towards) {
@@ -479,7 +482,10 @@ impl StorageProvider {
                 if goal.rank() >= VolumeState::VolReady.rank() {
                     rec.boot_id = Some(self.boot_id.clone());
                 }
-                self.persist(rec)?;
+                if let Err(e) = self.persist(rec) {
+                    *rec = before;
+                    return Err(e);
+                }
                 intent = true;
                 wrote = true;
             }
