@@ -49,8 +49,7 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 #[test]
 fn run_killed_at_every_crash_point_is_recovered_by_the_next_run() {
     require_root();
-    let mut crashed = 0;
-    for n in 1..60 {
+    for n in 1..60u32 {
         let sb = Sandbox::new("run-crash");
         let work = sb.join("work");
         // A first, clean run writes a line and creates the volume.
