@@ -81,6 +81,7 @@ fn run_killed_at_every_crash_point_is_recovered_by_the_next_run() {
             Some(n),
         );
         if second.status.success() {
+            let crashed = n - 1;
             assert!(crashed >= 4, "only {crashed} crash points in a run");
             eprintln!("crash points survived: {crashed}");
             return;
@@ -91,7 +92,6 @@ fn run_killed_at_every_crash_point_is_recovered_by_the_next_run() {
             "point {n}: {}",
             text(&second.stderr)
         );
-        crashed += 1;
 
         // The next run recovers, then reads everything written so far.
         let third = run(
