@@ -59,7 +59,7 @@ struct Args {
     /// Drop the CONTROLLER_SERVICE plugin capability (node-only plugin).
     #[arg(long)]
     no_controller: bool,
-    /// Fail RPC with a gRPC code COUNT times (default: always): RPC=CODE[:COUNT].
+    /// Fail RPC with a gRPC code COUNT times (default: always): `RPC=CODE[:COUNT]`.
     #[arg(long, value_name = "RPC=CODE[:COUNT]")]
     fail: Vec<String>,
     /// Sleep before handling RPC: RPC=MILLIS.
@@ -75,7 +75,7 @@ struct Args {
     /// Fault specs, one per line, re-read when the file's mtime changes.
     #[arg(long)]
     faults_file: Option<PathBuf>,
-    /// Append "<RPC> <volume_id or ->" per RPC received to this file.
+    /// Append `<RPC> <volume_id or ->` per RPC received to this file.
     #[arg(long)]
     log_calls: Option<PathBuf>,
 }

@@ -7,10 +7,10 @@
 //!   written atomically, so a restarted plugin knows its volumes.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
-//! - Operations on one volume are serialized (a per-volume lock, [`locks`]); different volumes
+//! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
 //!   proceed in parallel. The lock is owned by the blocking task doing the work, so a call
 //!   whose client gave up keeps it until its work really ends: a retry never overlaps it.
-//! - Every RPC passes through one seam ([`PluginService::call`]): call log, fault injection
+//! - Every RPC passes through one seam (`PluginService::call`): call log, fault injection
 //!   ([`faults`]), the per-volume lock, the blocking work on a blocking thread, and the
 //!   mapping of [`PluginError`] (a panic included) to a gRPC status ([`status`]).
 

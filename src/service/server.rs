@@ -2,7 +2,7 @@
 //!
 //! Each handler is two lines: the operation (a method returning
 //! `Result<_, ServiceError>`, which checks the request and calls the
-//! library) and [`IsolatorService::reply`], the one place a result is
+//! library) and `IsolatorService::reply`, the one place a result is
 //! counted, logged and turned into a response or a `tonic::Status`.
 //! Container ids are checked to be one safe path component before the
 //! isolator sees them (they become checkpoint paths).
