@@ -717,3 +717,34 @@ async fn recovery_unmounts_and_removes_orphaned_mount_directories() {
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }
+
+#[tokio::test]
+async fn a_plugin_that_lies_about_node_publish_fails_the_publish_cleanly() {
+    require_root();
+    let sb = Sandbox::new("prov-lie");
+    let work = sb.mkdir("work");
+    let p = start(config(&work, "default", &["--lie=NodePublishVolume"])).await;
+    let id = p
+        .create_volume(CreateSpec::new("v", 4 * MIB))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    let err = p.publish(&id, "c1").await.unwrap_err();
+    assert!(
+        matches!(err, ProviderError::PluginMisbehaved { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("NodePublishVolume") && text.contains(&id),
+        "{text}"
+    );
+    let rec = p.volume(&id).await.unwrap();
+    assert!(rec.users.is_empty());
+    assert_eq!(rec.state, VolumeState::Created, "rolled back");
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+}

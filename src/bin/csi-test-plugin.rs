@@ -69,6 +69,9 @@ struct Args {
     /// RPC=MILLIS.
     #[arg(long, value_name = "RPC=MILLIS")]
     stall: Vec<String>,
+    /// Answer RPC with success without doing its work (a lying plugin): RPC.
+    #[arg(long, value_name = "RPC")]
+    lie: Vec<String>,
     /// Exit (code 137, no reply) during the first call of RPC: RPC[:before|after].
     #[arg(long, value_name = "RPC[:before|after]")]
     exit_in: Vec<String>,
@@ -101,6 +104,9 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     }
     for spec in &args.delay {
         config.faults.push(faults::parse_delay(spec)?);
+    }
+    for spec in &args.lie {
+        config.faults.push(faults::parse_lie(spec)?);
     }
     for spec in &args.stall {
         config.faults.push(faults::parse_stall(spec)?);

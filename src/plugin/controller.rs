@@ -574,7 +574,7 @@ impl Plugin {
 impl PluginService {
     /// An RPC of a capability this plugin never offers: logged and fault-injectable like
     /// any other, then UNIMPLEMENTED.
-    pub(super) async fn unsupported<T: Send + 'static>(
+    pub(super) async fn unsupported<T: Default + Send + 'static>(
         &self,
         rpc: &'static str,
     ) -> Result<Response<T>, Status> {

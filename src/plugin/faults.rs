@@ -85,6 +85,12 @@ pub enum FaultSpec {
         /// The sleep.
         millis: u64,
     },
+    /// Answer `rpc` with success without doing its work (a plugin that
+    /// lies, for testing the CO's checks).
+    Lie {
+        /// The CSI method name.
+        rpc: String,
+    },
     /// Exit the process during the first call of `rpc`.
     ExitIn {
         /// The CSI method name.
@@ -186,6 +192,13 @@ pub fn parse_stall(spec: &str) -> Result<FaultSpec, FaultError> {
     Ok(FaultSpec::Stall { rpc, millis })
 }
 
+/// Parses the value of `--lie`: `RPC`.
+pub fn parse_lie(spec: &str) -> Result<FaultSpec, FaultError> {
+    Ok(FaultSpec::Lie {
+        rpc: check_rpc(spec, spec)?,
+    })
+}
+
 /// Parses the value of `--exit-in`: `RPC[:before|after]`.
 pub fn parse_exit_in(spec: &str) -> Result<FaultSpec, FaultError> {
     let (rpc, point) = match spec.split_once(':') {
@@ -214,6 +227,7 @@ pub fn parse_file(text: &str) -> Result<Vec<FaultSpec>, FaultError> {
             "fail" => parse_fail(rest)?,
             "delay" => parse_delay(rest)?,
             "stall" => parse_stall(rest)?,
+            "lie" => parse_lie(rest)?,
             "exit-in" => parse_exit_in(rest)?,
             _ => {
                 return Err(parse_error(
@@ -332,6 +346,17 @@ impl Faults {
             return Err(Status::new(code, format!("{rpc}: injected fault")));
         }
         Ok(Entered { exit_after })
+    }
+
+    /// Whether `rpc` is to be answered with success without doing its work.
+    pub fn lie(&self, rpc: &str) -> bool {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        self.reload(&mut state);
+        state
+            .cli
+            .iter()
+            .chain(state.file.iter())
+            .any(|armed| matches!(&armed.spec, FaultSpec::Lie { rpc: r } if r == rpc))
     }
 
     /// Runs inside the RPC's work (on its blocking thread, under the volume's lock), right

@@ -380,10 +380,14 @@ impl PluginService {
     ) -> Result<Response<T>, Status>
     where
         Req: Send + 'static,
-        T: Send + 'static,
+        T: Default + Send + 'static,
         F: FnOnce(&Plugin, Req) -> Result<T, PluginError> + Send + 'static,
     {
         let entered = self.inner.faults.enter(rpc, volume_id).await?;
+        if self.inner.faults.lie(rpc) {
+            self.inner.faults.leave(rpc, entered);
+            return Ok(Response::new(T::default()));
+        }
         let guard = match key {
             LockKey::None => None,
             LockKey::Volume(id) if id.is_empty() => None,

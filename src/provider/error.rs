@@ -148,6 +148,16 @@ pub enum ProviderError {
         /// Why it was refused.
         reason: String,
     },
+    /// The plugin answered success but the effect the spec requires is not there.
+    #[error("volume '{volume}': {rpc} {what}")]
+    PluginMisbehaved {
+        /// The volume id.
+        volume: String,
+        /// The RPC.
+        rpc: &'static str,
+        /// What is wrong.
+        what: String,
+    },
     /// The CreateVolume response lacked something the spec requires.
     #[error("CreateVolume of '{name}' returned {what}")]
     BadCreateResponse {

@@ -574,6 +574,18 @@ impl StorageProvider {
                     })
                     .await
                     .map_err(csi)?;
+                // The plugin creates the target (the CO only its parent): an
+                // answer of success with no target is not to be trusted.
+                if !target.exists() {
+                    return Err(ProviderError::PluginMisbehaved {
+                        volume: rec.volume_id.clone(),
+                        rpc: step.rpc(),
+                        what: format!(
+                            "reported success but created no target at {}",
+                            target.display()
+                        ),
+                    });
+                }
             }
             Step::NodeUnpublish => {
                 let result = self

@@ -128,7 +128,8 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::WrongState { .. }
         | ProviderError::Io { .. }
         | ProviderError::Unmount { .. }
-        | ProviderError::BadCreateResponse { .. } => Code::Internal,
+        | ProviderError::BadCreateResponse { .. }
+        | ProviderError::PluginMisbehaved { .. } => Code::Internal,
     }
 }
 
