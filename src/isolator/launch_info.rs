@@ -69,17 +69,6 @@ pub struct VolumeMount {
 }
 
 impl VolumeMount {
-    /// The target's host path, given the container's sandbox and rootfs:
-    /// where the mount lands when applied from the host before a pivot.
-    /// Only meaningful after resolution by fd confirmed it (see the module doc).
-    pub fn host_target(&self, sandbox: &Path, rootfs: Option<&Path>) -> PathBuf {
-        match self.root {
-            TargetRoot::Sandbox => sandbox.join(&self.target),
-            TargetRoot::Rootfs => rootfs.unwrap_or(Path::new("/")).join(&self.target),
-            TargetRoot::Host => Path::new("/").join(&self.target),
-        }
-    }
-
     /// The target as the workload sees it, inside the container: with a
     /// rootfs the sandbox is at [`SANDBOX_IN_ROOTFS`], without one it is
     /// the host sandbox path.

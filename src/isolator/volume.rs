@@ -610,15 +610,6 @@ impl VolumeIsolator {
         }
         Ok(report)
     }
-
-    /// The sandbox-relative and rootfs-relative host paths where mounts of
-    /// this container may live on the host (for status and cleanup checks).
-    pub fn host_targets(rec: &ContainerRecord) -> Vec<PathBuf> {
-        rec.mounts
-            .iter()
-            .map(|m| m.host_target(&rec.config.sandbox, rec.config.rootfs.as_deref()))
-            .collect()
-    }
 }
 
 /// The resources among `all` whose mounts are in `mounts` (same volume,

@@ -5,7 +5,6 @@ use std::path::PathBuf;
 
 use crate::csi::CsiError;
 use crate::provider::checkpoint::CheckpointError;
-use crate::provider::state::VolumeState;
 
 /// A provider operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -107,16 +106,6 @@ pub enum ProviderError {
     Destroying {
         /// The volume id.
         volume: String,
-    },
-    /// A state the operation cannot start from (a bug or a hand-edited file).
-    #[error("volume '{volume}': cannot {operation} from state {state}")]
-    WrongState {
-        /// The volume id.
-        volume: String,
-        /// What was attempted.
-        operation: &'static str,
-        /// The state it was in.
-        state: VolumeState,
     },
     /// A directory of the layout could not be created or removed.
     #[error("{step} {path}: {source}")]

@@ -442,6 +442,9 @@ impl StorageProvider {
     ) -> Result<bool, ProviderError> {
         // If the intent cannot be written nothing is sent, and the record in
         // memory goes back to what it was (it must match the disk).
+        if rec.state == goal && rec.towards.is_none() {
+            return Ok(false);
+        }
         let before = rec.clone();
         // Going back over an interrupted forward operation: the plugin may
         // have gone as far as the operation's goal, so undo from there.

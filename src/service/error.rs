@@ -125,7 +125,6 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::Spawn { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
-        | ProviderError::WrongState { .. }
         | ProviderError::Io { .. }
         | ProviderError::Unmount { .. }
         | ProviderError::BadCreateResponse { .. }
