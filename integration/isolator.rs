@@ -670,3 +670,79 @@ async fn update_moving_a_volume_or_changing_its_mode_keeps_it_published() {
     agent.stop().await;
     assert_clean(&sb, &before);
 }
+
+#[tokio::test]
+async fn a_failed_update_keeps_what_is_mounted_and_releases_what_is_not() {
+    require_root();
+    let sb = Sandbox::new("iso-update-fail");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let base = agent.volume("base", "data", VolumeMode::Rw).await;
+    // No rootfs: an absolute path is the host's own, which must exist (nothing
+    // is ever created on the host), so this mount into the container fails.
+    let missing = format!("/csi-isolator-missing-{}", std::process::id());
+    assert!(!Path::new(&missing).exists());
+    let extra = agent.volume("extra", &missing, VolumeMode::Rw).await;
+    let c1 = config(&sb, "c1", vec![base.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let mut running = start(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "while [ ! -e stop ]; do sleep 0.05; done; echo ok > data/after",
+        ),
+    )
+    .await;
+    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+    let err = agent
+        .isolator
+        .update("c1", vec![base.clone(), extra.clone()])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, IsolatorError::Namespace { step: "mount", .. }),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(extra.source_id().unwrap()),
+        "names the volume: {err}"
+    );
+    // The new volume is released; the old one stays mounted, published and in use.
+    let ex = agent
+        .provider
+        .volume(extra.source_id().unwrap())
+        .await
+        .unwrap();
+    assert!(ex.users.is_empty());
+    assert_eq!(ex.state, VolumeState::Created);
+    let b = agent
+        .provider
+        .volume(base.source_id().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(b.users.iter().collect::<Vec<_>>(), vec!["c1"]);
+    let recs = agent.isolator.containers().await;
+    assert_eq!(
+        recs[0].mounts, info.mounts,
+        "the record says what is mounted"
+    );
+    assert!(!Path::new(&missing).exists(), "nothing created on the host");
+    fs::write(c1.sandbox.join("stop"), b"").unwrap();
+    assert!(
+        finish(&sb, &mut running).await.success(),
+        "the workload still writes its volume"
+    );
+    let mp = agent.provider.mount_point(base.source_id().unwrap());
+    assert_eq!(read(&mp.join("after")), "ok\n");
+    agent.isolator.cleanup("c1").await.unwrap();
+    for r in [&base, &extra] {
+        agent
+            .provider
+            .destroy_volume(r.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
