@@ -3,140 +3,21 @@
 //! bind-mounted into containers started by the namespace launcher. Every
 //! test checks that the host mount table afterwards equals the one before.
 
-use std::ffi::OsString;
 use std::fs;
 use std::os::unix::fs::symlink;
-use std::path::{Path, PathBuf};
-use std::process::ExitStatus;
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use csi_isolator::isolator::{ContainerConfig, IsolatorError, LaunchInfo, VolumeIsolator};
-use csi_isolator::launcher::{self, LaunchSpec, Launched};
-use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
-use csi_isolator::provider::bundled::bundled_config;
-use csi_isolator::provider::{
-    Capability, CreateSpec, Manager, PluginSource, ProviderConfig, StorageProvider, VolumeState,
-};
-use csi_isolator::resource::{Resource, VolumeMode};
+use csi_isolator::isolator::IsolatorError;
+use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator::provider::{Capability, CreateSpec, PluginSource, ProviderConfig, VolumeState};
+use csi_isolator::resource::VolumeMode;
 use csi_isolator::testing::{
     busybox_rootfs, host_mount_points, require_root, PluginProcess, Sandbox,
 };
-use nix::sys::signal::Signal;
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
-const MIB: u64 = 1024 * 1024;
-const TIMEOUT: Duration = Duration::from_secs(20);
-
-struct Agent {
-    provider: Arc<StorageProvider>,
-    isolator: VolumeIsolator,
-    work: PathBuf,
-}
-
-impl Agent {
-    async fn start(sb: &Sandbox, work_rel: &str, plugin_args: &[&str]) -> Agent {
-        let work = sb.mkdir(work_rel);
-        let args: Vec<String> = plugin_args.iter().map(|s| s.to_string()).collect();
-        let mut c = bundled_config(Path::new(PLUGIN), &work, "default", &args);
-        c.socket_dir = sb.join("s");
-        Self::with_config(c).await
-    }
-
-    async fn with_config(c: ProviderConfig) -> Agent {
-        let work = c.work_dir.clone();
-        let provider = StorageProvider::start(c).await.expect("start provider");
-        let mut manager = Manager::new();
-        manager.add(provider.clone());
-        let isolator = VolumeIsolator::new(
-            &work,
-            Arc::new(manager),
-            Arc::new(LinuxSyscall::new()),
-            Arc::new(ProcMountTable::new()),
-        );
-        Agent {
-            provider,
-            isolator,
-            work,
-        }
-    }
-
-    async fn volume(&self, name: &str, container_path: &str, mode: VolumeMode) -> Resource {
-        self.provider
-            .create_volume(CreateSpec::new(name, 16 * MIB))
-            .await
-            .expect("create volume")
-            .with_volume(container_path, mode)
-    }
-
-    async fn stop(self) {
-        self.provider.shutdown(Duration::from_secs(5)).await;
-    }
-}
-
-fn config(
-    sb: &Sandbox,
-    container: &str,
-    resources: Vec<Resource>,
-    rootfs: Option<PathBuf>,
-) -> ContainerConfig {
-    ContainerConfig {
-        resources,
-        sandbox: sb.mkdir(format!("sandboxes/{container}")),
-        rootfs,
-        user: None,
-    }
-}
-
-fn spec(cfg: &ContainerConfig, info: &LaunchInfo, script: &str) -> LaunchSpec {
-    LaunchSpec {
-        argv: vec!["sh".into(), "-c".into(), OsString::from(script)],
-        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
-        sandbox: cfg.sandbox.clone(),
-        rootfs: cfg.rootfs.clone(),
-        mounts: info.mounts.clone(),
-        pid_namespace: false,
-    }
-}
-
-async fn start(sb: &Sandbox, spec: LaunchSpec) -> Launched {
-    let launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
-        .await
-        .unwrap()
-        .unwrap_or_else(|e| panic!("launch: {e}"));
-    sb.track(launched.pid());
-    launched
-}
-
-async fn finish(sb: &Sandbox, launched: &mut Launched) -> ExitStatus {
-    let status = tokio::time::timeout(TIMEOUT, launched.wait_async())
-        .await
-        .unwrap_or_else(|_| {
-            let _ = launched.kill(Signal::SIGKILL);
-            panic!("workload still running after {TIMEOUT:?}")
-        })
-        .expect("wait");
-    sb.untrack(launched.pid());
-    status
-}
-
-async fn run(sb: &Sandbox, spec: LaunchSpec) -> ExitStatus {
-    let mut l = start(sb, spec).await;
-    finish(sb, &mut l).await
-}
-
-fn read(p: &Path) -> String {
-    fs::read_to_string(p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
-}
-
-fn assert_clean(sb: &Sandbox, before: &[PathBuf]) {
-    assert_eq!(
-        host_mount_points(sb),
-        before,
-        "the host mount table changed"
-    );
-    sb.assert_no_mounts_under();
-}
+mod common;
+use common::*;
 
 #[tokio::test]
 async fn a_container_writes_into_its_volume_and_a_second_one_reads_it() {

@@ -530,7 +530,7 @@ fn inject_into_a_running_container_and_take_it_away() {
     );
     assert_eq!(host_mount_points(&sb), before, "the host saw the mount");
 
-    inject::unmount_from(pid, &target).unwrap_or_else(|e| panic!("unmount_from: {e}"));
+    inject::unmount_from(pid, &m, &sandbox, false).unwrap_or_else(|e| panic!("unmount_from: {e}"));
     let status = finish(&sb, &mut container);
     assert_eq!(status.code(), Some(0), "container failed: {status}");
     assert_eq!(read(&sandbox.join("gone")), "gone\n");
@@ -585,7 +585,8 @@ fn inject_into_a_pivoted_container_in_a_pid_namespace() {
     assert!(!Path::new("/etc/ready").exists());
     assert_eq!(host_mount_points(&sb), before, "the host saw the mount");
 
-    inject::unmount_from(pid, Path::new("/late")).unwrap_or_else(|e| panic!("unmount_from: {e}"));
+    inject::unmount_from(pid, &m, Path::new(SANDBOX_IN_ROOTFS), false)
+        .unwrap_or_else(|e| panic!("unmount_from: {e}"));
     let status = finish(&sb, &mut container);
     assert_eq!(status.code(), Some(0), "container failed: {status}");
     assert_eq!(read(&sandbox.join("gone")), "gone\n");

@@ -22,6 +22,7 @@ pub mod provider;
 pub mod resource;
 pub mod runner;
 pub mod service;
+pub mod shown;
 #[doc(hidden)]
 pub mod testing;
 pub mod workdir;

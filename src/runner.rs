@@ -11,6 +11,7 @@
 //! work dir at a time (an exclusive lock); a run that crashed is cleaned up
 //! by the next one's recovery.
 
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
@@ -25,7 +26,7 @@ use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
 use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{validate_path_component, Resource, VolumeMode};
+use crate::resource::{validate_path_component, Resource, ResourceError, VolumeMode};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
 /// One `--volume NAME:SIZE:CONTAINER_PATH[:ro]`.
@@ -79,6 +80,30 @@ impl FromStr for VolumeArg {
             container_path: container_path.to_string(),
             readonly,
         })
+    }
+}
+
+/// Checks a container id given on the command line (`run --container-id`,
+/// `volume publish|release --container`): one safe path component (it
+/// names the container's checkpoint and sandbox directories), and neither a
+/// `,` (the USERS columns join ids with commas) nor a control character.
+pub fn validate_container_id(id: &str) -> Result<(), ResourceError> {
+    const FIELD: &str = "container id";
+    validate_path_component(FIELD, id)?;
+    let reason = if id.contains(',') {
+        Some("contains ','")
+    } else if id.chars().any(char::is_control) {
+        Some("contains a control character")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(ResourceError::InvalidPathComponent {
+            field: FIELD.to_owned(),
+            value: id.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -210,8 +235,13 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
         .container_id
         .clone()
         .unwrap_or_else(|| format!("run-{:016x}", rand::random::<u64>()));
-    validate_path_component("container id", &container_id)
-        .map_err(|e| RunError::Usage(e.to_string()))?;
+    validate_container_id(&container_id).map_err(|e| RunError::Usage(e.to_string()))?;
+    // An unknown `disk.volume.mode` is refused before anything starts (it
+    // would never be mounted read-write, but the user should know why).
+    for r in &opts.resources {
+        r.check_volume_mode()
+            .map_err(|e| RunError::Usage(e.to_string()))?;
+    }
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     opts.provider.work_dir = opts.work_dir.clone();
     let _lock = workdir::lock(&opts.work_dir, None).await?;
@@ -244,6 +274,13 @@ async fn run_with_provider(
     // earlier runs (sandboxes under <work_dir>/sandboxes) are gone, and a
     // workload such a run left behind when it was killed is stopped first.
     // Others (the OCI hook's) belong to their own containerizer and are kept.
+    // So are uses recorded with no isolator checkpoint at all (`volume
+    // publish --container X`, or a containerizer driving the provider
+    // itself): the isolator writes a container's checkpoint before its first
+    // publish, so such a use was never an isolator's, `run` cannot tell
+    // whether X lives, and only whoever recorded it ends it (`volume
+    // release`). A container whose checkpoint is unreadable still counts as
+    // checkpointed (its directory names it): it was an isolator's.
     let own = opts.work_dir.join("sandboxes");
     let (stale, others): (Vec<_>, Vec<_>) = isolator
         .checkpointed()
@@ -252,7 +289,22 @@ async fn run_with_provider(
     for c in &stale {
         kill_stale_workload(c).await;
     }
-    let others: Vec<String> = others.into_iter().map(|c| c.container_id).collect();
+    let mut others: Vec<String> = others.into_iter().map(|c| c.container_id).collect();
+    let with_checkpoint: HashSet<String> = std::fs::read_dir(isolator.checkpoint_root())
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    for v in provider.volumes().await {
+        for user in v.users {
+            if !with_checkpoint.contains(&user) && !others.contains(&user) {
+                tracing::info!(volume_id = %v.volume_id, container_id = %user, "keeping a use recorded outside the isolator");
+                others.push(user);
+            }
+        }
+    }
     let recovered = step(stops, isolator.recover(&others)).await??;
     if !recovered.cleaned.is_empty() {
         tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
@@ -435,6 +487,27 @@ mod tests {
         ] {
             let err = bad.parse::<VolumeArg>().unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn container_ids() {
+        for good in ["c1", "run-0123abcd", "a b", "卷"] {
+            validate_container_id(good).unwrap();
+        }
+        for (bad, says) in [
+            ("", "is empty"),
+            ("..", "relative"),
+            ("a/b", "'/'"),
+            ("a,b", "','"),
+            ("a\nb", "control character"),
+            ("a\u{85}b", "control character"),
+        ] {
+            let err = validate_container_id(bad).unwrap_err().to_string();
+            assert!(
+                err.starts_with("invalid container id") && err.contains(says),
+                "{bad:?}: {err}"
+            );
         }
     }
 }

@@ -2,6 +2,10 @@
 //! made absolute and canonical (mount-table checks compare canonical paths),
 //! the privilege to mount, and the work dir's lock.
 //!
+//! A work dir whose path is not UTF-8 is refused before anything is made:
+//! CSI carries staging and target paths as (UTF-8) proto strings, so such a
+//! path could only reach the plugin mangled.
+//!
 //! One `run`, `serve`, `oci-hook` or `volume` process drives a work dir's
 //! volumes at a time: they take `<work_dir>/run.lock` (an exclusive `flock`).
 //! The file is never unlinked (a waiter holding the old inode and a newcomer
@@ -30,6 +34,12 @@ pub enum WorkDirError {
         /// The I/O error.
         #[source]
         source: std::io::Error,
+    },
+    /// The work dir's path is not UTF-8 (shown escaped).
+    #[error("work dir {path:?}: not valid UTF-8 (CSI passes paths as UTF-8 strings); choose another work dir")]
+    NotUtf8 {
+        /// The work dir as given.
+        path: PathBuf,
     },
     /// Missing privilege.
     #[error("{command} needs {capability} (it creates mount namespaces and bind mounts): run it as root")]
@@ -67,14 +77,29 @@ pub enum WorkDirError {
     },
 }
 
-/// Creates the work dir if needed and returns its canonical absolute path.
+/// Fails unless the work dir's path is UTF-8.
+pub fn require_utf8(work_dir: &Path) -> Result<(), WorkDirError> {
+    match work_dir.to_str() {
+        Some(_) => Ok(()),
+        None => Err(WorkDirError::NotUtf8 {
+            path: work_dir.to_path_buf(),
+        }),
+    }
+}
+
+/// Creates the work dir if needed and returns its canonical absolute path;
+/// a path that is not UTF-8 (as given, or once symlinks are resolved) is
+/// refused, as given before anything is created.
 pub fn canonical(work_dir: &Path) -> Result<PathBuf, WorkDirError> {
-    std::fs::create_dir_all(work_dir)
+    require_utf8(work_dir)?;
+    let canonical = std::fs::create_dir_all(work_dir)
         .and_then(|()| std::fs::canonicalize(work_dir))
         .map_err(|source| WorkDirError::Resolve {
             path: work_dir.to_path_buf(),
             source,
-        })
+        })?;
+    require_utf8(&canonical)?;
+    Ok(canonical)
 }
 
 /// Fails unless the process may mount (CAP_SYS_ADMIN in its effective set).
@@ -165,5 +190,17 @@ mod tests {
         let again = lock(&work, Some(Duration::from_secs(1))).await.unwrap();
         assert!(work.join(LOCK_FILE).exists());
         drop(again);
+    }
+
+    #[test]
+    fn a_non_utf8_work_dir_is_refused_before_it_is_made() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = tempfile::tempdir().unwrap();
+        let bad = dir.path().join(std::ffi::OsStr::from_bytes(b"w\xff"));
+        let err = canonical(&bad).unwrap_err();
+        assert!(matches!(err, WorkDirError::NotUtf8 { .. }));
+        let text = err.to_string();
+        assert!(text.contains("w\\xFF") && text.contains("UTF-8"), "{text}");
+        assert!(!bad.exists());
     }
 }

@@ -562,3 +562,129 @@ fn dropped_loop_device_is_freed_and_deleted_backing_file_is_found() {
     assert_eq!(wait_no_loop(&img), Vec::<PathBuf>::new());
     sb.assert_clean();
 }
+
+/// A bind of a fresh directory onto `target` (created), with a marker file naming it.
+fn bind_marked(sb: &Sandbox, source_rel: &str, target: &Path) {
+    let source = sb.mkdir(source_rel);
+    fs::write(source.join("marker"), source_rel).unwrap();
+    fs::create_dir_all(target).unwrap();
+    LinuxSyscall.bind_mount(&source, target, false).unwrap();
+}
+
+#[test]
+fn unmount_without_symlinks_refuses_a_path_swapped_after_the_table_was_read() {
+    let sb = Sandbox::new();
+    let ours = sb.path.join("sandbox/a/b");
+    let decoy = sb.path.join("decoy/b");
+    bind_marked(&sb, "vol", &ours);
+    bind_marked(&sb, "other", &decoy);
+    // The container renames a parent of our mount point and puts a symlink to the decoy in its place.
+    fs::rename(sb.path.join("sandbox/a"), sb.path.join("sandbox/moved")).unwrap();
+    symlink(sb.path.join("decoy"), sb.path.join("sandbox/a")).unwrap();
+
+    let err = LinuxSyscall.unmount_no_symlinks(&ours, false).unwrap_err();
+    assert_eq!(err.errno(), Some(Errno::ELOOP), "{err}");
+    assert!(err.to_string().contains("sandbox/a"), "{err}");
+    let points: Vec<PathBuf> = sb.mounts().into_iter().map(|m| m.mount_point).collect();
+    assert!(
+        points.contains(&decoy),
+        "the decoy was unmounted: {points:?}"
+    );
+    assert!(
+        points.contains(&sb.path.join("sandbox/moved/b")),
+        "{points:?}"
+    );
+    // Not vacuous: the path-following unmount of the same path takes the decoy down.
+    LinuxSyscall.unmount(&ours, false).unwrap();
+    assert!(!sb.mounts().iter().any(|m| m.mount_point == decoy));
+
+    // A last component that is a symlink to a mount point is not followed either.
+    bind_marked(&sb, "other2", &decoy);
+    symlink(&decoy, sb.path.join("sandbox/c")).unwrap();
+    assert!(matches!(
+        LinuxSyscall.unmount_no_symlinks(&sb.path.join("sandbox/c"), false),
+        Err(MountError::NotMounted { .. })
+    ));
+    assert!(sb.mounts().iter().any(|m| m.mount_point == decoy));
+
+    // The real mount point, named without symlinks, goes; a missing parent is "not mounted".
+    let moved = sb.path.join("sandbox/moved/b");
+    assert_eq!(
+        mount::unmount_no_symlinks_with_retry(&LinuxSyscall, &moved, 0, Duration::ZERO).unwrap(),
+        UnmountOutcome::Unmounted
+    );
+    assert!(matches!(
+        LinuxSyscall.unmount_no_symlinks(&sb.path.join("nowhere/b"), false),
+        Err(MountError::NotMounted { .. })
+    ));
+    // unmount_all_under takes what is left, by the table's paths.
+    assert_eq!(
+        unmount_all_under(&LinuxSyscall, &ProcMountTable::new(), &sb.path).unwrap(),
+        1
+    );
+    sb.assert_clean();
+}
+
+#[test]
+fn unmount_at_a_directory_fd_detaches_a_busy_mount_after_retries() {
+    let sb = Sandbox::new();
+    let target = sb.path.join("t/m");
+    bind_marked(&sb, "vol", &target);
+    let dir = mount::open_dir_no_symlinks(&sb.path.join("t")).unwrap();
+    let busy = fs::File::open(target.join("marker")).unwrap();
+    let name = std::ffi::OsStr::new("m");
+    let outcome = mount::retry_unmount(&target, 2, Duration::from_millis(10), |detach| {
+        LinuxSyscall.unmount_at(dir.as_fd(), name, detach)
+    })
+    .unwrap();
+    assert_eq!(outcome, UnmountOutcome::Detached);
+    drop(busy);
+    assert!(matches!(
+        LinuxSyscall.unmount_at(dir.as_fd(), name, false),
+        Err(MountError::NotMounted { .. })
+    ));
+    for bad in ["", "a/b", ".."] {
+        let err = LinuxSyscall
+            .unmount_at(dir.as_fd(), std::ffi::OsStr::new(bad), false)
+            .unwrap_err();
+        assert_eq!(err.errno(), Some(Errno::EINVAL), "{bad:?}: {err}");
+    }
+    sb.assert_clean();
+}
+
+#[test]
+fn parent_in_root_follows_symlinks_inside_the_root_only() {
+    let sb = Sandbox::new();
+    let root = sb.mkdir("root");
+    sb.mkdir("root/etc");
+    sb.mkdir("outside/y");
+    sb.mkdir("root/outside");
+    symlink("etc", root.join("late")).unwrap();
+    symlink("../../../outside/y", root.join("up")).unwrap();
+    symlink("/etc/../etc/deeper", root.join("abs")).unwrap();
+    symlink("loop", root.join("loop")).unwrap();
+    symlink("..", root.join("dotdot")).unwrap();
+    let dir_of = |fd: std::os::fd::OwnedFd| fd_path(fd.as_fd()).unwrap();
+    let cases: [(&str, PathBuf, &str); 5] = [
+        ("/late", root.clone(), "etc"),
+        ("late/x", root.join("etc"), "x"),
+        ("/up", root.join("outside"), "y"),
+        ("abs", root.join("etc"), "deeper"),
+        ("plain/missing", root.join("plain"), "missing"),
+    ];
+    sb.mkdir("root/plain");
+    for (path, dir, name) in cases {
+        let (fd, got) = mount::open_parent_in_root(&root, Path::new(path))
+            .unwrap_or_else(|e| panic!("{path}: {e}"));
+        assert_eq!((dir_of(fd), got.to_str().unwrap()), (dir, name), "{path}");
+    }
+    for (path, errno) in [
+        ("loop", Errno::ELOOP),
+        ("dotdot", Errno::EINVAL),
+        ("/", Errno::EINVAL),
+    ] {
+        let err = mount::open_parent_in_root(&root, Path::new(path)).unwrap_err();
+        assert_eq!(err.errno(), Some(errno), "{path}: {err}");
+    }
+    sb.assert_clean();
+}

@@ -19,6 +19,9 @@ Examples:
   # Faults: NodePublishVolume fails twice with UNAVAILABLE, Probe answers after 200 ms
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
       --fail NodePublishVolume=UNAVAILABLE:2 --delay Probe=200
+  # A lying plugin: publishes, but answers ControllerPublishVolume with no publish_context
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
+      --lie ControllerPublishVolume:empty-context
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -45,6 +48,13 @@ struct Args {
     /// GetPluginInfo name.
     #[arg(long, default_value = plugin::DEFAULT_NAME)]
     name: String,
+    /// GetPluginInfo vendor_version.
+    #[arg(long, default_value = plugin::DEFAULT_VENDOR_VERSION)]
+    vendor_version: String,
+    /// Prefix of the volume ids CreateVolume makes (16 random hex digits follow). Any string
+    /// CSI allows, path syntax included (`../x/`), to test that a CO encodes ids.
+    #[arg(long, default_value = plugin::DEFAULT_ID_PREFIX)]
+    id_prefix: String,
     /// Total capacity in bytes (suffixes K, M, G, T). Large by default: nothing is reserved
     /// up front (loop images are sparse), and conformance suites create several volumes of
     /// 10 GiB each.
@@ -69,8 +79,13 @@ struct Args {
     /// RPC=MILLIS.
     #[arg(long, value_name = "RPC=MILLIS")]
     stall: Vec<String>,
-    /// Answer RPC with success without doing its work (a lying plugin): RPC.
-    #[arg(long, value_name = "RPC")]
+    /// Lie in RPC's answer: `RPC[:MODE]`. Modes: no-work (the default: success without the
+    /// work; any RPC); the rest do the work, then lie: empty-context (ControllerPublishVolume:
+    /// empty publish_context), empty-id (CreateVolume: empty volume_id), small-capacity
+    /// (CreateVolume: capacity_bytes one short of required_bytes), garbage (any RPC: reply bytes
+    /// that are not protobuf), bad-utf8 (CreateVolume, ControllerPublishVolume, GetPluginInfo,
+    /// NodeGetInfo: a string field that is not UTF-8).
+    #[arg(long, value_name = "RPC[:MODE]")]
     lie: Vec<String>,
     /// Exit (code 137, no reply) during the first call of RPC: RPC[:before|after].
     #[arg(long, value_name = "RPC[:before|after]")]
@@ -95,6 +110,8 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
         config.node_id = node_id;
     }
     config.name = args.name;
+    config.vendor_version = args.vendor_version;
+    config.id_prefix = args.id_prefix;
     config.capacity = args.capacity;
     config.controller = !args.no_controller;
     config.controller_publish = !args.no_controller_publish;

@@ -14,13 +14,30 @@
 //! - The channel reconnects lazily: when the plugin restarts on the same
 //!   socket, the next attempt dials it again, so retries carry calls across
 //!   a restart.
+//! - A plugin is never trusted to be the one it was: before every attempt
+//!   the socket file is compared (device, inode, change time) with the one
+//!   last checked. A new file means a new process (restarted, upgraded or
+//!   swapped): the channel is dialed afresh, the plugin must answer
+//!   GetPluginInfo with the name it gave before (else the call is refused
+//!   with [`CsiError::PluginReplaced`], naming both names: volume calls are
+//!   never sent to a different driver), and its capabilities are discovered
+//!   again ([`Client::current_capabilities`]), since a new version may offer
+//!   others. The name to hold the plugin to is the one in the first
+//!   GetPluginInfo answer this client receives.
+//! - Answers that break the spec are refused with
+//!   [`CsiError::InvalidResponse`], never passed on: a reply that does not
+//!   decode (not protobuf, a string that is not UTF-8), a CreateVolume
+//!   answer without a volume id or with a capacity outside the range asked
+//!   for, an empty GetPluginInfo name or NodeGetInfo node id. They are not
+//!   retried: the plugin answered, wrongly.
 //! - Cloning is cheap (one `Arc`); clones share the channel and the
 //!   [`Metrics`]. Calls on clones run in parallel.
 //! - Requests are never logged: they may carry secrets.
 
 use std::future::Future;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
@@ -30,7 +47,7 @@ use tonic::{Code, Status};
 use tracing::Instrument;
 
 use super::caps::{Capabilities, ControllerCapabilities, NodeCapabilities, PluginCapabilities};
-use super::error::{code_name, fmt_duration, CsiError, VolumeRef};
+use super::error::{code_name, fmt_duration, CsiError, Replacement, VolumeRef};
 use super::metrics::{Metrics, Rpc};
 use super::options::ClientOptions;
 use super::proto::{
@@ -61,8 +78,53 @@ struct Inner {
     endpoint: String,
     path: PathBuf,
     options: ClientOptions,
-    channel: Channel,
+    /// Replaced by a fresh one when the plugin is (see [`Client::recheck`]).
+    channel: Mutex<Channel>,
     metrics: Arc<Metrics>,
+    /// The capabilities of the plugin now behind the socket.
+    caps: RwLock<Arc<Capabilities>>,
+    /// The socket file last checked, and the name the plugin must keep.
+    identity: Mutex<Identity>,
+    /// One re-check at a time: concurrent calls that notice a replacement
+    /// wait for the first to check it.
+    recheck: tokio::sync::Mutex<()>,
+}
+
+/// Who the client believes it talks to.
+#[derive(Debug, Default)]
+struct Identity {
+    socket: Option<SocketId>,
+    name: Option<String>,
+}
+
+/// Identifies one socket file: a plugin that binds its socket anew (a
+/// restart, an upgrade, another plugin) makes a new file. Inode numbers can
+/// be reused at once after an unlink, so the change time (set when the file
+/// is created, nanosecond resolution) is compared too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SocketId {
+    dev: u64,
+    ino: u64,
+    ctime: i64,
+    ctime_nsec: i64,
+}
+
+fn socket_id(path: &Path) -> Option<SocketId> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some(SocketId {
+        dev: meta.dev(),
+        ino: meta.ino(),
+        ctime: meta.ctime(),
+        ctime_nsec: meta.ctime_nsec(),
+    })
+}
+
+/// Why a re-check of a replaced plugin did not pass.
+enum Recheck {
+    /// The new plugin has another name.
+    Replaced(Box<Replacement>),
+    /// A call of the re-check failed (the RPC and its status).
+    Failed(&'static str, Status),
 }
 
 impl std::fmt::Debug for Client {
@@ -89,13 +151,20 @@ impl Client {
         let started = Instant::now();
         wait_for_socket(endpoint, &path, options.connect_timeout).await?;
         let channel = lazy_channel(&path);
+        let identity = Identity {
+            socket: socket_id(&path),
+            name: None,
+        };
         let mut client = Self {
             inner: Arc::new(Inner {
                 endpoint: endpoint.to_string(),
                 path,
                 options,
-                channel,
+                channel: Mutex::new(channel),
                 metrics: Metrics::new(),
+                caps: RwLock::default(),
+                identity: Mutex::new(identity),
+                recheck: tokio::sync::Mutex::new(()),
             }),
             caps: Arc::new(Capabilities::default()),
         };
@@ -146,14 +215,60 @@ impl Client {
 
     /// The capabilities discovered at connect (or at the last
     /// [`refresh_capabilities`](Self::refresh_capabilities) on this handle).
+    /// A snapshot: it does not follow a replacement of the plugin;
+    /// [`current_capabilities`](Self::current_capabilities) does.
     pub fn capabilities(&self) -> &Capabilities {
         &self.caps
     }
 
+    /// The capabilities of the plugin serving the endpoint now: discovered
+    /// at connect, and again whenever a call finds the plugin replaced (or
+    /// [`refresh_capabilities`](Self::refresh_capabilities) runs). Shared by
+    /// all clones. Decide which RPCs to send with these.
+    pub fn current_capabilities(&self) -> Arc<Capabilities> {
+        self.inner
+            .caps
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The GetPluginInfo name a replaced plugin must answer with (the one
+    /// in the first GetPluginInfo answer), once known.
+    pub fn plugin_name(&self) -> Option<String> {
+        self.identity().name.clone()
+    }
+
+    /// Checks now, rather than at the next call, whether the plugin was
+    /// replaced, and if so that it is the same driver, and rediscovers its
+    /// capabilities (one attempt of each RPC). Callers run it before
+    /// choosing RPCs by [`current_capabilities`](Self::current_capabilities).
+    /// Fails with [`CsiError::PluginReplaced`] for a different driver, and
+    /// with the failed call when the plugin could not be asked (the next
+    /// call checks again, with retries).
+    pub async fn ensure_current(&self) -> Result<(), CsiError> {
+        match self.recheck(self.inner.options.deadline).await {
+            Ok(()) => Ok(()),
+            Err(Recheck::Replaced(replacement)) => Err(CsiError::PluginReplaced {
+                rpc: None,
+                volume: None,
+                replacement,
+            }),
+            Err(Recheck::Failed(rpc, status)) => Err(CsiError::Rpc {
+                rpc,
+                volume: None,
+                code: status.code(),
+                message: status.message().to_string(),
+                attempts: 1,
+            }),
+        }
+    }
+
     /// Asks the plugin for its capabilities again (GetPluginCapabilities,
     /// ControllerGetCapabilities when it has the controller service,
-    /// NodeGetCapabilities) and keeps them in this handle; clones made
-    /// before keep their own copy.
+    /// NodeGetCapabilities) and keeps them in this handle and as the
+    /// [`current_capabilities`](Self::current_capabilities) of all clones;
+    /// clones made before keep their own [`capabilities`](Self::capabilities).
     pub async fn refresh_capabilities(&mut self) -> Result<&Capabilities, CsiError> {
         let plugin = self
             .get_plugin_capabilities(proto::GetPluginCapabilitiesRequest {})
@@ -176,20 +291,34 @@ impl Client {
             controller,
             node,
         });
+        *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = self.caps.clone();
         Ok(&self.caps)
     }
 
     // ---- Identity ----
 
-    /// `GetPluginInfo`.
+    /// `GetPluginInfo`. The first answer's name is the one a replaced
+    /// plugin must have (see the module docs); an empty name is refused.
     pub async fn get_plugin_info(
         &self,
         request: proto::GetPluginInfoRequest,
     ) -> Result<proto::GetPluginInfoResponse, CsiError> {
-        self.call(Rpc::GetPluginInfo, None, request, |ch, r| async move {
-            IdentityClient::new(ch).get_plugin_info(r).await
-        })
-        .await
+        let info = self
+            .call(Rpc::GetPluginInfo, None, request, |ch, r| async move {
+                IdentityClient::new(ch).get_plugin_info(r).await
+            })
+            .await?;
+        if info.name.is_empty() {
+            return Err(CsiError::InvalidResponse {
+                rpc: Rpc::GetPluginInfo.name(),
+                volume: None,
+                problem: "an empty name (the field is REQUIRED)".to_string(),
+            });
+        }
+        self.identity()
+            .name
+            .get_or_insert_with(|| info.name.clone());
+        Ok(info)
     }
 
     /// `GetPluginCapabilities`.
@@ -237,16 +366,30 @@ impl Client {
         .await
     }
 
-    /// `CreateVolume`; errors name the volume by its requested name.
+    /// `CreateVolume`; errors name the volume by its requested name. An
+    /// answer without a volume id, or with a capacity outside the range
+    /// asked for, is refused (the volume may exist all the same: CreateVolume
+    /// of the same name finds it again).
     pub async fn create_volume(
         &self,
         request: proto::CreateVolumeRequest,
     ) -> Result<proto::CreateVolumeResponse, CsiError> {
         let volume = (!request.name.is_empty()).then(|| VolumeRef::Name(request.name.clone()));
-        self.call(Rpc::CreateVolume, volume, request, |ch, r| async move {
-            ControllerClient::new(ch).create_volume(r).await
-        })
-        .await
+        let range = request.capacity_range.unwrap_or_default();
+        let response = self
+            .call(
+                Rpc::CreateVolume,
+                volume.clone(),
+                request,
+                |ch, r| async move { ControllerClient::new(ch).create_volume(r).await },
+            )
+            .await?;
+        check_created(&response, &range).map_err(|problem| CsiError::InvalidResponse {
+            rpc: Rpc::CreateVolume.name(),
+            volume,
+            problem,
+        })?;
+        Ok(response)
     }
 
     /// `DeleteVolume`.
@@ -352,15 +495,24 @@ impl Client {
         .await
     }
 
-    /// `NodeGetInfo`.
+    /// `NodeGetInfo`; an empty node id is refused.
     pub async fn node_get_info(
         &self,
         request: proto::NodeGetInfoRequest,
     ) -> Result<proto::NodeGetInfoResponse, CsiError> {
-        self.call(Rpc::NodeGetInfo, None, request, |ch, r| async move {
-            NodeClient::new(ch).node_get_info(r).await
-        })
-        .await
+        let info = self
+            .call(Rpc::NodeGetInfo, None, request, |ch, r| async move {
+                NodeClient::new(ch).node_get_info(r).await
+            })
+            .await?;
+        if info.node_id.is_empty() {
+            return Err(CsiError::InvalidResponse {
+                rpc: Rpc::NodeGetInfo.name(),
+                volume: None,
+                problem: "an empty node_id (the field is REQUIRED)".to_string(),
+            });
+        }
+        Ok(info)
     }
 
     /// `NodeStageVolume`.
@@ -485,21 +637,55 @@ impl Client {
                     });
                 };
                 attempts += 1;
-                let mut req = tonic::Request::new(request.clone());
-                req.set_timeout(deadline);
-                let attempt_started = Instant::now();
-                let result = tokio::time::timeout(deadline, send(self.inner.channel.clone(), req)).await;
-                let status = match result {
-                    Ok(Ok(response)) => {
-                        tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
-                        guard.finish(true);
-                        return Ok(response.into_inner());
+                let status = match self.recheck(deadline).await {
+                    Ok(()) => {
+                        let mut req = tonic::Request::new(request.clone());
+                        req.set_timeout(deadline);
+                        let attempt_started = Instant::now();
+                        let result =
+                            tokio::time::timeout(deadline, send(self.channel(), req)).await;
+                        match result {
+                            Ok(Ok(response)) => {
+                                tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
+                                guard.finish(true);
+                                return Ok(response.into_inner());
+                            }
+                            Ok(Err(status)) if is_decode_failure(&status) => {
+                                tracing::warn!(message = status.message(), "csi reply does not decode");
+                                guard.finish(false);
+                                return Err(CsiError::InvalidResponse {
+                                    rpc: rpc.name(),
+                                    volume,
+                                    problem: format!(
+                                        "the plugin's reply does not decode ({})",
+                                        status.message()
+                                    ),
+                                });
+                            }
+                            Ok(Err(status)) => {
+                                normalize(status, attempt_started.elapsed(), deadline)
+                            }
+                            Err(_elapsed) => Status::deadline_exceeded(format!(
+                                "no reply within {} (deadline enforced by the client)",
+                                fmt_duration(deadline)
+                            )),
+                        }
                     }
-                    Ok(Err(status)) => normalize(status, attempt_started.elapsed(), deadline),
-                    Err(_elapsed) => Status::deadline_exceeded(format!(
-                        "no reply within {} (deadline enforced by the client)",
-                        fmt_duration(deadline)
-                    )),
+                    Err(Recheck::Replaced(replacement)) => {
+                        guard.finish(false);
+                        return Err(CsiError::PluginReplaced {
+                            rpc: Some(rpc.name()),
+                            volume,
+                            replacement,
+                        });
+                    }
+                    Err(Recheck::Failed(check, status)) => Status::new(
+                        status.code(),
+                        format!(
+                            "the plugin was replaced and re-checking it failed: {check}: {}",
+                            status.message()
+                        ),
+                    ),
                 };
                 let next = options
                     .retry
@@ -565,6 +751,148 @@ impl Client {
         }
     }
 
+    fn channel(&self) -> Channel {
+        self.inner
+            .channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn identity(&self) -> std::sync::MutexGuard<'_, Identity> {
+        self.inner
+            .identity
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Before an attempt: if the socket is a new file since the last check,
+    /// the plugin behind it is a new process. Dials it afresh, holds it to
+    /// the known name, and rediscovers its capabilities; only then is the
+    /// new file taken as checked. A missing socket is left to the attempt
+    /// (it fails UNAVAILABLE and is retried).
+    async fn recheck(&self, deadline: Duration) -> Result<(), Recheck> {
+        let Some(now) = socket_id(&self.inner.path) else {
+            return Ok(());
+        };
+        if self.identity().socket == Some(now) {
+            return Ok(());
+        }
+        let _one = self.inner.recheck.lock().await;
+        // Another call may have checked it meanwhile, or it changed again.
+        let Some(now) = socket_id(&self.inner.path) else {
+            return Ok(());
+        };
+        let expected = {
+            let identity = self.identity();
+            if identity.socket == Some(now) {
+                return Ok(());
+            }
+            identity.name.clone()
+        };
+        tracing::info!(endpoint = %self.inner.endpoint, "the plugin's socket is a new file: re-checking the plugin");
+        // Connections made before may still reach the old process.
+        let channel = lazy_channel(&self.inner.path);
+        *self.inner.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel.clone();
+        if let Some(expected) = expected {
+            let info = self
+                .once(
+                    Rpc::GetPluginInfo,
+                    &channel,
+                    deadline,
+                    proto::GetPluginInfoRequest {},
+                    |ch, r| async move { IdentityClient::new(ch).get_plugin_info(r).await },
+                )
+                .await?;
+            if info.name != expected {
+                tracing::error!(expected, found = %info.name, vendor_version = %info.vendor_version,
+                    "the plugin behind the socket is another driver");
+                return Err(Recheck::Replaced(Box::new(Replacement {
+                    endpoint: self.inner.endpoint.clone(),
+                    expected,
+                    found: info.name,
+                    vendor_version: info.vendor_version,
+                })));
+            }
+            tracing::info!(name = %info.name, vendor_version = %info.vendor_version, "the replaced plugin is the same driver");
+        }
+        let plugin = self
+            .once(
+                Rpc::GetPluginCapabilities,
+                &channel,
+                deadline,
+                proto::GetPluginCapabilitiesRequest {},
+                |ch, r| async move { IdentityClient::new(ch).get_plugin_capabilities(r).await },
+            )
+            .await?;
+        let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
+        let controller = if plugin.controller_service() {
+            let resp = self
+                .once(
+                    Rpc::ControllerGetCapabilities,
+                    &channel,
+                    deadline,
+                    proto::ControllerGetCapabilitiesRequest {},
+                    |ch, r| async move {
+                        ControllerClient::new(ch)
+                            .controller_get_capabilities(r)
+                            .await
+                    },
+                )
+                .await?;
+            ControllerCapabilities::from_proto(&resp.capabilities)
+        } else {
+            ControllerCapabilities::default()
+        };
+        let node = self
+            .once(
+                Rpc::NodeGetCapabilities,
+                &channel,
+                deadline,
+                proto::NodeGetCapabilitiesRequest {},
+                |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
+            )
+            .await?;
+        let caps = Capabilities {
+            plugin,
+            controller,
+            node: NodeCapabilities::from_proto(&node.capabilities),
+        };
+        tracing::info!(capabilities = ?caps, "capabilities of the replaced plugin");
+        *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(caps);
+        self.identity().socket = Some(now);
+        Ok(())
+    }
+
+    /// One attempt of a re-check call, counted in the metrics.
+    async fn once<Req, Resp, F, Fut>(
+        &self,
+        rpc: Rpc,
+        channel: &Channel,
+        deadline: Duration,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, Recheck>
+    where
+        F: FnOnce(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let guard = self.inner.metrics.start(rpc);
+        let mut req = tonic::Request::new(request);
+        req.set_timeout(deadline);
+        let started = Instant::now();
+        let result = match tokio::time::timeout(deadline, send(channel.clone(), req)).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(normalize(status, started.elapsed(), deadline)),
+            Err(_elapsed) => Err(Status::deadline_exceeded(format!(
+                "no reply within {}",
+                fmt_duration(deadline)
+            ))),
+        };
+        guard.finish(result.is_ok());
+        result.map_err(|status| Recheck::Failed(rpc.name(), status))
+    }
+
     fn connect_error(&self, source: CsiError) -> CsiError {
         CsiError::Connect {
             endpoint: self.inner.endpoint.clone(),
@@ -575,6 +903,51 @@ impl Client {
 
 fn volume_id(id: &str) -> Option<VolumeRef> {
     (!id.is_empty()).then(|| VolumeRef::Id(id.to_string()))
+}
+
+/// Whether tonic failed to decode the reply (it reports that as INTERNAL
+/// with the decoder's message): the plugin answered, with bytes that are
+/// not the response message.
+fn is_decode_failure(status: &Status) -> bool {
+    status.code() == Code::Internal
+        && status
+            .message()
+            .starts_with("failed to decode Protobuf message")
+}
+
+/// Checks a CreateVolume answer against the spec and the range asked for:
+/// a volume with an id, a capacity that is unknown (0) or within the range.
+fn check_created(
+    response: &proto::CreateVolumeResponse,
+    range: &proto::CapacityRange,
+) -> Result<(), String> {
+    let volume = response
+        .volume
+        .as_ref()
+        .ok_or("no volume (the field is REQUIRED)")?;
+    if volume.volume_id.is_empty() {
+        return Err("a volume with an empty volume_id (the field is REQUIRED)".to_string());
+    }
+    let id = &volume.volume_id;
+    let capacity = volume.capacity_bytes;
+    if capacity < 0 {
+        return Err(format!(
+            "volume '{id}' has a negative capacity_bytes ({capacity})"
+        ));
+    }
+    if capacity > 0 && capacity < range.required_bytes {
+        return Err(format!(
+            "volume '{id}' has capacity_bytes {capacity}, less than the required_bytes {} asked for",
+            range.required_bytes
+        ));
+    }
+    if capacity > 0 && range.limit_bytes > 0 && capacity > range.limit_bytes {
+        return Err(format!(
+            "volume '{id}' has capacity_bytes {capacity}, more than the limit_bytes {} asked for",
+            range.limit_bytes
+        ));
+    }
+    Ok(())
 }
 
 /// Turns tonic's local failures into the codes they mean:
@@ -657,6 +1030,71 @@ fn lazy_channel(path: &Path) -> Channel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn create_answers_outside_the_spec_or_the_range_are_refused() {
+        let answer = |id: &str, capacity: i64| proto::CreateVolumeResponse {
+            volume: Some(proto::Volume {
+                volume_id: id.into(),
+                capacity_bytes: capacity,
+                ..Default::default()
+            }),
+        };
+        let range = |required: i64, limit: i64| proto::CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        };
+        let ok = [
+            (answer("v", 100), range(100, 0)),
+            (answer("v", 0), range(100, 200)),
+            (answer("v", 150), range(100, 200)),
+            (answer("v", 1), range(0, 0)),
+        ];
+        for (resp, r) in ok {
+            assert_eq!(check_created(&resp, &r), Ok(()), "{resp:?} {r:?}");
+        }
+        let bad = [
+            (
+                proto::CreateVolumeResponse { volume: None },
+                range(0, 0),
+                "no volume (the field is REQUIRED)",
+            ),
+            (
+                answer("", 100),
+                range(0, 0),
+                "a volume with an empty volume_id (the field is REQUIRED)",
+            ),
+            (
+                answer("v", -1),
+                range(0, 0),
+                "volume 'v' has a negative capacity_bytes (-1)",
+            ),
+            (
+                answer("v", 99),
+                range(100, 0),
+                "volume 'v' has capacity_bytes 99, less than the required_bytes 100 asked for",
+            ),
+            (
+                answer("v", 201),
+                range(100, 200),
+                "volume 'v' has capacity_bytes 201, more than the limit_bytes 200 asked for",
+            ),
+        ];
+        for (resp, r, want) in bad {
+            assert_eq!(check_created(&resp, &r), Err(want.to_string()), "{resp:?}");
+        }
+    }
+
+    #[test]
+    fn only_tonic_decode_failures_count_as_undecodable_replies() {
+        assert!(is_decode_failure(&Status::internal(
+            "failed to decode Protobuf message: invalid wire type value: 7"
+        )));
+        assert!(!is_decode_failure(&Status::internal("disk on fire")));
+        assert!(!is_decode_failure(&Status::unknown(
+            "failed to decode Protobuf message: x"
+        )));
+    }
 
     #[test]
     fn tonic_timeouts_become_deadline_exceeded() {

@@ -84,6 +84,39 @@ pub enum CsiError {
         /// What is wrong with the response.
         problem: String,
     },
+    /// The plugin behind the socket was replaced by one with another
+    /// GetPluginInfo name: the call was not sent to it.
+    #[error("{}the plugin at {} is now '{}' (vendor version '{}'), not '{}' as before; volume calls are not sent to a different driver", refused(rpc, volume.as_ref()), replacement.endpoint, replacement.found, replacement.vendor_version, replacement.expected)]
+    PluginReplaced {
+        /// The call that was refused (`None` for an explicit check).
+        rpc: Option<&'static str>,
+        /// The volume the call was about.
+        volume: Option<VolumeRef>,
+        /// Which plugin it was and which it is now.
+        replacement: Box<Replacement>,
+    },
+}
+
+/// What [`CsiError::PluginReplaced`] found behind the socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replacement {
+    /// The endpoint.
+    pub endpoint: String,
+    /// The GetPluginInfo name the plugin had.
+    pub expected: String,
+    /// The GetPluginInfo name of the plugin behind the socket now.
+    pub found: String,
+    /// The new plugin's vendor_version.
+    pub vendor_version: String,
+}
+
+/// `NodePublishVolume of volume 'v' refused: ` (or nothing, without an RPC).
+fn refused(rpc: &Option<&'static str>, volume: Option<&VolumeRef>) -> String {
+    match (rpc, volume) {
+        (Some(rpc), Some(v)) => format!("{rpc} of {v} refused: "),
+        (Some(rpc), None) => format!("{rpc} refused: "),
+        (None, _) => String::new(),
+    }
 }
 
 /// The volume a call is about: by id, or by name for `CreateVolume`
@@ -145,6 +178,7 @@ impl CsiError {
     pub fn rpc(&self) -> Option<&'static str> {
         match self {
             CsiError::Rpc { rpc, .. } | CsiError::InvalidResponse { rpc, .. } => Some(rpc),
+            CsiError::PluginReplaced { rpc, .. } => *rpc,
             CsiError::Connect { source, .. } => source.rpc(),
             _ => None,
         }
@@ -162,9 +196,9 @@ impl CsiError {
     /// was about.
     pub fn volume(&self) -> Option<&VolumeRef> {
         match self {
-            CsiError::Rpc { volume, .. } | CsiError::InvalidResponse { volume, .. } => {
-                volume.as_ref()
-            }
+            CsiError::Rpc { volume, .. }
+            | CsiError::InvalidResponse { volume, .. }
+            | CsiError::PluginReplaced { volume, .. } => volume.as_ref(),
             CsiError::Connect { source, .. } => source.volume(),
             _ => None,
         }
@@ -349,6 +383,39 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "connect to unix:///x/csi.sock: plugin did not report ready within 1.5s"
+        );
+    }
+
+    #[test]
+    fn a_replaced_plugin_is_named_with_both_names() {
+        let replacement = Replacement {
+            endpoint: "unix:///x/csi.sock".into(),
+            expected: "a.example.com".into(),
+            found: "b.example.com".into(),
+            vendor_version: "2.0".into(),
+        };
+        let err = CsiError::PluginReplaced {
+            rpc: Some("NodeUnpublishVolume"),
+            volume: Some(VolumeRef::Id("vol-1".into())),
+            replacement: Box::new(replacement.clone()),
+        };
+        assert_eq!(
+            err.to_string(),
+            "NodeUnpublishVolume of volume 'vol-1' refused: the plugin at unix:///x/csi.sock is now 'b.example.com' (vendor version '2.0'), not 'a.example.com' as before; volume calls are not sent to a different driver"
+        );
+        assert_eq!(err.rpc(), Some("NodeUnpublishVolume"));
+        assert_eq!(err.volume_id(), Some("vol-1"));
+        assert_eq!(err.code(), None);
+        let check = CsiError::PluginReplaced {
+            rpc: None,
+            volume: None,
+            replacement: Box::new(replacement),
+        };
+        assert!(
+            check
+                .to_string()
+                .starts_with("the plugin at unix:///x/csi.sock is now"),
+            "{check}"
         );
     }
 

@@ -29,7 +29,7 @@ pub use caps::{
     PluginCapabilities, PluginService, VolumeExpansion,
 };
 pub use client::Client;
-pub use error::{code_name, CsiError, VolumeRef};
+pub use error::{code_name, CsiError, Replacement, VolumeRef};
 pub use metrics::{Histogram, Metrics, Rpc, RpcStats, LATENCY_BUCKETS};
 pub use options::ClientOptions;
 pub use retry::RetryPolicy;

@@ -34,7 +34,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::isolator::launch_info::{LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::mount::{
-    create_in_root, fd_path, unmount_all_under, unmount_with_retry, MountError, MountTable, Syscall,
+    create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
+    MountTable, Syscall,
 };
 
 /// Every way the OCI path can fail; each names the step, the volume and the
@@ -449,7 +450,7 @@ fn bind_one(
 /// once rather than retried.
 fn rollback(sys: &dyn Syscall, binds: &[PathBuf]) {
     for host in binds.iter().rev() {
-        if let Err(e) = unmount_with_retry(sys, host, 0, Duration::ZERO) {
+        if let Err(e) = unmount_no_symlinks_with_retry(sys, host, 0, Duration::ZERO) {
             tracing::error!(path = %host.display(), error = %e, "rollback: unmount of bind failed");
         }
     }

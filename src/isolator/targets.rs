@@ -34,13 +34,14 @@ pub fn volume_mounts(
             container_path: container_path.to_string(),
             reason: reason.to_string(),
         };
-        let source = r
-            .host_path(work_dir)
-            .map_err(|source| IsolatorError::Resource {
-                container: container.to_string(),
-                volume: volume.clone(),
-                source: Box::new(source),
-            })?;
+        let resource_err = |source| IsolatorError::Resource {
+            container: container.to_string(),
+            volume: volume.clone(),
+            source: Box::new(source),
+        };
+        // An unknown mode is refused, never mounted read-write (or read-only) by guess.
+        r.check_volume_mode().map_err(resource_err)?;
+        let source = r.host_path(work_dir).map_err(resource_err)?;
         let (root, target) =
             target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
         if !seen.insert((root, target.clone())) {
@@ -139,6 +140,50 @@ mod tests {
             "a\0b",
         ] {
             assert!(target_of(bad, true).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn an_unknown_volume_mode_is_refused_not_guessed() {
+        use crate::resource::VolumeMode;
+        let volume = |mode: &str| {
+            let mode = match mode {
+                "RW" => VolumeMode::Rw,
+                "RO" => VolumeMode::Ro,
+                other => VolumeMode::Other(other.to_string()),
+            };
+            Resource::csi_volume(
+                "p1",
+                "vol-1",
+                "./csi/t/n/mounts",
+                8,
+                None,
+                None,
+                [("k", "v")],
+            )
+            .with_volume("data", mode)
+        };
+        let config = ContainerConfig {
+            resources: vec![],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: None,
+            user: None,
+        };
+        for (mode, ok) in [
+            ("RW", true),
+            ("RO", true),
+            ("ro", false),
+            ("READ_ONLY", false),
+        ] {
+            let got = volume_mounts("c1", &config, &[volume(mode)], Path::new("/work"));
+            assert_eq!(got.is_ok(), ok, "{mode}: {got:?}");
+            if let Err(e) = got {
+                let text = e.to_string();
+                assert!(
+                    text.contains("disk.volume.mode") && text.contains(mode),
+                    "{text}"
+                );
+            }
         }
     }
 }

@@ -9,7 +9,7 @@
 //! - Operations on one container run one at a time; different containers in
 //!   parallel (no isolator-wide lock is held across a publish).
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
@@ -352,7 +352,6 @@ impl VolumeIsolator {
             .collect();
         self.check_writable(container_id, &added).await?;
         let sandbox_in = self.sandbox_in_container(&config);
-        let has_rootfs = config.rootfs.is_some();
 
         // 1. Publish what is new. Volumes the container uses already are only
         //    re-ensured; a failure undoes only the uses it added.
@@ -371,10 +370,8 @@ impl VolumeIsolator {
         let mut current = rec.mounts.clone();
         let mut failure = None;
         for m in &removed {
-            match crate::launcher::inject::unmount_from(
-                pid,
-                &m.container_target(&sandbox_in, has_rootfs),
-            ) {
+            let elsewhere = current.iter().any(|c| c != m && c.source == m.source);
+            match crate::launcher::inject::unmount_from(pid, m, &sandbox_in, elsewhere) {
                 Ok(()) => current.retain(|c| c != m),
                 Err(reason) => {
                     failure = Some(IsolatorError::Namespace {
@@ -512,8 +509,9 @@ impl VolumeIsolator {
     }
 
     /// Recover: rebuilds from the checkpoints; containers not in `known`
-    /// are cleaned up, and volume uses by containers that exist nowhere are
-    /// released.
+    /// are cleaned up, and volume uses by containers that exist nowhere, or
+    /// by recovered containers whose checkpoint does not have the volume
+    /// (an update interrupted by a crash), are released.
     pub async fn recover(&self, known: &[String]) -> Result<IsolatorRecovery, IsolatorError> {
         let known: HashSet<&str> = known.iter().map(String::as_str).collect();
         let mut report = IsolatorRecovery::default();
@@ -577,6 +575,9 @@ impl VolumeIsolator {
         }
         // Containers that live on keep their uses: put back any the
         // providers lost (publish is idempotent and repairs unpublished ones).
+        // What each one's checkpoint uses, (provider, volume), is kept for
+        // the sweep below.
+        let mut recorded: HashMap<String, HashSet<(String, String)>> = HashMap::new();
         for id in report.recovered.clone() {
             let resources = self
                 .entry(&id)
@@ -585,6 +586,12 @@ impl VolumeIsolator {
                 .as_ref()
                 .map(|r| r.config.resources.clone())
                 .unwrap_or_default();
+            let uses = resources
+                .iter()
+                .filter(|r| r.is_disk())
+                .filter_map(|r| Some((r.provider_id()?.to_string(), r.source_id()?.to_string())))
+                .collect();
+            recorded.insert(id.clone(), uses);
             if let Err(e) = self.manager.publish(&id, &resources).await {
                 tracing::error!(container_id = %id, error = %e, "recovery: cannot re-ensure the container's volumes");
                 report.failures.push((id, e.to_string()));
@@ -595,10 +602,22 @@ impl VolumeIsolator {
             .map(|s| s.to_string())
             .chain(report.recovered.iter().cloned())
             .collect();
+        // A use is released when its container is gone, and also when its
+        // container lives on but its checkpoint does not have the volume: a
+        // crash in an update after the new volume's use became durable and
+        // before the checkpoint recorded it (the update failed: the
+        // container keeps its old set), or after the checkpoint dropped a
+        // removed volume and before its use was released.
         for provider in self.manager.providers() {
             for vol in provider.volumes().await {
-                for user in vol.users.iter().filter(|u| !live.contains(*u)) {
-                    tracing::info!(volume_id = %vol.volume_id, container_id = %user, "recovery: releasing use by a container that is gone");
+                let stale = |user: &String| match recorded.get(user) {
+                    Some(uses) => {
+                        !uses.contains(&(provider.id().to_string(), vol.volume_id.clone()))
+                    }
+                    None => !live.contains(user),
+                };
+                for user in vol.users.iter().filter(|u| stale(u)) {
+                    tracing::info!(volume_id = %vol.volume_id, container_id = %user, "recovery: releasing a use no live container's checkpoint has");
                     match provider.release(&vol.volume_id, user).await {
                         Ok(()) => report
                             .released_uses

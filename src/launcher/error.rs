@@ -134,6 +134,31 @@ pub enum LaunchError {
         /// The mount error.
         source: MountError,
     },
+    /// A mount of the volume kept moving inside the container's namespace while being unmounted.
+    #[error("unmount volume {source_path} from the mount namespace of pid {pid}: its mount keeps moving: still mounted")]
+    VolumeStillMounted {
+        /// The container's process.
+        pid: u32,
+        /// The volume's source on the host.
+        source_path: PathBuf,
+    },
+    /// The rootfs resolves to something that cannot be a container's root (the host's `/`, or not a
+    /// directory).
+    #[error("rootfs {rootfs} resolves to {resolved}, which cannot be a container's root")]
+    BadRootfs {
+        /// The rootfs as given.
+        rootfs: PathBuf,
+        /// What it resolves to.
+        resolved: PathBuf,
+    },
+    /// A directory volume's target exists and is not a directory.
+    #[error("mount {at}: the target is {kind}, not a directory: refused")]
+    TargetNotADirectory {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// What the target is.
+        kind: &'static str,
+    },
     /// Binding the rootfs onto itself (pivot_root needs a mount point) failed.
     #[error("bind rootfs {rootfs} onto itself: {source}")]
     BindRootfs {
@@ -309,6 +334,17 @@ pub enum LaunchError {
         /// The mount error.
         source: MountError,
     },
+    /// What is mounted at the target is not the volume (something else was mounted over it, or the
+    /// volume's mount point was moved away): nothing is unmounted.
+    #[error("unmount {target} in the mount namespace of pid {pid}: the mount there is not the volume's ({source_path}): nothing unmounted")]
+    NotTheVolume {
+        /// The container's process.
+        pid: u32,
+        /// The mount point, as the container sees it.
+        target: PathBuf,
+        /// The volume's source on the host.
+        source_path: PathBuf,
+    },
 }
 
 impl LaunchError {
@@ -347,6 +383,10 @@ impl LaunchError {
             | LaunchError::InvalidEnvName { .. }
             | LaunchError::RootMismatch { .. }
             | LaunchError::ThreadPanicked
+            | LaunchError::NotTheVolume { .. }
+            | LaunchError::BadRootfs { .. }
+            | LaunchError::VolumeStillMounted { .. }
+            | LaunchError::TargetNotADirectory { .. }
             | LaunchError::Reaped { .. } => None,
         }
     }

@@ -17,14 +17,15 @@
 //!   container may not have (or has for another pid namespace).
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::setup::{attach, clone_source, resolve_target, Resolve};
 use super::{LaunchError, VolumeRef};
 use crate::isolator::launch_info::{TargetRoot, VolumeMount};
 use crate::mount::{
-    self, ns, unmount_with_retry, LinuxSyscall, MountError, Syscall, DEFAULT_ATTEMPTS,
-    DEFAULT_DELAY,
+    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, UnmountOutcome,
+    DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
 
 /// Runs `work` on a fresh thread that first leaves the process's shared fs state and enters the mount
@@ -109,21 +110,162 @@ pub fn mount_into(
     Ok(())
 }
 
-/// Unmounts whatever is mounted at `target_in_container` (the path as the container sees it) in the mount
-/// namespace of process `pid`. Nothing mounted there counts as success.
-#[tracing::instrument]
-pub fn unmount_from(pid: u32, target_in_container: &Path) -> Result<(), LaunchError> {
+/// Unmounts the volume `mount` from the running container whose process is `pid` (`sandbox_in_container` as
+/// for [`mount_into`]). Nothing mounted at the target counts as success.
+///
+/// The target is found the way [`mount_into`] found it (by fd, inside the container's root, symlinks
+/// followed there), down to the directory holding it and the entry's name. The unmount then goes through
+/// that directory fd with `UMOUNT_NOFOLLOW` (no path is looked up again, so no symlink swapped in meanwhile
+/// can redirect it), and only if the entry is the root of a mount of the volume itself (same device and
+/// inode as its source): a mount of something else there is [`LaunchError::NotTheVolume`].
+#[tracing::instrument(skip(mount), fields(volume_id = mount.volume_id.as_deref().unwrap_or("-"), container_path = %mount.container_path))]
+///
+/// A mount point renamed away (from another namespace, where it is not a mount point and so can be
+/// renamed) is no longer at the target. So, unless `also_mounted_elsewhere` (the container keeps another
+/// mount of the same volume), the container's mount table is searched afterwards for mounts of the
+/// volume's source (same device and root); each is unmounted by its table path, resolved inside the
+/// container's root without following any symlink. One that keeps moving is
+/// [`LaunchError::VolumeStillMounted`].
+pub fn unmount_from(
+    pid: u32,
+    mount: &VolumeMount,
+    sandbox_in_container: &Path,
+    also_mounted_elsewhere: bool,
+) -> Result<(), LaunchError> {
     let ns_fd = open_namespace(pid)?;
-    let target = target_in_container.to_path_buf();
+    let container_root = PathBuf::from(format!("/proc/{pid}/root"));
+    // As the workload sees it (`sandbox_in_container` is already the in-container sandbox).
+    let shown = mount.container_target(sandbox_in_container, false);
+    let unmount_err = |source: MountError| LaunchError::Unmount {
+        pid,
+        target: shown.clone(),
+        source,
+    };
+    let sandbox;
+    let root = match mount.root {
+        TargetRoot::Sandbox => {
+            sandbox =
+                mount::open_in_root(&container_root, sandbox_in_container).map_err(|source| {
+                    LaunchError::OpenSandbox {
+                        pid,
+                        sandbox: sandbox_in_container.to_path_buf(),
+                        source,
+                    }
+                })?;
+            super::setup::fd_link(sandbox.as_fd())
+        }
+        TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
+    };
+    let (dir, name) = match mount::open_parent_in_root(&root, &mount.target) {
+        Ok(found) => found,
+        // No directory there: nothing can be mounted on it.
+        Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => {
+            tracing::info!(pid, "volume target gone: nothing to unmount there");
+            if !also_mounted_elsewhere {
+                sweep_moved(pid, mount, &container_root, &ns_fd)?;
+            }
+            return Ok(());
+        }
+        Err(e) => return Err(unmount_err(e)),
+    };
+    // The volume's identity; a source already gone leaves only the mount-root check.
+    let source = std::fs::metadata(&mount.source).ok();
+
     let outcome = in_namespace(pid, ns_fd.as_fd(), |sys| {
-        unmount_with_retry(sys, &target, DEFAULT_ATTEMPTS, DEFAULT_DELAY).map_err(
-            |source: MountError| LaunchError::Unmount {
-                pid,
-                target: target.clone(),
-                source,
-            },
-        )
+        let found = mount::entry_identity(dir.as_fd(), &name).map_err(|errno| {
+            unmount_err(MountError::Unmount {
+                target: shown.clone(),
+                errno,
+            })
+        })?;
+        let Some(found) = found else {
+            return Ok(UnmountOutcome::NotMounted);
+        };
+        if found.mount_root == Some(false) {
+            return Ok(UnmountOutcome::NotMounted);
+        }
+        if let Some(source) = &source {
+            if (found.dev, found.ino) != (source.dev(), source.ino()) {
+                return Err(LaunchError::NotTheVolume {
+                    pid,
+                    target: shown.clone(),
+                    source_path: mount.source.clone(),
+                });
+            }
+        }
+        mount::retry_unmount(&shown, DEFAULT_ATTEMPTS, DEFAULT_DELAY, |detach| {
+            sys.unmount_at(dir.as_fd(), &name, detach)
+        })
+        .map_err(unmount_err)
     })?;
     tracing::info!(pid, ?outcome, "volume unmounted from running container");
+    if !also_mounted_elsewhere {
+        sweep_moved(pid, mount, &container_root, &ns_fd)?;
+    }
     Ok(())
+}
+
+/// Unmounts every mount of `mount`'s source left in the container's namespace (see [`unmount_from`]).
+fn sweep_moved(
+    pid: u32,
+    mount: &VolumeMount,
+    container_root: &Path,
+    ns_fd: &OwnedFd,
+) -> Result<(), LaunchError> {
+    let read = |table: ProcMountTable| {
+        table.mounts().map_err(|source| LaunchError::Unmount {
+            pid,
+            target: mount.source.clone(),
+            source,
+        })
+    };
+    // The volume's own mount on the host: what its copies in the container share.
+    let source = std::fs::canonicalize(&mount.source).unwrap_or_else(|_| mount.source.clone());
+    let Some(host) = read(ProcMountTable::new())?
+        .into_iter()
+        .rev()
+        .find(|m| m.mount_point == source)
+    else {
+        return Ok(());
+    };
+    for _round in 0..DEFAULT_ATTEMPTS {
+        let left: Vec<PathBuf> = read(ProcMountTable::for_pid(pid))?
+            .into_iter()
+            .filter(|m| (m.major, m.minor, &m.root) == (host.major, host.minor, &host.root))
+            .map(|m| m.mount_point)
+            .collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        tracing::warn!(
+            pid,
+            ?left,
+            "volume mount moved away inside the container: unmounting it there"
+        );
+        for path in &left {
+            let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+                continue;
+            };
+            let dir = match mount::open_dir_no_symlinks_in(container_root, parent) {
+                Ok(dir) => dir,
+                // Moved again, or swapped for a symlink: the next round reads the table again.
+                Err(_) => continue,
+            };
+            let name = name.to_os_string();
+            in_namespace(pid, ns_fd.as_fd(), |sys| {
+                mount::retry_unmount(path, DEFAULT_ATTEMPTS, DEFAULT_DELAY, |detach| {
+                    sys.unmount_at(dir.as_fd(), &name, detach)
+                })
+                .map_err(|source| LaunchError::Unmount {
+                    pid,
+                    target: path.clone(),
+                    source,
+                })
+            })?;
+        }
+    }
+    Err(LaunchError::VolumeStillMounted {
+        pid,
+        source_path: mount.source.clone(),
+    })
 }

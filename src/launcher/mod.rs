@@ -92,6 +92,19 @@ pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     // Everything the forked child will need, built here, long before the fork.
     let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env)?;
     setup::check_roots(spec)?;
+    // A rootfs given through a symlink is resolved once, here: every later step (the self-bind, the sandbox
+    // bind, the targets, pivot_root) then works on the same directory, whatever the link says meanwhile.
+    let resolved;
+    let spec = match &spec.rootfs {
+        Some(rootfs) => {
+            resolved = LaunchSpec {
+                rootfs: Some(setup::resolve_rootfs(rootfs)?),
+                ..spec.clone()
+            };
+            &resolved
+        }
+        None => spec,
+    };
     let launched = std::thread::scope(|scope| {
         let handle = std::thread::Builder::new()
             .name("csi-launcher".to_string())

@@ -106,23 +106,81 @@ pub(crate) fn clone_source(
     })
 }
 
-/// Step 2: the target, resolved by fd inside `root` (created there if asked).
+/// The canonical rootfs: symlinks resolved once; the host's own root is refused (a container "rootfs" that
+/// is `/` would put the workload, and its volume mounts, on the host's whole tree).
+pub(super) fn resolve_rootfs(rootfs: &Path) -> Result<PathBuf, LaunchError> {
+    let canonical = std::fs::canonicalize(rootfs).map_err(|e| LaunchError::BindRootfs {
+        rootfs: rootfs.to_path_buf(),
+        source: MountError::Resolve {
+            step: "canonicalize rootfs",
+            root: rootfs.to_path_buf(),
+            path: PathBuf::new(),
+            errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
+        },
+    })?;
+    if !canonical.is_dir() || canonical == Path::new("/") {
+        return Err(LaunchError::BadRootfs {
+            rootfs: rootfs.to_path_buf(),
+            resolved: canonical,
+        });
+    }
+    Ok(canonical)
+}
+
+/// Step 2: the target, resolved by fd inside `root` (created there if asked). A directory volume needs a
+/// directory there: a FIFO, device node, socket or file (a hard link to anything included) is refused by
+/// name before anything is mounted.
 pub(crate) fn resolve_target(
     mount: &VolumeMount,
     root: &Path,
     how: Resolve,
     at: &VolumeRef,
 ) -> Result<OwnedFd, LaunchError> {
-    match how {
+    let err = |source| LaunchError::ResolveTarget {
+        at: Box::new(at.clone()),
+        source,
+    };
+    let fd = match how {
         Resolve::Create => {
             mount::create_in_root(root, &mount.target, target_is_file(&mount.source))
         }
         Resolve::Existing => mount::open_in_root(root, &mount.target),
     }
-    .map_err(|source| LaunchError::ResolveTarget {
-        at: Box::new(at.clone()),
-        source,
-    })
+    .map_err(err)?;
+    let source_is_dir = std::fs::metadata(&mount.source)
+        .map(|m| m.is_dir())
+        .unwrap_or(true);
+    let st = nix::sys::stat::fstat(&fd).map_err(|errno| {
+        err(MountError::Resolve {
+            step: "fstat target",
+            root: root.to_path_buf(),
+            path: mount.target.clone(),
+            errno,
+        })
+    })?;
+    let kind =
+        nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT;
+    if source_is_dir && kind != nix::sys::stat::SFlag::S_IFDIR {
+        return Err(LaunchError::TargetNotADirectory {
+            at: Box::new(at.clone()),
+            kind: file_kind(kind),
+        });
+    }
+    Ok(fd)
+}
+
+/// What a non-directory is, for error messages.
+fn file_kind(kind: nix::sys::stat::SFlag) -> &'static str {
+    use nix::sys::stat::SFlag;
+    match kind {
+        SFlag::S_IFREG => "a regular file",
+        SFlag::S_IFIFO => "a FIFO",
+        SFlag::S_IFCHR => "a character device",
+        SFlag::S_IFBLK => "a block device",
+        SFlag::S_IFSOCK => "a socket",
+        SFlag::S_IFLNK => "a symlink",
+        _ => "not a directory",
+    }
 }
 
 /// Step 3, in the namespace the target lives in: `move_mount` of the detached tree onto the target fd; or,

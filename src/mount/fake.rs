@@ -377,6 +377,22 @@ impl Syscall for FakeSyscall {
         Ok(())
     }
 
+    /// Recorded as [`Call::Unmount`] of the directory's path joined with `name`.
+    fn unmount_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &std::ffi::OsStr,
+        detach: bool,
+    ) -> Result<(), MountError> {
+        let target = crate::mount::fd_path(dir)?.join(name);
+        self.unmount(&target, detach)
+    }
+
+    /// Recorded as [`Call::Unmount`] (the fake has no symlinks).
+    fn unmount_no_symlinks(&self, target: &Path, detach: bool) -> Result<(), MountError> {
+        self.unmount(target, detach)
+    }
+
     fn unmount(&self, target: &Path, detach: bool) -> Result<(), MountError> {
         let mut s = self.lock();
         let call = Call::Unmount {

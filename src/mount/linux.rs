@@ -4,7 +4,7 @@
 //! has no wrapper there, so it is called with `libc::syscall` and the uapi constants defined below.
 
 use std::ffi::CString;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -179,6 +179,85 @@ impl Syscall for LinuxSyscall {
                 errno,
             },
         })
+    }
+
+    fn unmount_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &std::ffi::OsStr,
+        detach: bool,
+    ) -> Result<(), MountError> {
+        let target = PathBuf::from(name);
+        if target.components().count() != 1
+            || !matches!(
+                target.components().next(),
+                Some(std::path::Component::Normal(_))
+            )
+        {
+            return Err(MountError::Unmount {
+                target,
+                errno: Errno::EINVAL,
+            });
+        }
+        let mut flags = MntFlags::UMOUNT_NOFOLLOW;
+        if detach {
+            flags |= MntFlags::MNT_DETACH;
+        }
+        // The cwd is per fs_struct: a thread of its own (sharing this thread's namespaces) takes `dir` as
+        // its cwd without touching anyone else's, and the name is then looked up from it alone.
+        let shown = super::fd_path(dir)
+            .map(|d| d.join(name))
+            .unwrap_or_else(|_| target.clone());
+        let result = std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("csi-unmount".into())
+                .spawn_scoped(scope, || -> Result<(), Errno> {
+                    super::ns::unshare_fs()?;
+                    nix::unistd::fchdir(dir)?;
+                    umount2(target.as_path(), flags)
+                })
+                .map(|h| h.join().unwrap_or(Err(Errno::EIO)))
+                .unwrap_or(Err(Errno::EAGAIN))
+        });
+        result.map_err(|errno| match errno {
+            Errno::EINVAL => MountError::NotMounted { target: shown },
+            errno => MountError::Unmount {
+                target: shown,
+                errno,
+            },
+        })
+    }
+
+    fn unmount_no_symlinks(&self, target: &Path, detach: bool) -> Result<(), MountError> {
+        let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+            return Err(MountError::Unmount {
+                target: target.to_path_buf(),
+                errno: Errno::EINVAL,
+            });
+        };
+        let dir = match super::open_dir_no_symlinks(parent) {
+            Ok(dir) => dir,
+            Err(MountError::Resolve {
+                errno: Errno::ENOENT,
+                ..
+            }) => {
+                return Err(MountError::NotMounted {
+                    target: target.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(e),
+        };
+        self.unmount_at(dir.as_fd(), name, detach)
+            .map_err(|e| match e {
+                MountError::NotMounted { .. } => MountError::NotMounted {
+                    target: target.to_path_buf(),
+                },
+                MountError::Unmount { errno, .. } => MountError::Unmount {
+                    target: target.to_path_buf(),
+                    errno,
+                },
+                e => e,
+            })
     }
 
     fn enter_mount_namespace(&self, ns: BorrowedFd<'_>) -> Result<(), MountError> {

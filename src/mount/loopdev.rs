@@ -271,7 +271,11 @@ pub fn list() -> Result<Vec<(PathBuf, PathBuf)>, MountError> {
             Ok(text) => text,
             // Unbound devices have no loop/backing_file (or it vanished as we looked).
             Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound) => continue,
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => continue,
+            // A device being detached (autoclear of another volume's last unmount) answers ENXIO or
+            // ENODEV while its sysfs entry is torn down: it is not bound to anything any more.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENXIO) | Some(libc::ENODEV)) => {
+                continue
+            }
             Err(source) => return Err(MountError::LoopSysfs { path: file, source }),
         };
         let mut text = text.as_slice();

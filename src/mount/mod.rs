@@ -26,9 +26,15 @@ pub use error::MountError;
 pub use fake::FakeSyscall;
 pub use linux::LinuxSyscall;
 pub use loopdev::{attach, detach, find_backed_under, find_by_backing_file, LoopDevice};
-pub use mountinfo::{parse_mountinfo, MountInfo, MountTable, ProcMountTable};
-pub use resolve::{create_in_root, fd_path, open_in_root};
+pub use mountinfo::{
+    entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
+};
+pub use resolve::{
+    create_in_root, fd_path, open_dir_no_symlinks, open_dir_no_symlinks_in, open_in_root,
+    open_parent_in_root,
+};
 pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
 pub use unmount::{
-    unmount_all_under, unmount_with_retry, UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
+    retry_unmount, unmount_all_under, unmount_no_symlinks_with_retry, unmount_with_retry,
+    UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };

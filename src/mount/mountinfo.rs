@@ -11,6 +11,8 @@ use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+
 use super::MountError;
 
 /// One line of a mountinfo file.
@@ -168,30 +170,70 @@ impl MountTable for ProcMountTable {
 /// `Some(is a mount root)` from statx, `None` when the kernel cannot say.
 fn statx_mount_root(path: &Path) -> Option<bool> {
     use std::os::unix::ffi::OsStrExt;
-    const STATX_ATTR_MOUNT_ROOT: u64 = 0x2000; // include/uapi/linux/stat.h
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    match statx_nofollow(libc::AT_FDCWD, &c_path) {
+        Ok(st) => mount_root_attr(&st),
+        Err(Errno::ENOENT | Errno::ENOTDIR) => Some(false),
+        Err(_) => None,
+    }
+}
+
+/// What [`entry_identity`] finds at an entry: its device and inode, and whether it is the root of a mount
+/// (`None` when the kernel cannot say: before Linux 5.8).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryIdentity {
+    /// st_dev
+    pub dev: u64,
+    /// st_ino
+    pub ino: u64,
+    /// STATX_ATTR_MOUNT_ROOT, where reported.
+    pub mount_root: Option<bool>,
+}
+
+/// statx of the entry `name` of the directory `dir`, not following a symlink: who it is (device, inode)
+/// and whether a mount is rooted there. `Ok(None)` when there is no such entry.
+pub fn entry_identity(
+    dir: std::os::fd::BorrowedFd<'_>,
+    name: &std::ffi::OsStr,
+) -> Result<Option<EntryIdentity>, Errno> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c_name = std::ffi::CString::new(name.as_bytes()).map_err(|_| Errno::EINVAL)?;
+    match statx_nofollow(dir.as_raw_fd(), &c_name) {
+        Ok(st) => Ok(Some(EntryIdentity {
+            dev: libc::makedev(st.stx_dev_major, st.stx_dev_minor),
+            ino: st.stx_ino,
+            mount_root: mount_root_attr(&st),
+        })),
+        Err(Errno::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn mount_root_attr(st: &libc::statx) -> Option<bool> {
+    const STATX_ATTR_MOUNT_ROOT: u64 = 0x2000; // include/uapi/linux/stat.h
+    (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT != 0)
+        .then_some(st.stx_attributes & STATX_ATTR_MOUNT_ROOT != 0)
+}
+
+fn statx_nofollow(dirfd: libc::c_int, name: &std::ffi::CStr) -> Result<libc::statx, Errno> {
     let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
-    // SAFETY: c_path is a valid NUL-terminated string and buf points to a
-    // writable statx struct that outlives the call.
+    // SAFETY: `name` is a valid NUL-terminated string, `dirfd` is AT_FDCWD or an fd the caller keeps open
+    // for the call, and buf points to a writable statx struct that outlives the call.
     let rc = unsafe {
         libc::statx(
-            libc::AT_FDCWD,
-            c_path.as_ptr(),
+            dirfd,
+            name.as_ptr(),
             libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
-            0,
+            libc::STATX_BASIC_STATS,
             buf.as_mut_ptr(),
         )
     };
     if rc != 0 {
-        return match std::io::Error::last_os_error().raw_os_error() {
-            Some(libc::ENOENT) | Some(libc::ENOTDIR) => Some(false),
-            _ => None,
-        };
+        return Err(Errno::last());
     }
     // SAFETY: statx returned 0, so it filled the struct.
-    let st = unsafe { buf.assume_init() };
-    (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT != 0)
-        .then_some(st.stx_attributes & STATX_ATTR_MOUNT_ROOT != 0)
+    Ok(unsafe { buf.assume_init() })
 }
 
 #[cfg(test)]

@@ -88,6 +88,146 @@ pub fn fd_path(fd: BorrowedFd<'_>) -> Result<PathBuf, MountError> {
         })
 }
 
+/// Opens the directory `path` (absolute, as the mount table names it: no symlink on it) as an O_PATH fd,
+/// following no symlink at all: openat2(RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS), or, without openat2, a
+/// component walk with O_NOFOLLOW that refuses any symlink. A symlink on the way is ELOOP: in a tree a
+/// container can write, it means the path was swapped since the table was read.
+pub fn open_dir_no_symlinks(path: &Path) -> Result<OwnedFd, MountError> {
+    open_dir_no_symlinks_in(Path::new("/"), path)
+}
+
+/// [`open_dir_no_symlinks`] inside `root` (a trusted path, e.g. `/proc/<pid>/root`): `path` is absolute as
+/// seen from `root` (a mount table path of the process whose root it is), resolved with RESOLVE_IN_ROOT
+/// as well, and no symlink is followed on it.
+pub fn open_dir_no_symlinks_in(root: &Path, path: &Path) -> Result<OwnedFd, MountError> {
+    let ctx = Ctx { root, path };
+    if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
+        return Err(ctx.err("check path", Errno::EINVAL));
+    }
+    let root_fd = open(
+        root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| ctx.err("open root", e))?;
+    let relative: PathBuf = path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir))
+        .collect();
+    let relative = if relative.as_os_str().is_empty() {
+        PathBuf::from(".")
+    } else {
+        relative
+    };
+    let c = std::ffi::CString::new(relative.as_os_str().as_bytes())
+        .map_err(|_| ctx.err("check path", Errno::EINVAL))?;
+    let how = OpenHow {
+        // No O_DIRECTORY: a last component that is a symlink opens as itself and is refused below as
+        // ELOOP, like a symlink anywhere else on the path.
+        flags: (libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: openat2(int dirfd, const char *path, struct open_how *how, size_t size): the root fd is
+    // borrowed for the call, `c` is a NUL-terminated string and `how` a repr(C) struct of exactly `size`
+    // bytes, both alive across the call; the kernel only reads them.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root_fd.as_raw_fd(),
+            c.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    if ret >= 0 {
+        // SAFETY: on success openat2 returns a new fd that nothing else owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) };
+        let st = fstat(&fd).map_err(|e| ctx.err("fstat", e))?;
+        return match SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT {
+            SFlag::S_IFDIR => Ok(fd),
+            SFlag::S_IFLNK => Err(ctx.err("openat2", Errno::ELOOP)),
+            _ => Err(ctx.err("openat2", Errno::ENOTDIR)),
+        };
+    }
+    match Errno::last() {
+        Errno::ENOSYS | Errno::EPERM | Errno::E2BIG => {}
+        e => return Err(ctx.err("openat2", e)),
+    }
+    // The walk: every component opened with O_NOFOLLOW and checked to be a directory.
+    let o_path = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut cur = root_fd;
+    for name in split(path) {
+        let next = openat(&cur, name.as_os_str(), o_path, Mode::empty())
+            .map_err(|e| ctx.err("openat", e))?;
+        let st = fstat(&next).map_err(|e| ctx.err("fstat", e))?;
+        match SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT {
+            SFlag::S_IFDIR => cur = next,
+            SFlag::S_IFLNK => return Err(ctx.err("openat", Errno::ELOOP)),
+            _ => return Err(ctx.err("openat", Errno::ENOTDIR)),
+        }
+    }
+    Ok(cur)
+}
+
+/// The directory holding the last component of `path` inside the container root `root`, as an O_PATH fd,
+/// and that component's name. Everything up to the last component resolves like [`open_in_root`] (symlinks
+/// followed, never out of `root`); a last component that is a symlink is followed the same way (the mount
+/// was made on what it points to), so the name returned is never a symlink at the time of the call.
+/// A target that resolves to the root itself, or through a last `..`, has no such entry: EINVAL.
+pub fn open_parent_in_root(root: &Path, path: &Path) -> Result<(OwnedFd, OsString), MountError> {
+    let mut cur: PathBuf = path
+        .components()
+        .filter(|c| {
+            !matches!(
+                c,
+                Component::RootDir | Component::Prefix(_) | Component::CurDir
+            )
+        })
+        .collect();
+    for _ in 0..=MAX_SYMLINKS {
+        let ctx = Ctx { root, path: &cur };
+        let Some(Component::Normal(name)) = cur.components().next_back() else {
+            return Err(ctx.err("split last component", Errno::EINVAL));
+        };
+        let name = name.to_os_string();
+        let parent_path = cur.parent().unwrap_or(Path::new("")).to_path_buf();
+        let parent = open_in_root(root, &parent_path)?;
+        let st = match nix::sys::stat::fstatat(
+            &parent,
+            name.as_os_str(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        ) {
+            Ok(st) => st,
+            // Nothing there: the caller finds nothing mounted on it.
+            Err(Errno::ENOENT) => return Ok((parent, name)),
+            Err(e) => return Err(ctx.err("fstatat", e)),
+        };
+        if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFLNK {
+            return Ok((parent, name));
+        }
+        let link = match readlinkat(&parent, name.as_os_str()) {
+            Ok(link) => PathBuf::from(link),
+            // Swapped for a non-symlink since the fstatat: look again (bounded by the loop).
+            Err(Errno::EINVAL) => continue,
+            Err(e) => return Err(ctx.err("readlinkat", e)),
+        };
+        cur = if link.is_absolute() {
+            link.components()
+                .filter(|c| !matches!(c, Component::RootDir | Component::CurDir))
+                .collect()
+        } else {
+            parent_path.join(link)
+        };
+    }
+    Err(MountError::Resolve {
+        step: "follow symlinks",
+        root: root.to_path_buf(),
+        path: path.to_path_buf(),
+        errno: Errno::ELOOP,
+    })
+}
+
 struct Ctx<'a> {
     root: &'a Path,
     path: &'a Path,
@@ -246,7 +386,8 @@ fn walk(
             if links > MAX_SYMLINKS {
                 return Err(ctx.err("follow symlinks", Errno::ELOOP));
             }
-            let target = readlinkat(cur, name.as_os_str()).map_err(|e| ctx.err("readlinkat", e))?;
+            // Read through the fd: the link opened above, even if the name was swapped since.
+            let target = readlinkat(&fd, "").map_err(|e| ctx.err("readlinkat", e))?;
             let target = PathBuf::from(target);
             if target.is_absolute() {
                 // Absolute targets mean "from the container's root".

@@ -77,6 +77,21 @@ pub trait Syscall: Send + Sync + fmt::Debug {
     /// umount2(target, MNT_DETACH if detach). EINVAL on a path that is not a mount point maps to
     /// MountError::NotMounted so callers can treat it as done.
     fn unmount(&self, target: &Path, detach: bool) -> Result<(), MountError>;
+    /// umount2(name, UMOUNT_NOFOLLOW | MNT_DETACH if detach) relative to the directory `dir`, from a
+    /// short-lived thread whose own cwd is `dir` (unshare(CLONE_FS) + fchdir): no symlink is followed at all,
+    /// so whatever a container swaps into the tree, only the mount on the entry `name` of `dir` can go.
+    /// `name` is one path component. A `name` that is not a mount root (or a symlink) is NotMounted.
+    fn unmount_at(
+        &self,
+        dir: BorrowedFd<'_>,
+        name: &std::ffi::OsStr,
+        detach: bool,
+    ) -> Result<(), MountError>;
+    /// [`unmount_at`](Self::unmount_at) on `target`, an absolute path as the mount table gives it, whose
+    /// parent is opened without following any symlink (openat2 RESOLVE_NO_SYMLINKS). A symlink anywhere on
+    /// the way means the tree changed under us: MountError::Resolve with ELOOP, nothing unmounted. A missing
+    /// parent is NotMounted.
+    fn unmount_no_symlinks(&self, target: &Path, detach: bool) -> Result<(), MountError>;
     /// setns(fd, CLONE_NEWNS) on the calling thread
     fn enter_mount_namespace(&self, ns: BorrowedFd<'_>) -> Result<(), MountError>;
     /// open_tree(AT_FDCWD, source, OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | (AT_RECURSIVE if recursive))

@@ -22,16 +22,42 @@ pub enum UnmountOutcome {
 /// umount2 with up to `attempts` EBUSY retries `delay` apart, then MNT_DETACH.
 ///
 /// With `attempts == 0` a busy mount is detached right after the first try. Errors other than EBUSY are
-/// returned at once.
+/// returned at once. The path is looked up as umount2 does (symlinks followed): for paths in trees nobody
+/// else writes; [`unmount_no_symlinks_with_retry`] is for the others.
 pub fn unmount_with_retry(
     sys: &dyn Syscall,
     target: &Path,
     attempts: u32,
     delay: Duration,
 ) -> Result<UnmountOutcome, MountError> {
+    retry_unmount(target, attempts, delay, |detach| {
+        sys.unmount(target, detach)
+    })
+}
+
+/// [`unmount_with_retry`] through [`Syscall::unmount_no_symlinks`]: for mount-table paths in trees a
+/// container can write (its sandbox), where a symlink swapped in must not send the unmount elsewhere.
+pub fn unmount_no_symlinks_with_retry(
+    sys: &dyn Syscall,
+    target: &Path,
+    attempts: u32,
+    delay: Duration,
+) -> Result<UnmountOutcome, MountError> {
+    retry_unmount(target, attempts, delay, |detach| {
+        sys.unmount_no_symlinks(target, detach)
+    })
+}
+
+/// The retry loop shared by every unmount form: `unmount(detach)` is one attempt.
+pub fn retry_unmount(
+    target: &Path,
+    attempts: u32,
+    delay: Duration,
+    unmount: impl Fn(bool) -> Result<(), MountError>,
+) -> Result<UnmountOutcome, MountError> {
     let mut retries = 0;
     loop {
-        match sys.unmount(target, false) {
+        match unmount(false) {
             Ok(()) => return Ok(UnmountOutcome::Unmounted),
             Err(MountError::NotMounted { .. }) => return Ok(UnmountOutcome::NotMounted),
             Err(e) if e.errno() == Some(Errno::EBUSY) => {
@@ -46,7 +72,7 @@ pub fn unmount_with_retry(
         }
     }
     tracing::warn!(target = %target.display(), attempts, "mount still busy, detaching lazily");
-    match sys.unmount(target, true) {
+    match unmount(true) {
         Ok(()) => Ok(UnmountOutcome::Detached),
         // Someone else unmounted it between our last try and the detach.
         Err(MountError::NotMounted { .. }) => Ok(UnmountOutcome::NotMounted),
@@ -59,7 +85,8 @@ pub const DEFAULT_ATTEMPTS: u32 = 5;
 /// Delay between EBUSY retries used by [`unmount_all_under`].
 pub const DEFAULT_DELAY: Duration = Duration::from_millis(50);
 
-/// Unmounts every mount at or below `prefix`, deepest first (each with unmount_with_retry).
+/// Unmounts every mount at or below `prefix`, deepest first, each with [`unmount_no_symlinks_with_retry`]:
+/// the table's paths hold no symlink, so one found on the way was swapped in and is refused.
 ///
 /// Returns how many mounts were unmounted or detached (those found already gone are not counted).
 pub fn unmount_all_under(
@@ -69,7 +96,12 @@ pub fn unmount_all_under(
 ) -> Result<usize, MountError> {
     let mut count = 0;
     for mount in table.mounts_under(prefix)? {
-        match unmount_with_retry(sys, &mount.mount_point, DEFAULT_ATTEMPTS, DEFAULT_DELAY)? {
+        match unmount_no_symlinks_with_retry(
+            sys,
+            &mount.mount_point,
+            DEFAULT_ATTEMPTS,
+            DEFAULT_DELAY,
+        )? {
             UnmountOutcome::Unmounted | UnmountOutcome::Detached => count += 1,
             UnmountOutcome::NotMounted => {}
         }

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use rand::Rng;
 use tonic::{Request, Response, Status};
 
+use super::faults::LieMode;
 use super::store::{CapabilityRecord, ControllerPublication};
 use super::{volume_key, LockKey, Plugin, PluginError, PluginService};
 use crate::csi::proto;
@@ -110,9 +111,9 @@ fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), Pl
     Ok(())
 }
 
-fn new_volume_id() -> String {
+fn new_volume_id(prefix: &str) -> String {
     let bits: u64 = rand::rng().random();
-    format!("vol-{bits:016x}")
+    format!("{prefix}{bits:016x}")
 }
 
 /// The publish_context ControllerPublish returns for (volume, node); NodeStage and
@@ -228,7 +229,13 @@ impl Plugin {
             });
         }
 
-        let id = new_volume_id();
+        let id = new_volume_id(&self.config.id_prefix);
+        // An id from an over-long --id-prefix: refused before any storage is made.
+        super::store::check_id(&id).map_err(|source| PluginError::Store {
+            rpc: RPC,
+            volume_id: id.clone(),
+            source,
+        })?;
         let record = super::store::VolumeRecord {
             version: super::store::RECORD_VERSION,
             id: id.clone(),
@@ -571,6 +578,45 @@ impl Plugin {
     }
 }
 
+impl Plugin {
+    /// Tells a `lie CreateVolume:empty-id|small-capacity` in a successful reply (the volume
+    /// was created all the same).
+    fn lie_in_create(
+        &self,
+        mut response: Response<proto::CreateVolumeResponse>,
+        required_bytes: i64,
+    ) -> Response<proto::CreateVolumeResponse> {
+        let mode = self.faults.reply_lie("CreateVolume");
+        if let Some(volume) = response.get_mut().volume.as_mut() {
+            match mode {
+                Some(LieMode::EmptyId) => {
+                    tracing::warn!(volume_id = %volume.volume_id, "lie fault: answering an empty volume_id");
+                    volume.volume_id.clear();
+                }
+                Some(LieMode::SmallCapacity) if required_bytes > 0 => {
+                    tracing::warn!(volume_id = %volume.volume_id, "lie fault: answering a capacity short of required_bytes");
+                    volume.capacity_bytes = required_bytes - 1;
+                }
+                _ => {}
+            }
+        }
+        response
+    }
+
+    /// Tells a `lie ControllerPublishVolume:empty-context` in a successful reply (the
+    /// volume was published all the same).
+    fn lie_in_publish(
+        &self,
+        mut response: Response<proto::ControllerPublishVolumeResponse>,
+    ) -> Response<proto::ControllerPublishVolumeResponse> {
+        if self.faults.reply_lie("ControllerPublishVolume") == Some(LieMode::EmptyContext) {
+            tracing::warn!("lie fault: answering an empty publish_context");
+            response.get_mut().publish_context.clear();
+        }
+        response
+    }
+}
+
 impl PluginService {
     /// An RPC of a capability this plugin never offers: logged and fault-injectable like
     /// any other, then UNIMPLEMENTED.
@@ -593,14 +639,17 @@ impl proto::controller_server::Controller for PluginService {
     ) -> Result<Response<proto::CreateVolumeResponse>, Status> {
         let req = request.into_inner();
         let name = req.name.clone();
-        self.call(
-            "CreateVolume",
-            &name,
-            LockKey::Create,
-            req,
-            Plugin::create_volume,
-        )
-        .await
+        let required = req.capacity_range.as_ref().map_or(0, |r| r.required_bytes);
+        let response = self
+            .call(
+                "CreateVolume",
+                &name,
+                LockKey::Create,
+                req,
+                Plugin::create_volume,
+            )
+            .await?;
+        Ok(self.inner.lie_in_create(response, required))
     }
 
     async fn delete_volume(
@@ -625,14 +674,16 @@ impl proto::controller_server::Controller for PluginService {
     ) -> Result<Response<proto::ControllerPublishVolumeResponse>, Status> {
         let req = request.into_inner();
         let id = req.volume_id.clone();
-        self.call(
-            "ControllerPublishVolume",
-            &id,
-            LockKey::Volume(id.clone()),
-            req,
-            Plugin::controller_publish,
-        )
-        .await
+        let response = self
+            .call(
+                "ControllerPublishVolume",
+                &id,
+                LockKey::Volume(id.clone()),
+                req,
+                Plugin::controller_publish,
+            )
+            .await?;
+        Ok(self.inner.lie_in_publish(response))
     }
 
     async fn controller_unpublish_volume(

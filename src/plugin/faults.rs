@@ -4,7 +4,10 @@
 //! through [`Faults::leave`] after its side effect, so a fault spec can fail a call,
 //! delay it, or kill the process on either side of the side effect. A `stall` sleeps inside
 //! the work itself, after the RPC's checks and right before its side effect, holding the
-//! volume's lock (so tests can give up on a call mid-work and retry it). Specs come from the
+//! volume's lock (so tests can give up on a call mid-work and retry it). A `lie` answers
+//! something other than the truth ([`LieMode`]): success without the work, or the work done
+//! and a reply that is wrong (empty fields, a short capacity) or not even valid protobuf.
+//! Specs come from the
 //! command line and, optionally, from a file that is re-read whenever its mtime changes
 //! (counters reset then), so tests can change faults on a running plugin.
 
@@ -85,11 +88,13 @@ pub enum FaultSpec {
         /// The sleep.
         millis: u64,
     },
-    /// Answer `rpc` with success without doing its work (a plugin that
-    /// lies, for testing the CO's checks).
+    /// Answer `rpc` with something other than the truth (a plugin that lies, for
+    /// testing the CO's checks); `mode` says what.
     Lie {
         /// The CSI method name.
         rpc: String,
+        /// What the lie is.
+        mode: LieMode,
     },
     /// Exit the process during the first call of `rpc`.
     ExitIn {
@@ -99,6 +104,74 @@ pub enum FaultSpec {
         point: ExitPoint,
     },
 }
+
+/// What a `lie` fault makes the plugin answer. Every mode but [`LieMode::NoWork`] does the
+/// RPC's work first, so the CO is left to undo a side effect that it was told about wrongly.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LieMode {
+    /// `RPC` or `RPC:no-work`: success without doing the work (any RPC).
+    NoWork,
+    /// `ControllerPublishVolume:empty-context`: the volume is published, the reply's
+    /// publish_context is empty (so NodeStage/NodePublish, which require it, then fail).
+    EmptyContext,
+    /// `CreateVolume:empty-id`: the volume is created, the reply's volume_id is empty.
+    EmptyId,
+    /// `CreateVolume:small-capacity`: the volume is created, the reply's capacity_bytes is
+    /// one byte short of the request's required_bytes (no lie when none is required).
+    SmallCapacity,
+    /// `RPC:garbage`: the work is done, the reply's message bytes are not protobuf (a
+    /// field with the invalid wire type 7). Any RPC.
+    Garbage,
+    /// `RPC:bad-utf8`: the work is done, a string field of the reply holds bytes that are
+    /// not UTF-8. Only RPCs whose reply has a string field: CreateVolume (volume_id),
+    /// ControllerPublishVolume (a publish_context value), GetPluginInfo (name) and
+    /// NodeGetInfo (node_id).
+    BadUtf8,
+}
+
+impl LieMode {
+    /// The mode's name in a spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LieMode::NoWork => "no-work",
+            LieMode::EmptyContext => "empty-context",
+            LieMode::EmptyId => "empty-id",
+            LieMode::SmallCapacity => "small-capacity",
+            LieMode::Garbage => "garbage",
+            LieMode::BadUtf8 => "bad-utf8",
+        }
+    }
+
+    /// Whether the lie is made on the wire, after the reply was encoded
+    /// ([`LieMode::Garbage`], [`LieMode::BadUtf8`]).
+    pub fn on_the_wire(self) -> bool {
+        matches!(self, LieMode::Garbage | LieMode::BadUtf8)
+    }
+
+    /// The RPCs the mode applies to (`None`: any).
+    fn rpcs(self) -> Option<&'static [&'static str]> {
+        match self {
+            LieMode::NoWork | LieMode::Garbage => None,
+            LieMode::EmptyContext => Some(&["ControllerPublishVolume"]),
+            LieMode::EmptyId | LieMode::SmallCapacity => Some(&["CreateVolume"]),
+            LieMode::BadUtf8 => Some(&[
+                "CreateVolume",
+                "ControllerPublishVolume",
+                "GetPluginInfo",
+                "NodeGetInfo",
+            ]),
+        }
+    }
+}
+
+const LIE_MODES: [LieMode; 6] = [
+    LieMode::NoWork,
+    LieMode::EmptyContext,
+    LieMode::EmptyId,
+    LieMode::SmallCapacity,
+    LieMode::Garbage,
+    LieMode::BadUtf8,
+];
 
 fn parse_error(spec: &str, reason: impl Into<String>) -> FaultError {
     FaultError::Parse {
@@ -192,11 +265,38 @@ pub fn parse_stall(spec: &str) -> Result<FaultSpec, FaultError> {
     Ok(FaultSpec::Stall { rpc, millis })
 }
 
-/// Parses the value of `--lie`: `RPC`.
+/// Parses the value of `--lie`: `RPC[:MODE]` (see [`LieMode`]; without a mode, `no-work`).
 pub fn parse_lie(spec: &str) -> Result<FaultSpec, FaultError> {
-    Ok(FaultSpec::Lie {
-        rpc: check_rpc(spec, spec)?,
-    })
+    let (rpc, mode) = match spec.split_once(':') {
+        Some((rpc, name)) => {
+            let mode = LIE_MODES
+                .into_iter()
+                .find(|m| m.as_str() == name)
+                .ok_or_else(|| {
+                    let known: Vec<&str> = LIE_MODES.iter().map(|m| m.as_str()).collect();
+                    parse_error(
+                        spec,
+                        format!("unknown lie mode (expected one of {})", known.join(", ")),
+                    )
+                })?;
+            (rpc, mode)
+        }
+        None => (spec, LieMode::NoWork),
+    };
+    let rpc = check_rpc(spec, rpc)?;
+    if let Some(rpcs) = mode.rpcs() {
+        if !rpcs.contains(&rpc.as_str()) {
+            return Err(parse_error(
+                spec,
+                format!(
+                    "lie mode {} applies only to {}",
+                    mode.as_str(),
+                    rpcs.join(", ")
+                ),
+            ));
+        }
+    }
+    Ok(FaultSpec::Lie { rpc, mode })
 }
 
 /// Parses the value of `--exit-in`: `RPC[:before|after]`.
@@ -213,7 +313,8 @@ pub fn parse_exit_in(spec: &str) -> Result<FaultSpec, FaultError> {
     })
 }
 
-/// Parses a faults file: one `fail ...`, `delay ...`, `stall ...` or `exit-in ...` spec per line;
+/// Parses a faults file: one `fail ...`, `delay ...`, `stall ...`, `lie ...` or `exit-in ...`
+/// spec per line;
 /// blank lines and lines starting with `#` are ignored.
 pub fn parse_file(text: &str) -> Result<Vec<FaultSpec>, FaultError> {
     let mut specs = Vec::new();
@@ -232,7 +333,7 @@ pub fn parse_file(text: &str) -> Result<Vec<FaultSpec>, FaultError> {
             _ => {
                 return Err(parse_error(
                     line,
-                    "expected 'fail', 'delay', 'stall' or 'exit-in'",
+                    "expected 'fail', 'delay', 'stall', 'lie' or 'exit-in'",
                 ))
             }
         });
@@ -350,13 +451,26 @@ impl Faults {
 
     /// Whether `rpc` is to be answered with success without doing its work.
     pub fn lie(&self, rpc: &str) -> bool {
+        self.lie_mode(rpc, |m| m == LieMode::NoWork).is_some()
+    }
+
+    /// The lie to tell in `rpc`'s reply after doing its work, if any (the first spec
+    /// of another mode than [`LieMode::NoWork`]).
+    pub fn reply_lie(&self, rpc: &str) -> Option<LieMode> {
+        self.lie_mode(rpc, |m| m != LieMode::NoWork)
+    }
+
+    fn lie_mode(&self, rpc: &str, wanted: impl Fn(LieMode) -> bool) -> Option<LieMode> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         self.reload(&mut state);
         state
             .cli
             .iter()
             .chain(state.file.iter())
-            .any(|armed| matches!(&armed.spec, FaultSpec::Lie { rpc: r } if r == rpc))
+            .find_map(|armed| match &armed.spec {
+                FaultSpec::Lie { rpc: r, mode } if r == rpc && wanted(*mode) => Some(*mode),
+                _ => None,
+            })
     }
 
     /// Runs inside the RPC's work (on its blocking thread, under the volume's lock), right
@@ -505,10 +619,85 @@ mod tests {
     }
 
     #[test]
+    fn parses_lies_and_refuses_modes_that_do_not_fit_the_rpc() {
+        let lie = |rpc: &str, mode| FaultSpec::Lie {
+            rpc: rpc.into(),
+            mode,
+        };
+        let cases = [
+            (
+                "NodePublishVolume",
+                lie("NodePublishVolume", LieMode::NoWork),
+            ),
+            (
+                "NodeStageVolume:no-work",
+                lie("NodeStageVolume", LieMode::NoWork),
+            ),
+            (
+                "ControllerPublishVolume:empty-context",
+                lie("ControllerPublishVolume", LieMode::EmptyContext),
+            ),
+            (
+                "CreateVolume:empty-id",
+                lie("CreateVolume", LieMode::EmptyId),
+            ),
+            (
+                "CreateVolume:small-capacity",
+                lie("CreateVolume", LieMode::SmallCapacity),
+            ),
+            (
+                "NodeStageVolume:garbage",
+                lie("NodeStageVolume", LieMode::Garbage),
+            ),
+            (
+                "GetPluginInfo:bad-utf8",
+                lie("GetPluginInfo", LieMode::BadUtf8),
+            ),
+        ];
+        for (spec, want) in cases {
+            assert_eq!(parse_lie(spec).unwrap(), want, "{spec}");
+        }
+        for bad in [
+            "NodeStageVolume:empty-context",
+            "NodePublishVolume:empty-id",
+            "NodeStageVolume:bad-utf8",
+            "CreateVolume:fib",
+            ":garbage",
+        ] {
+            let err = parse_lie(bad).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("invalid fault spec '{bad}'")),
+                "{err}"
+            );
+        }
+        assert!(parse_lie("NodeStageVolume:empty-context")
+            .unwrap_err()
+            .to_string()
+            .ends_with("lie mode empty-context applies only to ControllerPublishVolume"));
+    }
+
+    #[test]
+    fn lies_without_work_and_lies_in_the_reply_are_told_apart() {
+        let faults = Faults::new(
+            vec![
+                parse_lie("NodePublishVolume").unwrap(),
+                parse_lie("CreateVolume:empty-id").unwrap(),
+            ],
+            None,
+            None,
+        );
+        assert!(faults.lie("NodePublishVolume"));
+        assert_eq!(faults.reply_lie("NodePublishVolume"), None);
+        assert!(!faults.lie("CreateVolume"));
+        assert_eq!(faults.reply_lie("CreateVolume"), Some(LieMode::EmptyId));
+        assert_eq!(faults.reply_lie("DeleteVolume"), None);
+    }
+
+    #[test]
     fn parses_files() {
-        let specs = parse_file("# comment\nfail NodePublishVolume=UNAVAILABLE:2\n\ndelay Probe=100\nexit-in NodeStageVolume:after\nstall CreateVolume=10\n")
+        let specs = parse_file("# comment\nfail NodePublishVolume=UNAVAILABLE:2\n\ndelay Probe=100\nexit-in NodeStageVolume:after\nstall CreateVolume=10\nlie NodeStageVolume:garbage\n")
             .unwrap();
-        assert_eq!(specs.len(), 4);
+        assert_eq!(specs.len(), 5);
         assert!(parse_file("explode Probe").is_err());
     }
 

@@ -13,7 +13,7 @@ impl Plugin {
     ) -> Result<proto::GetPluginInfoResponse, PluginError> {
         Ok(proto::GetPluginInfoResponse {
             name: self.config.name.clone(),
-            vendor_version: env!("CARGO_PKG_VERSION").to_string(),
+            vendor_version: self.config.vendor_version.clone(),
             manifest: [(
                 "backing".to_string(),
                 self.backing.kind().as_str().to_string(),

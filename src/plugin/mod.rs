@@ -13,6 +13,10 @@
 //! - Every RPC passes through one seam (`PluginService::call`): call log, fault injection
 //!   ([`faults`]), the per-volume lock, the blocking work on a blocking thread, and the
 //!   mapping of [`PluginError`] (a panic included) to a gRPC status ([`status`]).
+//! - Lies (`--lie RPC[:MODE]`) are told at three places: without the work in that seam, in a
+//!   handler's decoded reply (empty publish_context, empty volume id, short capacity), or on
+//!   the wire by a tower layer that rewrites the encoded reply (`wire`: bytes that are not
+//!   protobuf, strings that are not UTF-8).
 
 pub mod backing;
 mod controller;
@@ -22,6 +26,7 @@ mod locks;
 mod node;
 pub mod status;
 pub mod store;
+mod wire;
 
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
@@ -39,6 +44,10 @@ use store::{Store, StoreError};
 
 /// Default `GetPluginInfo` name.
 pub const DEFAULT_NAME: &str = "csi-test-plugin.csi-isolator.io";
+/// Default `GetPluginInfo` vendor_version: the crate's version.
+pub const DEFAULT_VENDOR_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// Default prefix of the volume ids CreateVolume makes (a random 16-hex-digit suffix follows).
+pub const DEFAULT_ID_PREFIX: &str = "vol-";
 /// Default total capacity: 1 TiB. Large on purpose: conformance suites create several
 /// volumes of their default size (csi-sanity: 10 GiB each), and nothing is reserved up front
 /// (dir volumes take what their files use; loop images are sparse files).
@@ -57,6 +66,11 @@ pub struct PluginConfig {
     pub node_id: String,
     /// The GetPluginInfo name.
     pub name: String,
+    /// The GetPluginInfo vendor_version (tests tell a replaced plugin by it).
+    pub vendor_version: String,
+    /// Prefix of new volume ids. Any string CSI allows: a prefix full of path syntax
+    /// (`../`, `/`, `%`) tests that the CO never uses an id as a path unencoded.
+    pub id_prefix: String,
     /// Total capacity, reported by GetCapacity and enforced by CreateVolume.
     pub capacity: u64,
     /// Offer the CONTROLLER_SERVICE plugin capability.
@@ -83,6 +97,8 @@ impl PluginConfig {
             backing: BackingKind::Dir,
             node_id: default_node_id(),
             name: DEFAULT_NAME.to_string(),
+            vendor_version: DEFAULT_VENDOR_VERSION.to_string(),
+            id_prefix: DEFAULT_ID_PREFIX.to_string(),
             capacity: DEFAULT_CAPACITY,
             controller: true,
             controller_publish: true,
@@ -442,6 +458,7 @@ pub async fn serve(
     let listener = listen(&socket)?;
     tracing::info!(socket = %socket.display(), "csi-test-plugin serving");
     let result = tonic::transport::Server::builder()
+        .layer(wire::WireLiesLayer::new(service.inner.clone()))
         .add_service(proto::identity_server::IdentityServer::new(service.clone()))
         .add_service(proto::controller_server::ControllerServer::new(
             service.clone(),

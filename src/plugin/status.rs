@@ -1,9 +1,53 @@
 //! The one place where plugin errors become gRPC statuses, following the error codes the
 //! CSI v1 spec assigns to each condition.
+//!
+//! A status message travels in an HTTP/2 header (`grpc-message`), and a header list over
+//! the peer's limit (16 KiB for hyper) is a protocol error that loses the message. Messages
+//! quote ids, names and paths the CO chose or that derive from them, of any length, so every
+//! message is bounded here: a word over [`MAX_WORD`] bytes keeps its first [`WORD_HEAD`]
+//! characters, and the whole message its first [`MAX_MESSAGE`] bytes.
 
 use tonic::{Code, Status};
 
 use super::{BackingError, PluginError};
+
+/// Words (ids, names, paths) longer than this are shortened in status messages.
+pub const MAX_WORD: usize = 256;
+/// How many characters of a shortened word are kept.
+pub const WORD_HEAD: usize = 64;
+/// The most bytes of a status message.
+pub const MAX_MESSAGE: usize = 4096;
+
+/// `message` bounded as the module doc says; a short message is unchanged.
+pub fn bounded(message: &str) -> String {
+    let mut out = String::with_capacity(message.len().min(MAX_MESSAGE + 64));
+    for (i, word) in message.split(' ').enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        if word.len() > MAX_WORD {
+            // A value ending a clause (`volume <id>: ...`) keeps its colon.
+            let (value, end) = match word.strip_suffix([':', ',']) {
+                Some(value) => (value, &word[value.len()..]),
+                None => (word, ""),
+            };
+            out.extend(value.chars().take(WORD_HEAD));
+            out.push_str(&format!("… ({} bytes){end}", value.len()));
+        } else {
+            out.push_str(word);
+        }
+    }
+    if out.len() > MAX_MESSAGE {
+        let mut cut = MAX_MESSAGE;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let total = out.len();
+        out.truncate(cut);
+        out.push_str(&format!("… (message of {total} bytes cut)"));
+    }
+    out
+}
 
 /// The gRPC code the CSI spec prescribes for `err`.
 pub fn code_of(err: &PluginError) -> Code {
@@ -37,16 +81,23 @@ pub fn code_of(err: &PluginError) -> Code {
 }
 
 /// Logs `err` once, with the RPC and volume, and converts it to a status carrying the
-/// full error chain as its message.
+/// error chain as its message (a cause whose text the message already holds is not
+/// repeated), [`bounded`].
 pub fn to_status(rpc: &str, volume_id: &str, err: PluginError) -> Status {
     let code = code_of(&err);
     let mut message = err.to_string();
     let mut source = std::error::Error::source(&err);
     while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
+        let text = s.to_string();
+        if !message.contains(&text) {
+            message.push_str(": ");
+            message.push_str(&text);
+        }
         source = s.source();
     }
+    let message = bounded(&message);
+    let volume_id = bounded(volume_id);
+    let volume_id = volume_id.as_str();
     if code == Code::Internal {
         tracing::error!(rpc, volume_id, %message, "rpc failed");
     } else {
@@ -114,5 +165,37 @@ mod tests {
             let status = to_status("Rpc", "v", err);
             assert_eq!(status.code(), code, "{}", status.message());
         }
+    }
+
+    #[test]
+    fn long_values_are_shortened_in_messages() {
+        let id = "/".repeat(4096);
+        let err = PluginError::VolumeNotFound {
+            rpc: "NodePublishVolume",
+            volume_id: id.clone(),
+        };
+        let status = to_status("NodePublishVolume", &id, err);
+        let message = status.message();
+        assert!(message.len() < 200, "{message}");
+        assert!(
+            message.starts_with(&format!(
+                "NodePublishVolume: volume {}… (4096 bytes) not found",
+                "/".repeat(64)
+            )),
+            "{message}"
+        );
+        assert!(message.ends_with(" not found"), "{message}");
+        assert_eq!(bounded("short words stay"), "short words stay");
+        assert_eq!(
+            bounded(&format!("volume {}: gone", "v".repeat(300))),
+            format!("volume {}… (300 bytes): gone", "v".repeat(64))
+        );
+        let many = "w".repeat(200) + " ";
+        let long = bounded(&many.repeat(100));
+        assert!(
+            long.len() < MAX_MESSAGE + 64 && long.ends_with("cut)"),
+            "{}",
+            long.len()
+        );
     }
 }

@@ -32,6 +32,10 @@ const RECORD_FILE: &str = "volume.json";
 /// Prefix of a volume directory being removed.
 const TOMBSTONE_PREFIX: &str = ".deleted-";
 
+/// The longest encoded id the store can hold: its tombstone name
+/// (`.deleted-<enc id>`) must still fit a file name (NAME_MAX, 255 bytes).
+pub const MAX_ENCODED_ID: usize = 255 - TOMBSTONE_PREFIX.len();
+
 /// Errors of the metadata store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -89,6 +93,15 @@ pub enum StoreError {
         /// The underlying error.
         #[source]
         source: io::Error,
+    },
+    /// A volume id whose encoding does not fit a file name (an id the
+    /// plugin was told to make with an over-long `--id-prefix`).
+    #[error("volume id of {len} bytes is too long for the store: its directory name would take {encoded} bytes (at most {MAX_ENCODED_ID})")]
+    IdTooLong {
+        /// The id's length in bytes.
+        len: usize,
+        /// The length of its encoding.
+        encoded: usize,
     },
     /// Removing a volume's directory failed.
     #[error("remove volume directory {path}: {source}")]
@@ -221,6 +234,18 @@ pub fn encode_id(id: &str) -> String {
         }
     }
     out
+}
+
+/// Fails unless the store can hold volume `id` (see [`MAX_ENCODED_ID`]).
+pub fn check_id(id: &str) -> Result<(), StoreError> {
+    let encoded = encode_id(id).len();
+    if encoded > MAX_ENCODED_ID {
+        return Err(StoreError::IdTooLong {
+            len: id.len(),
+            encoded,
+        });
+    }
+    Ok(())
 }
 
 /// The durable volume store, with an in-memory copy of every record.
@@ -427,6 +452,18 @@ mod tests {
             fs_type: "ext4".into(),
             mount_flags: vec!["ro".into()],
         }
+    }
+
+    #[test]
+    fn ids_too_long_for_a_file_name_are_refused() {
+        check_id(&"a".repeat(MAX_ENCODED_ID)).unwrap();
+        check_id(&format!("{}{:016x}", "a".repeat(200), 7u64)).unwrap();
+        let err = check_id(&"/".repeat(4096)).unwrap_err().to_string();
+        assert!(
+            err.contains("4096 bytes") && err.contains("12288 bytes"),
+            "{err}"
+        );
+        assert!(check_id(&"a".repeat(MAX_ENCODED_ID + 1)).is_err());
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! Creating, declaring and destroying volumes.
 //!
-//! create: a durable intent (`creating/<enc name>.intent`) is written before
+//! create: the name is checked against CSI's rules for
+//! `CreateVolumeRequest.name` first (see [`validate_volume_name`]), so a
+//! name the spec forbids never reaches an intent or the plugin. Then a
+//! durable intent (`creating/<enc name>.intent`) is written before
 //! CreateVolume, so a crash between the RPC and the volume's first
 //! checkpoint is finished by recovery (CreateVolume is idempotent by name).
 //! destroy: marked durably, unpublished fully, then DeleteVolume; the
@@ -47,6 +50,40 @@ impl CreateSpec {
     }
 }
 
+/// CSI's general limit for strings, which `CreateVolumeRequest.name` keeps.
+pub const MAX_NAME_BYTES: usize = 128;
+
+/// Checks a CreateVolume name as the CSI spec bounds it: REQUIRED (not
+/// empty), at most 128 bytes (the "Size Limits" for strings, for messages
+/// COs generate), and none of the characters the spec bans in names:
+/// U+0000-U+0008, U+000B, U+000C, U+000E-U+001F, U+007F-U+009F (tab,
+/// newline and carriage return are allowed). The error names the volume,
+/// escaped and shortened.
+pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
+    let banned =
+        |c: &char| matches!(*c as u32, 0x00..=0x08 | 0x0b | 0x0c | 0x0e..=0x1f | 0x7f..=0x9f);
+    let reason = if name.is_empty() {
+        "its name is empty (CSI requires one)".to_string()
+    } else if name.len() > MAX_NAME_BYTES {
+        format!(
+            "its name is {} bytes, over CSI's limit of {MAX_NAME_BYTES} bytes",
+            name.len()
+        )
+    } else if let Some(c) = name.chars().find(banned) {
+        format!(
+            "its name holds U+{:04X}, a control character CSI bans in volume names",
+            c as u32
+        )
+    } else {
+        return Ok(());
+    };
+    Err(ProviderError::InvalidName {
+        field: "volume",
+        value: crate::shown::shown(name).into_owned(),
+        reason,
+    })
+}
+
 #[derive(Serialize, Deserialize)]
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
@@ -70,9 +107,12 @@ impl StorageProvider {
     }
 
     /// Creates a volume (or returns the one already created under this
-    /// name) and returns the resource that hands it out.
-    #[tracing::instrument(skip(self, spec), fields(name = %spec.name))]
+    /// name) and returns the resource that hands it out. A name CSI
+    /// forbids ([`validate_volume_name`]) is refused before anything is
+    /// written or sent.
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name.escape_debug()))]
     pub async fn create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
+        validate_volume_name(&spec.name)?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         if let Some(rec) = self.find_by_name(&spec.name).await {

@@ -137,7 +137,10 @@ pub enum ProviderError {
         /// Why it was refused.
         reason: String,
     },
-    /// The plugin answered success but the effect the spec requires is not there.
+    /// The plugin answered success but the effect the spec requires is not
+    /// there, or it no longer offers a capability that state it made needs
+    /// (a volume still staged by a plugin replaced by one without
+    /// STAGE_UNSTAGE_VOLUME).
     #[error("volume '{volume}': {rpc} {what}")]
     PluginMisbehaved {
         /// The volume id.

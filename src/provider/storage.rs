@@ -411,9 +411,11 @@ impl StorageProvider {
             .cloned()
     }
 
-    /// Whether the plugin needs the RPC of `step` (else the step is skipped).
+    /// Whether the plugin needs the RPC of `step` (else the step is skipped),
+    /// per the capabilities of the plugin serving now (rediscovered when it
+    /// is replaced, see [`crate::csi::Client`]).
     pub(crate) fn supports(&self, step: Step) -> bool {
-        let caps = self.client.capabilities();
+        let caps = self.client.current_capabilities();
         match step {
             Step::ControllerPublish | Step::ControllerUnpublish => {
                 caps.plugin.controller_service() && caps.controller.publish_unpublish_volume()
@@ -445,6 +447,22 @@ impl StorageProvider {
         if rec.state == goal && rec.towards.is_none() {
             return Ok(false);
         }
+        // Steps are chosen by the plugin's capabilities: if the plugin was
+        // replaced since the last call, check it and learn them first. Only a
+        // different driver stops here; a plugin that cannot be asked yet is
+        // checked again, with retries, by the first call.
+        match self.client.ensure_current().await {
+            Ok(()) => {}
+            Err(source @ crate::csi::CsiError::PluginReplaced { .. }) => {
+                return Err(ProviderError::Csi {
+                    volume: rec.volume_id.clone(),
+                    source,
+                })
+            }
+            Err(e) => {
+                tracing::debug!(volume_id = %rec.volume_id, error = %e, "cannot re-check the plugin yet")
+            }
+        }
         let before = rec.clone();
         // Going back over an interrupted forward operation: the plugin may
         // have gone as far as the operation's goal, so undo from there.
@@ -475,7 +493,12 @@ impl StorageProvider {
                 }
             };
             dirty = true;
-            if !self.supports(step) {
+            if !self.supports(step) && !self.still_staged(rec, step) {
+                if step == Step::ControllerUnpublish && rec.node_id.is_some() {
+                    // Published by a plugin that offered the capability; the one
+                    // serving now has no RPC to undo it with.
+                    tracing::warn!(volume_id = %rec.volume_id, "the plugin no longer offers PUBLISH_UNPUBLISH_VOLUME: ControllerUnpublishVolume skipped");
+                }
                 advance(rec, step);
                 continue;
             }
@@ -507,6 +530,24 @@ impl StorageProvider {
             wrote = true;
         }
         Ok(wrote)
+    }
+
+    /// Whether `step` is a NodeUnstage whose staging path still holds a mount
+    /// although the plugin no longer offers STAGE_UNSTAGE_VOLUME (it was
+    /// replaced by one without it): then the step is not skipped, and fails
+    /// in [`call`](Self::call) rather than leave a mount behind unseen.
+    fn still_staged(&self, rec: &VolumeRecord, step: Step) -> bool {
+        if step != Step::NodeUnstage {
+            return false;
+        }
+        let staging = self.layout.staging_path(&rec.volume_id);
+        match self.table.is_mount_root(&staging) {
+            Ok(mounted) => mounted,
+            Err(e) => {
+                tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the staging path");
+                false
+            }
+        }
     }
 
     async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
@@ -599,6 +640,19 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
+            }
+            Step::NodeUnstage if !stage => {
+                // Only reached with a mount left at the staging path (see
+                // `still_staged`): a plugin without the capability must not be
+                // sent the RPC, and the mount is the plugin's to undo.
+                return Err(ProviderError::PluginMisbehaved {
+                    volume: rec.volume_id.clone(),
+                    rpc: step.rpc(),
+                    what: format!(
+                        "cannot be sent: the plugin no longer offers STAGE_UNSTAGE_VOLUME, yet the volume is still staged at {}",
+                        staging.display()
+                    ),
+                });
             }
             Step::NodeUnstage => {
                 let result = self

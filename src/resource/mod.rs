@@ -20,6 +20,7 @@
 mod encode;
 mod error;
 mod path;
+pub mod props;
 mod types;
 
 pub use encode::{

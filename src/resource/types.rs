@@ -583,15 +583,36 @@ impl Resource {
         }
     }
 
-    /// Whether the volume is mounted read-only (`disk.volume.mode == RO`).
+    /// Whether the volume is mounted read-only: `disk.volume.mode` is `RO`,
+    /// or a mode this crate does not know (never taken for read-write; see
+    /// [`Resource::check_volume_mode`], which refuses it). No mode is `RW`.
     pub fn read_only(&self) -> bool {
         matches!(
             self.disk
                 .as_ref()
                 .and_then(|d| d.volume.as_ref())
                 .and_then(|v| v.mode.as_ref()),
-            Some(VolumeMode::Ro)
+            Some(VolumeMode::Ro | VolumeMode::Other(_))
         )
+    }
+
+    /// Fails on a `disk.volume.mode` other than `RW` or `RO` (kept by
+    /// parsing so the JSON round-trips, but not usable for a mount).
+    pub fn check_volume_mode(&self) -> Result<(), ResourceError> {
+        let mode = self
+            .disk
+            .as_ref()
+            .and_then(|d| d.volume.as_ref())
+            .and_then(|v| v.mode.as_ref());
+        match mode {
+            Some(VolumeMode::Other(other)) => Err(ResourceError::InvalidField {
+                resource: self.describe(),
+                field: "disk.volume.mode".to_owned(),
+                value: other.clone(),
+                reason: "unknown volume mode (expected RW or RO)".to_owned(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// The id of the resource provider that owns the resource.
@@ -642,9 +663,16 @@ impl Resource {
     }
 
     /// A short description for messages: the name, then the source id and
-    /// the persistence id where set, debug-escaped.
+    /// the persistence id where set, debug-escaped. The name is written bare
+    /// when escaping would not change it (`disk`), else escaped and quoted,
+    /// so a newline in it cannot forge a log line.
     pub fn describe(&self) -> String {
-        let mut out = self.name.clone();
+        let quoted = format!("{:?}", self.name);
+        let mut out = if quoted[1..quoted.len() - 1] == self.name {
+            self.name.clone()
+        } else {
+            quoted
+        };
         if let Some(id) = self.source_id() {
             out.push_str(&format!(" (id {id:?})"));
         }
@@ -727,7 +755,13 @@ mod tests {
             r.disk_source().unwrap().kind,
             SourceType::Other("TAPE".into())
         );
-        assert!(!r.read_only());
+        // An unknown mode is never read-write, and refused where used.
+        assert!(r.read_only());
+        let err = r.check_volume_mode().unwrap_err().to_string();
+        assert!(
+            err.contains("disk.volume.mode") && err.contains("\"WO\""),
+            "{err}"
+        );
         assert_eq!(serde_json::to_value(&r).unwrap(), json);
     }
 
@@ -787,6 +821,16 @@ mod tests {
         assert_eq!(r.source_id(), Some("vol/1"));
         assert_eq!(r.container_path(), Some("data"));
         assert_eq!(r.describe(), r#"disk (id "vol/1") (persistence id "pv1")"#);
+    }
+
+    #[test]
+    fn describe_escapes_hostile_names() {
+        let mut r = Resource::scalar("cpus\nERROR forged", 1.0);
+        assert_eq!(r.describe(), r#""cpus\nERROR forged""#);
+        r.name = "a\"b".into();
+        assert_eq!(r.describe(), r#""a\"b""#);
+        r.name = "disk".into();
+        assert_eq!(r.describe(), "disk");
     }
 
     #[test]

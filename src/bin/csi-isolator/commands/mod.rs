@@ -1,4 +1,11 @@
-//! One module per verb.
+//! One module per verb, and what the verbs share: how untrusted values
+//! (volume names and ids, container ids, paths) are shown to people, and
+//! how arguments that are not UTF-8 are refused.
+
+use std::ffi::OsStr;
+
+use clap::builder::{StringValueParser, TypedValueParser};
+use clap::error::ErrorKind;
 
 pub mod oci_hook;
 pub mod plugin_args;
@@ -6,6 +13,8 @@ pub mod run;
 pub mod serve;
 pub mod status;
 pub mod volume;
+
+pub use csi_isolator::shown::{escaped, shown, shown_os};
 
 /// Examples shown by `--help`.
 pub const EXAMPLES: &str = "\
@@ -31,3 +40,32 @@ Examples:
 
   # The same against a CSI plugin already serving a socket
   csi-isolator volume --plugin-endpoint unix:///run/csi/plugin.sock list";
+
+/// A clap value parser that takes a value as the OS gave it: one that is
+/// not UTF-8 is refused (a usage error, exit status 2) naming the argument
+/// and showing the value escaped; a UTF-8 one goes on to the inner parser.
+#[derive(Clone)]
+pub struct Utf8<P>(pub P);
+
+/// [`Utf8`] around a plain `String` argument.
+pub fn text() -> Utf8<StringValueParser> {
+    Utf8(StringValueParser::new())
+}
+
+impl<P: TypedValueParser> TypedValueParser for Utf8<P> {
+    type Value = P::Value;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &OsStr,
+    ) -> Result<Self::Value, clap::Error> {
+        if value.to_str().is_none() {
+            let what = arg.map_or_else(|| "an argument".to_string(), |a| a.to_string());
+            let message = format!("invalid UTF-8 in {what}: '{}'\n", shown_os(value));
+            return Err(clap::Error::raw(ErrorKind::InvalidUtf8, message).with_cmd(cmd));
+        }
+        self.0.parse_ref(cmd, arg, value)
+    }
+}

@@ -50,6 +50,7 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
         StageArg::CreateRuntime => (Stage::CreateRuntime, "oci-hook create-runtime"),
         StageArg::Poststop => (Stage::Poststop, "oci-hook poststop"),
     };
+    csi_isolator::workdir::require_utf8(work_dir).with_context(|| name.to_string())?;
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)

@@ -7,18 +7,25 @@ use clap::Args;
 use csi_isolator::provider::bundled::{bundled_config, bundled_plugin_path};
 use csi_isolator::provider::{PluginSource, ProviderConfig, UnpublishPolicy};
 
+use super::text;
+
 /// Which plugin, and how its volumes are handled.
 #[derive(Debug, Args)]
 pub struct PluginArgs {
     /// A CSI plugin already serving this endpoint (unix:///PATH); without it
     /// the bundled csi-test-plugin is started under the work dir.
-    #[arg(long, value_name = "unix:///PATH")]
+    #[arg(long, value_name = "unix:///PATH", value_parser = text())]
     pub plugin_endpoint: Option<String>,
     /// The plugin instance name (a path component of the layout).
-    #[arg(long, default_value = "default")]
+    #[arg(long, default_value = "default", value_parser = text())]
     pub plugin_name: String,
     /// Extra argument for the bundled plugin (repeatable), e.g. --plugin-arg=--backing=loop.
-    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    #[arg(
+        long,
+        value_name = "ARG",
+        allow_hyphen_values = true,
+        value_parser = text()
+    )]
     pub plugin_arg: Vec<String>,
     /// When an unused volume is unpublished: last-use or keep.
     #[arg(long, default_value = "last-use")]

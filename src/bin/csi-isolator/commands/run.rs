@@ -11,6 +11,7 @@ use csi_isolator::resource::parse_resources;
 use csi_isolator::runner::{self, RunOptions, VolumeArg};
 
 use super::plugin_args::PluginArgs;
+use super::{text, Utf8};
 
 /// `run` options.
 #[derive(Debug, Args)]
@@ -29,7 +30,11 @@ pub struct RunArgs {
     plugin: PluginArgs,
     /// A volume: NAME:SIZE:CONTAINER_PATH[:ro] (repeatable). Created if new; a relative
     /// CONTAINER_PATH is inside the sandbox (the workload's working directory).
-    #[arg(long = "volume", value_name = "NAME:SIZE:CONTAINER_PATH[:ro]")]
+    #[arg(
+        long = "volume",
+        value_name = "NAME:SIZE:CONTAINER_PATH[:ro]",
+        value_parser = Utf8(|s: &str| s.parse::<VolumeArg>())
+    )]
     volumes: Vec<VolumeArg>,
     /// Mesos Resource JSON (a list) of volumes to mount, instead of or besides --volume.
     #[arg(long, value_name = "FILE.json")]
@@ -38,7 +43,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     rootfs: Option<PathBuf>,
     /// The container id (default: run-<random>).
-    #[arg(long)]
+    #[arg(long, value_parser = text())]
     container_id: Option<String>,
     /// Seconds the workload gets to exit after SIGTERM before SIGKILL.
     #[arg(long, default_value = "10")]

@@ -9,6 +9,8 @@ use clap::Args;
 use csi_isolator::mount::ProcMountTable;
 use csi_isolator::provider::status::scan;
 
+use super::{escaped, shown, shown_os};
+
 /// `status` options.
 #[derive(Debug, Args)]
 #[command(after_help = "\
@@ -33,12 +35,12 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
             "PLUGIN", "VOLUME", "NAME", "STATE", "MOUNTED"
         );
         for v in &report.volumes {
-            let users: Vec<&str> = v.users.iter().map(String::as_str).collect();
+            let users: Vec<_> = v.users.iter().map(|u| shown(u)).collect();
             println!(
                 "{:<40} {:<24} {:<14} {:<20} {:<8} {}",
-                v.plugin,
-                v.volume_id,
-                v.name.as_deref().unwrap_or("-"),
+                shown(&v.plugin),
+                shown(&v.volume_id),
+                shown(v.name.as_deref().unwrap_or("-")),
                 v.state,
                 if v.mounted { "yes" } else { "no" },
                 if users.is_empty() {
@@ -47,16 +49,20 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
                     users.join(",")
                 }
             );
-            println!("    mount point: {}", v.mount_point.display());
+            println!("    mount point: {}", shown_os(v.mount_point.as_os_str()));
             if let Some(d) = &v.disagreement {
-                println!("    ! {d}");
+                println!("    ! {}", escaped(d));
             }
         }
         for u in &report.unreadable {
-            println!("! unreadable state {}: {}", u.path.display(), u.reason);
+            println!(
+                "! unreadable state {}: {}",
+                shown_os(u.path.as_os_str()),
+                escaped(&u.reason)
+            );
         }
         if report.volumes.is_empty() && report.unreadable.is_empty() {
-            println!("(no volumes under {})", work_dir.display());
+            println!("(no volumes under {})", shown_os(work_dir.as_os_str()));
         }
     }
     let healthy =

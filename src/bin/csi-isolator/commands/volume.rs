@@ -10,8 +10,10 @@ use std::time::Duration;
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
 use csi_isolator::provider::{Capability, CreateSpec, StorageProvider};
+use csi_isolator::runner::validate_container_id;
 
 use super::plugin_args::PluginArgs;
+use super::{shown, text};
 
 /// `volume` options.
 #[derive(Debug, Args)]
@@ -35,32 +37,37 @@ enum Action {
     /// Create a volume (the same name is the same volume) and print its resource JSON.
     Create {
         /// The volume name.
+        #[arg(value_parser = text())]
         name: String,
         /// Capacity, e.g. 64M or 1G.
+        #[arg(value_parser = text())]
         size: String,
         /// CSI access mode.
-        #[arg(long, default_value = "SINGLE_NODE_WRITER")]
+        #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
         access_mode: String,
     },
     /// Publish a volume (id or name) for a container and print its mount point.
     Publish {
         /// Volume id or name.
+        #[arg(value_parser = text())]
         volume: String,
         /// The container that uses it.
-        #[arg(long)]
+        #[arg(long, value_parser = text())]
         container: String,
     },
     /// End a container's use of a volume (unpublished on last use).
     Release {
         /// Volume id or name.
+        #[arg(value_parser = text())]
         volume: String,
         /// The container that used it.
-        #[arg(long)]
+        #[arg(long, value_parser = text())]
         container: String,
     },
     /// Unpublish fully and delete a volume; refused while containers use it.
     Destroy {
         /// Volume id or name.
+        #[arg(value_parser = text())]
         volume: String,
     },
     /// List the provider's volumes.
@@ -73,6 +80,10 @@ enum Action {
 
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
+    // A container id is checked before anything starts, as `run` checks its own.
+    if let Action::Publish { container, .. } | Action::Release { container, .. } = &args.action {
+        validate_container_id(container)?;
+    }
     // One process drives a work dir's volumes at a time (run, serve, hooks):
     // wait for them briefly rather than racing their checkpoints.
     let work_dir = csi_isolator::workdir::canonical(work_dir)?;
@@ -94,13 +105,16 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             access_mode,
         } => {
             let bytes = csi_isolator::plugin::parse_size(&size)
-                .ok_or_else(|| anyhow!("invalid size '{size}' (examples: 64M, 1G)"))?;
+                .ok_or_else(|| anyhow!("invalid size '{}' (examples: 64M, 1G)", shown(&size)))?;
             let capability = Capability {
                 access_mode,
                 ..Capability::default()
             };
             if capability.mode().is_none() {
-                return Err(anyhow!("unknown access mode '{}'", capability.access_mode));
+                return Err(anyhow!(
+                    "unknown access mode '{}'",
+                    shown(&capability.access_mode)
+                ));
             }
             let mut spec = CreateSpec::new(name, bytes);
             spec.capability = capability;
@@ -127,11 +141,11 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             } else {
                 println!("{:<24} {:<16} {:<20} USERS", "VOLUME", "NAME", "STATE");
                 for v in volumes {
-                    let users: Vec<&str> = v.users.iter().map(String::as_str).collect();
+                    let users: Vec<_> = v.users.iter().map(|u| shown(u)).collect();
                     println!(
                         "{:<24} {:<16} {:<20} {}",
-                        v.volume_id,
-                        v.name.as_deref().unwrap_or("-"),
+                        shown(&v.volume_id),
+                        shown(v.name.as_deref().unwrap_or("-")),
                         v.state,
                         users.join(",")
                     );
@@ -153,8 +167,9 @@ async fn resolve(provider: &StorageProvider, volume: &str) -> anyhow::Result<Str
         .map(|r| r.volume_id)
         .ok_or_else(|| {
             anyhow!(
-                "no volume with id or name '{volume}' in provider {}",
-                provider.id()
+                "no volume with id or name '{}' in provider {}",
+                shown(volume),
+                shown(provider.id())
             )
         })
 }
