@@ -57,6 +57,22 @@ fn open_namespace(pid: u32) -> Result<OwnedFd, LaunchError> {
     ns::open_mount_namespace(pid).map_err(|errno| LaunchError::OpenNamespace { pid, errno })
 }
 
+/// The container's sandbox, by fd inside its root: `/proc/self/fd/N` of it then names exactly that directory
+/// while the fd is open.
+fn open_sandbox(
+    pid: u32,
+    container_root: &Path,
+    sandbox_in_container: &Path,
+) -> Result<OwnedFd, LaunchError> {
+    mount::open_in_root(container_root, sandbox_in_container).map_err(|source| {
+        LaunchError::OpenSandbox {
+            pid,
+            sandbox: sandbox_in_container.to_path_buf(),
+            source,
+        }
+    })
+}
+
 /// Mounts `mount` into the running container whose process is `pid` (a host pid). `sandbox_in_container`
 /// is the sandbox as the container sees it (`SANDBOX_IN_ROOTFS` with a rootfs, the host sandbox path
 /// without one); sandbox targets are resolved inside it, rootfs and host targets inside the container's
@@ -85,16 +101,8 @@ pub fn mount_into(
 
     let target = match mount.root {
         TargetRoot::Sandbox => {
-            // The sandbox first, by fd inside the container's root; then the target by fd inside the sandbox
-            // (through /proc/self/fd/N, which names exactly that directory while `sandbox` is open).
-            let sandbox =
-                mount::open_in_root(&container_root, sandbox_in_container).map_err(|source| {
-                    LaunchError::OpenSandbox {
-                        pid,
-                        sandbox: sandbox_in_container.to_path_buf(),
-                        source,
-                    }
-                })?;
+            // The sandbox first, by fd inside the container's root; then the target by fd inside the sandbox.
+            let sandbox = open_sandbox(pid, &container_root, sandbox_in_container)?;
             let root = super::setup::fd_link(sandbox.as_fd());
             resolve_target(mount, &root, Resolve::Create, &at)?
         }
@@ -144,14 +152,7 @@ pub fn unmount_from(
     let sandbox;
     let root = match mount.root {
         TargetRoot::Sandbox => {
-            sandbox =
-                mount::open_in_root(&container_root, sandbox_in_container).map_err(|source| {
-                    LaunchError::OpenSandbox {
-                        pid,
-                        sandbox: sandbox_in_container.to_path_buf(),
-                        source,
-                    }
-                })?;
+            sandbox = open_sandbox(pid, &container_root, sandbox_in_container)?;
             super::setup::fd_link(sandbox.as_fd())
         }
         TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),

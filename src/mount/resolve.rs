@@ -104,16 +104,7 @@ pub fn open_dir_no_symlinks_in(root: &Path, path: &Path) -> Result<OwnedFd, Moun
     if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(ctx.err("check path", Errno::EINVAL));
     }
-    let root_fd = open(
-        root,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| ctx.err("open root", e))?;
-    let relative: PathBuf = path
-        .components()
-        .filter(|c| !matches!(c, Component::RootDir))
-        .collect();
+    let (root_fd, relative) = open_root(&ctx)?;
     let relative = if relative.as_os_str().is_empty() {
         PathBuf::from(".")
     } else {
@@ -244,6 +235,22 @@ impl Ctx<'_> {
     }
 }
 
+/// The root (a trusted host path) as an O_PATH fd, and `path` made relative to it.
+fn open_root(ctx: &Ctx<'_>) -> Result<(OwnedFd, PathBuf), MountError> {
+    let root_fd = open(
+        ctx.root,
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| ctx.err("open root", e))?;
+    let relative = ctx
+        .path
+        .components()
+        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
+        .collect();
+    Ok((root_fd, relative))
+}
+
 fn resolve(
     root: &Path,
     path: &Path,
@@ -251,17 +258,7 @@ fn resolve(
     strategy: Strategy,
 ) -> Result<OwnedFd, MountError> {
     let ctx = Ctx { root, path };
-    // The root itself is a trusted host path.
-    let root_fd = open(
-        root,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| ctx.err("open root", e))?;
-    let relative: PathBuf = path
-        .components()
-        .filter(|c| !matches!(c, Component::RootDir | Component::Prefix(_)))
-        .collect();
+    let (root_fd, relative) = open_root(&ctx)?;
 
     let fd = match strategy {
         Strategy::Auto => match openat2_in_root(&ctx, root_fd.as_fd(), &relative) {
