@@ -278,6 +278,44 @@ async fn a_node_stage_that_stages_nothing_is_caught_by_node_publish_and_rolled_b
 }
 
 #[tokio::test]
+async fn a_create_answering_another_volumes_id_never_overwrites_it() {
+    let rig = Rig::new("faults-reused-id", &[]).await;
+    let first = rig.create("first").await;
+    let mp = rig.provider.publish(&first, "c1").await.unwrap();
+    std::fs::write(mp.join("precious"), "data").unwrap();
+    let before = rig.state_file(&first);
+
+    rig.set_faults("lie CreateVolume:reused-id\n");
+    let err = rig
+        .provider
+        .create_volume(CreateSpec::new("second", 16 * MIB))
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains(
+            "CreateVolume of 'second' returned the volume_id of another volume already recorded"
+        ),
+        "{text}"
+    );
+    // The first volume's state, users and data are untouched; nothing is recorded for the second.
+    assert_eq!(rig.state_file(&first), before);
+    assert!(rig.provider.find_by_name("second").await.is_none());
+    assert_eq!(
+        std::fs::read_to_string(mp.join("precious")).unwrap(),
+        "data"
+    );
+
+    // Once the plugin answers truthfully, the intent kept for "second" leads to its own volume.
+    rig.set_faults("");
+    let second = rig.create("second").await;
+    assert_ne!(second, first);
+    assert_eq!(rig.state_file(&first), before);
+    rig.provider.release(&first, "c1").await.unwrap();
+    rig.finish(&[&first, &second]).await;
+}
+
+#[tokio::test]
 async fn create_volume_answers_that_break_the_spec_are_refused() {
     let rig = Rig::new("faults-create", &[]).await;
     let cases = [

@@ -82,7 +82,8 @@ struct Args {
     /// Lie in RPC's answer: `RPC[:MODE]`. Modes: no-work (the default: success without the
     /// work; any RPC); the rest do the work, then lie: empty-context (ControllerPublishVolume:
     /// empty publish_context), empty-id (CreateVolume: empty volume_id), small-capacity
-    /// (CreateVolume: capacity_bytes one short of required_bytes), garbage (any RPC: reply bytes
+    /// (CreateVolume: capacity_bytes one short of required_bytes), reused-id (CreateVolume: the
+    /// volume_id of another volume the plugin has), garbage (any RPC: reply bytes
     /// that are not protobuf), bad-utf8 (CreateVolume, ControllerPublishVolume, GetPluginInfo,
     /// NodeGetInfo: a string field that is not UTF-8).
     #[arg(long, value_name = "RPC[:MODE]")]

@@ -579,7 +579,7 @@ impl Plugin {
 }
 
 impl Plugin {
-    /// Tells a `lie CreateVolume:empty-id|small-capacity` in a successful reply (the volume
+    /// Tells a `lie CreateVolume:empty-id|small-capacity|reused-id` in a successful reply (the volume
     /// was created all the same).
     fn lie_in_create(
         &self,
@@ -596,6 +596,18 @@ impl Plugin {
                 Some(LieMode::SmallCapacity) if required_bytes > 0 => {
                     tracing::warn!(volume_id = %volume.volume_id, "lie fault: answering a capacity short of required_bytes");
                     volume.capacity_bytes = required_bytes - 1;
+                }
+                Some(LieMode::ReusedId) => {
+                    let other = self
+                        .store
+                        .list()
+                        .into_iter()
+                        .map(|r| r.id)
+                        .find(|id| *id != volume.volume_id);
+                    if let Some(other) = other {
+                        tracing::warn!(volume_id = %volume.volume_id, other = %other, "lie fault: answering another volume's id");
+                        volume.volume_id = other;
+                    }
                 }
                 _ => {}
             }

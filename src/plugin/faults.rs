@@ -119,6 +119,9 @@ pub enum LieMode {
     /// `CreateVolume:small-capacity`: the volume is created, the reply's capacity_bytes is
     /// one byte short of the request's required_bytes (no lie when none is required).
     SmallCapacity,
+    /// `CreateVolume:reused-id`: the volume is created, the reply's volume_id is that of
+    /// another volume the plugin has (no lie when there is none).
+    ReusedId,
     /// `RPC:garbage`: the work is done, the reply's message bytes are not protobuf (a
     /// field with the invalid wire type 7). Any RPC.
     Garbage,
@@ -137,6 +140,7 @@ impl LieMode {
             LieMode::EmptyContext => "empty-context",
             LieMode::EmptyId => "empty-id",
             LieMode::SmallCapacity => "small-capacity",
+            LieMode::ReusedId => "reused-id",
             LieMode::Garbage => "garbage",
             LieMode::BadUtf8 => "bad-utf8",
         }
@@ -153,7 +157,9 @@ impl LieMode {
         match self {
             LieMode::NoWork | LieMode::Garbage => None,
             LieMode::EmptyContext => Some(&["ControllerPublishVolume"]),
-            LieMode::EmptyId | LieMode::SmallCapacity => Some(&["CreateVolume"]),
+            LieMode::EmptyId | LieMode::SmallCapacity | LieMode::ReusedId => {
+                Some(&["CreateVolume"])
+            }
             LieMode::BadUtf8 => Some(&[
                 "CreateVolume",
                 "ControllerPublishVolume",
@@ -164,11 +170,12 @@ impl LieMode {
     }
 }
 
-const LIE_MODES: [LieMode; 6] = [
+const LIE_MODES: [LieMode; 7] = [
     LieMode::NoWork,
     LieMode::EmptyContext,
     LieMode::EmptyId,
     LieMode::SmallCapacity,
+    LieMode::ReusedId,
     LieMode::Garbage,
     LieMode::BadUtf8,
 ];

@@ -186,6 +186,18 @@ impl StorageProvider {
                 what: "an empty volume_id",
             });
         }
+        // An id already recorded for another volume would overwrite that volume's state (and
+        // hand its data out under this name): the plugin is wrong, nothing is recorded.
+        if let Some(other) = self.volume(&volume.volume_id).await {
+            if other.name.as_deref() != Some(spec.name.as_str()) {
+                tracing::error!(volume_id = %volume.volume_id, name = %spec.name.escape_debug(),
+                    other = ?other.name, "CreateVolume answered the id of another volume");
+                return Err(ProviderError::BadCreateResponse {
+                    name: spec.name.clone(),
+                    what: "the volume_id of another volume already recorded",
+                });
+            }
+        }
         let mut rec = VolumeRecord::new(volume.volume_id, spec.capability.clone());
         rec.name = Some(spec.name.clone());
         rec.capacity_bytes = u64::try_from(volume.capacity_bytes).unwrap_or(0);
@@ -220,7 +232,12 @@ impl StorageProvider {
         if let Some(rec) = self.volume(volume_id).await {
             return Ok(self.resource_for(&rec));
         }
-        if self.client.capabilities().plugin.controller_service() {
+        if self
+            .client
+            .current_capabilities()
+            .plugin
+            .controller_service()
+        {
             self.client
                 .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
                     volume_id: volume_id.to_string(),
