@@ -20,7 +20,6 @@
 mod encode;
 mod error;
 mod path;
-pub mod props;
 mod types;
 
 pub use encode::{

@@ -12,6 +12,8 @@
 //!
 //! Helpers panic with a clear message on failure: they are for tests.
 
+pub mod props;
+
 use std::fs::{self, File};
 use std::io;
 use std::path::{Path, PathBuf};

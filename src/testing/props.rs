@@ -27,7 +27,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Map;
 
-use super::{
+use crate::resource::{
     csi_mounts_root, decode_volume_id, encode_volume_id, plugin_dir, resolve_host_path,
     validate_path_component, volume_staging_path, volume_target_path, DiskInfo, DiskSource,
     Persistence, ReservationInfo, Resource, ResourceError, SourceRoot, SourceType,
@@ -70,7 +70,7 @@ pub fn check_resource_json(bytes: &[u8]) -> JsonChecked {
     let single = serde_json::from_slice::<Resource>(bytes);
     let list = serde_json::from_slice::<Vec<Resource>>(bytes);
     if let Ok(text) = std::str::from_utf8(bytes) {
-        match (super::parse_resources(text), &list) {
+        match (crate::resource::parse_resources(text), &list) {
             (Ok(a), Ok(b)) => assert!(
                 &a == b,
                 "parse_resources and serde_json disagree on {:?}",
