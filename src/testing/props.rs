@@ -27,14 +27,14 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Map;
 
+use crate::isolator::targets::target_of;
+use crate::isolator::TargetRoot;
 use crate::resource::{
     csi_mounts_root, decode_volume_id, encode_volume_id, plugin_dir, resolve_host_path,
     validate_path_component, volume_staging_path, volume_target_path, DiskInfo, DiskSource,
     Persistence, ReservationInfo, Resource, ResourceError, SourceRoot, SourceType,
     MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
 };
-use crate::isolator::targets::target_of;
-use crate::isolator::TargetRoot;
 
 /// The agent work dir the fuzz targets resolve against.
 pub const FUZZ_WORK_DIR: &str = "/var/lib/csi-isolator";
