@@ -600,7 +600,31 @@ impl Backing {
         }
         Ok(())
     }
+
+    /// Waits (bounded by [`LOOP_RUNDOWN_WAIT`]) until no loop device is backed by the volume's
+    /// image: the kernel runs a detached device down after its last opener is gone, which can
+    /// trail the unmount that closed it. DeleteVolume waits so that the image it deletes is free.
+    pub fn wait_loop_rundown(&self, vol_dir: &Path) -> Result<(), BackingError> {
+        if self.kind != BackingKind::Loop {
+            return Ok(());
+        }
+        let deadline = std::time::Instant::now() + LOOP_RUNDOWN_WAIT;
+        loop {
+            let left = self.loop_devices(vol_dir)?;
+            if left.is_empty() {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(volume = %vol_dir.display(), devices = ?left, "loop devices still attached after their detach");
+                return Ok(());
+            }
+            std::thread::sleep(UNMOUNT_PAUSE);
+        }
+    }
 }
+
+/// How long [`Backing::release_if_unused`] waits for detached loop devices to run down.
+const LOOP_RUNDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[cfg(test)]
 mod tests {

@@ -317,6 +317,7 @@ impl Plugin {
         }
         self.faults.stall(RPC);
         self.backing.release_if_unused(&dir).map_err(backing_err)?;
+        self.backing.wait_loop_rundown(&dir).map_err(backing_err)?;
         self.store
             .remove(&record.id)
             .map_err(|source| PluginError::Store {
