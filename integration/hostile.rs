@@ -465,3 +465,65 @@ async fn a_rootfs_given_through_a_symlink_is_resolved_once_and_never_the_host_ro
     agent.stop().await;
     assert_clean(&sb, &before);
 }
+
+#[tokio::test]
+async fn an_update_is_refused_once_the_container_process_moved_to_another_mount_namespace() {
+    require_root();
+    let sb = Sandbox::new("hostile-ns-escape");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let vol = agent.volume("v", "data", VolumeMode::Rw).await;
+    let c1 = config(&sb, "c1", vec![], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    // The workload leaves the namespace it was isolated in (same pid: unshare execs sleep).
+    let mut running = start(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "while [ ! -e go ]; do sleep 0.02; done; exec unshare -m --propagation private sleep 1000",
+        ),
+    )
+    .await;
+    let pid = running.pid();
+    agent.isolator.isolate("c1", pid).await.unwrap();
+    let ns_before = fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+    fs::write(c1.sandbox.join("go"), "").unwrap();
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    while fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap() == ns_before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the workload never left its namespace"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    let err = agent
+        .isolator
+        .update("c1", vec![vol.clone()])
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("moved to another mount namespace or root since it was isolated"),
+        "{err}"
+    );
+    // Nothing was published or mounted for it.
+    assert_unpublished(&agent, &[&vol]).await;
+    assert!(ProcMountTable::for_pid(pid)
+        .mounts()
+        .unwrap()
+        .iter()
+        .all(|m| !m.mount_point.starts_with(&c1.sandbox)));
+
+    running.kill(Signal::SIGKILL).unwrap();
+    finish(&sb, &mut running).await;
+    agent.isolator.cleanup("c1").await.unwrap();
+    agent
+        .provider
+        .destroy_volume(vol.source_id().unwrap())
+        .await
+        .unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}

@@ -964,9 +964,18 @@ mod tests {
             detach: true
         }));
 
+        // A failure is tried again with a fresh table; one that lasts is reported, never
+        // counted as done.
         let fake = FakeSyscall::new();
         fake.add_mount("v", Path::new("/nonexistent/sb/x"), "ext4");
         fake.fail(CallKind::Unmount, Errno::EPERM, 1);
+        assert_eq!(
+            cleanup(&fake, &fake, Path::new("/nonexistent/sb")).unwrap(),
+            1
+        );
+        let fake = FakeSyscall::new();
+        fake.add_mount("v", Path::new("/nonexistent/sb/x"), "ext4");
+        fake.fail(CallKind::Unmount, Errno::EPERM, 100);
         let err = cleanup(&fake, &fake, Path::new("/nonexistent/sb")).unwrap_err();
         assert_eq!(
             err.to_string(),

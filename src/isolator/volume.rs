@@ -45,6 +45,10 @@ pub struct ContainerRecord {
     /// never mistaken for the container.
     #[serde(default)]
     pub pid_start: Option<u64>,
+    /// Its process's mount namespace and root when it was isolated: `update`
+    /// refuses a process that has moved to another one since.
+    #[serde(default)]
+    pub mount_view: Option<crate::launcher::process::MountView>,
     /// Mounts made on the host for it (the Docker/OCI path), unmounted at cleanup.
     #[serde(default)]
     pub host_binds: Vec<PathBuf>,
@@ -188,6 +192,7 @@ impl VolumeIsolator {
             mounts: mounts.clone(),
             pid: None,
             pid_start: None,
+            mount_view: None,
             host_binds: Vec::new(),
             binds_in_sandbox: false,
         };
@@ -277,9 +282,11 @@ impl VolumeIsolator {
     /// namespace on update).
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
         let start = crate::launcher::process::process_start_time(pid);
+        let view = crate::launcher::process::mount_view(pid);
         self.modify(container_id, |rec| {
             rec.pid = Some(pid);
             rec.pid_start = start;
+            rec.mount_view = view;
         })
         .await
     }
@@ -672,6 +679,13 @@ fn live_pid(container: &str, rec: &ContainerRecord) -> Result<u32, IsolatorError
     }
     if shares_mount_namespace(pid) == Some(true) {
         return Err(gone("it is in the agent's own mount namespace"));
+    }
+    if let Some(then) = rec.mount_view {
+        if crate::launcher::process::mount_view(pid) != Some(then) {
+            return Err(gone(
+                "it has moved to another mount namespace or root since it was isolated",
+            ));
+        }
     }
     Ok(pid)
 }

@@ -135,12 +135,14 @@ pub enum LaunchError {
         source: MountError,
     },
     /// A mount of the volume kept moving inside the container's namespace while being unmounted.
-    #[error("unmount volume {source_path} from the mount namespace of pid {pid}: its mount keeps moving: still mounted")]
+    #[error("unmount volume {source_path} from the mount namespace of pid {pid}: still mounted after its mount point moved: {reason}")]
     VolumeStillMounted {
         /// The container's process.
         pid: u32,
         /// The volume's source on the host.
         source_path: PathBuf,
+        /// Why the last attempt did not take it down.
+        reason: String,
     },
     /// The rootfs resolves to something that cannot be a container's root (the host's `/`, or not a
     /// directory).

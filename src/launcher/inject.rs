@@ -157,20 +157,22 @@ pub fn unmount_from(
         }
         TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
     };
+    // The volume's identity; a source already gone leaves only the mount-root check.
+    let source_id = std::fs::metadata(&mount.source)
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
     let (dir, name) = match mount::open_parent_in_root(&root, &mount.target) {
         Ok(found) => found,
         // No directory there: nothing can be mounted on it.
         Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => {
             tracing::info!(pid, "volume target gone: nothing to unmount there");
             if !also_mounted_elsewhere {
-                sweep_moved(pid, mount, &container_root, &ns_fd)?;
+                sweep_moved(pid, mount, source_id, &container_root, &ns_fd)?;
             }
             return Ok(());
         }
         Err(e) => return Err(unmount_err(e)),
     };
-    // The volume's identity; a source already gone leaves only the mount-root check.
-    let source = std::fs::metadata(&mount.source).ok();
 
     let outcome = in_namespace(pid, ns_fd.as_fd(), |sys| {
         let found = mount::entry_identity(dir.as_fd(), &name).map_err(|errno| {
@@ -185,8 +187,8 @@ pub fn unmount_from(
         if found.mount_root == Some(false) {
             return Ok(UnmountOutcome::NotMounted);
         }
-        if let Some(source) = &source {
-            if (found.dev, found.ino) != (source.dev(), source.ino()) {
+        if let Some(source) = source_id {
+            if (found.dev, found.ino) != source {
                 return Err(LaunchError::NotTheVolume {
                     pid,
                     target: shown.clone(),
@@ -201,15 +203,20 @@ pub fn unmount_from(
     })?;
     tracing::info!(pid, ?outcome, "volume unmounted from running container");
     if !also_mounted_elsewhere {
-        sweep_moved(pid, mount, &container_root, &ns_fd)?;
+        sweep_moved(pid, mount, source_id, &container_root, &ns_fd)?;
     }
     Ok(())
 }
 
 /// Unmounts every mount of `mount`'s source left in the container's namespace (see [`unmount_from`]).
+/// `source` is the source's (device, inode): an entry is only unmounted when the mount on top of it is
+/// the volume's, so a moved mount covered by another one is never mistaken for it. The container's
+/// copies of the host's own mounts of the volume (a container without a rootfs starts with a copy of
+/// the host's table, at the same paths) are not the container's mounts and are left alone.
 fn sweep_moved(
     pid: u32,
     mount: &VolumeMount,
+    source: Option<(u64, u64)>,
     container_root: &Path,
     ns_fd: &OwnedFd,
 ) -> Result<(), LaunchError> {
@@ -221,18 +228,24 @@ fn sweep_moved(
         })
     };
     // The volume's own mount on the host: what its copies in the container share.
-    let source = std::fs::canonicalize(&mount.source).unwrap_or_else(|_| mount.source.clone());
-    let Some(host) = read(ProcMountTable::new())?
-        .into_iter()
-        .rev()
-        .find(|m| m.mount_point == source)
-    else {
+    let canonical = std::fs::canonicalize(&mount.source).unwrap_or_else(|_| mount.source.clone());
+    let host_table = read(ProcMountTable::new())?;
+    let Some(host) = host_table.iter().rev().find(|m| m.mount_point == canonical) else {
         return Ok(());
     };
+    let same = |m: &crate::mount::MountInfo| {
+        (m.major, m.minor, &m.root) == (host.major, host.minor, &host.root)
+    };
+    let host_copies: Vec<&Path> = host_table
+        .iter()
+        .filter(|m| same(m))
+        .map(|m| m.mount_point.as_path())
+        .collect();
+    let mut last_problem = String::from("it was moved again between two reads of the mount table");
     for _round in 0..DEFAULT_ATTEMPTS {
         let left: Vec<PathBuf> = read(ProcMountTable::for_pid(pid))?
             .into_iter()
-            .filter(|m| (m.major, m.minor, &m.root) == (host.major, host.minor, &host.root))
+            .filter(|m| same(m) && !host_copies.contains(&m.mount_point.as_path()))
             .map(|m| m.mount_point)
             .collect();
         if left.is_empty() {
@@ -250,13 +263,28 @@ fn sweep_moved(
             let dir = match mount::open_dir_no_symlinks_in(container_root, parent) {
                 Ok(dir) => dir,
                 // Moved again, or swapped for a symlink: the next round reads the table again.
-                Err(_) => continue,
+                Err(e) => {
+                    last_problem = e.to_string();
+                    continue;
+                }
             };
             let name = name.to_os_string();
             in_namespace(pid, ns_fd.as_fd(), |sys| {
+                let found = mount::entry_identity(dir.as_fd(), &name).ok().flatten();
+                let ours = found.is_some_and(|f| {
+                    f.mount_root != Some(false) && source.is_none_or(|id| (f.dev, f.ino) == id)
+                });
+                if !ours {
+                    last_problem = format!(
+                        "what is mounted on top at {} is not the volume",
+                        path.display()
+                    );
+                    return Ok(());
+                }
                 mount::retry_unmount(path, DEFAULT_ATTEMPTS, DEFAULT_DELAY, |detach| {
                     sys.unmount_at(dir.as_fd(), &name, detach)
                 })
+                .map(drop)
                 .map_err(|source| LaunchError::Unmount {
                     pid,
                     target: path.clone(),
@@ -268,5 +296,6 @@ fn sweep_moved(
     Err(LaunchError::VolumeStillMounted {
         pid,
         source_path: mount.source.clone(),
+        reason: last_problem,
     })
 }

@@ -185,3 +185,26 @@ mod identity_tests {
         assert_eq!(shares_mount_namespace(me), Some(true));
     }
 }
+
+/// Who process `pid`'s mount namespace and root are: (device, inode) of `/proc/<pid>/ns/mnt` and of
+/// `/proc/<pid>/root`. Recorded when a container is isolated, so that a later `update` can tell that
+/// its process has since moved to another mount namespace or root (`unshare -m`, `chroot`), where
+/// mounting or unmounting would not reach the container's processes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MountView {
+    /// (st_dev, st_ino) of the mount namespace.
+    pub namespace: (u64, u64),
+    /// (st_dev, st_ino) of the root directory.
+    pub root: (u64, u64),
+}
+
+/// The [`MountView`] of `pid`, if its /proc entries can be read.
+pub fn mount_view(pid: u32) -> Option<MountView> {
+    use std::os::unix::fs::MetadataExt;
+    let ns = std::fs::metadata(format!("/proc/{pid}/ns/mnt")).ok()?;
+    let root = std::fs::metadata(format!("/proc/{pid}/root")).ok()?;
+    Some(MountView {
+        namespace: (ns.dev(), ns.ino()),
+        root: (root.dev(), root.ino()),
+    })
+}

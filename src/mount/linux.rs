@@ -188,12 +188,10 @@ impl Syscall for LinuxSyscall {
         detach: bool,
     ) -> Result<(), MountError> {
         let target = PathBuf::from(name);
-        if target.components().count() != 1
-            || !matches!(
-                target.components().next(),
-                Some(std::path::Component::Normal(_))
-            )
-        {
+        // One plain component: no `/` (a trailing one would make umount2 follow a symlink),
+        // not empty, not `.` or `..`.
+        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(name);
+        if bytes.is_empty() || bytes.contains(&b'/') || bytes == b"." || bytes == b".." {
             return Err(MountError::Unmount {
                 target,
                 errno: Errno::EINVAL,
@@ -205,9 +203,9 @@ impl Syscall for LinuxSyscall {
         }
         // The cwd is per fs_struct: a thread of its own (sharing this thread's namespaces) takes `dir` as
         // its cwd without touching anyone else's, and the name is then looked up from it alone.
-        let shown = super::fd_path(dir)
-            .map(|d| d.join(name))
-            .unwrap_or_else(|_| target.clone());
+        // Errors name the entry only: the caller knows the full path (reading it back through
+        // /proc here could ask a container's /proc, after a setns).
+        let shown = target.clone();
         let result = std::thread::scope(|scope| {
             std::thread::Builder::new()
                 .name("csi-unmount".into())

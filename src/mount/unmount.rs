@@ -95,19 +95,44 @@ pub fn unmount_all_under(
     prefix: &Path,
 ) -> Result<usize, MountError> {
     let mut count = 0;
-    for mount in table.mounts_under(prefix)? {
-        match unmount_no_symlinks_with_retry(
-            sys,
-            &mount.mount_point,
-            DEFAULT_ATTEMPTS,
-            DEFAULT_DELAY,
-        )? {
-            UnmountOutcome::Unmounted | UnmountOutcome::Detached => count += 1,
-            UnmountOutcome::NotMounted => {}
+    let mut first_error = None;
+    // A mount that is not where the table said (renamed away, or swapped for a symlink by whoever
+    // can write the tree) is looked for again in a fresh table; what is still there after the last
+    // round is an error, never a silent success.
+    for _round in 0..SWEEP_ROUNDS {
+        let mounts = table.mounts_under(prefix)?;
+        if mounts.is_empty() {
+            return Ok(count);
+        }
+        for mount in mounts {
+            match unmount_no_symlinks_with_retry(
+                sys,
+                &mount.mount_point,
+                DEFAULT_ATTEMPTS,
+                DEFAULT_DELAY,
+            ) {
+                Ok(UnmountOutcome::Unmounted | UnmountOutcome::Detached) => count += 1,
+                Ok(UnmountOutcome::NotMounted) => {}
+                // Go on with the others; the next round reads the table again.
+                Err(e) => {
+                    tracing::warn!(mount_point = %mount.mount_point.display(), error = %e, "unmount failed");
+                    first_error.get_or_insert(e);
+                }
+            }
         }
     }
-    Ok(count)
+    let left = table.mounts_under(prefix)?;
+    if left.is_empty() {
+        return Ok(count);
+    }
+    Err(first_error.unwrap_or_else(|| MountError::Unmount {
+        target: left[0].mount_point.clone(),
+        errno: Errno::EBUSY,
+    }))
 }
+
+/// How many times [`unmount_all_under`] reads the table again for mounts still there.
+const SWEEP_ROUNDS: u32 = 3;
 
 #[cfg(test)]
 mod tests {
