@@ -690,3 +690,48 @@ async fn concurrent_launches_from_a_busy_runtime() {
     }
     assert_clean(&sb, &before);
 }
+
+#[test]
+fn unmount_from_takes_only_the_volumes_own_mount() {
+    require_root();
+    let sb = Sandbox::new("inject-identity");
+    let sandbox = sb.mkdir("sandbox");
+    let (a, b) = (sb.mkdir("vol-a"), sb.mkdir("vol-b"));
+    let before = host_mount_points(&sb);
+    let mut container = start(
+        &sb,
+        &shell(&sandbox, "while [ ! -e stop ]; do sleep 0.05; done"),
+    );
+    let pid = container.pid();
+
+    let a_data = volume(&a, TargetRoot::Sandbox, "data", "data", false, "vol-a");
+    let a_copy = volume(&a, TargetRoot::Sandbox, "copy", "copy", false, "vol-a");
+    let b_data = volume(&b, TargetRoot::Sandbox, "data", "data", false, "vol-b");
+    for m in [&a_data, &a_copy, &b_data] {
+        inject::mount_into(pid, m, &sandbox).unwrap_or_else(|e| panic!("mount_into: {e}"));
+    }
+    let count = |p: &Path| mount_points_of(pid).iter().filter(|m| *m == p).count();
+    let (data, copy) = (sandbox.join("data"), sandbox.join("copy"));
+    assert_eq!((count(&data), count(&copy)), (2, 1));
+
+    // vol-b is on top of vol-a at data: taking vol-a there is refused, nothing is unmounted.
+    let err = inject::unmount_from(pid, &a_data, &sandbox, true).unwrap_err();
+    assert!(matches!(err, LaunchError::NotTheVolume { .. }), "{err}");
+    assert!(err.to_string().contains("not the volume's"), "{err}");
+    assert_eq!((count(&data), count(&copy)), (2, 1));
+
+    // In order: vol-b, then vol-a at data; its other mount at copy stays (the sweep is off).
+    inject::unmount_from(pid, &b_data, &sandbox, false).unwrap();
+    assert_eq!((count(&data), count(&copy)), (1, 1));
+    inject::unmount_from(pid, &a_data, &sandbox, true).unwrap();
+    assert_eq!((count(&data), count(&copy)), (0, 1));
+    // Nothing left at data: done, again.
+    inject::unmount_from(pid, &a_data, &sandbox, true).unwrap();
+    inject::unmount_from(pid, &a_copy, &sandbox, false).unwrap();
+    assert_eq!(count(&copy), 0);
+
+    fs::write(sandbox.join("stop"), "").unwrap();
+    let status = finish(&sb, &mut container);
+    assert_eq!(status.code(), Some(0), "container failed: {status}");
+    assert_clean(&sb, &before);
+}
