@@ -132,6 +132,33 @@ fn listing(dir: &Path) -> Vec<String> {
     names
 }
 
+/// Prepares container `id`, starts `script` in it and isolates it (a running container `update` can
+/// reach).
+async fn start_isolated(
+    agent: &Agent,
+    sb: &Sandbox,
+    id: &str,
+    cfg: &ContainerConfig,
+    script: &str,
+) -> csi_isolator::launcher::Launched {
+    let info = agent.isolator.prepare(id, cfg.clone()).await.unwrap();
+    let running = start(sb, spec(cfg, &info, script)).await;
+    agent.isolator.isolate(id, running.pid()).await.unwrap();
+    running
+}
+
+/// Kills a container started by [`start_isolated`] and cleans it up.
+async fn kill_and_clean_up(
+    agent: &Agent,
+    sb: &Sandbox,
+    id: &str,
+    mut running: csi_isolator::launcher::Launched,
+) {
+    running.kill(Signal::SIGKILL).unwrap();
+    finish(sb, &mut running).await;
+    agent.isolator.cleanup(id).await.unwrap();
+}
+
 async fn assert_unpublished(agent: &Agent, volumes: &[&Resource]) {
     for v in volumes {
         let id = v.source_id().unwrap();
@@ -160,10 +187,8 @@ async fn a_symlink_swapped_in_while_updating_a_running_container_never_moves_the
     fs::write(outside.join("host-file"), "host").unwrap();
 
     let c1 = config(&sb, "c1", vec![], None);
-    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
-    let mut running = start(&sb, spec(&c1, &info, "exec sleep 1000")).await;
+    let running = start_isolated(&agent, &sb, "c1", &c1, "exec sleep 1000").await;
     let pid = running.pid();
-    agent.isolator.isolate("c1", pid).await.unwrap();
 
     // The container's tree: `data` is a directory, `swap` a symlink to a host directory; a tight loop
     // exchanges the two names.
@@ -227,9 +252,7 @@ async fn a_symlink_swapped_in_while_updating_a_running_container_never_moves_the
         "host"
     );
 
-    running.kill(Signal::SIGKILL).unwrap();
-    finish(&sb, &mut running).await;
-    agent.isolator.cleanup("c1").await.unwrap();
+    kill_and_clean_up(&agent, &sb, "c1", running).await;
     assert_unpublished(&agent, &[&vol]).await;
     agent
         .provider
@@ -383,9 +406,7 @@ async fn targets_that_are_fifos_devices_files_or_hard_links_are_refused_by_name(
         resources: vec![],
         ..probe.clone()
     };
-    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
-    let mut running = start(&sb, spec(&c1, &info, "exec sleep 1000")).await;
-    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+    let running = start_isolated(&agent, &sb, "c1", &c1, "exec sleep 1000").await;
     let err = agent
         .isolator
         .update("c1", vec![vol.clone()])
@@ -398,9 +419,7 @@ async fn targets_that_are_fifos_devices_files_or_hard_links_are_refused_by_name(
     );
     assert_unpublished(&agent, &[&vol]).await;
     tried += 1;
-    running.kill(Signal::SIGKILL).unwrap();
-    finish(&sb, &mut running).await;
-    agent.isolator.cleanup("c1").await.unwrap();
+    kill_and_clean_up(&agent, &sb, "c1", running).await;
     agent
         .provider
         .destroy_volume(vol.source_id().unwrap())
@@ -474,19 +493,16 @@ async fn an_update_is_refused_once_the_container_process_moved_to_another_mount_
     let agent = Agent::start(&sb, "work", &[]).await;
     let vol = agent.volume("v", "data", VolumeMode::Rw).await;
     let c1 = config(&sb, "c1", vec![], None);
-    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
     // The workload leaves the namespace it was isolated in (same pid: unshare execs sleep).
-    let mut running = start(
+    let running = start_isolated(
+        &agent,
         &sb,
-        spec(
-            &c1,
-            &info,
-            "while [ ! -e go ]; do sleep 0.02; done; exec unshare -m --propagation private sleep 1000",
-        ),
+        "c1",
+        &c1,
+        "while [ ! -e go ]; do sleep 0.02; done; exec unshare -m --propagation private sleep 1000",
     )
     .await;
     let pid = running.pid();
-    agent.isolator.isolate("c1", pid).await.unwrap();
     let ns_before = fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
     fs::write(c1.sandbox.join("go"), "").unwrap();
     let deadline = std::time::Instant::now() + TIMEOUT;
@@ -516,9 +532,7 @@ async fn an_update_is_refused_once_the_container_process_moved_to_another_mount_
         .iter()
         .all(|m| !m.mount_point.starts_with(&c1.sandbox)));
 
-    running.kill(Signal::SIGKILL).unwrap();
-    finish(&sb, &mut running).await;
-    agent.isolator.cleanup("c1").await.unwrap();
+    kill_and_clean_up(&agent, &sb, "c1", running).await;
     agent
         .provider
         .destroy_volume(vol.source_id().unwrap())

@@ -208,6 +208,11 @@ pub fn unmount_from(
     Ok(())
 }
 
+/// How many times [`sweep_moved`] reads the container's mount table again. Someone renaming the mount
+/// point in a tight loop wins a race now and then (the name read from the table no longer holds the
+/// mount when it is looked at); each round is a fresh try, and a round costs one table read.
+const SWEEP_ROUNDS: u32 = 50;
+
 /// Unmounts every mount of `mount`'s source left in the container's namespace (see [`unmount_from`]).
 /// `source` is the source's (device, inode): an entry is only unmounted when the mount on top of it is
 /// the volume's, so a moved mount covered by another one is never mistaken for it. The container's
@@ -242,7 +247,7 @@ fn sweep_moved(
         .map(|m| m.mount_point.as_path())
         .collect();
     let mut last_problem = String::from("it was moved again between two reads of the mount table");
-    for _round in 0..DEFAULT_ATTEMPTS {
+    for _round in 0..SWEEP_ROUNDS {
         let left: Vec<PathBuf> = read(ProcMountTable::for_pid(pid))?
             .into_iter()
             .filter(|m| same(m) && !host_copies.contains(&m.mount_point.as_path()))
