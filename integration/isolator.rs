@@ -627,3 +627,69 @@ async fn a_failed_update_keeps_what_is_mounted_and_releases_what_is_not() {
     agent.stop().await;
     assert_clean(&sb, &before);
 }
+
+#[tokio::test]
+async fn update_never_takes_a_volume_from_under_one_that_stays() {
+    require_root();
+    let sb = Sandbox::new("iso-nested");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let outer = agent.volume("outer", "a", VolumeMode::Rw).await;
+    let inner = agent.volume("inner", "a/b", VolumeMode::Rw).await;
+    let c1 = config(&sb, "c1", vec![outer.clone(), inner.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let mut running = start(
+        &sb,
+        spec(
+            &c1,
+            &info,
+            "while [ ! -e stop ]; do sleep 0.05; done; echo in > a/b/mark && echo out > a/mark",
+        ),
+    )
+    .await;
+    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+
+    // Only the outer one away: refused, nothing changes.
+    let err = agent
+        .isolator
+        .update("c1", vec![inner.clone()])
+        .await
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("stays mounted inside it at a/b: remove both, or neither"),
+        "{text}"
+    );
+    let rec = agent.isolator.containers().await;
+    assert_eq!(rec[0].mounts.len(), 2, "{rec:?}");
+
+    // Both away (deepest first, no busy retries needed), then both back.
+    let t = Instant::now();
+    agent.isolator.update("c1", vec![]).await.unwrap();
+    assert!(
+        t.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+    for v in [&outer, &inner] {
+        let state = agent.provider.volume(v.source_id().unwrap()).await.unwrap();
+        assert_eq!(state.state, VolumeState::Created);
+    }
+    agent
+        .isolator
+        .update("c1", vec![outer.clone(), inner.clone()])
+        .await
+        .unwrap();
+    fs::write(c1.sandbox.join("stop"), "").unwrap();
+    assert!(finish(&sb, &mut running).await.success());
+    agent.isolator.cleanup("c1").await.unwrap();
+    for (v, mark, text) in [(&outer, "mark", "out\n"), (&inner, "mark", "in\n")] {
+        let id = v.source_id().unwrap();
+        let mp = agent.provider.publish(id, "check").await.unwrap();
+        assert_eq!(read(&mp.join(mark)), text);
+        agent.provider.release(id, "check").await.unwrap();
+        agent.provider.destroy_volume(id).await.unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}

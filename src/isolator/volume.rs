@@ -351,12 +351,36 @@ impl VolumeIsolator {
             .filter(|m| !rec.mounts.contains(m))
             .cloned()
             .collect();
-        let removed: Vec<VolumeMount> = rec
+        let mut removed: Vec<VolumeMount> = rec
             .mounts
             .iter()
             .filter(|m| !new_mounts.contains(m))
             .cloned()
             .collect();
+        // Deepest first: a volume nested in another goes before it.
+        removed.sort_by_key(|m| std::cmp::Reverse(m.target.components().count()));
+        // Taking a volume away from under one that stays would take that one too (its mount
+        // hangs off the outer one): refused before anything changes.
+        for m in &removed {
+            let kept_inside = rec.mounts.iter().find(|k| {
+                new_mounts.contains(k)
+                    && k.root == m.root
+                    && k.target != m.target
+                    && k.target.starts_with(&m.target)
+            });
+            if let Some(kept) = kept_inside {
+                return Err(IsolatorError::BadTarget {
+                    container: container_id.to_string(),
+                    volume: volume_name(m),
+                    container_path: m.container_path.clone(),
+                    reason: format!(
+                        "volume {} stays mounted inside it at {}: remove both, or neither",
+                        volume_name(kept),
+                        kept.container_path
+                    ),
+                });
+            }
+        }
         self.check_writable(container_id, &added).await?;
         let sandbox_in = self.sandbox_in_container(&config);
 
