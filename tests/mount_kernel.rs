@@ -688,3 +688,38 @@ fn parent_in_root_follows_symlinks_inside_the_root_only() {
     }
     sb.assert_clean();
 }
+
+#[test]
+fn no_symlink_opening_refuses_every_symlink_with_openat2_and_with_the_walk() {
+    let sb = Sandbox::new();
+    let root = sb.mkdir("root");
+    sb.mkdir("root/a/b");
+    sb.mkdir("elsewhere/b");
+    fs::write(root.join("a/file"), "x").unwrap();
+    symlink(sb.path.join("elsewhere"), root.join("link")).unwrap();
+    symlink("b", root.join("a/last")).unwrap();
+    type Opener = fn(&Path, &Path) -> Result<std::os::fd::OwnedFd, MountError>;
+    let openers: [(&str, Opener); 2] = [
+        ("openat2", mount::open_dir_no_symlinks_in),
+        ("walk", mount::resolve::open_dir_no_symlinks_in_fallback),
+    ];
+    for (how, open) in openers {
+        let fd = open(&root, Path::new("/a/b")).unwrap_or_else(|e| panic!("{how}: {e}"));
+        assert_eq!(fd_path(fd.as_fd()).unwrap(), root.join("a/b"), "{how}");
+        let fd = open(&root, Path::new("/")).unwrap_or_else(|e| panic!("{how}: {e}"));
+        assert_eq!(fd_path(fd.as_fd()).unwrap(), root, "{how}");
+        for (path, errno) in [
+            ("/link/b", Errno::ELOOP),
+            ("/link", Errno::ELOOP),
+            ("/a/last", Errno::ELOOP),
+            ("/a/file", Errno::ENOTDIR),
+            ("/a/missing", Errno::ENOENT),
+            ("/a/../a", Errno::EINVAL),
+            ("a/b", Errno::EINVAL),
+        ] {
+            let err = open(&root, Path::new(path)).unwrap_err();
+            assert_eq!(err.errno(), Some(errno), "{how} {path}: {err}");
+        }
+    }
+    sb.assert_clean();
+}

@@ -100,11 +100,23 @@ pub fn open_dir_no_symlinks(path: &Path) -> Result<OwnedFd, MountError> {
 /// seen from `root` (a mount table path of the process whose root it is), resolved with RESOLVE_IN_ROOT
 /// as well, and no symlink is followed on it.
 pub fn open_dir_no_symlinks_in(root: &Path, path: &Path) -> Result<OwnedFd, MountError> {
+    no_symlinks(root, path, Strategy::Auto)
+}
+
+/// [`open_dir_no_symlinks_in`] through the component walk only (what runs on kernels without openat2).
+pub fn open_dir_no_symlinks_in_fallback(root: &Path, path: &Path) -> Result<OwnedFd, MountError> {
+    no_symlinks(root, path, Strategy::Walk)
+}
+
+fn no_symlinks(root: &Path, path: &Path, strategy: Strategy) -> Result<OwnedFd, MountError> {
     let ctx = Ctx { root, path };
     if !path.is_absolute() || path.components().any(|c| matches!(c, Component::ParentDir)) {
         return Err(ctx.err("check path", Errno::EINVAL));
     }
     let (root_fd, relative) = open_root(&ctx)?;
+    if strategy == Strategy::Walk {
+        return walk_no_symlinks(&ctx, root_fd, path);
+    }
     let relative = if relative.as_os_str().is_empty() {
         PathBuf::from(".")
     } else {
@@ -145,7 +157,11 @@ pub fn open_dir_no_symlinks_in(root: &Path, path: &Path) -> Result<OwnedFd, Moun
         Errno::ENOSYS | Errno::EPERM | Errno::E2BIG => {}
         e => return Err(ctx.err("openat2", e)),
     }
-    // The walk: every component opened with O_NOFOLLOW and checked to be a directory.
+    walk_no_symlinks(&ctx, root_fd, path)
+}
+
+/// The walk of [`no_symlinks`]: every component opened with O_NOFOLLOW and checked to be a directory.
+fn walk_no_symlinks(ctx: &Ctx<'_>, root_fd: OwnedFd, path: &Path) -> Result<OwnedFd, MountError> {
     let o_path = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
     let mut cur = root_fd;
     for name in split(path) {
