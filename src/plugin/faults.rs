@@ -653,6 +653,10 @@ mod tests {
                 lie("CreateVolume", LieMode::SmallCapacity),
             ),
             (
+                "CreateVolume:reused-id",
+                lie("CreateVolume", LieMode::ReusedId),
+            ),
+            (
                 "NodeStageVolume:garbage",
                 lie("NodeStageVolume", LieMode::Garbage),
             ),
