@@ -464,8 +464,10 @@ async fn a_rootfs_given_through_a_symlink_is_resolved_once_and_never_the_host_ro
     // A rootfs that resolves to the host's root is refused before anything is mounted.
     let to_root = sb.join("rootfs-to-host");
     symlink("/", &to_root).unwrap();
+    let host_data_before = Path::new("/data").exists();
     let c2 = config(&sb, "c2", vec![vol.clone()], Some(to_root.clone()));
     let info = agent.isolator.prepare("c2", c2.clone()).await.unwrap();
+    let published_only = host_mount_points(&sb);
     let spec2 = spec(&c2, &info, "true");
     let err = tokio::task::spawn_blocking(move || csi_isolator::launcher::launch(&spec2))
         .await
@@ -477,7 +479,9 @@ async fn a_rootfs_given_through_a_symlink_is_resolved_once_and_never_the_host_ro
             .contains("resolves to /, which cannot be a container's root"),
         "{err}"
     );
-    assert!(!Path::new("/data").join("marker").exists());
+    // Refused before anything: no target made on the host, nothing mounted.
+    assert_eq!(Path::new("/data").exists(), host_data_before);
+    assert_eq!(host_mount_points(&sb), published_only);
     agent.isolator.cleanup("c2").await.unwrap();
     assert_unpublished(&agent, &[&vol]).await;
     agent.provider.destroy_volume(id).await.unwrap();

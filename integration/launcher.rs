@@ -583,6 +583,11 @@ fn inject_into_a_pivoted_container_in_a_pid_namespace() {
         "the symlink was followed inside the rootfs"
     );
     assert!(!Path::new("/etc/ready").exists());
+    // Where it really landed, as the container sees it: its own /etc, inside the rootfs.
+    assert_eq!(
+        read(&PathBuf::from(format!("/proc/{pid}/root/etc/ready"))),
+        "late-volume"
+    );
     assert_eq!(host_mount_points(&sb), before, "the host saw the mount");
 
     inject::unmount_from(pid, &m, Path::new(SANDBOX_IN_ROOTFS), false)

@@ -101,7 +101,13 @@ async fn plugin_view(plugin: &PluginProcess, id: &str, target: &Path) -> (bool, 
             ..Default::default()
         })
         .await;
-    (entry.is_some(), controller_published, stats.is_ok())
+    // NOT_FOUND is the plugin's "not published there"; any other error is a broken plugin, not a no.
+    let node_published = match stats {
+        Ok(_) => true,
+        Err(s) if s.code() == tonic::Code::NotFound => false,
+        Err(s) => panic!("NodeGetVolumeStats of {id}: {s}"),
+    };
+    (entry.is_some(), controller_published, node_published)
 }
 
 /// No temporary files, no create intents, no orphaned mount directories.

@@ -645,8 +645,13 @@ impl World {
                         ..Default::default()
                     }),
             )
-            .await
-            .is_ok();
+            .await;
+            // NOT_FOUND is the plugin's "not published there"; anything else is a broken plugin.
+            let node = match node {
+                Ok(_) => true,
+                Err(s) if s.code() == tonic::Code::NotFound => false,
+                Err(s) => panic!("{label}: NodeGetVolumeStats of {}: {s}", v.volume_id),
+            };
             let name = self.name_of(&v.volume_id);
             assert_eq!(
                 (controller, node),
@@ -733,6 +738,14 @@ impl World {
         )
         .await
         .unwrap_or_else(|s| panic!("{label}: Prepare reader: {s}"));
+        // Every marker's volume is among them, so none goes unread.
+        assert_eq!(
+            info.mounts.len(),
+            names.len(),
+            "{label}: the reader got {} mounts for {} volumes",
+            info.mounts.len(),
+            names.len()
+        );
         for m in &info.mounts {
             let name = self.name_of(&m.volume_id);
             for (_, file, content) in self.markers.iter().filter(|(v, _, _)| *v == name) {
