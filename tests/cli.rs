@@ -6,7 +6,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator::testing::{busybox_rootfs, require_root, PluginProcess, Sandbox};
+use csi_isolator::testing::{
+    busybox_rootfs, processes_mentioning, require_root, PluginProcess, Sandbox,
+};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
@@ -28,25 +30,6 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-/// Processes whose command line mentions `needle` (plugins, workloads).
-fn processes_mentioning(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if pid == std::process::id() {
-            continue;
-        }
-        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
-            if String::from_utf8_lossy(&cmdline).contains(needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
-}
-
 fn assert_nothing_left(sb: &Sandbox, work: &Path) {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
@@ -55,7 +38,7 @@ fn assert_nothing_left(sb: &Sandbox, work: &Path) {
         nix::fcntl::Flock::lock(lock, nix::fcntl::FlockArg::LockExclusiveNonblock).is_ok(),
         "nobody holds the work-dir lock"
     );
-    let procs = processes_mentioning(&work.display().to_string());
+    let procs = processes_mentioning(work);
     assert!(procs.is_empty(), "processes left: {procs:?}");
 }
 

@@ -35,7 +35,7 @@ use std::process::{Command, Output, Stdio};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::resource::encode_volume_id;
-use csi_isolator::testing::{host_mount_points, require_root, Sandbox};
+use csi_isolator::testing::{host_mount_points, processes_mentioning, require_root, Sandbox};
 use serde_json::Value;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -214,7 +214,7 @@ impl Case {
             self.mounts_before,
             "{when}: the host's mount table changed"
         );
-        let procs = processes_mentioning(self.work.as_os_str().as_bytes());
+        let procs = processes_mentioning(&self.work);
         assert!(procs.is_empty(), "{when}: processes left: {procs:?}");
         assert!(
             fs::read_dir(&self.cwd).unwrap().next().is_none(),
@@ -303,25 +303,6 @@ fn walk(root: &Path) -> Vec<PathBuf> {
                 stack.push(path.clone());
             }
             out.push(path);
-        }
-    }
-    out
-}
-
-/// Processes (other than this one) whose command line holds `needle`.
-fn processes_mentioning(needle: &[u8]) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if pid == std::process::id() {
-            continue;
-        }
-        if let Ok(cmdline) = fs::read(e.path().join("cmdline")) {
-            if cmdline.windows(needle.len()).any(|w| w == needle) {
-                out.push(pid);
-            }
         }
     }
     out

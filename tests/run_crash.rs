@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator::testing::{require_root, Sandbox};
+use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 
@@ -29,21 +29,6 @@ fn run(sb: &Sandbox, args: &[&str], crash_after: Option<u32>) -> Output {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-fn processes_mentioning(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
-            if pid != std::process::id() && String::from_utf8_lossy(&cmdline).contains(needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
 }
 
 #[test]
@@ -125,7 +110,7 @@ fn run_killed_at_every_crash_point_is_recovered_by_the_next_run() {
                 .is_empty(),
             "point {n}: nothing mounted"
         );
-        let procs = processes_mentioning(&work.display().to_string());
+        let procs = processes_mentioning(&work);
         assert!(procs.is_empty(), "point {n}: processes left: {procs:?}");
         let isolator_state = work.join("isolators/volume/csi");
         let left = std::fs::read_dir(&isolator_state)

@@ -45,7 +45,7 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, UpdateRequest,
 };
-use csi_isolator::testing::{raw_clients, require_root, Sandbox};
+use csi_isolator::testing::{processes_mentioning, raw_clients, require_root, Sandbox};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tonic::transport::Channel;
@@ -84,27 +84,6 @@ fn wait_exit(child: &mut Child) -> ExitStatus {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-}
-
-/// Pids of processes (other than us) whose command line mentions `needle`.
-fn processes_mentioning(needle: &Path) -> Vec<u32> {
-    let needle = needle.to_string_lossy().into_owned();
-    let me = std::process::id();
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        if let Ok(cmdline) = std::fs::read(e.path().join("cmdline")) {
-            if String::from_utf8_lossy(&cmdline).contains(&needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
 }
 
 /// `<sandbox>` as seen through the container's root (its mount namespace).

@@ -418,6 +418,29 @@ pub fn block_capability(
     }
 }
 
+/// Pids of the processes (other than this one) whose command line contains `needle`: what a test
+/// checks is gone after the code under test stopped its children (plugins, workloads).
+pub fn processes_mentioning(needle: impl AsRef<std::ffi::OsStr>) -> Vec<u32> {
+    use std::os::unix::ffi::OsStrExt;
+    let needle = needle.as_ref().as_bytes();
+    let me = std::process::id();
+    let mut out = Vec::new();
+    for e in fs::read_dir("/proc").expect("read /proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        if let Ok(cmdline) = fs::read(e.path().join("cmdline")) {
+            if !needle.is_empty() && cmdline.windows(needle.len()).any(|w| w == needle) {
+                out.push(pid);
+            }
+        }
+    }
+    out
+}
+
 /// The host's mount points (this process's namespace), leaving out other tests' sandboxes under the
 /// temp dir: tests of other targets may run at the same time and mount there. Everything else,
 /// and `sb` itself, is kept, so a test can compare the table before and after.
