@@ -371,6 +371,14 @@ async fn refused_targets_publish_nothing() {
         .await
         .unwrap_err();
     assert!(matches!(err, IsolatorError::BadTarget { .. }), "{err}");
+    // A container id the USERS columns could not tell apart is refused by the isolator itself,
+    // whoever calls it.
+    let err = agent
+        .isolator
+        .prepare("a,b", config(&sb, "ab", vec![a.clone()], None))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("contains ','"), "{err}");
     let escape = a.clone().with_volume("../../outside", VolumeMode::Rw);
     let err = agent
         .isolator

@@ -471,6 +471,17 @@ async fn serve_end_to_end() {
         Code::InvalidArgument,
         "container id",
     );
+    // The same rule as the command line's: a ',' would make USERS columns ambiguous.
+    for bad in ["a,b", "c\n1"] {
+        expect_code(
+            c.cleanup(CleanupRequest {
+                container_id: bad.into(),
+            })
+            .await,
+            Code::InvalidArgument,
+            "container id",
+        );
+    }
     expect_code(
         c.destroy_volume(DestroyVolumeRequest {
             volume_id: extra.volume_id.clone(),

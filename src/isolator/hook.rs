@@ -77,7 +77,7 @@ use crate::isolator::{
 };
 use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{parse_resources, validate_path_component, Resource, VolumeMode};
+use crate::resource::{parse_resources, Resource, VolumeMode};
 use crate::runner::VolumeArg;
 use crate::workdir::WorkDirLock;
 
@@ -394,7 +394,7 @@ pub async fn run(stage: Stage, opts: &HookOptions, state: &State) -> Result<(), 
 }
 
 fn validate_id(id: &str) -> Result<(), HookError> {
-    validate_path_component("container id", id).map_err(|e| HookError::InvalidContainerId {
+    crate::resource::validate_container_id(id).map_err(|e| HookError::InvalidContainerId {
         container: id.to_string(),
         reason: e.to_string(),
     })

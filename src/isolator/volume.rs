@@ -22,7 +22,7 @@ use crate::isolator::targets::volume_mounts;
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::Manager;
-use crate::resource::{validate_path_component, Resource};
+use crate::resource::Resource;
 
 /// Format version of the isolator's container checkpoint.
 pub const FORMAT_VERSION: u32 = 1;
@@ -170,7 +170,7 @@ impl VolumeIsolator {
         container_id: &str,
         config: ContainerConfig,
     ) -> Result<LaunchInfo, IsolatorError> {
-        validate_path_component("container id", container_id).map_err(|e| {
+        crate::resource::validate_container_id(container_id).map_err(|e| {
             IsolatorError::InvalidContainerId {
                 container: container_id.to_string(),
                 reason: e.to_string(),

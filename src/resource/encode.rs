@@ -154,6 +154,30 @@ pub fn validate_path_component(field: &str, value: &str) -> Result<(), ResourceE
     }
 }
 
+/// Checks a container id, wherever it comes from (the command line, `serve`, the OCI hook,
+/// [`crate::isolator::VolumeIsolator::prepare`]): one safe path component (it
+/// names the container's checkpoint and sandbox directories), and neither a
+/// `,` (the USERS columns join ids with commas) nor a control character.
+pub fn validate_container_id(id: &str) -> Result<(), ResourceError> {
+    const FIELD: &str = "container id";
+    validate_path_component(FIELD, id)?;
+    let reason = if id.contains(',') {
+        Some("contains ','")
+    } else if id.chars().any(char::is_control) {
+        Some("contains a control character")
+    } else {
+        None
+    };
+    match reason {
+        Some(reason) => Err(ResourceError::InvalidPathComponent {
+            field: FIELD.to_owned(),
+            value: id.to_owned(),
+            reason,
+        }),
+        None => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -263,6 +287,27 @@ mod tests {
                 }
                 (got, want) => panic!("value {value:?}: got {got:?}, want {want:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn container_ids() {
+        for good in ["c1", "run-0123abcd", "a b", "卷"] {
+            validate_container_id(good).unwrap();
+        }
+        for (bad, says) in [
+            ("", "is empty"),
+            ("..", "relative"),
+            ("a/b", "'/'"),
+            ("a,b", "','"),
+            ("a\nb", "control character"),
+            ("a\u{85}b", "control character"),
+        ] {
+            let err = validate_container_id(bad).unwrap_err().to_string();
+            assert!(
+                err.starts_with("invalid container id") && err.contains(says),
+                "{bad:?}: {err}"
+            );
         }
     }
 }

@@ -23,7 +23,8 @@ mod path;
 mod types;
 
 pub use encode::{
-    decode_volume_id, encode_volume_id, validate_path_component, MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
+    decode_volume_id, encode_volume_id, validate_container_id, validate_path_component,
+    MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
 };
 pub use error::ResourceError;
 pub use path::{

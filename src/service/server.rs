@@ -17,7 +17,7 @@ use crate::isolator::VolumeIsolator;
 use crate::mount::MountTable;
 use crate::provider::status::scan;
 use crate::provider::{Capability, CreateSpec, StorageProvider};
-use crate::resource::{validate_path_component, Resource, VolumeMode};
+use crate::resource::{Resource, VolumeMode};
 use crate::service::convert;
 use crate::service::error::{full_message, ServiceError};
 use crate::service::metrics::{PublishOp, ServiceMetrics};
@@ -220,7 +220,7 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {
 }
 
 fn container_id(id: &str) -> Result<(), ServiceError> {
-    validate_path_component("container id", id).map_err(|e| invalid("container_id", e.to_string()))
+    crate::resource::validate_container_id(id).map_err(|e| invalid("container_id", e.to_string()))
 }
 
 /// Whether any resource is a provider's disk (so the call publishes).

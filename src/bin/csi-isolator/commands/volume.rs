@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
 use csi_isolator::provider::{Capability, CreateSpec, StorageProvider};
-use csi_isolator::runner::validate_container_id;
+use csi_isolator::resource::validate_container_id;
 
 use super::plugin_args::PluginArgs;
 use super::{shown, text};
