@@ -401,6 +401,15 @@ async fn corrupt_and_truncated_state_files_are_set_aside() {
     )
     .unwrap();
 
+    // `status` reads them as recovery will: all three unreadable, the healthy one listed.
+    let status = csi_isolator::provider::status::scan(&work, &ProcMountTable::new()).unwrap();
+    assert_eq!(status.unreadable.len(), 3, "{status:?}");
+    assert!(
+        status.unreadable.iter().any(|u| u.reason.contains("newer")),
+        "{status:?}"
+    );
+    assert_eq!(status.volumes.len(), 1, "{status:?}");
+
     let p = start(config(&work, "default", &[])).await;
     let report = p.recovery_report();
     assert_eq!(report.corrupt.len(), 3, "{report:?}");

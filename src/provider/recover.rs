@@ -17,7 +17,7 @@ use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::paths::STATE_FILE;
-use crate::provider::state::{VolumeRecord, VolumeState, FORMAT_VERSION};
+use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::StorageProvider;
 use crate::resource::encode_volume_id;
 
@@ -96,24 +96,8 @@ impl StorageProvider {
                     continue;
                 }
             };
-            let parsed = serde_json::from_slice::<VolumeRecord>(&bytes)
-                .map_err(|e| e.to_string())
-                .and_then(|r| {
-                    if r.format > FORMAT_VERSION {
-                        Err(format!(
-                            "format {} is newer than this build's {FORMAT_VERSION}",
-                            r.format
-                        ))
-                    } else if encode_volume_id(&r.volume_id) != entry.file_name().to_string_lossy()
-                    {
-                        Err(format!(
-                            "volume id '{}' does not match its directory",
-                            r.volume_id
-                        ))
-                    } else {
-                        Ok(r)
-                    }
-                });
+            let parsed =
+                VolumeRecord::from_state_file(&bytes, &entry.file_name().to_string_lossy());
             let mut rec = match parsed {
                 Ok(r) => r,
                 Err(reason) => {

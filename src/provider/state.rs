@@ -356,6 +356,27 @@ pub struct VolumeRecord {
 }
 
 impl VolumeRecord {
+    /// Parses the state file of the volume directory named `dir_name`, checking what a reader must
+    /// not trust: a format newer than this build's, or a volume id that does not encode to its own
+    /// directory. Recovery and `status` read the same way, so `status` never shows as healthy a
+    /// record the next start would set aside.
+    pub fn from_state_file(bytes: &[u8], dir_name: &str) -> Result<VolumeRecord, String> {
+        let rec: VolumeRecord = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        if rec.format > FORMAT_VERSION {
+            return Err(format!(
+                "format {} is newer than this build's {FORMAT_VERSION}",
+                rec.format
+            ));
+        }
+        if crate::resource::encode_volume_id(&rec.volume_id) != dir_name {
+            return Err(format!(
+                "volume id '{}' does not match its directory",
+                rec.volume_id
+            ));
+        }
+        Ok(rec)
+    }
+
     /// A new record in `CREATED`.
     pub fn new(volume_id: impl Into<String>, capability: Capability) -> Self {
         VolumeRecord {

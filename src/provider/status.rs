@@ -74,7 +74,10 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
             let rec = match std::fs::read(&path) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => Err(e.to_string()),
-                Ok(b) => serde_json::from_slice::<VolumeRecord>(&b).map_err(|e| e.to_string()),
+                Ok(b) => VolumeRecord::from_state_file(
+                    &b,
+                    &dir.file_name().unwrap_or_default().to_string_lossy(),
+                ),
             };
             let rec = match rec {
                 Ok(r) => r,
