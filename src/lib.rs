@@ -14,6 +14,7 @@
 //! - [`service`]: `serve`, the isolator as a gRPC service on a Unix socket, with metrics.
 
 pub mod csi;
+pub mod error_chain;
 pub mod isolator;
 pub mod launcher;
 pub mod mount;

@@ -968,15 +968,8 @@ fn normalize(status: Status, attempt: Duration, deadline: Duration) -> Status {
     }
     if status.code() == Code::Unknown {
         if let Some(source) = std::error::Error::source(&status) {
-            let mut chain = status.message().to_string();
-            let mut next = Some(source);
-            while let Some(err) = next {
-                let text = err.to_string();
-                if !chain.ends_with(&text) {
-                    chain = format!("{chain}: {text}");
-                }
-                next = err.source();
-            }
+            let chain =
+                crate::error_chain::with_sources(status.message().to_string(), Some(source));
             return Status::unavailable(format!("connection to the plugin lost: {chain}"));
         }
     }

@@ -85,17 +85,7 @@ pub fn code_of(err: &PluginError) -> Code {
 /// repeated), [`bounded`].
 pub fn to_status(rpc: &str, volume_id: &str, err: PluginError) -> Status {
     let code = code_of(&err);
-    let mut message = err.to_string();
-    let mut source = std::error::Error::source(&err);
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !message.contains(&text) {
-            message.push_str(": ");
-            message.push_str(&text);
-        }
-        source = s.source();
-    }
-    let message = bounded(&message);
+    let message = bounded(&crate::error_chain::full_message(&err));
     let volume_id = bounded(volume_id);
     let volume_id = volume_id.as_str();
     if code == Code::Internal {

@@ -159,21 +159,7 @@ pub fn csi_code(e: &CsiError) -> Code {
     }
 }
 
-/// The error's text followed by any source whose text it does not already
-/// contain (most of our errors print their source themselves).
-pub fn full_message(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut msg = e.to_string();
-    let mut next = e.source();
-    while let Some(source) = next {
-        let text = source.to_string();
-        if !msg.contains(&text) {
-            msg.push_str(": ");
-            msg.push_str(&text);
-        }
-        next = source.source();
-    }
-    msg
-}
+pub use crate::error_chain::full_message;
 
 #[cfg(test)]
 mod tests {

@@ -67,26 +67,13 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("csi-isolator: {}", one_line(&e));
+            eprintln!(
+                "csi-isolator: {}",
+                csi_isolator::error_chain::full_message(e.as_ref())
+            );
             ExitCode::FAILURE
         }
     }
-}
-
-/// The error and its causes on one line; library errors already quote
-/// their cause, so a cause whose text is already there is not repeated.
-fn one_line(e: &anyhow::Error) -> String {
-    let mut line = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if !line.contains(&text) {
-            if !line.is_empty() {
-                line.push_str(": ");
-            }
-            line.push_str(&text);
-        }
-    }
-    line
 }
 
 fn init_logging(json: bool) {
