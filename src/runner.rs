@@ -306,10 +306,8 @@ async fn prepare_and_supervise(
 ) -> Result<i32, RunError> {
     let mut resources = opts.resources.clone();
     for v in &opts.volumes {
-        let mut spec = CreateSpec::new(&v.name, v.size_bytes);
-        if let Some(existing) = provider.find_by_name(&v.name).await {
-            spec.capability = existing.capability;
-        }
+        // A volume of that name already there is handed out as it is (create is idempotent by name).
+        let spec = CreateSpec::new(&v.name, v.size_bytes);
         let res = step(stops, provider.create_volume(spec)).await??;
         let mode = if v.readonly {
             VolumeMode::Ro

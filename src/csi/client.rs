@@ -198,11 +198,6 @@ impl Client {
         &self.inner.endpoint
     }
 
-    /// The socket path of the endpoint.
-    pub fn socket_path(&self) -> &Path {
-        &self.inner.path
-    }
-
     /// The options this client was connected with.
     pub fn options(&self) -> &ClientOptions {
         &self.inner.options
@@ -231,12 +226,6 @@ impl Client {
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
-    }
-
-    /// The GetPluginInfo name a replaced plugin must answer with (the one
-    /// in the first GetPluginInfo answer), once known.
-    pub fn plugin_name(&self) -> Option<String> {
-        self.identity().name.clone()
     }
 
     /// Checks now, rather than at the next call, whether the plugin was

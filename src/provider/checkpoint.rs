@@ -118,12 +118,6 @@ pub fn crash_point() {
     }
 }
 
-/// How many crash points this process has passed (the crash tests step N
-/// through every one of an operation).
-pub fn crash_points() -> u64 {
-    POINTS.load(Ordering::SeqCst)
-}
-
 /// How many durable writes (atomic writes and durable removals) this
 /// process has made, for the benchmarks.
 pub fn durable_writes() -> u64 {

@@ -118,15 +118,6 @@ pub enum ProviderError {
         #[source]
         source: std::io::Error,
     },
-    /// Unmounting a leftover mount failed.
-    #[error("unmount {path}: {source}")]
-    Unmount {
-        /// The mount point.
-        path: PathBuf,
-        /// The mount error.
-        #[source]
-        source: crate::mount::MountError,
-    },
     /// A name that becomes a path component is not safe.
     #[error("invalid {field} '{value}': {reason}")]
     InvalidName {

@@ -126,7 +126,6 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
         | ProviderError::Io { .. }
-        | ProviderError::Unmount { .. }
         | ProviderError::BadCreateResponse { .. }
         | ProviderError::PluginMisbehaved { .. } => Code::Internal,
     }
