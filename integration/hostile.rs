@@ -147,15 +147,20 @@ async fn start_isolated(
     running
 }
 
+/// Kills a container started by [`start_isolated`] and waits for it to be gone.
+async fn kill_and_reap(sb: &Sandbox, mut running: csi_isolator::launcher::Launched) {
+    running.kill(Signal::SIGKILL).unwrap();
+    finish(sb, &mut running).await;
+}
+
 /// Kills a container started by [`start_isolated`] and cleans it up.
 async fn kill_and_clean_up(
     agent: &Agent,
     sb: &Sandbox,
     id: &str,
-    mut running: csi_isolator::launcher::Launched,
+    running: csi_isolator::launcher::Launched,
 ) {
-    running.kill(Signal::SIGKILL).unwrap();
-    finish(sb, &mut running).await;
+    kill_and_reap(sb, running).await;
     agent.isolator.cleanup(id).await.unwrap();
 }
 
@@ -537,6 +542,65 @@ async fn an_update_is_refused_once_the_container_process_moved_to_another_mount_
         .all(|m| !m.mount_point.starts_with(&c1.sandbox)));
 
     kill_and_clean_up(&agent, &sb, "c1", running).await;
+    agent
+        .provider
+        .destroy_volume(vol.source_id().unwrap())
+        .await
+        .unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}
+
+#[tokio::test]
+async fn update_refuses_a_container_without_a_live_isolated_process() {
+    require_root();
+    let sb = Sandbox::new("hostile-pid");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let vol = agent.volume("v", "data", VolumeMode::Rw).await;
+    let update = |id: &'static str| {
+        let vol = vol.clone();
+        let isolator = &agent.isolator;
+        async move {
+            isolator
+                .update(id, vec![vol])
+                .await
+                .unwrap_err()
+                .to_string()
+        }
+    };
+
+    // Not isolated yet: no pid to mount into.
+    let c1 = config(&sb, "c1", vec![], None);
+    agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    let err = update("c1").await;
+    assert!(err.contains("has no known pid: call isolate first"), "{err}");
+
+    // "Isolated" with the agent's own pid: mounting there would mount on the host.
+    agent
+        .isolator
+        .isolate("c1", std::process::id())
+        .await
+        .unwrap();
+    let err = update("c1").await;
+    assert!(
+        err.contains("it is in the agent's own mount namespace"),
+        "{err}"
+    );
+
+    // A process that is gone (killed and reaped).
+    let c2 = config(&sb, "c2", vec![], None);
+    let running = start_isolated(&agent, &sb, "c2", &c2, "exec sleep 1000").await;
+    kill_and_reap(&sb, running).await;
+    let err = update("c2").await;
+    assert!(err.contains("no such process"), "{err}");
+
+    // Nothing was published for any of them, nothing mounted on the host.
+    assert_unpublished(&agent, &[&vol]).await;
+    assert_eq!(host_mount_points(&sb), before);
+    for id in ["c1", "c2"] {
+        agent.isolator.cleanup(id).await.unwrap();
+    }
     agent
         .provider
         .destroy_volume(vol.source_id().unwrap())
