@@ -574,7 +574,10 @@ async fn update_refuses_a_container_without_a_live_isolated_process() {
     let c1 = config(&sb, "c1", vec![], None);
     agent.isolator.prepare("c1", c1.clone()).await.unwrap();
     let err = update("c1").await;
-    assert!(err.contains("has no known pid: call isolate first"), "{err}");
+    assert!(
+        err.contains("has no known pid: call isolate first"),
+        "{err}"
+    );
 
     // "Isolated" with the agent's own pid: mounting there would mount on the host.
     agent

@@ -841,3 +841,39 @@ async fn a_supervised_plugin_restarted_after_a_crash_is_checked_again() {
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }
+
+#[tokio::test]
+async fn a_backward_step_answered_not_found_counts_as_done() {
+    let rig = Rig::new("faults-not-found", &[]).await;
+    let id = rig.create("nf").await;
+    let mp = rig.provider.publish(&id, "c1").await.unwrap();
+    // The volume was unpublished behind the provider's back, and the plugin no longer knows the
+    // target: it answers NodeUnpublishVolume with NOT_FOUND.
+    let mut raw = raw_clients(&rig.plugin.socket()).await.unwrap();
+    raw.node
+        .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: mp.display().to_string(),
+        })
+        .await
+        .unwrap();
+    rig.set_faults("fail NodeUnpublishVolume=NOT_FOUND:1\n");
+    let from = rig.calls_len();
+    rig.provider.release(&id, "c1").await.unwrap();
+    let calls = rig.calls_since(from);
+    assert_eq!(
+        calls.first().map(String::as_str),
+        Some(format!("NodeUnpublishVolume {id}").as_str()),
+        "{calls:?}"
+    );
+    // The release went on past it to the end.
+    assert!(
+        calls.contains(&format!("NodeUnstageVolume {id}"))
+            && calls.contains(&format!("ControllerUnpublishVolume {id}")),
+        "{calls:?}"
+    );
+    rig.assert_back_to_created(&id).await;
+    rig.set_faults("");
+    rig.assert_works_again(&id).await;
+    rig.finish(&[&id]).await;
+}
