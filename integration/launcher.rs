@@ -19,6 +19,9 @@ use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 
+mod common;
+use common::{assert_clean, read};
+
 const TIMEOUT: Duration = Duration::from_secs(20);
 
 fn mount_points_of(pid: u32) -> Vec<PathBuf> {
@@ -110,19 +113,6 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
-fn read(path: &Path) -> String {
-    fs::read_to_string(path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()))
-}
-
-/// The host's table and the sandbox: unchanged and clean.
-fn assert_clean(sb: &Sandbox, before: &[PathBuf]) {
-    assert_eq!(
-        host_mount_points(sb),
-        before,
-        "the host mount table changed"
-    );
-    sb.assert_no_mounts_under();
-}
 
 #[test]
 fn workload_writes_into_its_volume_in_a_new_mount_namespace() {

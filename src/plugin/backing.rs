@@ -623,7 +623,7 @@ impl Backing {
     }
 }
 
-/// How long [`Backing::release_if_unused`] waits for detached loop devices to run down.
+/// How long [`Backing::wait_loop_rundown`] waits for detached loop devices to run down.
 const LOOP_RUNDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 #[cfg(test)]

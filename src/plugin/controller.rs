@@ -1,7 +1,7 @@
 //! The Controller service: volume create/delete, controller publish, listing, capacity.
 //!
-//! Handlers are three lines: pick the RPC name, the volume and the lock, and hand the
-//! request to a synchronous operation on [`Plugin`] through [`PluginService::call`].
+//! Each handler only picks the RPC name, the volume and the lock, and hands the request to a
+//! synchronous operation on [`Plugin`] through [`PluginService::call`].
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -8,8 +8,8 @@
 //! (`volumes/.deleted-<enc id>`, a name no encoded id can take), which drops the record
 //! atomically, then deletes the tombstone. Opening the store deletes both kinds of leftovers
 //! (directories without a record, tombstones), so no crash leaks a volume's storage.
-//! The name -> id index is rebuilt from the records on load: the records are the only
-//! source of truth, so the two can never disagree.
+//! Lookups by name scan the records: the records are the only source of truth, so there is
+//! no index to disagree with them.
 //!
 //! Format history: version 1 kept only the readonly flag per controller-published node;
 //! version 2 adds the volume capability of each controller publish, staging path and target
