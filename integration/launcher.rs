@@ -113,7 +113,6 @@ fn wait_for_file(path: &Path) -> String {
     }
 }
 
-
 #[test]
 fn workload_writes_into_its_volume_in_a_new_mount_namespace() {
     require_root();

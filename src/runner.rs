@@ -24,8 +24,8 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::launcher::{self, LaunchError, LaunchSpec};
-use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
-use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
+use crate::mount::MountTable;
+use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
 use crate::resource::{validate_container_id, Resource, VolumeMode};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
@@ -237,15 +237,8 @@ async fn run_with_provider(
     provider: Arc<StorageProvider>,
     stops: &Stops,
 ) -> Result<i32, RunError> {
-    let mut manager = Manager::new();
-    manager.add(provider.clone());
-    let table: Arc<dyn MountTable> = Arc::new(ProcMountTable::new());
-    let isolator = VolumeIsolator::new(
-        &opts.work_dir,
-        Arc::new(manager),
-        Arc::new(LinuxSyscall::new()),
-        table.clone(),
-    );
+    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
+    let table = isolator.mount_table();
     // We hold the work dir's lock, so no other `run` is live: containers of
     // earlier runs (sandboxes under <work_dir>/sandboxes) are gone, and a
     // workload such a run left behind when it was killed is stopped first.

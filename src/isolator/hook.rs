@@ -76,7 +76,7 @@ use crate::isolator::{
     ContainerConfig, ContainerRecord, IsolatorError, TargetRoot, VolumeIsolator, VolumeMount,
 };
 use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
-use crate::provider::{CreateSpec, Manager, ProviderConfig, ProviderError, StorageProvider};
+use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
 use crate::resource::{parse_resources, Resource, VolumeMode};
 use crate::runner::VolumeArg;
 use crate::workdir::WorkDirLock;
@@ -448,17 +448,6 @@ pub async fn create_runtime(
     result
 }
 
-fn isolator_for(work_dir: &Path, provider: Arc<StorageProvider>) -> VolumeIsolator {
-    let mut manager = Manager::new();
-    manager.add(provider);
-    VolumeIsolator::new(
-        work_dir,
-        Arc::new(manager),
-        Arc::new(LinuxSyscall::new()),
-        Arc::new(ProcMountTable::new()),
-    )
-}
-
 async fn create_with_provider(
     opts: &HookOptions,
     id: &str,
@@ -467,7 +456,7 @@ async fn create_with_provider(
     wanted: &HookVolumes,
     provider: Arc<StorageProvider>,
 ) -> Result<Vec<VolumeMount>, HookError> {
-    let isolator = isolator_for(&opts.work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
     reap_stale(&isolator, &opts.work_dir, id).await;
 
     let mut resources = wanted.resources.clone();
@@ -575,7 +564,7 @@ pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError
             container: id.to_string(),
             source: Box::new(source),
         })?;
-    let isolator = isolator_for(&opts.work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
     let result = isolator.cleanup(id).await.map_err(HookError::from);
     if result.is_ok() {
         remove_container_dir(&sandbox);

@@ -103,6 +103,27 @@ impl VolumeIsolator {
         }
     }
 
+    /// The isolator of one provider on this host: real mount syscalls and this process's mount
+    /// table (what `run`, `serve` and the OCI hook each use).
+    pub fn on_host(
+        work_dir: impl Into<PathBuf>,
+        provider: Arc<crate::provider::StorageProvider>,
+    ) -> Self {
+        let mut manager = Manager::new();
+        manager.add(provider);
+        VolumeIsolator::new(
+            work_dir,
+            Arc::new(manager),
+            Arc::new(crate::mount::LinuxSyscall::new()),
+            Arc::new(crate::mount::ProcMountTable::new()),
+        )
+    }
+
+    /// The mount table this isolator reads.
+    pub fn mount_table(&self) -> Arc<dyn MountTable> {
+        self.table.clone()
+    }
+
     /// The provider manager.
     pub fn manager(&self) -> &Arc<Manager> {
         &self.manager

@@ -10,8 +10,7 @@ use std::time::Duration;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::isolator::VolumeIsolator;
-use crate::mount::{LinuxSyscall, MountTable, ProcMountTable};
-use crate::provider::{Manager, ProviderConfig, ProviderError, StorageProvider};
+use crate::provider::{ProviderConfig, ProviderError, StorageProvider};
 use crate::service::http;
 use crate::service::metrics::ServiceMetrics;
 use crate::service::proto::isolator_server::IsolatorServer;
@@ -195,15 +194,8 @@ async fn serve_with_provider(
         tracing::warn!(actions = ?report.actions, failures = ?report.failures, "provider recovery");
     }
     let provider_id = provider.id().to_string();
-    let mut manager = Manager::new();
-    manager.add(provider);
-    let table: Arc<dyn MountTable> = Arc::new(ProcMountTable::new());
-    let isolator = Arc::new(VolumeIsolator::new(
-        &opts.work_dir,
-        Arc::new(manager),
-        Arc::new(LinuxSyscall::new()),
-        table.clone(),
-    ));
+    let isolator = Arc::new(VolumeIsolator::on_host(&opts.work_dir, provider));
+    let table = isolator.mount_table();
     let metrics = Arc::new(ServiceMetrics::default());
     let service = IsolatorService::new(
         isolator.clone(),
