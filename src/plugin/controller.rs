@@ -10,7 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::faults::LieMode;
 use super::store::{CapabilityRecord, ControllerPublication};
-use super::{volume_key, LockKey, Plugin, PluginError, PluginService};
+use super::{require, volume_key, LockKey, Plugin, PluginError, PluginService};
 use crate::csi::proto;
 use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
 use crate::csi::proto::volume_capability::access_mode::Mode;
@@ -102,13 +102,6 @@ pub(super) fn capability_record(cap: &proto::VolumeCapability) -> CapabilityReco
 /// Whether a capability asks for a read-only mount (the `ro` mount flag).
 pub(super) fn wants_readonly(cap: &CapabilityRecord) -> bool {
     cap.mount_flags.iter().any(|f| f == "ro")
-}
-
-fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
-    if value.is_empty() {
-        return Err(PluginError::MissingField { rpc, field });
-    }
-    Ok(())
 }
 
 fn new_volume_id(prefix: &str) -> String {
@@ -348,13 +341,7 @@ impl Plugin {
                 field: "volume_capability",
             })?;
         check_capability(RPC, "volume_capability", cap)?;
-        let mut record =
-            self.store
-                .get(&req.volume_id)
-                .ok_or_else(|| PluginError::VolumeNotFound {
-                    rpc: RPC,
-                    volume_id: req.volume_id.clone(),
-                })?;
+        let mut record = self.known_volume(RPC, &req.volume_id)?;
         if req.node_id != self.config.node_id {
             return Err(PluginError::NodeNotFound {
                 rpc: RPC,
@@ -388,13 +375,7 @@ impl Plugin {
                 record
                     .published_nodes
                     .insert(req.node_id.clone(), publication);
-                self.store
-                    .save(&record)
-                    .map_err(|source| PluginError::Store {
-                        rpc: RPC,
-                        volume_id: record.id.clone(),
-                        source,
-                    })?;
+                self.save(RPC, &record)?;
             }
         }
         Ok(proto::ControllerPublishVolumeResponse {
@@ -423,13 +404,7 @@ impl Plugin {
             record.published_nodes.remove(&req.node_id);
         }
         if record.published_nodes.len() != before {
-            self.store
-                .save(&record)
-                .map_err(|source| PluginError::Store {
-                    rpc: RPC,
-                    volume_id: record.id.clone(),
-                    source,
-                })?;
+            self.save(RPC, &record)?;
         }
         Ok(proto::ControllerUnpublishVolumeResponse {})
     }
@@ -447,13 +422,7 @@ impl Plugin {
                 field: "volume_capabilities",
             });
         }
-        let record = self
-            .store
-            .get(&req.volume_id)
-            .ok_or_else(|| PluginError::VolumeNotFound {
-                rpc: RPC,
-                volume_id: req.volume_id.clone(),
-            })?;
+        let record = self.known_volume(RPC, &req.volume_id)?;
         let unsupported = req
             .volume_capabilities
             .iter()

@@ -40,7 +40,7 @@ use tonic::{Response, Status};
 use crate::csi::proto;
 pub use backing::{BackingError, BackingKind};
 use faults::{FaultSpec, Faults};
-use store::{Store, StoreError};
+use store::{Store, StoreError, VolumeRecord};
 
 /// Default `GetPluginInfo` name.
 pub const DEFAULT_NAME: &str = "csi-test-plugin.csi-isolator.io";
@@ -334,6 +334,40 @@ pub(crate) struct Plugin {
     backing: backing::Backing,
     faults: Faults,
     locks: Arc<locks::LockMap>,
+}
+
+/// A REQUIRED request field must not be empty.
+fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
+    if value.is_empty() {
+        return Err(PluginError::MissingField { rpc, field });
+    }
+    Ok(())
+}
+
+impl Plugin {
+    /// The record of a volume the request names, or NOT_FOUND.
+    pub(super) fn known_volume(
+        &self,
+        rpc: &'static str,
+        volume_id: &str,
+    ) -> Result<VolumeRecord, PluginError> {
+        self.store
+            .get(volume_id)
+            .ok_or_else(|| PluginError::VolumeNotFound {
+                rpc,
+                volume_id: volume_id.to_string(),
+            })
+    }
+
+    pub(super) fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
+        self.store
+            .save(record)
+            .map_err(|source| PluginError::Store {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            })
+    }
 }
 
 /// The lock key of a volume.

@@ -16,16 +16,9 @@ use tonic::{Request, Response, Status};
 use super::backing::MountState;
 use super::controller::{capability_record, check_capability, publish_context, wants_readonly};
 use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
-use super::{LockKey, Plugin, PluginError, PluginService};
+use super::{require, LockKey, Plugin, PluginError, PluginService};
 use crate::csi::proto;
 use crate::csi::proto::node_service_capability::rpc::Type as Cap;
-
-fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), PluginError> {
-    if value.is_empty() {
-        return Err(PluginError::MissingField { rpc, field });
-    }
-    Ok(())
-}
 
 /// Checks the request's capability and returns its comparable form.
 fn require_capability(
@@ -80,30 +73,6 @@ impl Plugin {
         self.provision(rpc, &record)?;
         tracing::info!(volume_id, "node-only plugin adopted volume");
         Ok(record)
-    }
-
-    /// The record of a volume the request names, or NOT_FOUND.
-    fn known_volume(
-        &self,
-        rpc: &'static str,
-        volume_id: &str,
-    ) -> Result<VolumeRecord, PluginError> {
-        self.store
-            .get(volume_id)
-            .ok_or_else(|| PluginError::VolumeNotFound {
-                rpc,
-                volume_id: volume_id.to_string(),
-            })
-    }
-
-    fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
-        self.store
-            .save(record)
-            .map_err(|source| PluginError::Store {
-                rpc,
-                volume_id: record.id.clone(),
-                source,
-            })
     }
 
     /// A path already holds the volume: compatible with `cap` when the recorded capability
@@ -379,13 +348,7 @@ impl Plugin {
         const RPC: &str = "NodeGetVolumeStats";
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "volume_path", &req.volume_path)?;
-        let record = self
-            .store
-            .get(&req.volume_id)
-            .ok_or_else(|| PluginError::VolumeNotFound {
-                rpc: RPC,
-                volume_id: req.volume_id.clone(),
-            })?;
+        let record = self.known_volume(RPC, &req.volume_id)?;
         let dir = self.store.volume_dir(&record.id);
         let path = PathBuf::from(&req.volume_path);
         let state = self
