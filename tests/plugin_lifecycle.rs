@@ -246,6 +246,7 @@ both_backings!(
     a_retry_after_the_client_gave_up_never_overlaps_the_first_call,
     create_waits_for_a_running_delete_of_the_same_name,
     a_busy_volume_is_not_unpublished,
+    a_foreign_mount_is_never_taken_for_the_volume,
     repeated_calls_with_another_capability_are_refused,
     mount_flags_are_applied_or_refused,
 );
@@ -1023,6 +1024,70 @@ async fn a_busy_volume_is_not_unpublished(backing: &'static str) {
     env.sandbox.untrack(user.id());
     env.unpublish(&id, &target).await.unwrap();
     assert!(!target.exists());
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// A mount that is not the volume's (a tmpfs someone put on top of the target, or at a path
+/// that never held the volume) is refused by name and left mounted: the plugin never unmounts
+/// what it did not mount.
+async fn a_foreign_mount_is_never_taken_for_the_volume(backing: &'static str) {
+    let mut env = setup(backing, &["--no-stage"]).await;
+    let id = env.create("covered", 16 * MIB).await.unwrap().volume_id;
+    let ctx = env.cpublish(&id, false).await.unwrap();
+    let target = env.target("covered");
+    env.publish(&id, None, &target, false, &ctx).await.unwrap();
+    let tmpfs = |path: &Path| {
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "foreign"])
+            .arg(path)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "mount tmpfs at {}", path.display());
+    };
+    let umount = |path: &Path| {
+        assert!(std::process::Command::new("umount")
+            .arg(path)
+            .status()
+            .unwrap()
+            .success());
+    };
+
+    // Covered: the tmpfs on top is not the volume.
+    tmpfs(&target);
+    let status = env.unpublish(&id, &target).await.unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::FailedPrecondition,
+        "{}",
+        status.message()
+    );
+    assert_eq!(env.mounts_at(&target).len(), 2, "both mounts stay");
+    umount(&target);
+
+    // A path that never held the volume, with a foreign mount on it.
+    let other = env.target("other");
+    std::fs::create_dir(&other).unwrap();
+    tmpfs(&other);
+    let status = env.unpublish(&id, &other).await.unwrap_err();
+    assert_eq!(
+        status.code(),
+        Code::FailedPrecondition,
+        "{}",
+        status.message()
+    );
+    assert!(
+        status.message().contains("not this volume"),
+        "{}",
+        status.message()
+    );
+    assert_eq!(env.mounts_at(&other).len(), 1, "the foreign mount stays");
+    umount(&other);
+    std::fs::remove_dir(&other).unwrap();
+
+    env.unpublish(&id, &target).await.unwrap();
+    env.cunpublish(&id).await.unwrap();
     env.delete(&id).await.unwrap();
     env.finish();
 }
