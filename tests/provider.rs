@@ -757,3 +757,55 @@ async fn a_plugin_that_lies_about_node_publish_fails_the_publish_cleanly() {
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }
+
+#[tokio::test]
+async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_cleanly() {
+    require_root();
+    let sb = Sandbox::new("prov-start-fail");
+    let work = sb.mkdir("work");
+
+    // The program does not exist: the error names the plugin and the command.
+    let mut c = config(&work, "default", &[]);
+    let missing = sb.join("no-such-plugin");
+    if let PluginSource::Managed(cmd) = &mut c.plugin {
+        cmd.program = missing.clone();
+    } else {
+        panic!("the bundled config is a managed plugin");
+    }
+    let err = StorageProvider::start(c).await.unwrap_err().to_string();
+    assert!(
+        err.starts_with("start plugin") && err.contains(&missing.display().to_string()),
+        "{err}"
+    );
+
+    // It runs but never serves its socket: refused after the ready timeout, and the process
+    // is killed (nothing of it is left running).
+    let mut c = config(&work, "default", &[]);
+    c.ready_timeout = Duration::from_millis(300);
+    // A copy of sleep under the sandbox, so its command line names the sandbox.
+    let never_ready = sb.join("never-ready-plugin");
+    std::fs::copy("/bin/sleep", &never_ready).unwrap();
+    if let PluginSource::Managed(cmd) = &mut c.plugin {
+        cmd.program = never_ready.clone();
+        cmd.args = vec!["1000".into()];
+    }
+    let started = std::time::Instant::now();
+    let err = StorageProvider::start(c).await.unwrap_err().to_string();
+    assert!(
+        err.contains("not ready at") && err.contains("after"),
+        "{err}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "it did wait"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !csi_isolator::testing::processes_mentioning(&never_ready).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the plugin process was left running"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sb.assert_no_mounts_under();
+}
