@@ -493,3 +493,16 @@ fn malformed_resource_lists_are_refused() {
     }
     assert!(parse_resources("[]").unwrap().is_empty());
 }
+
+#[test]
+fn an_unknown_disk_source_type_is_refused_by_name() {
+    let json = r#"{"name":"disk","type":"SCALAR","scalar":{"value":8},
+        "disk":{"source":{"type":"BOGUS","id":"vol-1","mount":{"root":"./x"}}}}"#;
+    let resource: Resource = serde_json::from_str(json).unwrap();
+    let err = resolve_host_path(&resource, Path::new("/var/lib/agent")).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("disk.source.type") && msg.contains("\"BOGUS\""),
+        "{msg}"
+    );
+}
