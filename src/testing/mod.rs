@@ -13,6 +13,7 @@
 //! Helpers panic with a clear message on failure: they are for tests.
 
 pub mod props;
+pub mod unprivileged;
 
 use std::fs::{self, File};
 use std::io;
