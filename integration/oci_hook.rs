@@ -240,7 +240,9 @@ async fn failure_after_publish_releases_what_was_published() {
         r.stderr
     );
     assert!(
-        r.stderr.contains("mount volume 'second' (vol-") && r.stderr.contains("at /afile: attach:"),
+        r.stderr
+            .contains("mount volume 'second' of the single tenant (vol-")
+            && r.stderr.contains("at /afile: attach:"),
         "runc's stderr names the volume: {}",
         r.stderr
     );
