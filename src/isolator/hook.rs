@@ -1125,8 +1125,8 @@ async fn create_with_provider(
     }
 
     let sandbox = container_dir(req.work_dir, id);
-    mkdir(&req.work_dir.join(HOOK_DIR))?;
-    mkdir(&sandbox)?;
+    make_real_dir(&req.work_dir.join(HOOK_DIR))?;
+    make_real_dir(&sandbox)?;
     let config = ContainerConfig {
         resources,
         sandbox: sandbox.clone(),
@@ -1296,12 +1296,32 @@ pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<WorkDir
     Ok(crate::workdir::lock(work_dir, Some(timeout)).await?)
 }
 
-fn mkdir(path: &Path) -> Result<(), HookError> {
-    std::fs::create_dir_all(path).map_err(|source| HookError::Io {
-        step: "create directory",
+/// Makes the directory `path` (0700; its parent must exist) or takes the one there, refusing a symlink
+/// or anything else: a hook directory is never somewhere else than where it is named.
+fn make_real_dir(path: &Path) -> Result<(), HookError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let fail = |step, source| HookError::Io {
+        step,
         path: path.to_path_buf(),
         source,
-    })
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let meta = std::fs::symlink_metadata(path).map_err(|e| fail("stat directory", e))?;
+            if meta.file_type().is_dir() {
+                Ok(())
+            } else {
+                Err(fail(
+                    "check directory",
+                    std::io::Error::other(
+                        "a symlink or not a directory; remove it (the hook makes its own)",
+                    ),
+                ))
+            }
+        }
+        Err(e) => Err(fail("create directory", e)),
+    }
 }
 
 /// Removes the hook container directory `<work_dir>/oci-hook/<id>` (logged on failure; kept while
