@@ -16,8 +16,8 @@ use csi_isolator::isolator::{ContainerConfig, ContainerRecord};
 use csi_isolator::provider::VolumeRecord;
 use csi_isolator::resource::VolumeMode;
 use csi_isolator::testing::{
-    host_mount_points, require_root, require_runc, runc_run, set_oci_hooks,
-    start_bundled_provider, RuncBundle, RuncRun, Sandbox,
+    host_mount_points, require_root, require_runc, runc_run, set_oci_hooks, start_bundled_provider,
+    RuncBundle, RuncRun, Sandbox,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -50,7 +50,13 @@ fn build_bundle(sb: &Sandbox, extra: &[&str]) -> Bundle {
 }
 
 /// Runs `script` in a container with `annotations` to completion (poststop included).
-fn run(sb: &Sandbox, bundle: &Bundle, name: &str, annotations: serde_json::Value, script: &str) -> RuncRun {
+fn run(
+    sb: &Sandbox,
+    bundle: &Bundle,
+    name: &str,
+    annotations: serde_json::Value,
+    script: &str,
+) -> RuncRun {
     let mut config = bundle.runc.config_for(script);
     config["annotations"] = annotations;
     let id = format!("csi-sec-{name}-{}", std::process::id());
@@ -73,9 +79,14 @@ fn assert_ran(r: &RuncRun) {
 /// The container never started, and runc's stderr carries the hook's one-line refusal with `says`.
 fn assert_refused(r: &RuncRun, says: &[&str]) {
     assert_ne!(r.code, Some(0), "runc must fail: {}", r.stderr);
-    assert!(!r.stdout.contains("started"), "the workload ran: {}", r.stdout);
     assert!(
-        r.stderr.contains("csi-isolator: oci-hook create-runtime: container 'csi-sec-"),
+        !r.stdout.contains("started"),
+        "the workload ran: {}",
+        r.stdout
+    );
+    assert!(
+        r.stderr
+            .contains("csi-isolator: oci-hook create-runtime: container 'csi-sec-"),
         "the hook refused: {}",
         r.stderr
     );
@@ -86,7 +97,8 @@ fn assert_refused(r: &RuncRun, says: &[&str]) {
 
 /// The provider's volumes on the hook's work dir.
 async fn volumes(sb: &Sandbox, bundle: &Bundle) -> Vec<VolumeRecord> {
-    let provider = start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
+    let provider =
+        start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
     let out = provider.volumes().await;
     provider.shutdown(Duration::from_secs(5)).await;
     out
@@ -94,7 +106,8 @@ async fn volumes(sb: &Sandbox, bundle: &Bundle) -> Vec<VolumeRecord> {
 
 /// The resources annotation naming the provider's volume recorded as `name`, at `/data`.
 async fn resource_of(sb: &Sandbox, bundle: &Bundle, name: &str) -> String {
-    let provider = start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
+    let provider =
+        start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
     let rec = provider
         .find_by_name(name)
         .await
@@ -187,9 +200,16 @@ async fn resources_annotation_with_a_host_path_is_refused_and_nothing_is_mounted
             "{name}: /data made in the rootfs"
         );
         let checkpoint = bundle.work.join("isolators/volume/csi").join(&r.id);
-        assert!(!checkpoint.exists(), "{name}: {} left", checkpoint.display());
+        assert!(
+            !checkpoint.exists(),
+            "{name}: {} left",
+            checkpoint.display()
+        );
     }
-    assert_eq!(fs::read_to_string(sb.join("secret/file")).unwrap(), "host secret\n");
+    assert_eq!(
+        fs::read_to_string(sb.join("secret/file")).unwrap(),
+        "host secret\n"
+    );
     sb.assert_no_mounts_under();
 }
 
@@ -233,9 +253,17 @@ async fn tenants_naming_the_same_volume_get_their_own() {
         "ls -A /data; cat /data/secret 2>/dev/null || echo no-secret; grep -c ' /data ' /proc/mounts",
     );
     assert_ran(&b);
-    assert!(!b.stdout.contains("a-secret"), "tenant b read a's data: {}", b.stdout);
+    assert!(
+        !b.stdout.contains("a-secret"),
+        "tenant b read a's data: {}",
+        b.stdout
+    );
     assert!(b.stdout.contains("no-secret"), "{}", b.stdout);
-    assert!(b.stdout.ends_with("1\n"), "b had its own volume at /data: {}", b.stdout);
+    assert!(
+        b.stdout.ends_with("1\n"),
+        "b had its own volume at /data: {}",
+        b.stdout
+    );
     // Two volumes, one per tenant, and a's data is still a's.
     let names: Vec<String> = volumes(&sb, &bundle)
         .await
@@ -281,7 +309,10 @@ async fn a_container_without_its_tenant_is_refused() {
         ),
     ] {
         let r = run(&sb, &bundle, name, annotations, "echo started");
-        assert_refused(&r, &[says, "--tenant-annotation io.kubernetes.pod.namespace"]);
+        assert_refused(
+            &r,
+            &[says, "--tenant-annotation io.kubernetes.pod.namespace"],
+        );
         assert!(!bundle.rootfs.join("data").exists(), "{name}");
     }
     assert_eq!(host_mount_points(&sb), before);
@@ -340,10 +371,23 @@ async fn volume_caps_refuse_the_extra_volume() {
             "40M",
         ],
     );
-    let tenant = |ns: &str, volumes: &str| serde_json::json!({ NAMESPACE: ns, VOLUMES_ANNOTATION: volumes });
-    assert_ran(&run(&sb, &bundle, "two", tenant("ns-a", "v1:16M:/v1,v2:16M:/v2"), "true"));
+    let tenant =
+        |ns: &str, volumes: &str| serde_json::json!({ NAMESPACE: ns, VOLUMES_ANNOTATION: volumes });
+    assert_ran(&run(
+        &sb,
+        &bundle,
+        "two",
+        tenant("ns-a", "v1:16M:/v1,v2:16M:/v2"),
+        "true",
+    ));
     // Count: a third volume of ns-a is refused before CreateVolume.
-    let r = run(&sb, &bundle, "third", tenant("ns-a", "v3:16M:/v3"), "echo started");
+    let r = run(
+        &sb,
+        &bundle,
+        "third",
+        tenant("ns-a", "v3:16M:/v3"),
+        "echo started",
+    );
     assert_refused(
         &r,
         &[
@@ -352,10 +396,28 @@ async fn volume_caps_refuse_the_extra_volume() {
         ],
     );
     // Naming volumes it has creates nothing, so it is not capped.
-    assert_ran(&run(&sb, &bundle, "again", tenant("ns-a", "v1:16M:/v1"), "true"));
+    assert_ran(&run(
+        &sb,
+        &bundle,
+        "again",
+        tenant("ns-a", "v1:16M:/v1"),
+        "true",
+    ));
     // Capacity, for another tenant (the caps are per tenant): 32M, then 16M more is over 40M.
-    assert_ran(&run(&sb, &bundle, "big", tenant("ns-b", "w1:32M:/w1"), "true"));
-    let r = run(&sb, &bundle, "over", tenant("ns-b", "w2:16M:/w2"), "echo started");
+    assert_ran(&run(
+        &sb,
+        &bundle,
+        "big",
+        tenant("ns-b", "w1:32M:/w1"),
+        "true",
+    ));
+    let r = run(
+        &sb,
+        &bundle,
+        "over",
+        tenant("ns-b", "w2:16M:/w2"),
+        "echo started",
+    );
     assert_refused(
         &r,
         &[
@@ -369,7 +431,10 @@ async fn volume_caps_refuse_the_extra_volume() {
         .filter_map(|v| v.name)
         .collect();
     assert_eq!(names.len(), 3, "{names:?}");
-    assert!(!names.iter().any(|n| n == "ns-a.v3" || n == "ns-b.w2"), "{names:?}");
+    assert!(
+        !names.iter().any(|n| n == "ns-a.v3" || n == "ns-b.w2"),
+        "{names:?}"
+    );
     sb.assert_no_mounts_under();
 }
 
@@ -429,14 +494,25 @@ async fn reaper_never_removes_a_planted_sandbox() {
     );
     assert_ran(&r);
     assert!(decoy.join("keep").exists(), "the `..` decoy was removed");
-    assert!(decoy2.join("keep").exists(), "the symlinked decoy was removed");
+    assert!(
+        decoy2.join("keep").exists(),
+        "the symlinked decoy was removed"
+    );
     // The `..` checkpoint is not a hook container's: left alone. The symlinked one is released,
     // its checkpoint gone, its symlink kept (never followed, never removed).
-    assert!(bundle.work.join("isolators/volume/csi/dotdot/state.json").exists());
-    assert!(!bundle.work.join("isolators/volume/csi/linked/state.json").exists());
-    assert!(fs::symlink_metadata(bundle.work.join(HOOK_DIR).join("linked"))
-        .unwrap()
-        .file_type()
-        .is_symlink());
+    assert!(bundle
+        .work
+        .join("isolators/volume/csi/dotdot/state.json")
+        .exists());
+    assert!(!bundle
+        .work
+        .join("isolators/volume/csi/linked/state.json")
+        .exists());
+    assert!(
+        fs::symlink_metadata(bundle.work.join(HOOK_DIR).join("linked"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
     sb.assert_no_mounts_under();
 }

@@ -152,6 +152,8 @@ pub const DEFAULT_MAX_CAPACITY_PER_TENANT: u64 = 64 << 30;
 /// How deep the removal of a hook container's directory goes (the directory is unused, so normally
 /// empty; a deeper tree is kept and logged).
 const MAX_REMOVE_DEPTH: usize = 16;
+/// The largest container checkpoint the reaper reads (a hook container's is a few KiB).
+const MAX_CHECKPOINT_BYTES: u64 = 1 << 20;
 /// How many entries the removal of a hook container's directory deletes at most.
 const MAX_REMOVE_ENTRIES: usize = 4096;
 
@@ -1260,7 +1262,10 @@ async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
         return;
     };
     for e in entries.flatten() {
-        let Ok(bytes) = std::fs::read(e.path().join("state.json")) else {
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Some(bytes) = read_checkpoint(&e.path().join("state.json")) else {
             continue;
         };
         let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) else {
@@ -1288,6 +1293,26 @@ async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
             }
         }
     }
+}
+
+/// A container checkpoint's bytes, if it is a regular file (not through a symlink, never blocking on
+/// a FIFO) of at most [`MAX_CHECKPOINT_BYTES`]: the reaper reads what it finds in the work dir.
+fn read_checkpoint(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CHECKPOINT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    (bytes.len() as u64 <= MAX_CHECKPOINT_BYTES).then_some(bytes)
 }
 
 /// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
