@@ -15,7 +15,8 @@ use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::state::VolumeState;
 use csi_isolator::provider::StorageProvider;
 use csi_isolator::testing::{
-    host_mount_points, require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox,
+    host_mount_points, require_root, require_runc, runc_run, set_oci_hooks, RuncBundle, RuncRun,
+    Sandbox,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -42,17 +43,7 @@ fn build_bundle(sb: &Sandbox) -> Bundle {
     let mut runc = RuncBundle::new(sb, "bundle");
     assert_eq!(runc.config["root"]["path"], "rootfs");
     let work = sb.join("work");
-    let hook = |stage: &str| {
-        serde_json::json!([{
-            "path": BIN,
-            "args": ["csi-isolator", "--work-dir", work.to_str().unwrap(), "oci-hook",
-                     "--plugin-socket-dir", work.parent().unwrap().join("s").to_str().unwrap(), stage],
-        }])
-    };
-    runc.config["hooks"] = serde_json::json!({
-        "createRuntime": hook("create-runtime"),
-        "poststop": hook("poststop"),
-    });
+    set_oci_hooks(&mut runc, Path::new(BIN), &work, &sb.join("s"), &[]);
     Bundle {
         rootfs: runc.rootfs.clone(),
         runc,
@@ -240,7 +231,9 @@ async fn failure_after_publish_releases_what_was_published() {
         r.stderr
     );
     assert!(
-        r.stderr.contains("mount volume 'second' (vol-") && r.stderr.contains("at /afile: attach:"),
+        r.stderr
+            .contains("mount volume 'second' of the single tenant (vol-")
+            && r.stderr.contains("at /afile: attach:"),
         "runc's stderr names the volume: {}",
         r.stderr
     );

@@ -5,14 +5,16 @@
 //! - Input: the container state on stdin (runtime-spec `state`: `ociVersion`, `id`, `status`, `pid`,
 //!   `bundle`, `annotations`) and the bundle's `config.json` (`root.path`, relative to the bundle or
 //!   absolute, and `annotations`; where both carry an annotation, `config.json` wins).
-//! - Annotations (either or both):
+//! - Annotations (either or both; each at most [`MAX_ANNOTATION_BYTES`] long, together naming at most
+//!   [`MAX_ANNOTATION_ENTRIES`] volumes):
 //!   - [`VOLUMES_ANNOTATION`] `io.csi-isolator.volumes`: comma-separated `NAME:SIZE:CONTAINER_PATH[:ro]`,
-//!     the syntax of `run --volume` ([`VolumeArg`]): the volume is created on the provider if no volume
-//!     of that name exists (the same name is the same volume next time).
-//!   - [`RESOURCES_ANNOTATION`] `io.csi-isolator.resources`: a Mesos Resource JSON list, mounted as given.
+//!     the syntax of `run --volume` ([`VolumeArg`]): the volume is created on the provider if the
+//!     container's tenant has no volume of that name (the same name is the same volume next time).
+//!   - [`RESOURCES_ANNOTATION`] `io.csi-isolator.resources`: a Mesos Resource JSON list naming volumes
+//!     the provider already has (see "Who may name what").
 //!
 //!   `CONTAINER_PATH`s must be absolute: they land inside the container's rootfs. A container without
-//!   either annotation is left alone (no lock, no provider).
+//!   either annotation is left alone (no lock, no provider, the work dir untouched).
 //! - `create-runtime` (runtime namespace, after the container's namespaces exist, before `pivot_root`):
 //!   publishes the volumes through [`VolumeIsolator::prepare`] and mounts each into the container's mount
 //!   namespace at `<rootfs>/<CONTAINER_PATH>`. On any failure what this call mounted is unmounted, what it
@@ -23,6 +25,29 @@
 //!   the hook never saw is a no-op.
 //! - The container id (the state's `id`) must be usable as a path component; it is the isolator's
 //!   container id, so `poststop` finds what `create-runtime` recorded.
+//!
+//! # Who may name what
+//! Whoever sets annotations is not trusted (a CRI-O pod's author sets them, and a `hooks.d` entry
+//! matches on them); only the hook's own arguments in `config.json` (the operator's) are. So:
+//! - Annotations name volumes, never host paths. Every entry of the resources annotation must be a disk
+//!   of this hook's provider ([`admit_resource`]): its provider id, `disk.source.type` `MOUNT` or `PATH`,
+//!   the root exactly the provider's relative `./csi/<type>/<name>/mounts`, and `disk.source.id` a volume
+//!   the provider knows. Anything else (no source, an absolute or other root, an unknown volume) is
+//!   refused before anything is mounted, unless the operator passes [`ALLOW_RAW_RESOURCES_FLAG`], which
+//!   restores the old behaviour: the annotation's resources are mounted as given, host paths included.
+//! - Volume names belong to a tenant ([`Tenant`]). With [`TENANT_ANNOTATION_FLAG`] `KEY` the tenant is
+//!   the value of the annotation `KEY` (one the runtime sets itself and a user cannot override, such as
+//!   CRI-O's `io.kubernetes.pod.namespace`), a DNS-1123-label-like string ([`validate_tenant`]); a
+//!   container without it is refused. The provider is asked for `<tenant>.<name>`
+//!   ([`Tenant::scoped_name`]): a tenant holds no `.`, so the mapping is one-to-one, and two tenants
+//!   naming `data` get two volumes. A resources annotation may only name volumes whose recorded name is
+//!   of its own tenant. Without the flag the host is single-tenant: names are passed as written, and
+//!   every container on the host that can set annotations can name (and read and write) every volume
+//!   the hook made.
+//! - Per tenant (the single tenant when tenants are off), annotations may create at most
+//!   [`MAX_VOLUMES_FLAG`] volumes of at most [`MAX_CAPACITY_FLAG`] bytes together, counted from the
+//!   provider's records ([`check_caps`]); a creation over a cap is refused before CreateVolume. The
+//!   count and the creation happen under the work-dir lock, so two hooks cannot both take the last slot.
 //!
 //! # Mounting before pivot_root
 //! At `create-runtime` the container's init process (`state.pid`) lives in the container's new mount
@@ -56,15 +81,24 @@
 //! `poststop` does not call [`VolumeIsolator::recover`]: `recover(&[id])` cleans up every container not
 //! listed, i.e. every other live hook container. Cleanup needs no loaded record here (nothing is mounted
 //! on the host for hook containers). Instead `create-runtime` reaps hook containers whose `poststop` never
-//! came (the runtime was killed): a checkpointed container with a sandbox under `<work_dir>/oci-hook`
-//! whose recorded init pid is gone (or that never got one: its hook died mid-way, as the lock says no
-//! other hook is running) is cleaned up. A recycled pid only delays that (the volume stays published).
+//! came (the runtime was killed): a checkpointed container whose sandbox is exactly
+//! `<work_dir>/oci-hook/<id>` ([`hook_sandbox_of`]: compared component by component, the id valid and
+//! the checkpoint's own directory name) and whose recorded init pid is gone (or that never got one: its
+//! hook died mid-way, as the lock says no other hook is running) is cleaned up. A recycled pid only
+//! delays that (the volume stays published). A checkpoint is data in the work dir, not an instruction:
+//! the path it records is only compared, never used; the directory removed is
+//! `<work_dir>/oci-hook/<id>`, opened by fd beneath the `oci-hook` directory without following a
+//! symlink and without crossing into another file system ([`remove_container_dir`]).
+//!
+//! The work dir goes through [`crate::workdir::canonical`] (its safety checks) before anything in it
+//! is opened, at `create-runtime` and at `poststop`.
 //!
 //! A work dir may be shared with `csi-isolator run`: `run` only cleans up containers of earlier runs
 //! (sandboxes under `<work_dir>/sandboxes`) and keeps the hook's, whose sandboxes are under `oci-hook/`.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -91,6 +125,37 @@ pub const HOOK_DIR: &str = "oci-hook";
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the bundled plugin gets to stop after the hook's work.
 const PLUGIN_STOP_GRACE: Duration = Duration::from_secs(5);
+/// CSI's limit on `CreateVolumeRequest.name`, which the provider enforces too
+/// (`provider::create::MAX_NAME_BYTES`, not exported): checked here so a scoped name over it is refused,
+/// naming the tenant, before the lock and the plugin.
+const MAX_NAME_BYTES: usize = 128;
+/// The longest value of one volume annotation, in bytes.
+pub const MAX_ANNOTATION_BYTES: usize = 64 * 1024;
+/// The most volumes one container's annotations may name (both annotations together).
+pub const MAX_ANNOTATION_ENTRIES: usize = 32;
+/// The longest tenant, in bytes (a DNS-1123 label's bound).
+pub const MAX_TENANT_BYTES: usize = 63;
+/// Between the tenant and the volume name in the name the provider is asked for; never in a tenant.
+pub const TENANT_SEPARATOR: char = '.';
+/// The hook argument that lets resources annotations name anything (host paths included).
+pub const ALLOW_RAW_RESOURCES_FLAG: &str = "--allow-raw-resources";
+/// The hook argument naming the annotation that carries the tenant.
+pub const TENANT_ANNOTATION_FLAG: &str = "--tenant-annotation";
+/// The hook argument capping the number of volumes annotations may create per tenant.
+pub const MAX_VOLUMES_FLAG: &str = "--max-volumes-per-tenant";
+/// The hook argument capping the total capacity of the volumes annotations may create per tenant.
+pub const MAX_CAPACITY_FLAG: &str = "--max-capacity-per-tenant";
+/// The default of [`MAX_VOLUMES_FLAG`].
+pub const DEFAULT_MAX_VOLUMES_PER_TENANT: u64 = 32;
+/// The default of [`MAX_CAPACITY_FLAG`]: 64 GiB.
+pub const DEFAULT_MAX_CAPACITY_PER_TENANT: u64 = 64 << 30;
+/// How deep the removal of a hook container's directory goes (the directory is unused, so normally
+/// empty; a deeper tree is kept and logged).
+const MAX_REMOVE_DEPTH: usize = 16;
+/// The largest container checkpoint the reaper reads (a hook container's is a few KiB).
+const MAX_CHECKPOINT_BYTES: u64 = 1 << 20;
+/// How many entries the removal of a hook container's directory deletes at most.
+const MAX_REMOVE_ENTRIES: usize = 4096;
 
 /// A hook failed.
 #[derive(Debug, thiserror::Error)]
@@ -161,6 +226,77 @@ pub enum HookError {
         /// Why.
         reason: String,
     },
+    /// An annotation is longer, or names more volumes, than the hook takes.
+    #[error("container '{container}': annotation {annotation}: {reason}")]
+    AnnotationTooLarge {
+        /// The container id.
+        container: String,
+        /// The annotation key (or both).
+        annotation: &'static str,
+        /// What is over which bound.
+        reason: String,
+    },
+    /// A resources annotation names something that is not a volume of this hook's provider.
+    #[error(
+        "container '{container}': annotation {RESOURCES_ANNOTATION}: resource {resource} refused: {reason}; \
+         annotations may only name volumes of provider '{provider}' (an operator who trusts whoever \
+         sets annotations with host paths may pass {ALLOW_RAW_RESOURCES_FLAG} in the hook's arguments)"
+    )]
+    ResourceRefused {
+        /// The container id.
+        container: String,
+        /// The resource ([`Resource::describe`]).
+        resource: String,
+        /// This hook's provider (as far as known).
+        provider: String,
+        /// Why.
+        reason: String,
+    },
+    /// The container's tenant cannot be told.
+    #[error(
+        "container '{container}': tenant annotation '{annotation}' {reason} (the hook runs with \
+         {TENANT_ANNOTATION_FLAG} {annotation}: every container it serves needs a valid tenant there)"
+    )]
+    Tenant {
+        /// The container id.
+        container: String,
+        /// The annotation key the operator chose.
+        annotation: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// A volume name of an annotation cannot be scoped to its tenant.
+    #[error("container '{container}': volume '{volume}' of {tenant}: {reason}")]
+    VolumeName {
+        /// The container id.
+        container: String,
+        /// The name as written in the annotation.
+        volume: String,
+        /// The tenant.
+        tenant: Tenant,
+        /// Why.
+        reason: String,
+    },
+    /// Creating a volume would take its tenant over a cap.
+    #[error("container '{container}': volume '{volume}' of {tenant}: create: refused: {exceeded}")]
+    CapExceeded {
+        /// The container id.
+        container: String,
+        /// The name as written in the annotation.
+        volume: String,
+        /// The tenant.
+        tenant: Tenant,
+        /// Which cap, its value and the use.
+        exceeded: CapExceeded,
+    },
+    /// The provider's configuration could not be built.
+    #[error("container '{container}': configure the provider: {reason}")]
+    ProviderConfig {
+        /// The container id.
+        container: String,
+        /// Why.
+        reason: String,
+    },
     /// A directory of the hook could not be made or removed.
     #[error("{step} {path}: {source}")]
     Io {
@@ -185,12 +321,14 @@ pub enum HookError {
         source: Box<ProviderError>,
     },
     /// A named volume could not be created (or found).
-    #[error("container '{container}': volume '{volume}': create: {source}")]
+    #[error("container '{container}': volume '{volume}' of {tenant}: create: {source}")]
     CreateVolume {
         /// The container id.
         container: String,
-        /// The volume name.
+        /// The volume name as written in the annotation.
         volume: String,
+        /// The tenant.
+        tenant: Tenant,
         /// The provider error.
         #[source]
         source: Box<ProviderError>,
@@ -320,6 +458,25 @@ impl HookVolumes {
             volume: volume.to_string(),
             reason,
         };
+        let too_large = |annotation, reason: String| HookError::AnnotationTooLarge {
+            container: container.to_string(),
+            annotation,
+            reason,
+        };
+        for key in [VOLUMES_ANNOTATION, RESOURCES_ANNOTATION] {
+            if let Some(value) = annotations
+                .get(key)
+                .filter(|v| v.len() > MAX_ANNOTATION_BYTES)
+            {
+                return Err(too_large(
+                    key,
+                    format!(
+                        "{} bytes, over the hook's limit of {MAX_ANNOTATION_BYTES} bytes",
+                        value.len()
+                    ),
+                ));
+            }
+        }
         if let Some(value) = annotations.get(VOLUMES_ANNOTATION) {
             for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
                 let v: VolumeArg = entry.parse().map_err(|reason: String| {
@@ -361,19 +518,378 @@ impl HookVolumes {
             }
             out.resources = resources;
         }
+        let entries = out.volumes.len() + out.resources.len();
+        if entries > MAX_ANNOTATION_ENTRIES {
+            return Err(too_large(
+                "io.csi-isolator.volumes and io.csi-isolator.resources",
+                format!(
+                    "{entries} volumes named, over the hook's limit of {MAX_ANNOTATION_ENTRIES} per container"
+                ),
+            ));
+        }
         Ok(out)
     }
 }
 
+/// Whose volume names a container's annotations use (see "Who may name what" in the module doc).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Tenant {
+    /// Tenants are off: the host is one tenant, names are passed as written.
+    Single,
+    /// The value of the operator's tenant annotation ([`validate_tenant`]).
+    Named(String),
+}
+
+impl std::fmt::Display for Tenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Tenant::Single => f.write_str("the single tenant"),
+            Tenant::Named(t) => write!(f, "tenant '{t}'"),
+        }
+    }
+}
+
+impl Tenant {
+    /// The name the provider is asked for when an annotation says `name`: `<tenant>.<name>`, or `name`
+    /// for the single tenant. Fails (saying why) when that is over CSI's 128 bytes.
+    pub fn scoped_name(&self, name: &str) -> Result<String, String> {
+        let scoped = match self {
+            Tenant::Single => name.to_string(),
+            Tenant::Named(t) => format!("{t}{TENANT_SEPARATOR}{name}"),
+        };
+        if scoped.len() > MAX_NAME_BYTES {
+            let counted = match self {
+                Tenant::Single => "",
+                Tenant::Named(_) => ", the tenant and the '.' included",
+            };
+            return Err(format!(
+                "the volume name the provider is asked for is {} bytes{counted}, over CSI's limit of \
+                 {MAX_NAME_BYTES} bytes; choose a shorter name",
+                scoped.len()
+            ));
+        }
+        Ok(scoped)
+    }
+
+    /// Whether a volume recorded under `recorded` (`None`: a volume declared by id, without a name) is
+    /// this tenant's: any volume for the single tenant; for a named tenant, a name `<tenant>.<...>`.
+    pub fn owns(&self, recorded: Option<&str>) -> bool {
+        match self {
+            Tenant::Single => true,
+            Tenant::Named(t) => recorded
+                .and_then(|n| n.split_once(TENANT_SEPARATOR))
+                .is_some_and(|(owner, _)| owner == t),
+        }
+    }
+}
+
+/// Checks a tenant: 1 to [`MAX_TENANT_BYTES`] bytes of `a-z`, `0-9` and `-`, starting and ending with
+/// a letter or digit (a DNS-1123 label, which a Kubernetes namespace is). So it never holds
+/// [`TENANT_SEPARATOR`], nor anything that needs escaping in a message.
+pub fn validate_tenant(value: &str) -> Result<(), String> {
+    let allowed = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-';
+    if value.is_empty() {
+        Err("is empty".to_string())
+    } else if value.len() > MAX_TENANT_BYTES {
+        Err(format!(
+            "is {} bytes, over the limit of {MAX_TENANT_BYTES}",
+            value.len()
+        ))
+    } else if let Some(c) = value.chars().find(|c| !allowed(*c)) {
+        Err(format!(
+            "'{}' holds {c:?}: a tenant is a DNS-1123 label (a-z, 0-9, '-')",
+            crate::shown::shown(value)
+        ))
+    } else if value.starts_with('-') || value.ends_with('-') {
+        Err(format!(
+            "'{value}' starts or ends with '-': a tenant is a DNS-1123 label"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+/// What a resources annotation's disks must match to be volumes of this hook's provider. Before the
+/// provider is started only what its configuration tells is known (a plugin at an endpoint names its
+/// type, hence the provider id and root, only once asked); the same rule runs again, complete, after.
+#[derive(Clone, Copy, Debug)]
+pub struct OwnVolumes<'a> {
+    /// The provider id, once known.
+    pub provider_id: Option<&'a str>,
+    /// The provider's relative mounts root `./csi/<type>/<name>/mounts`, once known.
+    pub mounts_root: Option<&'a str>,
+    /// The provider's volumes (volume id -> recorded name), once it is started.
+    pub volumes: Option<&'a BTreeMap<String, Option<String>>>,
+    /// The container's tenant.
+    pub tenant: &'a Tenant,
+}
+
+/// Whether `resource` (an entry of a resources annotation) is a volume of this hook's provider, of the
+/// container's tenant: a disk with this provider's id, `disk.source.type` `MOUNT` or `PATH`, the root
+/// of that type exactly the provider's relative mounts root, and `disk.source.id` a volume the provider
+/// knows whose recorded name is the tenant's. The reason names the field and the value.
+pub fn admit_resource(resource: &Resource, own: &OwnVolumes<'_>) -> Result<(), String> {
+    use crate::resource::SourceType;
+    use crate::shown::shown;
+    if !resource.is_disk() {
+        return Err("it is not a disk (the annotation names volumes)".to_string());
+    }
+    match (resource.provider_id(), own.provider_id) {
+        (None, _) => {
+            return Err("it has no provider_id (a disk of the host, not a volume)".to_string())
+        }
+        (Some(theirs), Some(ours)) if theirs != ours => {
+            return Err(format!(
+                "provider_id '{}' is not this hook's provider",
+                shown(theirs)
+            ))
+        }
+        _ => {}
+    }
+    let Some(source) = resource.disk_source() else {
+        return Err(
+            "it has no disk.source (the agent's default disk, a host directory)".to_string(),
+        );
+    };
+    let field = match source.kind {
+        SourceType::Mount => "disk.source.mount.root",
+        SourceType::Path => "disk.source.path.root",
+        ref other => {
+            return Err(format!(
+                "disk.source.type {} is not MOUNT or PATH",
+                shown(other.as_str())
+            ))
+        }
+    };
+    let root = match source.root() {
+        None => return Err(format!("it has no {field}")),
+        Some(root) if root.starts_with('/') => {
+            return Err(format!(
+                "{field} '{}' is a host path, not the provider's relative mounts root",
+                shown(root)
+            ))
+        }
+        Some(root) => root,
+    };
+    if let Some(ours) = own.mounts_root.filter(|ours| root != *ours) {
+        return Err(format!(
+            "{field} '{}' is not the provider's mounts root '{ours}'",
+            shown(root)
+        ));
+    }
+    let id = match source.id.as_deref() {
+        None | Some("") => return Err("it names no volume (disk.source.id)".to_string()),
+        Some(id) => id,
+    };
+    if let Some(volumes) = own.volumes {
+        match volumes.get(id) {
+            None => {
+                return Err(format!(
+                    "disk.source.id '{}' is not a volume the provider knows",
+                    shown(id)
+                ))
+            }
+            Some(name) if !own.tenant.owns(name.as_deref()) => {
+                return Err(format!(
+                    "volume '{}' is not a volume of {}",
+                    shown(id),
+                    own.tenant
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+/// What a tenant's volumes take: how many, and their capacity in bytes (as the provider recorded it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Volumes.
+    pub volumes: u64,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+impl Usage {
+    /// What the volumes of `tenant` among `records` take: the named volumes (created ones; a volume
+    /// declared by id was not made by an annotation) that the tenant owns.
+    pub fn of_tenant<'a>(
+        tenant: &Tenant,
+        records: impl IntoIterator<Item = &'a crate::provider::state::VolumeRecord>,
+    ) -> Usage {
+        records
+            .into_iter()
+            .filter(|r| r.name.is_some() && tenant.owns(r.name.as_deref()))
+            .fold(Usage::default(), |u, r| Usage {
+                volumes: u.volumes + 1,
+                bytes: u.bytes.saturating_add(r.capacity_bytes),
+            })
+    }
+}
+
+/// A cap a creation would exceed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CapExceeded {
+    /// [`MAX_VOLUMES_FLAG`].
+    Volumes {
+        /// The cap.
+        cap: u64,
+        /// The tenant's volumes before this one.
+        used: u64,
+    },
+    /// [`MAX_CAPACITY_FLAG`].
+    Capacity {
+        /// The cap, in bytes.
+        cap: u64,
+        /// The tenant's bytes before this volume.
+        used: u64,
+        /// This volume's bytes.
+        asked: u64,
+    },
+}
+
+impl std::fmt::Display for CapExceeded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CapExceeded::Volumes { cap, used } => write!(
+                f,
+                "the tenant has {used} volumes and the cap is {cap} (the operator sets it with \
+                 {MAX_VOLUMES_FLAG})"
+            ),
+            CapExceeded::Capacity { cap, used, asked } => write!(
+                f,
+                "{asked} more bytes would take the tenant from {used} bytes over the cap of {cap} \
+                 bytes (the operator sets it with {MAX_CAPACITY_FLAG})"
+            ),
+        }
+    }
+}
+
+/// Checks the creations `new` (name as written, bytes; in order) against the caps, starting from the
+/// tenant's `used`: the first that would take the tenant over a cap is returned with the cap.
+pub fn check_caps<'a>(
+    policy: &HookPolicy,
+    used: Usage,
+    new: &[(&'a str, u64)],
+) -> Result<(), (&'a str, CapExceeded)> {
+    let mut now = used;
+    for &(name, bytes) in new {
+        if now.volumes >= policy.max_volumes_per_tenant {
+            return Err((
+                name,
+                CapExceeded::Volumes {
+                    cap: policy.max_volumes_per_tenant,
+                    used: now.volumes,
+                },
+            ));
+        }
+        let total = now.bytes.checked_add(bytes);
+        if total.is_none_or(|t| t > policy.max_capacity_per_tenant) {
+            return Err((
+                name,
+                CapExceeded::Capacity {
+                    cap: policy.max_capacity_per_tenant,
+                    used: now.bytes,
+                    asked: bytes,
+                },
+            ));
+        }
+        now = Usage {
+            volumes: now.volumes + 1,
+            bytes: total.unwrap_or(u64::MAX),
+        };
+    }
+    Ok(())
+}
+
+/// What the operator allows annotations (the hook's own arguments; never from an annotation).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HookPolicy {
+    /// [`ALLOW_RAW_RESOURCES_FLAG`]: resources annotations are mounted as given, host paths included.
+    pub allow_raw_resources: bool,
+    /// [`TENANT_ANNOTATION_FLAG`]: the annotation whose value is the tenant; `None`: single tenant.
+    pub tenant_annotation: Option<String>,
+    /// [`MAX_VOLUMES_FLAG`].
+    pub max_volumes_per_tenant: u64,
+    /// [`MAX_CAPACITY_FLAG`], in bytes.
+    pub max_capacity_per_tenant: u64,
+}
+
+impl Default for HookPolicy {
+    fn default() -> Self {
+        HookPolicy {
+            allow_raw_resources: false,
+            tenant_annotation: None,
+            max_volumes_per_tenant: DEFAULT_MAX_VOLUMES_PER_TENANT,
+            max_capacity_per_tenant: DEFAULT_MAX_CAPACITY_PER_TENANT,
+        }
+    }
+}
+
+impl HookPolicy {
+    /// The tenant of a container with `annotations`: [`Tenant::Single`] without a tenant annotation;
+    /// else its value, refused when missing or not valid ([`validate_tenant`]).
+    pub fn tenant(
+        &self,
+        container: &str,
+        annotations: &BTreeMap<String, String>,
+    ) -> Result<Tenant, HookError> {
+        let Some(key) = &self.tenant_annotation else {
+            return Ok(Tenant::Single);
+        };
+        let refused = |reason: String| HookError::Tenant {
+            container: container.to_string(),
+            annotation: key.clone(),
+            reason,
+        };
+        let value = annotations
+            .get(key)
+            .ok_or_else(|| refused("is missing".to_string()))?;
+        validate_tenant(value).map_err(refused)?;
+        Ok(Tenant::Named(value.clone()))
+    }
+}
+
+/// Builds the provider's configuration for the work dir (canonical by then).
+pub type ProviderFactory =
+    Arc<dyn Fn(&Path) -> Result<ProviderConfig, String> + Send + Sync + 'static>;
+
 /// The hook's own options (from its command line in `config.json`).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct HookOptions {
-    /// The work dir (shared with other hook invocations, and possibly with `run`).
+    /// The work dir as given (shared with other hook invocations, and possibly with `run`); made
+    /// canonical, with its safety checks, before anything in it is opened.
     pub work_dir: PathBuf,
-    /// The provider: bundled plugin or endpoint.
-    pub provider: ProviderConfig,
+    /// The provider (bundled plugin or endpoint) for the canonical work dir.
+    pub provider: ProviderFactory,
     /// How long to wait for the work-dir lock.
     pub lock_timeout: Duration,
+    /// What annotations may do.
+    pub policy: HookPolicy,
+}
+
+impl std::fmt::Debug for HookOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HookOptions")
+            .field("work_dir", &self.work_dir)
+            .field("lock_timeout", &self.lock_timeout)
+            .field("policy", &self.policy)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HookOptions {
+    fn provider_config(
+        &self,
+        container: &str,
+        work_dir: &Path,
+    ) -> Result<ProviderConfig, HookError> {
+        (self.provider)(work_dir).map_err(|reason| HookError::ProviderConfig {
+            container: container.to_string(),
+            reason,
+        })
+    }
 }
 
 /// Which hook the runtime runs.
@@ -405,6 +921,34 @@ pub fn container_dir(work_dir: &Path, id: &str) -> PathBuf {
     work_dir.join(HOOK_DIR).join(id)
 }
 
+/// A volume of the volumes annotation, with the name the provider is asked for.
+struct Wanted<'a> {
+    arg: &'a VolumeArg,
+    scoped: String,
+}
+
+/// Refuses the resources annotation's entries that are not the provider's own (see
+/// [`admit_resource`]), unless the operator allows raw resources.
+fn admit_resources(
+    container: &str,
+    policy: &HookPolicy,
+    resources: &[Resource],
+    own: &OwnVolumes<'_>,
+) -> Result<(), HookError> {
+    if policy.allow_raw_resources {
+        return Ok(());
+    }
+    for r in resources {
+        admit_resource(r, own).map_err(|reason| HookError::ResourceRefused {
+            container: container.to_string(),
+            resource: r.describe(),
+            provider: own.provider_id.unwrap_or("(not yet known)").to_string(),
+            reason,
+        })?;
+    }
+    Ok(())
+}
+
 /// create-runtime: publishes the annotated volumes and mounts them into the container (see the module
 /// doc). Returns the mounts made (empty for a container without volume annotations).
 #[tracing::instrument(skip_all, fields(container_id = %state.id))]
@@ -421,6 +965,23 @@ pub async fn create_runtime(
     if wanted.is_empty() {
         return Ok(Vec::new());
     }
+    // Everything that needs no provider is judged before the work dir is touched.
+    let tenant = opts.policy.tenant(id, &annotations)?;
+    let named = wanted
+        .volumes
+        .iter()
+        .map(|arg| {
+            let scoped = tenant
+                .scoped_name(&arg.name)
+                .map_err(|reason| HookError::VolumeName {
+                    container: id.to_string(),
+                    volume: arg.name.clone(),
+                    tenant: tenant.clone(),
+                    reason,
+                })?;
+            Ok(Wanted { arg, scoped })
+        })
+        .collect::<Result<Vec<_>, HookError>>()?;
     let pid = state
         .pid
         .filter(|p| *p > 0)
@@ -434,38 +995,115 @@ pub async fn create_runtime(
         source,
     })?;
 
-    mkdir(&opts.work_dir)?;
-    let lock = lock_work_dir(&opts.work_dir, opts.lock_timeout).await?;
-    let provider = StorageProvider::start(opts.provider.clone())
+    let work_dir = crate::workdir::canonical(&opts.work_dir)?;
+    let config = opts.provider_config(id, &work_dir)?;
+    // What the configuration tells about the provider, checked before the lock and the plugin.
+    let configured_root = (!config.plugin_type.is_empty()).then(|| {
+        crate::provider::paths::Layout::new(&work_dir, &config.plugin_type, &config.plugin_name)
+            .relative_mount_root()
+    });
+    admit_resources(
+        id,
+        &opts.policy,
+        &wanted.resources,
+        &OwnVolumes {
+            provider_id: Some(config.provider_id.as_str()).filter(|p| !p.is_empty()),
+            mounts_root: configured_root.as_deref(),
+            volumes: None,
+            tenant: &tenant,
+        },
+    )?;
+    let lock = lock_work_dir(&work_dir, opts.lock_timeout).await?;
+    let provider = StorageProvider::start(config)
         .await
         .map_err(|source| HookError::Provider {
             container: id.to_string(),
             source: Box::new(source),
         })?;
-    let result = create_with_provider(opts, id, pid, &rootfs, &wanted, provider.clone()).await;
+    let request = Request {
+        work_dir: &work_dir,
+        policy: &opts.policy,
+        id,
+        pid,
+        rootfs: &rootfs,
+        tenant: &tenant,
+    };
+    let result = create_with_provider(&request, &named, &wanted.resources, provider.clone()).await;
     provider.shutdown(PLUGIN_STOP_GRACE).await;
     drop(lock);
     result
 }
 
-async fn create_with_provider(
-    opts: &HookOptions,
-    id: &str,
+/// One create-runtime, once the work dir is canonical and the container's tenant known.
+struct Request<'a> {
+    work_dir: &'a Path,
+    policy: &'a HookPolicy,
+    id: &'a str,
     pid: u32,
-    rootfs: &Path,
-    wanted: &HookVolumes,
+    rootfs: &'a Path,
+    tenant: &'a Tenant,
+}
+
+async fn create_with_provider(
+    req: &Request<'_>,
+    named: &[Wanted<'_>],
+    raw_resources: &[Resource],
     provider: Arc<StorageProvider>,
 ) -> Result<Vec<VolumeMount>, HookError> {
-    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
-    reap_stale(&isolator, &opts.work_dir, id).await;
+    let id = req.id;
+    let isolator = VolumeIsolator::on_host(req.work_dir, provider.clone());
+    reap_stale(&isolator, req.work_dir, id).await;
 
-    let mut resources = wanted.resources.clone();
-    // Volume id -> the name in the annotation, so errors name the volume as the user wrote it.
+    let records = provider.volumes().await;
+    let known: BTreeMap<String, Option<String>> = records
+        .iter()
+        .map(|r| (r.volume_id.clone(), r.name.clone()))
+        .collect();
+    let root = provider.layout().relative_mount_root();
+    admit_resources(
+        id,
+        req.policy,
+        raw_resources,
+        &OwnVolumes {
+            provider_id: Some(provider.id()),
+            mounts_root: Some(&root),
+            volumes: Some(&known),
+            tenant: req.tenant,
+        },
+    )?;
+    // The caps, before any CreateVolume: the volumes this container would add to its tenant's.
+    let mut new: Vec<(&str, u64)> = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for w in named {
+        let exists = records
+            .iter()
+            .any(|r| r.name.as_deref() == Some(w.scoped.as_str()));
+        if !exists && seen.insert(w.scoped.as_str()) {
+            new.push((w.arg.name.as_str(), w.arg.size_bytes));
+        }
+    }
+    let used = Usage::of_tenant(req.tenant, &records);
+    if let Err((volume, exceeded)) = check_caps(req.policy, used, &new) {
+        return Err(HookError::CapExceeded {
+            container: id.to_string(),
+            volume: volume.to_string(),
+            tenant: req.tenant.clone(),
+            exceeded,
+        });
+    }
+
+    let mut resources = raw_resources.to_vec();
+    // Volume id -> the name in the annotation and its tenant, so errors name the volume as the user
+    // wrote it.
     let mut names: BTreeMap<String, String> = BTreeMap::new();
-    for v in &wanted.volumes {
-        let mut spec = CreateSpec::new(&v.name, v.size_bytes);
-        if let Some(existing) = provider.find_by_name(&v.name).await {
-            spec.capability = existing.capability;
+    for w in named {
+        let v = w.arg;
+        let mut spec = CreateSpec::new(&w.scoped, v.size_bytes);
+        if let Some(existing) = records
+            .iter()
+            .find(|r| r.name.as_deref() == Some(w.scoped.as_str()))
+        {
+            spec.capability = existing.capability.clone();
         }
         let res = provider
             .create_volume(spec)
@@ -473,43 +1111,46 @@ async fn create_with_provider(
             .map_err(|source| HookError::CreateVolume {
                 container: id.to_string(),
                 volume: v.name.clone(),
+                tenant: req.tenant.clone(),
                 source: Box::new(source),
             })?;
+        tracing::info!(volume = %v.name, tenant = %req.tenant, volume_id = res.source_id().unwrap_or("-"), "volume for the container");
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
             VolumeMode::Rw
         };
         if let Some(vid) = res.source_id() {
-            names.insert(vid.to_string(), v.name.clone());
+            names.insert(vid.to_string(), format!("'{}' of {}", v.name, req.tenant));
         }
         resources.push(res.with_volume(&v.container_path, mode));
     }
 
-    let sandbox = container_dir(&opts.work_dir, id);
-    mkdir(&sandbox)?;
+    let sandbox = container_dir(req.work_dir, id);
+    make_real_dir(&req.work_dir.join(HOOK_DIR))?;
+    make_real_dir(&sandbox)?;
     let config = ContainerConfig {
         resources,
         sandbox: sandbox.clone(),
-        rootfs: Some(rootfs.to_path_buf()),
+        rootfs: Some(req.rootfs.to_path_buf()),
         user: None,
     };
     let launch = match isolator.prepare(id, config).await {
         Ok(launch) => launch,
         Err(e) => {
-            remove_container_dir(&sandbox);
+            remove_container_dir(req.work_dir, id);
             return Err(e.into());
         }
     };
     let mut attached: Vec<OwnedFd> = Vec::new();
     let mut failure = None;
     for m in &launch.mounts {
-        match mount_into_rootfs(id, pid, rootfs, m) {
+        match mount_into_rootfs(id, req.pid, req.rootfs, m) {
             Ok(tree) => attached.push(tree),
             Err(mut e) => {
                 if let HookError::Mount { volume, .. } = &mut e {
                     if let Some(name) = names.get(volume.as_str()) {
-                        *volume = format!("'{name}' ({volume})");
+                        *volume = format!("{name} ({volume})");
                     }
                 }
                 failure = Some(e);
@@ -518,23 +1159,24 @@ async fn create_with_provider(
         }
     }
     if failure.is_none() {
-        if let Err(e) = isolator.isolate(id, pid).await {
+        if let Err(e) = isolator.isolate(id, req.pid).await {
             failure = Some(e.into());
         }
     }
     if let Some(e) = failure {
-        if let Err(undo) = unmount_in_namespace(pid, &attached) {
+        if let Err(undo) = unmount_in_namespace(req.pid, &attached) {
             tracing::error!(container_id = id, error = %undo, "unmount from the container failed");
         }
         if let Err(undo) = isolator.cleanup(id).await {
             tracing::error!(container_id = id, error = %undo, "release after a failed create-runtime failed");
         }
-        remove_container_dir(&sandbox);
+        remove_container_dir(req.work_dir, id);
         return Err(e);
     }
     tracing::info!(
         container_id = id,
-        pid,
+        pid = req.pid,
+        tenant = %req.tenant,
         mounts = launch.mounts.len(),
         "volumes mounted into the container"
     );
@@ -546,49 +1188,95 @@ async fn create_with_provider(
 pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError> {
     let id = state.id.as_str();
     validate_id(id)?;
-    let checkpoint = opts
-        .work_dir
+    let work_dir = crate::workdir::canonical(&opts.work_dir)?;
+    let checkpoint = work_dir
         .join("isolators")
         .join("volume")
         .join("csi")
         .join(id);
-    let sandbox = container_dir(&opts.work_dir, id);
-    if !checkpoint.exists() && !sandbox.exists() {
+    let sandbox = container_dir(&work_dir, id);
+    if std::fs::symlink_metadata(&checkpoint).is_err()
+        && std::fs::symlink_metadata(&sandbox).is_err()
+    {
         // Never prepared by create-runtime (or already cleaned up): nothing is in use.
         return Ok(());
     }
-    let lock = lock_work_dir(&opts.work_dir, opts.lock_timeout).await?;
-    let provider = StorageProvider::start(opts.provider.clone())
+    let config = opts.provider_config(id, &work_dir)?;
+    let lock = lock_work_dir(&work_dir, opts.lock_timeout).await?;
+    let provider = StorageProvider::start(config)
         .await
         .map_err(|source| HookError::Provider {
             container: id.to_string(),
             source: Box::new(source),
         })?;
-    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(&work_dir, provider.clone());
     let result = isolator.cleanup(id).await.map_err(HookError::from);
     if result.is_ok() {
-        remove_container_dir(&sandbox);
+        remove_container_dir(&work_dir, id);
     }
     provider.shutdown(PLUGIN_STOP_GRACE).await;
     drop(lock);
     result
 }
 
-/// Cleans up hook containers (sandbox under `<work_dir>/oci-hook`) other than `current` whose init
-/// process is gone or was never recorded. Failures are logged: they must not fail another container.
+/// Whether a checkpoint found in the checkpoint directory `dir_name` is a hook container's: its
+/// container id is `dir_name` and a valid container id, and its sandbox is exactly
+/// `<work_dir>/oci-hook/<id>`, compared component by component (a string prefix would let
+/// `oci-hook/../..` through). The reason says what did not match.
+pub fn hook_sandbox_of(
+    work_dir: &Path,
+    dir_name: &std::ffi::OsStr,
+    rec: &ContainerRecord,
+) -> Result<(), String> {
+    use std::path::Component;
+    let id = rec.container_id.as_str();
+    if dir_name != std::ffi::OsStr::new(id) {
+        return Err(format!(
+            "its container id '{}' is not its directory's name",
+            crate::shown::shown(id)
+        ));
+    }
+    crate::resource::validate_container_id(id).map_err(|e| e.to_string())?;
+    let sandbox = &rec.config.sandbox;
+    let plain = sandbox
+        .components()
+        .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    if !plain
+        || !sandbox
+            .components()
+            .eq(container_dir(work_dir, id).components())
+    {
+        return Err(format!(
+            "its sandbox {} is not {}",
+            crate::shown::shown_os(sandbox.as_os_str()),
+            container_dir(work_dir, id).display()
+        ));
+    }
+    Ok(())
+}
+
+/// Cleans up hook containers other than `current` (see [`hook_sandbox_of`]) whose init process is gone
+/// or was never recorded. Failures are logged: they must not fail another container.
 async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
-    let hook_root = work_dir.join(HOOK_DIR);
     let Ok(entries) = std::fs::read_dir(isolator.checkpoint_root()) else {
         return;
     };
     for e in entries.flatten() {
-        let Ok(bytes) = std::fs::read(e.path().join("state.json")) else {
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Some(bytes) = read_checkpoint(&e.path().join("state.json")) else {
             continue;
         };
         let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) else {
             continue;
         };
-        if rec.container_id == current || !rec.config.sandbox.starts_with(&hook_root) {
+        if rec.container_id == current {
+            continue;
+        }
+        if let Err(reason) = hook_sandbox_of(work_dir, &e.file_name(), &rec) {
+            // `run`'s containers land here too (their sandboxes are elsewhere).
+            tracing::debug!(checkpoint = %e.path().display(), %reason, "not a hook container; left alone");
             continue;
         }
         let alive = rec
@@ -599,12 +1287,32 @@ async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
         }
         tracing::warn!(container_id = %rec.container_id, pid = ?rec.pid, "hook container is gone without poststop; releasing its volumes");
         match isolator.cleanup(&rec.container_id).await {
-            Ok(()) => remove_container_dir(&rec.config.sandbox),
+            Ok(()) => remove_container_dir(work_dir, &rec.container_id),
             Err(err) => {
                 tracing::error!(container_id = %rec.container_id, error = %err, "cleanup of a stale hook container failed")
             }
         }
     }
+}
+
+/// A container checkpoint's bytes, if it is a regular file (not through a symlink, never blocking on
+/// a FIFO) of at most [`MAX_CHECKPOINT_BYTES`]: the reaper reads what it finds in the work dir.
+fn read_checkpoint(path: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CHECKPOINT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .ok()?;
+    (bytes.len() as u64 <= MAX_CHECKPOINT_BYTES).then_some(bytes)
 }
 
 /// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
@@ -613,28 +1321,148 @@ pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<WorkDir
     Ok(crate::workdir::lock(work_dir, Some(timeout)).await?)
 }
 
-fn mkdir(path: &Path) -> Result<(), HookError> {
-    std::fs::create_dir_all(path).map_err(|source| HookError::Io {
-        step: "create directory",
+/// Makes the directory `path` (0700; its parent must exist) or takes the one there, refusing a symlink
+/// or anything else: a hook directory is never somewhere else than where it is named.
+fn make_real_dir(path: &Path) -> Result<(), HookError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let fail = |step, source| HookError::Io {
+        step,
         path: path.to_path_buf(),
         source,
-    })
-}
-
-/// Removes a hook container's directory unless something is mounted under it.
-fn remove_container_dir(dir: &Path) {
-    match ProcMountTable::new().mounts_under(dir) {
-        Ok(m) if m.is_empty() => {
-            if let Err(e) = std::fs::remove_dir_all(dir) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the hook container directory");
-                }
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let meta = std::fs::symlink_metadata(path).map_err(|e| fail("stat directory", e))?;
+            if meta.file_type().is_dir() {
+                Ok(())
+            } else {
+                Err(fail(
+                    "check directory",
+                    std::io::Error::other(
+                        "a symlink or not a directory; remove it (the hook makes its own)",
+                    ),
+                ))
             }
         }
-        _ => {
-            tracing::error!(dir = %dir.display(), "still mounted under the hook container directory; kept")
+        Err(e) => Err(fail("create directory", e)),
+    }
+}
+
+/// Removes the hook container directory `<work_dir>/oci-hook/<id>` (logged on failure; kept while
+/// anything is mounted under it). See [`remove_beneath_hook_dir`].
+fn remove_container_dir(work_dir: &Path, id: &str) {
+    if let Err(reason) = remove_beneath_hook_dir(work_dir, id) {
+        tracing::error!(dir = %container_dir(work_dir, id).display(), %reason, "hook container directory kept");
+    }
+}
+
+/// Removes `<work_dir>/oci-hook/<id>` without following a symlink: `oci-hook` is opened by fd (refused
+/// if a symlink or not a directory), `<id>` beneath it must be a real directory, and its tree is removed
+/// by fd, entry by entry, never leaving the file system it is on (a mount under it is refused, not
+/// emptied) and bounded in depth and entries. A missing directory is done already.
+pub fn remove_beneath_hook_dir(work_dir: &Path, id: &str) -> Result<(), String> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::Mode;
+    crate::resource::validate_container_id(id).map_err(|e| e.to_string())?;
+    let hook_dir = work_dir.join(HOOK_DIR);
+    let dir_flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let parent = match open(&hook_dir, dir_flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(()),
+        Err(e @ (nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR)) => {
+            return Err(format!(
+                "{}: a symlink or not a directory ({e}); refused",
+                hook_dir.display()
+            ))
+        }
+        Err(e) => return Err(format!("open {}: {e}", hook_dir.display())),
+    };
+    let st = match nix::sys::stat::fstatat(&parent, id, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(nix::errno::Errno::ENOENT) => return Ok(()),
+        Err(e) => return Err(format!("stat {id} in {}: {e}", hook_dir.display())),
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return Err(format!(
+            "{id} in {} is not a directory (a symlink?); refused",
+            hook_dir.display()
+        ));
+    }
+    let dir = container_dir(work_dir, id);
+    match ProcMountTable::new().mounts_under(&dir) {
+        Ok(m) if m.is_empty() => {}
+        Ok(_) => return Err("still mounted under it".to_string()),
+        Err(e) => return Err(format!("read the mount table: {e}")),
+    }
+    let mut budget = MAX_REMOVE_ENTRIES;
+    remove_tree(
+        parent.as_fd(),
+        std::ffi::OsStr::new(id),
+        st.st_dev,
+        0,
+        &mut budget,
+    )
+}
+
+/// Removes the directory `name` beneath `parent` (and everything in it) by fd; see
+/// [`remove_beneath_hook_dir`].
+fn remove_tree(
+    parent: BorrowedFd<'_>,
+    name: &std::ffi::OsStr,
+    dev: libc::dev_t,
+    depth: usize,
+    budget: &mut usize,
+) -> Result<(), String> {
+    use nix::fcntl::{openat, AtFlags, OFlag};
+    use nix::sys::stat::{fstat, fstatat, Mode};
+    use nix::unistd::{unlinkat, UnlinkatFlags};
+    let shown = || crate::shown::shown_os(name).into_owned();
+    if depth >= MAX_REMOVE_DEPTH {
+        return Err(format!(
+            "{} is nested over {MAX_REMOVE_DEPTH} levels",
+            shown()
+        ));
+    }
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let fd =
+        openat(parent, name, flags, Mode::empty()).map_err(|e| format!("open {}: {e}", shown()))?;
+    let st = fstat(&fd).map_err(|e| format!("stat {}: {e}", shown()))?;
+    if st.st_dev != dev {
+        return Err(format!("{} is on another file system (a mount)", shown()));
+    }
+    // The listing gets its own descriptor (Dir owns it); the removals go through `fd`.
+    let listing = fd
+        .try_clone()
+        .map_err(|e| format!("dup {}: {e}", shown()))?;
+    let mut entries = Vec::new();
+    for entry in nix::dir::Dir::from_fd(listing)
+        .map_err(|e| format!("list {}: {e}", shown()))?
+        .iter()
+    {
+        let entry = entry.map_err(|e| format!("list {}: {e}", shown()))?;
+        let child = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes());
+        if child == "." || child == ".." {
+            continue;
+        }
+        if *budget == 0 {
+            return Err(format!("more than {MAX_REMOVE_ENTRIES} entries"));
+        }
+        *budget -= 1;
+        entries.push(child.to_os_string());
+    }
+    for child in &entries {
+        let st = fstatat(&fd, child.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| format!("stat {}: {e}", crate::shown::shown_os(child)))?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            remove_tree(fd.as_fd(), child, dev, depth + 1, budget)?;
+        } else {
+            // A symlink is removed itself, never followed.
+            unlinkat(&fd, child.as_os_str(), UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| format!("remove {}: {e}", crate::shown::shown_os(child)))?;
         }
     }
+    unlinkat(parent, name, UnlinkatFlags::RemoveDir).map_err(|e| format!("remove {}: {e}", shown()))
 }
 
 /// `/proc/self/fd/N`: a path naming exactly the object `fd` holds.
@@ -857,6 +1685,501 @@ mod tests {
         std::fs::write(dir.path().join("config.json"), r#"{"root":{}}"#).unwrap();
         let err = BundleConfig::read("c", dir.path()).unwrap_err().to_string();
         assert!(err.starts_with("container 'c': parse "), "{err}");
+    }
+
+    #[test]
+    fn tenants_are_dns_1123_labels() {
+        for good in ["a", "ns-a", "team1", "0", &"a".repeat(MAX_TENANT_BYTES)] {
+            validate_tenant(good).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+        }
+        for (bad, says) in [
+            ("", "is empty"),
+            (
+                &*"a".repeat(MAX_TENANT_BYTES + 1),
+                "64 bytes, over the limit of 63",
+            ),
+            ("ns.a", "holds '.'"),
+            ("NS", "holds 'N'"),
+            ("a/b", "holds '/'"),
+            ("a b", "holds ' '"),
+            ("a\nb", "holds '\\n'"),
+            ("ns_a", "holds '_'"),
+            ("-a", "starts or ends with '-'"),
+            ("a-", "starts or ends with '-'"),
+        ] {
+            let err = validate_tenant(bad).unwrap_err();
+            assert!(err.contains(says), "{bad:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn scoped_names_map_one_to_one() {
+        let a = Tenant::Named("a".to_string());
+        let ab = Tenant::Named("a-b".to_string());
+        for (tenant, name, scoped) in [
+            (&Tenant::Single, "data", "data"),
+            (&Tenant::Single, "a.data", "a.data"),
+            (&a, "data", "a.data"),
+            (&a, "b.data", "a.b.data"),
+            (&ab, "data", "a-b.data"),
+        ] {
+            assert_eq!(tenant.scoped_name(name).unwrap(), scoped, "{tenant} {name}");
+            assert!(tenant.owns(Some(scoped)), "{tenant} owns {scoped}");
+        }
+        // The tenant is everything before the first '.', which a tenant never holds: no two
+        // (tenant, name) pairs meet, and no tenant owns another's volume.
+        assert_ne!(a.scoped_name("b.data"), ab.scoped_name("data"));
+        for (tenant, recorded, owns) in [
+            (&a, Some("a.data"), true),
+            (&a, Some("a-b.data"), false),
+            (&ab, Some("a.data"), false),
+            (&a, Some("ab.data"), false),
+            (&a, Some("a"), false),
+            (&a, Some("data"), false),
+            (&a, None, false),
+            (&Tenant::Single, None, true),
+            (&Tenant::Single, Some("b.data"), true),
+        ] {
+            assert_eq!(tenant.owns(recorded), owns, "{tenant} {recorded:?}");
+        }
+        // CSI's 128 bytes count the tenant and the separator.
+        let name = "n".repeat(MAX_NAME_BYTES - 2);
+        assert_eq!(a.scoped_name(&name).unwrap().len(), MAX_NAME_BYTES);
+        let err = a.scoped_name(&format!("{name}n")).unwrap_err();
+        assert!(
+            err.contains("129 bytes, the tenant and the '.' included, over CSI's limit of 128"),
+            "{err}"
+        );
+        Tenant::Single
+            .scoped_name(&"n".repeat(MAX_NAME_BYTES))
+            .unwrap();
+        let err = Tenant::Single
+            .scoped_name(&"n".repeat(MAX_NAME_BYTES + 1))
+            .unwrap_err();
+        assert!(err.contains("129 bytes, over CSI's limit"), "{err}");
+    }
+
+    #[test]
+    fn tenant_comes_from_the_operators_annotation() {
+        let on = HookPolicy {
+            tenant_annotation: Some("io.kubernetes.pod.namespace".to_string()),
+            ..HookPolicy::default()
+        };
+        let key = "io.kubernetes.pod.namespace";
+        assert_eq!(
+            HookPolicy::default()
+                .tenant("c", &annotations(&[(key, "ns-a")]))
+                .unwrap(),
+            Tenant::Single
+        );
+        assert_eq!(
+            on.tenant("c", &annotations(&[(key, "ns-a")])).unwrap(),
+            Tenant::Named("ns-a".to_string())
+        );
+        for (pairs, says) in [
+            (
+                vec![],
+                "tenant annotation 'io.kubernetes.pod.namespace' is missing",
+            ),
+            (vec![(key, "")], "is empty"),
+            (vec![(key, "a.b")], "holds '.'"),
+            (vec![("other", "ns-a")], "is missing"),
+        ] {
+            let err = on
+                .tenant("c", &annotations(&pairs))
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("container 'c': "), "{err}");
+            assert!(err.contains(says), "{pairs:?}: {err}");
+            assert!(
+                err.contains("--tenant-annotation io.kubernetes.pod.namespace"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn resources_admission_table() {
+        use serde_json::json;
+        const ROOT: &str = "./csi/t/n/mounts";
+        let a = Tenant::Named("a".to_string());
+        let known: BTreeMap<String, Option<String>> = [
+            ("vol-a".to_string(), Some("a.data".to_string())),
+            ("vol-b".to_string(), Some("b.data".to_string())),
+            ("vol-pre".to_string(), None),
+        ]
+        .into_iter()
+        .collect();
+        let own = |tenant| OwnVolumes {
+            provider_id: Some("t.n"),
+            mounts_root: Some(ROOT),
+            volumes: Some(&known),
+            tenant,
+        };
+        let before_start = OwnVolumes {
+            provider_id: None,
+            mounts_root: None,
+            volumes: None,
+            tenant: &a,
+        };
+        let disk = |provider: Option<&str>, source: serde_json::Value| {
+            let mut r = json!({"name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+                "disk": {"source": source, "volume": {"container_path": "/d", "mode": "RW"}}});
+            if let Some(p) = provider {
+                r["provider_id"] = json!({"value": p});
+            }
+            if r["disk"]["source"].is_null() {
+                r["disk"].as_object_mut().unwrap().remove("source");
+            }
+            serde_json::from_value::<Resource>(r).unwrap()
+        };
+        let mount =
+            |root: &str, id: &str| json!({"type": "MOUNT", "mount": {"root": root}, "id": id});
+        let ok = disk(Some("t.n"), mount(ROOT, "vol-a"));
+        admit_resource(&ok, &own(&a)).unwrap();
+        admit_resource(&ok, &own(&Tenant::Single)).unwrap();
+        admit_resource(&ok, &before_start).unwrap();
+        let path = disk(
+            Some("t.n"),
+            json!({"type": "PATH", "path": {"root": ROOT}, "id": "vol-a"}),
+        );
+        admit_resource(&path, &own(&a)).unwrap();
+        // A volume declared by id (no name) is the single tenant's, no named tenant's.
+        let pre = disk(Some("t.n"), mount(ROOT, "vol-pre"));
+        admit_resource(&pre, &own(&Tenant::Single)).unwrap();
+
+        for (r, own, says) in [
+            (disk(None, mount("/", "x")), own(&a), "no provider_id"),
+            (disk(None, mount("/", "x")), before_start, "no provider_id"),
+            (
+                disk(Some("other.n"), mount(ROOT, "vol-a")),
+                own(&a),
+                "provider_id 'other.n' is not this hook's provider",
+            ),
+            (
+                disk(Some("t.n"), serde_json::Value::Null),
+                own(&a),
+                "no disk.source",
+            ),
+            (
+                disk(Some("t.n"), mount("/", "vol-a")),
+                before_start,
+                "disk.source.mount.root '/' is a host path",
+            ),
+            (
+                disk(Some("t.n"), mount("/root/secret", "vol-a")),
+                own(&a),
+                "disk.source.mount.root '/root/secret' is a host path",
+            ),
+            (
+                disk(
+                    Some("t.n"),
+                    json!({"type": "PATH", "path": {"root": "/srv"}, "id": "vol-a"}),
+                ),
+                own(&a),
+                "disk.source.path.root '/srv' is a host path",
+            ),
+            (
+                disk(Some("t.n"), mount("./csi/t/n/mounts/../../../..", "vol-a")),
+                own(&a),
+                "is not the provider's mounts root './csi/t/n/mounts'",
+            ),
+            (
+                disk(Some("t.n"), mount("csi/t/n/mounts", "vol-a")),
+                own(&a),
+                "is not the provider's mounts root",
+            ),
+            (
+                disk(Some("t.n"), json!({"type": "MOUNT", "id": "vol-a"})),
+                own(&a),
+                "no disk.source.mount.root",
+            ),
+            (
+                disk(Some("t.n"), json!({"type": "BLOCK", "id": "vol-a"})),
+                own(&a),
+                "disk.source.type BLOCK is not MOUNT or PATH",
+            ),
+            (
+                disk(
+                    Some("t.n"),
+                    json!({"type": "MOUNT", "mount": {"root": ROOT}}),
+                ),
+                own(&a),
+                "names no volume",
+            ),
+            (
+                disk(Some("t.n"), mount(ROOT, "vol-nope")),
+                own(&a),
+                "disk.source.id 'vol-nope' is not a volume the provider knows",
+            ),
+            (
+                disk(Some("t.n"), mount(ROOT, "vol-b")),
+                own(&a),
+                "volume 'vol-b' is not a volume of tenant 'a'",
+            ),
+            (
+                pre.clone(),
+                own(&a),
+                "volume 'vol-pre' is not a volume of tenant 'a'",
+            ),
+            (Resource::scalar("cpus", 1.0), own(&a), "not a disk"),
+        ] {
+            let err = admit_resource(&r, &own).unwrap_err();
+            assert!(err.contains(says), "{}: {err}", r.describe());
+        }
+
+        // The hook's error names the resource, the reason and the operator's way out.
+        let policy = HookPolicy::default();
+        let err = admit_resources("c", &policy, &[disk(None, mount("/", "x"))], &own(&a))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "container 'c': annotation io.csi-isolator.resources: resource disk (id \"x\") refused: "
+            ) && err.contains("provider 't.n'")
+                && err.contains("--allow-raw-resources in the hook's arguments"),
+            "{err}"
+        );
+        let raw = HookPolicy {
+            allow_raw_resources: true,
+            ..HookPolicy::default()
+        };
+        admit_resources("c", &raw, &[disk(None, mount("/", "x"))], &own(&a)).unwrap();
+    }
+
+    #[test]
+    fn caps_table() {
+        let policy = HookPolicy {
+            max_volumes_per_tenant: 2,
+            max_capacity_per_tenant: 100,
+            ..HookPolicy::default()
+        };
+        let used = |volumes, bytes| Usage { volumes, bytes };
+        for (from, new, expect) in [
+            (used(0, 0), vec![], Ok(())),
+            (used(0, 0), vec![("a", 50), ("b", 50)], Ok(())),
+            (used(1, 0), vec![("a", 100)], Ok(())),
+            (
+                used(2, 0),
+                vec![("a", 1)],
+                Err(("a", CapExceeded::Volumes { cap: 2, used: 2 })),
+            ),
+            (
+                used(0, 0),
+                vec![("a", 1), ("b", 1), ("c", 1)],
+                Err(("c", CapExceeded::Volumes { cap: 2, used: 2 })),
+            ),
+            (
+                used(1, 60),
+                vec![("a", 41)],
+                Err((
+                    "a",
+                    CapExceeded::Capacity {
+                        cap: 100,
+                        used: 60,
+                        asked: 41,
+                    },
+                )),
+            ),
+            (
+                used(0, 0),
+                vec![("a", 60), ("b", 60)],
+                Err((
+                    "b",
+                    CapExceeded::Capacity {
+                        cap: 100,
+                        used: 60,
+                        asked: 60,
+                    },
+                )),
+            ),
+            (
+                used(0, u64::MAX),
+                vec![("a", 1)],
+                Err((
+                    "a",
+                    CapExceeded::Capacity {
+                        cap: 100,
+                        used: u64::MAX,
+                        asked: 1,
+                    },
+                )),
+            ),
+        ] {
+            assert_eq!(check_caps(&policy, from, &new), expect, "{from:?} {new:?}");
+        }
+        let zero = HookPolicy {
+            max_volumes_per_tenant: 0,
+            ..HookPolicy::default()
+        };
+        assert!(check_caps(&zero, used(0, 0), &[("a", 1)]).is_err());
+        let says = CapExceeded::Volumes { cap: 2, used: 2 }.to_string();
+        assert!(
+            says.contains("has 2 volumes and the cap is 2")
+                && says.contains("--max-volumes-per-tenant"),
+            "{says}"
+        );
+        let says = CapExceeded::Capacity {
+            cap: 100,
+            used: 60,
+            asked: 41,
+        }
+        .to_string();
+        assert!(
+            says.contains("41 more bytes would take the tenant from 60 bytes over the cap of 100")
+                && says.contains("--max-capacity-per-tenant"),
+            "{says}"
+        );
+    }
+
+    #[test]
+    fn usage_counts_the_tenants_named_volumes() {
+        use crate::provider::state::VolumeRecord;
+        let rec = |name: Option<&str>, bytes| {
+            let mut r = VolumeRecord::new(format!("vol-{name:?}"), Default::default());
+            r.name = name.map(str::to_string);
+            r.capacity_bytes = bytes;
+            r
+        };
+        let records = [
+            rec(Some("a.x"), 10),
+            rec(Some("a.y"), 20),
+            rec(Some("b.x"), 40),
+            rec(Some("ab.x"), 80),
+            rec(None, 160),
+        ];
+        let a = Tenant::Named("a".to_string());
+        assert_eq!(
+            Usage::of_tenant(&a, &records),
+            Usage {
+                volumes: 2,
+                bytes: 30
+            }
+        );
+        assert_eq!(
+            Usage::of_tenant(&Tenant::Single, &records),
+            Usage {
+                volumes: 4,
+                bytes: 150
+            }
+        );
+    }
+
+    #[test]
+    fn annotations_are_bounded() {
+        let many = (0..=MAX_ANNOTATION_ENTRIES)
+            .map(|i| format!("v{i}:1M:/v{i}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &many)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("33 volumes named, over the hook's limit of 32 per container"),
+            "{err}"
+        );
+        let long = format!("v:1M:/{}", "x".repeat(MAX_ANNOTATION_BYTES));
+        let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &long)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("annotation io.csi-isolator.volumes: 65542 bytes, over the hook's limit"),
+            "{err}"
+        );
+        let err =
+            HookVolumes::from_annotations("c", &annotations(&[(RESOURCES_ANNOTATION, &long)]))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("annotation io.csi-isolator.resources: "),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn hook_sandbox_is_exactly_the_containers_directory() {
+        let work = Path::new("/w");
+        let rec = |id: &str, sandbox: &str| ContainerRecord {
+            format: 1,
+            container_id: id.to_string(),
+            config: ContainerConfig {
+                resources: Vec::new(),
+                sandbox: PathBuf::from(sandbox),
+                rootfs: None,
+                user: None,
+            },
+            mounts: Vec::new(),
+            pid: None,
+            pid_start: None,
+            mount_view: None,
+            host_binds: Vec::new(),
+            binds_in_sandbox: false,
+        };
+        for (dir, id, sandbox) in [
+            ("c1", "c1", "/w/oci-hook/c1"),
+            ("c1", "c1", "/w/oci-hook/c1/"),
+            ("c1", "c1", "/w//oci-hook/c1"),
+        ] {
+            hook_sandbox_of(work, std::ffi::OsStr::new(dir), &rec(id, sandbox))
+                .unwrap_or_else(|e| panic!("{sandbox}: {e}"));
+        }
+        for (dir, id, sandbox, says) in [
+            (
+                "c1",
+                "c1",
+                "/w/oci-hook/../../decoy",
+                "is not /w/oci-hook/c1",
+            ),
+            ("c1", "c1", "/w/oci-hook/c1/..", "is not"),
+            ("c1", "c1", "/w/oci-hook/../oci-hook/c1", "is not"),
+            ("c1", "c1", "/w/oci-hook", "is not"),
+            ("c1", "c1", "/w/oci-hook/c1/x", "is not"),
+            ("c1", "c1", "/w/oci-hook/c2", "is not"),
+            ("c1", "c1", "/w/sandboxes/c1", "is not"),
+            ("c1", "c1", "w/oci-hook/c1", "is not"),
+            ("c1", "c1", "/v/oci-hook/c1", "is not"),
+            ("c2", "c1", "/w/oci-hook/c1", "is not its directory's name"),
+            ("..", "..", "/w/oci-hook/..", "invalid container id"),
+            ("", "", "/w/oci-hook", "invalid container id"),
+        ] {
+            let err =
+                hook_sandbox_of(work, std::ffi::OsStr::new(dir), &rec(id, sandbox)).unwrap_err();
+            assert!(err.contains(says), "{sandbox}: {err}");
+        }
+    }
+
+    #[test]
+    fn removal_stays_beneath_the_hook_dir_and_follows_no_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let decoy = dir.path().join("decoy");
+        std::fs::create_dir_all(decoy.join("sub")).unwrap();
+        std::fs::write(decoy.join("sub/keep"), "x").unwrap();
+        let hook = work.join(HOOK_DIR);
+        // A real container directory with a tree, a symlink to the decoy inside: removed, the link
+        // itself and not what it names.
+        std::fs::create_dir_all(hook.join("c1/a/b")).unwrap();
+        std::fs::write(hook.join("c1/a/b/f"), "x").unwrap();
+        std::os::unix::fs::symlink(&decoy, hook.join("c1/a/link")).unwrap();
+        remove_beneath_hook_dir(&work, "c1").unwrap();
+        assert!(!hook.join("c1").exists());
+        assert!(decoy.join("sub/keep").exists());
+        // Missing: nothing to do.
+        remove_beneath_hook_dir(&work, "c1").unwrap();
+        // The container directory a symlink: refused, the decoy kept.
+        std::os::unix::fs::symlink(&decoy, hook.join("c2")).unwrap();
+        let err = remove_beneath_hook_dir(&work, "c2").unwrap_err();
+        assert!(err.contains("not a directory"), "{err}");
+        assert!(decoy.join("sub/keep").exists());
+        // The oci-hook directory a symlink: refused.
+        std::fs::remove_dir_all(&hook).unwrap();
+        std::fs::create_dir_all(decoy.join("c3")).unwrap();
+        std::os::unix::fs::symlink(&decoy, &hook).unwrap();
+        let err = remove_beneath_hook_dir(&work, "c3").unwrap_err();
+        assert!(err.contains("a symlink or not a directory"), "{err}");
+        assert!(decoy.join("c3").is_dir());
+        // An id that is not a path component never reaches the file system.
+        assert!(remove_beneath_hook_dir(&work, "..").is_err());
     }
 
     #[test]

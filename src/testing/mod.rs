@@ -674,3 +674,53 @@ pub fn runc_run(
         guard,
     }
 }
+
+/// Makes `bundle`'s createRuntime and poststop hooks run
+/// `csi-isolator --work-dir <work> oci-hook --plugin-socket-dir <socket_dir> <extra>... <stage>`
+/// (`bin` is the csi-isolator binary; the bundled plugin is found next to it).
+pub fn set_oci_hooks(
+    bundle: &mut RuncBundle,
+    bin: &Path,
+    work: &Path,
+    socket_dir: &Path,
+    extra: &[&str],
+) {
+    let hook = |stage: &str| {
+        let mut args = vec![
+            "csi-isolator".to_string(),
+            "--work-dir".to_string(),
+            work.to_str().expect("UTF-8 work dir").to_string(),
+            "oci-hook".to_string(),
+            "--plugin-socket-dir".to_string(),
+            socket_dir.to_str().expect("UTF-8 socket dir").to_string(),
+        ];
+        args.extend(extra.iter().map(|a| a.to_string()));
+        args.push(stage.to_string());
+        serde_json::json!([{ "path": bin, "args": args }])
+    };
+    bundle.config["hooks"] = serde_json::json!({
+        "createRuntime": hook("create-runtime"),
+        "poststop": hook("poststop"),
+    });
+}
+
+/// Starts the provider of the bundled plugin `plugin` (instance `default`) on the work dir `work`,
+/// its socket under `socket_dir`, as the hook does; the plugin is tracked by `sb` (killed at its
+/// drop if the caller never calls `shutdown`).
+pub async fn start_bundled_provider(
+    sb: &Sandbox,
+    plugin: &Path,
+    work: &Path,
+    socket_dir: &Path,
+) -> Arc<crate::provider::StorageProvider> {
+    let mut config = crate::provider::bundled::bundled_config(plugin, work, "default", &[]);
+    config.socket_dir = socket_dir.to_path_buf();
+    config.ready_timeout = Duration::from_secs(10);
+    let provider = crate::provider::StorageProvider::start(config)
+        .await
+        .unwrap_or_else(|e| panic!("start the provider on {}: {e}", work.display()));
+    if let Some(pid) = provider.plugin_pid() {
+        sb.track(pid);
+    }
+    provider
+}

@@ -5,13 +5,22 @@
 use std::io::Read;
 use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use csi_isolator::isolator::hook::{self, HookOptions, Stage, State};
+use csi_isolator::isolator::hook::{self, HookOptions, HookPolicy, ProviderFactory, Stage, State};
 
 use super::plugin_args::PluginArgs;
+use super::text;
+
+/// A `--max-capacity-per-tenant` SIZE: bytes with an optional K, M, G or T suffix.
+fn parse_capacity(text: &str) -> Result<u64, String> {
+    csi_isolator::plugin::parse_size(text).ok_or_else(|| {
+        format!("invalid SIZE '{text}' (bytes with an optional K, M, G or T suffix)")
+    })
+}
 
 /// Which hook the runtime runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -30,7 +39,8 @@ Examples (entries of an OCI bundle's config.json; runc passes the state on stdin
   \"annotations\": {\"io.csi-isolator.volumes\": \"data:64M:/data,ref:1G:/ref:ro\"}
   \"hooks\": {
     \"createRuntime\": [{\"path\": \"/usr/bin/csi-isolator\",
-      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"create-runtime\"]}],
+      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\",
+               \"--tenant-annotation\", \"io.kubernetes.pod.namespace\", \"create-runtime\"]}],
     \"poststop\": [{\"path\": \"/usr/bin/csi-isolator\",
       \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"poststop\"]}]}")]
 pub struct OciHookArgs {
@@ -39,6 +49,24 @@ pub struct OciHookArgs {
     /// Seconds to wait for the work-dir lock held by another csi-isolator.
     #[arg(long, default_value = "30", value_name = "SECS")]
     lock_timeout: u64,
+    /// Let io.csi-isolator.resources name any disk, host paths (and /) included, as given: only for a
+    /// host where whoever sets annotations may read and write every host path. Without it, the
+    /// annotation may only name volumes this hook's provider has.
+    #[arg(long)]
+    allow_raw_resources: bool,
+    /// The annotation whose value is the container's tenant (e.g. io.kubernetes.pod.namespace, which
+    /// CRI-O sets itself; choose one users cannot set): volume names are scoped to it, and a container
+    /// without a valid one is refused. Without it the host is one tenant: every container that can
+    /// set annotations can name every volume the hook made.
+    #[arg(long, value_name = "KEY", value_parser = text())]
+    tenant_annotation: Option<String>,
+    /// The most volumes annotations may create per tenant (counted from the provider's volumes).
+    #[arg(long, value_name = "N", default_value_t = hook::DEFAULT_MAX_VOLUMES_PER_TENANT)]
+    max_volumes_per_tenant: u64,
+    /// The most capacity the volumes of a tenant may take together (e.g. 10G; counted from the
+    /// provider's volumes); a creation over it is refused.
+    #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = parse_capacity)]
+    max_capacity_per_tenant: u64,
     /// The hook: create-runtime or poststop.
     #[arg(value_enum)]
     stage: StageArg,
@@ -56,13 +84,19 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
         .read_to_end(&mut input)
         .with_context(|| format!("{name}: read the container state from stdin"))?;
     let state = State::parse(&input).with_context(|| name.to_string())?;
+    let plugin = args.plugin;
+    let provider: ProviderFactory =
+        Arc::new(move |work_dir: &Path| plugin.config(work_dir).map_err(|e| format!("{e:#}")));
     let opts = HookOptions {
         work_dir: work_dir.to_path_buf(),
-        provider: args
-            .plugin
-            .config(work_dir)
-            .with_context(|| name.to_string())?,
+        provider,
         lock_timeout: Duration::from_secs(args.lock_timeout),
+        policy: HookPolicy {
+            allow_raw_resources: args.allow_raw_resources,
+            tenant_annotation: args.tenant_annotation,
+            max_volumes_per_tenant: args.max_volumes_per_tenant,
+            max_capacity_per_tenant: args.max_capacity_per_tenant,
+        },
     };
     hook::run(stage, &opts, &state)
         .await
