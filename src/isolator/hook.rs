@@ -110,7 +110,7 @@ use crate::isolator::{
     ContainerConfig, ContainerRecord, IsolatorError, TargetRoot, VolumeIsolator, VolumeMount,
 };
 use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
-use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
+use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
 use crate::resource::{parse_resources, Resource, VolumeMode};
 use crate::runner::VolumeArg;
 use crate::workdir::WorkDirLock;
@@ -125,10 +125,6 @@ pub const HOOK_DIR: &str = "oci-hook";
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the bundled plugin gets to stop after the hook's work.
 const PLUGIN_STOP_GRACE: Duration = Duration::from_secs(5);
-/// CSI's limit on `CreateVolumeRequest.name`, which the provider enforces too
-/// (`provider::create::MAX_NAME_BYTES`, not exported): checked here so a scoped name over it is refused,
-/// naming the tenant, before the lock and the plugin.
-const MAX_NAME_BYTES: usize = 128;
 /// The longest value of one volume annotation, in bytes.
 pub const MAX_ANNOTATION_BYTES: usize = 64 * 1024;
 /// The most volumes one container's annotations may name (both annotations together).

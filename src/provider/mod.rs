@@ -22,7 +22,7 @@ pub mod status;
 pub mod storage;
 pub mod supervisor;
 
-pub use create::CreateSpec;
+pub use create::{validate_volume_name, CreateSpec, MAX_NAME_BYTES};
 pub use error::ProviderError;
 pub use manager::{Manager, PublishedVolume};
 pub use state::{Capability, VolumeRecord, VolumeState};
