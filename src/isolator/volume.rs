@@ -159,6 +159,14 @@ impl VolumeIsolator {
         out
     }
 
+    /// The record of one container, if the isolator knows it (a copy; the
+    /// container's operations go on meanwhile).
+    pub async fn container(&self, container_id: &str) -> Option<ContainerRecord> {
+        let entry = self.containers.lock().unwrap().get(container_id).cloned()?;
+        let rec = entry.lock().await.clone();
+        rec
+    }
+
     fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
         let path = self.checkpoint_path(&rec.container_id);
         let bytes = serde_json::to_vec_pretty(rec).expect("a container record always serializes");

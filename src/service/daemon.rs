@@ -7,10 +7,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_stream::wrappers::UnixListenerStream;
-
 use crate::isolator::VolumeIsolator;
 use crate::provider::{ProviderConfig, ProviderError, StorageProvider};
+use crate::service::admission::{self, Admission};
 use crate::service::http;
 use crate::service::metrics::ServiceMetrics;
 use crate::service::proto::isolator_server::IsolatorServer;
@@ -33,21 +32,65 @@ pub struct ServeOptions {
     pub socket: Option<PathBuf>,
     /// Where to serve `/metrics` over HTTP (port 0: any free port); none: no metrics server.
     pub metrics: Option<SocketAddr>,
+    /// The bounds of the metrics server.
+    pub metrics_limits: http::Limits,
+    /// Who may call the service besides root.
+    pub admission: Admission,
+    /// The bounds of the gRPC service.
+    pub limits: ServiceLimits,
     /// How long calls in flight get to finish after the shutdown signal.
     pub drain: Duration,
     /// How long a managed plugin gets to exit after SIGTERM before SIGKILL.
     pub plugin_grace: Duration,
 }
 
+/// What one peer of the service socket can make serve hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServiceLimits {
+    /// Admitted connections open at once; more are closed as soon as accepted.
+    pub max_connections: usize,
+    /// Calls in progress per connection; more wait for one to finish.
+    pub concurrent_calls: usize,
+    /// How long a caller waits for an answer. A call that takes longer is
+    /// answered `CANCELLED` but runs to its end, so no operation is cut
+    /// short halfway (see [`crate::service::server`]).
+    pub request_timeout: Duration,
+    /// How often an idle connection is pinged (HTTP/2 PING); a peer that
+    /// does not answer within `keepalive_timeout` is disconnected, freeing
+    /// its slot.
+    pub keepalive_interval: Duration,
+    /// How long a ping may go unanswered.
+    pub keepalive_timeout: Duration,
+}
+
+impl Default for ServiceLimits {
+    /// 64 connections, 32 calls in progress per connection, a 10 minute
+    /// request timeout (a Prepare publishes every volume through the
+    /// plugin: a few CSI calls each, each with up to a minute per attempt
+    /// and two minutes of retries), a ping every 30 s answered within 20 s.
+    fn default() -> Self {
+        ServiceLimits {
+            max_connections: 64,
+            concurrent_calls: 32,
+            request_timeout: Duration::from_secs(600),
+            keepalive_interval: Duration::from_secs(30),
+            keepalive_timeout: Duration::from_secs(20),
+        }
+    }
+}
+
 impl ServeOptions {
-    /// Options with the default socket, no metrics server, 10 s to drain
-    /// calls and 5 s for the plugin to stop.
+    /// Options with the default socket (root only), no metrics server, the
+    /// default limits, 10 s to drain calls and 5 s for the plugin to stop.
     pub fn new(work_dir: impl Into<PathBuf>, provider: ProviderConfig) -> Self {
         ServeOptions {
             work_dir: work_dir.into(),
             provider,
             socket: None,
             metrics: None,
+            metrics_limits: http::Limits::default(),
+            admission: Admission::default(),
+            limits: ServiceLimits::default(),
             drain: Duration::from_secs(10),
             plugin_grace: Duration::from_secs(5),
         }
@@ -159,6 +202,9 @@ async fn listen(opts: &ServeOptions) -> Result<Listeners, ServeError> {
             let bound = async {
                 let l = tokio::net::TcpListener::bind(addr).await?;
                 let local = l.local_addr()?;
+                if let Some(warning) = http::exposure_warning(local) {
+                    tracing::warn!("{warning}");
+                }
                 Ok((l, local))
             };
             Some(
@@ -173,7 +219,7 @@ async fn listen(opts: &ServeOptions) -> Result<Listeners, ServeError> {
         .socket
         .clone()
         .unwrap_or_else(|| default_socket_path(&opts.work_dir));
-    let (socket, socket_guard) = socket::bind(&socket_path)?;
+    let (socket, socket_guard) = socket::bind(&socket_path, opts.admission.group)?;
     Ok(Listeners {
         socket_path,
         socket,
@@ -210,12 +256,20 @@ async fn serve_with_provider(
         metrics: metrics_listener,
     } = listeners;
     let metrics_addr = metrics_listener.as_ref().map(|(_, addr)| *addr);
+    let incoming = admission::incoming(
+        socket,
+        opts.admission,
+        opts.limits.max_connections,
+        metrics.clone(),
+    );
     let metrics_task = metrics_listener.map(|(l, _)| {
         let work_dir = opts.work_dir.clone();
+        let counted = metrics.clone();
         let render: http::Render =
             Arc::new(move || metrics.render(isolator.manager(), &work_dir, &*table));
+        let limits = opts.metrics_limits;
         tokio::spawn(async move {
-            if let Err(e) = http::serve(l, render).await {
+            if let Err(e) = http::serve(l, render, limits, counted).await {
                 tracing::error!(error = %e, "metrics server stopped");
             }
         })
@@ -229,9 +283,14 @@ async fn serve_with_provider(
     tracing::info!(socket = %socket_path.display(), metrics = ?metrics_addr, "csi-isolator serve ready");
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let limits = opts.limits;
     let server = tonic::transport::Server::builder()
+        .concurrency_limit_per_connection(limits.concurrent_calls)
+        .timeout(limits.request_timeout)
+        .http2_keepalive_interval(Some(limits.keepalive_interval))
+        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
         .add_service(IsolatorServer::new(service))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(socket), async {
+        .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;
         });
     tokio::pin!(server);

@@ -14,6 +14,11 @@
 //!   included (an operation in flight, or interrupted).
 //! - `volumes_published{plugin}`: volumes in `PUBLISHED`.
 //! - `plugin_terminations_total{plugin}`: unexpected exits of a managed plugin.
+//! - `connections_refused_total{listener,reason}`: connections closed at
+//!   once: on the service socket (`listener="grpc"`) for a peer that is
+//!   neither root nor in the allowed group (`reason="peer"`) or when every
+//!   slot is taken (`reason="capacity"`); on `/metrics` (`listener="metrics"`)
+//!   when every slot is taken.
 //! - `csi_pending`, `csi_finished_total`, `csi_failed_total`,
 //!   `csi_cancelled_total`, `csi_retries_total`, `csi_latency_seconds`
 //!   (`{plugin,rpc}`): the CSI client's calls (see [`crate::csi::Metrics`]).
@@ -137,12 +142,49 @@ impl PublishOp {
     }
 }
 
+/// Why a connection was closed as soon as it was accepted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// On the service socket: the peer is neither root nor in the allowed group.
+    GrpcPeer,
+    /// On the service socket: every connection slot is taken.
+    GrpcCapacity,
+    /// On `/metrics`: every connection slot is taken.
+    MetricsCapacity,
+}
+
+impl Refusal {
+    const ALL: [Refusal; 3] = [
+        Refusal::GrpcPeer,
+        Refusal::GrpcCapacity,
+        Refusal::MetricsCapacity,
+    ];
+
+    /// (listener, reason) labels.
+    fn labels(self) -> (&'static str, &'static str) {
+        match self {
+            Refusal::GrpcPeer => ("grpc", "peer"),
+            Refusal::GrpcCapacity => ("grpc", "capacity"),
+            Refusal::MetricsCapacity => ("metrics", "capacity"),
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Refusal::GrpcPeer => 0,
+            Refusal::GrpcCapacity => 1,
+            Refusal::MetricsCapacity => 2,
+        }
+    }
+}
+
 /// What the service counts itself (the rest is read at scrape time).
 #[derive(Debug, Default)]
 pub struct ServiceMetrics {
     requests: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
     prepare: LatencyHistogram,
     update: LatencyHistogram,
+    refused: [AtomicU64; Refusal::ALL.len()],
 }
 
 impl ServiceMetrics {
@@ -154,6 +196,16 @@ impl ServiceMetrics {
             .unwrap()
             .entry((method, code_name(code)))
             .or_default() += 1;
+    }
+
+    /// Counts one connection closed at once for `why`.
+    pub fn refused(&self, why: Refusal) {
+        self.refused[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many connections were closed at once for `why`.
+    pub fn refused_count(&self, why: Refusal) -> u64 {
+        self.refused[why.index()].load(Ordering::Relaxed)
     }
 
     /// The publish-latency histogram of `op`.
@@ -194,6 +246,21 @@ impl ServiceMetrics {
         for op in [PublishOp::Prepare, PublishOp::Update] {
             self.publish(op)
                 .encode(&mut out, &name, &format!("op=\"{}\"", op.label()));
+        }
+
+        header(
+            &mut out,
+            &format!("{p}_connections_refused_total"),
+            "counter",
+            "Connections closed as soon as they were accepted, per listener and reason.",
+        );
+        for why in Refusal::ALL {
+            let (listener, reason) = why.labels();
+            let _ = writeln!(
+                out,
+                "{p}_connections_refused_total{{listener=\"{listener}\",reason=\"{reason}\"}} {}",
+                self.refused_count(why)
+            );
         }
 
         match scan(work_dir, table) {
@@ -398,6 +465,13 @@ mod tests {
                 "p_csi_pending{plugin=\"t/a\",rpc=\"Probe\"} 0",
             ]
         );
+    }
+
+    #[test]
+    fn every_refusal_has_its_index() {
+        for (i, r) in Refusal::ALL.iter().enumerate() {
+            assert_eq!(r.index(), i, "{r:?}");
+        }
     }
 
     #[test]

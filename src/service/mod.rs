@@ -7,10 +7,23 @@
 //! - One `serve` per work dir: it holds `<work_dir>/run.lock` exclusively
 //!   for its lifetime, like `run` (so the two never share a work dir).
 //! - The socket is private: bound inside a fresh `0700` directory, made
-//!   `0600`, then renamed into place, so it is never reachable with looser
-//!   permissions. A stale socket (nobody accepting) is replaced; a live one
-//!   or a non-socket file at the path is refused. The socket is removed on
-//!   shutdown.
+//!   `0600` (`0660` `root:<group>` with `--allow-group`), then renamed into
+//!   place, so it is never reachable with looser permissions. A stale
+//!   socket (nobody accepting) is replaced; a live one or a non-socket file
+//!   at the path is refused. The socket is removed on shutdown.
+//! - Every connection is admitted by its peer credentials (`SO_PEERCRED`):
+//!   uid 0, or the gid of the allowed group; anything else is closed at once,
+//!   counted and logged at a bounded rate ([`admission`]). At most
+//!   `--max-connections` admitted connections are open at once,
+//!   `--max-concurrent-calls` calls run per connection, a caller waits at
+//!   most `--request-timeout` for an answer, and idle connections are
+//!   pinged so a dead peer frees its slot ([`ServiceLimits`]).
+//! - `Isolate` accepts only the prepared container's process
+//!   ([`server`]): `Update` mounts into the namespace of the pid it records.
+//! - `/metrics` ([`http`]) serves a bounded number of connections, each
+//!   within one deadline, from a body cached for a second; loopback by
+//!   default, with a warning for any other address (the metrics name the
+//!   plugins and count the volumes).
 //! - On start only the provider recovers (interrupted volume operations are
 //!   finished); the isolator's own recovery is the containerizer's
 //!   `Recover` call with its live containers, which it should make right
@@ -26,8 +39,8 @@
 //!   failure it is, the message is the full error text naming the
 //!   container, the volume, the CSI RPC and its code.
 //!
-//! Files: `server.rs` (the gRPC handlers), `error.rs` (the error seam),
-//! `convert.rs` (wire messages to and from library types), `metrics.rs`
+//! Files: `admission.rs` (who may connect, how many), `server.rs` (the
+//! gRPC handlers), `error.rs` (the error seam), `convert.rs` (wire messages to and from library types), `metrics.rs`
 //! (what `/metrics` shows), `http.rs` (the HTTP responder), `socket.rs`
 //! (the private socket), `daemon.rs` (start-up, serving, shutdown).
 
@@ -38,6 +51,7 @@ pub mod proto {
     tonic::include_proto!("csi_isolator.v1");
 }
 
+pub mod admission;
 pub mod convert;
 pub mod daemon;
 pub mod error;
@@ -46,7 +60,8 @@ pub mod metrics;
 pub mod server;
 pub mod socket;
 
-pub use daemon::{default_socket_path, serve, ServeError, ServeOptions, Started};
+pub use admission::Admission;
+pub use daemon::{default_socket_path, serve, ServeError, ServeOptions, ServiceLimits, Started};
 pub use error::ServiceError;
 pub use metrics::ServiceMetrics;
 pub use server::IsolatorService;

@@ -6,14 +6,30 @@
 //! counted, logged and turned into a response or a `tonic::Status`.
 //! Container ids are checked to be one safe path component before the
 //! isolator sees them (they become checkpoint paths).
+//!
+//! Each call's operation runs in a task of its own, so a caller that goes
+//! away, or whose request timeout fires, gets its answer (`CANCELLED`) while
+//! the operation still runs to its end: a publish or an update is never cut
+//! short halfway by the transport.
+//!
+//! `Isolate` accepts only the prepared container's process, since `Update`
+//! later mounts into the mount namespace of the pid it records: the pid must
+//! exist; it must not be in serve's own mount namespace (an update would
+//! mount on the host); and when the container has a rootfs, the process's
+//! root (`/proc/<pid>/root`) must be that rootfs, the same directory by
+//! device and inode (the OCI hook's check). Otherwise the call fails with
+//! `FAILED_PRECONDITION`, naming the container, the pid and what was seen.
 
+use std::future::Future;
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tonic::{Code, Request, Response, Status};
 
-use crate::isolator::VolumeIsolator;
+use crate::isolator::{IsolatorError, VolumeIsolator};
+use crate::launcher::process::{mount_view, process_start_time, shares_mount_namespace, MountView};
 use crate::mount::MountTable;
 use crate::provider::status::scan;
 use crate::provider::{Capability, CreateSpec, StorageProvider};
@@ -67,6 +83,31 @@ impl IsolatorService {
             tracing::warn!(method, code = ?code, error = %full_message(e), "isolator call failed");
         }
         result.map(Response::new).map_err(Status::from)
+    }
+
+    /// Runs `op` on a clone of the service in a task of its own (see the
+    /// module doc), then [`reply`](Self::reply)s in that task too, so the
+    /// call is counted and logged even when the caller is gone.
+    async fn run<T, F>(
+        &self,
+        method: &'static str,
+        op: impl FnOnce(IsolatorService) -> F,
+    ) -> Reply<T>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, ServiceError>> + Send + 'static,
+    {
+        let this = self.clone();
+        let call = op(this.clone());
+        let task = tokio::spawn(async move {
+            let result = call.await;
+            this.reply(method, result)
+        });
+        match task.await {
+            Ok(reply) => reply,
+            // The task is never aborted: the only way it ends early is a panic.
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
     }
 
     /// The provider a volume request names (empty: the only one).
@@ -155,11 +196,54 @@ impl IsolatorService {
         &self,
         req: proto::IsolateRequest,
     ) -> Result<proto::IsolateResponse, ServiceError> {
-        container_id(&req.container_id)?;
-        if req.pid == 0 || !PathBuf::from(format!("/proc/{}", req.pid)).exists() {
-            return Err(invalid("pid", format!("no process with pid {}", req.pid)));
+        let (id, pid) = (req.container_id.as_str(), req.pid);
+        container_id(id)?;
+        if pid == 0 {
+            return Err(invalid("pid", "is 0"));
         }
-        self.isolator.isolate(&req.container_id, req.pid).await?;
+        let rec =
+            self.isolator
+                .container(id)
+                .await
+                .ok_or_else(|| IsolatorError::UnknownContainer {
+                    container: id.to_string(),
+                })?;
+        let refuse = |why: String| ServiceError::NotTheContainer {
+            container: id.to_string(),
+            pid,
+            why,
+        };
+        let rootfs = match &rec.config.rootfs {
+            Some(path) => {
+                let m = std::fs::metadata(path).map_err(|e| {
+                    refuse(format!(
+                        "its rootfs {} cannot be read: {e}",
+                        crate::shown::shown_os(path.as_os_str())
+                    ))
+                })?;
+                Some((m.dev(), m.ino()))
+            }
+            None => None,
+        };
+        let start = process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
+        let seen = Seen {
+            view: mount_view(pid),
+            shares_our_mount_namespace: shares_mount_namespace(pid),
+        };
+        if let Some(why) = not_the_container(rootfs, &seen) {
+            return Err(refuse(why));
+        }
+        self.isolator.isolate(id, pid).await?;
+        // The isolator read the process again: it must be the one checked.
+        let recorded = self.isolator.container(id).await;
+        let same = recorded
+            .as_ref()
+            .is_some_and(|r| r.pid_start == Some(start) && r.mount_view == seen.view);
+        if !same {
+            return Err(refuse(
+                "it exited, or moved to another mount namespace or root, while it was being isolated".into(),
+            ));
+        }
         Ok(proto::IsolateResponse {})
     }
 
@@ -212,6 +296,40 @@ impl IsolatorService {
     }
 }
 
+/// What serve sees of a process offered to `Isolate`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Seen {
+    /// Its mount namespace and root, if they could be read.
+    view: Option<MountView>,
+    /// Whether it is in serve's own mount namespace, if that could be read.
+    shares_our_mount_namespace: Option<bool>,
+}
+
+/// Why a process is not the container's (see the module doc), or `None`
+/// when it may be: `rootfs` is the (device, inode) of the container's
+/// rootfs, if it has one.
+fn not_the_container(rootfs: Option<(u64, u64)>, seen: &Seen) -> Option<String> {
+    let Some(view) = seen.view else {
+        return Some("its root and mount namespace cannot be read (has it exited?)".into());
+    };
+    match seen.shares_our_mount_namespace {
+        Some(true) => {
+            return Some(
+                "it is in serve's own mount namespace, so an update would mount on the host: give the pid of the container's first process".into(),
+            )
+        }
+        None => return Some("its mount namespace cannot be read".into()),
+        Some(false) => {}
+    }
+    match rootfs {
+        Some(want) if view.root != want => Some(format!(
+            "its root directory (device {}, inode {}) is not the container's rootfs (device {}, inode {}): give the pid of a process running in the container",
+            view.root.0, view.root.1, want.0, want.1
+        )),
+        _ => None,
+    }
+}
+
 fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {
     ServiceError::InvalidArgument {
         field,
@@ -236,57 +354,152 @@ impl Isolator for IsolatorService {
         &self,
         request: Request<proto::CreateVolumeRequest>,
     ) -> Reply<proto::CreateVolumeResponse> {
-        let result = IsolatorService::create_volume(self, request.into_inner()).await;
-        self.reply("CreateVolume", result)
+        let req = request.into_inner();
+        self.run("CreateVolume", |s| async move {
+            IsolatorService::create_volume(&s, req).await
+        })
+        .await
     }
 
     async fn destroy_volume(
         &self,
         request: Request<proto::DestroyVolumeRequest>,
     ) -> Reply<proto::DestroyVolumeResponse> {
-        let result = IsolatorService::destroy_volume(self, request.into_inner()).await;
-        self.reply("DestroyVolume", result)
+        let req = request.into_inner();
+        self.run("DestroyVolume", |s| async move {
+            IsolatorService::destroy_volume(&s, req).await
+        })
+        .await
     }
 
     async fn prepare(&self, request: Request<proto::PrepareRequest>) -> Reply<proto::LaunchInfo> {
-        let result = IsolatorService::prepare(self, request.into_inner()).await;
-        self.reply("Prepare", result)
+        let req = request.into_inner();
+        self.run("Prepare", |s| async move {
+            IsolatorService::prepare(&s, req).await
+        })
+        .await
     }
 
     async fn isolate(
         &self,
         request: Request<proto::IsolateRequest>,
     ) -> Reply<proto::IsolateResponse> {
-        let result = IsolatorService::isolate(self, request.into_inner()).await;
-        self.reply("Isolate", result)
+        let req = request.into_inner();
+        self.run("Isolate", |s| async move {
+            IsolatorService::isolate(&s, req).await
+        })
+        .await
     }
 
     async fn update(&self, request: Request<proto::UpdateRequest>) -> Reply<proto::UpdateResponse> {
-        let result = IsolatorService::update(self, request.into_inner()).await;
-        self.reply("Update", result)
+        let req = request.into_inner();
+        self.run("Update", |s| async move {
+            IsolatorService::update(&s, req).await
+        })
+        .await
     }
 
     async fn cleanup(
         &self,
         request: Request<proto::CleanupRequest>,
     ) -> Reply<proto::CleanupResponse> {
-        let result = IsolatorService::cleanup(self, request.into_inner()).await;
-        self.reply("Cleanup", result)
+        let req = request.into_inner();
+        self.run("Cleanup", |s| async move {
+            IsolatorService::cleanup(&s, req).await
+        })
+        .await
     }
 
     async fn recover(
         &self,
         request: Request<proto::RecoverRequest>,
     ) -> Reply<proto::RecoverResponse> {
-        let result = IsolatorService::recover(self, request.into_inner()).await;
-        self.reply("Recover", result)
+        let req = request.into_inner();
+        self.run("Recover", |s| async move {
+            IsolatorService::recover(&s, req).await
+        })
+        .await
     }
 
     async fn status(
         &self,
         _request: Request<proto::StatusRequest>,
     ) -> Reply<proto::StatusResponse> {
-        let result = IsolatorService::status(self).await;
-        self.reply("Status", result)
+        self.run(
+            "Status",
+            |s| async move { IsolatorService::status(&s).await },
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OTHER_NS: (u64, u64) = (4, 4026532000);
+    const ROOTFS: (u64, u64) = (2049, 1234);
+
+    fn seen(root: (u64, u64), shares: Option<bool>) -> Seen {
+        Seen {
+            view: Some(MountView {
+                namespace: OTHER_NS,
+                root,
+            }),
+            shares_our_mount_namespace: shares,
+        }
+    }
+
+    #[test]
+    fn isolate_admits_only_the_containers_process() {
+        let host_root = (2049, 2);
+        let gone = Seen {
+            view: None,
+            shares_our_mount_namespace: None,
+        };
+        for (rootfs, seen, refused_for) in [
+            // No rootfs: any process outside serve's mount namespace.
+            (None, seen(host_root, Some(false)), None),
+            (
+                None,
+                seen(host_root, Some(true)),
+                Some("own mount namespace"),
+            ),
+            (None, seen(host_root, None), Some("cannot be read")),
+            (None, gone, Some("cannot be read")),
+            // A rootfs: the process's root is that directory.
+            (Some(ROOTFS), seen(ROOTFS, Some(false)), None),
+            (
+                Some(ROOTFS),
+                seen(host_root, Some(false)),
+                Some("is not the container's rootfs"),
+            ),
+            (
+                Some(ROOTFS),
+                seen((2050, 1234), Some(false)),
+                Some("is not the container's rootfs"),
+            ),
+            (
+                Some(ROOTFS),
+                seen((2049, 1235), Some(false)),
+                Some("is not the container's rootfs"),
+            ),
+            // Chrooted into the rootfs but in serve's namespace: update would mount on the host.
+            (
+                Some(ROOTFS),
+                seen(ROOTFS, Some(true)),
+                Some("own mount namespace"),
+            ),
+            (Some(ROOTFS), gone, Some("cannot be read")),
+        ] {
+            let got = not_the_container(rootfs, &seen);
+            match refused_for {
+                None => assert_eq!(got, None, "{rootfs:?} {seen:?}"),
+                Some(why) => {
+                    let got = got.unwrap_or_else(|| panic!("admitted {rootfs:?} {seen:?}"));
+                    assert!(got.contains(why), "{got:?} for {rootfs:?} {seen:?}");
+                }
+            }
+        }
     }
 }

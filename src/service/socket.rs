@@ -7,6 +7,15 @@
 //! then `rename(2)`d into place: at its final path it has only ever been
 //! `0600`. Missing parent directories are created `0700`.
 //!
+//! With an allowed group (`serve --allow-group`), the socket is `0660` and
+//! owned by `root:<group>` (set inside the private directory, before the
+//! rename), and the directories this creates for it are `0710`
+//! `root:<group>`: the group may traverse them, nobody else may, and only
+//! the owner lists or changes them. Directories that already exist are left
+//! as they are; one the group cannot traverse is named in a warning, since
+//! the group could not reach the socket. Whoever connects is checked again
+//! by its credentials ([`crate::service::admission`]).
+//!
 //! A file already at the path: a socket nobody accepts on (connect is
 //! refused) is a stale one from a service that died, and is replaced; a
 //! socket that accepts belongs to a live service and is refused, as is
@@ -123,9 +132,13 @@ impl Drop for SocketGuard {
     }
 }
 
-/// Binds the private socket at `path` (see the module doc). Call it inside
-/// a tokio runtime.
-pub fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketGuard), SocketError> {
+/// Binds the private socket at `path` (see the module doc), reachable by
+/// root and, if given, the members of `group`. Call it inside a tokio
+/// runtime.
+pub fn bind(
+    path: &Path,
+    group: Option<u32>,
+) -> Result<(tokio::net::UnixListener, SocketGuard), SocketError> {
     let len = bind_path_len(path);
     if len > SUN_PATH_MAX {
         return Err(SocketError::TooLong {
@@ -137,15 +150,20 @@ pub fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketGuard), Sock
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(parent)
-        .map_err(io("create socket directory", parent))?;
+    create_dirs(parent, group)?;
+    if let Some(gid) = group {
+        for blocked in unreachable_by_group(parent, gid) {
+            tracing::warn!(
+                directory = %blocked.display(),
+                group = gid,
+                "the allowed group cannot traverse this directory, so it cannot reach the service socket: give the group search permission on it, or pick a --socket elsewhere"
+            );
+        }
+    }
     remove_stale(path)?;
 
     let (temp_dir, temp_socket) = private_dir(parent)?;
-    let bound = bind_in(&temp_socket).and_then(|listener| {
+    let bound = bind_in(&temp_socket, group).and_then(|listener| {
         std::fs::rename(&temp_socket, path).map_err(io("move socket into place at", path))?;
         Ok(listener)
     });
@@ -162,11 +180,81 @@ pub fn bind(path: &Path) -> Result<(tokio::net::UnixListener, SocketGuard), Sock
     Ok((listener, guard))
 }
 
-fn bind_in(temp_socket: &Path) -> Result<std::os::unix::net::UnixListener, SocketError> {
+/// The mode of the socket (`0600`, or `0660` for a group) and of the
+/// directories created for it (`0700`, or `0710` for a group).
+fn modes(group: Option<u32>) -> (u32, u32) {
+    match group {
+        None => (0o600, 0o700),
+        Some(_) => (0o660, 0o710),
+    }
+}
+
+/// Creates the missing directories of `dir`, outermost first, each with
+/// the mode and group of [`modes`].
+fn create_dirs(dir: &Path, group: Option<u32>) -> Result<(), SocketError> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .take_while(|d| !d.as_os_str().is_empty() && std::fs::symlink_metadata(d).is_err())
+        .collect();
+    let (_, dir_mode) = modes(group);
+    for d in missing.into_iter().rev() {
+        match std::fs::DirBuilder::new().mode(0o700).create(d) {
+            Ok(()) => {}
+            // Made meanwhile by someone else: left as it is, like any existing one.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(io("create socket directory", d)(e)),
+        }
+        if let Some(gid) = group {
+            std::os::unix::fs::chown(d, None, Some(gid))
+                .map_err(io("give the allowed group the socket directory", d))?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(dir_mode))
+                .map_err(io("chmod 0710", d))?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether a member of `gid` (not root, not the owner) may search a
+/// directory owned by `owner_gid` with `mode`.
+fn group_may_traverse(mode: u32, owner_gid: u32, gid: u32) -> bool {
+    if owner_gid == gid {
+        mode & 0o010 != 0
+    } else {
+        mode & 0o001 != 0
+    }
+}
+
+/// The directories from `/` to `dir` that a member of `gid` cannot
+/// traverse.
+fn unreachable_by_group(dir: &Path, gid: u32) -> Vec<PathBuf> {
+    let Ok(dir) = std::fs::canonicalize(dir) else {
+        return Vec::new();
+    };
+    let mut blocked: Vec<PathBuf> = dir
+        .ancestors()
+        .filter(|d| {
+            std::fs::metadata(d)
+                .is_ok_and(|m| !group_may_traverse(m.permissions().mode(), m.gid(), gid))
+        })
+        .map(Path::to_path_buf)
+        .collect();
+    blocked.reverse();
+    blocked
+}
+
+fn bind_in(
+    temp_socket: &Path,
+    group: Option<u32>,
+) -> Result<std::os::unix::net::UnixListener, SocketError> {
     let listener =
         std::os::unix::net::UnixListener::bind(temp_socket).map_err(io("bind", temp_socket))?;
-    std::fs::set_permissions(temp_socket, std::fs::Permissions::from_mode(0o600))
-        .map_err(io("chmod 0600", temp_socket))?;
+    let (mode, _) = modes(group);
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(temp_socket, None, Some(gid))
+            .map_err(io("give the allowed group the socket", temp_socket))?;
+    }
+    std::fs::set_permissions(temp_socket, std::fs::Permissions::from_mode(mode))
+        .map_err(io("chmod", temp_socket))?;
     listener
         .set_nonblocking(true)
         .map_err(io("set non-blocking", temp_socket))?;
@@ -240,7 +328,7 @@ mod tests {
     async fn binds_private_replaces_stale_refuses_live() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("sub").join("x.sock");
-        let (listener, guard) = bind(&path).unwrap();
+        let (listener, guard) = bind(&path, None).unwrap();
         let meta = std::fs::metadata(&path).unwrap();
         assert!(meta.file_type().is_socket());
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
@@ -251,14 +339,69 @@ mod tests {
             std::fs::read_dir(path.parent().unwrap()).unwrap().count(),
             1
         );
-        assert!(matches!(bind(&path), Err(SocketError::InUse { .. })));
+        assert!(matches!(bind(&path, None), Err(SocketError::InUse { .. })));
         // A dead listener leaves a stale socket, which the next bind replaces.
         drop(listener);
         std::mem::forget(guard);
-        let (_listener, guard) = bind(&path).unwrap();
+        let (_listener, guard) = bind(&path, None).unwrap();
         drop(guard);
         assert!(!path.exists(), "the guard removes the socket");
         std::fs::write(&path, b"x").unwrap();
-        assert!(matches!(bind(&path), Err(SocketError::NotASocket { .. })));
+        assert!(matches!(
+            bind(&path, None),
+            Err(SocketError::NotASocket { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn with_a_group_the_socket_and_its_new_directories_are_the_groups_only() {
+        crate::testing::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a").join("b").join("x.sock");
+        let gid = 4242;
+        let (_listener, _guard) = bind(&path, Some(gid)).unwrap();
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert_eq!(
+            (meta.permissions().mode() & 0o777, meta.uid(), meta.gid()),
+            (0o660, 0, gid)
+        );
+        for d in [dir.path().join("a"), dir.path().join("a/b")] {
+            let m = std::fs::metadata(&d).unwrap();
+            assert_eq!(
+                (m.permissions().mode() & 0o777, m.uid(), m.gid()),
+                (0o710, 0, gid),
+                "{}",
+                d.display()
+            );
+        }
+        assert_eq!(
+            unreachable_by_group(&dir.path().join("a/b"), gid),
+            Vec::<PathBuf>::new()
+        );
+        // A directory on the way that the group cannot search is named.
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(
+            unreachable_by_group(&dir.path().join("a/b"), gid),
+            vec![std::fs::canonicalize(dir.path()).unwrap()]
+        );
+    }
+
+    #[test]
+    fn group_traversal_follows_the_mode_bits_that_apply() {
+        for (mode, owner_gid, gid, ok) in [
+            (0o710, 5, 5, true),
+            (0o700, 5, 5, false),
+            (0o701, 5, 5, false),
+            (0o711, 0, 5, true),
+            (0o770, 0, 5, false),
+            (0o755, 0, 5, true),
+            (0o1777, 0, 5, true),
+        ] {
+            assert_eq!(
+                group_may_traverse(mode, owner_gid, gid),
+                ok,
+                "{mode:o} group {owner_gid} for {gid}"
+            );
+        }
     }
 }

@@ -1,0 +1,620 @@
+//! `csi-isolator serve` against the attacks of issue 18 (findings 7 and 8),
+//! as root, with the built binary: a local user on the service socket, an
+//! `Isolate` with a pid that is not the container's, a flood of idle
+//! connections to `/metrics`, metrics on a non-loopback address. Steps of
+//! another local user run as a real unprivileged uid in a forked child
+//! (`csi_isolator::testing::unprivileged`). Every test ends with no mount
+//! and no process left.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use csi_isolator::csi::transport::connect_unix;
+use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::service::proto::isolator_client::IsolatorClient;
+use csi_isolator::service::proto::{
+    CleanupRequest, ContainerConfig, IsolateRequest, PrepareRequest, StatusRequest,
+};
+use csi_isolator::testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
+use csi_isolator::testing::{busybox_rootfs, processes_mentioning, require_root, Sandbox};
+use nix::errno::Errno;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::transport::Channel;
+use tonic::Code;
+
+const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The HTTP/2 client preface and an empty SETTINGS frame: a gRPC server
+/// answers with its own SETTINGS frame.
+const H2_HELLO: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// A running `csi-isolator serve` whose stderr is collected; killed if
+/// still running when dropped.
+struct Serve {
+    child: Child,
+    socket: PathBuf,
+    metrics: Option<SocketAddr>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Serve {
+    /// Starts serve on `<sb>/work` with `args` after `serve`, its soft
+    /// descriptor limit lowered to `nofile` if given, and waits for `ready`.
+    fn start(sb: &Sandbox, args: &[&str], nofile: Option<u64>) -> Serve {
+        let socket = sb.join("isolator.sock");
+        let mut cmd = Command::new(BIN);
+        cmd.env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
+            .env("RUST_LOG", "warn")
+            .env("NO_COLOR", "1")
+            .arg("--work-dir")
+            .arg(sb.join("work"))
+            .arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if let Some(n) = nofile {
+            // SAFETY: between fork and exec the closure only calls getrlimit/setrlimit, which are
+            // async-signal-safe system calls on a stack variable.
+            unsafe {
+                cmd.pre_exec(move || {
+                    let mut lim = libc::rlimit {
+                        rlim_cur: 0,
+                        rlim_max: 0,
+                    };
+                    if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    lim.rlim_cur = n.min(lim.rlim_max);
+                    if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                })
+            };
+        }
+        let mut child = sb.spawn(&mut cmd).expect("spawn csi-isolator serve");
+        let stderr = Arc::new(Mutex::new(String::new()));
+        let (err_pipe, collected) = (child.stderr.take().unwrap(), stderr.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(err_pipe).lines() {
+                let Ok(line) = line else { break };
+                let mut all = collected.lock().unwrap();
+                all.push_str(&line);
+                all.push('\n');
+            }
+        });
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + TIMEOUT;
+        let mut lines = Vec::new();
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line == "csi-isolator serve: ready" => break,
+                Ok(line) => lines.push(line),
+                Err(e) => panic!(
+                    "serve did not get ready ({e}); stdout {lines:?}; stderr {}",
+                    stderr.lock().unwrap()
+                ),
+            }
+        }
+        let metrics = lines.iter().find_map(|l| {
+            l.strip_prefix("csi-isolator serve: metrics on http://")
+                .and_then(|rest| rest.strip_suffix("/metrics"))
+                .map(|addr| addr.parse().expect("metrics address"))
+        });
+        Serve {
+            child,
+            socket,
+            metrics,
+            stderr,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stderr(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    async fn client(&self) -> IsolatorClient<Channel> {
+        IsolatorClient::new(
+            connect_unix(&self.socket)
+                .await
+                .expect("connect to the service socket"),
+        )
+    }
+
+    /// SIGTERM, waits for a clean exit, and checks nothing is left.
+    fn stop(mut self, sb: &Sandbox) {
+        kill(Pid::from_raw(self.pid() as i32), Signal::SIGTERM).unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "serve did not exit");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        sb.untrack(self.child.id());
+        assert!(
+            status.success(),
+            "serve exited with {status:?}: {}",
+            self.stderr()
+        );
+        assert_eq!(
+            processes_mentioning(sb.path()),
+            Vec::<u32>::new(),
+            "processes left"
+        );
+        sb.assert_no_mounts_under();
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn errno_of(e: &std::io::Error) -> Errno {
+    Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO))
+}
+
+/// A step for another user: connects to `socket` and greets it in HTTP/2.
+/// `Ok(1)`: the server answered (it took the connection); `Ok(0)`: the
+/// connection was closed without a word; `Ok(2)`: silence for 5 s.
+fn greet(socket: &Path) -> Result<u8, Errno> {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).map_err(|e| errno_of(&e))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| errno_of(&e))?;
+    // A write to a connection already closed fails (EPIPE, SIGPIPE is ignored); the read says.
+    let _ = s.write_all(H2_HELLO);
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf) {
+        Ok(0) => Ok(0),
+        Ok(_) => Ok(1),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(2),
+        Err(e) => Err(errno_of(&e)),
+    }
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<String> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    Ok(out)
+}
+
+/// The value of one exact series in a scrape.
+fn sample(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
+        .parse()
+        .unwrap()
+}
+
+const REFUSED_PEER: &str =
+    "csi_isolator_connections_refused_total{listener=\"grpc\",reason=\"peer\"}";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_a_connection_from_another_user_by_its_credentials() {
+    require_root();
+    let sb = Sandbox::new("serve-peer");
+    let serve = Serve::start(&sb, &["--metrics", "127.0.0.1:0"], None);
+    // Open the socket file to everyone: what refuses now is the credential check.
+    std::fs::set_permissions(&serve.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+
+    assert_eq!(
+        as_nobody(|| greet(&serve.socket)),
+        Outcome::Ok(0),
+        "a connection from nobody must be closed without an answer"
+    );
+    // A flood of refusals is counted in full but logged a bounded number of times.
+    let flood = 30;
+    assert_eq!(
+        as_nobody(|| {
+            for _ in 0..flood {
+                if greet(&serve.socket)? != 0 {
+                    return Ok(1);
+                }
+            }
+            Ok(0)
+        }),
+        Outcome::Ok(0)
+    );
+    let body = http_get(serve.metrics.unwrap(), "/metrics").await.unwrap();
+    // The body may be up to a second old: wait it out once if needed.
+    let body = if sample(&body, REFUSED_PEER) < f64::from(flood + 1) {
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        http_get(serve.metrics.unwrap(), "/metrics").await.unwrap()
+    } else {
+        body
+    };
+    assert_eq!(sample(&body, REFUSED_PEER), f64::from(flood + 1));
+    let err = serve.stderr();
+    let warnings = err
+        .matches("connection refused: the peer is neither root")
+        .count();
+    assert!((1..=10).contains(&warnings), "{warnings} warnings:\n{err}");
+    let first = err
+        .lines()
+        .find(|l| l.contains("the peer is neither root"))
+        .unwrap();
+    for field in [
+        format!("uid={NOBODY_UID}"),
+        format!("gid={NOGROUP_GID}"),
+        "pid=".into(),
+    ] {
+        assert!(first.contains(&field), "{field} missing from {first}");
+    }
+
+    // Root is still served.
+    let mut c = serve.client().await;
+    c.status(StatusRequest {}).await.expect("Status as root");
+    drop(c);
+    serve.stop(&sb);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_admits_the_allowed_group_and_no_one_else() {
+    require_root();
+    let sb = Sandbox::new("serve-group");
+    let gid = 45_321;
+    let serve = Serve::start(&sb, &["--allow-group", &gid.to_string()], None);
+    let meta = std::fs::symlink_metadata(&serve.socket).unwrap();
+    assert_eq!(
+        (meta.permissions().mode() & 0o777, meta.uid(), meta.gid()),
+        (0o660, 0, gid),
+        "the socket is the group's, and no one else's"
+    );
+    // A member of the group (as its gid) is served, through the file mode and the check.
+    assert_eq!(
+        run_as(NOBODY_UID, gid, || greet(&serve.socket)),
+        Outcome::Ok(1)
+    );
+    // Anyone else is refused by the file mode...
+    assert_eq!(
+        as_nobody(|| greet(&serve.socket)),
+        Outcome::Failed(Errno::EACCES)
+    );
+    // ...and by the credential check where the file mode would let them in.
+    std::fs::set_permissions(&serve.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(as_nobody(|| greet(&serve.socket)), Outcome::Ok(0));
+    assert_eq!(
+        run_as(NOBODY_UID, gid, || greet(&serve.socket)),
+        Outcome::Ok(1)
+    );
+    serve.stop(&sb);
+}
+
+fn launch_sleep(sb: &Sandbox, sandbox: &Path, rootfs: Option<&Path>) -> Launched {
+    let spec = LaunchSpec {
+        argv: vec!["sleep".into(), "60".into()],
+        env: vec![("PATH".into(), "/bin:/usr/bin".into())],
+        sandbox: sandbox.to_path_buf(),
+        rootfs: rootfs.map(Path::to_path_buf),
+        ..Default::default()
+    };
+    let launched = launcher::launch(&spec).unwrap_or_else(|e| panic!("launch: {e}"));
+    sb.track(launched.pid());
+    launched
+}
+
+async fn stop_launched(sb: &Sandbox, mut l: Launched) {
+    l.kill(Signal::SIGKILL).unwrap();
+    tokio::time::timeout(TIMEOUT, l.wait_async())
+        .await
+        .expect("the process exits")
+        .unwrap();
+    sb.untrack(l.pid());
+}
+
+async fn isolate(c: &mut IsolatorClient<Channel>, id: &str, pid: u32) -> Result<(), tonic::Status> {
+    c.isolate(IsolateRequest {
+        container_id: id.into(),
+        pid,
+    })
+    .await
+    .map(|_| ())
+}
+
+fn expect_refused(result: Result<(), tonic::Status>, says: &[&str]) {
+    let s = result.expect_err("Isolate must refuse a pid that is not the container's");
+    assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+    for part in says {
+        assert!(
+            s.message().contains(part),
+            "{part:?} not in {:?}",
+            s.message()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn isolate_refuses_a_pid_that_is_not_the_container() {
+    require_root();
+    let sb = Sandbox::new("serve-isolate");
+    let serve = Serve::start(&sb, &[], None);
+    let mut c = serve.client().await;
+    let prepare = |id: &str, sandbox: &Path, rootfs: Option<&Path>| PrepareRequest {
+        container_id: id.into(),
+        config: Some(ContainerConfig {
+            resources_json: "[]".into(),
+            sandbox: sandbox.to_string_lossy().into(),
+            rootfs: rootfs
+                .map(|r| r.to_string_lossy().into())
+                .unwrap_or_default(),
+            ..Default::default()
+        }),
+    };
+
+    // Without a rootfs: any pid in serve's own mount namespace is refused.
+    let plain = sb.mkdir("sandboxes/plain");
+    c.prepare(prepare("plain", &plain, None)).await.unwrap();
+    let me = std::process::id();
+    expect_refused(
+        isolate(&mut c, "plain", me).await,
+        &["'plain'", &format!("pid {me}"), "own mount namespace"],
+    );
+    let mut host_sleeper = sb
+        .spawn(Command::new("sleep").arg("60"))
+        .expect("spawn sleep");
+    let host_pid = host_sleeper.id();
+    expect_refused(
+        isolate(&mut c, "plain", host_pid).await,
+        &[&format!("pid {host_pid}"), "own mount namespace"],
+    );
+    let pid_max: u32 = std::fs::read_to_string("/proc/sys/kernel/pid_max")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    expect_refused(
+        isolate(&mut c, "plain", pid_max).await,
+        &[&format!("pid {pid_max}"), "no such process"],
+    );
+
+    // With a rootfs: the process's root must be that rootfs.
+    let rootfs = busybox_rootfs(&sb, "images/mine");
+    let other_rootfs = busybox_rootfs(&sb, "images/other");
+    let boxed = sb.mkdir("sandboxes/boxed");
+    c.prepare(prepare("boxed", &boxed, Some(&rootfs)))
+        .await
+        .unwrap();
+    let (sbr, boxed_ref, other_ref) = (&sb, boxed.clone(), other_rootfs.clone());
+    let elsewhere = tokio::task::block_in_place(|| launch_sleep(sbr, &boxed_ref, Some(&other_ref)));
+    expect_refused(
+        isolate(&mut c, "boxed", elsewhere.pid()).await,
+        &["'boxed'", "is not the container's rootfs"],
+    );
+    // A process of another mount namespace whose root is the host's.
+    let (sbr, plain_ref) = (&sb, plain.clone());
+    let genuine_plain = tokio::task::block_in_place(|| launch_sleep(sbr, &plain_ref, None));
+    expect_refused(
+        isolate(&mut c, "boxed", genuine_plain.pid()).await,
+        &["is not the container's rootfs"],
+    );
+    expect_refused(isolate(&mut c, "boxed", me).await, &["own mount namespace"]);
+
+    // The genuine processes are accepted.
+    isolate(&mut c, "plain", genuine_plain.pid())
+        .await
+        .expect("the container's own process (no rootfs)");
+    let (sbr, boxed_ref, rootfs_ref) = (&sb, boxed.clone(), rootfs.clone());
+    let genuine_boxed =
+        tokio::task::block_in_place(|| launch_sleep(sbr, &boxed_ref, Some(&rootfs_ref)));
+    isolate(&mut c, "boxed", genuine_boxed.pid())
+        .await
+        .expect("the container's own process (in its rootfs)");
+    let st = c.status(StatusRequest {}).await.unwrap().into_inner();
+    let mut pids: Vec<(String, u32)> = st
+        .containers
+        .iter()
+        .map(|k| (k.container_id.clone(), k.pid))
+        .collect();
+    pids.sort();
+    assert_eq!(
+        pids,
+        vec![
+            ("boxed".to_string(), genuine_boxed.pid()),
+            ("plain".to_string(), genuine_plain.pid())
+        ],
+        "only the accepted pids are recorded"
+    );
+
+    for id in ["plain", "boxed"] {
+        c.cleanup(CleanupRequest {
+            container_id: id.into(),
+        })
+        .await
+        .unwrap();
+    }
+    drop(c);
+    for l in [elsewhere, genuine_plain, genuine_boxed] {
+        stop_launched(&sb, l).await;
+    }
+    host_sleeper.kill().unwrap();
+    host_sleeper.wait().unwrap();
+    sb.untrack(host_pid);
+    serve.stop(&sb);
+}
+
+fn fd_count(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .count()
+}
+
+/// Raises the calling process's soft descriptor limit to its hard limit.
+fn raise_nofile() -> Result<(), Errno> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes one rlimit into the live stack variable.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        return Err(Errno::last());
+    }
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: setrlimit reads one rlimit from the live stack variable.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_metrics_connections_from_another_user_leave_serve_answering() {
+    require_root();
+    let sb = Sandbox::new("serve-flood");
+    // The usual default soft limit: what the flood of the issue exhausted.
+    let serve = Serve::start(&sb, &["--metrics", "127.0.0.1:0"], Some(1024));
+    let addr = serve.metrics.unwrap();
+    let before = fd_count(serve.pid());
+
+    const FLOOD: usize = 2_000;
+    let (ready_r, ready_w): (OwnedFd, OwnedFd) = nix::unistd::pipe().unwrap();
+    let release = sb.join("release");
+    let release_in_child = release.clone();
+    let mut conns: Vec<std::net::TcpStream> = Vec::with_capacity(FLOOD);
+    let flooder = std::thread::spawn(move || {
+        as_nobody(move || {
+            let started = Instant::now();
+            raise_nofile()?;
+            // A connect may time out while the listen backlog is full: try again, for 8 s at most.
+            while conns.len() < FLOOD && started.elapsed() < Duration::from_secs(8) {
+                if let Ok(s) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
+                    conns.push(s);
+                }
+            }
+            let opened = conns.len();
+            let _ = nix::unistd::write(ready_w.as_fd(), b"r");
+            // Hold every connection until the test is done (within the step's time limit).
+            while !release_in_child.exists() && started.elapsed() < Duration::from_secs(18) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            drop(conns);
+            // 1: all of them; else 2 + how many hundreds.
+            Ok(if opened == FLOOD {
+                1
+            } else {
+                (2 + opened / 100) as u8
+            })
+        })
+    });
+    // Wait for the flood to be in place.
+    let mut pfd = libc::pollfd {
+        fd: ready_r.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll reads and writes one pollfd in the live stack variable; the fd stays open.
+    let n = unsafe { libc::poll(&mut pfd, 1, 15_000) };
+    assert_eq!(n, 1, "the flood did not start in time");
+
+    // serve holds a bounded number of descriptors, however many connections wait.
+    let during = fd_count(serve.pid());
+    let bound = before + 32 + 16;
+    let started = Instant::now();
+    // gRPC answers at once.
+    let mut c = tokio::time::timeout(Duration::from_secs(5), serve.client())
+        .await
+        .expect("connect to serve during the flood");
+    tokio::time::timeout(Duration::from_secs(5), c.status(StatusRequest {}))
+        .await
+        .expect("Status in time during the flood")
+        .expect("Status during the flood");
+    // A scrape is served once the idle connections reach their deadline (5 s).
+    let scraped = loop {
+        if let Ok(Ok(r)) =
+            tokio::time::timeout(Duration::from_secs(2), http_get(addr, "/metrics")).await
+        {
+            if r.starts_with("HTTP/1.1 200 OK") {
+                break r;
+            }
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(12),
+            "no scrape answered within 12 s of the flood"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let scrape_took = started.elapsed();
+    std::fs::write(&release, b"").unwrap();
+    let flooded = flooder.join().unwrap();
+    assert!(
+        during <= bound,
+        "serve holds {during} descriptors during the flood (before: {before}, bound {bound})"
+    );
+    assert_eq!(
+        flooded,
+        Outcome::Ok(1),
+        "the flood opened all its connections"
+    );
+    assert!(scrape_took < Duration::from_secs(12), "{scrape_took:?}");
+    let refused = sample(
+        &scraped,
+        "csi_isolator_connections_refused_total{listener=\"metrics\",reason=\"capacity\"}",
+    );
+    assert!(refused >= 1_000.0, "refused {refused}");
+    drop(c);
+    serve.stop(&sb);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_on_loopback_for_a_bare_port_and_a_wider_address_is_warned_about() {
+    require_root();
+    const WARNING: &str = "which is not a loopback address";
+    let sb = Sandbox::new("serve-expose");
+    let serve = Serve::start(&sb, &["--metrics", "0"], None);
+    let addr = serve.metrics.unwrap();
+    assert!(addr.ip().is_loopback(), "{addr}");
+    assert!(http_get(addr, "/metrics")
+        .await
+        .unwrap()
+        .starts_with("HTTP/1.1 200 OK"));
+    assert!(!serve.stderr().contains(WARNING), "{}", serve.stderr());
+    serve.stop(&sb);
+
+    let serve = Serve::start(&sb, &["--metrics", "0.0.0.0:0"], None);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !serve.stderr().contains(WARNING) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let err = serve.stderr();
+    let line = err
+        .lines()
+        .find(|l| l.contains(WARNING))
+        .unwrap_or_else(|| panic!("no warning for 0.0.0.0:\n{err}"));
+    assert!(line.contains("WARN") && line.contains("volumes"), "{line}");
+    serve.stop(&sb);
+}
