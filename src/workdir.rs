@@ -732,7 +732,8 @@ mod tests {
         use Role::*;
         let dir = libc::S_IFDIR;
         let link = libc::S_IFLNK;
-        let cases: &[(Role, u32, u32, u32, Result<(), Problem>)] = &[
+        type Case = (Role, u32, u32, u32, Result<(), Problem>);
+        let cases: &[Case] = &[
             // root's directories as a distribution ships them
             (Ancestor, 0, dir | 0o755, 0, Ok(())),
             (Own, 0, dir | 0o711, 0, Ok(())),
