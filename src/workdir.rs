@@ -389,11 +389,23 @@ pub fn open_private_file(path: &Path, append: bool) -> Result<File, WorkDirError
             });
         }
         Err(source) => {
+            // A FIFO without a reader fails with ENXIO, a socket with
+            // ENXIO too: say what is there rather than the errno.
+            if let Ok(m) = lstat(path) {
+                if !m.file_type().is_file() {
+                    return Err(WorkDirError::UnsafeFile {
+                        path: path.to_path_buf(),
+                        problem: Problem::NotARegularFile,
+                        owner: m.uid(),
+                        mode: m.mode() & 0o7777,
+                    });
+                }
+            }
             return Err(WorkDirError::Io {
                 step: "open",
                 path: path.to_path_buf(),
                 source,
-            })
+            });
         }
     };
     let meta = file.metadata().map_err(|source| WorkDirError::Io {
@@ -768,6 +780,72 @@ mod tests {
                 want,
                 "{role:?} owner {owner} mode {mode:o} euid {euid}"
             );
+        }
+    }
+
+    #[test]
+    fn a_symlink_on_the_way_is_followed_only_when_root_owns_it() {
+        crate::testing::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("sub/../real", &link).unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let got = canonical(&link.join("w")).unwrap();
+        assert_eq!(got, std::fs::canonicalize(&real).unwrap().join("w"));
+        std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+        let err = canonical(&link.join("w2")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WorkDirError::Unsafe {
+                    problem: Problem::LinkNotRootOwned,
+                    owner: 65534,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(!real.join("w2").exists());
+        assert!(matches!(
+            verify(&link.join("w")),
+            Err(WorkDirError::Unsafe { .. })
+        ));
+        assert!(verify(&real.join("absent")).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_private_file_is_root_s_regular_file_of_one_name() {
+        crate::testing::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        nix::unistd::mkfifo(&at("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::write(at("linked"), "").unwrap();
+        std::fs::hard_link(at("linked"), at("other-name")).unwrap();
+        std::fs::write(at("theirs"), "").unwrap();
+        std::os::unix::fs::lchown(at("theirs"), Some(65534), None).unwrap();
+        std::os::unix::fs::symlink(at("linked"), at("link")).unwrap();
+        for (name, want) in [
+            ("fifo", Problem::NotARegularFile),
+            ("linked", Problem::HardLinked),
+            ("theirs", Problem::NotRootOwned),
+            ("link", Problem::Symlink),
+        ] {
+            match open_private_file(&at(name), true) {
+                Err(WorkDirError::UnsafeFile { problem, .. }) => {
+                    assert_eq!(problem, want, "{name}")
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        std::fs::write(at("wide"), "").unwrap();
+        std::fs::set_permissions(at("wide"), Permissions::from_mode(0o644)).unwrap();
+        open_private_file(&at("wide"), false).unwrap();
+        open_private_file(&at("new"), true).unwrap();
+        for name in ["wide", "new"] {
+            let mode = std::fs::metadata(at(name)).unwrap().mode() & 0o7777;
+            assert_eq!(mode, 0o600, "{name}");
         }
     }
 }
