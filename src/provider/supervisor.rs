@@ -198,7 +198,7 @@ impl Inner {
             private_dir(dir, PLUGIN_SOCKET_DIR).map_err(|e| ProviderError::Io {
                 step: "check plugin socket directory",
                 path: dir.to_path_buf(),
-                source: std::io::Error::new(std::io::ErrorKind::PermissionDenied, e),
+                source: std::io::Error::other(e),
             })?;
         }
         self.socket_dir_checked.store(true, Ordering::SeqCst);
@@ -215,9 +215,8 @@ impl Inner {
             let mut log = self.log.lock().unwrap();
             if log.is_none() {
                 *log = Some(
-                    PluginLog::open(self.log_path.clone(), PLUGIN_LOG_MAX_BYTES).map_err(|e| {
-                        log_error(std::io::Error::new(std::io::ErrorKind::PermissionDenied, e))
-                    })?,
+                    PluginLog::open(self.log_path.clone(), PLUGIN_LOG_MAX_BYTES)
+                        .map_err(|e| log_error(std::io::Error::other(e)))?,
                 );
             }
         }
