@@ -1,20 +1,56 @@
 //! What every command that works on an agent work dir needs first: the dir
 //! made absolute and canonical (mount-table checks compare canonical paths),
-//! the privilege to mount, and the work dir's lock.
+//! proved safe to trust, the privilege to mount, and the work dir's lock.
+//!
+//! # Trust
+//! Everything in the work dir steers root: checkpoints name pids to signal
+//! and paths to unmount, `run.lock` decides who may launch, `plugin.log` is
+//! appended to. So the work dir is trusted only when no user but root can
+//! have changed it, by the rule OpenSSH's StrictModes applies to `~/.ssh`:
+//! every directory on its canonical path is owned by root (or our euid) and
+//! not writable by group or others, unless it is sticky (as `/tmp`, where
+//! others may add names but not rename or remove root's); the work dir
+//! itself must not be writable by group or others, sticky or not. A symbolic
+//! link on the way must be owned by root too (its owner chooses where it
+//! leads); it is resolved component by component, so every directory reached
+//! is checked. [`canonical`] (every command that changes the work dir) and
+//! [`verify`] (read-only commands) walk the path this way and refuse, before
+//! anything in the work dir is created or opened, naming the component, its
+//! owner and mode, and what to do. [`private_dir`] applies the same walk to
+//! other directories that must be root's alone (a managed plugin's socket
+//! directory).
+//!
+//! Modes: a work dir we create is 0711: others may not list or change it,
+//! but may search it, so a socket or file inside it that its own mode opens
+//! to them (the service socket, for a group the operator configures) stays
+//! reachable. Everything else lives in 0700 subdirectories
+//! ([`PRIVATE_SUBDIRS`]): `csi/` holds the plugins' volumes and mount points
+//! (no other user may reach volume data through a host path), `isolators/`
+//! the containers' checkpoints, `oci-hook/` and `sandboxes/` the containers'
+//! directories, which only root processes use through the host path (a
+//! workload enters its sandbox by fd, before it could drop privileges). An
+//! existing work dir or subdirectory that is wider (as older versions made
+//! them, 0755) is narrowed, with an info log. Directories created on the way
+//! to a missing work dir are 0755, as `mkdir -p` makes them.
 //!
 //! A work dir whose path is not UTF-8 is refused before anything is made:
 //! CSI carries staging and target paths as (UTF-8) proto strings, so such a
 //! path could only reach the plugin mangled.
 //!
+//! # Lock
 //! One `run`, `serve`, `oci-hook` or `volume` process drives a work dir's
 //! volumes at a time: they take `<work_dir>/run.lock` (an exclusive `flock`).
 //! The file is never unlinked (a waiter holding the old inode and a newcomer
 //! on a new file could both "hold" it); the lock itself goes with its
-//! holder, even when the holder is killed.
+//! holder, even when the holder is killed. It is mode 0600, so no other user
+//! can open it, let alone hold it ([`open_private_file`]).
 
-use std::fs::File;
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::fs::{File, Metadata, Permissions};
+use std::io::ErrorKind;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -23,6 +59,119 @@ use nix::fcntl::{Flock, FlockArg};
 /// File name of the work-dir lock.
 pub const LOCK_FILE: &str = "run.lock";
 
+/// Mode of a work dir we create (see the module doc).
+pub const WORK_DIR_MODE: u32 = 0o711;
+
+/// Mode of the work dir's subdirectories and of a managed plugin's socket
+/// directory: root's alone.
+pub const PRIVATE_DIR_MODE: u32 = 0o700;
+
+/// Mode of `run.lock` and `plugin.log`.
+pub const PRIVATE_FILE_MODE: u32 = 0o600;
+
+/// The work dir's subdirectories, each [`PRIVATE_DIR_MODE`]: the plugins'
+/// volumes, the containers' checkpoints, the hook's and `run`'s container
+/// directories.
+pub const PRIVATE_SUBDIRS: [&str; 4] = [
+    crate::resource::CSI_DIR,
+    "isolators",
+    crate::isolator::hook::HOOK_DIR,
+    "sandboxes",
+];
+
+/// Mode of the directories created on the way to a missing one.
+const PARENT_MODE: u32 = 0o755;
+
+/// Symbolic links followed while walking one path (the kernel's limit).
+const MAX_SYMLINKS: u32 = 40;
+
+/// What a directory is checked for, as an error names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Purpose {
+    /// What the directory is (`work dir`).
+    pub what: &'static str,
+    /// The option that chooses another one (`--work-dir`).
+    pub flag: &'static str,
+}
+
+/// The agent work dir.
+pub const WORK_DIR: Purpose = Purpose {
+    what: "work dir",
+    flag: "--work-dir",
+};
+
+/// A managed plugin's socket directory.
+pub const PLUGIN_SOCKET_DIR: Purpose = Purpose {
+    what: "plugin socket dir",
+    flag: "--plugin-socket-dir",
+};
+
+/// What a path component is to the directory being checked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// A directory above it: may be world-writable if sticky (as `/tmp`).
+    Ancestor,
+    /// The directory itself: nobody but root writes in it, sticky or not.
+    Own,
+    /// A symbolic link on the way: its owner chooses where it leads.
+    Link,
+}
+
+/// Why a path component cannot be trusted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Problem {
+    /// Owned by another user.
+    #[error("not owned by root")]
+    NotRootOwned,
+    /// A symbolic link owned by another user.
+    #[error("a symbolic link not owned by root")]
+    LinkNotRootOwned,
+    /// Writable by group or others (the directory itself).
+    #[error("writable by group or others")]
+    Writable,
+    /// Writable by group or others and not sticky (a directory above).
+    #[error("writable by group or others and not sticky")]
+    WritableNotSticky,
+    /// Not a directory.
+    #[error("not a directory")]
+    NotADirectory,
+    /// A symbolic link where none is followed.
+    #[error("a symbolic link (not followed)")]
+    Symlink,
+    /// Not a regular file.
+    #[error("not a regular file")]
+    NotARegularFile,
+    /// A file with more than one name (a hard link may name anything).
+    #[error("a file with several hard links")]
+    HardLinked,
+    /// Not exactly the mode the directory must have.
+    #[error("not mode {0:04o}")]
+    ModeNot(u32),
+}
+
+/// OpenSSH StrictModes' rule for one path component owned by `owner` with
+/// `mode` (`st_mode`), for a process of effective uid `euid`: owned by root
+/// or `euid`, and, unless it is a symbolic link, not writable by group or
+/// others, which a directory above (an [`Role::Ancestor`]) may be when it is
+/// sticky.
+pub fn strict_modes(role: Role, owner: u32, mode: u32, euid: u32) -> Result<(), Problem> {
+    let writable = mode & 0o022 != 0;
+    let sticky = mode & libc::S_ISVTX != 0;
+    match role {
+        Role::Link if !is_root(owner, euid) => Err(Problem::LinkNotRootOwned),
+        _ if !is_root(owner, euid) => Err(Problem::NotRootOwned),
+        Role::Link => Ok(()),
+        Role::Ancestor if writable && !sticky => Err(Problem::WritableNotSticky),
+        Role::Own if writable => Err(Problem::Writable),
+        Role::Ancestor | Role::Own => Ok(()),
+    }
+}
+
+/// Whether `owner` counts as root: uid 0, or the effective uid we run as.
+fn is_root(owner: u32, euid: u32) -> bool {
+    owner == 0 || owner == euid
+}
+
 /// Errors of the work-dir checks.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkDirError {
@@ -30,6 +179,51 @@ pub enum WorkDirError {
     #[error("work dir {path}: {source}")]
     Resolve {
         /// The work dir as given.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A directory on the path, or the directory itself, could be changed
+    /// by another user.
+    #[error(
+        "{what} {dir}: {component} is {problem} (owner uid {owner}, mode {mode:04o}): {remedy}"
+    )]
+    Unsafe {
+        /// What the directory is (`work dir`, `plugin socket dir`).
+        what: &'static str,
+        /// The directory as given.
+        dir: PathBuf,
+        /// The component that failed the check.
+        component: PathBuf,
+        /// Why.
+        problem: Problem,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+        /// What to do.
+        remedy: String,
+    },
+    /// A file root keeps in a trusted directory is not what root made.
+    #[error("{path} is {problem} (owner uid {owner}, mode {mode:04o}): remove it (csi-isolator creates it, root-owned, mode 0600)")]
+    UnsafeFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        problem: Problem,
+        /// Its owner.
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// A file or directory in a trusted directory could not be created,
+    /// opened or narrowed.
+    #[error("{step} {path}: {source}")]
+    Io {
+        /// The step (`open`, `narrow the mode of`, ...).
+        step: &'static str,
+        /// The path.
         path: PathBuf,
         /// The I/O error.
         #[source]
@@ -49,7 +243,7 @@ pub enum WorkDirError {
         /// The missing capability.
         capability: &'static str,
     },
-    /// Opening or locking the lock file failed.
+    /// Locking the lock file failed.
     #[error("lock {path}: {errno}")]
     Lock {
         /// The lock file.
@@ -87,19 +281,365 @@ pub fn require_utf8(work_dir: &Path) -> Result<(), WorkDirError> {
     }
 }
 
-/// Creates the work dir if needed and returns its canonical absolute path;
-/// a path that is not UTF-8 (as given, or once symlinks are resolved) is
-/// refused, as given before anything is created.
+/// Makes the work dir safe to use and returns its canonical absolute path:
+/// refuses a path that is not UTF-8 (as given, or once symlinks are
+/// resolved) or that another user could have changed (see the module doc),
+/// before anything in the work dir is created; creates what is missing
+/// (the work dir 0711, its [`PRIVATE_SUBDIRS`] 0700) and narrows what an
+/// older version made wider.
 pub fn canonical(work_dir: &Path) -> Result<PathBuf, WorkDirError> {
     require_utf8(work_dir)?;
-    let canonical = std::fs::create_dir_all(work_dir)
-        .and_then(|()| std::fs::canonicalize(work_dir))
-        .map_err(|source| WorkDirError::Resolve {
-            path: work_dir.to_path_buf(),
-            source,
-        })?;
-    require_utf8(&canonical)?;
+    let (dir, meta) =
+        walk(work_dir, WORK_DIR, Some(WORK_DIR_MODE))?.ok_or_else(|| not_found(work_dir))?;
+    require_utf8(&dir)?;
+    // Others keep search (x) at most: no listing, no writing.
+    narrow(&dir, &meta, meta.mode() & 0o7777 & !0o066)?;
+    for sub in PRIVATE_SUBDIRS {
+        let path = dir.join(sub);
+        match std::fs::DirBuilder::new()
+            .mode(PRIVATE_DIR_MODE)
+            .create(&path)
+        {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(source) => {
+                return Err(WorkDirError::Io {
+                    step: "create",
+                    path,
+                    source,
+                })
+            }
+        }
+        let meta = check_subdir(work_dir, &path)?;
+        narrow(&path, &meta, PRIVATE_DIR_MODE)?;
+    }
+    Ok(dir)
+}
+
+/// The checks of [`canonical`] without creating or changing anything, for
+/// read-only commands (`status`): the work dir's canonical path, or None
+/// when it does not exist.
+pub fn verify(work_dir: &Path) -> Result<Option<PathBuf>, WorkDirError> {
+    require_utf8(work_dir)?;
+    let Some((dir, _)) = walk(work_dir, WORK_DIR, None)? else {
+        return Ok(None);
+    };
+    require_utf8(&dir)?;
+    for sub in PRIVATE_SUBDIRS {
+        let path = dir.join(sub);
+        if std::fs::symlink_metadata(&path).is_ok() {
+            check_subdir(work_dir, &path)?;
+        }
+    }
+    Ok(Some(dir))
+}
+
+/// A directory that only root may use, created (with its missing parents)
+/// if needed: its path passes the work dir's rule, and it is a directory
+/// owned by root of mode exactly 0700, or it is refused. Returns its
+/// canonical path.
+pub fn private_dir(dir: &Path, purpose: Purpose) -> Result<PathBuf, WorkDirError> {
+    let (canonical, meta) =
+        walk(dir, purpose, Some(PRIVATE_DIR_MODE))?.ok_or_else(|| not_found(dir))?;
+    let mode = meta.mode() & 0o7777;
+    if mode != PRIVATE_DIR_MODE {
+        return Err(WorkDirError::Unsafe {
+            what: purpose.what,
+            dir: dir.to_path_buf(),
+            component: canonical.clone(),
+            problem: Problem::ModeNot(PRIVATE_DIR_MODE),
+            owner: meta.uid(),
+            mode,
+            remedy: format!(
+                "remove {} (csi-isolator creates it, root-owned, mode 0700), or choose another {}",
+                canonical.display(),
+                purpose.flag
+            ),
+        });
+    }
     Ok(canonical)
+}
+
+/// Opens `path` for writing (appending if `append`), creating it 0600 if
+/// missing, without following a symbolic link; refuses anything but a
+/// regular file of one name owned by root, and narrows a wider mode to
+/// 0600 (an older version made `run.lock` 0644, which let any user hold
+/// the lock). Its directory must already be trusted.
+pub fn open_private_file(path: &Path, append: bool) -> Result<File, WorkDirError> {
+    let opened = File::options()
+        .write(true)
+        .append(append)
+        .create(true)
+        .mode(PRIVATE_FILE_MODE)
+        // O_NONBLOCK: a FIFO planted there fails the check below instead of
+        // blocking the open until someone reads it.
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path);
+    let file = match opened {
+        Ok(f) => f,
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+            let (owner, mode) = std::fs::symlink_metadata(path)
+                .map(|m| (m.uid(), m.mode() & 0o7777))
+                .unwrap_or((0, 0o777));
+            return Err(WorkDirError::UnsafeFile {
+                path: path.to_path_buf(),
+                problem: Problem::Symlink,
+                owner,
+                mode,
+            });
+        }
+        Err(source) => {
+            // A FIFO without a reader fails with ENXIO, a socket with
+            // ENXIO too: say what is there rather than the errno.
+            if let Ok(m) = lstat(path) {
+                if !m.file_type().is_file() {
+                    return Err(WorkDirError::UnsafeFile {
+                        path: path.to_path_buf(),
+                        problem: Problem::NotARegularFile,
+                        owner: m.uid(),
+                        mode: m.mode() & 0o7777,
+                    });
+                }
+            }
+            return Err(WorkDirError::Io {
+                step: "open",
+                path: path.to_path_buf(),
+                source,
+            });
+        }
+    };
+    let meta = file.metadata().map_err(|source| WorkDirError::Io {
+        step: "stat",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let problem = if !meta.file_type().is_file() {
+        Some(Problem::NotARegularFile)
+    } else if meta.nlink() != 1 {
+        Some(Problem::HardLinked)
+    } else if !is_root(meta.uid(), euid()) {
+        Some(Problem::NotRootOwned)
+    } else {
+        None
+    };
+    if let Some(problem) = problem {
+        return Err(WorkDirError::UnsafeFile {
+            path: path.to_path_buf(),
+            problem,
+            owner: meta.uid(),
+            mode: meta.mode() & 0o7777,
+        });
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode != PRIVATE_FILE_MODE {
+        file.set_permissions(Permissions::from_mode(PRIVATE_FILE_MODE))
+            .map_err(|source| WorkDirError::Io {
+                step: "narrow the mode of",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        tracing::info!(path = %path.display(), from = format!("{mode:04o}"), to = "0600", "narrowed the mode of a file made by an older version");
+    }
+    Ok(file)
+}
+
+fn euid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+fn not_found(dir: &Path) -> WorkDirError {
+    WorkDirError::Resolve {
+        path: dir.to_path_buf(),
+        source: std::io::Error::from(ErrorKind::NotFound),
+    }
+}
+
+/// The components of `path` still to walk: names and `..` (`.` dropped).
+fn components(path: &Path) -> impl DoubleEndedIterator<Item = OsString> + '_ {
+    path.components().filter_map(|c| match c {
+        Component::Normal(name) => Some(name.to_os_string()),
+        Component::ParentDir => Some(OsString::from("..")),
+        Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+    })
+}
+
+/// Walks `dir` from `/`, one component at a time: each directory reached
+/// must pass [`strict_modes`] as an ancestor, each symbolic link as a link
+/// (then its target is walked the same way), and the directory reached last
+/// as [`Role::Own`]. A missing component is created if `create` gives the
+/// mode of the last one (those before it get [`PARENT_MODE`]), and checked
+/// again once made; without `create`, a missing component gives None.
+/// Returns the canonical path and the directory's metadata.
+fn walk(
+    dir: &Path,
+    purpose: Purpose,
+    create: Option<u32>,
+) -> Result<Option<(PathBuf, Metadata)>, WorkDirError> {
+    let resolve = |source| WorkDirError::Resolve {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let absolute = if dir.is_absolute() {
+        dir.to_path_buf()
+    } else {
+        std::env::current_dir().map_err(resolve)?.join(dir)
+    };
+    let mut pending: VecDeque<OsString> = components(&absolute).collect();
+    let mut current = PathBuf::from("/");
+    let mut meta = lstat(&current).map_err(resolve)?;
+    judge(dir, purpose, Role::Ancestor, &current, &meta)?;
+    let mut links = 0;
+    while let Some(name) = pending.pop_front() {
+        if name == ".." {
+            // `current` is free of symbolic links, so its parent is `..`.
+            current.pop();
+            meta = lstat(&current).map_err(resolve)?;
+            continue;
+        }
+        let next = current.join(&name);
+        match lstat(&next) {
+            Ok(m) if m.file_type().is_symlink() => {
+                judge(dir, purpose, Role::Link, &next, &m)?;
+                links += 1;
+                if links > MAX_SYMLINKS {
+                    return Err(resolve(std::io::Error::from_raw_os_error(libc::ELOOP)));
+                }
+                let target = std::fs::read_link(&next).map_err(resolve)?;
+                if target.is_absolute() {
+                    current = PathBuf::from("/");
+                }
+                for c in components(&target).rev() {
+                    pending.push_front(c);
+                }
+            }
+            Ok(m) if m.is_dir() => {
+                judge(dir, purpose, Role::Ancestor, &next, &m)?;
+                current = next;
+                meta = m;
+            }
+            Ok(m) => return Err(unsafe_dir(dir, purpose, &next, Problem::NotADirectory, &m)),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                let Some(last_mode) = create else {
+                    return Ok(None);
+                };
+                let mode = if pending.is_empty() {
+                    last_mode
+                } else {
+                    PARENT_MODE
+                };
+                match std::fs::DirBuilder::new().mode(mode).create(&next) {
+                    Ok(()) => {
+                        // The umask may have taken bits the mode asks for.
+                        std::fs::set_permissions(&next, Permissions::from_mode(mode))
+                            .map_err(resolve)?;
+                    }
+                    Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(resolve(e)),
+                }
+                // Look at it again, made by us or by a racer: counted as a
+                // link hop so that a name that keeps changing ends the walk.
+                links += 1;
+                if links > MAX_SYMLINKS {
+                    return Err(resolve(std::io::Error::from_raw_os_error(libc::ELOOP)));
+                }
+                pending.push_front(name);
+            }
+            Err(e) => return Err(resolve(e)),
+        }
+    }
+    judge(dir, purpose, Role::Own, &current, &meta)?;
+    Ok(Some((current, meta)))
+}
+
+fn lstat(path: &Path) -> std::io::Result<Metadata> {
+    std::fs::symlink_metadata(path)
+}
+
+/// Applies [`strict_modes`] to one component.
+fn judge(
+    dir: &Path,
+    purpose: Purpose,
+    role: Role,
+    component: &Path,
+    meta: &Metadata,
+) -> Result<(), WorkDirError> {
+    strict_modes(role, meta.uid(), meta.mode(), euid())
+        .map_err(|problem| unsafe_dir(dir, purpose, component, problem, meta))
+}
+
+fn unsafe_dir(
+    dir: &Path,
+    purpose: Purpose,
+    component: &Path,
+    problem: Problem,
+    meta: &Metadata,
+) -> WorkDirError {
+    let c = component.display();
+    let remedy = match problem {
+        Problem::NotADirectory | Problem::Symlink | Problem::LinkNotRootOwned => {
+            format!("remove {c}, or choose another {}", purpose.flag)
+        }
+        _ => format!(
+            "chown root {c} and chmod go-w {c} (after checking what is in it), or choose another {}",
+            purpose.flag
+        ),
+    };
+    WorkDirError::Unsafe {
+        what: purpose.what,
+        dir: dir.to_path_buf(),
+        component: component.to_path_buf(),
+        problem,
+        owner: meta.uid(),
+        mode: meta.mode() & 0o7777,
+        remedy,
+    }
+}
+
+/// A subdirectory of a checked work dir: a real directory (not a symbolic
+/// link) that passes the rule as [`Role::Own`].
+fn check_subdir(work_dir: &Path, path: &Path) -> Result<Metadata, WorkDirError> {
+    let meta = lstat(path).map_err(|source| WorkDirError::Io {
+        step: "stat",
+        path: path.to_path_buf(),
+        source,
+    })?;
+    if meta.file_type().is_symlink() {
+        return Err(unsafe_dir(
+            work_dir,
+            WORK_DIR,
+            path,
+            Problem::Symlink,
+            &meta,
+        ));
+    }
+    if !meta.is_dir() {
+        return Err(unsafe_dir(
+            work_dir,
+            WORK_DIR,
+            path,
+            Problem::NotADirectory,
+            &meta,
+        ));
+    }
+    judge(work_dir, WORK_DIR, Role::Own, path, &meta)?;
+    Ok(meta)
+}
+
+/// Sets a checked directory's mode to `mode` when it is wider.
+fn narrow(path: &Path, meta: &Metadata, mode: u32) -> Result<(), WorkDirError> {
+    let was = meta.mode() & 0o7777;
+    if was & !mode == 0 {
+        return Ok(());
+    }
+    std::fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| {
+        WorkDirError::Io {
+            step: "narrow the mode of",
+            path: path.to_path_buf(),
+            source,
+        }
+    })?;
+    tracing::info!(path = %path.display(), from = format!("{was:04o}"), to = format!("{mode:04o}"), "narrowed the mode of a directory made by an older version");
+    Ok(())
 }
 
 /// Fails unless the process may mount (CAP_SYS_ADMIN in its effective set).
@@ -120,26 +660,18 @@ pub struct WorkDirLock {
     _lock: Flock<File>,
 }
 
-/// Takes the work dir's lock: at once (`wait` = None, else `Busy`) or
-/// waiting up to `wait` (polling).
+/// Takes the lock of a work dir [`canonical`] returned: at once (`wait` =
+/// None, else `Busy`) or waiting up to `wait` (polling).
 pub async fn lock(work_dir: &Path, wait: Option<Duration>) -> Result<WorkDirLock, WorkDirError> {
     let path = work_dir.join(LOCK_FILE);
     let start = Instant::now();
     loop {
-        let file = File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(|e| WorkDirError::Lock {
-                path: path.clone(),
-                errno: Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO)),
-            })?;
+        let file = open_private_file(&path, false)?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(locked) => {
                 // Only the file at the path counts (an older tool may have
                 // unlinked and re-created it).
-                let same = match (locked.metadata(), std::fs::metadata(&path)) {
+                let same = match (locked.metadata(), lstat(&path)) {
                     (Ok(held), Ok(now)) => held.dev() == now.dev() && held.ino() == now.ino(),
                     _ => false,
                 };
@@ -202,5 +734,118 @@ mod tests {
         let text = err.to_string();
         assert!(text.contains("w\\xFF") && text.contains("UTF-8"), "{text}");
         assert!(!bad.exists());
+    }
+
+    /// StrictModes, component by component: (role, owner, mode, euid) and
+    /// the verdict.
+    #[test]
+    fn strict_modes_decides_by_owner_mode_and_role() {
+        use Problem::*;
+        use Role::*;
+        let dir = libc::S_IFDIR;
+        let link = libc::S_IFLNK;
+        type Case = (Role, u32, u32, u32, Result<(), Problem>);
+        let cases: &[Case] = &[
+            // root's directories as a distribution ships them
+            (Ancestor, 0, dir | 0o755, 0, Ok(())),
+            (Own, 0, dir | 0o711, 0, Ok(())),
+            (Own, 0, dir | 0o700, 0, Ok(())),
+            (Own, 0, dir | 0o755, 0, Ok(())),
+            // /tmp: world-writable but sticky, fine above us, never as us
+            (Ancestor, 0, dir | 0o1777, 0, Ok(())),
+            (Own, 0, dir | 0o1777, 0, Err(Writable)),
+            (Ancestor, 0, dir | 0o1770, 0, Ok(())),
+            // writable by group or others, not sticky
+            (Ancestor, 0, dir | 0o777, 0, Err(WritableNotSticky)),
+            (Ancestor, 0, dir | 0o775, 0, Err(WritableNotSticky)),
+            (Ancestor, 0, dir | 0o757, 0, Err(WritableNotSticky)),
+            (Own, 0, dir | 0o775, 0, Err(Writable)),
+            (Own, 0, dir | 0o757, 0, Err(Writable)),
+            // setgid is not sticky
+            (Ancestor, 0, dir | 0o2777, 0, Err(WritableNotSticky)),
+            // another user's, whatever the mode
+            (Ancestor, 65534, dir | 0o755, 0, Err(NotRootOwned)),
+            (Own, 65534, dir | 0o700, 0, Err(NotRootOwned)),
+            (Ancestor, 1000, dir | 0o1777, 0, Err(NotRootOwned)),
+            // our own euid counts as root's
+            (Own, 1000, dir | 0o700, 1000, Ok(())),
+            (Own, 1001, dir | 0o700, 1000, Err(NotRootOwned)),
+            // a symbolic link: only its owner counts (its mode is always 0777)
+            (Link, 0, link | 0o777, 0, Ok(())),
+            (Link, 65534, link | 0o777, 0, Err(LinkNotRootOwned)),
+        ];
+        for &(role, owner, mode, euid, want) in cases {
+            assert_eq!(
+                strict_modes(role, owner, mode, euid),
+                want,
+                "{role:?} owner {owner} mode {mode:o} euid {euid}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_symlink_on_the_way_is_followed_only_when_root_owns_it() {
+        crate::testing::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink("sub/../real", &link).unwrap();
+        std::fs::create_dir(dir.path().join("sub")).unwrap();
+        let got = canonical(&link.join("w")).unwrap();
+        assert_eq!(got, std::fs::canonicalize(&real).unwrap().join("w"));
+        std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+        let err = canonical(&link.join("w2")).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WorkDirError::Unsafe {
+                    problem: Problem::LinkNotRootOwned,
+                    owner: 65534,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(!real.join("w2").exists());
+        assert!(matches!(
+            verify(&link.join("w")),
+            Err(WorkDirError::Unsafe { .. })
+        ));
+        assert!(verify(&real.join("absent")).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_private_file_is_root_s_regular_file_of_one_name() {
+        crate::testing::require_root();
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| dir.path().join(name);
+        nix::unistd::mkfifo(&at("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        std::fs::write(at("linked"), "").unwrap();
+        std::fs::hard_link(at("linked"), at("other-name")).unwrap();
+        std::fs::write(at("theirs"), "").unwrap();
+        std::os::unix::fs::lchown(at("theirs"), Some(65534), None).unwrap();
+        std::os::unix::fs::symlink(at("linked"), at("link")).unwrap();
+        for (name, want) in [
+            ("fifo", Problem::NotARegularFile),
+            ("linked", Problem::HardLinked),
+            ("theirs", Problem::NotRootOwned),
+            ("link", Problem::Symlink),
+        ] {
+            match open_private_file(&at(name), true) {
+                Err(WorkDirError::UnsafeFile { problem, .. }) => {
+                    assert_eq!(problem, want, "{name}")
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
+        std::fs::write(at("wide"), "").unwrap();
+        std::fs::set_permissions(at("wide"), Permissions::from_mode(0o644)).unwrap();
+        open_private_file(&at("wide"), false).unwrap();
+        open_private_file(&at("new"), true).unwrap();
+        for name in ["wide", "new"] {
+            let mode = std::fs::metadata(at(name)).unwrap().mode() & 0o7777;
+            assert_eq!(mode, 0o600, "{name}");
+        }
     }
 }

@@ -1,13 +1,15 @@
 //! The plugin sockets are owner-only: a client of another uid is refused
 //! by the kernel (the socket file is mode 0600, a managed plugin's socket
-//! directory 0700), while root connects.
+//! directory 0700), while root connects; a socket directory another user
+//! made first is refused, so no one can stand a fake plugin there.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use csi_isolator::provider::bundled::bundled_config;
+use csi_isolator::provider::bundled::{bundled_config, BUNDLED_TYPE};
+use csi_isolator::provider::paths::Layout;
 use csi_isolator::provider::StorageProvider;
 use csi_isolator::testing::{require_root, PluginProcess, Sandbox};
 
@@ -98,5 +100,41 @@ async fn a_managed_plugin_socket_lives_in_an_owner_only_directory() {
     let (ok, said) = connect_as(None, &socket);
     assert!(ok, "root connects: {said}");
     provider.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test]
+async fn a_managed_plugin_socket_directory_made_first_by_another_user_is_refused() {
+    require_root();
+    let sb = Sandbox::new("sock-foreign");
+    let work = sb.mkdir("work");
+    let socket_dir = sb.join("s");
+    let socket = Layout::new(&work, BUNDLED_TYPE, "default").plugin_socket(&socket_dir);
+    assert!(socket.starts_with(&socket_dir), "{}", socket.display());
+    // The plugin's directory, made first and owned by nobody, as it would
+    // be in a shared place: it looks right (0700) but is not root's.
+    let dir = socket.parent().unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    std::os::unix::fs::lchown(dir, Some(65534), Some(65534)).unwrap();
+    let mut config = bundled_config(Path::new(PLUGIN), &work, "default", &[]);
+    config.socket_dir = socket_dir;
+    let err = StorageProvider::start(config)
+        .await
+        .unwrap_err()
+        .to_string();
+    let shown = dir.display().to_string();
+    for needle in [
+        shown.as_str(),
+        "plugin socket dir",
+        "not owned by root",
+        "owner uid 65534",
+        "mode 0700",
+        "--plugin-socket-dir",
+    ] {
+        assert!(err.contains(needle), "{needle:?} missing in: {err}");
+    }
+    assert!(!socket.exists(), "no plugin socket in a foreign directory");
+    assert!(dir.is_dir(), "a refused directory is not ours to remove");
     sb.assert_no_mounts_under();
 }

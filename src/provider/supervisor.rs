@@ -7,8 +7,21 @@
 //! the terminations. [`Supervisor::stop`] ends it (SIGTERM, then SIGKILL
 //! after a grace period). The plugin is started with a parent-death signal,
 //! so it never outlives a crashed agent.
+//!
+//! Its socket directory must be root's alone before the plugin is started
+//! in it ([`crate::workdir::private_dir`]: root-owned, mode 0700, on a path
+//! no other user can change), or a user who made it first could stand a
+//! fake plugin there. Its stdout and stderr go through a pipe to a thread
+//! that appends them to `plugin.log` (opened without following a symbolic
+//! link, mode 0600) and rotates it to `plugin.log.1` past
+//! [`PLUGIN_LOG_MAX_BYTES`]: a plugin that runs for months, or one that
+//! writes without end, holds at most twice that on disk. The pipe rather
+//! than the file as the plugin's stdout, because only the writer can tell
+//! when to rotate, and a plugin appending to a file itself never would.
 
-use std::os::unix::fs::DirBuilderExt;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -24,6 +37,12 @@ use crate::csi::proto::identity_client::IdentityClient;
 use crate::csi::proto::ProbeRequest;
 use crate::csi::transport::{connect_unix, endpoint_for};
 use crate::provider::error::ProviderError;
+use crate::workdir::{open_private_file, private_dir, PLUGIN_SOCKET_DIR};
+
+/// The size past which `plugin.log` is rotated to `plugin.log.1` (the
+/// previous `plugin.log.1` is dropped): a plugin's log takes at most twice
+/// this on disk.
+pub const PLUGIN_LOG_MAX_BYTES: u64 = 8 << 20;
 
 /// How to start a plugin.
 #[derive(Clone, Debug)]
@@ -48,7 +67,12 @@ struct Inner {
     command: PluginCommand,
     socket: PathBuf,
     log_path: PathBuf,
+    /// The log, shared by the output threads of every start of the plugin.
+    log: Arc<Mutex<Option<PluginLog>>>,
     ready_timeout: Duration,
+    /// Whether the socket's directory passed the check: a refused one is
+    /// someone else's, and nothing in it is removed.
+    socket_dir_checked: AtomicBool,
     pid: Mutex<Option<u32>>,
     terminations: AtomicU64,
     stopping: AtomicBool,
@@ -58,7 +82,9 @@ struct Inner {
 
 impl Supervisor {
     /// Starts the plugin and waits until it is ready. Its stdout and
-    /// stderr are appended to `log_path`.
+    /// stderr are appended to `log_path`, rotated past
+    /// [`PLUGIN_LOG_MAX_BYTES`]. The socket's directory is created if
+    /// needed, and refused unless it is root's alone (see the module doc).
     pub async fn start(
         plugin: String,
         command: PluginCommand,
@@ -71,7 +97,9 @@ impl Supervisor {
             command,
             socket,
             log_path,
+            log: Arc::new(Mutex::new(None)),
             ready_timeout,
+            socket_dir_checked: AtomicBool::new(false),
             pid: Mutex::new(None),
             terminations: AtomicU64::new(0),
             stopping: AtomicBool::new(false),
@@ -151,6 +179,9 @@ impl Inner {
     /// Removes the socket, and its directory when that was made for it
     /// alone (the short-path fallback), so nothing is left behind.
     fn remove_socket(&self) {
+        if !self.socket_dir_checked.load(Ordering::SeqCst) {
+            return;
+        }
         let _ = std::fs::remove_file(&self.socket);
         if let Some(dir) = self.socket.parent() {
             if dir != self.log_path.parent().unwrap_or(dir) {
@@ -164,34 +195,34 @@ impl Inner {
             .into_iter()
             .flatten()
         {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|source| ProviderError::Io {
-                    step: "create plugin socket directory",
-                    path: dir.to_path_buf(),
-                    source,
-                })?;
+            private_dir(dir, PLUGIN_SOCKET_DIR).map_err(|e| ProviderError::Io {
+                step: "check plugin socket directory",
+                path: dir.to_path_buf(),
+                source: std::io::Error::other(e),
+            })?;
         }
+        self.socket_dir_checked.store(true, Ordering::SeqCst);
         remove_stale_socket(&self.socket);
         // The plugin's output goes to a log file next to its socket, as
-        // Mesos keeps a plugin container's stdout/stderr.
-        let log_path = self.log_path.clone();
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|source| ProviderError::Io {
-                step: "open plugin log",
-                path: log_path.clone(),
-                source,
-            })?;
-        let log_err = log.try_clone().map_err(|source| ProviderError::Io {
+        // Mesos keeps a plugin container's stdout/stderr, through a pipe so
+        // that the log can be rotated (see the module doc).
+        let log_error = |source| ProviderError::Io {
             step: "open plugin log",
-            path: log_path.clone(),
+            path: self.log_path.clone(),
             source,
-        })?;
+        };
+        {
+            let mut log = self.log.lock().unwrap();
+            if log.is_none() {
+                *log = Some(
+                    PluginLog::open(self.log_path.clone(), PLUGIN_LOG_MAX_BYTES)
+                        .map_err(|e| log_error(std::io::Error::other(e)))?,
+                );
+            }
+        }
+        let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|errno| log_error(std::io::Error::from(errno)))?;
+        let writer_err = writer.try_clone().map_err(log_error)?;
         let mut cmd = Command::new(&self.command.program);
         cmd.args(&self.command.args)
             .env("CSI_ENDPOINT", endpoint_for(&self.socket))
@@ -200,8 +231,8 @@ impl Inner {
             // Its own process group: a terminal's Ctrl-C reaches us, not the
             // plugin, which must keep serving our cleanup calls.
             .process_group(0)
-            .stdout(Stdio::from(log))
-            .stderr(Stdio::from(log_err))
+            .stdout(Stdio::from(writer))
+            .stderr(Stdio::from(writer_err))
             .kill_on_drop(true);
         // SAFETY: the closure runs in the forked child before exec and only
         // calls prctl, which is async-signal-safe.
@@ -218,6 +249,11 @@ impl Inner {
             command: self.command.program.display().to_string(),
             source,
         })?;
+        // Our copies of the pipe's write end go with `cmd`, so the thread
+        // sees the end of the output when the plugin (and whatever it left
+        // holding its stdout) is gone.
+        drop(cmd);
+        copy_output(&self.plugin, reader, self.log.clone());
         *self.pid.lock().unwrap() = child.id();
         tracing::info!(plugin = %self.plugin, pid = ?child.id(), "started plugin");
         Ok(child)
@@ -255,6 +291,100 @@ async fn probe(socket: &Path) -> Result<bool, String> {
         .map_err(|_| "Probe timed out".to_string())?
         .map_err(|s| format!("Probe failed: {}: {}", s.code(), s.message()))?;
     Ok(resp.into_inner().ready.unwrap_or(true))
+}
+
+/// Starts the thread that copies the plugin's output from `reader` into
+/// `log` until the pipe's end. A failed write is reported once and the
+/// output dropped, so the plugin never blocks on a full pipe.
+fn copy_output(plugin: &str, reader: OwnedFd, log: Arc<Mutex<Option<PluginLog>>>) {
+    let plugin = plugin.to_string();
+    let spawned = std::thread::Builder::new()
+        .name("plugin-log".into())
+        .spawn(move || {
+            let mut reader = File::from(reader);
+            let mut buf = vec![0u8; 64 * 1024];
+            let mut failing = false;
+            loop {
+                let n = match reader.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        tracing::warn!(plugin = %plugin, error = %e, "cannot read the plugin's output");
+                        return;
+                    }
+                };
+                let mut guard = log.lock().unwrap_or_else(|p| p.into_inner());
+                let Some(log) = guard.as_mut() else { continue };
+                match log.write(&buf[..n]) {
+                    Ok(()) => failing = false,
+                    Err(e) if !failing => {
+                        failing = true;
+                        tracing::warn!(plugin = %plugin, path = %log.path.display(), error = %e, "cannot write the plugin log; its output is dropped");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        // Without a reader the plugin would get EPIPE on its first write:
+        // better to say why now.
+        tracing::error!(error = %e, "cannot start the plugin log thread");
+    }
+}
+
+/// `plugin.log`, rotated to `plugin.log.1` past its cap.
+#[derive(Debug)]
+struct PluginLog {
+    path: PathBuf,
+    file: File,
+    size: u64,
+    cap: u64,
+}
+
+impl PluginLog {
+    /// Opens (or creates) the log without following a symbolic link.
+    fn open(path: PathBuf, cap: u64) -> Result<Self, crate::workdir::WorkDirError> {
+        let file = open_private_file(&path, true)?;
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        Ok(PluginLog {
+            path,
+            file,
+            size,
+            cap,
+        })
+    }
+
+    /// Appends `chunk`, rotating first when it would take the file past
+    /// its cap (a chunk larger than the cap is cut to it).
+    fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
+        let chunk = &chunk[..chunk
+            .len()
+            .min(usize::try_from(self.cap).unwrap_or(usize::MAX))];
+        if self.size > 0 && self.size + chunk.len() as u64 > self.cap {
+            self.rotate()?;
+        }
+        self.file.write_all(chunk)?;
+        self.size += chunk.len() as u64;
+        Ok(())
+    }
+
+    /// `plugin.log` becomes `plugin.log.1` (replacing it; a rename never
+    /// follows a symbolic link) and a new `plugin.log` is started.
+    fn rotate(&mut self) -> std::io::Result<()> {
+        let mut old = self.path.clone().into_os_string();
+        old.push(".1");
+        if let Err(e) = std::fs::rename(&self.path, &old) {
+            // The log must stay bounded even then: start it over in place.
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot rotate the plugin log; truncating it");
+            self.file.set_len(0)?;
+            self.size = 0;
+            return Ok(());
+        }
+        self.file = open_private_file(&self.path, true).map_err(std::io::Error::other)?;
+        self.size = 0;
+        Ok(())
+    }
 }
 
 fn remove_stale_socket(socket: &Path) {

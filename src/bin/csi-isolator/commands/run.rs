@@ -18,7 +18,7 @@ use super::{text, Utf8};
 #[command(after_help = "\
 Examples:
   # A 64 MiB volume at ./data (in the sandbox, the working directory), created on first use
-  csi-isolator --work-dir /tmp/w run --volume data:64M:data -- sh -c 'date >> data/log; cat data/log'
+  csi-isolator --work-dir /var/lib/csi-demo run --volume data:64M:data -- sh -c 'date >> data/log; cat data/log'
   # Read-only, at an absolute path inside a root filesystem
   csi-isolator run --rootfs /srv/rootfs --volume ref:1G:/ref:ro -- /bin/ls /ref
   # ext4 volumes on loop devices from the bundled plugin

@@ -1,13 +1,14 @@
 //! `csi-isolator status [--json]`: every volume with its state, its users,
 //! its mount point and what the mount table says, disagreements flagged.
-//! Read-only: starts no plugin and changes nothing.
+//! Read-only: starts no plugin and changes nothing; the work dir is
+//! checked first (`csi_isolator::workdir::verify`).
 
 use std::path::Path;
 use std::process::ExitCode;
 
 use clap::Args;
 use csi_isolator::mount::ProcMountTable;
-use csi_isolator::provider::status::scan;
+use csi_isolator::provider::status::{scan, StatusReport};
 
 use super::{escaped, shown, shown_os};
 
@@ -15,7 +16,7 @@ use super::{escaped, shown, shown_os};
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
-  csi-isolator --work-dir /tmp/w status
+  csi-isolator --work-dir /var/lib/csi-demo status
   csi-isolator status --json | jq '.volumes[] | select(.disagreement != null)'
 Exit status: 0 when every volume agrees with the mount table, 1 otherwise.")]
 pub struct StatusArgs {
@@ -25,8 +26,13 @@ pub struct StatusArgs {
 }
 
 /// Runs `status`; exits 1 when anything disagrees or cannot be read.
+/// A work dir another user could have changed is refused before anything
+/// in it is read; one that does not exist has no volumes.
 pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
-    let report = scan(work_dir, &ProcMountTable::new())?;
+    let report = match csi_isolator::workdir::verify(work_dir)? {
+        Some(canonical) => scan(&canonical, &ProcMountTable::new())?,
+        None => StatusReport::default(),
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

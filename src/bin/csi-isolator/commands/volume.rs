@@ -19,11 +19,11 @@ use super::{shown, text};
 #[derive(Debug, Args)]
 #[command(after_help = "\
 Examples:
-  csi-isolator --work-dir /tmp/w volume create data 64M
-  csi-isolator --work-dir /tmp/w volume publish data --container c1   # prints the mount point
-  csi-isolator --work-dir /tmp/w volume list
-  csi-isolator --work-dir /tmp/w volume release data --container c1
-  csi-isolator --work-dir /tmp/w volume destroy data
+  csi-isolator --work-dir /var/lib/csi-demo volume create data 64M
+  csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
+  csi-isolator --work-dir /var/lib/csi-demo volume list
+  csi-isolator --work-dir /var/lib/csi-demo volume release data --container c1
+  csi-isolator --work-dir /var/lib/csi-demo volume destroy data
   csi-isolator volume --plugin-endpoint unix:///run/csi/plugin.sock list --json")]
 pub struct VolumeArgs {
     #[command(flatten)]
