@@ -702,6 +702,12 @@ mod tests {
         std::os::unix::fs::symlink(&decoy, base.join("alias")).unwrap();
         check_record(&via_link, &work).unwrap();
         assert!(open_sandbox(&via_link, &work).is_err());
+        // What prepare records must be canonical: a path through a symlink is refused, a
+        // canonical or missing one passes.
+        let err = check_canonical("sandbox", &base.join("alias/m")).unwrap_err();
+        assert!(err.to_string().contains("not canonical"), "{err}");
+        check_canonical("sandbox", &work.join("sandboxes/c1")).unwrap();
+        check_canonical("sandbox", &work.join("sandboxes/missing")).unwrap();
         // Missing: nothing to do.
         assert!(open_sandbox(&record("c4", &s("c4"), None, &[]), &work)
             .unwrap()
