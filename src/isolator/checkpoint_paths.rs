@@ -176,11 +176,13 @@ pub fn run_sandbox(work_dir: &Path, container: &str) -> PathBuf {
     work_dir.join(RUN_SANDBOXES).join(container)
 }
 
-/// Whether `rec` is a container of `run` on `work_dir`: its sandbox is exactly
+/// Whether `rec` is a container of `run` on `work_dir`: its container id is valid (one path
+/// component: an absolute id would replace the whole path when joined) and its sandbox is exactly
 /// `<work_dir>/sandboxes/<container id>`, byte for byte (a sandbox written any other way, e.g. with
 /// a `..` in it, is not).
 pub fn is_run_container(rec: &ContainerRecord, work_dir: &Path) -> bool {
-    rec.config.sandbox.as_os_str() == run_sandbox(work_dir, &rec.container_id).as_os_str()
+    crate::resource::validate_container_id(&rec.container_id).is_ok()
+        && rec.config.sandbox.as_os_str() == run_sandbox(work_dir, &rec.container_id).as_os_str()
 }
 
 /// The pure half (see the module doc): `rec`'s sandbox, rootfs and host binds, against the work dir
@@ -635,6 +637,15 @@ mod tests {
                 "{other}"
             );
         }
+        // An id that is a path replaces the work dir when joined: never run's.
+        assert!(!is_run_container(
+            &record("/srv/s/c1", "/srv/s/c1", None, &[]),
+            w
+        ));
+        assert!(!is_run_container(
+            &record("../c1", &format!("{WORK}/c1"), None, &[]),
+            w
+        ));
     }
 
     /// The I/O half on a real tree (no root needed): a symlink anywhere on the sandbox or a host
