@@ -17,6 +17,10 @@ use csi_isolator::launcher::process::{mount_view, process_start_time};
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
 
+mod common;
+use common::{config, Agent};
+use csi_isolator::resource::VolumeMode;
+
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 
 fn cli(sb: &Sandbox) -> Command {
@@ -362,4 +366,97 @@ fn a_workload_left_by_a_killed_run_is_still_stopped_and_cleaned_up() {
     let procs = processes_mentioning(&work);
     assert!(procs.is_empty(), "processes left: {procs:?}");
     sb.assert_no_mounts_under();
+}
+
+/// Finding 5, through the library as serve's `Recover` drives it: checkpoints naming a `..`
+/// sandbox, the sandbox `/` with a host bind on a decoy tmpfs, and a sandbox that is a symlink to the
+/// decoy are set aside and listed in `IsolatorRecovery::corrupt` with the reason; none is cleaned
+/// up, and the decoy stays mounted.
+#[tokio::test]
+async fn recover_sets_aside_and_reports_unsafe_checkpoints() {
+    require_root();
+    let sb = Sandbox::new("ckpt-recover");
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let work = agent.work.clone();
+    let decoy = sb.mkdir("decoy");
+    let m = decoy.join("m");
+    mount_tmpfs(&m);
+    let linked = sb.join("linked");
+    std::os::unix::fs::symlink(&decoy, &linked).unwrap();
+
+    let mut dotdot = record("c-dotdot", &work.join("sandboxes/../../decoy"));
+    dotdot.binds_in_sandbox = true;
+    let mut root = record("c-root", Path::new("/"));
+    root.host_binds = vec![m.clone()];
+    let mut link = record("c-link", &linked);
+    link.binds_in_sandbox = true;
+    let planted: Vec<PathBuf> = [&dotdot, &root, &link]
+        .into_iter()
+        .map(|r| plant(&work, r))
+        .collect();
+
+    let report = agent.isolator.recover(&[]).await.unwrap();
+    assert!(report.cleaned.is_empty(), "{report:?}");
+    assert!(report.recovered.is_empty(), "{report:?}");
+    for (p, says) in planted
+        .iter()
+        .zip(["'..'", "root directory", "symbolic links"])
+    {
+        let (_, reason) = report
+            .corrupt
+            .iter()
+            .find(|(path, _)| path == p)
+            .unwrap_or_else(|| panic!("{} not reported: {report:?}", p.display()));
+        assert!(reason.contains(says), "{}: {reason}", p.display());
+        assert_set_aside(p);
+    }
+    assert!(is_mount_point(&m), "the decoy was unmounted");
+    assert_eq!(std::fs::read(m.join("precious")).unwrap(), b"keep me");
+    assert!(agent.isolator.containers().await.is_empty());
+    agent.stop().await;
+}
+
+/// Finding 5, at cleanup of a container the isolator made itself: its sandbox (holding the host bind
+/// of its volume) is swapped for a symlink to a decoy directory with a tmpfs. Cleanup refuses by
+/// name and unmounts nothing through the symlink (a string-based canonicalize would have swept the
+/// decoy); once the sandbox is put back, cleanup goes through.
+#[tokio::test]
+async fn cleanup_refuses_a_sandbox_swapped_for_a_symlink() {
+    require_root();
+    let sb = Sandbox::new("ckpt-cleanup");
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let res = agent.volume("v", "data", VolumeMode::Rw).await;
+    let cfg = config(&sb, "c1", vec![res], None);
+    let sandbox = cfg.sandbox.clone();
+    let (_, prepared) = agent.isolator.prepare_oci("c1", cfg).await.unwrap();
+    assert_eq!(prepared.host_binds, vec![sandbox.join("data")]);
+    let decoy = sb.mkdir("decoy");
+    mount_tmpfs(&decoy.join("data"));
+
+    let moved = sb.join("sandboxes/c1-moved");
+    std::fs::rename(&sandbox, &moved).unwrap();
+    std::os::unix::fs::symlink(&decoy, &sandbox).unwrap();
+    let err = agent.isolator.cleanup("c1").await.unwrap_err().to_string();
+    assert!(
+        err.contains("not trusted") && err.contains("symbolic links"),
+        "{err}"
+    );
+    assert!(
+        is_mount_point(&decoy.join("data")),
+        "the decoy was unmounted"
+    );
+    assert!(
+        is_mount_point(&moved.join("data")),
+        "the bind was left alone"
+    );
+
+    std::fs::remove_file(&sandbox).unwrap();
+    std::fs::rename(&moved, &sandbox).unwrap();
+    agent.isolator.cleanup("c1").await.unwrap();
+    assert!(
+        !is_mount_point(&sandbox.join("data")),
+        "cleanup took the bind down"
+    );
+    assert!(is_mount_point(&decoy.join("data")));
+    agent.stop().await;
 }
