@@ -14,7 +14,8 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
 use csi_isolator::testing::props::{
-    check_container_path, check_resolve, check_resource_json, FUZZ_WORK_DIR,
+    check_checkpoint_record, check_container_path, check_resolve, check_resource_json,
+    FUZZ_WORK_DIR,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -106,6 +107,10 @@ const RESOURCE_JSON: Target = Target {
 const RESOLVE_PATH: Target = Target {
     name: "resolve_path",
     check: check_resolve_fixed,
+};
+const CHECKPOINT_RECORD: Target = Target {
+    name: "checkpoint_record",
+    check: check_checkpoint_record,
 };
 const CONTAINER_PATH: Target = Target {
     name: "container_path",
@@ -301,4 +306,14 @@ fn container_path_corpus_replays() {
 #[test]
 fn container_path_mutations() {
     mutation_run(&CONTAINER_PATH, 0x7e50_0003);
+}
+
+#[test]
+fn checkpoint_record_corpus_replays() {
+    replay(&CHECKPOINT_RECORD);
+}
+
+#[test]
+fn checkpoint_record_mutations() {
+    mutation_run(&CHECKPOINT_RECORD, 0x7e50_0004);
 }

@@ -11,7 +11,12 @@
 //! The launcher applies them in the container's new mount namespace;
 //! `update` mounts into (and unmounts from) a running container's
 //! namespace; the Docker/OCI path binds on the host instead (`oci`).
+//!
+//! Every path and pid read back from a checkpoint is checked before it is
+//! acted on (`checkpoint_paths`): a record that fails is set aside, and
+//! nothing it names is unmounted, removed or signalled.
 
+pub mod checkpoint_paths;
 pub mod error;
 pub mod hook;
 pub mod launch_info;

@@ -8,13 +8,20 @@
 //!   for it is released, what was mounted is unmounted.
 //! - Operations on one container run one at a time; different containers in
 //!   parallel (no isolator-wide lock is held across a publish).
+//! - A checkpoint read back (`recover`, `checkpointed`) or acted on
+//!   (`cleanup`) names only paths that pass [`checkpoint_paths`]: absolute,
+//!   normal, beneath their expected root and free of symlinks, checked by fd
+//!   right before anything under them is unmounted. One that fails is set
+//!   aside (recovery) or refused (cleanup); nothing it names is unmounted or
+//!   removed.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::isolator::oci::{self, OciPrepared};
@@ -67,7 +74,9 @@ pub struct IsolatorRecovery {
     pub cleaned: Vec<String>,
     /// (volume, container) uses released because the container is gone.
     pub released_uses: Vec<(String, String)>,
-    /// Checkpoints that could not be read, set aside (path, reason).
+    /// Checkpoints that could not be read, or that name paths not safe to act
+    /// on (see [`checkpoint_paths`]), set aside or left alone (path, reason):
+    /// nothing they name is unmounted, removed or signalled.
     pub corrupt: Vec<(PathBuf, String)>,
     /// What could not be done, per container (id, error); retried at the
     /// next recovery or cleanup.
@@ -131,11 +140,11 @@ impl VolumeIsolator {
 
     /// `<work_dir>/isolators/volume/csi`.
     pub fn checkpoint_root(&self) -> PathBuf {
-        self.work_dir.join("isolators").join("volume").join("csi")
+        checkpoint_root(&self.work_dir)
     }
 
     fn checkpoint_path(&self, container: &str) -> PathBuf {
-        self.checkpoint_root().join(container).join("state.json")
+        checkpoint_path(&self.work_dir, container)
     }
 
     fn entry(&self, container: &str) -> Entry {
@@ -214,6 +223,7 @@ impl VolumeIsolator {
         }
         let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
         self.check_writable(container_id, &mounts).await?;
+        check_config(container_id, &config, &self.work_dir)?;
         let rec = ContainerRecord {
             format: FORMAT_VERSION,
             container_id: container_id.to_string(),
@@ -517,28 +527,7 @@ impl VolumeIsolator {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         if let Some(rec) = slot.as_ref() {
-            if rec.binds_in_sandbox {
-                let sandbox = std::fs::canonicalize(&rec.config.sandbox)
-                    .unwrap_or_else(|_| rec.config.sandbox.clone());
-                oci::cleanup(&*self.sys, &*self.table, &sandbox).map_err(|e| {
-                    IsolatorError::Unmount {
-                        container: container_id.to_string(),
-                        path: sandbox.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
-            }
-            let mut binds = rec.host_binds.clone();
-            binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
-            for b in binds {
-                unmount_all_under(&*self.sys, &*self.table, &b).map_err(|e| {
-                    IsolatorError::Unmount {
-                        container: container_id.to_string(),
-                        path: b.clone(),
-                        reason: e.to_string(),
-                    }
-                })?;
-            }
+            self.unmount_host_side(rec)?;
         }
         self.manager
             .release_container(container_id)
@@ -554,18 +543,107 @@ impl VolumeIsolator {
         Ok(())
     }
 
-    /// The containers checkpointed on disk (readable ones only), without
-    /// loading or changing anything: lets a caller that shares the work dir
-    /// with other containerizers work out which containers are not its own.
+    /// Unmounts what the isolator made on the host for `rec` (the sweep of
+    /// its sandbox, its host binds), after checking every path by fd: the
+    /// record's paths must pass [`checkpoint_paths::check_record`], the
+    /// sandbox must open beneath its root with no symlink on the way, and so
+    /// must each host bind beneath the sandbox's fd. The unmounts then go by
+    /// the kernel's names for what was opened, through the mount table.
+    fn unmount_host_side(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
+        let container = &rec.container_id;
+        let refuse = |source: CheckpointPathError| {
+            tracing::error!(container_id = %container, error = %source, "checkpoint names an unsafe path: nothing it names is unmounted");
+            IsolatorError::Checkpoint {
+                container: container.clone(),
+                path: self.checkpoint_path(container),
+                reason: format!("not trusted: {source}; nothing it names is unmounted or removed (check who can write the work dir)"),
+            }
+        };
+        checkpoint_paths::check_record(rec, &self.work_dir).map_err(refuse)?;
+        if !rec.binds_in_sandbox && rec.host_binds.is_empty() {
+            return Ok(());
+        }
+        let Some((sandbox_fd, sandbox)) =
+            checkpoint_paths::open_sandbox(rec, &self.work_dir).map_err(refuse)?
+        else {
+            // Nothing can be mounted under a directory that is not there.
+            return Ok(());
+        };
+        let unmount = |path: &Path| {
+            unmount_all_under(&*self.sys, &*self.table, path).map_err(|e| IsolatorError::Unmount {
+                container: container.clone(),
+                path: path.to_path_buf(),
+                reason: e.to_string(),
+            })
+        };
+        if rec.binds_in_sandbox {
+            unmount(&sandbox)?;
+        }
+        let mut binds = rec.host_binds.clone();
+        binds.sort_by_key(|b| std::cmp::Reverse(b.components().count()));
+        for b in binds {
+            let checked = checkpoint_paths::check_host_bind(rec, &sandbox_fd, &sandbox, &b)
+                .map_err(refuse)?;
+            if let Some(b) = checked {
+                unmount(&b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The containers checkpointed on disk, without loading or changing
+    /// anything: lets a caller that shares the work dir with other
+    /// containerizers work out which containers are not its own. Only
+    /// records that [`read_record`](Self::read_record) accepts (readable,
+    /// their own directory's, paths safe to act on) are listed; the others
+    /// are left to [`recover`](Self::recover), which sets them aside.
     pub fn checkpointed(&self) -> Vec<ContainerRecord> {
         let Ok(entries) = std::fs::read_dir(self.checkpoint_root()) else {
             return Vec::new();
         };
         entries
             .flatten()
-            .filter_map(|e| std::fs::read(e.path().join("state.json")).ok())
-            .filter_map(|b| serde_json::from_slice::<ContainerRecord>(&b).ok())
+            .filter_map(|e| self.read_record(&e).ok())
             .collect()
+    }
+
+    /// Reads one container's checkpoint from its directory entry under
+    /// [`checkpoint_root`](Self::checkpoint_root) and checks it: a real
+    /// directory (not a symlink), a record that parses, of a format this
+    /// build knows, for the container its directory names, whose paths pass
+    /// [`checkpoint_paths::check_record`] and whose sandbox and host binds
+    /// open by fd without a symlink. The error says why (for the report).
+    fn read_record(&self, e: &std::fs::DirEntry) -> Result<ContainerRecord, RecordRefusal> {
+        let id = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            return Err(RecordRefusal::NotADirectory);
+        }
+        let path = e.path().join("state.json");
+        let bytes = std::fs::read(&path).map_err(|e| RecordRefusal::Unreadable(e.to_string()))?;
+        let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
+            .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
+        if rec.container_id != id {
+            return Err(RecordRefusal::Bad(format!(
+                "container id '{}' does not match its directory",
+                crate::shown::shown(&rec.container_id)
+            )));
+        }
+        if rec.format > FORMAT_VERSION {
+            return Err(RecordRefusal::Bad(format!(
+                "format {} is newer than this build's {FORMAT_VERSION}",
+                rec.format
+            )));
+        }
+        let unsafe_path = |e: CheckpointPathError| RecordRefusal::Bad(e.to_string());
+        checkpoint_paths::check_record(&rec, &self.work_dir).map_err(unsafe_path)?;
+        if let Some((fd, name)) =
+            checkpoint_paths::open_sandbox(&rec, &self.work_dir).map_err(unsafe_path)?
+        {
+            for b in &rec.host_binds {
+                checkpoint_paths::check_host_bind(&rec, &fd, &name, b).map_err(unsafe_path)?;
+            }
+        }
+        Ok(rec)
     }
 
     /// Recover: rebuilds from the checkpoints; containers not in `known`
@@ -581,29 +659,9 @@ impl VolumeIsolator {
             for e in entries.flatten() {
                 let id = e.file_name().to_string_lossy().into_owned();
                 let path = e.path().join("state.json");
-                checkpoint::remove_stale_temps(&e.path());
-                let parsed = std::fs::read(&path)
-                    .map_err(|e| e.to_string())
-                    .and_then(|b| {
-                        serde_json::from_slice::<ContainerRecord>(&b).map_err(|e| e.to_string())
-                    })
-                    .and_then(|r| {
-                        if r.container_id != id {
-                            Err(format!(
-                                "container id '{}' does not match its directory",
-                                r.container_id
-                            ))
-                        } else if r.format > FORMAT_VERSION {
-                            Err(format!(
-                                "format {} is newer than this build's {FORMAT_VERSION}",
-                                r.format
-                            ))
-                        } else {
-                            Ok(r)
-                        }
-                    });
-                match parsed {
+                match self.read_record(&e) {
                     Ok(rec) => {
+                        checkpoint::remove_stale_temps(&e.path());
                         *self.entry(&id).lock().await = Some(rec);
                         if known.contains(id.as_str()) {
                             report.recovered.push(id);
@@ -611,12 +669,26 @@ impl VolumeIsolator {
                             gone.push(id);
                         }
                     }
-                    Err(reason) if path.exists() => {
+                    // Nothing is done through a symlink: not even setting it aside.
+                    Err(RecordRefusal::NotADirectory) => {
+                        let reason = "the container's checkpoint directory is not a directory (a symlink?): left alone".to_string();
+                        tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
+                        report.corrupt.push((e.path(), reason));
+                    }
+                    Err(RecordRefusal::Bad(reason)) => {
+                        checkpoint::remove_stale_temps(&e.path());
                         tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
                         let _ = checkpoint::set_aside(&path);
                         report.corrupt.push((path, reason));
                     }
-                    Err(_) => {
+                    Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
+                        checkpoint::remove_stale_temps(&e.path());
+                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                        let _ = checkpoint::set_aside(&path);
+                        report.corrupt.push((path, reason));
+                    }
+                    Err(RecordRefusal::Unreadable(_)) => {
+                        checkpoint::remove_stale_temps(&e.path());
                         let _ = std::fs::remove_dir(e.path());
                     }
                 }
@@ -689,6 +761,55 @@ impl VolumeIsolator {
         }
         Ok(report)
     }
+}
+
+/// `<work_dir>/isolators/volume/csi`: one directory per container.
+fn checkpoint_root(work_dir: &Path) -> PathBuf {
+    work_dir.join("isolators").join("volume").join("csi")
+}
+
+/// A container's checkpoint file.
+fn checkpoint_path(work_dir: &Path, container: &str) -> PathBuf {
+    checkpoint_root(work_dir).join(container).join("state.json")
+}
+
+/// Why [`VolumeIsolator::read_record`] refused a checkpoint.
+#[derive(Debug)]
+enum RecordRefusal {
+    /// The container's directory is not a real directory: nothing is done through it.
+    NotADirectory,
+    /// `state.json` could not be read (missing: an empty directory).
+    Unreadable(String),
+    /// It was read but cannot be trusted (parse, id, format, paths): set aside.
+    Bad(String),
+}
+
+/// Refuses a configuration whose sandbox or rootfs a checkpoint could not
+/// be trusted with later (see [`checkpoint_paths`]): what prepare records
+/// must pass every check recovery makes.
+fn check_config(
+    container: &str,
+    config: &ContainerConfig,
+    work_dir: &Path,
+) -> Result<(), IsolatorError> {
+    let probe = ContainerRecord {
+        format: FORMAT_VERSION,
+        container_id: container.to_string(),
+        config: config.clone(),
+        mounts: Vec::new(),
+        pid: None,
+        pid_start: None,
+        mount_view: None,
+        host_binds: Vec::new(),
+        binds_in_sandbox: false,
+    };
+    checkpoint_paths::check_record(&probe, work_dir)
+        .and_then(|()| checkpoint_paths::check_canonical("sandbox", &config.sandbox))
+        .map_err(|source| IsolatorError::Checkpoint {
+            container: container.to_string(),
+            path: checkpoint_path(work_dir, container),
+            reason: format!("refused to record {source}: give the canonical absolute path of a directory of the container's own"),
+        })
 }
 
 /// The resources among `all` whose mounts are in `mounts` (same volume,

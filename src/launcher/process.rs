@@ -208,3 +208,47 @@ pub fn mount_view(pid: u32) -> Option<MountView> {
         root: (root.dev(), root.ino()),
     })
 }
+
+/// A pidfd for any process `pid` (not only our child): whatever is later done through it reaches that
+/// process, or fails with ESRCH once it has exited, never a process that reused the pid. Open it
+/// *before* checking who `pid` is (start time, namespaces), so the checks and the signal concern the
+/// same process.
+pub fn open_pidfd(pid: u32) -> Result<OwnedFd, Errno> {
+    let raw = i32::try_from(pid).map_err(|_| Errno::ESRCH)?;
+    pidfd_open(Pid::from_raw(raw))
+}
+
+/// `pidfd_send_signal(pidfd, signal, NULL, 0)`: signals the process the pidfd names (ESRCH once it
+/// has exited).
+pub fn pidfd_send_signal(pidfd: std::os::fd::BorrowedFd<'_>, signal: Signal) -> Result<(), Errno> {
+    // SAFETY: pidfd_send_signal(int pidfd, int sig, siginfo_t *info, unsigned flags): the fd is
+    // borrowed for the call, a NULL info means "as kill(2) would", and no flags are defined; the
+    // kernel reads nothing else.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            signal as libc::c_int,
+            std::ptr::null::<libc::siginfo_t>(),
+            0u32,
+        )
+    };
+    if ret < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Whether the process a pidfd names has exited (the pidfd polls readable then), waiting at most
+/// `timeout_ms` milliseconds.
+pub fn pidfd_exited(pidfd: std::os::fd::BorrowedFd<'_>, timeout_ms: u16) -> bool {
+    let mut fd = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(struct pollfd *fds, nfds_t nfds, int timeout): `fd` is one live, writable pollfd
+    // for the duration of the call, and the fd in it is borrowed, so open.
+    let ret = unsafe { libc::poll(&mut fd, 1, libc::c_int::from(timeout_ms)) };
+    ret > 0
+}

@@ -20,6 +20,11 @@
 //! - [`check_container_path`]: `target_of` never yields an empty target, a
 //!   `..`, `.` or root component, or a NUL, and agrees with a plain
 //!   split-on-`/` model of the path.
+//! - [`check_checkpoint_record`]: the checkpoint path validator never
+//!   panics; every path it accepts is absolute and normal (agreeing with a
+//!   byte-level model), a sandbox it accepts neither holds the work dir nor
+//!   lies in it other than as `sandboxes/<id>` or `oci-hook/<id>`, and every
+//!   host bind it accepts lies strictly beneath the sandbox.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -27,8 +32,9 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Map;
 
+use crate::isolator::checkpoint_paths::{check_normal, check_record, is_run_container};
 use crate::isolator::targets::target_of;
-use crate::isolator::TargetRoot;
+use crate::isolator::{ContainerConfig, ContainerRecord, TargetRoot};
 use crate::resource::{
     csi_mounts_root, decode_volume_id, encode_volume_id, plugin_dir, resolve_host_path,
     validate_path_component, volume_staging_path, volume_target_path, DiskInfo, DiskSource,
@@ -339,6 +345,139 @@ pub fn check_container_path(input: &[u8]) -> Option<PathBuf> {
         }
     }
     accepted
+}
+
+/// Oracle for the checkpoint path validator (fuzz target
+/// `checkpoint_record`), against the work dir [`FUZZ_WORK_DIR`]. Returns
+/// whether the record was accepted.
+///
+/// `input` is a container checkpoint (`state.json`) if it parses as one;
+/// otherwise its fields, split at `0xFF` bytes, are the sandbox, the
+/// container id and then host binds, taken as raw bytes (not necessarily
+/// UTF-8).
+///
+/// Properties: `check_normal` agrees with a byte-level model on every
+/// path of the record (starts with `/`, is not `/`, no NUL, no empty, `.`
+/// or `..` component between the slashes); if `check_record` accepts the
+/// record, then the sandbox, the rootfs and every host bind are normal;
+/// the sandbox is neither the work dir nor one of its ancestors; a
+/// sandbox inside the work dir is exactly `<work_dir>/sandboxes/<id>` or
+/// `<work_dir>/oci-hook/<id>`; every host bind starts with the sandbox
+/// followed by `/` and more; a record `is_run_container` calls `run`'s lies
+/// in `<work_dir>/sandboxes/`. A refusal message holds no control
+/// character.
+pub fn check_checkpoint_record(input: &[u8]) -> bool {
+    let rec = serde_json::from_slice::<ContainerRecord>(input)
+        .unwrap_or_else(|_| record_from_fields(input));
+    let work = Path::new(FUZZ_WORK_DIR);
+    let mut paths: Vec<(&'static str, &Path)> = vec![("sandbox", &rec.config.sandbox)];
+    if let Some(rootfs) = &rec.config.rootfs {
+        paths.push(("rootfs", rootfs));
+    }
+    for b in &rec.host_binds {
+        paths.push(("host bind", b));
+    }
+    for (field, path) in &paths {
+        let bytes = path.as_os_str().as_bytes();
+        let got = check_normal(field, path);
+        assert_eq!(
+            got.is_ok(),
+            normal_model(bytes),
+            "check_normal({field} {:?}) = {got:?}, model disagrees",
+            bytes.escape_ascii().to_string()
+        );
+    }
+    let verdict = check_record(&rec, work);
+    let Ok(()) = verdict else {
+        let msg = verdict.unwrap_err().to_string();
+        check_text(&msg, "refusal", input);
+        return false;
+    };
+    let shown = |p: &Path| p.as_os_str().as_bytes().escape_ascii().to_string();
+    for (field, path) in &paths {
+        assert!(
+            normal_model(path.as_os_str().as_bytes()),
+            "accepted {field} {} is not normal",
+            shown(path)
+        );
+    }
+    let slashed = |p: &Path| {
+        let mut b = p.as_os_str().as_bytes().to_vec();
+        b.push(b'/');
+        b
+    };
+    let sandbox = &rec.config.sandbox;
+    let (work_s, sandbox_s) = (slashed(work), slashed(sandbox));
+    assert!(
+        !work_s.starts_with(&sandbox_s),
+        "accepted sandbox {} holds the work dir",
+        shown(sandbox)
+    );
+    if sandbox_s.starts_with(&work_s) {
+        let own = ["sandboxes", crate::isolator::hook::HOOK_DIR]
+            .iter()
+            .any(|area| *sandbox == work.join(area).join(&rec.container_id));
+        assert!(
+            own && !rec.container_id.contains('/'),
+            "accepted sandbox {} lies in the work dir but is not container {:?}'s",
+            shown(sandbox),
+            rec.container_id
+        );
+    }
+    for b in &rec.host_binds {
+        let bytes = b.as_os_str().as_bytes();
+        assert!(
+            bytes.starts_with(&sandbox_s) && bytes.len() > sandbox_s.len(),
+            "accepted host bind {} is not beneath the sandbox {}",
+            shown(b),
+            shown(sandbox)
+        );
+    }
+    if is_run_container(&rec, work) {
+        assert!(
+            sandbox_s.starts_with(&slashed(&work.join("sandboxes"))),
+            "run container {} outside sandboxes/",
+            shown(sandbox)
+        );
+    }
+    true
+}
+
+/// The record [`check_checkpoint_record`] builds from raw fields.
+fn record_from_fields(input: &[u8]) -> ContainerRecord {
+    let mut fields = input.split(|b| *b == 0xFF);
+    let mut path = || PathBuf::from(OsStr::from_bytes(fields.next().unwrap_or_default()));
+    let sandbox = path();
+    let container_id = path().to_string_lossy().into_owned();
+    let host_binds = fields
+        .map(|f| PathBuf::from(OsStr::from_bytes(f)))
+        .collect();
+    ContainerRecord {
+        format: 1,
+        container_id,
+        config: ContainerConfig {
+            resources: Vec::new(),
+            sandbox,
+            rootfs: None,
+            user: None,
+        },
+        mounts: Vec::new(),
+        pid: None,
+        pid_start: None,
+        mount_view: None,
+        host_binds,
+        binds_in_sandbox: true,
+    }
+}
+
+/// The byte-level model of a normal absolute path.
+fn normal_model(bytes: &[u8]) -> bool {
+    bytes.len() > 1
+        && bytes[0] == b'/'
+        && !bytes.contains(&0)
+        && bytes[1..]
+            .split(|b| *b == b'/')
+            .all(|c| !c.is_empty() && c != b"." && c != b"..")
 }
 
 /// The resolution properties of one resource against `work_dir`; returns
