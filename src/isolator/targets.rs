@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, TargetRoot, VolumeMount};
-use crate::resource::Resource;
+use crate::resource::{Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk
 /// resource with a `disk.volume.container_path`.
@@ -42,6 +42,7 @@ pub fn volume_mounts(
         // An unknown mode is refused, never mounted read-write (or read-only) by guess.
         r.check_volume_mode().map_err(resource_err)?;
         let source = r.host_path(work_dir).map_err(resource_err)?;
+        let source_root = source_root_of(r, &source);
         let (root, target) =
             target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
         if !seen.insert((root, target.clone())) {
@@ -51,6 +52,7 @@ pub fn volume_mounts(
         }
         out.push(VolumeMount {
             source,
+            source_root,
             root,
             target,
             container_path: container_path.to_string(),
@@ -63,6 +65,35 @@ pub fn volume_mounts(
     out.sort_by_key(|m| m.target.components().count());
     Ok(out)
 }
+
+/// The part of a source per DESIGN.md's rules that nobody but us writes:
+/// for a persistent volume (a PATH disk's, or the default disk's in the work
+/// dir) the directory above `volumes/roles/<role>/<id>`, which lies in a
+/// tree containers write; `None` for a MOUNT disk's mount point, trusted as
+/// a whole. `source` is what `resolve_host_path` made of `r` (the role and
+/// id are single checked components there).
+fn source_root_of(r: &Resource, source: &Path) -> Option<PathBuf> {
+    let persistent = match r.disk_source() {
+        None => true,
+        Some(s) => s.kind == SourceType::Path,
+    };
+    if !persistent {
+        return None;
+    }
+    let root = source.ancestors().nth(PERSISTENT_DEPTH)?;
+    let tail: Vec<_> = source.strip_prefix(root).ok()?.components().collect();
+    match tail.as_slice() {
+        [Component::Normal(v), Component::Normal(r), _, _] if *v == "volumes" && *r == "roles" => {
+            Some(root.to_path_buf())
+        }
+        // Not the layout this module knows: trust none of it beyond the
+        // source's parent (never more than the source itself).
+        _ => source.parent().map(Path::to_path_buf),
+    }
+}
+
+/// Components of `volumes/roles/<role>/<id>`.
+const PERSISTENT_DEPTH: usize = 4;
 
 /// The root and the normalized relative target of a `container_path`.
 pub fn target_of(container_path: &str, has_rootfs: bool) -> Result<(TargetRoot, PathBuf), String> {
