@@ -421,7 +421,8 @@ fn bind_one(
 
     match sys.open_tree_clone_fd(source.as_fd(), true) {
         Ok(tree) => {
-            let pending = match sys.change_mount_flags(tree.as_fd(), flags, MountFlags::NONE, true) {
+            let pending = match sys.change_mount_flags(tree.as_fd(), flags, MountFlags::NONE, true)
+            {
                 Ok(()) => false,
                 // open_tree without mount_setattr (5.2 to 5.11): remount once attached.
                 Err(e) if e.errno() == Some(Errno::ENOSYS) => true,
@@ -912,10 +913,7 @@ mod tests {
         let fake = FakeSyscall::new();
         let err = prepare(&fake, &d.sandbox, &launch(vec![m])).unwrap_err();
         let text = err.to_string();
-        assert!(
-            text.contains("volumes/roles/r1/pv1 is a symlink"),
-            "{text}"
-        );
+        assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
         assert!(fake.calls().is_empty(), "{:?}", fake.calls());
         assert!(!d.sandbox.join("data").exists(), "no target created");
     }

@@ -106,12 +106,8 @@ pub fn mount_into(
             let root = super::setup::fd_link(sandbox.as_fd());
             resolve_target(mount, is_dir, &root, Resolve::Create, &at)?
         }
-        TargetRoot::Rootfs => {
-            resolve_target(mount, is_dir, &container_root, Resolve::Create, &at)?
-        }
-        TargetRoot::Host => {
-            resolve_target(mount, is_dir, &container_root, Resolve::Existing, &at)?
-        }
+        TargetRoot::Rootfs => resolve_target(mount, is_dir, &container_root, Resolve::Create, &at)?,
+        TargetRoot::Host => resolve_target(mount, is_dir, &container_root, Resolve::Existing, &at)?,
     };
 
     let target_fd = target.as_fd();

@@ -99,13 +99,17 @@ pub(crate) fn clone_source(
         Err(e) => return Err(clone_err(e)),
     };
     // Only the copy's own mount: a mount below it keeps whatever flags it has.
-    let clear_pending =
-        match sys.change_mount_flags(tree.as_fd(), MountFlags::NONE, MountFlags::HOST_ONLY, false) {
-            Ok(()) => false,
-            // open_tree without mount_setattr (5.2 to 5.11): remount after attaching.
-            Err(e) if e.errno() == Some(Errno::ENOSYS) => true,
-            Err(e) => return Err(clone_err(e)),
-        };
+    let clear_pending = match sys.change_mount_flags(
+        tree.as_fd(),
+        MountFlags::NONE,
+        MountFlags::HOST_ONLY,
+        false,
+    ) {
+        Ok(()) => false,
+        // open_tree without mount_setattr (5.2 to 5.11): remount after attaching.
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => true,
+        Err(e) => return Err(clone_err(e)),
+    };
     let mut readonly_pending = false;
     if mount.readonly {
         match sys.set_readonly_by_fd(tree.as_fd(), true) {

@@ -407,7 +407,8 @@ impl Syscall for LinuxSyscall {
         if ret < 0 {
             let errno = Errno::last();
             return Err(MountError::OpenTree {
-                source_path: super::resolve::fd_path(source).unwrap_or_else(|_| proc_fd_path(source)),
+                source_path: super::resolve::fd_path(source)
+                    .unwrap_or_else(|_| proc_fd_path(source)),
                 errno,
             });
         }
@@ -472,7 +473,9 @@ impl Syscall for LinuxSyscall {
         // O_NOFOLLOW: a symlink at `path` is opened as itself, which is no mount root.
         let fd = match nix::fcntl::open(
             path,
-            nix::fcntl::OFlag::O_PATH | nix::fcntl::OFlag::O_NOFOLLOW | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::fcntl::OFlag::O_PATH
+                | nix::fcntl::OFlag::O_NOFOLLOW
+                | nix::fcntl::OFlag::O_CLOEXEC,
             nix::sys::stat::Mode::empty(),
         ) {
             Ok(fd) => fd,

@@ -33,8 +33,8 @@ pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
 };
 pub use resolve::{
-    create_in_root, fd_path, open_beneath_no_symlinks, open_dir_no_symlinks, open_dir_no_symlinks_in, open_in_root,
-    open_parent_in_root,
+    create_in_root, fd_path, open_beneath_no_symlinks, open_dir_no_symlinks,
+    open_dir_no_symlinks_in, open_in_root, open_parent_in_root,
 };
 pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
 pub use unmount::{

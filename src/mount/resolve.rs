@@ -198,13 +198,14 @@ pub fn open_beneath_no_symlinks(anchor: &Path, rest: &Path) -> Result<OwnedFd, M
         return Err(ctx.err("check path", Errno::EINVAL));
     }
     match open_dir_no_symlinks_in(anchor, &Path::new("/").join(rest)) {
-        Err(e) if e.errno() == Some(Errno::ELOOP) => {
-            Err(first_symlink(anchor, rest).map_or(e, |component| MountError::SymlinkBeneath {
+        Err(e) if e.errno() == Some(Errno::ELOOP) => Err(first_symlink(anchor, rest).map_or(
+            e,
+            |component| MountError::SymlinkBeneath {
                 root: anchor.to_path_buf(),
                 path: rest.to_path_buf(),
                 component,
-            }))
-        }
+            },
+        )),
         Err(MountError::Resolve { step, errno, .. }) => Err(ctx.err(step, errno)),
         other => other,
     }

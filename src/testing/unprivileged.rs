@@ -122,11 +122,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let secret = dir.path().join("secret");
         std::fs::write(&secret, "x").unwrap();
-        std::fs::set_permissions(
-            &secret,
-            std::os::unix::fs::PermissionsExt::from_mode(0o600),
-        )
-        .unwrap();
+        std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
         let got = as_nobody(|| {
             std::fs::File::open(&secret)
                 .map(|_| 0)
