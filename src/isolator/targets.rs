@@ -217,4 +217,85 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn persistent_volumes_name_their_trusted_root() {
+        let config = ContainerConfig {
+            resources: vec![],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: None,
+            user: None,
+        };
+        let work = Path::new("/work");
+        let csi = || {
+            Resource::csi_volume(
+                "p1",
+                "vol-1",
+                "./csi/t/n/mounts",
+                8,
+                None,
+                None,
+                [("k", "v")],
+            )
+        };
+        let as_path_disk = |mut r: serde_json::Value| {
+            let source = r["disk"]["source"].as_object_mut().unwrap();
+            let root = source.remove("mount").unwrap();
+            source.insert("type".into(), "PATH".into());
+            source.insert("path".into(), root);
+            r["disk"]["persistence"] = serde_json::json!({"id": "pv1"});
+            r["reservations"] = serde_json::json!([{"type": "DYNAMIC", "role": "r1"}]);
+            r
+        };
+        let mount_disk = serde_json::to_value(csi()).unwrap();
+        let path_disk = as_path_disk(mount_disk.clone());
+        let default_disk = serde_json::json!({
+            "name": "disk", "type": "SCALAR", "scalar": {"value": 8},
+            "reservations": [{"type": "DYNAMIC", "role": "r1"}],
+            "disk": {"persistence": {"id": "pv1"}},
+        });
+        let target = "/work/csi/t/n/mounts/vol-1/target";
+        let cases = [
+            (mount_disk, target.to_string(), None),
+            (
+                path_disk,
+                format!("{target}/volumes/roles/r1/pv1"),
+                Some(target.to_string()),
+            ),
+            (
+                default_disk,
+                "/work/volumes/roles/r1/pv1".to_string(),
+                Some("/work".to_string()),
+            ),
+        ];
+        for (json, source, root) in cases {
+            let mut r: Resource = serde_json::from_value(json).unwrap();
+            r = r.with_volume("data", crate::resource::VolumeMode::Rw);
+            let got = volume_mounts("c1", &config, &[r], work).unwrap();
+            assert_eq!(got[0].source, Path::new(&source));
+            assert_eq!(got[0].source_root, root.map(PathBuf::from), "{source}");
+            let (anchor, rest) = got[0].source_parts().unwrap();
+            assert_eq!(anchor.join(rest), got[0].source);
+        }
+    }
+
+    #[test]
+    fn source_root_is_optional_in_checkpoints_and_ignored_by_equality() {
+        let old = serde_json::json!({
+            "source": "/w/mp/volumes/roles/r1/pv1", "root": "sandbox", "target": "data",
+            "container_path": "data", "readonly": false,
+        });
+        let old: VolumeMount = serde_json::from_value(old).unwrap();
+        assert_eq!(old.source_root, None);
+        let mut new = old.clone();
+        new.source_root = Some(PathBuf::from("/w/mp"));
+        assert_eq!(old, new, "update must not see a changed mount");
+        let back: VolumeMount =
+            serde_json::from_value(serde_json::to_value(&new).unwrap()).unwrap();
+        assert_eq!(back.source_root, new.source_root);
+        assert!(!serde_json::to_string(&old).unwrap().contains("source_root"));
+        // A root the source does not lie beneath is refused, not trusted.
+        new.source_root = Some(PathBuf::from("/elsewhere"));
+        assert!(new.source_parts().is_err());
+    }
 }

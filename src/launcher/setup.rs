@@ -547,4 +547,98 @@ mod tests {
             }
         }
     }
+
+    /// A PATH disk's source in a temp dir: `<mount point>/volumes/roles/r1/<id>`.
+    fn path_disk(base: &Path, id: &str, readonly: bool) -> VolumeMount {
+        let anchor = base.join("mp");
+        let source = anchor.join("volumes/roles/r1").join(id);
+        VolumeMount {
+            source,
+            source_root: Some(anchor),
+            root: TargetRoot::Sandbox,
+            target: PathBuf::from("data"),
+            container_path: "data".into(),
+            readonly,
+            volume_id: Some(id.to_string()),
+            provider_id: None,
+        }
+    }
+
+    #[test]
+    fn clones_for_a_container_come_from_the_resolved_fd_with_the_host_flags_cleared() {
+        use crate::mount::{Call, CallKind, FakeSyscall};
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let sandbox = base.join("sandbox");
+        std::fs::create_dir_all(base.join("mp/volumes/roles/r1/pv1")).unwrap();
+        std::fs::create_dir(&sandbox).unwrap();
+        let m = path_disk(&base, "pv1", true);
+        let at = VolumeRef::new(&m, &sandbox);
+
+        // The new mount API: clone of the fd, nosuid,nodev cleared on the copy's own mount, read-only.
+        let fake = FakeSyscall::new();
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        assert!(clone.source_is_dir());
+        let target = resolve_target(&m, true, &sandbox, Resolve::Create, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert_eq!(
+            calls[0],
+            Call::OpenTreeCloneFd {
+                source: m.source.clone(),
+                recursive: true
+            }
+        );
+        assert!(matches!(
+            calls[1],
+            Call::ChangeMountFlags { set, clear, recursive: false, .. }
+                if set == MountFlags::NONE && clear == MountFlags::HOST_ONLY
+        ));
+        let kinds: Vec<CallKind> = calls.iter().map(Call::kind).collect();
+        assert_eq!(
+            kinds[2..],
+            [CallKind::SetReadonlyByFd, CallKind::MoveMountToFd]
+        );
+
+        // Without open_tree: the resolved fd is bound (never the path string), then one remount sets
+        // read-only and clears nosuid,nodev.
+        let fake = FakeSyscall::new();
+        fake.fail(CallKind::OpenTreeCloneFd, Errno::ENOSYS, 1);
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert!(
+            matches!(&calls[1], Call::BindMountToFd { source, recursive: true, .. }
+                if source.starts_with("/proc/self/fd")),
+            "{calls:?}"
+        );
+        assert!(matches!(
+            calls[2],
+            Call::RemountBindWith { set, clear, .. }
+                if set == MountFlags::READONLY && clear == MountFlags::HOST_ONLY
+        ));
+        assert_eq!(calls.len(), 3);
+    }
+
+    #[test]
+    fn a_symlink_inside_the_volume_is_refused_by_name_before_any_mount_call() {
+        use crate::mount::FakeSyscall;
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let decoy = base.join("decoy");
+        std::fs::create_dir_all(&decoy).unwrap();
+        std::fs::create_dir_all(base.join("mp/volumes/roles/r1")).unwrap();
+        std::os::unix::fs::symlink(&decoy, base.join("mp/volumes/roles/r1/pv1")).unwrap();
+        let m = path_disk(&base, "pv1", false);
+        let at = VolumeRef::new(&m, &base);
+        let fake = FakeSyscall::new();
+        let err = match clone_source(&fake, &m, &at) {
+            Err(e) => e,
+            Ok(_) => panic!("a symlinked sub-path was cloned"),
+        };
+        let text = err.to_string();
+        assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
+        assert!(text.starts_with("mount volume 'pv1' at data"), "{text}");
+        assert!(fake.calls().is_empty());
+    }
 }

@@ -930,4 +930,66 @@ mod tests {
         fake.set_readonly_by_fd(target_fd.as_fd(), false).unwrap();
         assert!(fake.find(&real_target).unwrap().unwrap().is_readonly());
     }
+
+    #[test]
+    fn clones_by_fd_keep_the_source_flags_until_changed_and_harden_needs_a_mount_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let (src, dst) = (base.join("src"), base.join("dst"));
+        std::fs::create_dir(&src).unwrap();
+        std::fs::create_dir(&dst).unwrap();
+        let fake = FakeSyscall::new();
+        // Not a mount root: nothing changes.
+        assert!(!fake.harden_mount_root(&src).unwrap());
+        assert!(fake.mounts().unwrap().is_empty());
+        fake.add_mount("vol", &src, "ext4");
+        assert!(fake.harden_mount_root(&src).unwrap());
+        let host = fake.find(&src).unwrap().unwrap();
+        assert!(host.mount_options.iter().any(|o| o == "nosuid"));
+
+        let src_fd = open(&src, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let dst_fd = open(&dst, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let tree = fake.open_tree_clone_fd(src_fd.as_fd(), true).unwrap();
+        fake.change_mount_flags(tree.as_fd(), MountFlags::NONE, MountFlags::HOST_ONLY, false)
+            .unwrap();
+        fake.move_mount_to_fd(tree.as_fd(), dst_fd.as_fd()).unwrap();
+        let copy = fake.find(&dst).unwrap().unwrap();
+        assert!(
+            !copy
+                .mount_options
+                .iter()
+                .any(|o| o == "nosuid" || o == "nodev"),
+            "{copy:?}"
+        );
+        // A clone left alone keeps what its source's mount has, as the kernel's does.
+        let second = base.join("second");
+        std::fs::create_dir(&second).unwrap();
+        let second_fd = open(&second, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let tree2 = fake.open_tree_clone_fd(src_fd.as_fd(), false).unwrap();
+        fake.move_mount_to_fd(tree2.as_fd(), second_fd.as_fd())
+            .unwrap();
+        let kept = fake.find(&second).unwrap().unwrap();
+        assert!(kept.mount_options.iter().any(|o| o == "nodev"), "{kept:?}");
+        // The remount fallback sets and clears on an attached mount.
+        fake.remount_bind_with(&second, MountFlags::READONLY, MountFlags::HOST_ONLY)
+            .unwrap();
+        let changed = fake.find(&second).unwrap().unwrap();
+        assert!(changed.is_readonly());
+        assert!(!changed.mount_options.iter().any(|o| o == "nodev"));
+        assert_eq!(
+            fake.calls()[..3],
+            [
+                Call::HardenMountRoot {
+                    target: src.clone()
+                },
+                Call::HardenMountRoot {
+                    target: src.clone()
+                },
+                Call::OpenTreeCloneFd {
+                    source: src.clone(),
+                    recursive: true
+                },
+            ]
+        );
+    }
 }
