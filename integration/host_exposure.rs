@@ -428,3 +428,60 @@ fn the_provider_hardens_any_plugins_mounts_and_keeps_its_directories_private() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The Docker/OCI path: the host bind into `<sandbox>` is a host path, so it carries nosuid,nodev, and a
+/// runc container given that bind (`rbind`) sees the volume nosuid,nodev too; reads and writes work as
+/// before.
+#[test]
+fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
+    use csi_isolator::isolator::oci;
+    use csi_isolator::isolator::{LaunchInfo, TargetRoot, VolumeMount};
+    use csi_isolator::mount::LinuxSyscall;
+    use csi_isolator::testing::{require_runc, runc_run, RuncBundle};
+    require_root();
+    require_runc();
+    let sb = Sandbox::new("host-oci");
+    let sandbox = sb.mkdir("sandbox");
+    let vol = sb.mkdir("vol");
+    std::fs::write(vol.join("seed"), b"seed\n").unwrap();
+    let bundle = RuncBundle::new(&sb, "bundle");
+    let launch = LaunchInfo {
+        mounts: vec![VolumeMount {
+            source: vol.clone(),
+            source_root: None,
+            root: TargetRoot::Rootfs,
+            target: PathBuf::from("data"),
+            container_path: "/data".into(),
+            readonly: false,
+            volume_id: Some("v".into()),
+            provider_id: None,
+        }],
+    };
+    let sys = LinuxSyscall::new();
+    let prepared = oci::prepare(&sys, &sandbox, &launch).expect("prepare");
+    let host = &prepared.host_binds[0];
+    assert_eq!(statvfs_flags(host), (true, true), "{}", host.display());
+    let mut config = bundle
+        .config_for("cat /data/seed && echo out > /data/f && grep ' /data ' /proc/self/mountinfo");
+    prepared.apply_to_config(&mut config);
+    let r = runc_run(&sb, &bundle, "host-oci", &config, WAIT);
+    assert_eq!(r.code, Some(0), "{}\n{}", r.stdout, r.stderr);
+    let mut lines = r.stdout.lines();
+    assert_eq!(lines.next(), Some("seed"));
+    let options: Vec<String> = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(5))
+        .unwrap_or_else(|| panic!("a mountinfo line: {}", r.stdout))
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    assert!(
+        has_option(&options, "nosuid") && has_option(&options, "nodev"),
+        "the runc container sees the host bind's flags: {options:?}"
+    );
+    assert_eq!(std::fs::read_to_string(vol.join("f")).unwrap(), "out\n");
+    let deleted = r.guard.delete();
+    assert!(deleted.status.success());
+    oci::cleanup(&sys, &ProcMountTable::new(), &sandbox).unwrap();
+    sb.assert_no_mounts_under();
+}

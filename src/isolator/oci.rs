@@ -81,7 +81,7 @@ pub enum OciError {
         /// The volume that claimed it first.
         other: String,
     },
-    /// The volume's source could not be examined.
+    /// The volume's source could not be opened (missing, or a symlink inside a volume) or examined.
     #[error("volume {volume}: stat source {path}: {source}")]
     StatSource {
         /// The volume id.
@@ -387,13 +387,14 @@ fn bind_one(
         path: m.source.clone(),
         source: Box::new(source),
     };
-    let source = m.open_source().map_err(bind_err)?;
+    let stat_err = |source: io::Error| OciError::StatSource {
+        volume: p.volume.clone(),
+        path: m.source.clone(),
+        source,
+    };
+    let source = m.open_source().map_err(|e| stat_err(io::Error::other(e)))?;
     let is_dir = nix::sys::stat::fstat(&source)
-        .map_err(|errno| OciError::StatSource {
-            volume: p.volume.clone(),
-            path: m.source.clone(),
-            source: io::Error::from_raw_os_error(errno as i32),
-        })
+        .map_err(|errno| stat_err(io::Error::from_raw_os_error(errno as i32)))
         .map(|st| {
             nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
                 == nix::sys::stat::SFlag::S_IFDIR
@@ -848,8 +849,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(err, OciError::BindSource { ref path, ref source, .. }
-                if *path == missing && source.errno() == Some(Errno::ENOENT)),
+            matches!(err, OciError::StatSource { ref path, ref source, .. }
+                if *path == missing && source.to_string().contains("ENOENT")),
             "{err}"
         );
         assert!(fake.calls().is_empty());
