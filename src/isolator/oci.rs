@@ -7,6 +7,11 @@
 //!   `<sandbox>/<container_path without its leading '/'>` (read-only when
 //!   asked) and returns, for each, an OCI runtime-spec `mounts` entry and the
 //!   `docker run --mount` arguments that give the runtime the same bind.
+//! - The source is opened by fd beneath its trusted root, following no
+//!   symlink inside a volume ([`VolumeMount::open_source`]), and the bind is
+//!   cloned from that fd. The bind is a host path, so it carries nosuid,nodev
+//!   whatever the source's mount has; a runtime given it (`rbind`) passes
+//!   them on, so such a container sees its volume nosuid,nodev.
 //! - The sandbox is written by the container, so the bind target is resolved
 //!   *inside* the sandbox by fd ([`create_in_root`]): a symlink planted there
 //!   (`data -> /etc`) is followed as if the sandbox were `/`, and the bind

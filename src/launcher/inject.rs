@@ -2,7 +2,8 @@
 //!
 //! Contract:
 //! - [`mount_into`] makes the detached copy of the volume in the caller's (host) namespace: `open_tree`
-//!   clone of the source, read-only via `mount_setattr` if asked. The target is resolved by fd through
+//!   clone of the source opened by fd (no symlink followed inside a volume), nosuid,nodev of the host
+//!   mount cleared on the copy, read-only via `mount_setattr` if asked. The target is resolved by fd through
 //!   `/proc/<pid>/root`, i.e. inside the container's root as that process sees it, in its mount namespace
 //!   (the sandbox first, then the target inside the sandbox for sandbox targets), creating missing
 //!   directories there (never for host targets). Then a dedicated, short-lived thread does
