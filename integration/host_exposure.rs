@@ -370,6 +370,9 @@ fn the_provider_hardens_any_plugins_mounts_and_keeps_its_directories_private() {
         .build()
         .unwrap();
     rt.block_on(async {
+        // A store an earlier version left open is closed when the plugin opens it.
+        let old_store = sb.mkdir("plugin/work/volumes");
+        std::fs::set_permissions(&old_store, std::fs::Permissions::from_mode(0o755)).unwrap();
         let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
         let work = sb.mkdir("work");
         let mut config = ProviderConfig::new(
@@ -484,4 +487,128 @@ fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
     assert!(deleted.status.success());
     oci::cleanup(&sys, &ProcMountTable::new(), &sandbox).unwrap();
     sb.assert_no_mounts_under();
+}
+
+/// The bundled plugin on its own (driven over raw CSI, no provider): its staging and target mounts carry
+/// nosuid,nodev with both backings (the binds and the ext4 loop mount), its own directories are 0700,
+/// and the dir backing's data directory (the volume's root as containers see it) keeps its mode.
+#[test]
+fn the_bundled_plugin_mounts_nosuid_nodev_with_both_backings() {
+    use csi_isolator::csi::proto;
+    use csi_isolator::testing::{mount_capability, raw_clients};
+    require_root();
+    let sb = Sandbox::new("host-plugin");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for backing in ["dir", "loop"] {
+            let plugin = PluginProcess::start_named(
+                &sb,
+                backing,
+                PLUGIN,
+                &["--backing", backing, "--no-controller-publish"],
+            )
+            .await;
+            let mut c = raw_clients(&plugin.socket()).await.unwrap();
+            let cap =
+                || mount_capability(proto::volume_capability::access_mode::Mode::SingleNodeWriter);
+            let vol = c
+                .controller
+                .create_volume(proto::CreateVolumeRequest {
+                    name: format!("v-{backing}"),
+                    capacity_range: Some(proto::CapacityRange {
+                        required_bytes: 16 << 20,
+                        limit_bytes: 0,
+                    }),
+                    volume_capabilities: vec![cap()],
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner()
+                .volume
+                .unwrap();
+            let base = sb.mkdir(format!("{backing}-mounts"));
+            let (staging, target) = (base.join("staging"), base.join("target"));
+            c.node
+                .node_stage_volume(proto::NodeStageVolumeRequest {
+                    volume_id: vol.volume_id.clone(),
+                    staging_target_path: staging.display().to_string(),
+                    volume_capability: Some(cap()),
+                    volume_context: vol.volume_context.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            c.node
+                .node_publish_volume(proto::NodePublishVolumeRequest {
+                    volume_id: vol.volume_id.clone(),
+                    staging_target_path: staging.display().to_string(),
+                    target_path: target.display().to_string(),
+                    volume_capability: Some(cap()),
+                    volume_context: vol.volume_context.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            for path in [&staging, &target] {
+                assert_eq!(
+                    statvfs_flags(path),
+                    (true, true),
+                    "{backing}: {}",
+                    path.display()
+                );
+                let m = host_mount(path);
+                assert!(
+                    has_option(&m.mount_options, "nosuid") && has_option(&m.mount_options, "nodev"),
+                    "{backing}: {m:?}"
+                );
+            }
+            let store = plugin.work_dir().join("volumes");
+            assert_eq!(std::fs::metadata(&store).unwrap().mode() & 0o777, 0o700);
+            for entry in std::fs::read_dir(&store).unwrap() {
+                let dir = entry.unwrap().path();
+                assert_eq!(
+                    std::fs::metadata(&dir).unwrap().mode() & 0o777,
+                    0o700,
+                    "{}",
+                    dir.display()
+                );
+                if backing == "dir" {
+                    let data = std::fs::metadata(dir.join("data")).unwrap();
+                    assert_eq!(
+                        data.mode() & 0o777,
+                        0o755,
+                        "the volume's root keeps its mode"
+                    );
+                }
+            }
+            c.node
+                .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
+                    volume_id: vol.volume_id.clone(),
+                    target_path: target.display().to_string(),
+                })
+                .await
+                .unwrap();
+            c.node
+                .node_unstage_volume(proto::NodeUnstageVolumeRequest {
+                    volume_id: vol.volume_id.clone(),
+                    staging_target_path: staging.display().to_string(),
+                })
+                .await
+                .unwrap();
+            c.controller
+                .delete_volume(proto::DeleteVolumeRequest {
+                    volume_id: vol.volume_id.clone(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            drop(plugin);
+        }
+    });
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
 }

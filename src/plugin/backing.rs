@@ -655,6 +655,17 @@ pub fn private_dir(dir: &Path) -> io::Result<()> {
         .create(dir)
 }
 
+/// Closes `dir` (a directory of the plugin's own, never a mount) to everyone but its owner when an earlier
+/// version left it open: the volumes' data lies below it.
+pub fn close_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = fs::symlink_metadata(dir)?;
+    if meta.is_dir() && meta.permissions().mode() & 0o077 != 0 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(PRIVATE_DIR_MODE))?;
+    }
+    Ok(())
+}
+
 /// How long [`Backing::wait_loop_rundown`] waits for detached loop devices to run down.
 const LOOP_RUNDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 

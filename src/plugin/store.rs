@@ -260,10 +260,12 @@ impl Store {
     /// interrupted creates and removals, and loads every record.
     pub fn open(work_dir: &Path) -> Result<Store, StoreError> {
         let root = work_dir.join("volumes");
-        super::backing::private_dir(&root).map_err(|source| StoreError::CreateDir {
-            path: root.clone(),
-            source,
-        })?;
+        super::backing::private_dir(&root)
+            .and_then(|()| super::backing::close_dir(&root))
+            .map_err(|source| StoreError::CreateDir {
+                path: root.clone(),
+                source,
+            })?;
         let mut records = HashMap::new();
         let entries = fs::read_dir(&root).map_err(|source| StoreError::List {
             path: root.clone(),
