@@ -43,6 +43,7 @@ fn volume(
 ) -> VolumeMount {
     VolumeMount {
         source: source.to_path_buf(),
+        source_root: None,
         root,
         target: PathBuf::from(target),
         container_path: container_path.to_string(),

@@ -60,6 +60,7 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
     };
     VolumeMount {
         source: source.to_path_buf(),
+        source_root: None,
         root,
         target,
         container_path: container_path.to_string(),
@@ -339,6 +340,7 @@ async fn csi_volume_is_bound_through_runc() {
     let launch = LaunchInfo {
         mounts: vec![VolumeMount {
             source: mount_point.clone(),
+            source_root: None,
             root: TargetRoot::Rootfs,
             target: PathBuf::from("data"),
             container_path: "/data".to_string(),

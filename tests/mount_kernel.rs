@@ -723,3 +723,210 @@ fn no_symlink_opening_refuses_every_symlink_with_openat2_and_with_the_walk() {
     }
     sb.assert_clean();
 }
+
+fn has_option(m: &mount::MountInfo, option: &str) -> bool {
+    m.mount_options.iter().any(|o| o == option)
+}
+
+/// (nosuid, nodev) of the mount `path` is on, as statvfs reports them.
+fn statvfs_host_flags(path: &Path) -> (bool, bool) {
+    use nix::sys::statvfs::{statvfs, FsFlags};
+    let flags = statvfs(path).unwrap().flags();
+    (
+        flags.contains(FsFlags::ST_NOSUID),
+        flags.contains(FsFlags::ST_NODEV),
+    )
+}
+
+/// A volume's sub-path is opened beneath its trusted root without following any symlink: at the end
+/// (`volumes/roles/r1/pv1 -> decoy`) or in the middle (`volumes -> ...`), refused naming the component; a
+/// plain one is cloned from its fd (`open_tree(fd, "", AT_EMPTY_PATH)`) and lands where the fd is.
+#[test]
+fn clone_beneath_an_anchor_refuses_symlinks_and_clones_from_the_fd() {
+    let sb = Sandbox::new();
+    let decoy = sb.mkdir("decoy");
+    write_file(&decoy.join("secret"), "decoy").unwrap();
+    let anchor = sb.mkdir("vol");
+    let roles = sb.mkdir("vol/volumes/roles/r1");
+    symlink(&decoy, roles.join("pv1")).unwrap();
+    fs::create_dir(roles.join("real")).unwrap();
+    write_file(&roles.join("real/data"), "volume").unwrap();
+    let other = sb.mkdir("other");
+    symlink(anchor.join("volumes"), other.join("volumes")).unwrap();
+    // A relative symlink that stays beneath the anchor is refused just the same.
+    symlink("real", roles.join("alias")).unwrap();
+
+    let cases = [
+        (&anchor, "volumes/roles/r1/pv1", "volumes/roles/r1/pv1"),
+        (&other, "volumes/roles/r1/real", "volumes"),
+        (&anchor, "volumes/roles/r1/alias", "volumes/roles/r1/alias"),
+    ];
+    for (root, rest, component) in cases {
+        let err = mount::open_beneath_no_symlinks(root, Path::new(rest)).unwrap_err();
+        match &err {
+            MountError::SymlinkBeneath {
+                component: got,
+                root: r,
+                ..
+            } => {
+                assert_eq!(got, Path::new(component), "{err}");
+                assert_eq!(r, root);
+            }
+            other => panic!("{rest} beneath {}: {other}", root.display()),
+        }
+        assert!(
+            err.to_string()
+                .contains(&format!("{component} is a symlink")),
+            "{err}"
+        );
+    }
+    for bad in ["../decoy", "/volumes", "volumes/../../decoy"] {
+        let err = mount::open_beneath_no_symlinks(&anchor, Path::new(bad)).unwrap_err();
+        assert_eq!(err.errno(), Some(Errno::EINVAL), "{bad}: {err}");
+    }
+
+    let sys = LinuxSyscall;
+    let source =
+        mount::open_beneath_no_symlinks(&anchor, Path::new("volumes/roles/r1/real")).unwrap();
+    let tree = sys.open_tree_clone_fd(source.as_fd(), true).unwrap();
+    let dst = sb.mkdir("dst");
+    let target = open_in_root(&sb.path, Path::new("dst")).unwrap();
+    sys.move_mount_to_fd(tree.as_fd(), target.as_fd()).unwrap();
+    assert_eq!(fs::read_to_string(dst.join("data")).unwrap(), "volume");
+    let m = ProcMountTable::new().find(&dst).unwrap().unwrap();
+    assert!(m.root.ends_with("vol/volumes/roles/r1/real"), "{m:?}");
+    assert!(!dst.join("secret").exists());
+
+    // An empty rest is the anchor itself, opened as given.
+    let whole = mount::open_beneath_no_symlinks(&anchor, Path::new("")).unwrap();
+    assert_eq!(fd_path(whole.as_fd()).unwrap(), anchor);
+
+    drop((source, tree, target, whole));
+    unmount_all_under(&sys, &ProcMountTable::new(), &sb.path).unwrap();
+    sb.assert_clean();
+}
+
+/// nosuid,nodev go on a path only when it is itself a mount root (and on the mounts below it); a plain
+/// directory, a missing path or a symlink to a mount is `false`, and the file system holding it is never
+/// touched.
+#[test]
+fn harden_changes_only_a_mount_root() {
+    let sb = Sandbox::new();
+    let sys = LinuxSyscall;
+    let plain = sb.mkdir("plain");
+    assert_eq!(
+        statvfs_host_flags(&plain),
+        (false, false),
+        "the test needs a suid-capable fs"
+    );
+    assert!(!sys.harden_mount_root(&plain).unwrap());
+    assert!(!sys.harden_mount_root(&sb.path.join("missing")).unwrap());
+    assert_eq!(
+        statvfs_host_flags(&plain),
+        (false, false),
+        "the parent fs untouched"
+    );
+
+    let src = sb.mkdir("src");
+    let target = sb.mkdir("target");
+    sys.bind_mount(&src, &target, false).unwrap();
+    let sub = sb.mkdir("target/sub");
+    sys.mount_filesystem(
+        Path::new("tmpfs"),
+        &sub,
+        "tmpfs",
+        MountFlags::default(),
+        "size=1m",
+    )
+    .unwrap();
+    symlink(&target, sb.path.join("link")).unwrap();
+    assert!(
+        !sys.harden_mount_root(&sb.path.join("link")).unwrap(),
+        "a symlink is no mount root"
+    );
+    assert_eq!(statvfs_host_flags(&target), (false, false));
+
+    assert!(sys.harden_mount_root(&target).unwrap());
+    assert_eq!(statvfs_host_flags(&target), (true, true));
+    assert_eq!(statvfs_host_flags(&sub), (true, true), "recursive");
+    let table = ProcMountTable::new();
+    for at in [&target, &sub] {
+        let m = table.find(at).unwrap().unwrap();
+        assert!(has_option(&m, "nosuid") && has_option(&m, "nodev"), "{m:?}");
+    }
+    // Idempotent, and the source's own file system is still suid-capable.
+    assert!(sys.harden_mount_root(&target).unwrap());
+    assert_eq!(statvfs_host_flags(&src), (false, false));
+
+    unmount_all_under(&sys, &ProcMountTable::new(), &sb.path).unwrap();
+    sb.assert_clean();
+}
+
+/// A container's copy of a hardened host mount clears nosuid,nodev on the copy only (mount_setattr
+/// attr_clr on the detached tree), through `VolumeMount::clone_for_container`; the bind-remount fallback
+/// sets and clears the same flags on an attached mount.
+#[test]
+fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
+    use csi_isolator::isolator::{TargetRoot, VolumeMount};
+    let sb = Sandbox::new();
+    let sys = LinuxSyscall;
+    let data = sb.mkdir("data");
+    let host = sb.mkdir("host");
+    sys.bind_mount(&data, &host, false).unwrap();
+    assert!(sys.harden_mount_root(&host).unwrap());
+    fs::create_dir_all(host.join("volumes/roles/r1/pv1")).unwrap();
+    write_file(&host.join("volumes/roles/r1/pv1/f"), "pv").unwrap();
+
+    let m = VolumeMount {
+        source: host.join("volumes/roles/r1/pv1"),
+        source_root: Some(host.clone()),
+        root: TargetRoot::Sandbox,
+        target: PathBuf::from("data"),
+        container_path: "data".into(),
+        readonly: false,
+        volume_id: Some("pv1".into()),
+        provider_id: None,
+    };
+    let tree = m.clone_for_container(&sys).unwrap();
+    let dst = sb.mkdir("container");
+    let target = open_in_root(&sb.path, Path::new("container")).unwrap();
+    sys.move_mount_to_fd(tree.as_fd(), target.as_fd()).unwrap();
+    assert_eq!(fs::read_to_string(dst.join("f")).unwrap(), "pv");
+    assert_eq!(
+        statvfs_host_flags(&dst),
+        (false, false),
+        "the copy is as before"
+    );
+    assert_eq!(
+        statvfs_host_flags(&host),
+        (true, true),
+        "the host mount stays hardened"
+    );
+
+    // Planted symlink: refused by name, nothing cloned.
+    fs::remove_dir_all(host.join("volumes/roles/r1/pv1")).unwrap();
+    symlink(&data, host.join("volumes/roles/r1/pv1")).unwrap();
+    let err = m.clone_for_container(&sys).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("volumes/roles/r1/pv1 is a symlink"),
+        "{err}"
+    );
+
+    // The fallback for kernels without mount_setattr, on an attached mount.
+    sys.remount_bind_with(&dst, MountFlags::HOST_ONLY, MountFlags::NONE)
+        .unwrap();
+    assert_eq!(statvfs_host_flags(&dst), (true, true));
+    sys.remount_bind_with(&dst, MountFlags::READONLY, MountFlags::HOST_ONLY)
+        .unwrap();
+    assert_eq!(statvfs_host_flags(&dst), (false, false));
+    assert!(ProcMountTable::new()
+        .find(&dst)
+        .unwrap()
+        .unwrap()
+        .is_readonly());
+
+    drop((tree, target));
+    unmount_all_under(&sys, &ProcMountTable::new(), &sb.path).unwrap();
+    sb.assert_clean();
+}

@@ -7,6 +7,11 @@
 //!   `<sandbox>/<container_path without its leading '/'>` (read-only when
 //!   asked) and returns, for each, an OCI runtime-spec `mounts` entry and the
 //!   `docker run --mount` arguments that give the runtime the same bind.
+//! - The source is opened by fd beneath its trusted root, following no
+//!   symlink inside a volume ([`VolumeMount::open_source`]), and the bind is
+//!   cloned from that fd. The bind is a host path, so it carries nosuid,nodev
+//!   whatever the source's mount has; a runtime given it (`rbind`) passes
+//!   them on, so such a container sees its volume nosuid,nodev.
 //! - The sandbox is written by the container, so the bind target is resolved
 //!   *inside* the sandbox by fd ([`create_in_root`]): a symlink planted there
 //!   (`data -> /etc`) is followed as if the sandbox were `/`, and the bind
@@ -25,7 +30,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
@@ -35,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use crate::isolator::launch_info::{LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
-    MountTable, Syscall,
+    MountFlags, MountTable, Syscall,
 };
 
 /// Every way the OCI path can fail; each names the step, the volume and the
@@ -81,7 +86,7 @@ pub enum OciError {
         /// The volume that claimed it first.
         other: String,
     },
-    /// The volume's source could not be examined.
+    /// The volume's source could not be opened (missing, or a symlink inside a volume) or examined.
     #[error("volume {volume}: stat source {path}: {source}")]
     StatSource {
         /// The volume id.
@@ -113,8 +118,8 @@ pub enum OciError {
         /// The mount module's error (boxed: it is large).
         source: Box<MountError>,
     },
-    /// Making the bind read-only failed.
-    #[error("volume {volume}: make bind at {path} read-only: {source}")]
+    /// Setting the bind's flags (nosuid, nodev, read-only when asked) failed.
+    #[error("volume {volume}: set flags of bind at {path}: {source}")]
     SetReadonly {
         /// The volume id.
         volume: String,
@@ -381,13 +386,24 @@ fn bind_one(
     m: &VolumeMount,
     p: &Placement,
 ) -> Result<PathBuf, OciError> {
-    let is_dir = std::fs::metadata(&m.source)
-        .map_err(|source| OciError::StatSource {
-            volume: p.volume.clone(),
-            path: m.source.clone(),
-            source,
-        })?
-        .is_dir();
+    // The source by fd (no symlink followed inside a volume), before anything is created in the sandbox.
+    let bind_err = |source: MountError| OciError::BindSource {
+        volume: p.volume.clone(),
+        path: m.source.clone(),
+        source: Box::new(source),
+    };
+    let stat_err = |source: io::Error| OciError::StatSource {
+        volume: p.volume.clone(),
+        path: m.source.clone(),
+        source,
+    };
+    let source = m.open_source().map_err(|e| stat_err(io::Error::other(e)))?;
+    let is_dir = nix::sys::stat::fstat(&source)
+        .map_err(|errno| stat_err(io::Error::from_raw_os_error(errno as i32)))
+        .map(|st| {
+            nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
+                == nix::sys::stat::SFlag::S_IFDIR
+        })?;
     let resolve_err = |source: MountError| OciError::ResolveTarget {
         volume: p.volume.clone(),
         path: p.relative.clone(),
@@ -396,51 +412,53 @@ fn bind_one(
     };
     let target = create_in_root(sandbox, &p.relative, !is_dir).map_err(resolve_err)?;
     let host = fd_path(target.as_fd()).map_err(resolve_err)?;
+    // The bind is a host path: it carries nosuid,nodev whatever the source's mount has (and read-only when
+    // asked); a runtime given it binds those along.
+    let flags = if m.readonly {
+        MountFlags::HOST_ONLY.union(MountFlags::READONLY)
+    } else {
+        MountFlags::HOST_ONLY
+    };
+    let flags_err = |source: MountError| OciError::SetReadonly {
+        volume: p.volume.clone(),
+        path: host.clone(),
+        source: Box::new(source),
+    };
 
-    match sys.open_tree_clone(&m.source, true) {
+    match sys.open_tree_clone_fd(source.as_fd(), true) {
         Ok(tree) => {
-            if m.readonly {
-                sys.set_readonly_by_fd(tree.as_fd(), true)
-                    .map_err(|source| OciError::SetReadonly {
-                        volume: p.volume.clone(),
-                        path: host.clone(),
-                        source: Box::new(source),
-                    })?;
-            }
+            let pending = match sys.change_mount_flags(tree.as_fd(), flags, MountFlags::NONE, true)
+            {
+                Ok(()) => false,
+                // open_tree without mount_setattr (5.2 to 5.11): remount once attached.
+                Err(e) if e.errno() == Some(Errno::ENOSYS) => true,
+                Err(e) => return Err(flags_err(e)),
+            };
             sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
                 .map_err(|source| OciError::AttachBind {
                     volume: p.volume.clone(),
                     path: host.clone(),
                     source: Box::new(source),
                 })?;
-        }
-        // Kernels before 5.2 lack open_tree: bind onto the resolved fd with
-        // mount(2) instead, then remount read-only.
-        Err(e) if e.errno() == Some(Errno::ENOSYS) => {
-            sys.bind_mount_to_fd(&m.source, target.as_fd(), true)
-                .map_err(|source| OciError::BindSource {
-                    volume: p.volume.clone(),
-                    path: m.source.clone(),
-                    source: Box::new(source),
-                })?;
-            if m.readonly {
-                if let Err(source) = sys.remount_bind_readonly(&host) {
+            if pending {
+                if let Err(e) = sys.remount_bind_with(&host, flags, MountFlags::NONE) {
                     rollback(sys, std::slice::from_ref(&host));
-                    return Err(OciError::SetReadonly {
-                        volume: p.volume.clone(),
-                        path: host,
-                        source: Box::new(source),
-                    });
+                    return Err(flags_err(e));
                 }
             }
         }
-        Err(source) => {
-            return Err(OciError::BindSource {
-                volume: p.volume.clone(),
-                path: m.source.clone(),
-                source: Box::new(source),
-            })
+        // Kernels before 5.2 lack open_tree: bind the resolved source fd onto the resolved target fd with
+        // mount(2) instead, then remount with the flags.
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => {
+            let via = PathBuf::from(format!("/proc/self/fd/{}", source.as_raw_fd()));
+            sys.bind_mount_to_fd(&via, target.as_fd(), true)
+                .map_err(bind_err)?;
+            if let Err(e) = sys.remount_bind_with(&host, flags, MountFlags::NONE) {
+                rollback(sys, std::slice::from_ref(&host));
+                return Err(flags_err(e));
+            }
         }
+        Err(e) => return Err(bind_err(e)),
     }
     Ok(host)
 }
@@ -489,6 +507,7 @@ mod tests {
         };
         VolumeMount {
             source: source.to_path_buf(),
+            source_root: None,
             root,
             target: PathBuf::from(container_path.trim_start_matches('/')),
             container_path: container_path.to_string(),
@@ -584,31 +603,59 @@ mod tests {
                 "options": ["rbind", "rprivate", "rw"],
             })
         );
-        // The binds: recursive clones, read-only set on the clone before it is attached.
+        // The binds: recursive clones of the source fd, nosuid,nodev (and read-only when asked) set on
+        // the clone, recursively, before it is attached.
         let kinds: Vec<CallKind> = fake.calls().iter().map(Call::kind).collect();
         assert_eq!(
             kinds,
             vec![
-                CallKind::OpenTreeClone,
+                CallKind::OpenTreeCloneFd,
+                CallKind::ChangeMountFlags,
                 CallKind::MoveMountToFd,
-                CallKind::OpenTreeClone,
-                CallKind::SetReadonlyByFd,
+                CallKind::OpenTreeCloneFd,
+                CallKind::ChangeMountFlags,
                 CallKind::MoveMountToFd,
             ]
         );
-        assert!(fake.calls().iter().all(|c| !matches!(
-            c,
-            Call::OpenTreeClone {
-                recursive: false,
-                ..
-            }
-        )));
+        let changes: Vec<(MountFlags, MountFlags, bool)> = fake
+            .calls()
+            .into_iter()
+            .filter_map(|c| match c {
+                Call::OpenTreeCloneFd { recursive, .. } => {
+                    assert!(recursive);
+                    None
+                }
+                Call::ChangeMountFlags {
+                    set,
+                    clear,
+                    recursive,
+                    ..
+                } => Some((set, clear, recursive)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            changes,
+            vec![
+                (MountFlags::HOST_ONLY, MountFlags::NONE, true),
+                (
+                    MountFlags::HOST_ONLY.union(MountFlags::READONLY),
+                    MountFlags::NONE,
+                    true
+                ),
+            ]
+        );
         let m1 = fake.find(&data).unwrap().unwrap();
         assert_eq!(m1.root, d.vol);
         assert!(!m1.is_readonly());
         let m2 = fake.find(&cache).unwrap().unwrap();
         assert_eq!(m2.root, d.vol2);
         assert!(m2.is_readonly());
+        for m in [&m1, &m2] {
+            for flag in ["nosuid", "nodev"] {
+                assert!(m.mount_options.iter().any(|o| o == flag), "{m:?}");
+            }
+        }
 
         // Cleanup takes both down, deepest first.
         assert_eq!(cleanup(&fake, &fake, &d.sandbox).unwrap(), 2);
@@ -766,7 +813,7 @@ mod tests {
     fn failing_open_tree_and_readonly_name_the_volume_and_leave_nothing() {
         let d = dirs();
         let fake = FakeSyscall::new();
-        fake.fail_at(CallKind::OpenTreeClone, &d.vol2, Errno::EACCES, 1);
+        fake.fail_at(CallKind::OpenTreeCloneFd, &d.vol2, Errno::EACCES, 1);
         let err = prepare(
             &fake,
             &d.sandbox,
@@ -787,7 +834,7 @@ mod tests {
         assert!(fake.mounts().unwrap().is_empty());
 
         let fake = FakeSyscall::new();
-        fake.fail(CallKind::SetReadonlyByFd, Errno::EINVAL, 1);
+        fake.fail(CallKind::ChangeMountFlags, Errno::EINVAL, 1);
         let err = prepare(
             &fake,
             &d.sandbox,
@@ -806,7 +853,11 @@ mod tests {
             &launch(vec![vm("m", &missing, "/m", false)]),
         )
         .unwrap_err();
-        assert!(matches!(err, OciError::StatSource { ref path, .. } if *path == missing));
+        assert!(
+            matches!(err, OciError::StatSource { ref path, ref source, .. }
+                if *path == missing && source.to_string().contains("ENOENT")),
+            "{err}"
+        );
         assert!(fake.calls().is_empty());
     }
 
@@ -814,7 +865,7 @@ mod tests {
     fn without_open_tree_binds_by_fd_and_remounts_readonly() {
         let d = dirs();
         let fake = FakeSyscall::new();
-        fake.fail(CallKind::OpenTreeClone, Errno::ENOSYS, 2);
+        fake.fail(CallKind::OpenTreeCloneFd, Errno::ENOSYS, 2);
         let prepared = prepare(
             &fake,
             &d.sandbox,
@@ -829,20 +880,48 @@ mod tests {
         assert_eq!(
             kinds,
             vec![
-                CallKind::OpenTreeClone,
+                CallKind::OpenTreeCloneFd,
                 CallKind::BindMountToFd,
-                CallKind::OpenTreeClone,
+                CallKind::RemountBindWith,
+                CallKind::OpenTreeCloneFd,
                 CallKind::BindMountToFd,
-                CallKind::RemountBindReadonly,
+                CallKind::RemountBindWith,
             ]
         );
-        assert!(fake.find(&b).unwrap().unwrap().is_readonly());
-        assert!(!fake
-            .find(&d.sandbox.join("a"))
-            .unwrap()
-            .unwrap()
-            .is_readonly());
+        // The fallback binds the resolved source fd, never the source's path string.
+        for c in fake.calls() {
+            if let Call::BindMountToFd { source, .. } = c {
+                assert!(source.starts_with("/proc/self/fd"), "{source:?}");
+            }
+        }
+        let bm = fake.find(&b).unwrap().unwrap();
+        assert!(bm.is_readonly());
+        let am = fake.find(&d.sandbox.join("a")).unwrap().unwrap();
+        assert!(!am.is_readonly());
+        for m in [&am, &bm] {
+            for flag in ["nosuid", "nodev"] {
+                assert!(m.mount_options.iter().any(|o| o == flag), "{m:?}");
+            }
+        }
         assert_eq!(prepared.mounts[1].options[2], "ro");
+    }
+
+    #[test]
+    fn a_symlink_inside_a_volume_is_refused_by_name_before_anything_is_mounted() {
+        let d = dirs();
+        // A PATH disk: the volume's mount point is trusted, `volumes/roles/r1/pv1` in it is not.
+        let decoy = d.vol2.clone();
+        let roles = d.vol.join("volumes/roles/r1");
+        std::fs::create_dir_all(&roles).unwrap();
+        std::os::unix::fs::symlink(&decoy, roles.join("pv1")).unwrap();
+        let mut m = vm("pv1", &roles.join("pv1"), "/data", false);
+        m.source_root = Some(d.vol.clone());
+        let fake = FakeSyscall::new();
+        let err = prepare(&fake, &d.sandbox, &launch(vec![m])).unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
+        assert!(fake.calls().is_empty(), "{:?}", fake.calls());
+        assert!(!d.sandbox.join("data").exists(), "no target created");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, TargetRoot, VolumeMount};
-use crate::resource::Resource;
+use crate::resource::{Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk
 /// resource with a `disk.volume.container_path`.
@@ -42,6 +42,7 @@ pub fn volume_mounts(
         // An unknown mode is refused, never mounted read-write (or read-only) by guess.
         r.check_volume_mode().map_err(resource_err)?;
         let source = r.host_path(work_dir).map_err(resource_err)?;
+        let source_root = source_root_of(r, &source);
         let (root, target) =
             target_of(container_path, config.rootfs.is_some()).map_err(|e| bad(&e))?;
         if !seen.insert((root, target.clone())) {
@@ -51,6 +52,7 @@ pub fn volume_mounts(
         }
         out.push(VolumeMount {
             source,
+            source_root,
             root,
             target,
             container_path: container_path.to_string(),
@@ -63,6 +65,35 @@ pub fn volume_mounts(
     out.sort_by_key(|m| m.target.components().count());
     Ok(out)
 }
+
+/// The part of a source per DESIGN.md's rules that nobody but us writes:
+/// for a persistent volume (a PATH disk's, or the default disk's in the work
+/// dir) the directory above `volumes/roles/<role>/<id>`, which lies in a
+/// tree containers write; `None` for a MOUNT disk's mount point, trusted as
+/// a whole. `source` is what `resolve_host_path` made of `r` (the role and
+/// id are single checked components there).
+fn source_root_of(r: &Resource, source: &Path) -> Option<PathBuf> {
+    let persistent = match r.disk_source() {
+        None => true,
+        Some(s) => s.kind == SourceType::Path,
+    };
+    if !persistent {
+        return None;
+    }
+    let root = source.ancestors().nth(PERSISTENT_DEPTH)?;
+    let tail: Vec<_> = source.strip_prefix(root).ok()?.components().collect();
+    match tail.as_slice() {
+        [Component::Normal(v), Component::Normal(r), _, _] if *v == "volumes" && *r == "roles" => {
+            Some(root.to_path_buf())
+        }
+        // Not the layout this module knows: trust none of it beyond the
+        // source's parent (never more than the source itself).
+        _ => source.parent().map(Path::to_path_buf),
+    }
+}
+
+/// Components of `volumes/roles/<role>/<id>`.
+const PERSISTENT_DEPTH: usize = 4;
 
 /// The root and the normalized relative target of a `container_path`.
 pub fn target_of(container_path: &str, has_rootfs: bool) -> Result<(TargetRoot, PathBuf), String> {
@@ -185,5 +216,86 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn persistent_volumes_name_their_trusted_root() {
+        let config = ContainerConfig {
+            resources: vec![],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: None,
+            user: None,
+        };
+        let work = Path::new("/work");
+        let csi = || {
+            Resource::csi_volume(
+                "p1",
+                "vol-1",
+                "./csi/t/n/mounts",
+                8,
+                None,
+                None,
+                [("k", "v")],
+            )
+        };
+        let as_path_disk = |mut r: serde_json::Value| {
+            let source = r["disk"]["source"].as_object_mut().unwrap();
+            let root = source.remove("mount").unwrap();
+            source.insert("type".into(), "PATH".into());
+            source.insert("path".into(), root);
+            r["disk"]["persistence"] = serde_json::json!({"id": "pv1"});
+            r["reservations"] = serde_json::json!([{"type": "DYNAMIC", "role": "r1"}]);
+            r
+        };
+        let mount_disk = serde_json::to_value(csi()).unwrap();
+        let path_disk = as_path_disk(mount_disk.clone());
+        let default_disk = serde_json::json!({
+            "name": "disk", "type": "SCALAR", "scalar": {"value": 8},
+            "reservations": [{"type": "DYNAMIC", "role": "r1"}],
+            "disk": {"persistence": {"id": "pv1"}},
+        });
+        let target = "/work/csi/t/n/mounts/vol-1/target";
+        let cases = [
+            (mount_disk, target.to_string(), None),
+            (
+                path_disk,
+                format!("{target}/volumes/roles/r1/pv1"),
+                Some(target.to_string()),
+            ),
+            (
+                default_disk,
+                "/work/volumes/roles/r1/pv1".to_string(),
+                Some("/work".to_string()),
+            ),
+        ];
+        for (json, source, root) in cases {
+            let mut r: Resource = serde_json::from_value(json).unwrap();
+            r = r.with_volume("data", crate::resource::VolumeMode::Rw);
+            let got = volume_mounts("c1", &config, &[r], work).unwrap();
+            assert_eq!(got[0].source, Path::new(&source));
+            assert_eq!(got[0].source_root, root.map(PathBuf::from), "{source}");
+            let (anchor, rest) = got[0].source_parts().unwrap();
+            assert_eq!(anchor.join(rest), got[0].source);
+        }
+    }
+
+    #[test]
+    fn source_root_is_optional_in_checkpoints_and_ignored_by_equality() {
+        let old = serde_json::json!({
+            "source": "/w/mp/volumes/roles/r1/pv1", "root": "sandbox", "target": "data",
+            "container_path": "data", "readonly": false,
+        });
+        let old: VolumeMount = serde_json::from_value(old).unwrap();
+        assert_eq!(old.source_root, None);
+        let mut new = old.clone();
+        new.source_root = Some(PathBuf::from("/w/mp"));
+        assert_eq!(old, new, "update must not see a changed mount");
+        let back: VolumeMount =
+            serde_json::from_value(serde_json::to_value(&new).unwrap()).unwrap();
+        assert_eq!(back.source_root, new.source_root);
+        assert!(!serde_json::to_string(&old).unwrap().contains("source_root"));
+        // A root the source does not lie beneath is refused, not trusted.
+        new.source_root = Some(PathBuf::from("/elsewhere"));
+        assert!(new.source_parts().is_err());
     }
 }

@@ -402,6 +402,7 @@ mod tests {
     fn mount(id: Option<&str>) -> VolumeMount {
         VolumeMount {
             source: PathBuf::from("/src"),
+            source_root: None,
             root: TargetRoot::Rootfs,
             target: PathBuf::from("data"),
             container_path: "/data".to_string(),

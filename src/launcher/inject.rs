@@ -2,7 +2,8 @@
 //!
 //! Contract:
 //! - [`mount_into`] makes the detached copy of the volume in the caller's (host) namespace: `open_tree`
-//!   clone of the source, read-only via `mount_setattr` if asked. The target is resolved by fd through
+//!   clone of the source opened by fd (no symlink followed inside a volume), nosuid,nodev of the host
+//!   mount cleared on the copy, read-only via `mount_setattr` if asked. The target is resolved by fd through
 //!   `/proc/<pid>/root`, i.e. inside the container's root as that process sees it, in its mount namespace
 //!   (the sandbox first, then the target inside the sandbox for sandbox targets), creating missing
 //!   directories there (never for host targets). Then a dedicated, short-lived thread does
@@ -17,7 +18,6 @@
 //!   container may not have (or has for another pid namespace).
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use super::setup::{attach, clone_source, resolve_target, Resolve};
@@ -98,22 +98,21 @@ pub fn mount_into(
         },
     );
     let clone = clone_source(&sys, mount, &at)?;
+    let is_dir = clone.source_is_dir();
 
     let target = match mount.root {
         TargetRoot::Sandbox => {
             // The sandbox first, by fd inside the container's root; then the target by fd inside the sandbox.
             let sandbox = open_sandbox(pid, &container_root, sandbox_in_container)?;
             let root = super::setup::fd_link(sandbox.as_fd());
-            resolve_target(mount, &root, Resolve::Create, &at)?
+            resolve_target(mount, is_dir, &root, Resolve::Create, &at)?
         }
-        TargetRoot::Rootfs => resolve_target(mount, &container_root, Resolve::Create, &at)?,
-        TargetRoot::Host => resolve_target(mount, &container_root, Resolve::Existing, &at)?,
+        TargetRoot::Rootfs => resolve_target(mount, is_dir, &container_root, Resolve::Create, &at)?,
+        TargetRoot::Host => resolve_target(mount, is_dir, &container_root, Resolve::Existing, &at)?,
     };
 
     let target_fd = target.as_fd();
-    in_namespace(pid, ns_fd.as_fd(), |sys| {
-        attach(sys, mount, clone, target_fd, &at)
-    })?;
+    in_namespace(pid, ns_fd.as_fd(), |sys| attach(sys, clone, target_fd, &at))?;
     tracing::info!(pid, "volume mounted into running container");
     Ok(())
 }
@@ -157,10 +156,13 @@ pub fn unmount_from(
         }
         TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
     };
-    // The volume's identity; a source already gone leaves only the mount-root check.
-    let source_id = std::fs::metadata(&mount.source)
+    // The volume's identity, its source opened the way the mount opened it (no symlink followed inside a
+    // volume); a source already gone (or refused) leaves only the mount-root check.
+    let source_id = mount
+        .open_source()
         .ok()
-        .map(|m| (m.dev(), m.ino()));
+        .and_then(|fd| nix::sys::stat::fstat(&fd).ok())
+        .map(|st| (st.st_dev, st.st_ino));
     let (dir, name) = match mount::open_parent_in_root(&root, &mount.target) {
         Ok(found) => found,
         // No directory there: nothing can be mounted on it.
@@ -232,8 +234,13 @@ fn sweep_moved(
             source,
         })
     };
-    // The volume's own mount on the host: what its copies in the container share.
-    let canonical = std::fs::canonicalize(&mount.source).unwrap_or_else(|_| mount.source.clone());
+    // The volume's own mount on the host: what its copies in the container share (the kernel's name for
+    // the source, opened without following a symlink inside a volume).
+    let canonical = mount
+        .open_source()
+        .ok()
+        .and_then(|fd| mount::fd_path(fd.as_fd()).ok())
+        .unwrap_or_else(|| mount.source.clone());
     let host_table = read(ProcMountTable::new())?;
     let Some(host) = host_table.iter().rev().find(|m| m.mount_point == canonical) else {
         return Ok(());

@@ -12,7 +12,7 @@ use nix::unistd::Pid;
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
 use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::isolator::launch_info::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
-use crate::mount::{self, ns, MountError, Propagation, Syscall};
+use crate::mount::{self, ns, MountError, MountFlags, Propagation, Syscall};
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.
 fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
@@ -34,13 +34,6 @@ pub(crate) fn fd_link(fd: BorrowedFd<'_>) -> PathBuf {
     PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
-/// Whether the target should be created as a file (the source is not a directory: a file or device node).
-fn target_is_file(source: &Path) -> bool {
-    std::fs::metadata(source)
-        .map(|m| !m.is_dir())
-        .unwrap_or(false)
-}
-
 /// How a volume's target is found inside its root.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Resolve {
@@ -53,44 +46,74 @@ pub(crate) enum Resolve {
 /// A detached copy of a volume's source tree, read-only already if asked and the kernel can do it early.
 pub(crate) struct DetachedTree {
     tree: Option<OwnedFd>,
+    /// The source, resolved by fd ([`VolumeMount::open_source`]): what the bind fallback mounts.
+    source: OwnedFd,
+    /// Whether the source is a directory (the target must then be one).
+    source_is_dir: bool,
     readonly_pending: bool,
+    /// The host-only flags (nosuid, nodev) are still to be cleared on the attached mount.
+    clear_pending: bool,
 }
 
-/// Step 1 of a mount, in the namespace the source lives in: `open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)` and,
-/// for read-only mounts, `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels
-/// without the new mount API (ENOSYS) the tree is left to the bind fallback of [`attach`].
+impl DetachedTree {
+    /// Whether the source is a directory (the target must then be one).
+    pub(crate) fn source_is_dir(&self) -> bool {
+        self.source_is_dir
+    }
+}
+
+/// Step 1 of a mount, in the namespace the source lives in: the source opened by fd beneath its trusted root
+/// (no symlink followed inside a volume), `open_tree(fd, OPEN_TREE_CLONE | AT_EMPTY_PATH | AT_RECURSIVE)`,
+/// the host-only flags (nosuid, nodev) cleared on the copy and, for read-only mounts,
+/// `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels without the new mount
+/// API (ENOSYS) the tree is left to the bind fallback of [`attach`], which binds the resolved fd.
 pub(crate) fn clone_source(
     sys: &dyn Syscall,
     mount: &VolumeMount,
     at: &VolumeRef,
 ) -> Result<DetachedTree, LaunchError> {
-    let tree = match sys.open_tree_clone(&mount.source, true) {
+    let clone_err = |source| LaunchError::CloneSource {
+        at: Box::new(at.clone()),
+        source_path: mount.source.clone(),
+        source,
+    };
+    // The source first: a missing or symlinked one fails before anything is created.
+    let source = mount.open_source().map_err(clone_err)?;
+    let source_is_dir = nix::sys::stat::fstat(&source)
+        .map(|st| {
+            nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
+                == nix::sys::stat::SFlag::S_IFDIR
+        })
+        .unwrap_or(true);
+    let tree = match sys.open_tree_clone_fd(source.as_fd(), true) {
         Ok(tree) => tree,
         Err(e) if e.errno() == Some(Errno::ENOSYS) => {
-            // Still fail early, and before anything is created, when the source is missing.
-            std::fs::symlink_metadata(&mount.source).map_err(|_| LaunchError::CloneSource {
-                at: Box::new(at.clone()),
-                source_path: mount.source.clone(),
-                source: e,
-            })?;
             return Ok(DetachedTree {
                 tree: None,
+                source,
+                source_is_dir,
                 readonly_pending: mount.readonly,
+                clear_pending: true,
             });
         }
-        Err(source) => {
-            return Err(LaunchError::CloneSource {
-                at: Box::new(at.clone()),
-                source_path: mount.source.clone(),
-                source,
-            })
-        }
+        Err(e) => return Err(clone_err(e)),
+    };
+    // Only the copy's own mount: a mount below it keeps whatever flags it has.
+    let clear_pending = match sys.change_mount_flags(
+        tree.as_fd(),
+        MountFlags::NONE,
+        MountFlags::HOST_ONLY,
+        false,
+    ) {
+        Ok(()) => false,
+        // open_tree without mount_setattr (5.2 to 5.11): remount after attaching.
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => true,
+        Err(e) => return Err(clone_err(e)),
     };
     let mut readonly_pending = false;
     if mount.readonly {
         match sys.set_readonly_by_fd(tree.as_fd(), true) {
             Ok(()) => {}
-            // open_tree without mount_setattr (5.2 to 5.11): remount after attaching.
             Err(e) if e.errno() == Some(Errno::ENOSYS) => readonly_pending = true,
             Err(source) => {
                 return Err(LaunchError::SetReadonly {
@@ -102,7 +125,10 @@ pub(crate) fn clone_source(
     }
     Ok(DetachedTree {
         tree: Some(tree),
+        source,
+        source_is_dir,
         readonly_pending,
+        clear_pending,
     })
 }
 
@@ -132,6 +158,7 @@ pub(super) fn resolve_rootfs(rootfs: &Path) -> Result<PathBuf, LaunchError> {
 /// name before anything is mounted.
 pub(crate) fn resolve_target(
     mount: &VolumeMount,
+    source_is_dir: bool,
     root: &Path,
     how: Resolve,
     at: &VolumeRef,
@@ -141,15 +168,10 @@ pub(crate) fn resolve_target(
         source,
     };
     let fd = match how {
-        Resolve::Create => {
-            mount::create_in_root(root, &mount.target, target_is_file(&mount.source))
-        }
+        Resolve::Create => mount::create_in_root(root, &mount.target, !source_is_dir),
         Resolve::Existing => mount::open_in_root(root, &mount.target),
     }
     .map_err(err)?;
-    let source_is_dir = std::fs::metadata(&mount.source)
-        .map(|m| m.is_dir())
-        .unwrap_or(true);
     let st = nix::sys::stat::fstat(&fd).map_err(|errno| {
         err(MountError::Resolve {
             step: "fstat target",
@@ -184,10 +206,11 @@ fn file_kind(kind: nix::sys::stat::SFlag) -> &'static str {
 }
 
 /// Step 3, in the namespace the target lives in: `move_mount` of the detached tree onto the target fd; or,
-/// without the new mount API, a recursive bind onto `/proc/self/fd/<target>` and a read-only remount.
+/// without the new mount API, a recursive bind of `/proc/self/fd/<source>` (the source resolved by fd,
+/// never its path again) onto `/proc/self/fd/<target>`, then a bind remount for what is pending (read-only,
+/// the host-only flags cleared).
 pub(crate) fn attach(
     sys: &dyn Syscall,
-    mount: &VolumeMount,
     clone: DetachedTree,
     target: BorrowedFd<'_>,
     at: &VolumeRef,
@@ -200,20 +223,30 @@ pub(crate) fn attach(
         at: Box::new(at.clone()),
         source,
     };
+    let set = if clone.readonly_pending {
+        MountFlags::READONLY
+    } else {
+        MountFlags::NONE
+    };
+    let clear = if clone.clear_pending {
+        MountFlags::HOST_ONLY
+    } else {
+        MountFlags::NONE
+    };
     match clone.tree {
         Some(tree) => {
             sys.move_mount_to_fd(tree.as_fd(), target)
                 .map_err(attach_err)?;
-            if clone.readonly_pending {
+            if !set.is_empty() || !clear.is_empty() {
                 // The tree fd now names the attached mount's root.
-                sys.remount_bind_readonly(&fd_link(tree.as_fd()))
+                sys.remount_bind_with(&fd_link(tree.as_fd()), set, clear)
                     .map_err(ro_err)?;
             }
         }
         None => {
-            sys.bind_mount_to_fd(&mount.source, target, true)
+            sys.bind_mount_to_fd(&fd_link(clone.source.as_fd()), target, true)
                 .map_err(attach_err)?;
-            if clone.readonly_pending {
+            if !set.is_empty() || !clear.is_empty() {
                 // The target fd still names the covered directory; its path now leads to the new mount.
                 let path = mount::fd_path(target).map_err(ro_err)?;
                 let top = open_dir(&path)
@@ -231,7 +264,7 @@ pub(crate) fn attach(
                         })
                     })
                     .map_err(ro_err)?;
-                sys.remount_bind_readonly(&fd_link(top.as_fd()))
+                sys.remount_bind_with(&fd_link(top.as_fd()), set, clear)
                     .map_err(ro_err)?;
             }
         }
@@ -248,8 +281,8 @@ fn apply(
 ) -> Result<(), LaunchError> {
     let at = VolumeRef::new(mount, root);
     let clone = clone_source(sys, mount, &at)?;
-    let target = resolve_target(mount, root, how, &at)?;
-    attach(sys, mount, clone, target.as_fd(), &at)?;
+    let target = resolve_target(mount, clone.source_is_dir(), root, how, &at)?;
+    attach(sys, clone, target.as_fd(), &at)?;
     tracing::debug!(
         volume_id = mount.volume_id.as_deref().unwrap_or("-"),
         container_path = %mount.container_path,
@@ -481,6 +514,7 @@ mod tests {
             rootfs: rootfs.map(PathBuf::from),
             mounts: vec![VolumeMount {
                 source: PathBuf::from("/src"),
+                source_root: None,
                 root,
                 target: PathBuf::from("data"),
                 container_path: "/data".to_string(),
@@ -512,5 +546,99 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A PATH disk's source in a temp dir: `<mount point>/volumes/roles/r1/<id>`.
+    fn path_disk(base: &Path, id: &str, readonly: bool) -> VolumeMount {
+        let anchor = base.join("mp");
+        let source = anchor.join("volumes/roles/r1").join(id);
+        VolumeMount {
+            source,
+            source_root: Some(anchor),
+            root: TargetRoot::Sandbox,
+            target: PathBuf::from("data"),
+            container_path: "data".into(),
+            readonly,
+            volume_id: Some(id.to_string()),
+            provider_id: None,
+        }
+    }
+
+    #[test]
+    fn clones_for_a_container_come_from_the_resolved_fd_with_the_host_flags_cleared() {
+        use crate::mount::{Call, CallKind, FakeSyscall};
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let sandbox = base.join("sandbox");
+        std::fs::create_dir_all(base.join("mp/volumes/roles/r1/pv1")).unwrap();
+        std::fs::create_dir(&sandbox).unwrap();
+        let m = path_disk(&base, "pv1", true);
+        let at = VolumeRef::new(&m, &sandbox);
+
+        // The new mount API: clone of the fd, nosuid,nodev cleared on the copy's own mount, read-only.
+        let fake = FakeSyscall::new();
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        assert!(clone.source_is_dir());
+        let target = resolve_target(&m, true, &sandbox, Resolve::Create, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert_eq!(
+            calls[0],
+            Call::OpenTreeCloneFd {
+                source: m.source.clone(),
+                recursive: true
+            }
+        );
+        assert!(matches!(
+            calls[1],
+            Call::ChangeMountFlags { set, clear, recursive: false, .. }
+                if set == MountFlags::NONE && clear == MountFlags::HOST_ONLY
+        ));
+        let kinds: Vec<CallKind> = calls.iter().map(Call::kind).collect();
+        assert_eq!(
+            kinds[2..],
+            [CallKind::SetReadonlyByFd, CallKind::MoveMountToFd]
+        );
+
+        // Without open_tree: the resolved fd is bound (never the path string), then one remount sets
+        // read-only and clears nosuid,nodev.
+        let fake = FakeSyscall::new();
+        fake.fail(CallKind::OpenTreeCloneFd, Errno::ENOSYS, 1);
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert!(
+            matches!(&calls[1], Call::BindMountToFd { source, recursive: true, .. }
+                if source.starts_with("/proc/self/fd")),
+            "{calls:?}"
+        );
+        assert!(matches!(
+            calls[2],
+            Call::RemountBindWith { set, clear, .. }
+                if set == MountFlags::READONLY && clear == MountFlags::HOST_ONLY
+        ));
+        assert_eq!(calls.len(), 3);
+    }
+
+    #[test]
+    fn a_symlink_inside_the_volume_is_refused_by_name_before_any_mount_call() {
+        use crate::mount::FakeSyscall;
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let decoy = base.join("decoy");
+        std::fs::create_dir_all(&decoy).unwrap();
+        std::fs::create_dir_all(base.join("mp/volumes/roles/r1")).unwrap();
+        std::os::unix::fs::symlink(&decoy, base.join("mp/volumes/roles/r1/pv1")).unwrap();
+        let m = path_disk(&base, "pv1", false);
+        let at = VolumeRef::new(&m, &base);
+        let fake = FakeSyscall::new();
+        let err = match clone_source(&fake, &m, &at) {
+            Err(e) => e,
+            Ok(_) => panic!("a symlinked sub-path was cloned"),
+        };
+        let text = err.to_string();
+        assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
+        assert!(text.starts_with("mount volume 'pv1' at data"), "{text}");
+        assert!(fake.calls().is_empty());
     }
 }

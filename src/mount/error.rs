@@ -104,6 +104,40 @@ pub enum MountError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// Changing a mount's flags (`mount_setattr` attr_set / attr_clr, or its bind-remount fallback) failed.
+    #[error("change mount flags of {mount} ({change}): {errno}")]
+    ChangeFlags {
+        /// The mount: its path, or the fd it was reached through.
+        mount: PathBuf,
+        /// What was asked: `set nosuid,nodev`, `clear nosuid,nodev`, ...
+        change: String,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// Hardening a host-side mount (nosuid,nodev) could not look at it.
+    #[error("harden mount {path} (nosuid,nodev): {step}: {errno}")]
+    Harden {
+        /// The mount point.
+        path: PathBuf,
+        /// The step (open, statx).
+        step: &'static str,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// A path inside a volume (a persistent volume's `volumes/roles/<role>/<id>`) goes through a symlink:
+    /// whoever writes the volume (a container) could send the mount anywhere, so it is refused.
+    #[error(
+        "open {path} beneath {root}: {component} is a symlink; a path inside a volume is never followed \
+         through a symlink (whatever wrote the volume planted it: remove it from the volume)"
+    )]
+    SymlinkBeneath {
+        /// The trusted directory the path is resolved beneath (the volume's mount point, or the work dir).
+        root: PathBuf,
+        /// The path beneath it.
+        path: PathBuf,
+        /// The first component that is a symlink, as a path beneath `root` (`volumes/roles/r1/pv1`).
+        component: PathBuf,
+    },
     /// `pivot_root` failed.
     #[error("pivot_root to {new_root} (old root at {put_old}): {errno}")]
     PivotRoot {
@@ -198,12 +232,15 @@ impl MountError {
             | MountError::OpenTree { errno, .. }
             | MountError::MoveMount { errno, .. }
             | MountError::MountSetattr { errno, .. }
+            | MountError::ChangeFlags { errno, .. }
+            | MountError::Harden { errno, .. }
             | MountError::PivotRoot { errno, .. }
             | MountError::Resolve { errno, .. }
             | MountError::FdPath { errno, .. }
             | MountError::Loop { errno, .. } => Some(*errno),
             MountError::NotMounted { .. } => Some(Errno::EINVAL),
             MountError::Escape { .. } => Some(Errno::EXDEV),
+            MountError::SymlinkBeneath { .. } => Some(Errno::ELOOP),
             MountError::ReadMountInfo { source, .. } | MountError::LoopSysfs { source, .. } => {
                 source.raw_os_error().map(Errno::from_raw)
             }

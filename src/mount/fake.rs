@@ -8,7 +8,11 @@
 //! - unmount removes the topmost entry at the path; no entry gives `NotMounted`; a non-lazy unmount of a
 //!   mount with mounts below it is EBUSY, a lazy one takes them along;
 //! - open_tree hands out a real fd (an O_PATH fd of `/`) standing for a detached tree, which move_mount
-//!   attaches at the path the target fd resolves to (read from /proc/self/fd).
+//!   attaches at the path the target fd resolves to (read from /proc/self/fd); `open_tree_clone_fd` clones
+//!   the path its source fd resolves to;
+//! - a bind (or clone) keeps the nosuid, nodev and noexec options of the mount holding its source, as the
+//!   kernel does; flag changes on a detached tree apply when it is attached; `harden_mount_root` only
+//!   changes a path that has an entry of its own (a mount root).
 //!
 //! No kernel state is touched: the paths need not exist.
 
@@ -38,6 +42,20 @@ struct Tree {
     source: PathBuf,
     recursive: bool,
     readonly: bool,
+    set: MountFlags,
+    clear: MountFlags,
+}
+
+impl Tree {
+    fn new(source: PathBuf, recursive: bool) -> Tree {
+        Tree {
+            source,
+            recursive,
+            readonly: false,
+            set: MountFlags::NONE,
+            clear: MountFlags::NONE,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -201,21 +219,31 @@ impl State {
 
     fn bind(&mut self, source: &Path, target: &Path, recursive: bool, readonly: bool) {
         // The bound tree keeps the file system of the mount that holds the source.
-        let (fs_type, dev) = self
+        let (fs_type, dev, kept) = self
             .table
             .iter()
             .rev()
             .filter(|m| source.starts_with(&m.mount_point))
             .max_by_key(|m| m.mount_point.components().count())
-            .map_or(("none".to_string(), source.display().to_string()), |m| {
-                (m.fs_type.clone(), m.source.clone())
-            });
+            .map_or(
+                ("none".to_string(), source.display().to_string(), Vec::new()),
+                |m| {
+                    let kept = m
+                        .mount_options
+                        .iter()
+                        .filter(|o| PER_MOUNT.contains(&o.as_str()))
+                        .cloned()
+                        .collect();
+                    (m.fs_type.clone(), m.source.clone(), kept)
+                },
+            );
         let below = if recursive {
             self.below(source)
         } else {
             Vec::new()
         };
-        let info = self.entry(source.to_path_buf(), target, &fs_type, &dev, readonly);
+        let mut info = self.entry(source.to_path_buf(), target, &fs_type, &dev, readonly);
+        info.mount_options.extend(kept);
         self.table.push(info);
         for m in below {
             let rel = m.mount_point.strip_prefix(source).unwrap_or(Path::new(""));
@@ -226,6 +254,32 @@ impl State {
                 set_ro(&mut copy);
             }
             self.table.push(copy);
+        }
+    }
+}
+
+/// The per-mount options a bind keeps from the mount holding its source.
+const PER_MOUNT: [&str; 3] = ["nosuid", "nodev", "noexec"];
+
+/// Applies `set` then `clear` to an entry's per-mount options.
+fn apply_flags(m: &mut MountInfo, set: MountFlags, clear: MountFlags) {
+    if set.readonly {
+        set_ro(m);
+    }
+    if clear.readonly {
+        m.mount_options.retain(|o| o != "rw" && o != "ro");
+        m.mount_options.insert(0, "rw".to_string());
+    }
+    for (on, off, name) in [
+        (set.nosuid, clear.nosuid, "nosuid"),
+        (set.nodev, clear.nodev, "nodev"),
+        (set.noexec, clear.noexec, "noexec"),
+    ] {
+        if on && !m.mount_options.iter().any(|o| o == name) {
+            m.mount_options.push(name.to_string());
+        }
+        if off {
+            m.mount_options.retain(|o| o != name);
         }
     }
 }
@@ -461,15 +515,130 @@ impl Syscall for FakeSyscall {
         }
         // A real, harmless fd stands for the detached tree so callers can borrow and close it as usual.
         let fd = open("/", OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).map_err(err)?;
-        s.trees.insert(
-            fd.as_raw_fd(),
-            Tree {
-                source: source.to_path_buf(),
-                recursive,
-                readonly: false,
-            },
-        );
+        s.trees
+            .insert(fd.as_raw_fd(), Tree::new(source.to_path_buf(), recursive));
         Ok(fd)
+    }
+
+    /// Recorded with the path the kernel gives `source`; the tree stands for that path.
+    fn open_tree_clone_fd(
+        &self,
+        source: BorrowedFd<'_>,
+        recursive: bool,
+    ) -> Result<OwnedFd, MountError> {
+        let path = super::resolve::fd_path(source)?;
+        let mut s = self.lock();
+        let call = Call::OpenTreeCloneFd {
+            source: path.clone(),
+            recursive,
+        };
+        let err = |errno| MountError::OpenTree {
+            source_path: path.clone(),
+            errno,
+        };
+        if let Some(errno) = self.record(&mut s, call) {
+            return Err(err(errno));
+        }
+        let fd = open("/", OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).map_err(err)?;
+        s.trees
+            .insert(fd.as_raw_fd(), Tree::new(path.clone(), recursive));
+        Ok(fd)
+    }
+
+    fn change_mount_flags(
+        &self,
+        mount: BorrowedFd<'_>,
+        set: MountFlags,
+        clear: MountFlags,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let mut s = self.lock();
+        let fd = raw(mount);
+        let err = |errno| MountError::ChangeFlags {
+            mount: PathBuf::from(format!("/proc/self/fd/{fd}")),
+            change: format!("set {set}, clear {clear}"),
+            errno,
+        };
+        let call = Call::ChangeMountFlags {
+            fd,
+            set,
+            clear,
+            recursive,
+        };
+        if let Some(errno) = self.record(&mut s, call) {
+            return Err(err(errno));
+        }
+        if let Some(tree) = s.trees.get_mut(&fd) {
+            tree.set = tree.set.union(set);
+            tree.clear = tree.clear.union(clear);
+            tree.readonly = (tree.readonly || set.readonly) && !clear.readonly;
+            return Ok(());
+        }
+        let path = super::resolve::fd_path(mount).map_err(|_| err(Errno::EBADF))?;
+        let top_id = s
+            .topmost(&path)
+            .map(|m| m.mount_id)
+            .ok_or_else(|| err(Errno::EINVAL))?;
+        for m in s.table.iter_mut() {
+            if m.mount_id == top_id || (recursive && m.mount_point.starts_with(&path)) {
+                apply_flags(m, set, clear);
+            }
+        }
+        Ok(())
+    }
+
+    fn remount_bind_with(
+        &self,
+        target: &Path,
+        set: MountFlags,
+        clear: MountFlags,
+    ) -> Result<(), MountError> {
+        let mut s = self.lock();
+        let call = Call::RemountBindWith {
+            target: target.to_path_buf(),
+            set,
+            clear,
+        };
+        let err = |errno| MountError::ChangeFlags {
+            mount: target.to_path_buf(),
+            change: format!("set {set}, clear {clear}"),
+            errno,
+        };
+        if let Some(errno) = self.record(&mut s, call) {
+            return Err(err(errno));
+        }
+        // A /proc/self/fd path names whatever its fd holds.
+        let at = if target.starts_with("/proc/self/fd") {
+            std::fs::read_link(target).unwrap_or_else(|_| target.to_path_buf())
+        } else {
+            target.to_path_buf()
+        };
+        let m = s.topmost(&at).ok_or_else(|| err(Errno::EINVAL))?;
+        apply_flags(m, set, clear);
+        Ok(())
+    }
+
+    fn harden_mount_root(&self, path: &Path) -> Result<bool, MountError> {
+        let mut s = self.lock();
+        let call = Call::HardenMountRoot {
+            target: path.to_path_buf(),
+        };
+        if let Some(errno) = self.record(&mut s, call) {
+            return Err(MountError::ChangeFlags {
+                mount: path.to_path_buf(),
+                change: format!("set {}", MountFlags::HOST_ONLY),
+                errno,
+            });
+        }
+        if s.topmost(path).is_none() {
+            return Ok(false);
+        }
+        for m in s.table.iter_mut() {
+            if m.mount_point.starts_with(path) {
+                apply_flags(m, MountFlags::HOST_ONLY, MountFlags::NONE);
+            }
+        }
+        Ok(true)
     }
 
     fn move_mount_to_fd(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>) -> Result<(), MountError> {
@@ -495,6 +664,9 @@ impl Syscall for FakeSyscall {
             .ok_or_else(|| err(Errno::EINVAL))?;
         let target = super::resolve::fd_path(to).map_err(|_| err(Errno::EBADF))?;
         s.bind(&tree.source, &target, tree.recursive, tree.readonly);
+        if let Some(m) = s.topmost(&target) {
+            apply_flags(m, tree.set, tree.clear);
+        }
         Ok(())
     }
 
@@ -757,5 +929,67 @@ mod tests {
         assert!(!fake.find(&real_target).unwrap().unwrap().is_readonly());
         fake.set_readonly_by_fd(target_fd.as_fd(), false).unwrap();
         assert!(fake.find(&real_target).unwrap().unwrap().is_readonly());
+    }
+
+    #[test]
+    fn clones_by_fd_keep_the_source_flags_until_changed_and_harden_needs_a_mount_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let (src, dst) = (base.join("src"), base.join("dst"));
+        std::fs::create_dir(&src).unwrap();
+        std::fs::create_dir(&dst).unwrap();
+        let fake = FakeSyscall::new();
+        // Not a mount root: nothing changes.
+        assert!(!fake.harden_mount_root(&src).unwrap());
+        assert!(fake.mounts().unwrap().is_empty());
+        fake.add_mount("vol", &src, "ext4");
+        assert!(fake.harden_mount_root(&src).unwrap());
+        let host = fake.find(&src).unwrap().unwrap();
+        assert!(host.mount_options.iter().any(|o| o == "nosuid"));
+
+        let src_fd = open(&src, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let dst_fd = open(&dst, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let tree = fake.open_tree_clone_fd(src_fd.as_fd(), true).unwrap();
+        fake.change_mount_flags(tree.as_fd(), MountFlags::NONE, MountFlags::HOST_ONLY, false)
+            .unwrap();
+        fake.move_mount_to_fd(tree.as_fd(), dst_fd.as_fd()).unwrap();
+        let copy = fake.find(&dst).unwrap().unwrap();
+        assert!(
+            !copy
+                .mount_options
+                .iter()
+                .any(|o| o == "nosuid" || o == "nodev"),
+            "{copy:?}"
+        );
+        // A clone left alone keeps what its source's mount has, as the kernel's does.
+        let second = base.join("second");
+        std::fs::create_dir(&second).unwrap();
+        let second_fd = open(&second, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).unwrap();
+        let tree2 = fake.open_tree_clone_fd(src_fd.as_fd(), false).unwrap();
+        fake.move_mount_to_fd(tree2.as_fd(), second_fd.as_fd())
+            .unwrap();
+        let kept = fake.find(&second).unwrap().unwrap();
+        assert!(kept.mount_options.iter().any(|o| o == "nodev"), "{kept:?}");
+        // The remount fallback sets and clears on an attached mount.
+        fake.remount_bind_with(&second, MountFlags::READONLY, MountFlags::HOST_ONLY)
+            .unwrap();
+        let changed = fake.find(&second).unwrap().unwrap();
+        assert!(changed.is_readonly());
+        assert!(!changed.mount_options.iter().any(|o| o == "nodev"));
+        assert_eq!(
+            fake.calls()[..3],
+            [
+                Call::HardenMountRoot {
+                    target: src.clone()
+                },
+                Call::HardenMountRoot {
+                    target: src.clone()
+                },
+                Call::OpenTreeCloneFd {
+                    source: src.clone(),
+                    recursive: true
+                },
+            ]
+        );
     }
 }

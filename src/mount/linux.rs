@@ -25,6 +25,60 @@ pub const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x0000_0004;
 pub const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x0000_0040;
 /// mount_setattr(2): mount read-only.
 pub const MOUNT_ATTR_RDONLY: u64 = 0x0000_0001;
+/// mount_setattr(2): ignore suid and sgid bits.
+pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
+/// mount_setattr(2): disallow access to device special files.
+pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
+/// mount_setattr(2): disallow program execution.
+pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
+
+/// The MOUNT_ATTR_* bits of `flags`.
+fn mount_attr_bits(flags: MountFlags) -> u64 {
+    [
+        (flags.readonly, MOUNT_ATTR_RDONLY),
+        (flags.nosuid, MOUNT_ATTR_NOSUID),
+        (flags.nodev, MOUNT_ATTR_NODEV),
+        (flags.noexec, MOUNT_ATTR_NOEXEC),
+    ]
+    .into_iter()
+    .filter(|(on, _)| *on)
+    .fold(0, |acc, (_, bit)| acc | bit)
+}
+
+/// What a flag change is, for messages: `set nosuid,nodev`, `clear nosuid,nodev`, or both.
+fn describe_change(set: MountFlags, clear: MountFlags) -> String {
+    match (set.is_empty(), clear.is_empty()) {
+        (false, true) => format!("set {set}"),
+        (true, false) => format!("clear {clear}"),
+        _ => format!("set {set}, clear {clear}"),
+    }
+}
+
+/// mount_setattr(fd, "", AT_EMPTY_PATH | (AT_RECURSIVE if recursive), attr): the raw call, errno on failure.
+fn mount_setattr(mount: BorrowedFd<'_>, attr: &MountAttr, recursive: bool) -> Result<(), Errno> {
+    let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+    if recursive {
+        flags |= libc::AT_RECURSIVE as libc::c_uint;
+    }
+    let empty = c"";
+    // SAFETY: mount_setattr(int dfd, const char *path, unsigned flags, struct mount_attr *attr,
+    // size_t size): the fd is borrowed for the call, the path is the static empty string, and `attr`
+    // is a live repr(C) struct of exactly `size` bytes that the kernel only reads.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            mount.as_raw_fd(),
+            empty.as_ptr(),
+            flags,
+            attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if ret < 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
 
 /// `struct mount_attr` from include/uapi/linux/mount.h (MOUNT_ATTR_SIZE_VER0 = 32 bytes).
 #[repr(C)]
@@ -66,11 +120,21 @@ pub(crate) fn proc_fd_path(fd: BorrowedFd<'_>) -> PathBuf {
 /// Per-mount flags a read-only bind remount must keep: the kernel refuses (EPERM) to clear locked flags,
 /// and MS_REMOUNT replaces the whole set.
 fn kept_flags(target: &Path) -> Result<MsFlags, MountError> {
+    kept_flags_of(target, false)
+}
+
+/// [`kept_flags`], with MS_RDONLY too when `with_readonly` and the mount is read-only (a remount that is
+/// not about read-only must not make a read-only mount writable).
+fn kept_flags_of(target: &Path, with_readonly: bool) -> Result<MsFlags, MountError> {
     let st = statvfs(target).map_err(|errno| MountError::Statvfs {
         target: target.to_path_buf(),
         errno,
     })?;
     let have = st.flags();
+    let mut kept = MsFlags::empty();
+    if with_readonly && have.contains(FsFlags::ST_RDONLY) {
+        kept |= MsFlags::MS_RDONLY;
+    }
     let map = [
         (FsFlags::ST_NOSUID, MsFlags::MS_NOSUID),
         (FsFlags::ST_NODEV, MsFlags::MS_NODEV),
@@ -83,7 +147,7 @@ fn kept_flags(target: &Path) -> Result<MsFlags, MountError> {
     Ok(map
         .iter()
         .filter(|(st, _)| have.contains(*st))
-        .fold(MsFlags::empty(), |acc, (_, ms)| acc | *ms))
+        .fold(kept, |acc, (_, ms)| acc | *ms))
 }
 
 fn bind(source: &Path, target: &Path, shown: &Path, recursive: bool) -> Result<(), MountError> {
@@ -314,31 +378,133 @@ impl Syscall for LinuxSyscall {
             attr_set: MOUNT_ATTR_RDONLY,
             ..MountAttr::default()
         };
-        let mut flags = libc::AT_EMPTY_PATH as libc::c_uint;
+        mount_setattr(mount, &attr, recursive).map_err(|errno| MountError::MountSetattr {
+            fd: mount.as_raw_fd(),
+            errno,
+        })
+    }
+
+    fn open_tree_clone_fd(
+        &self,
+        source: BorrowedFd<'_>,
+        recursive: bool,
+    ) -> Result<OwnedFd, MountError> {
+        let mut flags = OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | libc::AT_EMPTY_PATH as libc::c_uint;
         if recursive {
             flags |= libc::AT_RECURSIVE as libc::c_uint;
         }
         let empty = c"";
-        // SAFETY: mount_setattr(int dfd, const char *path, unsigned flags, struct mount_attr *attr,
-        // size_t size): the fd is borrowed for the call, the path is the static empty string, and `attr`
-        // is a live repr(C) struct of exactly `size` bytes that the kernel only reads.
+        // SAFETY: open_tree(int dfd, const char *path, unsigned flags): the fd is borrowed for the call and
+        // the path is the static empty string (AT_EMPTY_PATH: the fd's own object); the kernel keeps neither.
         let ret = unsafe {
             libc::syscall(
-                libc::SYS_mount_setattr,
-                mount.as_raw_fd(),
+                libc::SYS_open_tree,
+                source.as_raw_fd(),
                 empty.as_ptr(),
                 flags,
-                &attr as *const MountAttr,
-                std::mem::size_of::<MountAttr>(),
             )
         };
         if ret < 0 {
-            return Err(MountError::MountSetattr {
-                fd: mount.as_raw_fd(),
-                errno: Errno::last(),
+            let errno = Errno::last();
+            return Err(MountError::OpenTree {
+                source_path: super::resolve::fd_path(source)
+                    .unwrap_or_else(|_| proc_fd_path(source)),
+                errno,
             });
         }
-        Ok(())
+        // SAFETY: on success open_tree returns a new fd that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) })
+    }
+
+    fn change_mount_flags(
+        &self,
+        mount: BorrowedFd<'_>,
+        set: MountFlags,
+        clear: MountFlags,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let attr = MountAttr {
+            attr_set: mount_attr_bits(set),
+            attr_clr: mount_attr_bits(clear),
+            ..MountAttr::default()
+        };
+        mount_setattr(mount, &attr, recursive).map_err(|errno| MountError::ChangeFlags {
+            mount: super::resolve::fd_path(mount).unwrap_or_else(|_| proc_fd_path(mount)),
+            change: describe_change(set, clear),
+            errno,
+        })
+    }
+
+    fn remount_bind_with(
+        &self,
+        target: &Path,
+        set: MountFlags,
+        clear: MountFlags,
+    ) -> Result<(), MountError> {
+        let to_ms = |f: MountFlags| {
+            let mut ms = MsFlags::empty();
+            ms.set(MsFlags::MS_RDONLY, f.readonly);
+            ms.set(MsFlags::MS_NOSUID, f.nosuid);
+            ms.set(MsFlags::MS_NODEV, f.nodev);
+            ms.set(MsFlags::MS_NOEXEC, f.noexec);
+            ms
+        };
+        let flags = (kept_flags_of(target, true)? | to_ms(set)) - to_ms(clear);
+        mount(
+            None::<&str>,
+            target,
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | flags,
+            None::<&str>,
+        )
+        .map_err(|errno| MountError::ChangeFlags {
+            mount: target.to_path_buf(),
+            change: describe_change(set, clear),
+            errno,
+        })
+    }
+
+    fn harden_mount_root(&self, path: &Path) -> Result<bool, MountError> {
+        let err = |step, errno| MountError::Harden {
+            path: path.to_path_buf(),
+            step,
+            errno,
+        };
+        // O_NOFOLLOW: a symlink at `path` is opened as itself, which is no mount root.
+        let fd = match nix::fcntl::open(
+            path,
+            nix::fcntl::OFlag::O_PATH
+                | nix::fcntl::OFlag::O_NOFOLLOW
+                | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(Errno::ENOENT) => return Ok(false),
+            Err(errno) => return Err(err("open", errno)),
+        };
+        let is_root = match super::mountinfo::fd_mount_root(fd.as_fd()) {
+            Ok(Some(answer)) => answer,
+            // Before Linux 5.8: the mount table, at the path the kernel gives the fd.
+            Ok(None) => {
+                let at = super::resolve::fd_path(fd.as_fd())?;
+                super::MountTable::is_mount_point(&super::ProcMountTable::new(), &at)?
+            }
+            Err(errno) => return Err(err("statx", errno)),
+        };
+        if !is_root {
+            return Ok(false);
+        }
+        match self.change_mount_flags(fd.as_fd(), MountFlags::HOST_ONLY, MountFlags::NONE, true) {
+            Ok(()) => {}
+            // Before Linux 5.12: the same mount through its fd, by a bind remount (not recursive).
+            Err(e) if e.errno() == Some(Errno::ENOSYS) => self.remount_bind_with(
+                &proc_fd_path(fd.as_fd()),
+                MountFlags::HOST_ONLY,
+                MountFlags::NONE,
+            )?,
+            Err(e) => return Err(e),
+        }
+        Ok(true)
     }
 
     fn bind_mount_to_fd(

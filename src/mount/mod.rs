@@ -7,7 +7,10 @@
 //! - Reads of kernel mount state go through [`MountTable`] ([`ProcMountTable`] parses
 //!   `/proc/<pid>/mountinfo`); the mount table, not our own bookkeeping, is the truth for "is it mounted".
 //! - Paths inside an untrusted container root are resolved by fd ([`open_in_root`], [`create_in_root`]):
-//!   whatever symlinks the root holds, the returned fd lies inside the root.
+//!   whatever symlinks the root holds, the returned fd lies inside the root. Paths inside a volume
+//!   ([`open_beneath_no_symlinks`]) follow no symlink at all, and mounts are cloned from that fd.
+//! - Host-side mounts of volume data carry nosuid,nodev ([`MountFlags::HOST_ONLY`],
+//!   [`Syscall::harden_mount_root`]); the copies made for containers clear them again.
 //! - Unmounting is bounded: EBUSY is retried a few times, then the mount is detached lazily
 //!   ([`unmount_with_retry`]); "not mounted" is success.
 //! - Loop devices ([`loopdev`]) are attached with autoclear, so they go away with their last user.
@@ -30,8 +33,8 @@ pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
 };
 pub use resolve::{
-    create_in_root, fd_path, open_dir_no_symlinks, open_dir_no_symlinks_in, open_in_root,
-    open_parent_in_root,
+    create_in_root, fd_path, open_beneath_no_symlinks, open_dir_no_symlinks,
+    open_dir_no_symlinks_in, open_in_root, open_parent_in_root,
 };
 pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
 pub use unmount::{

@@ -210,6 +210,13 @@ pub fn entry_identity(
     }
 }
 
+/// Whether the object `fd` holds (an O_PATH fd, a symlink included) is the root of a mount, from one statx
+/// on the fd itself; `Ok(None)` when the kernel cannot say (before Linux 5.8).
+pub(crate) fn fd_mount_root(fd: std::os::fd::BorrowedFd<'_>) -> Result<Option<bool>, Errno> {
+    use std::os::fd::AsRawFd;
+    statx_flags(fd.as_raw_fd(), c"", libc::AT_EMPTY_PATH).map(|st| mount_root_attr(&st))
+}
+
 fn mount_root_attr(st: &libc::statx) -> Option<bool> {
     const STATX_ATTR_MOUNT_ROOT: u64 = 0x2000; // include/uapi/linux/stat.h
     (st.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT != 0)
@@ -217,6 +224,15 @@ fn mount_root_attr(st: &libc::statx) -> Option<bool> {
 }
 
 fn statx_nofollow(dirfd: libc::c_int, name: &std::ffi::CStr) -> Result<libc::statx, Errno> {
+    statx_flags(dirfd, name, 0)
+}
+
+/// statx without following a symlink or triggering an automount, plus `extra` flags (AT_EMPTY_PATH).
+fn statx_flags(
+    dirfd: libc::c_int,
+    name: &std::ffi::CStr,
+    extra: libc::c_int,
+) -> Result<libc::statx, Errno> {
     let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
     // SAFETY: `name` is a valid NUL-terminated string, `dirfd` is AT_FDCWD or an fd the caller keeps open
     // for the call, and buf points to a writable statx struct that outlives the call.
@@ -224,7 +240,7 @@ fn statx_nofollow(dirfd: libc::c_int, name: &std::ffi::CStr) -> Result<libc::sta
         libc::statx(
             dirfd,
             name.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
+            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | extra,
             libc::STATX_BASIC_STATS,
             buf.as_mut_ptr(),
         )

@@ -177,6 +177,58 @@ fn walk_no_symlinks(ctx: &Ctx<'_>, root_fd: OwnedFd, path: &Path) -> Result<Owne
     Ok(cur)
 }
 
+/// Opens `rest` beneath the trusted directory `anchor` (a volume's mount point, or the work dir) as an
+/// O_PATH fd of a directory, following no symlink beneath `anchor`: a volume's sub-path
+/// (`volumes/roles/<role>/<id>`) lies in a tree whatever uses the volume can write, and a symlink planted
+/// there must not send a mount elsewhere. `anchor` itself is opened as given (it is ours); an empty `rest`
+/// is the anchor. `rest` must be relative, of plain components only. A symlink on the way is
+/// [`MountError::SymlinkBeneath`] naming the first such component; resolution is
+/// openat2(RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) from the anchor's fd, or the
+/// O_NOFOLLOW component walk without openat2 ([`open_dir_no_symlinks_in`]).
+pub fn open_beneath_no_symlinks(anchor: &Path, rest: &Path) -> Result<OwnedFd, MountError> {
+    let ctx = Ctx {
+        root: anchor,
+        path: rest,
+    };
+    if rest.as_os_str().is_empty() {
+        return open(anchor, OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())
+            .map_err(|e| ctx.err("open", e));
+    }
+    if rest.is_absolute() || !rest.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(ctx.err("check path", Errno::EINVAL));
+    }
+    match open_dir_no_symlinks_in(anchor, &Path::new("/").join(rest)) {
+        Err(e) if e.errno() == Some(Errno::ELOOP) => Err(first_symlink(anchor, rest).map_or(
+            e,
+            |component| MountError::SymlinkBeneath {
+                root: anchor.to_path_buf(),
+                path: rest.to_path_buf(),
+                component,
+            },
+        )),
+        Err(MountError::Resolve { step, errno, .. }) => Err(ctx.err(step, errno)),
+        other => other,
+    }
+}
+
+/// The first component of `rest` beneath `anchor` that is a symlink (as a path beneath `anchor`), for the
+/// message; `None` when none is found (it was swapped back since).
+fn first_symlink(anchor: &Path, rest: &Path) -> Option<PathBuf> {
+    let o_path = OFlag::O_PATH | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut cur = open(anchor, o_path | OFlag::O_DIRECTORY, Mode::empty()).ok()?;
+    let mut seen = PathBuf::new();
+    for name in split(rest) {
+        seen.push(&name);
+        let next = openat(&cur, name.as_os_str(), o_path, Mode::empty()).ok()?;
+        let st = fstat(&next).ok()?;
+        if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFLNK {
+            return Some(seen);
+        }
+        cur = next;
+    }
+    None
+}
+
 /// The directory holding the last component of `path` inside the container root `root`, as an O_PATH fd,
 /// and that component's name. Everything up to the last component resolves like [`open_in_root`] (symlinks
 /// followed, never out of `root`); a last component that is a symlink is followed the same way (the mount

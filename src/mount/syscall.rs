@@ -38,7 +38,8 @@ impl fmt::Display for Propagation {
     }
 }
 
-/// Per-mount flags for [`Syscall::mount_filesystem`].
+/// Per-mount flags: for [`Syscall::mount_filesystem`], and the flags to set or clear in
+/// [`Syscall::change_mount_flags`] and [`Syscall::remount_bind_with`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MountFlags {
     /// MS_RDONLY
@@ -49,6 +50,74 @@ pub struct MountFlags {
     pub nodev: bool,
     /// MS_NOEXEC
     pub noexec: bool,
+}
+
+impl MountFlags {
+    /// What a host-side mount of volume data carries and a container's copy of it does not: nosuid
+    /// (nothing planted in a volume runs with privilege through a host path) and nodev (no device node
+    /// planted in a volume opens a host device through a host path).
+    pub const HOST_ONLY: MountFlags = MountFlags {
+        readonly: false,
+        nosuid: true,
+        nodev: true,
+        noexec: false,
+    };
+
+    /// Read-only, nothing else.
+    pub const READONLY: MountFlags = MountFlags {
+        readonly: true,
+        nosuid: false,
+        nodev: false,
+        noexec: false,
+    };
+
+    /// No flag at all.
+    pub const NONE: MountFlags = MountFlags {
+        readonly: false,
+        nosuid: false,
+        nodev: false,
+        noexec: false,
+    };
+
+    /// Both sets of flags.
+    pub fn union(self, other: MountFlags) -> MountFlags {
+        MountFlags {
+            readonly: self.readonly || other.readonly,
+            nosuid: self.nosuid || other.nosuid,
+            nodev: self.nodev || other.nodev,
+            noexec: self.noexec || other.noexec,
+        }
+    }
+
+    /// Whether no flag is set.
+    pub fn is_empty(self) -> bool {
+        self == MountFlags::NONE
+    }
+
+    /// The flags as mount options (`ro,nosuid,nodev,noexec`), for records and messages.
+    pub fn names(self) -> Vec<&'static str> {
+        [
+            (self.readonly, "ro"),
+            (self.nosuid, "nosuid"),
+            (self.nodev, "nodev"),
+            (self.noexec, "noexec"),
+        ]
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, name)| name)
+        .collect()
+    }
+}
+
+impl fmt::Display for MountFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = self.names();
+        if names.is_empty() {
+            f.write_str("(none)")
+        } else {
+            f.write_str(&names.join(","))
+        }
+    }
 }
 
 /// Every privileged mount-related call goes through this trait.
@@ -100,6 +169,40 @@ pub trait Syscall: Send + Sync + fmt::Debug {
         source: &Path,
         recursive: bool,
     ) -> Result<std::os::fd::OwnedFd, MountError>;
+    /// open_tree(source, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | OPEN_TREE_CLOEXEC | (AT_RECURSIVE if
+    /// recursive)): a detached copy of the tree at the object `source` already holds (an O_PATH fd the
+    /// caller resolved without following symlinks), so no path is looked up again.
+    fn open_tree_clone_fd(
+        &self,
+        source: BorrowedFd<'_>,
+        recursive: bool,
+    ) -> Result<std::os::fd::OwnedFd, MountError>;
+    /// mount_setattr(fd, "", AT_EMPTY_PATH | (AT_RECURSIVE if recursive), { attr_set: set, attr_clr: clear })
+    /// on a mount fd: a detached tree from open_tree, or an O_PATH fd of a mount root. ENOSYS before Linux
+    /// 5.12 (callers then use [`remount_bind_with`](Self::remount_bind_with) once the tree is attached).
+    fn change_mount_flags(
+        &self,
+        mount: BorrowedFd<'_>,
+        set: MountFlags,
+        clear: MountFlags,
+        recursive: bool,
+    ) -> Result<(), MountError>;
+    /// mount(NULL, target, NULL, MS_REMOUNT | MS_BIND | ((the flags the mount has, read from statvfs) + set -
+    /// clear)): [`change_mount_flags`](Self::change_mount_flags) for kernels without mount_setattr, on the
+    /// topmost mount at `target` only (an attached mount: `/proc/self/fd/N` of its root works).
+    fn remount_bind_with(
+        &self,
+        target: &Path,
+        set: MountFlags,
+        clear: MountFlags,
+    ) -> Result<(), MountError>;
+    /// Sets nosuid,nodev ([`MountFlags::HOST_ONLY`]) on the mount rooted at `path`, and on the mounts below
+    /// it, if `path` itself is a mount root: `path` is opened O_PATH | O_NOFOLLOW (a symlink there is not a
+    /// mount root), asked with statx(STATX_ATTR_MOUNT_ROOT) on that fd, and only then changed through the
+    /// same fd (mount_setattr AT_RECURSIVE; a non-recursive bind remount before Linux 5.12). A path that
+    /// is not a mount root, or is missing, is `Ok(false)` and nothing is changed: the flags are never set on
+    /// the mount that merely holds `path` (the parent file system).
+    fn harden_mount_root(&self, path: &Path) -> Result<bool, MountError>;
     /// move_mount(from, "", to, "", MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH)
     fn move_mount_to_fd(&self, from: BorrowedFd<'_>, to: BorrowedFd<'_>) -> Result<(), MountError>;
     /// mount_setattr(fd, "", AT_EMPTY_PATH | (AT_RECURSIVE if recursive), { attr_set: MOUNT_ATTR_RDONLY })
@@ -173,6 +276,38 @@ pub enum Call {
         /// AT_RECURSIVE
         recursive: bool,
     },
+    /// [`Syscall::open_tree_clone_fd`]
+    OpenTreeCloneFd {
+        /// the kernel's path of the source fd
+        source: PathBuf,
+        /// AT_RECURSIVE
+        recursive: bool,
+    },
+    /// [`Syscall::change_mount_flags`]
+    ChangeMountFlags {
+        /// the mount's fd number
+        fd: RawFd,
+        /// attr_set
+        set: MountFlags,
+        /// attr_clr
+        clear: MountFlags,
+        /// AT_RECURSIVE
+        recursive: bool,
+    },
+    /// [`Syscall::remount_bind_with`]
+    RemountBindWith {
+        /// target
+        target: PathBuf,
+        /// flags added
+        set: MountFlags,
+        /// flags removed
+        clear: MountFlags,
+    },
+    /// [`Syscall::harden_mount_root`]
+    HardenMountRoot {
+        /// the path asked about
+        target: PathBuf,
+    },
     /// [`Syscall::move_mount_to_fd`]
     MoveMountToFd {
         /// the detached mount's fd number
@@ -222,6 +357,14 @@ pub enum CallKind {
     EnterMountNamespace,
     /// [`Call::OpenTreeClone`]
     OpenTreeClone,
+    /// [`Call::OpenTreeCloneFd`]
+    OpenTreeCloneFd,
+    /// [`Call::ChangeMountFlags`]
+    ChangeMountFlags,
+    /// [`Call::RemountBindWith`]
+    RemountBindWith,
+    /// [`Call::HardenMountRoot`]
+    HardenMountRoot,
     /// [`Call::MoveMountToFd`]
     MoveMountToFd,
     /// [`Call::SetReadonlyByFd`]
@@ -243,6 +386,10 @@ impl Call {
             Call::Unmount { .. } => CallKind::Unmount,
             Call::EnterMountNamespace { .. } => CallKind::EnterMountNamespace,
             Call::OpenTreeClone { .. } => CallKind::OpenTreeClone,
+            Call::OpenTreeCloneFd { .. } => CallKind::OpenTreeCloneFd,
+            Call::ChangeMountFlags { .. } => CallKind::ChangeMountFlags,
+            Call::RemountBindWith { .. } => CallKind::RemountBindWith,
+            Call::HardenMountRoot { .. } => CallKind::HardenMountRoot,
             Call::MoveMountToFd { .. } => CallKind::MoveMountToFd,
             Call::SetReadonlyByFd { .. } => CallKind::SetReadonlyByFd,
             Call::BindMountToFd { .. } => CallKind::BindMountToFd,
@@ -257,12 +404,17 @@ impl Call {
             | Call::RemountBindReadonly { target }
             | Call::MountFilesystem { target, .. }
             | Call::SetPropagation { target, .. }
-            | Call::Unmount { target, .. } => Some(target),
-            Call::OpenTreeClone { source, .. } => Some(source),
+            | Call::Unmount { target, .. }
+            | Call::RemountBindWith { target, .. }
+            | Call::HardenMountRoot { target } => Some(target),
+            Call::OpenTreeClone { source, .. } | Call::OpenTreeCloneFd { source, .. } => {
+                Some(source)
+            }
             Call::PivotRoot { new_root, .. } => Some(new_root),
             Call::EnterMountNamespace { .. }
             | Call::MoveMountToFd { .. }
             | Call::SetReadonlyByFd { .. }
+            | Call::ChangeMountFlags { .. }
             | Call::BindMountToFd { .. } => None,
         }
     }

@@ -16,6 +16,10 @@
 //! subvolume's st_dev differs from the device the mount table shows. A loop volume's mount is
 //! one whose device is a loop device backed by the volume's image.
 //!
+//! Every mount made here (binds and the ext4 mount) carries nosuid,nodev: it is a host path to data a
+//! container writes. The directories made here are 0700, except the data directory, which is the
+//! volume's root as containers see it.
+//!
 //! Unmounting only ever removes this volume's mounts: it stops at a mount that is not the
 //! volume's, and a mount that stays busy (open files, a working directory in it) after a few
 //! retries is reported as [`BackingError::Busy`], never detached lazily (a lazily detached
@@ -23,7 +27,7 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -224,9 +228,11 @@ impl Backing {
     /// Creates the volume's storage in `vol_dir` (replacing leftovers of an interrupted
     /// create).
     pub fn provision(&self, vol_dir: &Path, capacity: u64) -> Result<(), BackingError> {
-        fs::create_dir_all(vol_dir).map_err(io_err("create volume directory", vol_dir))?;
+        private_dir(vol_dir).map_err(io_err("create volume directory", vol_dir))?;
         match self.kind {
             BackingKind::Dir => {
+                // The volume's root as containers see it: its mode stays the usual one (0755 under
+                // the usual umask); the 0700 volume directory above it keeps host users out.
                 let data = Self::data_dir(vol_dir);
                 fs::create_dir_all(&data).map_err(io_err("create data directory", &data))
             }
@@ -421,7 +427,8 @@ impl Backing {
                 let data = Self::data_dir(vol_dir);
                 self.sys
                     .bind_mount(&data, path, false)
-                    .map_err(mount_err("bind data directory onto", path))
+                    .map_err(mount_err("bind data directory onto", path))?;
+                self.harden_or_unmount(path)
             }
             BackingKind::Loop => {
                 if let Some(existing) = self.volume_mounts(vol_dir)?.into_iter().next() {
@@ -431,7 +438,7 @@ impl Backing {
                     let device = PathBuf::from(&existing.source);
                     return self
                         .sys
-                        .mount_filesystem(&device, path, "ext4", MountFlags::default(), "")
+                        .mount_filesystem(&device, path, "ext4", MountFlags::HOST_ONLY, "")
                         .map_err(mount_err("mount already attached ext4 onto", path));
                 }
                 let image = Self::image(vol_dir);
@@ -439,7 +446,7 @@ impl Backing {
                     .map_err(mount_err("attach loop device to", &image))?;
                 if let Err(e) =
                     self.sys
-                        .mount_filesystem(&dev.path, path, "ext4", MountFlags::default(), "")
+                        .mount_filesystem(&dev.path, path, "ext4", MountFlags::HOST_ONLY, "")
                 {
                     let _ = loopdev::detach(&dev.path);
                     return Err(mount_err("mount ext4 onto", path)(e));
@@ -457,7 +464,7 @@ impl Backing {
         staging: &Path,
         readonly: bool,
     ) -> Result<(), BackingError> {
-        fs::create_dir_all(staging).map_err(io_err("create staging directory", staging))?;
+        private_dir(staging).map_err(io_err("create staging directory", staging))?;
         self.attach_at(vol_dir, staging)?;
         if readonly {
             if let Err(e) = self.sys.remount_bind_readonly(staging) {
@@ -465,6 +472,15 @@ impl Backing {
                 let _ = self.release_if_unused(vol_dir);
                 return Err(mount_err("remount read-only", staging)(e));
             }
+        }
+        Ok(())
+    }
+
+    /// Sets nosuid,nodev on the bind just made at `path`; on failure takes the bind down again.
+    fn harden_or_unmount(&self, path: &Path) -> Result<(), BackingError> {
+        if let Err(e) = self.sys.harden_mount_root(path) {
+            let _ = self.unmount_bounded(path);
+            return Err(mount_err("set nosuid,nodev on", path)(e));
         }
         Ok(())
     }
@@ -486,17 +502,21 @@ impl Backing {
         target: &Path,
         readonly: bool,
     ) -> Result<(), BackingError> {
-        let created = match fs::create_dir(target) {
+        let created = match fs::DirBuilder::new().mode(PRIVATE_DIR_MODE).create(target) {
             Ok(()) => true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
             Err(e) => return Err(io_err("create target directory", target)(e)),
         };
         let result = (|| {
             match staging {
-                Some(staging) => self
-                    .sys
-                    .bind_mount(staging, target, false)
-                    .map_err(mount_err("bind staging path onto", target))?,
+                Some(staging) => {
+                    self.sys
+                        .bind_mount(staging, target, false)
+                        .map_err(mount_err("bind staging path onto", target))?;
+                    // A bind keeps the staging mount's flags; set them anyway, for a staging mount
+                    // made before they were.
+                    self.harden_or_unmount(target)?;
+                }
                 None => self.attach_at(vol_dir, target)?,
             }
             if readonly {
@@ -621,6 +641,29 @@ impl Backing {
             std::thread::sleep(UNMOUNT_PAUSE);
         }
     }
+}
+
+/// The mode of the directories the plugin makes for itself (its store, volume directories, staging and
+/// target directories).
+pub const PRIVATE_DIR_MODE: u32 = 0o700;
+
+/// Creates `dir` and its missing parents with [`PRIVATE_DIR_MODE`] (existing ones are left as they are).
+pub fn private_dir(dir: &Path) -> io::Result<()> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PRIVATE_DIR_MODE)
+        .create(dir)
+}
+
+/// Closes `dir` (a directory of the plugin's own, never a mount) to everyone but its owner when an earlier
+/// version left it open: the volumes' data lies below it.
+pub fn close_dir(dir: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = fs::symlink_metadata(dir)?;
+    if meta.is_dir() && meta.permissions().mode() & 0o077 != 0 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(PRIVATE_DIR_MODE))?;
+    }
+    Ok(())
 }
 
 /// How long [`Backing::wait_loop_rundown`] waits for detached loop devices to run down.

@@ -260,10 +260,12 @@ impl Store {
     /// interrupted creates and removals, and loads every record.
     pub fn open(work_dir: &Path) -> Result<Store, StoreError> {
         let root = work_dir.join("volumes");
-        fs::create_dir_all(&root).map_err(|source| StoreError::CreateDir {
-            path: root.clone(),
-            source,
-        })?;
+        super::backing::private_dir(&root)
+            .and_then(|()| super::backing::close_dir(&root))
+            .map_err(|source| StoreError::CreateDir {
+                path: root.clone(),
+                source,
+            })?;
         let mut records = HashMap::new();
         let entries = fs::read_dir(&root).map_err(|source| StoreError::List {
             path: root.clone(),
@@ -335,7 +337,7 @@ impl Store {
     /// the in-memory copy.
     pub fn save(&self, record: &VolumeRecord) -> Result<(), StoreError> {
         let dir = self.volume_dir(&record.id);
-        fs::create_dir_all(&dir).map_err(|source| StoreError::CreateDir {
+        super::backing::private_dir(&dir).map_err(|source| StoreError::CreateDir {
             path: dir.clone(),
             source,
         })?;

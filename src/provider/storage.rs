@@ -16,7 +16,7 @@
 //! `recover.rs` (load and recovery on start).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -225,11 +225,7 @@ impl StorageProvider {
         let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
         let layout = Layout::new(&config.work_dir, &config.plugin_type, &config.plugin_name);
         for dir in [layout.volumes_dir(), layout.mounts_dir()] {
-            std::fs::create_dir_all(&dir).map_err(|source| ProviderError::Io {
-                step: "create provider directory",
-                path: dir.clone(),
-                source,
-            })?;
+            mkdir(&dir, "create provider directory")?;
         }
         let (client, supervisor) = match (&config.plugin, early_client) {
             (_, Some(client)) => (client, None),
@@ -594,13 +590,13 @@ impl StorageProvider {
                     })
                     .await
                     .map_err(csi)?;
+                self.harden(&rec.volume_id, &staging, "staging")?;
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
-                mkdir(
-                    &self.layout.mount_dir(&rec.volume_id),
-                    "create mount directory",
-                )?;
+                let mount_dir = self.layout.mount_dir(&rec.volume_id);
+                mkdir(&mount_dir, "create mount directory")?;
+                close_dir(&mount_dir)?;
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -630,6 +626,7 @@ impl StorageProvider {
                         ),
                     });
                 }
+                self.harden(&rec.volume_id, &target, "target")?;
             }
             Step::NodeUnpublish => {
                 let result = self
@@ -683,6 +680,29 @@ impl StorageProvider {
         Ok(())
     }
 
+    /// Sets nosuid,nodev on the mount a plugin (any plugin) made at `path` on the host, the staging or the
+    /// target path: nothing planted in a volume runs with privilege, or opens a device, through a host path.
+    /// Only a path that is itself a mount root is changed (never the file system holding it); a plugin
+    /// that mounted nothing there is left alone. The containers' copies clear the flags again.
+    fn harden(&self, volume: &str, path: &Path, what: &'static str) -> Result<(), ProviderError> {
+        match self.sys.harden_mount_root(path) {
+            Ok(true) => Ok(()),
+            Ok(false) => {
+                tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
+                Ok(())
+            }
+            Err(e) => Err(ProviderError::Io {
+                step: if what == "staging" {
+                    "set nosuid,nodev on the staging mount"
+                } else {
+                    "set nosuid,nodev on the target mount"
+                },
+                path: path.to_path_buf(),
+                source: std::io::Error::other(e),
+            }),
+        }
+    }
+
     pub(crate) fn name_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
         self.name_locks
             .lock()
@@ -733,12 +753,40 @@ async fn connect(
         })
 }
 
-pub(crate) fn mkdir(path: &std::path::Path, step: &'static str) -> Result<(), ProviderError> {
-    std::fs::create_dir_all(path).map_err(|source| ProviderError::Io {
-        step,
-        path: path.to_path_buf(),
+/// Creates `path` and its missing parents 0700: under the work dir, a volume's host paths are root's alone.
+/// Existing directories are left as they are (one may be a volume's mount root, whose mode is the
+/// volume's).
+pub(crate) fn mkdir(path: &Path, step: &'static str) -> Result<(), ProviderError> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PRIVATE_DIR_MODE)
+        .create(path)
+        .map_err(|source| ProviderError::Io {
+            step,
+            path: path.to_path_buf(),
+            source,
+        })
+}
+
+/// The mode of the directories the provider creates for a volume (`mounts/<id>`, `staging`).
+pub(crate) const PRIVATE_DIR_MODE: u32 = 0o700;
+
+/// Closes a volume's `mounts/<id>` directory (never itself a mount) to everyone but root, when an earlier
+/// version created it open: it is the way to the volume's staging and target paths on the host.
+fn close_dir(dir: &Path) -> Result<(), ProviderError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| ProviderError::Io {
+        step: "close mount directory to other users",
+        path: dir.to_path_buf(),
         source,
-    })
+    };
+    let meta = std::fs::symlink_metadata(dir).map_err(err)?;
+    if meta.is_dir() && meta.permissions().mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(PRIVATE_DIR_MODE))
+            .map_err(err)?;
+    }
+    Ok(())
 }
 
 /// Removes a directory we created if it is empty. `rmdir` never removes

@@ -103,6 +103,7 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
         };
         Ok(VolumeMount {
             source: PathBuf::from(m.source),
+            source_root: None,
             root,
             target: PathBuf::from(m.target),
             container_path: m.container_path,
@@ -208,6 +209,7 @@ mod tests {
     fn mounts_round_trip() {
         let m = VolumeMount {
             source: PathBuf::from("/w/csi/t/n/mounts/v/target"),
+            source_root: None,
             root: TargetRoot::Rootfs,
             target: PathBuf::from("data/x"),
             container_path: "/data/x".into(),
