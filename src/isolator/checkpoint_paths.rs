@@ -185,6 +185,18 @@ pub fn is_run_container(rec: &ContainerRecord, work_dir: &Path) -> bool {
         && rec.config.sandbox.as_os_str() == run_sandbox(work_dir, &rec.container_id).as_os_str()
 }
 
+/// The OCI hook's directory for `container`: `<work_dir>/oci-hook/<container>`.
+pub fn hook_sandbox(work_dir: &Path, container: &str) -> PathBuf {
+    work_dir.join(HOOK_DIR).join(container)
+}
+
+/// Whether `rec` is a container of the OCI hook on `work_dir`: the same rule as
+/// [`is_run_container`], with the sandbox exactly `<work_dir>/oci-hook/<container id>`.
+pub fn is_hook_container(rec: &ContainerRecord, work_dir: &Path) -> bool {
+    crate::resource::validate_container_id(&rec.container_id).is_ok()
+        && rec.config.sandbox.as_os_str() == hook_sandbox(work_dir, &rec.container_id).as_os_str()
+}
+
 /// The pure half (see the module doc): `rec`'s sandbox, rootfs and host binds, against the work dir
 /// `work_dir` (trusted, as the operator gave it).
 pub fn check_record(rec: &ContainerRecord, work_dir: &Path) -> Result<(), CheckpointPathError> {
@@ -646,6 +658,32 @@ mod tests {
             &record("../c1", &format!("{WORK}/c1"), None, &[]),
             w
         ));
+    }
+
+    #[test]
+    fn hook_containers_are_named_exactly() {
+        let w = Path::new(WORK);
+        assert!(is_hook_container(
+            &record("c1", &format!("{WORK}/{HOOK_DIR}/c1"), None, &[]),
+            w
+        ));
+        for (id, other) in [
+            ("c1", format!("{WORK}/{HOOK_DIR}/../../decoy")),
+            ("c1", format!("{WORK}/{HOOK_DIR}/c1/..")),
+            ("c1", format!("{WORK}/{HOOK_DIR}/../{HOOK_DIR}/c1")),
+            ("c1", format!("{WORK}/{HOOK_DIR}")),
+            ("c1", format!("{WORK}/{HOOK_DIR}/c1/x")),
+            ("c1", format!("{WORK}/{HOOK_DIR}/c2")),
+            ("c1", format!("{WORK}/sandboxes/c1")),
+            ("c1", format!("/v/{HOOK_DIR}/c1")),
+            ("..", format!("{WORK}/{HOOK_DIR}/..")),
+            ("", format!("{WORK}/{HOOK_DIR}/")),
+        ] {
+            assert!(
+                !is_hook_container(&record(id, &other, None, &[]), w),
+                "{id} {other}"
+            );
+        }
     }
 
     /// The I/O half on a real tree (no root needed): a symlink anywhere on the sandbox or a host

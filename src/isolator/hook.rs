@@ -82,8 +82,9 @@
 //! listed, i.e. every other live hook container. Cleanup needs no loaded record here (nothing is mounted
 //! on the host for hook containers). Instead `create-runtime` reaps hook containers whose `poststop` never
 //! came (the runtime was killed): a checkpointed container whose sandbox is exactly
-//! `<work_dir>/oci-hook/<id>` ([`hook_sandbox_of`]: compared component by component, the id valid and
-//! the checkpoint's own directory name) and whose recorded init pid is gone (or that never got one: its
+//! `<work_dir>/oci-hook/<id>` (read back through [`VolumeIsolator::checkpointed`], which checks every
+//! checkpointed path, then [`checkpoint_paths::is_hook_container`]: the id valid and the sandbox exactly
+//! the hook's) and whose recorded init pid is gone (or that never got one: its
 //! hook died mid-way, as the lock says no other hook is running) is cleaned up. A recycled pid only
 //! delays that (the volume stays published). A checkpoint is data in the work dir, not an instruction:
 //! the path it records is only compared, never used; the directory removed is
@@ -107,7 +108,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::isolator::{
-    ContainerConfig, ContainerRecord, IsolatorError, TargetRoot, VolumeIsolator, VolumeMount,
+    checkpoint_paths, ContainerConfig, IsolatorError, TargetRoot, VolumeIsolator, VolumeMount,
 };
 use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
@@ -148,8 +149,6 @@ pub const DEFAULT_MAX_CAPACITY_PER_TENANT: u64 = 64 << 30;
 /// How deep the removal of a hook container's directory goes (the directory is unused, so normally
 /// empty; a deeper tree is kept and logged).
 const MAX_REMOVE_DEPTH: usize = 16;
-/// The largest container checkpoint the reaper reads (a hook container's is a few KiB).
-const MAX_CHECKPOINT_BYTES: u64 = 1 << 20;
 /// How many entries the removal of a hook container's directory deletes at most.
 const MAX_REMOVE_ENTRIES: usize = 4096;
 
@@ -914,7 +913,7 @@ fn validate_id(id: &str) -> Result<(), HookError> {
 
 /// `<work_dir>/oci-hook/<id>`.
 pub fn container_dir(work_dir: &Path, id: &str) -> PathBuf {
-    work_dir.join(HOOK_DIR).join(id)
+    checkpoint_paths::hook_sandbox(work_dir, id)
 }
 
 /// A volume of the volumes annotation, with the name the provider is asked for.
@@ -1215,64 +1214,13 @@ pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError
     result
 }
 
-/// Whether a checkpoint found in the checkpoint directory `dir_name` is a hook container's: its
-/// container id is `dir_name` and a valid container id, and its sandbox is exactly
-/// `<work_dir>/oci-hook/<id>`, compared component by component (a string prefix would let
-/// `oci-hook/../..` through). The reason says what did not match.
-pub fn hook_sandbox_of(
-    work_dir: &Path,
-    dir_name: &std::ffi::OsStr,
-    rec: &ContainerRecord,
-) -> Result<(), String> {
-    use std::path::Component;
-    let id = rec.container_id.as_str();
-    if dir_name != std::ffi::OsStr::new(id) {
-        return Err(format!(
-            "its container id '{}' is not its directory's name",
-            crate::shown::shown(id)
-        ));
-    }
-    crate::resource::validate_container_id(id).map_err(|e| e.to_string())?;
-    let sandbox = &rec.config.sandbox;
-    let plain = sandbox
-        .components()
-        .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
-    if !plain
-        || !sandbox
-            .components()
-            .eq(container_dir(work_dir, id).components())
-    {
-        return Err(format!(
-            "its sandbox {} is not {}",
-            crate::shown::shown_os(sandbox.as_os_str()),
-            container_dir(work_dir, id).display()
-        ));
-    }
-    Ok(())
-}
-
 /// Cleans up hook containers other than `current` (see [`hook_sandbox_of`]) whose init process is gone
 /// or was never recorded. Failures are logged: they must not fail another container.
 async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
-    let Ok(entries) = std::fs::read_dir(isolator.checkpoint_root()) else {
-        return;
-    };
-    for e in entries.flatten() {
-        if !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let Some(bytes) = read_checkpoint(&e.path().join("state.json")) else {
-            continue;
-        };
-        let Ok(rec) = serde_json::from_slice::<ContainerRecord>(&bytes) else {
-            continue;
-        };
-        if rec.container_id == current {
-            continue;
-        }
-        if let Err(reason) = hook_sandbox_of(work_dir, &e.file_name(), &rec) {
-            // `run`'s containers land here too (their sandboxes are elsewhere).
-            tracing::debug!(checkpoint = %e.path().display(), %reason, "not a hook container; left alone");
+    // Only records whose every path passed the checkpoint checks; `run`'s containers (sandboxes
+    // elsewhere) and anything else are left alone.
+    for rec in isolator.checkpointed() {
+        if rec.container_id == current || !checkpoint_paths::is_hook_container(&rec, work_dir) {
             continue;
         }
         let alive = rec
@@ -1289,26 +1237,6 @@ async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
             }
         }
     }
-}
-
-/// A container checkpoint's bytes, if it is a regular file (not through a symlink, never blocking on
-/// a FIFO) of at most [`MAX_CHECKPOINT_BYTES`]: the reaper reads what it finds in the work dir.
-fn read_checkpoint(path: &Path) -> Option<Vec<u8>> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::File::options()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut bytes = Vec::new();
-    file.take(MAX_CHECKPOINT_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .ok()?;
-    (bytes.len() as u64 <= MAX_CHECKPOINT_BYTES).then_some(bytes)
 }
 
 /// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
@@ -1522,8 +1450,10 @@ pub fn mount_into_rootfs(
     let ns_fd = ns::open_mount_namespace(pid)
         .map_err(|e| fail("open mount namespace", format!("/proc/{pid}/ns/mnt: {e}")))?;
     // The source first: a missing volume fails before anything is created in the rootfs.
-    let tree = sys
-        .open_tree_clone(&mount.source, true)
+    // Opened beneath its trusted root by fd (no symlink inside a volume is followed), host-only flags
+    // cleared on the container's copy.
+    let tree = mount
+        .clone_for_container(&sys)
         .map_err(|e| fail("clone source", e.to_string()))?;
     if mount.readonly {
         sys.set_readonly_by_fd(tree.as_fd(), true)
@@ -1553,8 +1483,9 @@ pub fn mount_into_rootfs(
             ),
         ));
     }
-    let is_file = std::fs::metadata(&mount.source)
-        .map(|m| !m.is_dir())
+    // The kind of what was cloned, from the clone itself: the path string may have changed since.
+    let is_file = nix::sys::stat::fstat(tree.as_fd())
+        .map(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR)
         .unwrap_or(false);
     let target = mount::create_in_root(&fd_link(rootfs_fd.as_fd()), &mount.target, is_file)
         .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
@@ -2090,58 +2021,6 @@ mod tests {
             err.contains("annotation io.csi-isolator.resources: "),
             "{err}"
         );
-    }
-
-    #[test]
-    fn hook_sandbox_is_exactly_the_containers_directory() {
-        let work = Path::new("/w");
-        let rec = |id: &str, sandbox: &str| ContainerRecord {
-            format: 1,
-            container_id: id.to_string(),
-            config: ContainerConfig {
-                resources: Vec::new(),
-                sandbox: PathBuf::from(sandbox),
-                rootfs: None,
-                user: None,
-            },
-            mounts: Vec::new(),
-            pid: None,
-            pid_start: None,
-            mount_view: None,
-            host_binds: Vec::new(),
-            binds_in_sandbox: false,
-        };
-        for (dir, id, sandbox) in [
-            ("c1", "c1", "/w/oci-hook/c1"),
-            ("c1", "c1", "/w/oci-hook/c1/"),
-            ("c1", "c1", "/w//oci-hook/c1"),
-        ] {
-            hook_sandbox_of(work, std::ffi::OsStr::new(dir), &rec(id, sandbox))
-                .unwrap_or_else(|e| panic!("{sandbox}: {e}"));
-        }
-        for (dir, id, sandbox, says) in [
-            (
-                "c1",
-                "c1",
-                "/w/oci-hook/../../decoy",
-                "is not /w/oci-hook/c1",
-            ),
-            ("c1", "c1", "/w/oci-hook/c1/..", "is not"),
-            ("c1", "c1", "/w/oci-hook/../oci-hook/c1", "is not"),
-            ("c1", "c1", "/w/oci-hook", "is not"),
-            ("c1", "c1", "/w/oci-hook/c1/x", "is not"),
-            ("c1", "c1", "/w/oci-hook/c2", "is not"),
-            ("c1", "c1", "/w/sandboxes/c1", "is not"),
-            ("c1", "c1", "w/oci-hook/c1", "is not"),
-            ("c1", "c1", "/v/oci-hook/c1", "is not"),
-            ("c2", "c1", "/w/oci-hook/c1", "is not its directory's name"),
-            ("..", "..", "/w/oci-hook/..", "invalid container id"),
-            ("", "", "/w/oci-hook", "invalid container id"),
-        ] {
-            let err =
-                hook_sandbox_of(work, std::ffi::OsStr::new(dir), &rec(id, sandbox)).unwrap_err();
-            assert!(err.contains(says), "{sandbox}: {err}");
-        }
     }
 
     #[test]

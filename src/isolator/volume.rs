@@ -619,7 +619,7 @@ impl VolumeIsolator {
             return Err(RecordRefusal::NotADirectory);
         }
         let path = e.path().join("state.json");
-        let bytes = std::fs::read(&path).map_err(|e| RecordRefusal::Unreadable(e.to_string()))?;
+        let bytes = read_checkpoint_file(&path).map_err(RecordRefusal::Unreadable)?;
         let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
             .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
         if rec.container_id != id {
@@ -868,4 +868,32 @@ fn volume_name(m: &VolumeMount) -> String {
     m.volume_id
         .clone()
         .unwrap_or_else(|| m.source.display().to_string())
+}
+
+/// The largest container checkpoint read back (a record is a few KiB).
+const MAX_CHECKPOINT_BYTES: u64 = 1 << 20;
+
+/// A container checkpoint's bytes: a regular file, not reached through a symlink, never blocking on
+/// a FIFO planted in its place, at most [`MAX_CHECKPOINT_BYTES`]. A checkpoint is data found in the
+/// work dir, read like anything else found there.
+fn read_checkpoint_file(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".to_string());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CHECKPOINT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_CHECKPOINT_BYTES {
+        return Err(format!("larger than {MAX_CHECKPOINT_BYTES} bytes"));
+    }
+    Ok(bytes)
 }
