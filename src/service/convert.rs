@@ -80,6 +80,11 @@ impl From<&VolumeMount> for proto::VolumeMount {
             readonly: m.readonly,
             volume_id: m.volume_id.clone().unwrap_or_default(),
             provider_id: m.provider_id.clone().unwrap_or_default(),
+            source_root: m
+                .source_root
+                .as_deref()
+                .map(path_string)
+                .unwrap_or_default(),
         }
     }
 }
@@ -103,7 +108,9 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
         };
         Ok(VolumeMount {
             source: PathBuf::from(m.source),
-            source_root: None,
+            source_root: Some(m.source_root)
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from),
             root,
             target: PathBuf::from(m.target),
             container_path: m.container_path,
@@ -219,7 +226,16 @@ mod tests {
         };
         let wire = proto::VolumeMount::from(&m);
         assert_eq!(wire.provider_id, "");
+        assert_eq!(wire.source_root, "");
         assert_eq!(VolumeMount::try_from(wire).unwrap(), m);
+        // A source inside a volume carries its trusted root across the wire (`==` ignores it).
+        let inner = VolumeMount {
+            source: PathBuf::from("/w/csi/t/n/mounts/v/target/volumes/roles/r/pv"),
+            source_root: Some(PathBuf::from("/w/csi/t/n/mounts/v/target")),
+            ..m.clone()
+        };
+        let back = VolumeMount::try_from(proto::VolumeMount::from(&inner)).unwrap();
+        assert_eq!(back.source_root, inner.source_root);
         let bad = proto::VolumeMount {
             root: 0,
             ..Default::default()
