@@ -612,3 +612,55 @@ fn the_bundled_plugin_mounts_nosuid_nodev_with_both_backings() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// A volume published by an older version, whose host-side mounts carry no nosuid,nodev, is hardened
+/// when a provider next starts on the work dir, without being published again.
+#[test]
+fn mounts_published_before_hardening_are_hardened_at_the_next_start() {
+    require_root();
+    let sb = Sandbox::new("host-upgrade");
+    let work = sb.join("work");
+    let ok = |what: &str, out: Output| {
+        assert!(
+            out.status.success(),
+            "{what}: {}{}",
+            text(&out.stdout),
+            text(&out.stderr)
+        )
+    };
+    ok(
+        "create",
+        output(cli(&work).args(["volume", "create", "old", "16M"])),
+    );
+    ok(
+        "publish",
+        output(cli(&work).args(["volume", "publish", "old", "--container", "c1"])),
+    );
+    let staging = volume_mount_point(&work, "staging");
+    let target = volume_mount_point(&work, "target").expect("the target is mounted");
+    // What an older version left: the same mounts without the host-only flags.
+    for path in staging.iter().chain([&target]) {
+        let out = Command::new("mount")
+            .args(["-o", "remount,bind,suid,dev"])
+            .arg(path)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "remount {}: {}",
+            path.display(),
+            text(&out.stderr)
+        );
+        assert_eq!(statvfs_flags(path), (false, false), "{}", path.display());
+    }
+    // Any command that starts the provider recovers it.
+    ok("list", output(cli(&work).args(["volume", "list"])));
+    for path in staging.iter().chain([&target]) {
+        assert_eq!(statvfs_flags(path), (true, true), "{}", path.display());
+    }
+    ok(
+        "release",
+        output(cli(&work).args(["volume", "release", "old", "--container", "c1"])),
+    );
+    assert_nothing_left(&sb, &work);
+}

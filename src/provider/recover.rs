@@ -42,6 +42,9 @@ impl StorageProvider {
                     .await
                     .map(|_| "settled (no users)")
             };
+            if result.is_ok() && !rec.destroying {
+                self.harden_published(&rec.volume_id);
+            }
             (rec.volume_id.clone(), before, rec.state, result)
         }))
         .await;
@@ -64,6 +67,21 @@ impl StorageProvider {
         drop(report);
         self.remove_orphans();
         Ok(())
+    }
+
+    /// A volume published by an older version (before host-side mounts were made nosuid,nodev) is
+    /// not published again when it needs nothing: its staging and target mounts, where they are
+    /// mount roots, are hardened here so an upgrade closes them too. Idempotent; a failure is logged
+    /// (the volume stays usable; the next publish tries again).
+    fn harden_published(&self, volume_id: &str) {
+        for (path, what) in [
+            (self.layout.staging_path(volume_id), "staging"),
+            (self.layout.target_path(volume_id), "target"),
+        ] {
+            if let Err(e) = self.harden(volume_id, &path, what) {
+                tracing::warn!(volume_id, error = %e, "recovery: cannot set nosuid,nodev on a published volume's mount");
+            }
+        }
     }
 
     fn load_records(&self) {

@@ -684,7 +684,12 @@ impl StorageProvider {
     /// target path: nothing planted in a volume runs with privilege, or opens a device, through a host path.
     /// Only a path that is itself a mount root is changed (never the file system holding it); a plugin
     /// that mounted nothing there is left alone. The containers' copies clear the flags again.
-    fn harden(&self, volume: &str, path: &Path, what: &'static str) -> Result<(), ProviderError> {
+    pub(super) fn harden(
+        &self,
+        volume: &str,
+        path: &Path,
+        what: &'static str,
+    ) -> Result<(), ProviderError> {
         match self.sys.harden_mount_root(path) {
             Ok(true) => Ok(()),
             Ok(false) => {
