@@ -110,6 +110,16 @@ pub enum IsolatorError {
         #[source]
         source: Box<crate::isolator::oci::OciError>,
     },
+    /// A process offered at isolate is not the container's (see `process_check`).
+    #[error("isolate container '{container}': pid {pid} is not the container's process: {why}")]
+    NotTheContainer {
+        /// The container id.
+        container: String,
+        /// The pid offered.
+        pid: u32,
+        /// Why it is not (what was seen).
+        why: String,
+    },
     /// The container's recorded process is gone or is not the container.
     #[error("container '{container}': process {pid} cannot be used: {why}")]
     PidGone {

@@ -21,6 +21,7 @@ pub mod error;
 pub mod hook;
 pub mod launch_info;
 pub mod oci;
+mod process_check;
 pub mod targets;
 pub mod volume;
 

@@ -25,6 +25,7 @@ use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::isolator::oci::{self, OciPrepared};
+use crate::isolator::process_check;
 use crate::isolator::targets::volume_mounts;
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::provider::checkpoint;
@@ -166,14 +167,6 @@ impl VolumeIsolator {
             }
         }
         out
-    }
-
-    /// The record of one container, if the isolator knows it (a copy; the
-    /// container's operations go on meanwhile).
-    pub async fn container(&self, container_id: &str) -> Option<ContainerRecord> {
-        let entry = self.containers.lock().unwrap().get(container_id).cloned()?;
-        let rec = entry.lock().await.clone();
-        rec
     }
 
     fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
@@ -328,6 +321,62 @@ impl VolumeIsolator {
             rec.mount_view = view;
         })
         .await
+    }
+
+    /// Isolate for a caller that may name any pid (serve's containerizer): the pid is recorded only
+    /// if it is the container's process ([`process_check::not_the_container`]: not in the isolator's
+    /// own mount namespace; with a rootfs, rooted in it by device and inode), checked and recorded
+    /// under the container's lock from one reading of the process, its start time read before and
+    /// after, so what is recorded is what was checked. A refusal records nothing.
+    pub async fn isolate_verified(
+        &self,
+        container_id: &str,
+        pid: u32,
+    ) -> Result<(), IsolatorError> {
+        use crate::launcher::process::{mount_view, process_start_time, shares_mount_namespace};
+        use std::os::unix::fs::MetadataExt;
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
+        let refuse = |why: String| IsolatorError::NotTheContainer {
+            container: container_id.to_string(),
+            pid,
+            why,
+        };
+        let rootfs = match &rec.config.rootfs {
+            Some(path) => {
+                let m = std::fs::metadata(path).map_err(|e| {
+                    refuse(format!(
+                        "its rootfs {} cannot be read: {e}",
+                        crate::shown::shown_os(path.as_os_str())
+                    ))
+                })?;
+                Some((m.dev(), m.ino()))
+            }
+            None => None,
+        };
+        let start = process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
+        let seen = process_check::Seen {
+            view: mount_view(pid),
+            shares_our_mount_namespace: shares_mount_namespace(pid),
+        };
+        if let Some(why) = process_check::not_the_container(rootfs, &seen) {
+            return Err(refuse(why));
+        }
+        if process_start_time(pid) != Some(start) {
+            return Err(refuse(
+                "it exited while it was being checked (its pid now names another process or none)"
+                    .into(),
+            ));
+        }
+        rec.pid = Some(pid);
+        rec.pid_start = Some(start);
+        rec.mount_view = seen.view;
+        self.persist(rec)
     }
 
     /// Changes a known container's record and persists it.

@@ -41,16 +41,6 @@ pub enum ServiceError {
         /// How many providers the service runs.
         count: usize,
     },
-    /// Isolate was given a pid that is not the prepared container's process.
-    #[error("isolate container '{container}': pid {pid} is not the container's process: {why}")]
-    NotTheContainer {
-        /// The container.
-        container: String,
-        /// The pid offered.
-        pid: u32,
-        /// Why it is not the container's (what was seen).
-        why: String,
-    },
     /// An isolator operation failed.
     #[error(transparent)]
     Isolator(Box<IsolatorError>),
@@ -86,7 +76,6 @@ impl ServiceError {
                 Code::InvalidArgument
             }
             ServiceError::UnknownProvider { .. } => Code::NotFound,
-            ServiceError::NotTheContainer { .. } => Code::FailedPrecondition,
             ServiceError::Isolator(e) => isolator_code(e),
             ServiceError::Provider(e) => provider_code(e),
             ServiceError::MountTable { .. } => Code::Internal,
@@ -110,6 +99,7 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         IsolatorError::AlreadyPrepared { .. } => Code::AlreadyExists,
         IsolatorError::ReadOnlyVolume { .. }
         | IsolatorError::NoPid { .. }
+        | IsolatorError::NotTheContainer { .. }
         | IsolatorError::PidGone { .. } => Code::FailedPrecondition,
         IsolatorError::Provider { source, .. } => provider_code(source),
         IsolatorError::Checkpoint { .. }
@@ -249,16 +239,16 @@ mod tests {
             reason: "expected a list".into(),
         };
         assert_eq!(Status::from(e).code(), Code::InvalidArgument);
-        let e = ServiceError::NotTheContainer {
+        let e = ServiceError::from(IsolatorError::NotTheContainer {
             container: "c1".into(),
             pid: 42,
-            why: "it is in serve's own mount namespace".into(),
-        };
+            why: "it is in the isolator's own mount namespace".into(),
+        });
         let status = Status::from(e);
         assert_eq!(status.code(), Code::FailedPrecondition);
         assert_eq!(
             status.message(),
-            "isolate container 'c1': pid 42 is not the container's process: it is in serve's own mount namespace"
+            "isolate container 'c1': pid 42 is not the container's process: it is in the isolator's own mount namespace"
         );
     }
 }

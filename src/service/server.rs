@@ -21,15 +21,13 @@
 //! `FAILED_PRECONDITION`, naming the container, the pid and what was seen.
 
 use std::future::Future;
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tonic::{Code, Request, Response, Status};
 
-use crate::isolator::{IsolatorError, VolumeIsolator};
-use crate::launcher::process::{mount_view, process_start_time, shares_mount_namespace, MountView};
+use crate::isolator::VolumeIsolator;
 use crate::mount::MountTable;
 use crate::provider::status::scan;
 use crate::provider::{Capability, CreateSpec, StorageProvider};
@@ -201,49 +199,7 @@ impl IsolatorService {
         if pid == 0 {
             return Err(invalid("pid", "is 0"));
         }
-        let rec =
-            self.isolator
-                .container(id)
-                .await
-                .ok_or_else(|| IsolatorError::UnknownContainer {
-                    container: id.to_string(),
-                })?;
-        let refuse = |why: String| ServiceError::NotTheContainer {
-            container: id.to_string(),
-            pid,
-            why,
-        };
-        let rootfs = match &rec.config.rootfs {
-            Some(path) => {
-                let m = std::fs::metadata(path).map_err(|e| {
-                    refuse(format!(
-                        "its rootfs {} cannot be read: {e}",
-                        crate::shown::shown_os(path.as_os_str())
-                    ))
-                })?;
-                Some((m.dev(), m.ino()))
-            }
-            None => None,
-        };
-        let start = process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
-        let seen = Seen {
-            view: mount_view(pid),
-            shares_our_mount_namespace: shares_mount_namespace(pid),
-        };
-        if let Some(why) = not_the_container(rootfs, &seen) {
-            return Err(refuse(why));
-        }
-        self.isolator.isolate(id, pid).await?;
-        // The isolator read the process again: it must be the one checked.
-        let recorded = self.isolator.container(id).await;
-        let same = recorded
-            .as_ref()
-            .is_some_and(|r| r.pid_start == Some(start) && r.mount_view == seen.view);
-        if !same {
-            return Err(refuse(
-                "it exited, or moved to another mount namespace or root, while it was being isolated".into(),
-            ));
-        }
+        self.isolator.isolate_verified(id, pid).await?;
         Ok(proto::IsolateResponse {})
     }
 
@@ -293,40 +249,6 @@ impl IsolatorService {
             .map_err(|source| ServiceError::MountTable { source })?;
         let containers = self.isolator.containers().await;
         Ok(convert::status(report, &containers))
-    }
-}
-
-/// What serve sees of a process offered to `Isolate`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Seen {
-    /// Its mount namespace and root, if they could be read.
-    view: Option<MountView>,
-    /// Whether it is in serve's own mount namespace, if that could be read.
-    shares_our_mount_namespace: Option<bool>,
-}
-
-/// Why a process is not the container's (see the module doc), or `None`
-/// when it may be: `rootfs` is the (device, inode) of the container's
-/// rootfs, if it has one.
-fn not_the_container(rootfs: Option<(u64, u64)>, seen: &Seen) -> Option<String> {
-    let Some(view) = seen.view else {
-        return Some("its root and mount namespace cannot be read (has it exited?)".into());
-    };
-    match seen.shares_our_mount_namespace {
-        Some(true) => {
-            return Some(
-                "it is in serve's own mount namespace, so an update would mount on the host: give the pid of the container's first process".into(),
-            )
-        }
-        None => return Some("its mount namespace cannot be read".into()),
-        Some(false) => {}
-    }
-    match rootfs {
-        Some(want) if view.root != want => Some(format!(
-            "its root directory (device {}, inode {}) is not the container's rootfs (device {}, inode {}): give the pid of a process running in the container",
-            view.root.0, view.root.1, want.0, want.1
-        )),
-        _ => None,
     }
 }
 
@@ -430,76 +352,5 @@ impl Isolator for IsolatorService {
             |s| async move { IsolatorService::status(&s).await },
         )
         .await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    const OTHER_NS: (u64, u64) = (4, 4026532000);
-    const ROOTFS: (u64, u64) = (2049, 1234);
-
-    fn seen(root: (u64, u64), shares: Option<bool>) -> Seen {
-        Seen {
-            view: Some(MountView {
-                namespace: OTHER_NS,
-                root,
-            }),
-            shares_our_mount_namespace: shares,
-        }
-    }
-
-    #[test]
-    fn isolate_admits_only_the_containers_process() {
-        let host_root = (2049, 2);
-        let gone = Seen {
-            view: None,
-            shares_our_mount_namespace: None,
-        };
-        for (rootfs, seen, refused_for) in [
-            // No rootfs: any process outside serve's mount namespace.
-            (None, seen(host_root, Some(false)), None),
-            (
-                None,
-                seen(host_root, Some(true)),
-                Some("own mount namespace"),
-            ),
-            (None, seen(host_root, None), Some("cannot be read")),
-            (None, gone, Some("cannot be read")),
-            // A rootfs: the process's root is that directory.
-            (Some(ROOTFS), seen(ROOTFS, Some(false)), None),
-            (
-                Some(ROOTFS),
-                seen(host_root, Some(false)),
-                Some("is not the container's rootfs"),
-            ),
-            (
-                Some(ROOTFS),
-                seen((2050, 1234), Some(false)),
-                Some("is not the container's rootfs"),
-            ),
-            (
-                Some(ROOTFS),
-                seen((2049, 1235), Some(false)),
-                Some("is not the container's rootfs"),
-            ),
-            // Chrooted into the rootfs but in serve's namespace: update would mount on the host.
-            (
-                Some(ROOTFS),
-                seen(ROOTFS, Some(true)),
-                Some("own mount namespace"),
-            ),
-            (Some(ROOTFS), gone, Some("cannot be read")),
-        ] {
-            let got = not_the_container(rootfs, &seen);
-            match refused_for {
-                None => assert_eq!(got, None, "{rootfs:?} {seen:?}"),
-                Some(why) => {
-                    let got = got.unwrap_or_else(|| panic!("admitted {rootfs:?} {seen:?}"));
-                    assert!(got.contains(why), "{got:?} for {rootfs:?} {seen:?}");
-                }
-            }
-        }
     }
 }
