@@ -106,6 +106,12 @@ pub const PLUGIN_SOCKET_DIR: Purpose = Purpose {
     flag: "--plugin-socket-dir",
 };
 
+/// The directory serve's socket is in.
+pub const SERVE_SOCKET_DIR: Purpose = Purpose {
+    what: "serve socket dir",
+    flag: "--socket",
+};
+
 /// What a path component is to the directory being checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {
@@ -332,6 +338,15 @@ pub fn verify(work_dir: &Path) -> Result<Option<PathBuf>, WorkDirError> {
         }
     }
     Ok(Some(dir))
+}
+
+/// Checks an existing directory by the work dir's rule ([`strict_modes`]: it and every directory on
+/// its path owned by root, none writable by group or others but a sticky ancestor), creating and
+/// changing nothing: for a directory where something private is put (a socket) whose own mode may
+/// be wider than 0700 for a reason (a group that must reach it). Returns its canonical path.
+pub fn safe_dir(dir: &Path, purpose: Purpose) -> Result<PathBuf, WorkDirError> {
+    let (canonical, _) = walk(dir, purpose, None)?.ok_or_else(|| not_found(dir))?;
+    Ok(canonical)
 }
 
 /// A directory that only root may use, created (with its missing parents)

@@ -618,3 +618,37 @@ async fn metrics_are_on_loopback_for_a_bare_port_and_a_wider_address_is_warned_a
     assert!(line.contains("WARN") && line.contains("volumes"), "{line}");
     serve.stop(&sb);
 }
+
+/// A `--socket` in a directory another user may write in is refused before anything is bound: the
+/// socket is renamed into that directory, where such a user could swap it for one of their own.
+#[test]
+fn a_socket_in_a_directory_others_may_write_is_refused() {
+    require_root();
+    let sb = Sandbox::new("serve-sec-sockdir");
+    let shared = sb.mkdir("shared");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out = Command::new(BIN)
+        .env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
+        .env_remove("RUST_LOG")
+        .arg("--work-dir")
+        .arg(sb.join("work"))
+        .arg("serve")
+        .arg("--socket")
+        .arg(shared.join("isolator.sock"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run csi-isolator serve");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "serve started: {stderr}");
+    assert!(
+        stderr.contains("serve socket dir")
+            && stderr.contains(&shared.display().to_string())
+            && stderr.contains("writable by group or others")
+            && stderr.contains("--socket"),
+        "{stderr}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&shared).unwrap().flatten().collect();
+    assert!(left.is_empty(), "made in the shared dir: {left:?}");
+    assert_eq!(processes_mentioning(sb.path()), Vec::<u32>::new());
+}

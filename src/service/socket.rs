@@ -52,6 +52,9 @@ pub enum SocketError {
         /// The length that did not fit.
         len: usize,
     },
+    /// The socket's directory (or one on its path) may be written by another user.
+    #[error(transparent)]
+    UnsafeDir(#[from] crate::workdir::WorkDirError),
     /// A live service already accepts on the path.
     #[error("socket {path} is in use by a running service")]
     InUse {
@@ -151,6 +154,8 @@ pub fn bind(
         _ => Path::new("."),
     };
     create_dirs(parent, group)?;
+    // The socket is renamed into this directory: whoever may write in it could swap it after.
+    crate::workdir::safe_dir(parent, crate::workdir::SERVE_SOCKET_DIR)?;
     if let Some(gid) = group {
         for blocked in unreachable_by_group(parent, gid) {
             tracing::warn!(
