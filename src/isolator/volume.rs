@@ -335,48 +335,45 @@ impl VolumeIsolator {
     ) -> Result<(), IsolatorError> {
         use crate::launcher::process::{mount_view, process_start_time, shares_mount_namespace};
         use std::os::unix::fs::MetadataExt;
-        let entry = self.entry(container_id);
-        let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
         let refuse = |why: String| IsolatorError::NotTheContainer {
             container: container_id.to_string(),
             pid,
             why,
         };
-        let rootfs = match &rec.config.rootfs {
-            Some(path) => {
-                let m = std::fs::metadata(path).map_err(|e| {
-                    refuse(format!(
-                        "its rootfs {} cannot be read: {e}",
-                        crate::shown::shown_os(path.as_os_str())
-                    ))
-                })?;
-                Some((m.dev(), m.ino()))
+        self.try_modify(container_id, |rec| {
+            let rootfs = match &rec.config.rootfs {
+                Some(path) => {
+                    let m = std::fs::metadata(path).map_err(|e| {
+                        refuse(format!(
+                            "its rootfs {} cannot be read: {e}",
+                            crate::shown::shown_os(path.as_os_str())
+                        ))
+                    })?;
+                    Some((m.dev(), m.ino()))
+                }
+                None => None,
+            };
+            let start =
+                process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
+            let seen = process_check::Seen {
+                view: mount_view(pid),
+                shares_our_mount_namespace: shares_mount_namespace(pid),
+            };
+            if let Some(why) = process_check::not_the_container(rootfs, &seen) {
+                return Err(refuse(why));
             }
-            None => None,
-        };
-        let start = process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
-        let seen = process_check::Seen {
-            view: mount_view(pid),
-            shares_our_mount_namespace: shares_mount_namespace(pid),
-        };
-        if let Some(why) = process_check::not_the_container(rootfs, &seen) {
-            return Err(refuse(why));
-        }
-        if process_start_time(pid) != Some(start) {
-            return Err(refuse(
-                "it exited while it was being checked (its pid now names another process or none)"
-                    .into(),
-            ));
-        }
-        rec.pid = Some(pid);
-        rec.pid_start = Some(start);
-        rec.mount_view = seen.view;
-        self.persist(rec)
+            if process_start_time(pid) != Some(start) {
+                return Err(refuse(
+                    "it exited while it was being checked (its pid now names another process or none)"
+                        .into(),
+                ));
+            }
+            rec.pid = Some(pid);
+            rec.pid_start = Some(start);
+            rec.mount_view = seen.view;
+            Ok(())
+        })
+        .await
     }
 
     /// Changes a known container's record and persists it.
@@ -385,6 +382,20 @@ impl VolumeIsolator {
         container_id: &str,
         change: impl FnOnce(&mut ContainerRecord),
     ) -> Result<(), IsolatorError> {
+        self.try_modify(container_id, |rec| {
+            change(rec);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Changes a known container's record under its lock and persists it, unless `change` refuses
+    /// (then nothing is persisted; `change` must leave the record as it was when it refuses).
+    async fn try_modify(
+        &self,
+        container_id: &str,
+        change: impl FnOnce(&mut ContainerRecord) -> Result<(), IsolatorError>,
+    ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         let rec = slot
@@ -392,7 +403,7 @@ impl VolumeIsolator {
             .ok_or_else(|| IsolatorError::UnknownContainer {
                 container: container_id.to_string(),
             })?;
-        change(rec);
+        change(rec)?;
         self.persist(rec)
     }
 

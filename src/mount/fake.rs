@@ -307,6 +307,15 @@ fn set_propagation_fields(m: &mut MountInfo, propagation: Propagation, group: u3
     }
 }
 
+/// A real, harmless fd (an `O_PATH` fd of `/`) standing for a detached tree of `source`, so callers
+/// can borrow and close it as usual; the fake remembers what it stands for.
+fn detached_tree(s: &mut State, source: &Path, recursive: bool) -> Result<OwnedFd, Errno> {
+    let fd = open("/", OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty())?;
+    s.trees
+        .insert(fd.as_raw_fd(), Tree::new(source.to_path_buf(), recursive));
+    Ok(fd)
+}
+
 impl Syscall for FakeSyscall {
     fn bind_mount(&self, source: &Path, target: &Path, recursive: bool) -> Result<(), MountError> {
         let mut s = self.lock();
@@ -513,11 +522,7 @@ impl Syscall for FakeSyscall {
         if let Some(errno) = self.record(&mut s, call) {
             return Err(err(errno));
         }
-        // A real, harmless fd stands for the detached tree so callers can borrow and close it as usual.
-        let fd = open("/", OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).map_err(err)?;
-        s.trees
-            .insert(fd.as_raw_fd(), Tree::new(source.to_path_buf(), recursive));
-        Ok(fd)
+        detached_tree(&mut s, source, recursive).map_err(err)
     }
 
     /// Recorded with the path the kernel gives `source`; the tree stands for that path.
@@ -539,10 +544,7 @@ impl Syscall for FakeSyscall {
         if let Some(errno) = self.record(&mut s, call) {
             return Err(err(errno));
         }
-        let fd = open("/", OFlag::O_PATH | OFlag::O_CLOEXEC, Mode::empty()).map_err(err)?;
-        s.trees
-            .insert(fd.as_raw_fd(), Tree::new(path.clone(), recursive));
-        Ok(fd)
+        detached_tree(&mut s, &path, recursive).map_err(err)
     }
 
     fn change_mount_flags(
