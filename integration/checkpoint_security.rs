@@ -48,22 +48,11 @@ fn earlier_run(sb: &Sandbox) {
 }
 
 fn record(id: &str, sandbox: &Path) -> ContainerRecord {
-    ContainerRecord {
-        format: 1,
-        container_id: id.to_string(),
-        config: ContainerConfig {
-            resources: Vec::new(),
-            sandbox: sandbox.to_path_buf(),
-            rootfs: None,
-            user: None,
-        },
-        mounts: Vec::new(),
-        pid: None,
-        pid_start: None,
-        mount_view: None,
-        host_binds: Vec::new(),
-        binds_in_sandbox: false,
-    }
+    let config = ContainerConfig {
+        sandbox: sandbox.to_path_buf(),
+        ..ContainerConfig::default()
+    };
+    ContainerRecord::new(id, config, Vec::new())
 }
 
 /// Writes `rec` where the isolator keeps it, as the isolator does (JSON, 0600).

@@ -441,22 +441,11 @@ async fn volume_caps_refuse_the_extra_volume() {
 /// Writes a checkpoint for container `id` whose sandbox is `sandbox` and whose process is gone (none
 /// recorded), as someone who could write into the work dir would.
 fn plant_checkpoint(work: &Path, id: &str, sandbox: &Path) {
-    let rec = ContainerRecord {
-        format: 1,
-        container_id: id.to_string(),
-        config: ContainerConfig {
-            resources: Vec::new(),
-            sandbox: sandbox.to_path_buf(),
-            rootfs: None,
-            user: None,
-        },
-        mounts: Vec::new(),
-        pid: None,
-        pid_start: None,
-        mount_view: None,
-        host_binds: Vec::new(),
-        binds_in_sandbox: false,
+    let config = ContainerConfig {
+        sandbox: sandbox.to_path_buf(),
+        ..ContainerConfig::default()
     };
+    let rec = ContainerRecord::new(id, config, Vec::new());
     let dir = work.join("isolators/volume/csi").join(id);
     fs::create_dir_all(&dir).unwrap();
     fs::write(dir.join("state.json"), serde_json::to_vec(&rec).unwrap()).unwrap();

@@ -432,21 +432,15 @@ mod tests {
     const WORK: &str = "/var/lib/csi-isolator";
 
     fn record(id: &str, sandbox: &str, rootfs: Option<&str>, binds: &[&str]) -> ContainerRecord {
+        let config = ContainerConfig {
+            sandbox: PathBuf::from(sandbox),
+            rootfs: rootfs.map(PathBuf::from),
+            ..ContainerConfig::default()
+        };
         ContainerRecord {
-            format: 1,
-            container_id: id.to_string(),
-            config: ContainerConfig {
-                resources: Vec::new(),
-                sandbox: PathBuf::from(sandbox),
-                rootfs: rootfs.map(PathBuf::from),
-                user: None,
-            },
-            mounts: Vec::new(),
-            pid: None,
-            pid_start: None,
-            mount_view: None,
             host_binds: binds.iter().map(PathBuf::from).collect(),
             binds_in_sandbox: true,
+            ..ContainerRecord::new(id, config, Vec::new())
         }
     }
 

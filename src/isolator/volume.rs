@@ -66,6 +66,24 @@ pub struct ContainerRecord {
     pub binds_in_sandbox: bool,
 }
 
+impl ContainerRecord {
+    /// A new container's record: `config` and the `mounts` made for it, nothing isolated yet,
+    /// nothing mounted on the host.
+    pub fn new(container_id: &str, config: ContainerConfig, mounts: Vec<VolumeMount>) -> Self {
+        ContainerRecord {
+            format: FORMAT_VERSION,
+            container_id: container_id.to_string(),
+            config,
+            mounts,
+            pid: None,
+            pid_start: None,
+            mount_view: None,
+            host_binds: Vec::new(),
+            binds_in_sandbox: false,
+        }
+    }
+}
+
 /// What `recover` found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct IsolatorRecovery {
@@ -217,17 +235,7 @@ impl VolumeIsolator {
         let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
         self.check_writable(container_id, &mounts).await?;
         check_config(container_id, &config, &self.work_dir)?;
-        let rec = ContainerRecord {
-            format: FORMAT_VERSION,
-            container_id: container_id.to_string(),
-            config,
-            mounts: mounts.clone(),
-            pid: None,
-            pid_start: None,
-            mount_view: None,
-            host_binds: Vec::new(),
-            binds_in_sandbox: false,
-        };
+        let rec = ContainerRecord::new(container_id, config, mounts.clone());
         self.persist(&rec)?;
         if let Err(source) = self
             .manager
@@ -852,17 +860,7 @@ fn check_config(
     config: &ContainerConfig,
     work_dir: &Path,
 ) -> Result<(), IsolatorError> {
-    let probe = ContainerRecord {
-        format: FORMAT_VERSION,
-        container_id: container.to_string(),
-        config: config.clone(),
-        mounts: Vec::new(),
-        pid: None,
-        pid_start: None,
-        mount_view: None,
-        host_binds: Vec::new(),
-        binds_in_sandbox: false,
-    };
+    let probe = ContainerRecord::new(container, config.clone(), Vec::new());
     checkpoint_paths::check_record(&probe, work_dir)
         .and_then(|()| checkpoint_paths::check_canonical("sandbox", &config.sandbox))
         .map_err(|source| IsolatorError::Checkpoint {

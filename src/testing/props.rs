@@ -452,21 +452,14 @@ fn record_from_fields(input: &[u8]) -> ContainerRecord {
     let host_binds = fields
         .map(|f| PathBuf::from(OsStr::from_bytes(f)))
         .collect();
+    let config = ContainerConfig {
+        sandbox,
+        ..ContainerConfig::default()
+    };
     ContainerRecord {
-        format: 1,
-        container_id,
-        config: ContainerConfig {
-            resources: Vec::new(),
-            sandbox,
-            rootfs: None,
-            user: None,
-        },
-        mounts: Vec::new(),
-        pid: None,
-        pid_start: None,
-        mount_view: None,
         host_binds,
         binds_in_sandbox: true,
+        ..ContainerRecord::new(&container_id, config, Vec::new())
     }
 }
 
