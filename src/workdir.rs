@@ -69,14 +69,21 @@ pub const PRIVATE_DIR_MODE: u32 = 0o700;
 /// Mode of `run.lock` and `plugin.log`.
 pub const PRIVATE_FILE_MODE: u32 = 0o600;
 
+/// The work dir's directory of the isolators' container checkpoints.
+pub const ISOLATORS_DIR: &str = "isolators";
+/// The work dir's directory holding one directory per OCI hook container.
+pub const HOOK_DIR: &str = "oci-hook";
+/// The work dir's directory holding `run`'s sandboxes, one per container id.
+pub const RUN_SANDBOXES: &str = "sandboxes";
+
 /// The work dir's subdirectories, each [`PRIVATE_DIR_MODE`]: the plugins'
 /// volumes, the containers' checkpoints, the hook's and `run`'s container
 /// directories.
 pub const PRIVATE_SUBDIRS: [&str; 4] = [
     crate::resource::CSI_DIR,
-    "isolators",
-    crate::isolator::hook::HOOK_DIR,
-    "sandboxes",
+    ISOLATORS_DIR,
+    HOOK_DIR,
+    RUN_SANDBOXES,
 ];
 
 /// Mode of the directories created on the way to a missing one.

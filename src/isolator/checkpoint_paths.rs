@@ -29,16 +29,13 @@ use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 
-use crate::isolator::hook::HOOK_DIR;
-use crate::isolator::volume::ContainerRecord;
+use crate::isolator::record::ContainerRecord;
 use crate::mount::{fd_path, open_dir_no_symlinks_in, MountError};
 use crate::shown::shown_os;
-
-/// The directory of the work dir holding `run`'s sandboxes, one per container id.
-pub const RUN_SANDBOXES: &str = "sandboxes";
+pub use crate::workdir::{HOOK_DIR, RUN_SANDBOXES};
 
 /// Directories of the work dir that hold its own state: never a sandbox, nor inside one.
-const STATE_DIRS: &[&str] = &["csi", "isolators"];
+const STATE_DIRS: &[&str] = &[crate::resource::CSI_DIR, crate::workdir::ISOLATORS_DIR];
 
 /// Why a path read back from a container checkpoint is refused. Each names the field and the path
 /// (shown escaped: it is untrusted).

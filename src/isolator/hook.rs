@@ -121,7 +121,7 @@ pub const VOLUMES_ANNOTATION: &str = "io.csi-isolator.volumes";
 /// The annotation carrying a Mesos Resource JSON list of volumes.
 pub const RESOURCES_ANNOTATION: &str = "io.csi-isolator.resources";
 /// The directory under the work dir holding one directory per hook container.
-pub const HOOK_DIR: &str = "oci-hook";
+pub use crate::workdir::HOOK_DIR;
 /// How long a hook waits for the work-dir lock by default.
 pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the bundled plugin gets to stop after the hook's work.
@@ -1184,11 +1184,7 @@ pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError
     let id = state.id.as_str();
     validate_id(id)?;
     let work_dir = crate::workdir::canonical(&opts.work_dir)?;
-    let checkpoint = work_dir
-        .join("isolators")
-        .join("volume")
-        .join("csi")
-        .join(id);
+    let checkpoint = crate::isolator::volume::checkpoint_root(&work_dir).join(id);
     let sandbox = container_dir(&work_dir, id);
     if std::fs::symlink_metadata(&checkpoint).is_err()
         && std::fs::symlink_metadata(&sandbox).is_err()

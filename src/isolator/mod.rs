@@ -22,6 +22,7 @@ pub mod hook;
 pub mod launch_info;
 pub mod oci;
 mod process_check;
+pub mod record;
 pub mod targets;
 pub mod volume;
 

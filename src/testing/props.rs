@@ -414,7 +414,7 @@ pub fn check_checkpoint_record(input: &[u8]) -> bool {
         shown(sandbox)
     );
     if sandbox_s.starts_with(&work_s) {
-        let own = ["sandboxes", crate::isolator::hook::HOOK_DIR]
+        let own = [crate::workdir::RUN_SANDBOXES, crate::workdir::HOOK_DIR]
             .iter()
             .any(|area| *sandbox == work.join(area).join(&rec.container_id));
         assert!(
