@@ -3,12 +3,10 @@
 //! containers started by the namespace launcher, metrics read over HTTP.
 //! Every test ends with no mount, no loop device and no process left.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::transport::connect_unix;
@@ -20,7 +18,7 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, TargetRoot, UpdateRequest,
 };
-use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
+use csi_isolator::testing::{processes_mentioning, require_root, wait_for_serve_ready, Sandbox};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -57,29 +55,7 @@ impl Serve {
         let mut child = sb
             .spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()))
             .expect("spawn csi-isolator serve");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + TIMEOUT;
-        let mut lines = Vec::new();
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(line) if line == "csi-isolator serve: ready" => break,
-                Ok(line) => lines.push(line),
-                Err(e) => {
-                    let status = child.try_wait().ok().flatten();
-                    panic!("serve did not get ready ({e}); exit {status:?}; stdout {lines:?}");
-                }
-            }
-        }
+        let lines = wait_for_serve_ready(&mut child, TIMEOUT);
         let metrics = lines.iter().find_map(|l| {
             l.strip_prefix("csi-isolator serve: metrics on http://")
                 .and_then(|rest| rest.strip_suffix("/metrics"))

@@ -25,11 +25,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
 use std::future::Future;
-use std::io::{BufRead, BufReader};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::proto as csi;
@@ -45,7 +43,9 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, UpdateRequest,
 };
-use csi_isolator::testing::{processes_mentioning, raw_clients, require_root, Sandbox};
+use csi_isolator::testing::{
+    processes_mentioning, raw_clients, require_root, wait_for_serve_ready, Sandbox,
+};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tonic::transport::Channel;
@@ -239,30 +239,7 @@ impl World {
             cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
         }
         let mut child = self.sb.spawn(&mut cmd).expect("spawn csi-isolator serve");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line == "csi-isolator serve: ready" => break,
-                Ok(_) => {}
-                Err(e) => {
-                    let status = child.try_wait().ok().flatten();
-                    panic!(
-                        "{}: serve did not get ready ({e}); exit {status:?}",
-                        self.label
-                    );
-                }
-            }
-        }
+        wait_for_serve_ready(&mut child, TIMEOUT);
         self.serve = Some(Serve { child, socket });
     }
 

@@ -13,7 +13,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::transport::connect_unix;
@@ -23,7 +23,9 @@ use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, IsolateRequest, PrepareRequest, StatusRequest,
 };
 use csi_isolator::testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
-use csi_isolator::testing::{busybox_rootfs, processes_mentioning, require_root, Sandbox};
+use csi_isolator::testing::{
+    busybox_rootfs, processes_mentioning, require_root, wait_for_serve_ready, Sandbox,
+};
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -95,28 +97,7 @@ impl Serve {
                 all.push('\n');
             }
         });
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + TIMEOUT;
-        let mut lines = Vec::new();
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line == "csi-isolator serve: ready" => break,
-                Ok(line) => lines.push(line),
-                Err(e) => panic!(
-                    "serve did not get ready ({e}); stdout {lines:?}; stderr {}",
-                    stderr.lock().unwrap()
-                ),
-            }
-        }
+        let lines = wait_for_serve_ready(&mut child, TIMEOUT);
         let metrics = lines.iter().find_map(|l| {
             l.strip_prefix("csi-isolator serve: metrics on http://")
                 .and_then(|rest| rest.strip_suffix("/metrics"))

@@ -724,3 +724,35 @@ pub async fn start_bundled_provider(
     }
     provider
 }
+
+/// The line `csi-isolator serve` prints on stdout once it accepts calls.
+pub const SERVE_READY: &str = "csi-isolator serve: ready";
+
+/// Reads the stdout of a `csi-isolator serve` child (spawned with a piped stdout) until its
+/// [`SERVE_READY`] line, within `timeout`, and returns the lines before it (the metrics address is
+/// among them). Panics, saying what was read and how the child exited, when it does not get ready.
+pub fn wait_for_serve_ready(child: &mut Child, timeout: Duration) -> Vec<String> {
+    use std::io::BufRead;
+    let stdout = child.stdout.take().expect("serve's stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let deadline = Instant::now() + timeout;
+    let mut lines = Vec::new();
+    loop {
+        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            Ok(line) if line == SERVE_READY => return lines,
+            Ok(line) => lines.push(line),
+            Err(e) => {
+                let status = child.try_wait().ok().flatten();
+                panic!("serve did not get ready ({e}); exit {status:?}; stdout {lines:?}");
+            }
+        }
+    }
+}
