@@ -7,7 +7,7 @@ mod commands;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Makes CSI volumes usable by containers.
 #[derive(Debug, Parser)]
@@ -40,6 +40,12 @@ enum Command {
     Serve(commands::serve::ServeArgs),
     /// OCI runtime hook (createRuntime, poststop): CSI volumes named by annotations; state on stdin.
     OciHook(commands::oci_hook::OciHookArgs),
+    /// Print the completion script for a shell (bash, elvish, fish, powershell, zsh).
+    #[command(hide = true)]
+    Completions(commands::docs::CompletionsArgs),
+    /// Print the manual page (or write one page per command with --dir).
+    #[command(hide = true)]
+    Man(commands::docs::ManArgs),
 }
 
 fn main() -> ExitCode {
@@ -62,6 +68,9 @@ fn main() -> ExitCode {
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
             Command::Serve(args) => commands::serve::run(&cli.work_dir, args).await,
             Command::OciHook(args) => commands::oci_hook::run(&cli.work_dir, args).await,
+            // Generated from the definitions above; the work dir is not touched.
+            Command::Completions(args) => commands::docs::completions(Cli::command(), args),
+            Command::Man(args) => commands::docs::man(Cli::command(), args),
         }
     });
     match result {
