@@ -206,3 +206,51 @@ fn a_container_path_above_the_root_keeps_its_lexical_refusal() {
         case.sb.assert_no_mounts_under();
     }
 }
+
+#[test]
+fn a_target_under_a_read_only_rootfs_says_it_cannot_be_created() {
+    let case = Case::new("ne-ro-rootfs");
+    // The sandbox's mount point exists, so only the volume's target is missing.
+    let rootfs = case.sb.join("rootfs");
+    std::fs::create_dir_all(rootfs.join("mnt/mesos/sandbox")).unwrap();
+    let ro = |args: &[&str]| {
+        let st = Command::new("mount")
+            .args(args)
+            .arg(&rootfs)
+            .arg(&rootfs)
+            .status();
+        assert!(st.unwrap().success(), "mount {args:?}");
+    };
+    ro(&["--bind"]);
+    ro(&["-o", "remount,bind,ro"]);
+    let out = case.cli(&[
+        "run",
+        "--rootfs",
+        s(&rootfs),
+        "--volume",
+        "d:16M:/newdir",
+        "--",
+        "true",
+    ]);
+    nix::mount::umount2(&rootfs, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("at /newdir")
+            && stderr.contains("cannot be created there (read-only file system)")
+            && stderr.contains("create it in the root filesystem beforehand"),
+        "{stderr}"
+    );
+    // Published for the mount, then rolled back: nothing mounted or in use.
+    case.sb.assert_no_mounts_under();
+    case.sb.assert_no_loop_devices();
+    assert!(processes_mentioning(&case.work).is_empty());
+    let status = case.cli(&["status", "--json"]);
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    for v in report["volumes"].as_array().unwrap() {
+        assert_eq!(v["mounted"], false, "{v}");
+        assert_eq!(v["users"], serde_json::json!([]), "{v}");
+    }
+    assert!(!rootfs.join("newdir").exists());
+}
