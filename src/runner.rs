@@ -129,6 +129,21 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    /// An absolute container path given without `--rootfs` names a host
+    /// directory, and this one is missing or not a directory. Nothing is
+    /// created on the host's own paths, so this is refused before anything
+    /// is created or published.
+    #[error("{flag}: container path {container_path} {problem} on the host, and without --rootfs an absolute container path is a host directory (nothing is created there): use a relative path such as {relative} (it lands in the sandbox), create the directory {container_path} on the host, or give --rootfs")]
+    HostTarget {
+        /// The flag that named it (`--volume ARG` or `--resources FILE`).
+        flag: String,
+        /// The container path as given.
+        container_path: String,
+        /// What is wrong with it there.
+        problem: &'static str,
+        /// The same path made relative, to suggest.
+        relative: String,
+    },
     /// The provider failed (plugin unreachable, create failed...).
     #[error(transparent)]
     Provider(Box<ProviderError>),
@@ -220,6 +235,7 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
         r.check_volume_mode()
             .map_err(|e| RunError::Usage(e.to_string()))?;
     }
+    check_host_targets(&opts)?;
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     // The checkpoint records the rootfs as the kernel names it: a read-back
     // refuses a path that is not normal and absolute.
@@ -511,6 +527,54 @@ async fn supervise(
     Ok(status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+/// Refuses, before any volume is created or published, an absolute
+/// container path without `--rootfs` that is not a directory on the host.
+/// The mount resolves the target by fd later all the same; this only says
+/// up front, in the user's terms, what that would fail on.
+fn check_host_targets(opts: &RunOptions) -> Result<(), RunError> {
+    if opts.rootfs.is_some() {
+        return Ok(());
+    }
+    let from_volumes = opts
+        .volumes
+        .iter()
+        .map(|v| (format!("--volume {}", v.name), v.container_path.as_str()));
+    let from_resources = opts.resources.iter().filter_map(|r| {
+        let path = r.container_path()?;
+        Some((format!("--resources ({})", r.describe()), path))
+    });
+    for (flag, container_path) in from_volumes.chain(from_resources) {
+        // A path the isolator refuses lexically (`..` above the root, the
+        // root itself) gets that refusal, which names the container path.
+        if !container_path.starts_with('/')
+            || crate::isolator::targets::target_of(container_path, false).is_err()
+        {
+            continue;
+        }
+        let problem = match std::fs::metadata(container_path) {
+            Ok(m) if m.is_dir() => continue,
+            Ok(_) => "is not a directory",
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => "does not exist",
+            // Anything else (EACCES, ELOOP...) is left to the mount, which
+            // names the step and the errno.
+            Err(_) => continue,
+        };
+        let relative = container_path.trim_start_matches('/');
+        return Err(RunError::HostTarget {
+            flag,
+            container_path: container_path.to_string(),
+            problem,
+            relative: if relative.is_empty() {
+                "data"
+            } else {
+                relative
+            }
+            .to_string(),
+        });
+    }
+    Ok(())
 }
 
 fn mkdir(path: &Path) -> Result<(), RunError> {

@@ -126,6 +126,24 @@ pub enum LaunchError {
         /// The mount error.
         source: MountError,
     },
+    /// The target is not there and was not to be created: its root is the
+    /// host's own `/` (an absolute container path without a rootfs), where
+    /// nothing is ever created.
+    #[error("mount {at}: the target does not exist on the host, and nothing is created on the host's own paths: use a relative container path (it lands in the sandbox), create the directory on the host, or give the container a rootfs")]
+    TargetMissingOnHost {
+        /// The mount.
+        at: Box<VolumeRef>,
+    },
+    /// The target had to be created and its parent is on a read-only file
+    /// system (a read-only rootfs or bind).
+    #[error("mount {at}: the target does not exist and cannot be created there (read-only file system): create it in the root filesystem beforehand, or choose a container path on a writable one")]
+    TargetParentReadOnly {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The mount error.
+        #[source]
+        source: MountError,
+    },
     /// Attaching the tree onto the target (move_mount, or the bind fallback) failed.
     #[error("mount {at}: attach: {source}")]
     Attach {
@@ -370,6 +388,7 @@ impl LaunchError {
             | LaunchError::CloneSource { source, .. }
             | LaunchError::SetReadonly { source, .. }
             | LaunchError::ResolveTarget { source, .. }
+            | LaunchError::TargetParentReadOnly { source, .. }
             | LaunchError::Attach { source, .. }
             | LaunchError::BindRootfs { source, .. }
             | LaunchError::OpenDir { source, .. }
@@ -380,6 +399,7 @@ impl LaunchError {
             | LaunchError::Unmount { source, .. } => source.errno(),
             LaunchError::BindSandbox { source, .. } => source.errno(),
             LaunchError::SpawnThread { source } => source.raw_os_error().map(Errno::from_raw),
+            LaunchError::TargetMissingOnHost { .. } => Some(Errno::ENOENT),
             LaunchError::EmptyCommand
             | LaunchError::NulByte { .. }
             | LaunchError::InvalidEnvName { .. }
@@ -438,6 +458,15 @@ mod tests {
                     },
                 },
                 "mount volume at /data in container root /: attach: move_mount fd 3 onto fd 4: EINVAL",
+            ),
+            (
+                LaunchError::TargetMissingOnHost {
+                    at: Box::new(VolumeRef::new(&mount(Some("vol-1")), "/")),
+                },
+                "mount volume 'vol-1' at /data in container root /: the target does not exist \
+                 on the host, and nothing is created on the host's own paths: use a relative \
+                 container path (it lands in the sandbox), create the directory on the host, or \
+                 give the container a rootfs",
             ),
             (
                 LaunchError::Exec {

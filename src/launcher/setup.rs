@@ -167,11 +167,21 @@ pub(crate) fn resolve_target(
         at: Box::new(at.clone()),
         source,
     };
+    // The two a user causes by the container path get their own words.
     let fd = match how {
         Resolve::Create => mount::create_in_root(root, &mount.target, !source_is_dir),
         Resolve::Existing => mount::open_in_root(root, &mount.target),
     }
-    .map_err(err)?;
+    .map_err(|source: MountError| match (source.errno(), how) {
+        (Some(Errno::ENOENT), Resolve::Existing) => LaunchError::TargetMissingOnHost {
+            at: Box::new(at.clone()),
+        },
+        (Some(Errno::EROFS), Resolve::Create) => LaunchError::TargetParentReadOnly {
+            at: Box::new(at.clone()),
+            source,
+        },
+        _ => err(source),
+    })?;
     let st = nix::sys::stat::fstat(&fd).map_err(|errno| {
         err(MountError::Resolve {
             step: "fstat target",

@@ -5,7 +5,6 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use csi_isolator::resource::parse_resources;
 use csi_isolator::runner::{self, RunOptions, VolumeArg};
@@ -53,21 +52,60 @@ pub struct RunArgs {
     command: Vec<OsString>,
 }
 
+/// Refuses at once a `--plugin-endpoint` whose path is there but is not a
+/// socket (connecting would be retried until the plugin timeout); a path
+/// that is not there yet is waited for, as a plugin may still be starting.
+pub(super) fn check_plugin_endpoint(endpoint: Option<&str>) -> anyhow::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(path) = endpoint.and_then(|e| e.strip_prefix("unix://")) else {
+        return Ok(());
+    };
+    match std::fs::metadata(path) {
+        Ok(m) if !m.file_type().is_socket() => anyhow::bail!(
+            "--plugin-endpoint unix://{path}: {path} is not a socket (give the Unix socket the CSI plugin listens on, or leave --plugin-endpoint out to use the bundled plugin)"
+        ),
+        _ => Ok(()),
+    }
+}
+
 /// Runs `run`; exits with the workload's status.
 pub async fn run(work_dir: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     let resources = match &args.resources {
         Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("read --resources {}", path.display()))?;
-            parse_resources(&text).with_context(|| format!("--resources {}", path.display()))?
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                let what = match e.kind() {
+                    std::io::ErrorKind::NotFound => "no such file".to_string(),
+                    _ if path.is_dir() => "a directory, not a file".to_string(),
+                    _ => e.to_string(),
+                };
+                anyhow::anyhow!(
+                    "--resources {}: {what} (give a JSON file holding a list of Mesos Resource objects)",
+                    path.display()
+                )
+            })?;
+            parse_resources(&text).map_err(|e| {
+                anyhow::anyhow!(
+                    "--resources {}: not a JSON list of Mesos Resource objects ({e})",
+                    path.display()
+                )
+            })?
         }
         None => Vec::new(),
     };
     if let Some(rootfs) = &args.rootfs {
-        if !rootfs.is_dir() {
-            anyhow::bail!("--rootfs {}: not a directory", rootfs.display());
+        match std::fs::metadata(rootfs) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => anyhow::bail!(
+                "--rootfs {}: a file, not a directory (give the directory of an unpacked root filesystem)",
+                rootfs.display()
+            ),
+            Err(_) => anyhow::bail!(
+                "--rootfs {}: no such directory (give the directory of an unpacked root filesystem, or leave --rootfs out to run on the host's root)",
+                rootfs.display()
+            ),
         }
     }
+    check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
     let opts = RunOptions {
         work_dir: work_dir.to_path_buf(),
         provider: args.plugin.config(work_dir)?,

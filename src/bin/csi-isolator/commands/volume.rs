@@ -88,6 +88,7 @@ pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> 
     // wait for them briefly rather than racing their checkpoints.
     let work_dir = csi_isolator::workdir::canonical(work_dir)?;
     let _lock = csi_isolator::workdir::lock(&work_dir, Some(Duration::from_secs(30))).await?;
+    super::run::check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
     let config = args.plugin.config(&work_dir)?;
     let provider = StorageProvider::start(config)
         .await
@@ -104,8 +105,15 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             size,
             access_mode,
         } => {
+            // A size of 0 would leave the plugin to pick one: say so instead.
             let bytes = csi_isolator::plugin::parse_size(&size)
-                .ok_or_else(|| anyhow!("invalid size '{}' (examples: 64M, 1G)", shown(&size)))?;
+                .filter(|b| *b > 0)
+                .ok_or_else(|| {
+                    anyhow!(
+                        "volume create: invalid SIZE '{}': give a size above 0 with a unit (examples: 64M, 1G)",
+                        shown(&size)
+                    )
+                })?;
             let capability = Capability {
                 access_mode,
                 ..Capability::default()
