@@ -112,8 +112,7 @@ use crate::mount::{
     self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount,
 };
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
-use crate::resource::{parse_resources, Resource, VolumeMode};
-use crate::runner::VolumeArg;
+use crate::resource::{parse_resources, Resource, VolumeArg, VolumeMode};
 use crate::workdir::WorkDirLock;
 
 /// The annotation naming volumes by `NAME:SIZE:CONTAINER_PATH[:ro]`, comma-separated.

@@ -104,7 +104,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             size,
             access_mode,
         } => {
-            let bytes = csi_isolator::plugin::parse_size(&size)
+            let bytes = csi_isolator::resource::parse_size(&size)
                 .ok_or_else(|| anyhow!("invalid size '{}' (examples: 64M, 1G)", shown(&size)))?;
             let capability = Capability {
                 access_mode,
