@@ -1477,8 +1477,12 @@ pub fn mount_into_rootfs(
     let is_file = nix::sys::stat::fstat(tree.as_fd())
         .map(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR)
         .unwrap_or(false);
-    let target = mount::create_in_root(&mount::proc_fd_path(rootfs_fd.as_fd()), &mount.target, is_file)
-        .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
+    let target = mount::create_in_root(
+        &mount::proc_fd_path(rootfs_fd.as_fd()),
+        &mount.target,
+        is_file,
+    )
+    .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
     in_namespace(ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
             .map_err(|e| ("attach", e.to_string()))

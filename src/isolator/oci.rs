@@ -38,11 +38,11 @@ use nix::errno::Errno;
 use serde::{Deserialize, Serialize};
 
 use crate::isolator::launch_info::LaunchInfo;
-use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
     MountFlags, MountTable, Syscall,
 };
+use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 
 /// Every way the OCI path can fail; each names the step, the volume and the
 /// path it failed on.

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 
-use crate::mount::VolumeMount;
 use crate::mount::MountError;
+use crate::mount::VolumeMount;
 
 /// Names one volume mount in messages: `volume 'vol-1' at /data in container root /x/rootfs`.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -23,8 +23,8 @@ use std::path::{Path, PathBuf};
 use super::setup::{attach, clone_source, resolve_target, Resolve};
 use super::{LaunchError, VolumeRef};
 use crate::mount::{
-    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, TargetRoot, UnmountOutcome,
-    VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
+    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, TargetRoot,
+    UnmountOutcome, VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
 
 /// Runs `work` on a fresh thread that first leaves the process's shared fs state and enters the mount

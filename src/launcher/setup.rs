@@ -12,7 +12,8 @@ use nix::unistd::Pid;
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
 use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
-    self, ns, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS,
+    self, ns, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
+    SANDBOX_IN_ROOTFS,
 };
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.

@@ -403,8 +403,7 @@ impl Syscall for LinuxSyscall {
         if ret < 0 {
             let errno = Errno::last();
             return Err(MountError::OpenTree {
-                source_path: fd_path(source)
-                    .unwrap_or_else(|_| proc_fd_path(source)),
+                source_path: fd_path(source).unwrap_or_else(|_| proc_fd_path(source)),
                 errno,
             });
         }

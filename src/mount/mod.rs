@@ -40,12 +40,12 @@ pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
 };
 pub use resolve::{
-    create_in_root, open_beneath_no_symlinks, open_dir_no_symlinks,
-    open_dir_no_symlinks_in, open_in_root, open_parent_in_root,
+    create_in_root, open_beneath_no_symlinks, open_dir_no_symlinks, open_dir_no_symlinks_in,
+    open_in_root, open_parent_in_root,
 };
-pub use volume_mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
 pub use unmount::{
     retry_unmount, unmount_all_under, unmount_no_symlinks_with_retry, unmount_with_retry,
     UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
+pub use volume_mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
