@@ -438,8 +438,9 @@ fn the_provider_hardens_any_plugins_mounts_and_keeps_its_directories_private() {
 #[test]
 fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
     use csi_isolator::isolator::oci;
-    use csi_isolator::isolator::{LaunchInfo, TargetRoot, VolumeMount};
+    use csi_isolator::isolator::LaunchInfo;
     use csi_isolator::mount::LinuxSyscall;
+    use csi_isolator::mount::{TargetRoot, VolumeMount};
     use csi_isolator::testing::{require_runc, runc_run, RuncBundle};
     require_root();
     require_runc();

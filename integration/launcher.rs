@@ -13,9 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use csi_isolator::isolator::launch_info::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 use csi_isolator::launcher::{self, inject, LaunchError, LaunchSpec, Launched};
 use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator::mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 

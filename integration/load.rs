@@ -33,8 +33,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use csi_isolator::isolator::{ContainerConfig, VolumeIsolator, SANDBOX_IN_ROOTFS};
+use csi_isolator::isolator::{ContainerConfig, VolumeIsolator};
 use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::mount::SANDBOX_IN_ROOTFS;
 use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::status::scan;

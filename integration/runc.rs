@@ -13,8 +13,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use csi_isolator::isolator::oci::{self, OciPrepared};
-use csi_isolator::isolator::{LaunchInfo, TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
+use csi_isolator::isolator::LaunchInfo;
 use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use csi_isolator::mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, StorageProvider};
 use csi_isolator::testing::{require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox};

@@ -12,6 +12,18 @@
 //! - [`isolator`]: prepare / isolate / update / cleanup / recover.
 //! - [`launcher`]: the namespace launcher used by `run` and the tests.
 //! - [`service`]: `serve`, the isolator as a gRPC service on a Unix socket, with metrics.
+//!
+//! Layers, lowest first; a module imports only from lower layers, never from its own or a higher one,
+//! so the module graph has no cycle (the `layers_import_only_downward` test checks it):
+//! 1. [`shown`], [`error_chain`]: formatting helpers, importing nothing.
+//! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
+//! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
+//!    and the launcher use), [`workdir`], [`csi`].
+//! 4. [`provider`]; [`plugin`], the bundled test plugin, which the library never imports.
+//! 5. [`launcher`]: namespaces and processes (launching, facts about a pid, binds into a running one).
+//! 6. [`isolator`]: the lifecycle, using the provider to publish and the launcher to reach containers.
+//! 7. [`runner`], [`service`]: the front ends.
+//! 8. [`testing`]: test scaffolding; only test code imports it.
 
 pub mod csi;
 pub mod error_chain;
@@ -27,3 +39,92 @@ pub mod shown;
 #[doc(hidden)]
 pub mod testing;
 pub mod workdir;
+
+#[cfg(test)]
+mod layering {
+    use std::path::Path;
+
+    /// Each module's layer (see the crate doc); a module may import only from lower layers.
+    const LAYERS: &[(&str, u8)] = &[
+        ("shown", 1),
+        ("error_chain", 1),
+        ("resource", 2),
+        ("mount", 3),
+        ("workdir", 3),
+        ("csi", 3),
+        ("provider", 4),
+        ("plugin", 4),
+        ("launcher", 5),
+        ("isolator", 6),
+        ("runner", 7),
+        ("service", 7),
+        ("testing", 8),
+    ];
+
+    fn layer(module: &str) -> u8 {
+        LAYERS
+            .iter()
+            .find(|(name, _)| *name == module)
+            .map(|(_, layer)| *layer)
+            .unwrap_or_else(|| panic!("module {module} has no layer in LAYERS"))
+    }
+
+    /// Every `crate::<module>` a file names, with whether it stands after a `#[cfg(test)]`.
+    fn arrows(text: &str) -> Vec<(String, bool)> {
+        let mut in_tests = false;
+        let mut found = Vec::new();
+        for line in text.lines() {
+            in_tests |= line.trim_start().starts_with("#[cfg(test)]");
+            let mut rest = line;
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+                    .collect();
+                if !name.is_empty() {
+                    found.push((name, in_tests));
+                }
+            }
+        }
+        found
+    }
+
+    fn sources(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("read src") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                sources(&path, out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                out.push(path);
+            }
+        }
+    }
+
+    #[test]
+    fn layers_import_only_downward() {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        sources(&src, &mut files);
+        let mut upward = Vec::new();
+        for file in files {
+            let rel = file.strip_prefix(&src).expect("under src");
+            let first = rel.components().next().expect("a component");
+            let module = first.as_os_str().to_string_lossy();
+            let module = module.trim_end_matches(".rs");
+            if module == "bin" || module == "lib" {
+                continue;
+            }
+            let text = std::fs::read_to_string(&file).expect("read source");
+            for (target, in_tests) in arrows(&text) {
+                if target == module || (target == "testing" && in_tests) {
+                    continue;
+                }
+                if layer(&target) >= layer(module) {
+                    upward.push(format!("{} -> {target}", rel.display()));
+                }
+            }
+        }
+        assert!(upward.is_empty(), "upward imports: {upward:#?}");
+    }
+}

@@ -15,7 +15,6 @@ use std::collections::HashSet;
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,62 +27,8 @@ use crate::launcher::process::MountView;
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::MountTable;
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{validate_container_id, Resource, VolumeMode};
+use crate::resource::{validate_container_id, Resource, VolumeArg, VolumeMode};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
-
-/// One `--volume NAME:SIZE:CONTAINER_PATH[:ro]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct VolumeArg {
-    /// The volume name (the same name is the same volume).
-    pub name: String,
-    /// Its capacity in bytes.
-    pub size_bytes: u64,
-    /// Where the workload sees it (relative: in its sandbox).
-    pub container_path: String,
-    /// Mounted read-only.
-    pub readonly: bool,
-}
-
-impl FromStr for VolumeArg {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        const FORM: &str = "expected NAME:SIZE:CONTAINER_PATH[:ro], e.g. data:64M:data";
-        let parts: Vec<&str> = s.split(':').collect();
-        let part = |i: usize, what: &str| -> Result<&str, String> {
-            match parts.get(i) {
-                Some(p) if !p.is_empty() => Ok(*p),
-                _ => Err(format!("--volume '{s}': missing {what} ({FORM})")),
-            }
-        };
-        let name = part(0, "NAME")?;
-        let size = part(1, "SIZE")?;
-        let container_path = part(2, "CONTAINER_PATH")?;
-        let readonly = match parts.get(3) {
-            None | Some(&"rw") => false,
-            Some(&"ro") => true,
-            Some(other) => {
-                return Err(format!(
-                    "--volume '{s}': unknown mode '{other}' (expected ro or rw)"
-                ))
-            }
-        };
-        if parts.len() > 4 {
-            return Err(format!(
-                "--volume '{s}': too many ':'-separated parts ({FORM})"
-            ));
-        }
-        let size_bytes = crate::plugin::parse_size(size)
-            .filter(|b| *b > 0)
-            .ok_or_else(|| format!("--volume '{s}': invalid SIZE '{size}' (examples: 64M, 1G)"))?;
-        Ok(VolumeArg {
-            name: name.to_string(),
-            size_bytes,
-            container_path: container_path.to_string(),
-            readonly,
-        })
-    }
-}
 
 /// What `run` does.
 #[derive(Clone, Debug)]
@@ -686,35 +631,6 @@ mod tests {
                 }
                 (want, got) => panic!("pid {pid} {facts:?}: expected {want:?}, got {got:?}"),
             }
-        }
-    }
-
-    #[test]
-    fn volume_args() {
-        let v: VolumeArg = "data:64M:data".parse().unwrap();
-        assert_eq!(
-            v,
-            VolumeArg {
-                name: "data".into(),
-                size_bytes: 64 << 20,
-                container_path: "data".into(),
-                readonly: false
-            }
-        );
-        let v: VolumeArg = "logs:1G:/var/log/app:ro".parse().unwrap();
-        assert!(v.readonly);
-        assert_eq!(v.container_path, "/var/log/app");
-        for (bad, says) in [
-            ("data", "missing SIZE"),
-            ("data:64M", "missing CONTAINER_PATH"),
-            (":64M:x", "missing NAME"),
-            ("data:lots:x", "invalid SIZE 'lots'"),
-            ("data:0:x", "invalid SIZE '0'"),
-            ("data:64M:x:rx", "unknown mode 'rx'"),
-            ("data:64M:x:ro:more", "too many"),
-        ] {
-            let err = bad.parse::<VolumeArg>().unwrap_err();
-            assert!(err.contains(says), "{bad}: {err}");
         }
     }
 }

@@ -867,7 +867,7 @@ fn harden_changes_only_a_mount_root() {
 /// sets and clears the same flags on an attached mount.
 #[test]
 fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
-    use csi_isolator::isolator::{TargetRoot, VolumeMount};
+    use csi_isolator::mount::{TargetRoot, VolumeMount};
     let sb = Sandbox::new();
     let sys = LinuxSyscall;
     let data = sb.mkdir("data");

@@ -10,8 +10,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::isolator::VolumeMount;
 use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::mount::VolumeMount;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{

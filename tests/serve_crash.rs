@@ -32,8 +32,8 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::csi::proto as csi;
 use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::isolator::VolumeMount;
 use csi_isolator::launcher::{self, LaunchSpec, Launched};
+use csi_isolator::mount::VolumeMount;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::BUNDLED_TYPE;
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;

@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Parser;
 use csi_isolator::csi::transport::socket_path;
 use csi_isolator::plugin::{self, faults, BackingKind, PluginConfig};
+use csi_isolator::resource::parse_size;
 
 const EXAMPLES: &str = "\
 Examples:
@@ -100,7 +101,7 @@ struct Args {
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
-    plugin::parse_size(text).ok_or_else(|| format!("invalid size '{text}'"))
+    parse_size(text).ok_or_else(|| format!("invalid size '{text}'"))
 }
 
 fn config(args: Args) -> anyhow::Result<PluginConfig> {

@@ -98,7 +98,7 @@
 //! (sandboxes under `<work_dir>/sandboxes`) and keeps the hook's, whose sandboxes are under `oci-hook/`.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -107,13 +107,12 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use crate::isolator::{
-    checkpoint_paths, ContainerConfig, IsolatorError, TargetRoot, VolumeIsolator, VolumeMount,
+use crate::isolator::{checkpoint_paths, ContainerConfig, IsolatorError, VolumeIsolator};
+use crate::mount::{
+    self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount,
 };
-use crate::mount::{self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
-use crate::resource::{parse_resources, Resource, VolumeMode};
-use crate::runner::VolumeArg;
+use crate::resource::{parse_resources, Resource, VolumeArg, VolumeMode};
 use crate::workdir::WorkDirLock;
 
 /// The annotation naming volumes by `NAME:SIZE:CONTAINER_PATH[:ro]`, comma-separated.
@@ -1385,11 +1384,6 @@ fn remove_tree(
     unlinkat(parent, name, UnlinkatFlags::RemoveDir).map_err(|e| format!("remove {}: {e}", shown()))
 }
 
-/// `/proc/self/fd/N`: a path naming exactly the object `fd` holds.
-fn fd_link(fd: BorrowedFd<'_>) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
 fn volume_name(m: &VolumeMount) -> String {
     m.volume_id
         .clone()
@@ -1483,8 +1477,12 @@ pub fn mount_into_rootfs(
     let is_file = nix::sys::stat::fstat(tree.as_fd())
         .map(|st| st.st_mode & libc::S_IFMT != libc::S_IFDIR)
         .unwrap_or(false);
-    let target = mount::create_in_root(&fd_link(rootfs_fd.as_fd()), &mount.target, is_file)
-        .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
+    let target = mount::create_in_root(
+        &mount::proc_fd_path(rootfs_fd.as_fd()),
+        &mount.target,
+        is_file,
+    )
+    .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
     in_namespace(ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
             .map_err(|e| ("attach", e.to_string()))
@@ -1508,7 +1506,7 @@ fn unmount_in_namespace(pid: u32, trees: &[OwnedFd]) -> Result<(), String> {
     let ns_fd = ns::open_mount_namespace(pid).map_err(|e| format!("/proc/{pid}/ns/mnt: {e}"))?;
     in_namespace(ns_fd.as_fd(), |sys| {
         for tree in trees.iter().rev() {
-            sys.unmount(&fd_link(tree.as_fd()), true)
+            sys.unmount(&mount::proc_fd_path(tree.as_fd()), true)
                 .map_err(|e| ("unmount", e.to_string()))?;
         }
         Ok(())

@@ -27,5 +27,5 @@ pub mod targets;
 pub mod volume;
 
 pub use error::IsolatorError;
-pub use launch_info::{ContainerConfig, LaunchInfo, TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
+pub use launch_info::{ContainerConfig, LaunchInfo};
 pub use volume::{ContainerRecord, IsolatorRecovery, VolumeIsolator};

@@ -37,11 +37,12 @@ use std::time::Duration;
 use nix::errno::Errno;
 use serde::{Deserialize, Serialize};
 
-use crate::isolator::launch_info::{LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::isolator::launch_info::LaunchInfo;
 use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
     MountFlags, MountTable, Syscall,
 };
+use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 
 /// Every way the OCI path can fail; each names the step, the volume and the
 /// path it failed on.
@@ -496,7 +497,7 @@ pub fn cleanup(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::isolator::launch_info::TargetRoot;
+    use crate::mount::TargetRoot;
     use crate::mount::{Call, CallKind, FakeSyscall};
 
     fn vm(id: &str, source: &Path, container_path: &str, readonly: bool) -> VolumeMount {

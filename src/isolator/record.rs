@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::isolator::launch_info::{ContainerConfig, VolumeMount};
+use crate::isolator::launch_info::ContainerConfig;
+use crate::mount::VolumeMount;
 
 /// Format version of the isolator's container checkpoint.
 pub const FORMAT_VERSION: u32 = 1;

@@ -7,7 +7,8 @@ use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
-use crate::isolator::launch_info::{ContainerConfig, TargetRoot, VolumeMount};
+use crate::isolator::launch_info::ContainerConfig;
+use crate::mount::{TargetRoot, VolumeMount};
 use crate::resource::{Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk

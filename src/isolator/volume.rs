@@ -21,11 +21,12 @@ use std::sync::{Arc, Mutex};
 
 use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
-use crate::isolator::launch_info::{ContainerConfig, LaunchInfo, VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
 use crate::isolator::process_check;
 use crate::isolator::targets::volume_mounts;
 use crate::mount::{unmount_all_under, MountTable, Syscall};
+use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::provider::checkpoint;
 use crate::provider::Manager;
 use crate::resource::Resource;

@@ -9,8 +9,8 @@ use std::path::PathBuf;
 use nix::errno::Errno;
 use nix::sys::signal::Signal;
 
-use crate::isolator::launch_info::VolumeMount;
 use crate::mount::MountError;
+use crate::mount::VolumeMount;
 
 /// Names one volume mount in messages: `volume 'vol-1' at /data in container root /x/rootfs`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -187,10 +187,10 @@ pub enum LaunchError {
         /// The mount error.
         source: MountError,
     },
-    /// Binding the sandbox at [`crate::isolator::launch_info::SANDBOX_IN_ROOTFS`] in the rootfs failed.
+    /// Binding the sandbox at [`crate::mount::SANDBOX_IN_ROOTFS`] in the rootfs failed.
     #[error(
         "bind sandbox {sandbox} at {} in rootfs {rootfs}: {source}",
-        crate::isolator::launch_info::SANDBOX_IN_ROOTFS
+        crate::mount::SANDBOX_IN_ROOTFS
     )]
     BindSandbox {
         /// The host sandbox.
@@ -417,7 +417,7 @@ impl LaunchError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::isolator::launch_info::TargetRoot;
+    use crate::mount::TargetRoot;
 
     fn mount(id: Option<&str>) -> VolumeMount {
         VolumeMount {

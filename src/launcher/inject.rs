@@ -22,10 +22,9 @@ use std::path::{Path, PathBuf};
 
 use super::setup::{attach, clone_source, resolve_target, Resolve};
 use super::{LaunchError, VolumeRef};
-use crate::isolator::launch_info::{TargetRoot, VolumeMount};
 use crate::mount::{
-    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, UnmountOutcome,
-    DEFAULT_ATTEMPTS, DEFAULT_DELAY,
+    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, TargetRoot,
+    UnmountOutcome, VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
 
 /// Runs `work` on a fresh thread that first leaves the process's shared fs state and enters the mount
@@ -104,7 +103,7 @@ pub fn mount_into(
         TargetRoot::Sandbox => {
             // The sandbox first, by fd inside the container's root; then the target by fd inside the sandbox.
             let sandbox = open_sandbox(pid, &container_root, sandbox_in_container)?;
-            let root = super::setup::fd_link(sandbox.as_fd());
+            let root = mount::proc_fd_path(sandbox.as_fd());
             resolve_target(mount, is_dir, &root, Resolve::Create, &at)?
         }
         TargetRoot::Rootfs => resolve_target(mount, is_dir, &container_root, Resolve::Create, &at)?,
@@ -152,7 +151,7 @@ pub fn unmount_from(
     let root = match mount.root {
         TargetRoot::Sandbox => {
             sandbox = open_sandbox(pid, &container_root, sandbox_in_container)?;
-            super::setup::fd_link(sandbox.as_fd())
+            mount::proc_fd_path(sandbox.as_fd())
         }
         TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
     };

@@ -61,11 +61,11 @@ use std::path::PathBuf;
 pub use error::{LaunchError, VolumeRef};
 pub use process::Launched;
 
-use crate::isolator::launch_info::VolumeMount;
+use crate::mount::VolumeMount;
 
 // Intra-doc link target for the docs above.
 #[cfg(doc)]
-use crate::isolator::launch_info::SANDBOX_IN_ROOTFS;
+use crate::mount::SANDBOX_IN_ROOTFS;
 
 /// What to run, and where.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! workload from that thread (see the module doc of [`super`] for why).
 
 use std::ffi::OsString;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -11,8 +11,10 @@ use nix::unistd::Pid;
 
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
 use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
-use crate::isolator::launch_info::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
-use crate::mount::{self, ns, MountError, MountFlags, Propagation, Syscall};
+use crate::mount::{
+    self, ns, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
+    SANDBOX_IN_ROOTFS,
+};
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.
 fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
@@ -27,11 +29,6 @@ fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
         path: PathBuf::new(),
         errno,
     })
-}
-
-/// `/proc/self/fd/N`: a path naming exactly the object `fd` holds (path-based calls use it).
-pub(crate) fn fd_link(fd: BorrowedFd<'_>) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 /// How a volume's target is found inside its root.
@@ -249,12 +246,12 @@ pub(crate) fn attach(
                 .map_err(attach_err)?;
             if !set.is_empty() || !clear.is_empty() {
                 // The tree fd now names the attached mount's root.
-                sys.remount_bind_with(&fd_link(tree.as_fd()), set, clear)
+                sys.remount_bind_with(&mount::proc_fd_path(tree.as_fd()), set, clear)
                     .map_err(ro_err)?;
             }
         }
         None => {
-            sys.bind_mount_to_fd(&fd_link(clone.source.as_fd()), target, true)
+            sys.bind_mount_to_fd(&mount::proc_fd_path(clone.source.as_fd()), target, true)
                 .map_err(attach_err)?;
             if !set.is_empty() || !clear.is_empty() {
                 // The target fd still names the covered directory; its path now leads to the new mount.
@@ -274,7 +271,7 @@ pub(crate) fn attach(
                         })
                     })
                     .map_err(ro_err)?;
-                sys.remount_bind_with(&fd_link(top.as_fd()), set, clear)
+                sys.remount_bind_with(&mount::proc_fd_path(top.as_fd()), set, clear)
                     .map_err(ro_err)?;
             }
         }

@@ -447,7 +447,7 @@ impl Syscall for FakeSyscall {
         name: &std::ffi::OsStr,
         detach: bool,
     ) -> Result<(), MountError> {
-        let target = crate::mount::fd_path(dir)?.join(name);
+        let target = super::fd::fd_path(dir)?.join(name);
         self.unmount(&target, detach)
     }
 
@@ -531,7 +531,7 @@ impl Syscall for FakeSyscall {
         source: BorrowedFd<'_>,
         recursive: bool,
     ) -> Result<OwnedFd, MountError> {
-        let path = super::resolve::fd_path(source)?;
+        let path = super::fd::fd_path(source)?;
         let mut s = self.lock();
         let call = Call::OpenTreeCloneFd {
             source: path.clone(),
@@ -576,7 +576,7 @@ impl Syscall for FakeSyscall {
             tree.readonly = (tree.readonly || set.readonly) && !clear.readonly;
             return Ok(());
         }
-        let path = super::resolve::fd_path(mount).map_err(|_| err(Errno::EBADF))?;
+        let path = super::fd::fd_path(mount).map_err(|_| err(Errno::EBADF))?;
         let top_id = s
             .topmost(&path)
             .map(|m| m.mount_id)
@@ -664,7 +664,7 @@ impl Syscall for FakeSyscall {
             .trees
             .remove(&from_raw)
             .ok_or_else(|| err(Errno::EINVAL))?;
-        let target = super::resolve::fd_path(to).map_err(|_| err(Errno::EBADF))?;
+        let target = super::fd::fd_path(to).map_err(|_| err(Errno::EBADF))?;
         s.bind(&tree.source, &target, tree.recursive, tree.readonly);
         if let Some(m) = s.topmost(&target) {
             apply_flags(m, tree.set, tree.clear);
@@ -683,7 +683,7 @@ impl Syscall for FakeSyscall {
             tree.readonly = true;
             return Ok(());
         }
-        let path = super::resolve::fd_path(mount).map_err(|_| err(Errno::EBADF))?;
+        let path = super::fd::fd_path(mount).map_err(|_| err(Errno::EBADF))?;
         let top_id = s
             .topmost(&path)
             .map(|m| m.mount_id)
@@ -709,7 +709,7 @@ impl Syscall for FakeSyscall {
             target: fd,
             recursive,
         };
-        let shown = super::resolve::fd_path(target)
+        let shown = super::fd::fd_path(target)
             .unwrap_or_else(|_| PathBuf::from(format!("/proc/self/fd/{fd}")));
         if let Some(errno) = self.record(&mut s, call) {
             return Err(MountError::Bind {

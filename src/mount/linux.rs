@@ -12,6 +12,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{setns, CloneFlags};
 use nix::sys::statvfs::{statvfs, FsFlags};
 
+use super::fd::{fd_path, proc_fd_path};
 use super::{MountError, MountFlags, Propagation, Syscall};
 
 // include/uapi/linux/mount.h
@@ -110,11 +111,6 @@ fn cstring(path: &Path) -> Result<CString, MountError> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| MountError::NulInPath {
         path: path.to_path_buf(),
     })
-}
-
-/// `/proc/self/fd/N`: lets path-based calls (mount(2)) act on exactly the object an fd holds.
-pub(crate) fn proc_fd_path(fd: BorrowedFd<'_>) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
 }
 
 /// Per-mount flags a read-only bind remount must keep: the kernel refuses (EPERM) to clear locked flags,
@@ -407,8 +403,7 @@ impl Syscall for LinuxSyscall {
         if ret < 0 {
             let errno = Errno::last();
             return Err(MountError::OpenTree {
-                source_path: super::resolve::fd_path(source)
-                    .unwrap_or_else(|_| proc_fd_path(source)),
+                source_path: fd_path(source).unwrap_or_else(|_| proc_fd_path(source)),
                 errno,
             });
         }
@@ -429,7 +424,7 @@ impl Syscall for LinuxSyscall {
             ..MountAttr::default()
         };
         mount_setattr(mount, &attr, recursive).map_err(|errno| MountError::ChangeFlags {
-            mount: super::resolve::fd_path(mount).unwrap_or_else(|_| proc_fd_path(mount)),
+            mount: fd_path(mount).unwrap_or_else(|_| proc_fd_path(mount)),
             change: describe_change(set, clear),
             errno,
         })
@@ -486,7 +481,7 @@ impl Syscall for LinuxSyscall {
             Ok(Some(answer)) => answer,
             // Before Linux 5.8: the mount table, at the path the kernel gives the fd.
             Ok(None) => {
-                let at = super::resolve::fd_path(fd.as_fd())?;
+                let at = fd_path(fd.as_fd())?;
                 super::MountTable::is_mount_point(&super::ProcMountTable::new(), &at)?
             }
             Err(errno) => return Err(err("statx", errno)),
@@ -514,7 +509,7 @@ impl Syscall for LinuxSyscall {
         recursive: bool,
     ) -> Result<(), MountError> {
         let via = proc_fd_path(target);
-        let shown = super::resolve::fd_path(target).unwrap_or_else(|_| via.clone());
+        let shown = fd_path(target).unwrap_or_else(|_| via.clone());
         bind(source, &via, &shown, recursive)
     }
 

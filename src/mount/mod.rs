@@ -14,9 +14,14 @@
 //! - Unmounting is bounded: EBUSY is retried a few times, then the mount is detached lazily
 //!   ([`unmount_with_retry`]); "not mounted" is success.
 //! - Loop devices ([`loopdev`]) are attached with autoclear, so they go away with their last user.
+//! - A volume's bind into a container is described by a [`VolumeMount`] (target relative to a
+//!   [`TargetRoot`], source opened beneath a trusted root): the isolator plans them, the launcher and the
+//!   hook apply them, so the type lives here, below both.
+//! - `/proc/self/fd/N` is named in one place ([`proc_fd_path`], [`fd_path`]).
 
 mod error;
 mod fake;
+mod fd;
 mod linux;
 pub mod loopdev;
 mod mountinfo;
@@ -24,20 +29,23 @@ pub mod ns;
 pub mod resolve;
 mod syscall;
 mod unmount;
+pub mod volume_mount;
 
 pub use error::MountError;
 pub use fake::FakeSyscall;
+pub use fd::{fd_path, proc_fd_path};
 pub use linux::LinuxSyscall;
 pub use loopdev::{attach, detach, find_backed_under, find_by_backing_file, LoopDevice};
 pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
 };
 pub use resolve::{
-    create_in_root, fd_path, open_beneath_no_symlinks, open_dir_no_symlinks,
-    open_dir_no_symlinks_in, open_in_root, open_parent_in_root,
+    create_in_root, open_beneath_no_symlinks, open_dir_no_symlinks, open_dir_no_symlinks_in,
+    open_in_root, open_parent_in_root,
 };
 pub use syscall::{Call, CallKind, MountFlags, Propagation, Syscall};
 pub use unmount::{
     retry_unmount, unmount_all_under, unmount_no_symlinks_with_retry, unmount_with_retry,
     UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
+pub use volume_mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};

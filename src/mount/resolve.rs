@@ -25,6 +25,7 @@ use nix::errno::Errno;
 use nix::fcntl::{open, openat, readlinkat, OFlag};
 use nix::sys::stat::{fstat, mkdirat, Mode, SFlag};
 
+use super::fd::fd_path;
 use super::MountError;
 
 /// Symlinks followed in one resolution before giving up with ELOOP (the kernel's own limit).
@@ -76,16 +77,6 @@ pub fn create_in_root_fallback(
     last_is_file: bool,
 ) -> Result<OwnedFd, MountError> {
     resolve(root, path, Some(last_is_file), Strategy::Walk)
-}
-
-/// The path the kernel reports for an fd (readlink /proc/self/fd/N), used to check where a mount would land.
-pub fn fd_path(fd: BorrowedFd<'_>) -> Result<PathBuf, MountError> {
-    nix::fcntl::readlink(&super::linux::proc_fd_path(fd))
-        .map(PathBuf::from)
-        .map_err(|errno| MountError::FdPath {
-            fd: fd.as_raw_fd(),
-            errno,
-        })
 }
 
 /// Opens the directory `path` (absolute, as the mount table names it: no symlink on it) as an O_PATH fd,

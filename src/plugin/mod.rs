@@ -124,22 +124,6 @@ pub fn default_node_id() -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
-/// Parses a byte size with an optional binary suffix (`K`, `M`, `G`, `T`, optionally
-/// followed by `i` and/or `B`): `10G` is 10 GiB.
-pub fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let t = t.strip_suffix('B').unwrap_or(t);
-    let t = t.strip_suffix('i').unwrap_or(t);
-    let (digits, shift) = match t.chars().last()? {
-        'K' | 'k' => (&t[..t.len() - 1], 10),
-        'M' | 'm' => (&t[..t.len() - 1], 20),
-        'G' | 'g' => (&t[..t.len() - 1], 30),
-        'T' | 't' => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    digits.parse::<u64>().ok()?.checked_mul(1u64 << shift)
-}
-
 /// Errors of the plugin: one variant per way an RPC (or serving) can fail. [`status`]
 /// maps each to its gRPC code.
 #[derive(Debug, thiserror::Error)]
@@ -530,18 +514,6 @@ fn listen(socket: &Path) -> Result<UnixListener, PluginError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_sizes() {
-        assert_eq!(parse_size("4096"), Some(4096));
-        assert_eq!(parse_size("10G"), Some(10 << 30));
-        assert_eq!(parse_size("64Mi"), Some(64 << 20));
-        assert_eq!(parse_size("1KiB"), Some(1024));
-        assert_eq!(parse_size("2T"), Some(2 << 40));
-        assert_eq!(parse_size("x"), None);
-        assert_eq!(parse_size(""), None);
-        assert_eq!(parse_size("99999999999T"), None);
-    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panicking_handler_becomes_internal_naming_rpc_and_volume() {

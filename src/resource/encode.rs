@@ -155,7 +155,7 @@ pub fn validate_path_component(field: &str, value: &str) -> Result<(), ResourceE
 }
 
 /// Checks a container id, wherever it comes from (the command line, `serve`, the OCI hook,
-/// [`crate::isolator::VolumeIsolator::prepare`]): one safe path component (it
+/// the isolator's `prepare`): one safe path component (it
 /// names the container's checkpoint and sandbox directories), and neither a
 /// `,` (the USERS columns join ids with commas) nor a control character.
 pub fn validate_container_id(id: &str) -> Result<(), ResourceError> {

@@ -14,6 +14,8 @@
 //!   `volumes/roles/<role>/<persistence id>` for PATH and default disks). The
 //!   result always lies beneath its root; anything else is a
 //!   [`ResourceError`] naming the resource and the field.
+//! - [`VolumeArg`] is the `NAME:SIZE:CONTAINER_PATH[:ro]` volume syntax of `run` and the OCI hook, and
+//!   [`parse_size`] the byte sizes it and the CLI take (`64M`, `1G`).
 //!
 //! Nothing here touches the file system.
 
@@ -21,6 +23,7 @@ mod encode;
 mod error;
 mod path;
 mod types;
+mod volume_arg;
 
 pub use encode::{
     decode_volume_id, encode_volume_id, validate_container_id, validate_path_component,
@@ -36,6 +39,7 @@ pub use types::{
     ReservationInfo, ReservationType, Resource, ResourceProviderId, Scalar, Set, SourceRoot,
     SourceType, ValueType, Volume, VolumeMode, BYTES_PER_MB,
 };
+pub use volume_arg::{parse_size, VolumeArg};
 
 impl Resource {
     /// The host path to bind-mount for this disk resource; see

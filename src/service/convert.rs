@@ -5,9 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::isolator::{
-    ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo, TargetRoot, VolumeMount,
-};
+use crate::isolator::{ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo};
+use crate::mount::{TargetRoot, VolumeMount};
 use crate::provider::status::StatusReport;
 use crate::resource::{parse_resources, Resource};
 use crate::service::error::ServiceError;

@@ -34,7 +34,8 @@ use serde_json::Map;
 
 use crate::isolator::checkpoint_paths::{check_normal, check_record, is_run_container};
 use crate::isolator::targets::target_of;
-use crate::isolator::{ContainerConfig, ContainerRecord, TargetRoot};
+use crate::isolator::{ContainerConfig, ContainerRecord};
+use crate::mount::TargetRoot;
 use crate::resource::{
     csi_mounts_root, decode_volume_id, encode_volume_id, plugin_dir, resolve_host_path,
     validate_path_component, volume_staging_path, volume_target_path, DiskInfo, DiskSource,

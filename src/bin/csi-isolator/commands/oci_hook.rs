@@ -17,7 +17,7 @@ use super::text;
 
 /// A `--max-capacity-per-tenant` SIZE: bytes with an optional K, M, G or T suffix.
 fn parse_capacity(text: &str) -> Result<u64, String> {
-    csi_isolator::plugin::parse_size(text).ok_or_else(|| {
+    csi_isolator::resource::parse_size(text).ok_or_else(|| {
         format!("invalid SIZE '{text}' (bytes with an optional K, M, G or T suffix)")
     })
 }

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use clap::Args;
 use csi_isolator::resource::parse_resources;
-use csi_isolator::runner::{self, RunOptions, VolumeArg};
+use csi_isolator::resource::VolumeArg;
+use csi_isolator::runner::{self, RunOptions};
 
 use super::plugin_args::PluginArgs;
 use super::{text, Utf8};

@@ -106,7 +106,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             access_mode,
         } => {
             // A size of 0 would leave the plugin to pick one: say so instead.
-            let bytes = csi_isolator::plugin::parse_size(&size)
+            let bytes = csi_isolator::resource::parse_size(&size)
                 .filter(|b| *b > 0)
                 .ok_or_else(|| {
                     anyhow!(
