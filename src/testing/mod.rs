@@ -55,6 +55,10 @@ fn lock(registry: &Registry) -> std::sync::MutexGuard<'_, Vec<u32>> {
 pub struct Sandbox {
     path: PathBuf,
     children: Registry,
+    /// Pids of the [`PluginProcess`]es started in the sandbox: each is a guard that kills its
+    /// plugin when dropped, which may be after the sandbox (a struct holding both drops the
+    /// sandbox first when it is declared first), so a live one is swept but is no leak.
+    guarded: Registry,
     expected: Mutex<Vec<(Leftover, &'static str)>>,
 }
 
@@ -73,6 +77,7 @@ impl Sandbox {
                     return Sandbox {
                         path,
                         children: Arc::default(),
+                        guarded: Arc::default(),
                         expected: Mutex::default(),
                     }
                 }
@@ -170,8 +175,15 @@ impl Sandbox {
 impl Drop for Sandbox {
     fn drop(&mut self) {
         let tracked: Vec<u32> = lock(&self.children).drain(..).collect();
-        let found = leaks::find(&self.path, &tracked);
+        let guarded: Vec<u32> = lock(&self.guarded).drain(..).collect();
+        let found: Vec<leaks::Leak> = leaks::find(&self.path, &tracked)
+            .into_iter()
+            .filter(
+                |leak| !matches!(leak, leaks::Leak::Process { pid, .. } if guarded.contains(pid)),
+            )
+            .collect();
         let mut pids = tracked;
+        pids.extend(guarded);
         pids.extend(found.iter().filter_map(|leak| match leak {
             leaks::Leak::Process { pid, .. } => Some(*pid),
             _ => None,
@@ -261,7 +273,7 @@ impl PluginProcess {
             dir,
             args: args.iter().map(|a| a.to_string()).collect(),
             child: None,
-            registry: sandbox.children.clone(),
+            registry: sandbox.guarded.clone(),
         };
         plugin.spawn_and_wait().await;
         plugin
