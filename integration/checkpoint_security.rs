@@ -95,6 +95,12 @@ fn mount_tmpfs(at: &Path) {
     std::fs::write(at.join("precious"), b"keep me").unwrap();
 }
 
+/// Takes down a decoy the test mounted itself, once it has proved the code left it alone (the
+/// sandbox fails a test that leaves a mount behind).
+fn unmount_decoy(at: &Path) {
+    nix::mount::umount(at).unwrap_or_else(|e| panic!("unmount the decoy {}: {e}", at.display()));
+}
+
 fn is_mount_point(at: &Path) -> bool {
     ProcMountTable::new()
         .mounts_under(at)
@@ -212,6 +218,9 @@ fn planted_checkpoint_paths_unmount_and_remove_nothing() {
     }
     let stderr = text(&out.stderr);
     assert!(stderr.contains("set aside"), "reported: {stderr}");
+    for m in [&swept, &bound, &bound_up, &by_root] {
+        unmount_decoy(m);
+    }
 }
 
 /// Finding 5: a sandbox path with a symlink swapped in. An earlier run's container whose sandbox is
@@ -258,6 +267,8 @@ fn a_symlink_swapped_into_a_checkpointed_path_is_refused() {
         stderr.contains("symbolic links") || stderr.contains("ELOOP"),
         "the symlink is named: {stderr}"
     );
+    unmount_decoy(&swept);
+    unmount_decoy(&bound);
 }
 
 /// The genuine case still works: `run` SIGKILLed while its workload runs leaves the workload behind
@@ -403,6 +414,7 @@ async fn recover_sets_aside_and_reports_unsafe_checkpoints() {
     assert_eq!(std::fs::read(m.join("precious")).unwrap(), b"keep me");
     assert!(agent.isolator.containers().await.is_empty());
     agent.stop().await;
+    unmount_decoy(&m);
 }
 
 /// Finding 5, at cleanup of a container the isolator made itself: its sandbox (holding the host bind
@@ -448,4 +460,5 @@ async fn cleanup_refuses_a_sandbox_swapped_for_a_symlink() {
     );
     assert!(is_mount_point(&decoy.join("data")));
     agent.stop().await;
+    unmount_decoy(&decoy.join("data"));
 }

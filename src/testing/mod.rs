@@ -2,16 +2,17 @@
 //!
 //! - [`require_root`]: tests that need root say so loudly instead of passing silently.
 //! - [`Sandbox`]: a unique temp dir that, when dropped, kills the children registered with
-//!   it, unmounts everything below it (deepest first, lazily as a last resort), detaches
-//!   loop devices backed by files below it and removes it, pass or fail. Tests call
-//!   [`Sandbox::assert_no_mounts_under`] / [`Sandbox::assert_no_loop_devices`] at the end to
-//!   prove that the code under test cleaned up by itself.
+//!   it (and any process naming it), unmounts everything below it (deepest first, lazily as a
+//!   last resort), detaches loop devices backed by files below it and removes it, pass or fail;
+//!   then it FAILS the test if it had anything to clean (see [`leaks`]), naming each leaked
+//!   thing, unless the test declared it with [`Sandbox::expect_cleanup_of`].
 //! - [`PluginProcess`]: a `csi-test-plugin` child on a socket in a sandbox, ready (Probe
 //!   answered) when returned; killed when dropped.
 //! - [`raw_clients`]: the generated Identity/Controller/Node clients on a socket.
 //!
 //! Helpers panic with a clear message on failure: they are for tests.
 
+pub mod leaks;
 pub mod props;
 pub mod unprivileged;
 
@@ -22,8 +23,6 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use rand::Rng;
 use tonic::transport::Channel;
 
@@ -32,7 +31,9 @@ use crate::csi::proto::identity_client::IdentityClient;
 use crate::csi::proto::node_client::NodeClient;
 use crate::csi::proto::ProbeRequest;
 use crate::csi::transport::{connect_unix, endpoint_for, TransportError};
-use crate::mount::{self, LinuxSyscall, MountInfo, MountTable, ProcMountTable};
+use crate::mount::{self, MountInfo, MountTable, ProcMountTable};
+
+pub use leaks::Leftover;
 
 /// Panics unless the process runs as root.
 pub fn require_root() {
@@ -48,11 +49,17 @@ fn lock(registry: &Registry) -> std::sync::MutexGuard<'_, Vec<u32>> {
     registry.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A unique temporary directory that cleans up everything under it when dropped.
+/// A unique temporary directory that cleans up everything under it when dropped, and fails the
+/// test when there was something to clean (a leak) that the test did not declare.
 #[derive(Debug)]
 pub struct Sandbox {
     path: PathBuf,
     children: Registry,
+    /// Pids of the [`PluginProcess`]es started in the sandbox: each is a guard that kills its
+    /// plugin when dropped, which may be after the sandbox (a struct holding both drops the
+    /// sandbox first when it is declared first), so a live one is swept but is no leak.
+    guarded: Registry,
+    expected: Mutex<Vec<(Leftover, &'static str)>>,
 }
 
 impl Sandbox {
@@ -70,6 +77,8 @@ impl Sandbox {
                     return Sandbox {
                         path,
                         children: Arc::default(),
+                        guarded: Arc::default(),
+                        expected: Mutex::default(),
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
@@ -116,6 +125,16 @@ impl Sandbox {
         lock(&self.children).retain(|p| *p != pid);
     }
 
+    /// Declares that the test leaves `what` for the sandbox to clean on purpose, `why` saying
+    /// why (it shows in the log): the drop still sweeps it but does not fail the test for it.
+    /// Keep these rare: every other leftover fails the test.
+    pub fn expect_cleanup_of(&self, what: Leftover, why: &'static str) {
+        self.expected
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((what, why));
+    }
+
     /// Mounts at or below the sandbox, deepest first.
     pub fn mounts_under(&self) -> Vec<MountInfo> {
         ProcMountTable::new()
@@ -155,35 +174,45 @@ impl Sandbox {
 
 impl Drop for Sandbox {
     fn drop(&mut self) {
-        for pid in lock(&self.children).drain(..) {
-            if let Ok(pid) = i32::try_from(pid) {
-                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
-            }
-        }
-        // Killed children release their mounts asynchronously; unmount_all_under retries EBUSY
-        // and detaches lazily as a last resort, so this always ends.
-        if let Err(e) = mount::unmount_all_under(&LinuxSyscall, &ProcMountTable::new(), &self.path)
-        {
-            eprintln!("sandbox {}: unmount: {e}", self.path.display());
-        }
-        match mount::find_backed_under(&self.path) {
-            Ok(devices) => {
-                for (device, _) in devices {
-                    if let Err(e) = mount::detach(&device) {
-                        eprintln!(
-                            "sandbox {}: detach {}: {e}",
-                            self.path.display(),
-                            device.display()
-                        );
-                    }
-                }
-            }
-            Err(e) => eprintln!("sandbox {}: list loop devices: {e}", self.path.display()),
-        }
+        let tracked: Vec<u32> = lock(&self.children).drain(..).collect();
+        let guarded: Vec<u32> = lock(&self.guarded).drain(..).collect();
+        let found: Vec<leaks::Leak> = leaks::find(&self.path, &tracked)
+            .into_iter()
+            .filter(
+                |leak| !matches!(leak, leaks::Leak::Process { pid, .. } if guarded.contains(pid)),
+            )
+            .collect();
+        let mut pids = tracked;
+        pids.extend(guarded);
+        pids.extend(found.iter().filter_map(|leak| match leak {
+            leaks::Leak::Process { pid, .. } => Some(*pid),
+            _ => None,
+        }));
+        leaks::sweep(&self.path, &pids);
         // Never follow a path out of the sandbox: remove_dir_all does not follow symlinks, and
         // nothing is mounted below any more.
         if let Err(e) = fs::remove_dir_all(&self.path) {
             eprintln!("sandbox {}: remove: {e}", self.path.display());
+        }
+        let expected =
+            std::mem::take(&mut *self.expected.lock().unwrap_or_else(|p| p.into_inner()));
+        for (what, why) in &expected {
+            eprintln!(
+                "sandbox {}: cleaning {what:?} as expected: {why}",
+                self.path.display()
+            );
+        }
+        let leaked = leaks::unexpected(found, &expected);
+        if leaked.is_empty() {
+            return;
+        }
+        let message = leaks::message(&self.path, &leaked);
+        // A second panic while unwinding aborts the whole test binary: the test failed anyway,
+        // so log the leaks instead.
+        if std::thread::panicking() {
+            eprintln!("{message}");
+        } else {
+            panic!("{message}");
         }
     }
 }
@@ -244,7 +273,7 @@ impl PluginProcess {
             dir,
             args: args.iter().map(|a| a.to_string()).collect(),
             child: None,
-            registry: sandbox.children.clone(),
+            registry: sandbox.guarded.clone(),
         };
         plugin.spawn_and_wait().await;
         plugin
