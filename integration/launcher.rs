@@ -478,8 +478,16 @@ fn host_target_must_exist() {
         "vol-h2",
     )];
     let err = launcher::launch(&spec).expect_err("missing host target");
-    assert!(matches!(err, LaunchError::ResolveTarget { .. }), "{err}");
-    assert!(err.to_string().contains("vol-h2"), "{err}");
+    // Said as what to do, not as a kernel error.
+    assert!(
+        matches!(err, LaunchError::TargetMissingOnHost { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(
+        text.contains("vol-h2") && text.contains("use a relative container path"),
+        "{text}"
+    );
     assert!(!missing.exists());
     assert_clean(&sb, &before);
 }
