@@ -285,6 +285,19 @@ mod tests {
             .arg("1000")
             .spawn()
             .expect("spawn sleep");
+        // Seen in the process table under its new command line before the sandbox goes (under
+        // load, /proc may show the exec a moment late): bounded.
+        let seen = (0..500).any(|_| {
+            let found = super::super::processes_mentioning(sb.path()).contains(&child.id());
+            if !found {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            found
+        });
+        assert!(
+            seen,
+            "the child never showed the sandbox in its command line"
+        );
         let message = drop_message(sb).expect("a process naming the sandbox must fail the test");
         assert!(
             message.contains(&format!(
