@@ -248,6 +248,7 @@ async fn serve_with_provider(
         &opts.work_dir,
         table.clone(),
         metrics.clone(),
+        opts.limits.max_connections * opts.limits.concurrent_calls,
     );
     let Listeners {
         socket_path,

@@ -45,24 +45,31 @@ pub struct IsolatorService {
     work_dir: PathBuf,
     table: Arc<dyn MountTable>,
     metrics: Arc<ServiceMetrics>,
+    /// Operations running at once, whether or not their caller still waits: an operation outlives a
+    /// cancelled call (see [`run`](Self::run)), so tonic's per-connection limit, which ends with the
+    /// call, cannot bound them.
+    operations: Arc<tokio::sync::Semaphore>,
 }
 
 type Reply<T> = Result<Response<T>, Status>;
 
 impl IsolatorService {
     /// A service over `isolator` (whose work dir is `work_dir`); `table` is
-    /// read for the status report, `metrics` counts the calls.
+    /// read for the status report, `metrics` counts the calls; at most
+    /// `max_operations` operations run at once (more wait for a slot).
     pub fn new(
         isolator: Arc<VolumeIsolator>,
         work_dir: impl Into<PathBuf>,
         table: Arc<dyn MountTable>,
         metrics: Arc<ServiceMetrics>,
+        max_operations: usize,
     ) -> Self {
         IsolatorService {
             isolator,
             work_dir: work_dir.into(),
             table,
             metrics,
+            operations: Arc::new(tokio::sync::Semaphore::new(max_operations.max(1))),
         }
     }
 
@@ -95,10 +102,19 @@ impl IsolatorService {
         T: Send + 'static,
         F: Future<Output = Result<T, ServiceError>> + Send + 'static,
     {
+        // The slot is taken while the caller waits (a caller that gives up before it gets one starts
+        // nothing) and held by the operation to its end, however the call ends.
+        let slot = self
+            .operations
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the operations semaphore is never closed");
         let this = self.clone();
         let call = op(this.clone());
         let task = tokio::spawn(async move {
             let result = call.await;
+            drop(slot);
             this.reply(method, result)
         });
         match task.await {
@@ -352,5 +368,76 @@ impl Isolator for IsolatorService {
             |s| async move { IsolatorService::status(&s).await },
         )
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mount::FakeSyscall;
+    use crate::provider::Manager;
+
+    fn service(max_operations: usize) -> IsolatorService {
+        let fake = Arc::new(FakeSyscall::new());
+        let isolator = Arc::new(VolumeIsolator::new(
+            "/w",
+            Arc::new(Manager::new()),
+            fake.clone(),
+            fake.clone(),
+        ));
+        IsolatorService::new(
+            isolator,
+            "/w",
+            fake,
+            Arc::new(ServiceMetrics::default()),
+            max_operations,
+        )
+    }
+
+    /// An operation keeps its slot after its caller gave up (a cancelled call), so callers that
+    /// cancel cannot start more operations than the cap.
+    #[tokio::test]
+    async fn an_operation_keeps_its_slot_after_its_caller_gives_up() {
+        let s = service(1);
+        let (release, released) = tokio::sync::oneshot::channel::<()>();
+        let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+        let first = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                s.run("Status", move |_| async move {
+                    let _ = started_tx.send(());
+                    let _ = released.await;
+                    Ok(proto::StatusResponse::default())
+                })
+                .await
+            })
+        };
+        started.await.unwrap();
+        // The caller goes away; its operation goes on and holds the only slot.
+        first.abort();
+        let second_ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = second_ran.clone();
+        let second = tokio::spawn({
+            let s = s.clone();
+            async move {
+                s.run("Status", move |_| async move {
+                    flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                    Ok(proto::StatusResponse::default())
+                })
+                .await
+            }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert!(
+            !second_ran.load(std::sync::atomic::Ordering::SeqCst),
+            "a second operation started while the first still held the only slot"
+        );
+        release.send(()).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(5), second)
+            .await
+            .expect("the second operation runs once the first is done")
+            .unwrap()
+            .unwrap();
+        assert!(second_ran.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
