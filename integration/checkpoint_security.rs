@@ -152,9 +152,11 @@ fn planted_checkpoint_pids_are_not_signalled() {
         "the sleep is the same process"
     );
     let stderr = text(&out.stderr);
-    assert!(
-        stderr.contains("not signalling the pid"),
-        "the refusal is logged: {stderr}"
+    // Both planted records are refused, each logged: the foreign sleep and pid 1.
+    assert_eq!(
+        stderr.matches("not signalling the pid").count(),
+        2,
+        "both refusals are logged: {stderr}"
     );
 
     let _ = sleep.kill();

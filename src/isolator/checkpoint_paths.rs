@@ -23,7 +23,7 @@
 //! A record that fails is refused whole: nothing it names is unmounted, removed or signalled.
 
 use std::ffi::OsStr;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
@@ -261,11 +261,6 @@ pub fn check_canonical(field: &'static str, path: &Path) -> Result<(), Checkpoin
     }
 }
 
-/// `/proc/self/fd/N`: a root path naming exactly the object `fd` holds, whatever its name now.
-fn fd_root(fd: &OwnedFd) -> PathBuf {
-    PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-}
-
 /// Opens `rel` (normal components only) beneath `root` following no symlink: `None` if it does not
 /// exist; ELOOP if a symlink is on it.
 fn open_beneath(
@@ -366,7 +361,7 @@ pub fn check_host_bind(
         });
     };
     let expected = sandbox_name.join(rel.iter().collect::<PathBuf>());
-    let root = fd_root(sandbox_fd);
+    let root = crate::mount::proc_fd_path(sandbox_fd.as_fd());
     match open_beneath("host bind", bind, &root, &rel) {
         Ok(Some(fd)) => return check_named("host bind", bind, &fd, &expected).map(Some),
         Ok(None) => return Ok(None),

@@ -2012,7 +2012,8 @@ mod tests {
                 .unwrap_err()
                 .to_string();
         assert!(
-            err.contains("annotation io.csi-isolator.resources: "),
+            err.contains("annotation io.csi-isolator.resources: ")
+                && err.contains("bytes, over the hook's limit"),
             "{err}"
         );
     }

@@ -30,7 +30,7 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::path::{Component, Path, PathBuf};
 use std::time::Duration;
 
@@ -451,7 +451,7 @@ fn bind_one(
         // Kernels before 5.2 lack open_tree: bind the resolved source fd onto the resolved target fd with
         // mount(2) instead, then remount with the flags.
         Err(e) if e.errno() == Some(Errno::ENOSYS) => {
-            let via = PathBuf::from(format!("/proc/self/fd/{}", source.as_raw_fd()));
+            let via = crate::mount::proc_fd_path(source.as_fd());
             sys.bind_mount_to_fd(&via, target.as_fd(), true)
                 .map_err(bind_err)?;
             if let Err(e) = sys.remount_bind_with(&host, flags, MountFlags::NONE) {
