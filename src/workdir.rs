@@ -648,6 +648,26 @@ fn check_subdir(work_dir: &Path, path: &Path) -> Result<Metadata, WorkDirError> 
 }
 
 /// Sets a checked directory's mode to `mode` when it is wider.
+/// Creates `dir` and its missing parents [`PRIVATE_DIR_MODE`] (existing ones are left as they are: one
+/// may be a volume's mount root, whose mode is the volume's): for directories under the work dir that
+/// lead to volume data (the provider's `mounts/<id>`, the bundled plugin's store).
+pub fn create_private_dirs(dir: &Path) -> std::io::Result<()> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(PRIVATE_DIR_MODE)
+        .create(dir)
+}
+
+/// Closes `dir` (a directory of our own, never a mount) to everyone but its owner when an earlier
+/// version left it open. A missing `dir` is an error; anything but a directory is left alone.
+pub fn close_private_dir(dir: &Path) -> std::io::Result<()> {
+    let meta = std::fs::symlink_metadata(dir)?;
+    if meta.is_dir() && meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, Permissions::from_mode(PRIVATE_DIR_MODE))?;
+    }
+    Ok(())
+}
+
 fn narrow(path: &Path, meta: &Metadata, mode: u32) -> Result<(), WorkDirError> {
     let was = meta.mode() & 0o7777;
     if was & !mode == 0 {

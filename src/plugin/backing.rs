@@ -643,28 +643,11 @@ impl Backing {
     }
 }
 
-/// The mode of the directories the plugin makes for itself (its store, volume directories, staging and
-/// target directories).
-pub const PRIVATE_DIR_MODE: u32 = 0o700;
-
-/// Creates `dir` and its missing parents with [`PRIVATE_DIR_MODE`] (existing ones are left as they are).
-pub fn private_dir(dir: &Path) -> io::Result<()> {
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(PRIVATE_DIR_MODE)
-        .create(dir)
-}
-
-/// Closes `dir` (a directory of the plugin's own, never a mount) to everyone but its owner when an earlier
-/// version left it open: the volumes' data lies below it.
-pub fn close_dir(dir: &Path) -> io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    let meta = fs::symlink_metadata(dir)?;
-    if meta.is_dir() && meta.permissions().mode() & 0o077 != 0 {
-        fs::set_permissions(dir, fs::Permissions::from_mode(PRIVATE_DIR_MODE))?;
-    }
-    Ok(())
-}
+/// The plugin's own directories (its store, volume directories, staging and target directories) are
+/// made and closed by the work dir's rules.
+pub use crate::workdir::{
+    close_private_dir as close_dir, create_private_dirs as private_dir, PRIVATE_DIR_MODE,
+};
 
 /// How long [`Backing::wait_loop_rundown`] waits for detached loop devices to run down.
 const LOOP_RUNDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);

@@ -762,36 +762,21 @@ async fn connect(
 /// Existing directories are left as they are (one may be a volume's mount root, whose mode is the
 /// volume's).
 pub(crate) fn mkdir(path: &Path, step: &'static str) -> Result<(), ProviderError> {
-    use std::os::unix::fs::DirBuilderExt;
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(PRIVATE_DIR_MODE)
-        .create(path)
-        .map_err(|source| ProviderError::Io {
-            step,
-            path: path.to_path_buf(),
-            source,
-        })
+    crate::workdir::create_private_dirs(path).map_err(|source| ProviderError::Io {
+        step,
+        path: path.to_path_buf(),
+        source,
+    })
 }
-
-/// The mode of the directories the provider creates for a volume (`mounts/<id>`, `staging`).
-pub(crate) const PRIVATE_DIR_MODE: u32 = 0o700;
 
 /// Closes a volume's `mounts/<id>` directory (never itself a mount) to everyone but root, when an earlier
 /// version created it open: it is the way to the volume's staging and target paths on the host.
 fn close_dir(dir: &Path) -> Result<(), ProviderError> {
-    use std::os::unix::fs::PermissionsExt;
-    let err = |source| ProviderError::Io {
+    crate::workdir::close_private_dir(dir).map_err(|source| ProviderError::Io {
         step: "close mount directory to other users",
         path: dir.to_path_buf(),
         source,
-    };
-    let meta = std::fs::symlink_metadata(dir).map_err(err)?;
-    if meta.is_dir() && meta.permissions().mode() & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(PRIVATE_DIR_MODE))
-            .map_err(err)?;
-    }
-    Ok(())
+    })
 }
 
 /// Removes a directory we created if it is empty. `rmdir` never removes
