@@ -637,10 +637,10 @@ fn mounts_published_before_hardening_are_hardened_at_the_next_start() {
         "publish",
         output(cli(&work).args(["volume", "publish", "old", "--container", "c1"])),
     );
-    let staging = volume_mount_point(&work, "staging");
+    let staging = volume_mount_point(&work, "staging").expect("the bundled plugin stages");
     let target = volume_mount_point(&work, "target").expect("the target is mounted");
     // What an older version left: the same mounts without the host-only flags.
-    for path in staging.iter().chain([&target]) {
+    for path in [&staging, &target] {
         let out = Command::new("mount")
             .args(["-o", "remount,bind,suid,dev"])
             .arg(path)
@@ -656,7 +656,7 @@ fn mounts_published_before_hardening_are_hardened_at_the_next_start() {
     }
     // Any command that starts the provider recovers it.
     ok("list", output(cli(&work).args(["volume", "list"])));
-    for path in staging.iter().chain([&target]) {
+    for path in [&staging, &target] {
         assert_eq!(statvfs_flags(path), (true, true), "{}", path.display());
     }
     ok(

@@ -191,10 +191,13 @@ impl Inner {
     }
 
     fn spawn(&self) -> Result<Child, ProviderError> {
-        for dir in [self.socket.parent(), self.log_path.parent()]
+        let mut dirs: Vec<&Path> = [self.socket.parent(), self.log_path.parent()]
             .into_iter()
             .flatten()
-        {
+            .collect();
+        // In the usual layout both are `plugin/`: walked once.
+        dirs.dedup();
+        for dir in dirs {
             private_dir(dir, PLUGIN_SOCKET_DIR).map_err(|e| ProviderError::Io {
                 step: "check plugin socket directory",
                 path: dir.to_path_buf(),
