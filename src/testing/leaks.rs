@@ -294,10 +294,11 @@ mod tests {
             }
             found
         });
-        assert!(
-            seen,
-            "the child never showed the sandbox in its command line"
-        );
+        if !seen {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("the child never showed the sandbox in its command line");
+        }
         let message = drop_message(sb).expect("a process naming the sandbox must fail the test");
         assert!(
             message.contains(&format!(
