@@ -150,11 +150,9 @@ impl Client {
         })?;
         let started = Instant::now();
         wait_for_socket(endpoint, &path, options.connect_timeout).await?;
-        let channel = lazy_channel(&path);
-        let identity = Identity {
-            socket: socket_id(&path),
-            name: None,
-        };
+        let socket = socket_id(&path);
+        let channel = lazy_channel(&path, socket);
+        let identity = Identity { socket, name: None };
         let mut client = Self {
             inner: Arc::new(Inner {
                 endpoint: endpoint.to_string(),
@@ -780,9 +778,10 @@ impl Client {
             identity.name.clone()
         };
         tracing::info!(endpoint = %self.inner.endpoint, "the plugin's socket is a new file: re-checking the plugin");
-        // Connections made before may still reach the old process.
-        let channel = lazy_channel(&self.inner.path);
-        *self.inner.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel.clone();
+        // Connections made before may still reach the old process; this
+        // channel reaches only the new file, and becomes the client's channel
+        // once the plugin behind it passed the check.
+        let channel = lazy_channel(&self.inner.path, Some(now));
         if let Some(expected) = expected {
             let info = self
                 .once(
@@ -849,6 +848,7 @@ impl Client {
         };
         tracing::info!(capabilities = ?caps, "capabilities of the replaced plugin");
         *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(caps);
+        *self.inner.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
         self.identity().socket = Some(now);
         Ok(())
     }
@@ -998,15 +998,41 @@ async fn wait_for_socket(endpoint: &str, path: &Path, timeout: Duration) -> Resu
 }
 
 /// A channel that dials `path` on first use and again after every lost
-/// connection, so a plugin restarted on the same socket is picked up.
-fn lazy_channel(path: &Path) -> Channel {
+/// connection. Every dial must reach the socket file `pinned`, the one whose
+/// plugin was checked: when the file was replaced since (a restarted plugin
+/// binds a new one), or is replaced while the dial runs, the dial fails as
+/// UNAVAILABLE, the call is retried, and its next attempt re-checks the new
+/// plugin before anything is sent to it. Without the pin, a call that found
+/// the old file could connect to the new process unchecked.
+fn lazy_channel(path: &Path, pinned: Option<SocketId>) -> Channel {
     let path = path.to_path_buf();
     Endpoint::from_static("http://csi.local").connect_with_connector_lazy(tower::service_fn(
         move |_| {
             let path = path.clone();
-            async move { UnixStream::connect(path).await.map(TokioIo::new) }
+            async move { dial_pinned(&path, pinned).await.map(TokioIo::new) }
         },
     ))
+}
+
+async fn dial_pinned(path: &Path, pinned: Option<SocketId>) -> std::io::Result<UnixStream> {
+    let replaced = || {
+        std::io::Error::new(
+            std::io::ErrorKind::ConnectionRefused,
+            format!(
+                "socket {} is a new file since the plugin behind it was checked",
+                path.display()
+            ),
+        )
+    };
+    let before = socket_id(path);
+    if pinned.is_some() && before != pinned {
+        return Err(replaced());
+    }
+    let stream = UnixStream::connect(path).await?;
+    if socket_id(path) != before {
+        return Err(replaced());
+    }
+    Ok(stream)
 }
 
 #[cfg(test)]
@@ -1166,6 +1192,48 @@ mod tests {
         assert!(
             err.to_string().starts_with("connect to tcp://1.2.3.4:5: "),
             "{err}"
+        );
+    }
+
+    /// A dial reaches only the socket file its channel was pinned to: after
+    /// the file is replaced (a restarted plugin), the old channel's calls
+    /// fail UNAVAILABLE (retried, then re-checked) and the new listener never
+    /// sees a connection; a channel pinned to the new file reaches it.
+    #[tokio::test]
+    async fn a_pinned_channel_never_reaches_a_replaced_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let first = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let pinned = socket_id(&path);
+        drop(first);
+        std::fs::remove_file(&path).unwrap();
+        let second = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        second.set_nonblocking(true).unwrap();
+        assert_ne!(socket_id(&path), pinned);
+
+        let probe = |channel: Channel| async move {
+            let mut req = tonic::Request::new(proto::ProbeRequest {});
+            req.set_timeout(Duration::from_millis(300));
+            tokio::time::timeout(
+                Duration::from_millis(500),
+                IdentityClient::new(channel).probe(req),
+            )
+            .await
+        };
+        let old = probe(lazy_channel(&path, pinned)).await;
+        let status = old.expect("a refused dial answers at once").unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert_eq!(
+            second.accept().map_err(|e| e.kind()).unwrap_err(),
+            std::io::ErrorKind::WouldBlock,
+            "the replaced socket's listener was reached"
+        );
+
+        // Positive control: pinned to the file there now, the dial connects.
+        let _ = probe(lazy_channel(&path, socket_id(&path))).await;
+        assert!(
+            second.accept().is_ok(),
+            "the current socket was not reached"
         );
     }
 }
