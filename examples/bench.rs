@@ -11,11 +11,15 @@
 //!    wait, cleanup), each with its own volume, and 64 sharing one;
 //! 5. a serve-like child process holding 1,000 published volumes: its RSS
 //!    and the latency of a status scan;
+//! 6. what the default (loop) backing costs beside the directory backing:
+//!    `csi-isolator run` with a new volume and with an existing one;
 //!
 //! and the targets with PASS or MISS. Everything lives in one unique temp
 //! dir that is unmounted and removed at the end, on error and on Ctrl-C.
 //! It needs root (mounts, mount namespaces).
 
+#[path = "bench/backing.rs"]
+mod backing;
 #[path = "bench/floor.rs"]
 mod floor;
 #[path = "bench/hold.rs"]
@@ -54,6 +58,16 @@ use stats::{fmt_dur, ratio, verdict, Samples};
 
 /// Capacity of every volume (directory backing: bookkeeping only).
 const VOLUME_BYTES: u64 = 1 << 20;
+
+/// The backing of sections 1-5: the directory backing, as in every run before the loop
+/// backing became the default, so that the figures compare with the history; section 6
+/// measures what the default (loop) backing costs beside it.
+pub const BACKING: &str = "dir";
+
+/// The plugin argument that selects [`BACKING`].
+pub fn backing_arg() -> String {
+    format!("--backing={BACKING}")
+}
 
 #[derive(Debug, Parser)]
 #[command(
@@ -286,7 +300,7 @@ async fn start_provider(
     policy: UnpublishPolicy,
     sandbox: &Sandbox,
 ) -> Result<Arc<StorageProvider>> {
-    let mut config = bundled_config(plugin, work, name, &[]);
+    let mut config = bundled_config(plugin, work, name, &[backing_arg()]);
     config.policy = policy;
     config.socket_dir = sandbox.join("s");
     let provider = StorageProvider::start(config)
@@ -355,6 +369,7 @@ struct Results {
     conc: Vec<ConcRow>,
     held: HoldReport,
     served: std::result::Result<serve::ServeReport, String>,
+    backing: backing::BackingReport,
 }
 
 /// Section 4, one row.
@@ -393,7 +408,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     let pool = create_pool(&cold, "vol", pool_size).await?;
 
     progress(&format!(
-        "[1-2/5] publish: {} cold, {} warm, floor and provider interleaved",
+        "[1-2/6] publish: {} cold, {} warm, floor and provider interleaved",
         plan.cold, plan.warm
     ));
     let publish = measure_publish(plan, &cold, &warm, &mut floor, &pool).await?;
@@ -403,17 +418,17 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     stop_provider(&warm, sandbox).await;
 
     progress(&format!(
-        "[3/5] launch /bin/true with 0, 1, 8, 64 volumes, {} each",
+        "[3/6] launch /bin/true with 0, 1, 8, 64 volumes, {} each",
         plan.launch
     ));
     let launch = measure_launch(plan, &cold, &pool, &work, sandbox).await?;
 
-    progress("[4/5] concurrent containers through the isolator");
+    progress("[4/6] concurrent containers through the isolator");
     let conc = measure_concurrency(plan, &cold, &pool, &work, sandbox).await?;
     stop_provider(&cold, sandbox).await;
 
     progress(&format!(
-        "[5/5] serve-like child holding {} published volumes",
+        "[5/6] serve-like child holding {} published volumes",
         plan.hold
     ));
     let held = measure_hold(plan, plugin, sandbox).await?;
@@ -430,12 +445,19 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         Err(format!("{} has no serve verb", serve_bin.display()))
     };
 
+    let runs = if plan.name == "quick" { 5 } else { 20 };
+    progress(&format!(
+        "[6/6] backing cost: {runs} first and {runs} later `csi-isolator run`s per backing"
+    ));
+    let backing = backing::measure(&serve_bin, &sandbox.join("backing"), runs)?;
+
     let results = Results {
         publish,
         launch,
         conc,
         held,
         served,
+        backing,
     };
     print_report(&header, plan, &results, started.elapsed());
     Ok(())
@@ -782,6 +804,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
         conc,
         held,
         served,
+        backing: backing_report,
     } = results;
     let mut targets: Vec<(String, String, bool)> = Vec::new();
     let rule = "-".repeat(112);
@@ -979,6 +1002,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     if held.volumes < 1000 {
         println!("  (fewer than the 1,000 volumes of the target: --hold-volumes)");
     }
+    backing::print(backing_report, &mut targets);
 
     println!(
         "\nTARGETS ({} run, {:.0} s)",

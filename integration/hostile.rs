@@ -277,7 +277,6 @@ async fn a_symlink_swapped_in_while_launching_never_moves_the_mount_outside() {
     let vol = agent.volume("v", "data", VolumeMode::Rw).await;
     let work = fs::canonicalize(&agent.work).unwrap();
     let outside = sb.mkdir("outside");
-    let mut published: Option<Identity> = None;
 
     let (mut launched, mut refused, mut swaps) = (0, 0, 0);
     for round in 0..20 {
@@ -287,9 +286,9 @@ async fn a_symlink_swapped_in_while_launching_never_moves_the_mount_outside() {
         symlink(&outside, cfg.sandbox.join("swap")).unwrap();
         let mut swapper = Swapper::start(&cfg.sandbox.join("data"), &cfg.sandbox.join("swap"));
         let info = agent.isolator.prepare(&id, cfg.clone()).await.unwrap();
-        let ident = published
-            .get_or_insert_with(|| identity(&published_target(&agent, &vol)))
-            .clone();
+        // Taken each round: a volume staged again may sit on another loop device, and the
+        // one it had may meanwhile back another test's volume.
+        let ident = identity(&published_target(&agent, &vol));
         let spec = spec(&cfg, &info, "exec sleep 1000");
         let result = tokio::task::spawn_blocking(move || csi_isolator::launcher::launch(&spec))
             .await

@@ -52,6 +52,7 @@ impl Floor {
             .arg(endpoint_for(&socket))
             .arg("--work-dir")
             .arg(dir.join("data"))
+            .arg(format!("--backing={}", crate::BACKING))
             .stdin(Stdio::null())
             .stdout(log.try_clone().context("dup floor plugin log")?)
             .stderr(log);

@@ -86,7 +86,7 @@ fn micros(d: Duration) -> f64 {
 
 async fn run(count: usize, dir: &Path, plugin: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    let mut config = bundled_config(plugin, dir, "hold", &[]);
+    let mut config = bundled_config(plugin, dir, "hold", &[crate::backing_arg()]);
     config.policy = UnpublishPolicy::LastUse;
     config.socket_dir = dir.join("s");
     let provider = StorageProvider::start(config)

@@ -59,6 +59,7 @@ pub async fn measure(
         .arg("serve")
         .arg("--socket")
         .arg(&socket)
+        .arg(format!("--plugin-arg={}", crate::backing_arg()))
         .stdin(Stdio::null())
         .stdout(log.try_clone().context("dup serve log")?)
         .stderr(log)

@@ -40,8 +40,9 @@ struct Args {
     /// Where volumes and their metadata live.
     #[arg(long)]
     work_dir: PathBuf,
-    /// Volume backing: dir or loop.
-    #[arg(long, default_value = "dir")]
+    /// Volume backing: loop (an ext4 image on a loop device: the volume holds exactly its
+    /// capacity) or dir (a plain directory: its capacity is not enforced).
+    #[arg(long, default_value = "loop")]
     backing: BackingKind,
     /// Node id (default: the host name).
     #[arg(long)]

@@ -29,6 +29,12 @@ pub use caps::{
     PluginCapabilities, PluginService, VolumeExpansion,
 };
 pub use client::Client;
+
+/// The volume context key by which a plugin says whether a volume holds at most its
+/// capacity (`"true"`) or not (`"false"`: e.g. a plain directory on a shared
+/// filesystem). The bundled plugin sets it; `status` and the resource JSON show it. Not a
+/// CSI standard key: other plugins leave it out, and nothing is then claimed.
+pub const CAPACITY_ENFORCED_KEY: &str = "capacity_enforced";
 pub use error::{code_name, CsiError, Replacement, VolumeRef};
 pub use metrics::{Histogram, Metrics, Rpc, RpcStats, LATENCY_BUCKETS};
 pub use options::ClientOptions;

@@ -58,7 +58,10 @@ pub fn retry_unmount(
     let mut retries = 0;
     loop {
         match unmount(false) {
-            Ok(()) => return Ok(UnmountOutcome::Unmounted),
+            Ok(()) => {
+                tracing::trace!(target = %target.display(), retries, "unmounted");
+                return Ok(UnmountOutcome::Unmounted);
+            }
             Err(MountError::NotMounted { .. }) => return Ok(UnmountOutcome::NotMounted),
             Err(e) if e.errno() == Some(Errno::EBUSY) => {
                 if retries >= attempts {

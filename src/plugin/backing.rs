@@ -217,6 +217,32 @@ impl Backing {
         }
     }
 
+    /// Whether a volume of this backing holds at most its capacity: the loop backing's
+    /// ext4 image does; a dir volume is a plain directory on the work dir's filesystem,
+    /// which nothing holds to its size.
+    pub fn enforces_capacity(kind: BackingKind) -> bool {
+        match kind {
+            BackingKind::Dir => false,
+            BackingKind::Loop => true,
+        }
+    }
+
+    /// Bytes of a `kind` volume in `vol_dir` of `capacity` bytes that its sparse image
+    /// may still take from the work dir's filesystem: its capacity less what the image
+    /// already occupies. 0 for dir volumes (they promise nothing). An image that cannot
+    /// be looked at counts as not allocated at all.
+    pub fn unallocated_bytes(kind: BackingKind, vol_dir: &Path, capacity: u64) -> u64 {
+        match kind {
+            BackingKind::Dir => 0,
+            BackingKind::Loop => {
+                let allocated = fs::symlink_metadata(Self::image(vol_dir))
+                    .map(|m| m.blocks().saturating_mul(512))
+                    .unwrap_or(0);
+                capacity.saturating_sub(allocated)
+            }
+        }
+    }
+
     fn data_dir(vol_dir: &Path) -> PathBuf {
         vol_dir.join("data")
     }
@@ -242,8 +268,19 @@ impl Backing {
                 file.set_len(capacity)
                     .map_err(io_err("size image", &image))?;
                 drop(file);
+                // Lazy inode-table and journal init and no discard: the image is a new sparse
+                // file, so what they would zero already reads as zeros, and mkfs writes a few
+                // hundred KiB instead of the whole tables (about 20 ms against 125 ms for 64
+                // MiB). No reserved blocks: the workload gets the whole capacity.
                 let out = Command::new("mkfs.ext4")
-                    .args(["-q", "-F"])
+                    .args([
+                        "-q",
+                        "-F",
+                        "-m",
+                        "0",
+                        "-E",
+                        "lazy_itable_init=1,lazy_journal_init=1,nodiscard",
+                    ])
                     .arg(&image)
                     .output()
                     .map_err(|e| BackingError::Mkfs {

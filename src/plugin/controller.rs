@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use rand::Rng;
 use tonic::{Request, Response, Status};
 
+use super::backing::Backing;
 use super::faults::LieMode;
 use super::store::{CapabilityRecord, ControllerPublication};
 use super::{require, volume_key, LockKey, Plugin, PluginError, PluginService};
@@ -15,6 +16,7 @@ use crate::csi::proto;
 use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
 use crate::csi::proto::volume_capability::access_mode::Mode;
 use crate::csi::proto::volume_capability::AccessType;
+use crate::csi::CAPACITY_ENFORCED_KEY;
 
 /// Longest volume name accepted (the CSI spec asks plugins to support at least 128).
 const MAX_NAME_LEN: usize = 128;
@@ -118,6 +120,38 @@ pub(super) fn publish_context(volume_id: &str, node_id: &str) -> HashMap<String,
     )])
 }
 
+/// Which bound decides what CreateVolume may still give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Bound {
+    /// The plugin's configured total (`--capacity`) less what was promised.
+    Total,
+    /// The work dir's free space less what the images may still fill.
+    Filesystem,
+}
+
+/// What CreateVolume may still give, and which bound decides it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Room {
+    pub bytes: u64,
+    pub bound: Bound,
+}
+
+/// The smaller of `total - promised` and `fs_free - unallocated` (the filesystem bound is
+/// skipped when statvfs failed), saturating at 0; a tie is the total's.
+pub(super) fn room(total: u64, promised: u64, fs_free: Option<u64>, unallocated: u64) -> Room {
+    let by_total = Room {
+        bytes: total.saturating_sub(promised),
+        bound: Bound::Total,
+    };
+    match fs_free {
+        Some(free) if free.saturating_sub(unallocated) < by_total.bytes => Room {
+            bytes: free.saturating_sub(unallocated),
+            bound: Bound::Filesystem,
+        },
+        _ => by_total,
+    }
+}
+
 fn to_volume(record: &super::store::VolumeRecord) -> proto::Volume {
     proto::Volume {
         capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
@@ -214,11 +248,18 @@ impl Plugin {
                 total,
             });
         }
-        let available = total.saturating_sub(self.store.used_bytes());
-        if size > available {
-            return Err(PluginError::CapacityExhausted {
-                requested: size,
-                available,
+        let room = self.room(Some(size));
+        if size > room.bytes {
+            return Err(match room.bound {
+                Bound::Total => PluginError::CapacityExhausted {
+                    requested: size,
+                    available: room.bytes,
+                },
+                Bound::Filesystem => PluginError::FilesystemFull {
+                    requested: size,
+                    available: room.bytes,
+                    filesystem: self.config.work_dir.clone(),
+                },
             });
         }
 
@@ -235,10 +276,16 @@ impl Plugin {
             name: req.name,
             capacity_bytes: size,
             parameters,
-            volume_context: BTreeMap::from([(
-                "backing".to_string(),
-                self.backing.kind().as_str().to_string(),
-            )]),
+            volume_context: BTreeMap::from([
+                (
+                    "backing".to_string(),
+                    self.backing.kind().as_str().to_string(),
+                ),
+                (
+                    CAPACITY_ENFORCED_KEY.to_string(),
+                    Backing::enforces_capacity(self.backing.kind()).to_string(),
+                ),
+            ]),
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
@@ -496,6 +543,50 @@ impl Plugin {
         })
     }
 
+    /// What CreateVolume may still give: the plugin's configured total less what its
+    /// volumes were promised, and no more than the work dir's filesystem has free beyond
+    /// what the sparse images of existing volumes may still fill. Stats each loop image
+    /// only when the cheap bound (free space less every loop volume's whole capacity)
+    /// does not already admit `wanted` (CreateVolume's size; `None`: the exact figure).
+    fn room(&self, wanted: Option<u64>) -> Room {
+        let records = self.store.list();
+        let promised: u64 = records.iter().map(|r| r.capacity_bytes).sum();
+        let kind_of = |r: &super::store::VolumeRecord| {
+            r.volume_context
+                .get("backing")
+                .and_then(|k| k.parse().ok())
+                .unwrap_or(self.backing.kind())
+        };
+        let fs_free = match nix::sys::statvfs::statvfs(&self.config.work_dir) {
+            Ok(st) => Some(st.blocks_available().saturating_mul(st.fragment_size())),
+            Err(errno) => {
+                tracing::warn!(work_dir = %self.config.work_dir.display(), %errno,
+                    "statvfs of the work dir failed: capacity bounded by --capacity only");
+                None
+            }
+        };
+        let whole: u64 = records
+            .iter()
+            .filter(|r| Backing::enforces_capacity(kind_of(r)))
+            .map(|r| r.capacity_bytes)
+            .sum();
+        let cheap = room(self.config.capacity, promised, fs_free, whole);
+        if wanted.is_some_and(|w| w <= cheap.bytes) {
+            return cheap;
+        }
+        let unallocated: u64 = records
+            .iter()
+            .map(|r| {
+                Backing::unallocated_bytes(
+                    kind_of(r),
+                    &self.store.volume_dir(&r.id),
+                    r.capacity_bytes,
+                )
+            })
+            .sum();
+        room(self.config.capacity, promised, fs_free, unallocated)
+    }
+
     fn get_capacity(
         &self,
         req: proto::GetCapacityRequest,
@@ -506,11 +597,7 @@ impl Plugin {
             .volume_capabilities
             .iter()
             .all(|cap| check_capability(RPC, "volume_capabilities", cap).is_ok());
-        let available = if supported {
-            self.config.capacity.saturating_sub(self.store.used_bytes())
-        } else {
-            0
-        };
+        let available = if supported { self.room(None).bytes } else { 0 };
         let available = i64::try_from(available).unwrap_or(i64::MAX);
         Ok(proto::GetCapacityResponse {
             available_capacity: available,
@@ -790,5 +877,44 @@ impl proto::controller_server::Controller for PluginService {
         _request: Request<proto::ControllerModifyVolumeRequest>,
     ) -> Result<Response<proto::ControllerModifyVolumeResponse>, Status> {
         self.unsupported("ControllerModifyVolume").await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn room_is_the_tighter_of_the_total_and_the_filesystem() {
+        let total = |bytes| Room {
+            bytes,
+            bound: Bound::Total,
+        };
+        let fs = |bytes| Room {
+            bytes,
+            bound: Bound::Filesystem,
+        };
+        // (total, promised, fs_free, unallocated) -> room
+        let cases = [
+            ((100, 0, Some(1000), 0), total(100)),
+            ((100, 40, Some(1000), 40), total(60)),
+            // The images may still fill 900 of the 1000 free: 100 left, less than the total.
+            ((1000, 0, Some(1000), 900), fs(100)),
+            ((1000, 950, Some(1000), 0), total(50)),
+            // More promised than the filesystem has: nothing left, not an underflow.
+            ((1000, 0, Some(100), 900), fs(0)),
+            ((100, 200, Some(1000), 0), total(0)),
+            // statvfs failed: the total alone decides.
+            ((100, 0, None, 1 << 40), total(100)),
+            // A tie goes to the total.
+            ((100, 0, Some(100), 0), total(100)),
+        ];
+        for ((t, p, f, u), want) in cases {
+            assert_eq!(
+                room(t, p, f, u),
+                want,
+                "total {t} promised {p} free {f:?} unallocated {u}"
+            );
+        }
     }
 }

@@ -88,13 +88,13 @@ pub struct PluginConfig {
 }
 
 impl PluginConfig {
-    /// A configuration with every default: dir backing, the host name as node id, all
+    /// A configuration with every default: loop backing, the host name as node id, all
     /// capabilities, no faults.
     pub fn new(socket: PathBuf, work_dir: PathBuf) -> PluginConfig {
         PluginConfig {
             socket,
             work_dir,
-            backing: BackingKind::Dir,
+            backing: BackingKind::Loop,
             node_id: default_node_id(),
             name: DEFAULT_NAME.to_string(),
             vendor_version: DEFAULT_VENDOR_VERSION.to_string(),
@@ -224,6 +224,17 @@ pub enum PluginError {
         requested: u64,
         /// Bytes left.
         available: u64,
+    },
+    /// The work dir's filesystem cannot hold another volume of this size beside what the
+    /// existing volumes may still fill.
+    #[error("CreateVolume: {requested} bytes requested, but the filesystem of {filesystem} has only {available} bytes free beyond what existing volumes may still fill")]
+    FilesystemFull {
+        /// Bytes asked for.
+        requested: u64,
+        /// Bytes the filesystem can still give.
+        available: u64,
+        /// The plugin's work dir.
+        filesystem: PathBuf,
     },
     /// An out-of-order call.
     #[error("{rpc}: volume {volume_id}: {reason}")]

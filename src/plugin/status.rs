@@ -62,7 +62,9 @@ pub fn code_of(err: &PluginError) -> Code {
         | PluginError::PublishConflict { .. }
         | PluginError::PathConflict { .. } => Code::AlreadyExists,
         PluginError::CapacityOutOfRange { .. } => Code::OutOfRange,
-        PluginError::CapacityExhausted { .. } => Code::ResourceExhausted,
+        PluginError::CapacityExhausted { .. } | PluginError::FilesystemFull { .. } => {
+            Code::ResourceExhausted
+        }
         PluginError::FailedPrecondition { .. } => Code::FailedPrecondition,
         // In use, or covered by someone else's mount: the caller must act first.
         PluginError::Backing {
@@ -137,6 +139,14 @@ mod tests {
                 PluginError::CapacityExhausted {
                     requested: 2,
                     available: 1,
+                },
+                Code::ResourceExhausted,
+            ),
+            (
+                PluginError::FilesystemFull {
+                    requested: 2,
+                    available: 1,
+                    filesystem: "/w".into(),
                 },
                 Code::ResourceExhausted,
             ),

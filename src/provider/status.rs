@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
 use crate::provider::paths::{Layout, STATE_FILE};
 use crate::provider::state::{VolumeRecord, VolumeState};
@@ -24,6 +25,11 @@ pub struct VolumeStatus {
     pub state: VolumeState,
     /// Containers using it.
     pub users: BTreeSet<String>,
+    /// Its capacity as CreateVolume reported it (0: unknown, e.g. an adopted volume).
+    pub capacity_bytes: u64,
+    /// Whether the plugin says the volume holds at most its capacity (its volume context's
+    /// `capacity_enforced`); `None` when the plugin does not say.
+    pub capacity_enforced: Option<bool>,
     /// Its mount point (the NodePublish target).
     pub mount_point: PathBuf,
     /// Whether the mount table has a mount at the mount point.
@@ -95,6 +101,11 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 volume_id: rec.volume_id,
                 name: rec.name,
                 state: rec.state,
+                capacity_bytes: rec.capacity_bytes,
+                capacity_enforced: rec
+                    .volume_context
+                    .get(CAPACITY_ENFORCED_KEY)
+                    .and_then(|v| v.parse().ok()),
                 users: rec.users,
                 mount_point: target,
                 mounted: is_mounted,

@@ -190,6 +190,8 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 mount_point: path_string(&v.mount_point),
                 mounted: v.mounted,
                 disagreement: v.disagreement.unwrap_or_default(),
+                capacity_bytes: v.capacity_bytes,
+                capacity_enforced: v.capacity_enforced,
             })
             .collect(),
         containers: containers

@@ -56,6 +56,9 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
                 }
             );
             println!("    mount point: {}", shown_os(v.mount_point.as_os_str()));
+            if let Some(size) = size_line(v.capacity_bytes, v.capacity_enforced) {
+                println!("    size: {size}");
+            }
             if let Some(d) = &v.disagreement {
                 println!("    ! {}", escaped(d));
             }
@@ -77,5 +80,21 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
+    })
+}
+
+/// The `size:` line of a volume: its capacity, and whether anything holds the volume to it.
+fn size_line(capacity: u64, enforced: Option<bool>) -> Option<String> {
+    if capacity == 0 {
+        return None;
+    }
+    let mib = capacity as f64 / f64::from(1 << 20);
+    Some(match enforced {
+        Some(true) => format!("{mib:.1} MiB (enforced)"),
+        Some(false) => format!(
+            "{mib:.1} MiB, not enforced: the volume is a plain directory and can fill its \
+             filesystem (use a backing that enforces capacity, e.g. the bundled plugin's default loop)"
+        ),
+        None => format!("{mib:.1} MiB"),
     })
 }

@@ -1,0 +1,293 @@
+//! A volume holds what was asked for: with the embedded default (the bundled plugin's loop
+//! backing) a workload that writes past its volume's size gets ENOSPC, the host filesystem
+//! loses no more than the volume's size, and `df` inside shows that size; the plugin refuses
+//! volumes its filesystem could not hold; the `dir` backing, which enforces nothing, says so.
+//!
+//! Each test keeps the work dir on its own tmpfs, so free space is measured on a filesystem no
+//! other test writes to.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+use csi_isolator::testing::{mount_capability, raw_clients, require_root, PluginProcess, Sandbox};
+use tonic::Code;
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+const MIB: u64 = 1 << 20;
+
+/// A tmpfs of `size_mib` at `<sandbox>/<rel>`, unmounted on drop (also when the test fails).
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(sb: &Sandbox, rel: &str, size_mib: u64) -> Tmpfs {
+        let dir = sb.mkdir(rel);
+        nix::mount::mount(
+            Some("tmpfs"),
+            &dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(format!("size={size_mib}M,mode=0700").as_str()),
+        )
+        .expect("mount tmpfs");
+        Tmpfs(dir)
+    }
+
+    fn free(&self) -> u64 {
+        let st = nix::sys::statvfs::statvfs(&self.0).expect("statvfs of the tmpfs");
+        st.blocks_available() * st.fragment_size()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+fn cli(work: &Path) -> Command {
+    let mut c = Command::new(CLI);
+    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
+    c.env("CSI_ISOLATOR_SOCKET_DIR", work.parent().unwrap().join("s"));
+    c
+}
+
+fn ok(cmd: &mut Command) -> String {
+    let out: Output = cmd.output().expect("run csi-isolator");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\nstdout: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// What the workload reports: the volume's size as `stat -f` sees it inside, and how `dd`
+/// of 64 MiB into it ended.
+const WRITE_64M: &str = "stat -f -c 'blocks=%b bsize=%S' data; \
+     dd if=/dev/zero of=data/big bs=1M count=64 2>&1; echo dd=$?; sync";
+
+fn field(out: &str, key: &str) -> u64 {
+    out.split_whitespace()
+        .find_map(|w| w.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {out}"))
+        .parse()
+        .unwrap()
+}
+
+/// Runs `WRITE_64M` in a container with a 32 MiB volume on a work dir on its own 256 MiB
+/// tmpfs; returns the workload's output and how many bytes the tmpfs lost to the run.
+fn write_past_a_32m_volume(sb: &Sandbox, plugin_args: &[&str]) -> (String, u64) {
+    let fs = Tmpfs::mount(sb, "fs", 256);
+    let work = fs.0.join("work");
+    // The volume is made first, so that what the run itself adds is the data written.
+    let mut create = cli(&work);
+    create.arg("volume");
+    for a in plugin_args {
+        create.arg(format!("--plugin-arg={a}"));
+    }
+    ok(create.args(["create", "data", "32M"]));
+    let before = fs.free();
+    let mut run = cli(&work);
+    run.arg("run");
+    for a in plugin_args {
+        run.arg(format!("--plugin-arg={a}"));
+    }
+    let out = ok(run.args(["--volume", "data:32M:data", "--", "sh", "-c", WRITE_64M]));
+    let lost = before.saturating_sub(fs.free());
+    let mut destroy = cli(&work);
+    destroy.arg("volume");
+    for a in plugin_args {
+        destroy.arg(format!("--plugin-arg={a}"));
+    }
+    ok(destroy.args(["destroy", "data"]));
+    sb.assert_no_loop_devices();
+    (out, lost)
+}
+
+#[test]
+fn a_workload_writing_past_its_volume_gets_enospc_and_the_host_loses_no_more_than_its_size() {
+    require_root();
+    let sb = Sandbox::new("capacity-enospc");
+    let (out, lost) = write_past_a_32m_volume(&sb, &[]);
+    assert!(
+        out.contains("No space left on device"),
+        "dd must fail with ENOSPC: {out}"
+    );
+    assert_ne!(field(&out, "dd"), 0, "{out}");
+    // df inside: the volume's size, less ext4's own metadata and journal (its 4 MiB journal
+    // is most of a 32 MiB volume's overhead: about 21 %).
+    let size = field(&out, "blocks") * field(&out, "bsize");
+    assert!(
+        (24 * MIB..=32 * MIB).contains(&size),
+        "the workload sees {size} bytes for a 32 MiB volume: {out}"
+    );
+    // The host filesystem paid for what was written (so the measure measures), and no more
+    // than the volume's size (plus the plugin's and the provider's small files).
+    assert!(
+        (16 * MIB..=34 * MIB).contains(&lost),
+        "the work dir's filesystem lost {lost} bytes to a 32 MiB volume"
+    );
+    sb.assert_no_mounts_under();
+}
+
+/// The control: the `dir` backing, which the plugin says does not enforce capacity, lets the
+/// same workload write all 64 MiB through a "32M" volume.
+#[test]
+fn the_dir_backing_lets_a_workload_write_past_its_size_and_status_says_so() {
+    require_root();
+    let sb = Sandbox::new("capacity-dir");
+    let (out, lost) = write_past_a_32m_volume(&sb, &["--backing=dir"]);
+    assert_eq!(field(&out, "dd"), 0, "{out}");
+    assert!(lost >= 64 * MIB, "{lost}: {out}");
+
+    // status: the size and, for dir volumes, that it is not enforced; the resource JSON's
+    // metadata carries the same.
+    let fs = Tmpfs::mount(&sb, "fs2", 64);
+    let work = fs.0.join("work");
+    let resource = ok(cli(&work).args([
+        "volume",
+        "--plugin-arg=--backing=dir",
+        "create",
+        "plain",
+        "8M",
+    ]));
+    let resource: serde_json::Value = serde_json::from_str(&resource).unwrap();
+    let labels = resource["disk"]["source"]["metadata"]["labels"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no labels: {resource}"));
+    assert!(
+        labels.contains(&serde_json::json!({"key": "capacity_enforced", "value": "false"})),
+        "{resource}"
+    );
+    let status = ok(cli(&work).arg("status"));
+    assert!(
+        status.contains("    size: 8.0 MiB, not enforced: the volume is a plain directory"),
+        "{status}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&ok(cli(&work).args(["status", "--json"]))).unwrap();
+    assert_eq!(json["volumes"][0]["capacity_enforced"], false, "{json}");
+    assert_eq!(json["volumes"][0]["capacity_bytes"], 8 * MIB, "{json}");
+    ok(cli(&work).args(["volume", "--plugin-arg=--backing=dir", "destroy", "plain"]));
+
+    // The default backing says it holds its size.
+    ok(cli(&work).args(["volume", "create", "bounded", "8M"]));
+    let status = ok(cli(&work).arg("status"));
+    assert!(status.contains("    size: 8.0 MiB (enforced)"), "{status}");
+    ok(cli(&work).args(["volume", "destroy", "bounded"]));
+    drop(fs);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// The plugin never promises more than its filesystem can hold: sparse images count at their
+/// full size until written, GetCapacity says what is left, and a CreateVolume beyond it is
+/// refused RESOURCE_EXHAUSTED naming the filesystem; a `limit_bytes` below the smallest image
+/// the loop backing makes is OUT_OF_RANGE.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_volume_never_promises_more_than_the_filesystem_holds() {
+    require_root();
+    let sb = Sandbox::new("capacity-fs");
+    let fs = Tmpfs::mount(&sb, "plugin/work", 64);
+    let mut plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let mut c = raw_clients(&plugin.socket()).await.expect("connect");
+    let create = |name: &str, required: u64, limit: u64| proto::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(proto::CapacityRange {
+            required_bytes: required as i64,
+            limit_bytes: limit as i64,
+        }),
+        volume_capabilities: vec![mount_capability(Mode::SingleNodeWriter)],
+        ..Default::default()
+    };
+    let capacity = |c: &mut csi_isolator::testing::RawClients| {
+        let mut controller = c.controller.clone();
+        async move {
+            controller
+                .get_capacity(proto::GetCapacityRequest::default())
+                .await
+                .unwrap()
+                .into_inner()
+                .available_capacity as u64
+        }
+    };
+    let empty = capacity(&mut c).await;
+    assert!(empty <= 64 * MIB && empty > 60 * MIB, "{empty}");
+
+    let mut ids = Vec::new();
+    for name in ["a", "b"] {
+        let vol = c
+            .controller
+            .create_volume(create(name, 16 * MIB, 0))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        ids.push(vol.volume_id);
+    }
+    // Two 16 MiB images promised: what is left is the free space less what they may still
+    // fill, not the free space (which they have hardly touched).
+    let left = capacity(&mut c).await;
+    let free = fs.free();
+    assert!(free > 60 * MIB, "the images are sparse: {free} free");
+    assert!(
+        left <= 64 * MIB - 32 * MIB && left > 24 * MIB,
+        "{left} left of 64 MiB with 32 MiB promised"
+    );
+
+    let err = c
+        .controller
+        .create_volume(create("c", 40 * MIB, 0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::ResourceExhausted, "{err:?}");
+    assert!(
+        err.message().contains("but the filesystem of")
+            && err
+                .message()
+                .contains("beyond what existing volumes may still fill"),
+        "{}",
+        err.message()
+    );
+    // What GetCapacity said is left can be had.
+    let vol = c
+        .controller
+        .create_volume(create("c", left, left))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    ids.push(vol.volume_id);
+
+    // The loop backing's smallest image is 8 MiB: a limit below it is out of range.
+    let err = c
+        .controller
+        .create_volume(create("tiny", MIB, 2 * MIB))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::OutOfRange, "{err:?}");
+
+    for id in ids {
+        c.controller
+            .delete_volume(proto::DeleteVolumeRequest {
+                volume_id: id,
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    // Everything given back (within what the plugin's own files take).
+    let back = capacity(&mut c).await;
+    assert!(back.abs_diff(empty) < MIB, "{back} after, {empty} before");
+    plugin.kill();
+    drop(fs);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
