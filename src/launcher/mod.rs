@@ -61,7 +61,7 @@ use std::path::PathBuf;
 pub use error::{LaunchError, VolumeRef};
 pub use process::Launched;
 
-use crate::mount::VolumeMount;
+use crate::mount::{Syscall, VolumeMount};
 
 // Intra-doc link target for the docs above.
 #[cfg(doc)]
@@ -87,8 +87,8 @@ pub struct LaunchSpec {
 
 /// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place.
 /// Blocking.
-#[tracing::instrument(skip(spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
-pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
+#[tracing::instrument(skip(sys, spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
+pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     // Everything the forked child will need, built here, long before the fork.
     let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env)?;
     setup::check_roots(spec)?;
@@ -108,7 +108,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     let launched = std::thread::scope(|scope| {
         let handle = std::thread::Builder::new()
             .name("csi-launcher".to_string())
-            .spawn_scoped(scope, || setup::build_and_fork(spec, &plan))
+            .spawn_scoped(scope, || setup::build_and_fork(sys, spec, &plan))
             .map_err(|source| LaunchError::SpawnThread { source })?;
         handle.join().map_err(|_| LaunchError::ThreadPanicked)?
     })?;

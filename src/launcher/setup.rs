@@ -331,8 +331,11 @@ pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
 
 /// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
 /// allocate, except the forked child (see [`exec::run_child`]).
-pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launched, LaunchError> {
-    let sys = crate::mount::LinuxSyscall::new();
+pub(super) fn build_and_fork(
+    sys: &dyn Syscall,
+    spec: &LaunchSpec,
+    plan: &ExecPlan,
+) -> Result<Launched, LaunchError> {
     ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "mount namespace",
         errno,
@@ -344,7 +347,7 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     // Sandbox volumes go onto the host sandbox first, so that the recursive bind of the sandbox into the
     // rootfs below carries them along.
     for m in spec.mounts.iter().filter(|m| m.root == TargetRoot::Sandbox) {
-        apply(&sys, m, &spec.sandbox, Resolve::Create)?;
+        apply(sys, m, &spec.sandbox, Resolve::Create)?;
     }
 
     let mut cwd: Option<OwnedFd> = None;
@@ -354,14 +357,14 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
             rootfs: rootfs.clone(),
             source,
         })?;
-        bind_tree(&sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
+        bind_tree(sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
             rootfs: rootfs.clone(),
             source,
         })?;
         // Resolved by fd in the (now bound) rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
         let bind_sandbox = || -> Result<OwnedFd, MountError> {
             let target = mount::create_in_root(rootfs, Path::new(SANDBOX_IN_ROOTFS), false)?;
-            bind_tree(&sys, &spec.sandbox, target.as_fd())
+            bind_tree(sys, &spec.sandbox, target.as_fd())
         };
         let sandbox_tree = bind_sandbox().map_err(|source| LaunchError::BindSandbox {
             sandbox: spec.sandbox.clone(),
@@ -372,8 +375,8 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     }
     for m in spec.mounts.iter().filter(|m| m.root != TargetRoot::Sandbox) {
         match (m.root, &spec.rootfs) {
-            (TargetRoot::Rootfs, Some(rootfs)) => apply(&sys, m, rootfs, Resolve::Create)?,
-            (TargetRoot::Host, None) => apply(&sys, m, Path::new("/"), Resolve::Existing)?,
+            (TargetRoot::Rootfs, Some(rootfs)) => apply(sys, m, rootfs, Resolve::Create)?,
+            (TargetRoot::Host, None) => apply(sys, m, Path::new("/"), Resolve::Existing)?,
             // Refused up front by check_roots; refuse again rather than guess.
             _ => check_roots(spec)?,
         }
@@ -410,7 +413,7 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     };
 
     if let Some(rootfs) = &spec.rootfs {
-        pivot(&sys, rootfs)?;
+        pivot(sys, rootfs)?;
     }
     if spec.pid_namespace {
         ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {

@@ -80,6 +80,7 @@ pub async fn create_runtime(
         pid,
         rootfs: &rootfs,
         tenant: &tenant,
+        sys: &opts.sys,
     };
     let result = create_with_provider(&request, &named, &wanted.resources, provider.clone()).await;
     provider.shutdown(PLUGIN_STOP_GRACE).await;
@@ -95,6 +96,7 @@ struct Request<'a> {
     pid: u32,
     rootfs: &'a Path,
     tenant: &'a Tenant,
+    sys: &'a Arc<dyn Syscall>,
 }
 
 async fn create_with_provider(
@@ -104,7 +106,7 @@ async fn create_with_provider(
     provider: Arc<StorageProvider>,
 ) -> Result<Vec<VolumeMount>, HookError> {
     let id = req.id;
-    let isolator = VolumeIsolator::on_host(req.work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(req.work_dir, provider.clone(), req.sys.clone());
     reap_stale(&isolator, req.work_dir, id).await;
 
     let records = provider.volumes().await;
@@ -198,7 +200,23 @@ async fn create_with_provider(
     let mut attached: Vec<OwnedFd> = Vec::new();
     let mut failure = None;
     for m in &launch.mounts {
-        match mount_into_rootfs(id, req.pid, req.rootfs, m) {
+        // The namespace thread is joined: off the runtime's workers.
+        let (sys, container, pid) = (req.sys.clone(), id.to_string(), req.pid);
+        let (rootfs, mount) = (req.rootfs.to_path_buf(), m.clone());
+        let mounted = tokio::task::spawn_blocking(move || {
+            mount_into_rootfs(&*sys, &container, pid, &rootfs, &mount)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(HookError::Mount {
+                container: id.to_string(),
+                volume: volume_name(m),
+                container_path: m.container_path.clone(),
+                step: "attach",
+                reason: format!("the mount task failed: {e}"),
+            })
+        });
+        match mounted {
             Ok(tree) => attached.push(tree),
             Err(mut e) => {
                 if let HookError::Mount { volume, .. } = &mut e {
@@ -217,7 +235,12 @@ async fn create_with_provider(
         }
     }
     if let Some(e) = failure {
-        if let Err(undo) = unmount_in_namespace(req.pid, &attached) {
+        let (sys, pid) = (req.sys.clone(), req.pid);
+        let undone =
+            tokio::task::spawn_blocking(move || unmount_in_namespace(&*sys, pid, &attached))
+                .await
+                .unwrap_or_else(|e| Err(format!("the unmount task failed: {e}")));
+        if let Err(undo) = undone {
             tracing::error!(container_id = id, error = %undo, "unmount from the container failed");
         }
         if let Err(undo) = isolator.cleanup(id).await {

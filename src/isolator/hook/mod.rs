@@ -84,9 +84,10 @@
 //! came (the runtime was killed): a checkpointed container whose sandbox is exactly
 //! `<work_dir>/oci-hook/<id>` (read back through [`VolumeIsolator::checkpointed`], which checks every
 //! checkpointed path, then [`checkpoint_paths::is_hook_container`]: the id valid and the sandbox exactly
-//! the hook's) and whose recorded init pid is gone (or that never got one: its
-//! hook died mid-way, as the lock says no other hook is running) is cleaned up. A recycled pid only
-//! delays that (the volume stays published). A checkpoint is data in the work dir, not an instruction:
+//! the hook's) and whose recorded init process is gone (or that never got one: its
+//! hook died mid-way, as the lock says no other hook is running) is cleaned up. "Gone" is the one
+//! rule's identity half ([`crate::isolator::process_check::not_the_same_process`]): the pid names no
+//! process, or another one than the start time recorded at create-runtime says. A checkpoint is data in the work dir, not an instruction:
 //! the path it records is only compared, never used; the directory removed is
 //! `<work_dir>/oci-hook/<id>`, opened by fd beneath the `oci-hook` directory without following a
 //! symlink and without crossing into another file system ([`remove_container_dir`]).
@@ -124,9 +125,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use crate::isolator::{checkpoint_paths, ContainerConfig, IsolatorError, VolumeIsolator};
-use crate::mount::{
-    self, ns, LinuxSyscall, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount,
-};
+use crate::mount::{self, ns, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount};
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
 use crate::resource::{parse_resources, Resource, VolumeArg, VolumeMode};
 use crate::workdir::WorkDirLock;
@@ -386,6 +385,8 @@ pub struct HookOptions {
     pub lock_timeout: Duration,
     /// What annotations may do.
     pub policy: HookPolicy,
+    /// The mount syscalls (the real kernel's, chosen by the command).
+    pub sys: Arc<dyn Syscall>,
 }
 
 impl std::fmt::Debug for HookOptions {

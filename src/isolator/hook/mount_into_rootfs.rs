@@ -3,34 +3,24 @@
 
 use super::*;
 
-/// Runs `work` on a fresh thread that leaves the process's shared fs state and enters the mount namespace
-/// of `pid` (`ns_fd`); the thread ends when `work` returns.
+/// Runs `work` inside the mount namespace `ns_fd` of the container's init process, on the short-lived
+/// thread of [`ns::in_namespace`], through `sys`.
 fn in_namespace<T: Send>(
+    sys: &dyn Syscall,
     ns_fd: BorrowedFd<'_>,
     work: impl FnOnce(&dyn Syscall) -> Result<T, (&'static str, String)> + Send,
 ) -> Result<T, (&'static str, String)> {
-    std::thread::scope(|scope| {
-        let handle = std::thread::Builder::new()
-            .name("csi-oci-hook".to_string())
-            .spawn_scoped(scope, move || {
-                let sys = LinuxSyscall::new();
-                ns::unshare_fs().map_err(|e| ("unshare(CLONE_FS)", e.to_string()))?;
-                sys.enter_mount_namespace(ns_fd)
-                    .map_err(|e| ("enter the container's mount namespace", e.to_string()))?;
-                work(&sys)
-            })
-            .map_err(|e| ("spawn the namespace thread", e.to_string()))?;
-        handle
-            .join()
-            .map_err(|_| ("namespace thread", "panicked".to_string()))?
-    })
+    ns::in_namespace(sys, ns_fd, "csi-oci-hook", work)
+        .map_err(|e| ("enter the container's mount namespace", e.to_string()))?
 }
 
 /// Mounts `mount` (a rootfs target) into the mount namespace of the container whose init process is `pid`,
 /// before its `pivot_root`: at `<rootfs>/<target>` as that namespace sees it, `rootfs` being the
-/// canonical host path of the container's rootfs (see the module doc). Returns the attached tree's fd,
+/// canonical host path of the container's rootfs (see the module doc), through `sys`. Blocks until the
+/// namespace thread is joined (async callers use `spawn_blocking`). Returns the attached tree's fd,
 /// which names the new mount (for a rollback).
 pub fn mount_into_rootfs(
+    sys: &dyn Syscall,
     container: &str,
     pid: u32,
     rootfs: &Path,
@@ -49,14 +39,13 @@ pub fn mount_into_rootfs(
             "only absolute container paths (inside the rootfs) are supported".to_string(),
         ));
     }
-    let sys = LinuxSyscall::new();
     let ns_fd = ns::open_mount_namespace(pid)
         .map_err(|e| fail("open mount namespace", format!("/proc/{pid}/ns/mnt: {e}")))?;
     // The source first: a missing volume fails before anything is created in the rootfs.
     // Opened beneath its trusted root by fd (no symlink inside a volume is followed), host-only flags
     // cleared on the container's copy.
     let tree = mount
-        .clone_for_container(&sys)
+        .clone_for_container(sys)
         .map_err(|e| fail("clone source", e.to_string()))?;
     if mount.readonly {
         sys.set_readonly_by_fd(tree.as_fd(), true)
@@ -96,7 +85,7 @@ pub fn mount_into_rootfs(
         is_file,
     )
     .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
-    in_namespace(ns_fd.as_fd(), |sys| {
+    in_namespace(sys, ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
             .map_err(|e| ("attach", e.to_string()))
     })
@@ -112,12 +101,16 @@ pub fn mount_into_rootfs(
 
 /// Detaches the mounts named by `trees` (attached tree fds from [`mount_into_rootfs`]) in the mount
 /// namespace of `pid`, last first.
-pub(super) fn unmount_in_namespace(pid: u32, trees: &[OwnedFd]) -> Result<(), String> {
+pub(super) fn unmount_in_namespace(
+    sys: &dyn Syscall,
+    pid: u32,
+    trees: &[OwnedFd],
+) -> Result<(), String> {
     if trees.is_empty() {
         return Ok(());
     }
     let ns_fd = ns::open_mount_namespace(pid).map_err(|e| format!("/proc/{pid}/ns/mnt: {e}"))?;
-    in_namespace(ns_fd.as_fd(), |sys| {
+    in_namespace(sys, ns_fd.as_fd(), |sys| {
         for tree in trees.iter().rev() {
             sys.unmount(&mount::proc_fd_path(tree.as_fd()), true)
                 .map_err(|e| ("unmount", e.to_string()))?;

@@ -24,7 +24,7 @@ pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError
             container: id.to_string(),
             source: Box::new(source),
         })?;
-    let isolator = VolumeIsolator::on_host(&work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(&work_dir, provider.clone(), opts.sys.clone());
     let result = isolator.cleanup(id).await.map_err(HookError::from);
     if result.is_ok() {
         remove_container_dir(&work_dir, id);

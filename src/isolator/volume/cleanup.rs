@@ -15,7 +15,7 @@ impl VolumeIsolator {
         if let Some(rec) = slot.as_ref() {
             self.unmount_host_side(rec)?;
         }
-        self.manager
+        self.publisher
             .release_container(container_id)
             .await
             .map_err(|source| IsolatorError::Provider {

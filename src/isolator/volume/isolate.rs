@@ -6,8 +6,8 @@ impl VolumeIsolator {
     /// Isolate: records the container's pid (needed to mount into its
     /// namespace on update).
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
-        let start = crate::launcher::process::process_start_time(pid);
-        let view = crate::launcher::process::mount_view(pid);
+        let facts = self.processes.facts(pid);
+        let (start, view) = (facts.start, facts.view);
         self.modify(container_id, |rec| {
             rec.pid = Some(pid);
             rec.pid_start = start;

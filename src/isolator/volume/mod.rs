@@ -32,7 +32,8 @@ use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
-use crate::isolator::process_check;
+use crate::isolator::process_check::{self, ProcProcesses, Processes};
+use crate::isolator::publisher::{Publisher, VolumeUsers};
 use crate::isolator::targets::volume_mounts;
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
@@ -50,8 +51,10 @@ type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
 pub struct VolumeIsolator {
     work_dir: PathBuf,
     manager: Arc<Manager>,
+    publisher: Arc<dyn Publisher>,
     sys: Arc<dyn Syscall>,
     table: Arc<dyn MountTable>,
+    processes: Arc<dyn Processes>,
     containers: Mutex<BTreeMap<String, Entry>>,
 }
 
@@ -65,32 +68,61 @@ impl VolumeIsolator {
     ) -> Self {
         VolumeIsolator {
             work_dir: work_dir.into(),
+            publisher: manager.clone(),
             manager,
             sys,
             table,
+            processes: Arc::new(ProcProcesses),
             containers: Mutex::new(BTreeMap::new()),
         }
     }
 
-    /// The isolator of one provider on this host: real mount syscalls and this process's mount
-    /// table (what `run`, `serve` and the OCI hook each use).
+    /// The same isolator, learning about processes from `processes` instead of `/proc` (a test's
+    /// double: the rule of [`process_check`] is then applied to what it says).
+    pub fn with_processes(mut self, processes: Arc<dyn Processes>) -> Self {
+        self.processes = processes;
+        self
+    }
+
+    /// The isolator of one provider on this host: the mount syscalls `sys` (the caller chooses the
+    /// real kernel's) and this process's mount table (what `run`, `serve` and the OCI hook each use).
     pub fn on_host(
         work_dir: impl Into<PathBuf>,
         provider: Arc<crate::provider::StorageProvider>,
+        sys: Arc<dyn Syscall>,
     ) -> Self {
         let mut manager = Manager::new();
         manager.add(provider);
         VolumeIsolator::new(
             work_dir,
             Arc::new(manager),
-            Arc::new(crate::mount::LinuxSyscall::new()),
+            sys,
             Arc::new(crate::mount::ProcMountTable::new()),
         )
+    }
+
+    /// The mount syscalls this isolator (and whoever launches its containers) goes through.
+    pub fn syscall(&self) -> Arc<dyn Syscall> {
+        self.sys.clone()
     }
 
     /// The mount table this isolator reads.
     pub fn mount_table(&self) -> Arc<dyn MountTable> {
         self.table.clone()
+    }
+
+    /// An isolator for the agent work dir `work_dir` that publishes through `publisher` instead of
+    /// a provider manager (a test's double; [`manager`](Self::manager) is then empty).
+    pub fn with_publisher(
+        work_dir: impl Into<PathBuf>,
+        publisher: Arc<dyn Publisher>,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Self {
+        VolumeIsolator {
+            publisher,
+            ..VolumeIsolator::new(work_dir, Arc::new(Manager::new()), sys, table)
+        }
     }
 
     /// The provider manager.
@@ -162,20 +194,8 @@ impl VolumeIsolator {
             let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) else {
                 continue;
             };
-            let Some(provider) = self.manager.get(pid) else {
-                continue;
-            };
-            if let Some(rec) = provider.volume(vid).await {
-                let why = if rec.capability.is_reader_only() {
-                    Some(format!(
-                        "of reader-only access mode {}",
-                        rec.capability.access_mode
-                    ))
-                } else if rec.readonly {
-                    Some("published read-only".to_string())
-                } else {
-                    None
-                };
+            let why = self.publisher.read_only_reason(pid, vid).await;
+            {
                 if let Some(why) = why {
                     return Err(IsolatorError::ReadOnlyVolume {
                         container: container.to_string(),
@@ -238,3 +258,4 @@ fn volume_name(m: &VolumeMount) -> String {
         .clone()
         .unwrap_or_else(|| m.source.display().to_string())
 }
+

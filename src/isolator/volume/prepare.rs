@@ -31,7 +31,7 @@ impl VolumeIsolator {
         let rec = ContainerRecord::new(container_id, config, mounts.clone());
         self.persist(&rec)?;
         if let Err(source) = self
-            .manager
+            .publisher
             .publish(container_id, &rec.config.resources)
             .await
         {

@@ -154,7 +154,7 @@ impl VolumeIsolator {
                 .filter_map(|r| Some((r.provider_id()?.to_string(), r.source_id()?.to_string())))
                 .collect();
             recorded.insert(id.clone(), uses);
-            if let Err(e) = self.manager.publish(&id, &resources).await {
+            if let Err(e) = self.publisher.publish(&id, &resources).await {
                 tracing::error!(container_id = %id, error = %e, "recovery: cannot re-ensure the container's volumes");
                 report.failures.push((id, e.to_string()));
             }
@@ -164,33 +164,49 @@ impl VolumeIsolator {
             .map(|s| s.to_string())
             .chain(report.recovered.iter().cloned())
             .collect();
-        // A use is released when its container is gone, and also when its
-        // container lives on but its checkpoint does not have the volume: a
-        // crash in an update after the new volume's use became durable and
-        // before the checkpoint recorded it (the update failed: the
-        // container keeps its old set), or after the checkpoint dropped a
-        // removed volume and before its use was released.
-        for provider in self.manager.providers() {
-            for vol in provider.volumes().await {
-                let stale = |user: &String| match recorded.get(user) {
-                    Some(uses) => {
-                        !uses.contains(&(provider.id().to_string(), vol.volume_id.clone()))
-                    }
-                    None => !live.contains(user),
-                };
-                for user in vol.users.iter().filter(|u| stale(u)) {
-                    tracing::info!(volume_id = %vol.volume_id, container_id = %user, "recovery: releasing a use no live container's checkpoint has");
-                    match provider.release(&vol.volume_id, user).await {
-                        Ok(()) => report
-                            .released_uses
-                            .push((vol.volume_id.clone(), user.clone())),
-                        Err(e) => report.failures.push((user.clone(), e.to_string())),
-                    }
-                }
+        let volumes = self.publisher.users().await;
+        for (provider_id, volume_id, user) in stale_uses(&volumes, &recorded, &live) {
+            tracing::info!(%volume_id, container_id = %user, "recovery: releasing a use no live container's checkpoint has");
+            match self.publisher.release(provider_id, volume_id, user).await {
+                Ok(()) => report
+                    .released_uses
+                    .push((volume_id.to_string(), user.to_string())),
+                Err(e) => report.failures.push((user.to_string(), e.to_string())),
             }
         }
         Ok(report)
     }
+}
+
+/// The uses recovery releases, as (provider, volume, container): a use is released when its
+/// container is gone (neither in `recorded`, the recovered containers' checkpointed uses, nor in
+/// `live`), and also when its container lives on but its checkpoint does not have the volume: a
+/// crash in an update after the new volume's use became durable and before the checkpoint recorded
+/// it (the update failed: the container keeps its old set), or after the checkpoint dropped a
+/// removed volume and before its use was released.
+fn stale_uses<'a>(
+    volumes: &'a [VolumeUsers],
+    recorded: &HashMap<String, HashSet<(String, String)>>,
+    live: &HashSet<String>,
+) -> Vec<(&'a str, &'a str, &'a str)> {
+    let mut out = Vec::new();
+    for vol in volumes {
+        let key = (vol.provider_id.clone(), vol.volume_id.clone());
+        for user in &vol.users {
+            let stale = match recorded.get(user) {
+                Some(uses) => !uses.contains(&key),
+                None => !live.contains(user),
+            };
+            if stale {
+                out.push((
+                    vol.provider_id.as_str(),
+                    vol.volume_id.as_str(),
+                    user.as_str(),
+                ));
+            }
+        }
+    }
+    out
 }
 
 /// Why [`VolumeIsolator::read_record`] refused a checkpoint.
@@ -230,4 +246,61 @@ fn read_checkpoint_file(path: &std::path::Path) -> Result<Vec<u8>, String> {
         return Err(format!("larger than {MAX_CHECKPOINT_BYTES} bytes"));
     }
     Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_uses_table() {
+        let vol = |p: &str, v: &str, users: &[&str]| VolumeUsers {
+            provider_id: p.to_string(),
+            volume_id: v.to_string(),
+            users: users.iter().map(|u| u.to_string()).collect(),
+        };
+        let uses = |pairs: &[(&str, &str)]| -> HashSet<(String, String)> {
+            pairs
+                .iter()
+                .map(|(p, v)| (p.to_string(), v.to_string()))
+                .collect()
+        };
+        // c1 recovered with v1 of p; c2 known to the caller but not checkpointed here (another
+        // containerizer's); c3 exists nowhere.
+        let recorded = HashMap::from([("c1".to_string(), uses(&[("p", "v1")]))]);
+        let live: HashSet<String> = ["c1", "c2"].iter().map(|s| s.to_string()).collect();
+        // (case, volumes, released as (provider, volume, container))
+        type Case<'a> = (&'a str, Vec<VolumeUsers>, Vec<(&'a str, &'a str, &'a str)>);
+        let cases: Vec<Case> = vec![
+            (
+                "a recorded use stays",
+                vec![vol("p", "v1", &["c1"])],
+                vec![],
+            ),
+            (
+                "a live caller's use stays",
+                vec![vol("p", "v2", &["c2"])],
+                vec![],
+            ),
+            (
+                "a gone container's use goes",
+                vec![vol("p", "v1", &["c1", "c3"])],
+                vec![("p", "v1", "c3")],
+            ),
+            (
+                "a recovered container's use its checkpoint lacks goes",
+                vec![vol("p", "v2", &["c1"])],
+                vec![("p", "v2", "c1")],
+            ),
+            (
+                "the same volume id under another provider is another volume",
+                vec![vol("q", "v1", &["c1"])],
+                vec![("q", "v1", "c1")],
+            ),
+            ("no users", vec![vol("p", "v9", &[])], vec![]),
+        ];
+        for (case, volumes, released) in cases {
+            assert_eq!(stale_uses(&volumes, &recorded, &live), released, "{case}");
+        }
+    }
 }
