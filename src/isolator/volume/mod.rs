@@ -259,3 +259,5 @@ fn volume_name(m: &VolumeMount) -> String {
         .unwrap_or_else(|| m.source.display().to_string())
 }
 
+#[cfg(test)]
+mod tests;
