@@ -85,8 +85,9 @@ pub struct LaunchSpec {
     pub pid_namespace: bool,
 }
 
-/// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place.
-/// Blocking.
+/// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place,
+/// every mount-related call made through `sys` (the forked child's own `/proc` mount excepted: it is made
+/// with async-signal-safe raw calls). Blocking: async callers use `spawn_blocking`.
 #[tracing::instrument(skip(sys, spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
 pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     // Everything the forked child will need, built here, long before the fork.
