@@ -60,6 +60,7 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, VolumeRef};
 pub use process::Launched;
+pub use setup::{clone_source, DetachedTree};
 
 use crate::mount::{Syscall, VolumeMount};
 

@@ -41,7 +41,7 @@ pub(crate) enum Resolve {
 }
 
 /// A detached copy of a volume's source tree, read-only already if asked and the kernel can do it early.
-pub(crate) struct DetachedTree {
+pub struct DetachedTree {
     tree: Option<OwnedFd>,
     /// The source, resolved by fd ([`VolumeMount::open_source`]): what the bind fallback mounts.
     source: OwnedFd,
@@ -54,17 +54,29 @@ pub(crate) struct DetachedTree {
 
 impl DetachedTree {
     /// Whether the source is a directory (the target must then be one).
-    pub(crate) fn source_is_dir(&self) -> bool {
+    pub fn source_is_dir(&self) -> bool {
         self.source_is_dir
+    }
+
+    /// The detached tree, complete (host-only flags cleared, read-only if asked), for a caller that
+    /// attaches it with `move_mount` alone and keeps its fd (the OCI hook, which unmounts through it
+    /// on rollback); `None` on a kernel that left work for [`attach`]'s fallbacks (no `open_tree` or
+    /// no `mount_setattr`: before Linux 5.12).
+    pub fn into_complete_tree(self) -> Option<OwnedFd> {
+        match self.tree {
+            Some(tree) if !self.readonly_pending && !self.clear_pending => Some(tree),
+            _ => None,
+        }
     }
 }
 
-/// Step 1 of a mount, in the namespace the source lives in: the source opened by fd beneath its trusted root
+/// Step 1 of a mount, in the namespace the source lives in (the one clone-for-container sequence: the
+/// launcher, `update`'s mounts into a running container and the OCI hook all use it): the source opened by fd beneath its trusted root
 /// (no symlink followed inside a volume), `open_tree(fd, OPEN_TREE_CLONE | AT_EMPTY_PATH | AT_RECURSIVE)`,
 /// the host-only flags (nosuid, nodev) cleared on the copy and, for read-only mounts,
 /// `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels without the new mount
 /// API (ENOSYS) the tree is left to the bind fallback of [`attach`], which binds the resolved fd.
-pub(crate) fn clone_source(
+pub fn clone_source(
     sys: &dyn Syscall,
     mount: &VolumeMount,
     at: &VolumeRef,

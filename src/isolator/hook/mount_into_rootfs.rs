@@ -41,16 +41,18 @@ pub fn mount_into_rootfs(
     }
     let ns_fd = ns::open_mount_namespace(pid)
         .map_err(|e| fail("open mount namespace", format!("/proc/{pid}/ns/mnt: {e}")))?;
-    // The source first: a missing volume fails before anything is created in the rootfs.
-    // Opened beneath its trusted root by fd (no symlink inside a volume is followed), host-only flags
-    // cleared on the container's copy.
-    let tree = mount
-        .clone_for_container(sys)
+    // The source first: a missing volume fails before anything is created in the rootfs. The
+    // launcher's clone sequence: opened beneath its trusted root by fd (no symlink inside a volume is
+    // followed), cloned, host-only flags cleared on the container's copy, read-only if asked.
+    let at = crate::launcher::VolumeRef::new(mount, rootfs);
+    let clone = crate::launcher::clone_source(sys, mount, &at)
         .map_err(|e| fail("clone source", e.to_string()))?;
-    if mount.readonly {
-        sys.set_readonly_by_fd(tree.as_fd(), true)
-            .map_err(|e| fail("make read-only", e.to_string()))?;
-    }
+    let tree = clone.into_complete_tree().ok_or_else(|| {
+        fail(
+            "clone source",
+            "this kernel lacks open_tree or mount_setattr (Linux 5.12 is needed)".to_string(),
+        )
+    })?;
     let ns_root = PathBuf::from(format!("/proc/{pid}/root"));
     let rootfs_fd = mount::open_in_root(&ns_root, rootfs).map_err(|e| {
         fail(
