@@ -577,7 +577,8 @@ async fn measure_launch(
             for (slot, (k, spec)) in specs.iter().enumerate() {
                 let t0 = Instant::now();
                 let mut launched =
-                    launcher::launch(spec).with_context(|| format!("launch with {k} volumes"))?;
+                    launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), spec)
+                        .with_context(|| format!("launch with {k} volumes"))?;
                 let status = launched.wait().context("wait for /bin/true")?;
                 let took = t0.elapsed();
                 ensure!(status.success(), "/bin/true with {k} volumes: {status}");
@@ -614,10 +615,12 @@ async fn container(
         ..Default::default()
     };
     let ran = async {
-        let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
-            .await
-            .context("launch thread")?
-            .with_context(|| format!("launch {id}"))?;
+        let mut launched = tokio::task::spawn_blocking(move || {
+            launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        })
+        .await
+        .context("launch thread")?
+        .with_context(|| format!("launch {id}"))?;
         let status = launched.wait_async().await?;
         ensure!(status.success(), "/bin/true in {id}: {status}");
         anyhow::Ok(())

@@ -290,9 +290,11 @@ async fn a_symlink_swapped_in_while_launching_never_moves_the_mount_outside() {
         // one it had may meanwhile back another test's volume.
         let ident = identity(&published_target(&agent, &vol));
         let spec = spec(&cfg, &info, "exec sleep 1000");
-        let result = tokio::task::spawn_blocking(move || csi_isolator::launcher::launch(&spec))
-            .await
-            .unwrap();
+        let result = tokio::task::spawn_blocking(move || {
+            csi_isolator::launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        })
+        .await
+        .unwrap();
         swaps += swapper.stop();
         match result {
             Ok(mut running) => {
@@ -383,11 +385,13 @@ async fn targets_that_are_fifos_devices_files_or_hard_links_are_refused_by_name(
         };
         let info = agent.isolator.prepare(&id, cfg.clone()).await.unwrap();
         let spec = spec(&cfg, &info, "echo escaped > /fifo");
-        let err = tokio::task::spawn_blocking(move || csi_isolator::launcher::launch(&spec))
-            .await
-            .unwrap()
-            .err()
-            .unwrap_or_else(|| panic!("{path}: launched onto {kind}"));
+        let err = tokio::task::spawn_blocking(move || {
+            csi_isolator::launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        })
+        .await
+        .unwrap()
+        .err()
+        .unwrap_or_else(|| panic!("{path}: launched onto {kind}"));
         let text = err.to_string();
         assert!(
             text.contains(&format!("the target is {kind}, not a directory"))
@@ -473,11 +477,13 @@ async fn a_rootfs_given_through_a_symlink_is_resolved_once_and_never_the_host_ro
     let info = agent.isolator.prepare("c2", c2.clone()).await.unwrap();
     let published_only = host_mount_points(&sb);
     let spec2 = spec(&c2, &info, "true");
-    let err = tokio::task::spawn_blocking(move || csi_isolator::launcher::launch(&spec2))
-        .await
-        .unwrap()
-        .err()
-        .unwrap_or_else(|| panic!("a rootfs resolving to / was accepted"));
+    let err = tokio::task::spawn_blocking(move || {
+        csi_isolator::launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec2)
+    })
+    .await
+    .unwrap()
+    .err()
+    .unwrap_or_else(|| panic!("a rootfs resolving to / was accepted"));
     assert!(
         err.to_string()
             .contains("resolves to /, which cannot be a container's root"),

@@ -68,7 +68,8 @@ fn shell(sandbox: &Path, script: &str) -> LaunchSpec {
 
 /// Launches, registers the workload with the sandbox (killed on drop), and returns it.
 fn start(sb: &Sandbox, spec: &LaunchSpec) -> Launched {
-    let launched = launcher::launch(spec).unwrap_or_else(|e| panic!("launch: {e}"));
+    let launched = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), spec)
+        .unwrap_or_else(|e| panic!("launch: {e}"));
     sb.track(launched.pid());
     launched
 }
@@ -218,7 +219,8 @@ fn missing_program_is_reported_before_returning() {
         sandbox: sandbox.clone(),
         ..LaunchSpec::default()
     };
-    let err = launcher::launch(&spec).expect_err("exec must fail");
+    let err = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        .expect_err("exec must fail");
     assert!(
         matches!(
             err,
@@ -249,10 +251,12 @@ async fn pid_namespace_makes_the_workload_pid_1() {
     );
     spec.pid_namespace = true;
     // From a multi-threaded tokio runtime, as `run` does it.
-    let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
-        .await
-        .expect("join")
-        .unwrap_or_else(|e| panic!("launch: {e}"));
+    let mut launched = tokio::task::spawn_blocking(move || {
+        launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+    })
+    .await
+    .expect("join")
+    .unwrap_or_else(|e| panic!("launch: {e}"));
     sb.track(launched.pid());
     let status = tokio::time::timeout(TIMEOUT, launched.wait_async())
         .await
@@ -418,7 +422,8 @@ fn failing_mount_fails_the_launch_before_exec() {
             "vol-missing",
         ),
     ];
-    let err = launcher::launch(&spec).expect_err("a missing source must fail the launch");
+    let err = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        .expect_err("a missing source must fail the launch");
     let message = err.to_string();
     assert!(matches!(err, LaunchError::CloneSource { .. }), "{message}");
     assert!(message.contains("vol-missing"), "{message}");
@@ -477,7 +482,8 @@ fn host_target_must_exist() {
         false,
         "vol-h2",
     )];
-    let err = launcher::launch(&spec).expect_err("missing host target");
+    let err = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        .expect_err("missing host target");
     // Said as what to do, not as a kernel error.
     assert!(
         matches!(err, LaunchError::TargetMissingOnHost { .. }),
@@ -519,7 +525,8 @@ fn inject_into_a_running_container_and_take_it_away() {
         false,
         "vol-late",
     );
-    inject::mount_into(pid, &m, &sandbox).unwrap_or_else(|e| panic!("mount_into: {e}"));
+    inject::mount_into(&csi_isolator::mount::LinuxSyscall::new(), pid, &m, &sandbox)
+        .unwrap_or_else(|e| panic!("mount_into: {e}"));
     assert_eq!(wait_for_file(&sandbox.join("seen")), "injected");
     let target = sandbox.join("data");
     assert!(
@@ -528,7 +535,14 @@ fn inject_into_a_running_container_and_take_it_away() {
     );
     assert_eq!(host_mount_points(&sb), before, "the host saw the mount");
 
-    inject::unmount_from(pid, &m, &sandbox, false).unwrap_or_else(|e| panic!("unmount_from: {e}"));
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &m,
+        &sandbox,
+        false,
+    )
+    .unwrap_or_else(|e| panic!("unmount_from: {e}"));
     let status = finish(&sb, &mut container);
     assert_eq!(status.code(), Some(0), "container failed: {status}");
     assert_eq!(read(&sandbox.join("gone")), "gone\n");
@@ -571,8 +585,13 @@ fn inject_into_a_pivoted_container_in_a_pid_namespace() {
         true,
         "vol-late-ro",
     );
-    inject::mount_into(pid, &m, Path::new(SANDBOX_IN_ROOTFS))
-        .unwrap_or_else(|e| panic!("mount_into: {e}"));
+    inject::mount_into(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &m,
+        Path::new(SANDBOX_IN_ROOTFS),
+    )
+    .unwrap_or_else(|e| panic!("mount_into: {e}"));
     assert_eq!(wait_for_file(&sandbox.join("seen")), "late-volume");
     assert_eq!(wait_for_file(&sandbox.join("mode")), "readonly\n");
     assert!(!source.join("x").exists());
@@ -588,8 +607,14 @@ fn inject_into_a_pivoted_container_in_a_pid_namespace() {
     );
     assert_eq!(host_mount_points(&sb), before, "the host saw the mount");
 
-    inject::unmount_from(pid, &m, Path::new(SANDBOX_IN_ROOTFS), false)
-        .unwrap_or_else(|e| panic!("unmount_from: {e}"));
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &m,
+        Path::new(SANDBOX_IN_ROOTFS),
+        false,
+    )
+    .unwrap_or_else(|e| panic!("unmount_from: {e}"));
     let status = finish(&sb, &mut container);
     assert_eq!(status.code(), Some(0), "container failed: {status}");
     assert_eq!(read(&sandbox.join("gone")), "gone\n");
@@ -604,7 +629,13 @@ fn inject_into_a_missing_process_names_it() {
     let m = volume(&source, TargetRoot::Sandbox, "data", "data", false, "vol-x");
     // pid_max is at most 2^22: this pid never exists.
     let pid = u32::MAX - 1;
-    let err = inject::mount_into(pid, &m, &sb.join("sandbox")).expect_err("no such process");
+    let err = inject::mount_into(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &m,
+        &sb.join("sandbox"),
+    )
+    .expect_err("no such process");
     assert!(matches!(err, LaunchError::OpenNamespace { .. }), "{err}");
     assert!(err.to_string().contains(&pid.to_string()), "{err}");
     sb.assert_no_mounts_under();
@@ -673,7 +704,8 @@ async fn concurrent_launches_from_a_busy_runtime() {
             "vol",
         )];
         tasks.push(tokio::task::spawn_blocking(move || {
-            let mut launched = launcher::launch(&spec).map_err(|e| e.to_string())?;
+            let mut launched = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+                .map_err(|e| e.to_string())?;
             let status = launched.wait().map_err(|e| e.to_string())?;
             Ok::<_, String>((source, status))
         }));
@@ -711,26 +743,62 @@ fn unmount_from_takes_only_the_volumes_own_mount() {
     let a_copy = volume(&a, TargetRoot::Sandbox, "copy", "copy", false, "vol-a");
     let b_data = volume(&b, TargetRoot::Sandbox, "data", "data", false, "vol-b");
     for m in [&a_data, &a_copy, &b_data] {
-        inject::mount_into(pid, m, &sandbox).unwrap_or_else(|e| panic!("mount_into: {e}"));
+        inject::mount_into(&csi_isolator::mount::LinuxSyscall::new(), pid, m, &sandbox)
+            .unwrap_or_else(|e| panic!("mount_into: {e}"));
     }
     let count = |p: &Path| mount_points_of(pid).iter().filter(|m| *m == p).count();
     let (data, copy) = (sandbox.join("data"), sandbox.join("copy"));
     assert_eq!((count(&data), count(&copy)), (2, 1));
 
     // vol-b is on top of vol-a at data: taking vol-a there is refused, nothing is unmounted.
-    let err = inject::unmount_from(pid, &a_data, &sandbox, true).unwrap_err();
+    let err = inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &a_data,
+        &sandbox,
+        true,
+    )
+    .unwrap_err();
     assert!(matches!(err, LaunchError::NotTheVolume { .. }), "{err}");
     assert!(err.to_string().contains("not the volume's"), "{err}");
     assert_eq!((count(&data), count(&copy)), (2, 1));
 
     // In order: vol-b, then vol-a at data; its other mount at copy stays (the sweep is off).
-    inject::unmount_from(pid, &b_data, &sandbox, false).unwrap();
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &b_data,
+        &sandbox,
+        false,
+    )
+    .unwrap();
     assert_eq!((count(&data), count(&copy)), (1, 1));
-    inject::unmount_from(pid, &a_data, &sandbox, true).unwrap();
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &a_data,
+        &sandbox,
+        true,
+    )
+    .unwrap();
     assert_eq!((count(&data), count(&copy)), (0, 1));
     // Nothing left at data: done, again.
-    inject::unmount_from(pid, &a_data, &sandbox, true).unwrap();
-    inject::unmount_from(pid, &a_copy, &sandbox, false).unwrap();
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &a_data,
+        &sandbox,
+        true,
+    )
+    .unwrap();
+    inject::unmount_from(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        pid,
+        &a_copy,
+        &sandbox,
+        false,
+    )
+    .unwrap();
     assert_eq!(count(&copy), 0);
 
     fs::write(sandbox.join("stop"), "").unwrap();

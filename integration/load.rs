@@ -451,10 +451,12 @@ async fn launch_op(ctx: Arc<Ctx>, plan: LaunchPlan) -> Result<Done, String> {
         pid_namespace: false,
     };
     let exec_start = Instant::now();
-    let process = tokio::task::spawn_blocking(move || launcher::launch(&spec))
-        .await
-        .map_err(|e| format!("{id}: launch task: {e}"))?
-        .map_err(|e| format!("{id}: launch: {e}"))?;
+    let process = tokio::task::spawn_blocking(move || {
+        launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+    })
+    .await
+    .map_err(|e| format!("{id}: launch task: {e}"))?
+    .map_err(|e| format!("{id}: launch: {e}"))?;
     // From here on the sandbox kills the workload if the test fails.
     ctx.sb.track(process.pid());
     Stats::time(&ctx.stats.exec_us, None, exec_start);

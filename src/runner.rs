@@ -23,7 +23,6 @@ use tokio::signal::unix::{signal, SignalKind};
 
 use crate::isolator::checkpoint_paths::{is_run_container, run_sandbox};
 use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
-use crate::launcher::process::MountView;
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::MountTable;
 use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
@@ -210,7 +209,11 @@ async fn run_with_provider(
     provider: Arc<StorageProvider>,
     stops: &Stops,
 ) -> Result<i32, RunError> {
-    let isolator = VolumeIsolator::on_host(&opts.work_dir, provider.clone());
+    let isolator = VolumeIsolator::on_host(
+        &opts.work_dir,
+        provider.clone(),
+        Arc::new(crate::mount::LinuxSyscall::new()),
+    );
     let table = isolator.mount_table();
     // We hold the work dir's lock, so no other `run` is live: containers of
     // earlier runs (sandboxes under <work_dir>/sandboxes) are gone, and a
@@ -308,71 +311,17 @@ async fn prepare_and_supervise(
     supervise(isolator, container_id, spec, opts.stop_grace, stops.clone()).await
 }
 
-/// What is known of a recorded pid, read from `/proc` after a pidfd for it
-/// was opened.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct PidFacts {
-    /// Its start time (None: gone).
-    start: Option<u64>,
-    /// Whether it is in run's own mount namespace (None: unreadable).
-    in_our_mount_namespace: Option<bool>,
-    /// Its mount namespace and root.
-    view: Option<MountView>,
-}
-
-/// Why the pid of a stale container's checkpoint must not be signalled, or
-/// None when it is the workload an earlier run left behind: never pid 0 or
-/// 1, nor our own pid; its start time is recorded and is the process's; it
-/// is not in our mount namespace (a workload always runs in a new one, and
-/// init, `run` itself and every host process are in ours) and, when a
-/// mount view was recorded, still in that one.
-fn stale_pid_refusal(
-    pid: u32,
-    recorded_start: Option<u64>,
-    recorded_view: Option<MountView>,
-    own_pid: u32,
-    facts: &PidFacts,
-) -> Option<&'static str> {
-    if pid <= 1 {
-        return Some("pid 0 and 1 are never a workload");
-    }
-    if pid == own_pid {
-        return Some("it is this process");
-    }
-    if i32::try_from(pid).is_err() {
-        return Some("it is not a pid");
-    }
-    let Some(recorded_start) = recorded_start else {
-        return Some("no start time was recorded for it");
-    };
-    match facts.start {
-        None => return Some("no such process"),
-        Some(t) if t != recorded_start => {
-            return Some("its start time differs: the pid belongs to another process now")
-        }
-        Some(_) => {}
-    }
-    match facts.in_our_mount_namespace {
-        Some(false) => {}
-        Some(true) => return Some("it is in run's own mount namespace: not a workload"),
-        None => return Some("its mount namespace cannot be read"),
-    }
-    if recorded_view.is_some() && facts.view != recorded_view {
-        return Some("it is not in the mount namespace and root recorded for the workload");
-    }
-    None
-}
-
 /// A workload an earlier, killed `run` left running: stop it before its
 /// volumes are released, only if the pid is still that process. A pidfd is
-/// opened first and the checks ([`stale_pid_refusal`]) made after, twice
+/// opened first and the checks
+/// ([`not_still_the_container`](crate::isolator::process_check::not_still_the_container)) made after, twice
 /// around the namespace reads; the signal goes through the pidfd, so a pid
 /// recycled at any point is never hit (the pidfd names the process it was
 /// opened on, and fails with ESRCH once that one has exited).
 async fn kill_stale_workload(c: &crate::isolator::ContainerRecord) {
+    use crate::isolator::process_check::{not_still_the_container, PidFacts};
     use crate::launcher::process::{
-        mount_view, open_pidfd, pidfd_exited, pidfd_send_signal, process_start_time,
-        shares_mount_namespace,
+        open_pidfd, pidfd_exited, pidfd_send_signal, process_start_time,
     };
     use std::os::fd::AsFd;
     let Some(pid) = c.pid else {
@@ -385,7 +334,7 @@ async fn kill_stale_workload(c: &crate::isolator::ContainerRecord) {
         in_our_mount_namespace: Some(false),
         view: c.mount_view,
     };
-    if let Some(why) = stale_pid_refusal(pid, c.pid_start, c.mount_view, own, &nothing) {
+    if let Some(why) = not_still_the_container(pid, c.pid_start, c.mount_view, own, &nothing) {
         tracing::warn!(container_id = %c.container_id, pid, why, "not signalling the pid in an earlier run's checkpoint");
         return;
     }
@@ -396,13 +345,9 @@ async fn kill_stale_workload(c: &crate::isolator::ContainerRecord) {
             return;
         }
     };
-    let facts = PidFacts {
-        start: process_start_time(pid),
-        in_our_mount_namespace: shares_mount_namespace(pid),
-        view: mount_view(pid),
-    };
+    let facts = PidFacts::read(pid);
     // The start time again, after the namespace reads: they were of the same process.
-    let refusal = stale_pid_refusal(pid, c.pid_start, c.mount_view, own, &facts)
+    let refusal = not_still_the_container(pid, c.pid_start, c.mount_view, own, &facts)
         .or((process_start_time(pid) != facts.start).then_some("it changed while it was checked"));
     if let Some(why) = refusal {
         tracing::warn!(container_id = %c.container_id, pid, why, "not signalling the pid in an earlier run's checkpoint");
@@ -431,7 +376,8 @@ async fn supervise(
     grace: Duration,
     mut stops: Stops,
 ) -> Result<i32, RunError> {
-    let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
+    let sys = isolator.syscall();
+    let mut launched = tokio::task::spawn_blocking(move || launcher::launch(&*sys, &spec))
         .await
         .expect("the launch task does not panic")?;
     if let Err(e) = isolator.isolate(container_id, launched.pid()).await {
@@ -540,97 +486,5 @@ fn remove_sandbox(table: &dyn MountTable, sandbox: &Path) {
             }
         }
         _ => tracing::error!(sandbox = %sandbox.display(), "still mounted under the sandbox; kept"),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stale_pid_refusals() {
-        let view = MountView {
-            namespace: (4, 4026531841),
-            root: (2049, 2),
-        };
-        let other_view = MountView {
-            namespace: (4, 4026532000),
-            root: (2049, 2),
-        };
-        let live = PidFacts {
-            start: Some(500),
-            in_our_mount_namespace: Some(false),
-            view: Some(view),
-        };
-        let with = |f: &dyn Fn(&mut PidFacts)| {
-            let mut facts = live;
-            f(&mut facts);
-            facts
-        };
-        let own = 4242;
-        // (pid, recorded start, recorded view, facts, refused because)
-        type Case = (
-            u32,
-            Option<u64>,
-            Option<MountView>,
-            PidFacts,
-            Option<&'static str>,
-        );
-        let cases: Vec<Case> = vec![
-            (77, Some(500), Some(view), live, None),
-            (77, Some(500), None, live, None),
-            (77, Some(500), None, with(&|f| f.view = None), None),
-            (0, Some(500), Some(view), live, Some("pid 0 and 1")),
-            (1, Some(500), Some(view), live, Some("pid 0 and 1")),
-            (own, Some(500), Some(view), live, Some("this process")),
-            (u32::MAX, Some(500), Some(view), live, Some("not a pid")),
-            (77, None, Some(view), live, Some("no start time")),
-            (
-                77,
-                Some(500),
-                Some(view),
-                with(&|f| f.start = None),
-                Some("no such process"),
-            ),
-            (77, Some(499), Some(view), live, Some("start time differs")),
-            (
-                77,
-                Some(500),
-                Some(view),
-                with(&|f| f.in_our_mount_namespace = Some(true)),
-                Some("own mount namespace"),
-            ),
-            (
-                77,
-                Some(500),
-                Some(view),
-                with(&|f| f.in_our_mount_namespace = None),
-                Some("cannot be read"),
-            ),
-            (
-                77,
-                Some(500),
-                Some(view),
-                with(&|f| f.view = Some(other_view)),
-                Some("not in the mount namespace"),
-            ),
-            (
-                77,
-                Some(500),
-                Some(view),
-                with(&|f| f.view = None),
-                Some("not in the mount namespace"),
-            ),
-        ];
-        for (pid, start, rec_view, facts, refused) in cases {
-            let got = stale_pid_refusal(pid, start, rec_view, own, &facts);
-            match (refused, got) {
-                (None, None) => {}
-                (Some(says), Some(why)) => {
-                    assert!(why.contains(says), "pid {pid}: {why:?} vs {says:?}")
-                }
-                (want, got) => panic!("pid {pid} {facts:?}: expected {want:?}, got {got:?}"),
-            }
-        }
     }
 }

@@ -863,7 +863,7 @@ fn harden_changes_only_a_mount_root() {
 }
 
 /// A container's copy of a hardened host mount clears nosuid,nodev on the copy only (mount_setattr
-/// attr_clr on the detached tree), through `VolumeMount::clone_for_container`; the bind-remount fallback
+/// attr_clr on the detached tree), through the one clone sequence (`launcher::clone_source`); the bind-remount fallback
 /// sets and clears the same flags on an attached mount.
 #[test]
 fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
@@ -887,7 +887,11 @@ fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
         volume_id: Some("pv1".into()),
         provider_id: None,
     };
-    let tree = m.clone_for_container(&sys).unwrap();
+    let at = csi_isolator::launcher::VolumeRef::new(&m, &sb.path);
+    let tree = csi_isolator::launcher::clone_source(&sys, &m, &at)
+        .unwrap()
+        .into_complete_tree()
+        .expect("a complete tree on a kernel with open_tree and mount_setattr");
     let dst = sb.mkdir("container");
     let target = open_in_root(&sb.path, Path::new("container")).unwrap();
     sys.move_mount_to_fd(tree.as_fd(), target.as_fd()).unwrap();
@@ -906,7 +910,10 @@ fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
     // Planted symlink: refused by name, nothing cloned.
     fs::remove_dir_all(host.join("volumes/roles/r1/pv1")).unwrap();
     symlink(&data, host.join("volumes/roles/r1/pv1")).unwrap();
-    let err = m.clone_for_container(&sys).unwrap_err();
+    let err = match csi_isolator::launcher::clone_source(&sys, &m, &at) {
+        Ok(_) => panic!("a symlinked source was cloned"),
+        Err(e) => e,
+    };
     assert!(
         err.to_string()
             .contains("volumes/roles/r1/pv1 is a symlink"),

@@ -246,7 +246,8 @@ fn launch_sleep(sb: &Sandbox, sandbox: &Path, mounts: Vec<VolumeMount>) -> Launc
         mounts,
         ..Default::default()
     };
-    let launched = launcher::launch(&spec).unwrap_or_else(|e| panic!("launch: {e}"));
+    let launched = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        .unwrap_or_else(|e| panic!("launch: {e}"));
     sb.track(launched.pid());
     launched
 }

@@ -369,8 +369,10 @@ impl World {
             mounts,
             ..Default::default()
         };
-        let launched = tokio::task::block_in_place(|| launcher::launch(&spec))
-            .unwrap_or_else(|e| panic!("{}: launch {id}: {e}", self.label));
+        let launched = tokio::task::block_in_place(|| {
+            launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        })
+        .unwrap_or_else(|e| panic!("{}: launch {id}: {e}", self.label));
         let pid = launched.pid();
         self.sb.track(pid);
         for m in info.mounts.iter().filter(|m| !m.readonly) {

@@ -305,7 +305,8 @@ fn launch_sleep(sb: &Sandbox, sandbox: &Path, rootfs: Option<&Path>) -> Launched
         rootfs: rootfs.map(Path::to_path_buf),
         ..Default::default()
     };
-    let launched = launcher::launch(&spec).unwrap_or_else(|e| panic!("launch: {e}"));
+    let launched = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+        .unwrap_or_else(|e| panic!("launch: {e}"));
     sb.track(launched.pid());
     launched
 }

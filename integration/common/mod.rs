@@ -94,10 +94,12 @@ pub fn spec(cfg: &ContainerConfig, info: &LaunchInfo, script: &str) -> LaunchSpe
 }
 
 pub async fn start(sb: &Sandbox, spec: LaunchSpec) -> Launched {
-    let launched = tokio::task::spawn_blocking(move || launcher::launch(&spec))
-        .await
-        .unwrap()
-        .unwrap_or_else(|e| panic!("launch: {e}"));
+    let launched = tokio::task::spawn_blocking(move || {
+        launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|e| panic!("launch: {e}"));
     sb.track(launched.pid());
     launched
 }

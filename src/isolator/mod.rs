@@ -21,11 +21,13 @@ pub mod error;
 pub mod hook;
 pub mod launch_info;
 pub mod oci;
-mod process_check;
+pub mod process_check;
+pub mod publisher;
 pub mod record;
 pub mod targets;
 pub mod volume;
 
 pub use error::IsolatorError;
 pub use launch_info::{ContainerConfig, LaunchInfo};
+pub use publisher::{Publisher, VolumeUsers};
 pub use volume::{ContainerRecord, IsolatorRecovery, VolumeIsolator};

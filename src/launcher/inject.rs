@@ -14,6 +14,9 @@
 //! - [`unmount_from`] unmounts, from such a thread, the path as the container sees it. After `setns` the
 //!   thread's root is the container's root, so the path cannot lead out of the container. Busy mounts are
 //!   retried, then detached lazily; a path with nothing mounted counts as done.
+//! - Every call goes through the [`Syscall`] the caller passes (the isolator's, chosen where the real
+//!   kernel is picked), the namespace thread's too ([`ns::in_namespace`]). Both functions block until that
+//!   thread is joined: async callers run them with `tokio::task::spawn_blocking`.
 //! - Resolution happens before `setns` on purpose: it reads `/proc/self/fd` of the host's proc, which the
 //!   container may not have (or has for another pid namespace).
 
@@ -23,33 +26,20 @@ use std::path::{Path, PathBuf};
 use super::setup::{attach, clone_source, resolve_target, Resolve};
 use super::{LaunchError, VolumeRef};
 use crate::mount::{
-    self, ns, LinuxSyscall, MountError, MountTable, ProcMountTable, Syscall, TargetRoot,
-    UnmountOutcome, VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
+    self, ns, MountError, MountTable, ProcMountTable, Syscall, TargetRoot, UnmountOutcome,
+    VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
 
-/// Runs `work` on a fresh thread that first leaves the process's shared fs state and enters the mount
-/// namespace `ns_fd` (of process `pid`). The thread ends when `work` returns.
+/// Runs `work` inside the mount namespace `ns_fd` of process `pid`, on the short-lived thread of
+/// [`ns::in_namespace`], through `sys`.
 fn in_namespace<T: Send>(
+    sys: &dyn Syscall,
     pid: u32,
     ns_fd: BorrowedFd<'_>,
     work: impl FnOnce(&dyn Syscall) -> Result<T, LaunchError> + Send,
 ) -> Result<T, LaunchError> {
-    std::thread::scope(|scope| {
-        let handle = std::thread::Builder::new()
-            .name(format!("csi-inject-{pid}"))
-            .spawn_scoped(scope, move || {
-                let sys = LinuxSyscall::new();
-                ns::unshare_fs().map_err(|errno| LaunchError::Unshare {
-                    namespace: "fs",
-                    errno,
-                })?;
-                sys.enter_mount_namespace(ns_fd)
-                    .map_err(|source| LaunchError::EnterNamespace { pid, source })?;
-                work(&sys)
-            })
-            .map_err(|source| LaunchError::SpawnThread { source })?;
-        handle.join().map_err(|_| LaunchError::ThreadPanicked)?
-    })
+    ns::in_namespace(sys, ns_fd, &format!("csi-inject-{pid}"), work)
+        .map_err(|source| LaunchError::EnterNamespace { pid, source })?
 }
 
 fn open_namespace(pid: u32) -> Result<OwnedFd, LaunchError> {
@@ -72,17 +62,17 @@ fn open_sandbox(
     })
 }
 
-/// Mounts `mount` into the running container whose process is `pid` (a host pid). `sandbox_in_container`
+/// Mounts `mount` into the running container whose process is `pid` (a host pid), through `sys`. `sandbox_in_container`
 /// is the sandbox as the container sees it (`SANDBOX_IN_ROOTFS` with a rootfs, the host sandbox path
 /// without one); sandbox targets are resolved inside it, rootfs and host targets inside the container's
 /// root.
-#[tracing::instrument(skip(mount), fields(volume_id = mount.volume_id.as_deref().unwrap_or("-"), container_path = %mount.container_path))]
+#[tracing::instrument(skip(sys, mount), fields(volume_id = mount.volume_id.as_deref().unwrap_or("-"), container_path = %mount.container_path))]
 pub fn mount_into(
+    sys: &dyn Syscall,
     pid: u32,
     mount: &VolumeMount,
     sandbox_in_container: &Path,
 ) -> Result<(), LaunchError> {
-    let sys = LinuxSyscall::new();
     let ns_fd = open_namespace(pid)?;
     let container_root = PathBuf::from(format!("/proc/{pid}/root"));
     let at = VolumeRef::new(
@@ -96,7 +86,7 @@ pub fn mount_into(
             TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
         },
     );
-    let clone = clone_source(&sys, mount, &at)?;
+    let clone = clone_source(sys, mount, &at)?;
     let is_dir = clone.source_is_dir();
 
     let target = match mount.root {
@@ -111,7 +101,9 @@ pub fn mount_into(
     };
 
     let target_fd = target.as_fd();
-    in_namespace(pid, ns_fd.as_fd(), |sys| attach(sys, clone, target_fd, &at))?;
+    in_namespace(sys, pid, ns_fd.as_fd(), |sys| {
+        attach(sys, clone, target_fd, &at)
+    })?;
     tracing::info!(pid, "volume mounted into running container");
     Ok(())
 }
@@ -124,7 +116,7 @@ pub fn mount_into(
 /// that directory fd with `UMOUNT_NOFOLLOW` (no path is looked up again, so no symlink swapped in meanwhile
 /// can redirect it), and only if the entry is the root of a mount of the volume itself (same device and
 /// inode as its source): a mount of something else there is [`LaunchError::NotTheVolume`].
-#[tracing::instrument(skip(mount), fields(volume_id = mount.volume_id.as_deref().unwrap_or("-"), container_path = %mount.container_path))]
+#[tracing::instrument(skip(sys, mount), fields(volume_id = mount.volume_id.as_deref().unwrap_or("-"), container_path = %mount.container_path))]
 ///
 /// A mount point renamed away (from another namespace, where it is not a mount point and so can be
 /// renamed) is no longer at the target. So, unless `also_mounted_elsewhere` (the container keeps another
@@ -133,6 +125,7 @@ pub fn mount_into(
 /// container's root without following any symlink. One that keeps moving is
 /// [`LaunchError::VolumeStillMounted`].
 pub fn unmount_from(
+    sys: &dyn Syscall,
     pid: u32,
     mount: &VolumeMount,
     sandbox_in_container: &Path,
@@ -168,14 +161,14 @@ pub fn unmount_from(
         Err(e) if e.errno() == Some(nix::errno::Errno::ENOENT) => {
             tracing::info!(pid, "volume target gone: nothing to unmount there");
             if !also_mounted_elsewhere {
-                sweep_moved(pid, mount, source_id, &container_root, &ns_fd)?;
+                sweep_moved(sys, pid, mount, source_id, &container_root, &ns_fd)?;
             }
             return Ok(());
         }
         Err(e) => return Err(unmount_err(e)),
     };
 
-    let outcome = in_namespace(pid, ns_fd.as_fd(), |sys| {
+    let outcome = in_namespace(sys, pid, ns_fd.as_fd(), |sys| {
         let found = mount::entry_identity(dir.as_fd(), &name).map_err(|errno| {
             unmount_err(MountError::Unmount {
                 target: shown.clone(),
@@ -204,7 +197,7 @@ pub fn unmount_from(
     })?;
     tracing::info!(pid, ?outcome, "volume unmounted from running container");
     if !also_mounted_elsewhere {
-        sweep_moved(pid, mount, source_id, &container_root, &ns_fd)?;
+        sweep_moved(sys, pid, mount, source_id, &container_root, &ns_fd)?;
     }
     Ok(())
 }
@@ -220,6 +213,7 @@ const SWEEP_ROUNDS: u32 = 50;
 /// copies of the host's own mounts of the volume (a container without a rootfs starts with a copy of
 /// the host's table, at the same paths) are not the container's mounts and are left alone.
 fn sweep_moved(
+    sys: &dyn Syscall,
     pid: u32,
     mount: &VolumeMount,
     source: Option<(u64, u64)>,
@@ -280,7 +274,7 @@ fn sweep_moved(
                 }
             };
             let name = name.to_os_string();
-            in_namespace(pid, ns_fd.as_fd(), |sys| {
+            in_namespace(sys, pid, ns_fd.as_fd(), |sys| {
                 let found = mount::entry_identity(dir.as_fd(), &name).ok().flatten();
                 let ours = found.is_some_and(|f| {
                     f.mount_root != Some(false) && source.is_none_or(|id| (f.dev, f.ino) == id)

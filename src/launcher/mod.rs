@@ -60,8 +60,9 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, VolumeRef};
 pub use process::Launched;
+pub use setup::{clone_source, DetachedTree};
 
-use crate::mount::VolumeMount;
+use crate::mount::{Syscall, VolumeMount};
 
 // Intra-doc link target for the docs above.
 #[cfg(doc)]
@@ -85,10 +86,11 @@ pub struct LaunchSpec {
     pub pid_namespace: bool,
 }
 
-/// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place.
-/// Blocking.
-#[tracing::instrument(skip(spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
-pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
+/// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place,
+/// every mount-related call made through `sys` (the forked child's own `/proc` mount excepted: it is made
+/// with async-signal-safe raw calls). Blocking: async callers use `spawn_blocking`.
+#[tracing::instrument(skip(sys, spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
+pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     // Everything the forked child will need, built here, long before the fork.
     let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env)?;
     setup::check_roots(spec)?;
@@ -108,7 +110,7 @@ pub fn launch(spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     let launched = std::thread::scope(|scope| {
         let handle = std::thread::Builder::new()
             .name("csi-launcher".to_string())
-            .spawn_scoped(scope, || setup::build_and_fork(spec, &plan))
+            .spawn_scoped(scope, || setup::build_and_fork(sys, spec, &plan))
             .map_err(|source| LaunchError::SpawnThread { source })?;
         handle.join().map_err(|_| LaunchError::ThreadPanicked)?
     })?;

@@ -41,7 +41,7 @@ pub(crate) enum Resolve {
 }
 
 /// A detached copy of a volume's source tree, read-only already if asked and the kernel can do it early.
-pub(crate) struct DetachedTree {
+pub struct DetachedTree {
     tree: Option<OwnedFd>,
     /// The source, resolved by fd ([`VolumeMount::open_source`]): what the bind fallback mounts.
     source: OwnedFd,
@@ -54,17 +54,29 @@ pub(crate) struct DetachedTree {
 
 impl DetachedTree {
     /// Whether the source is a directory (the target must then be one).
-    pub(crate) fn source_is_dir(&self) -> bool {
+    pub fn source_is_dir(&self) -> bool {
         self.source_is_dir
+    }
+
+    /// The detached tree, complete (host-only flags cleared, read-only if asked), for a caller that
+    /// attaches it with `move_mount` alone and keeps its fd (the OCI hook, which unmounts through it
+    /// on rollback); `None` on a kernel that left work for [`attach`]'s fallbacks (no `open_tree` or
+    /// no `mount_setattr`: before Linux 5.12).
+    pub fn into_complete_tree(self) -> Option<OwnedFd> {
+        match self.tree {
+            Some(tree) if !self.readonly_pending && !self.clear_pending => Some(tree),
+            _ => None,
+        }
     }
 }
 
-/// Step 1 of a mount, in the namespace the source lives in: the source opened by fd beneath its trusted root
+/// Step 1 of a mount, in the namespace the source lives in (the one clone-for-container sequence: the
+/// launcher, `update`'s mounts into a running container and the OCI hook all use it): the source opened by fd beneath its trusted root
 /// (no symlink followed inside a volume), `open_tree(fd, OPEN_TREE_CLONE | AT_EMPTY_PATH | AT_RECURSIVE)`,
 /// the host-only flags (nosuid, nodev) cleared on the copy and, for read-only mounts,
 /// `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels without the new mount
 /// API (ENOSYS) the tree is left to the bind fallback of [`attach`], which binds the resolved fd.
-pub(crate) fn clone_source(
+pub fn clone_source(
     sys: &dyn Syscall,
     mount: &VolumeMount,
     at: &VolumeRef,
@@ -331,8 +343,11 @@ pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
 
 /// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
 /// allocate, except the forked child (see [`exec::run_child`]).
-pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launched, LaunchError> {
-    let sys = crate::mount::LinuxSyscall::new();
+pub(super) fn build_and_fork(
+    sys: &dyn Syscall,
+    spec: &LaunchSpec,
+    plan: &ExecPlan,
+) -> Result<Launched, LaunchError> {
     ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "mount namespace",
         errno,
@@ -344,7 +359,7 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     // Sandbox volumes go onto the host sandbox first, so that the recursive bind of the sandbox into the
     // rootfs below carries them along.
     for m in spec.mounts.iter().filter(|m| m.root == TargetRoot::Sandbox) {
-        apply(&sys, m, &spec.sandbox, Resolve::Create)?;
+        apply(sys, m, &spec.sandbox, Resolve::Create)?;
     }
 
     let mut cwd: Option<OwnedFd> = None;
@@ -354,14 +369,14 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
             rootfs: rootfs.clone(),
             source,
         })?;
-        bind_tree(&sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
+        bind_tree(sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
             rootfs: rootfs.clone(),
             source,
         })?;
         // Resolved by fd in the (now bound) rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
         let bind_sandbox = || -> Result<OwnedFd, MountError> {
             let target = mount::create_in_root(rootfs, Path::new(SANDBOX_IN_ROOTFS), false)?;
-            bind_tree(&sys, &spec.sandbox, target.as_fd())
+            bind_tree(sys, &spec.sandbox, target.as_fd())
         };
         let sandbox_tree = bind_sandbox().map_err(|source| LaunchError::BindSandbox {
             sandbox: spec.sandbox.clone(),
@@ -372,8 +387,8 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     }
     for m in spec.mounts.iter().filter(|m| m.root != TargetRoot::Sandbox) {
         match (m.root, &spec.rootfs) {
-            (TargetRoot::Rootfs, Some(rootfs)) => apply(&sys, m, rootfs, Resolve::Create)?,
-            (TargetRoot::Host, None) => apply(&sys, m, Path::new("/"), Resolve::Existing)?,
+            (TargetRoot::Rootfs, Some(rootfs)) => apply(sys, m, rootfs, Resolve::Create)?,
+            (TargetRoot::Host, None) => apply(sys, m, Path::new("/"), Resolve::Existing)?,
             // Refused up front by check_roots; refuse again rather than guess.
             _ => check_roots(spec)?,
         }
@@ -410,7 +425,7 @@ pub(super) fn build_and_fork(spec: &LaunchSpec, plan: &ExecPlan) -> Result<Launc
     };
 
     if let Some(rootfs) = &spec.rootfs {
-        pivot(&sys, rootfs)?;
+        pivot(sys, rootfs)?;
     }
     if spec.pid_namespace {
         ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {

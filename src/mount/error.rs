@@ -78,6 +78,28 @@ pub enum MountError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// `unshare(CLONE_FS)` on the thread about to enter another mount namespace failed.
+    #[error("unshare the fs state of the namespace thread {thread}: {errno}")]
+    UnshareFs {
+        /// The thread's name.
+        thread: String,
+        /// The kernel's answer.
+        errno: Errno,
+    },
+    /// The thread that enters another mount namespace could not be started.
+    #[error("spawn the namespace thread {thread}: {source}")]
+    SpawnNamespaceThread {
+        /// The thread's name.
+        thread: String,
+        /// The I/O error.
+        source: io::Error,
+    },
+    /// The thread that entered another mount namespace panicked.
+    #[error("the namespace thread {thread} panicked")]
+    NamespaceThreadPanicked {
+        /// The thread's name.
+        thread: String,
+    },
     /// `open_tree(OPEN_TREE_CLONE)` failed.
     #[error("open_tree clone of {source_path}: {errno}")]
     OpenTree {
@@ -229,6 +251,7 @@ impl MountError {
             | MountError::Propagation { errno, .. }
             | MountError::Unmount { errno, .. }
             | MountError::Setns { errno, .. }
+            | MountError::UnshareFs { errno, .. }
             | MountError::OpenTree { errno, .. }
             | MountError::MoveMount { errno, .. }
             | MountError::MountSetattr { errno, .. }
@@ -244,7 +267,10 @@ impl MountError {
             MountError::ReadMountInfo { source, .. } | MountError::LoopSysfs { source, .. } => {
                 source.raw_os_error().map(Errno::from_raw)
             }
-            MountError::ParseMountInfo { .. } => None,
+            MountError::SpawnNamespaceThread { source, .. } => {
+                source.raw_os_error().map(Errno::from_raw)
+            }
+            MountError::ParseMountInfo { .. } | MountError::NamespaceThreadPanicked { .. } => None,
             MountError::NulInPath { .. } => Some(Errno::EINVAL),
         }
     }

@@ -1,7 +1,14 @@
-//! Namespace helpers for the launcher: per-thread `unshare`, opening another process's mount namespace, and
-//! the one mount a freshly forked child makes (a new `/proc`).
+//! Namespace helpers for the launcher and the isolator: per-thread `unshare`, opening another process's mount
+//! namespace, the one way to work inside it ([`in_namespace`]), and the one mount a freshly forked child makes
+//! (a new `/proc`).
 //!
 //! Contract:
+//! - [`in_namespace`] is the only place a thread enters another process's mount namespace: a fresh,
+//!   short-lived thread does `unshare(CLONE_FS)` and `setns` *through the injected [`Syscall`]*, runs the
+//!   work with that same seam and ends, so no other thread of the process ever changes namespace. The seam
+//!   keeps no per-thread state ([`super::LinuxSyscall`] is a unit struct; each call acts on the thread that
+//!   makes it), so the one shared object serves the namespace thread too. The caller blocks until the thread
+//!   is joined: async code calls it from `tokio::task::spawn_blocking`, never on a runtime worker.
 //! - The `unshare_*` calls act on the calling *thread* only (mount namespaces and `fs_struct` are per task),
 //!   so a dedicated thread can change its namespace while the process's other threads (tokio workers) keep
 //!   theirs. [`unshare_mount_namespace`] implies `CLONE_FS` in the kernel, so the thread's root and cwd are
@@ -11,6 +18,8 @@
 //!   multi-threaded parent.
 
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
+
+use super::{MountError, Syscall};
 
 use nix::errno::Errno;
 use nix::sched::{unshare, CloneFlags};
@@ -31,6 +40,40 @@ pub fn unshare_fs() -> Result<(), Errno> {
 /// (the thread itself stays in its own).
 pub fn unshare_pid_namespace() -> Result<(), Errno> {
     unshare(CloneFlags::CLONE_NEWPID)
+}
+
+/// Runs `work` on a fresh thread named `thread` that first leaves the process's shared fs state
+/// (`unshare(CLONE_FS)`, which `setns(CLONE_NEWNS)` requires) and enters the mount namespace `ns_fd`
+/// through `sys`; `work` gets the same `sys`. The thread ends when `work` returns; this call blocks until
+/// then (see the module doc for async callers). A failure to start, unshare, enter or finish the thread is
+/// a [`MountError`] naming the thread; `work`'s own result is returned as it is.
+pub fn in_namespace<T: Send>(
+    sys: &dyn Syscall,
+    ns_fd: BorrowedFd<'_>,
+    thread: &str,
+    work: impl FnOnce(&dyn Syscall) -> T + Send,
+) -> Result<T, MountError> {
+    std::thread::scope(|scope| {
+        let handle = std::thread::Builder::new()
+            .name(thread.to_string())
+            .spawn_scoped(scope, move || {
+                unshare_fs().map_err(|errno| MountError::UnshareFs {
+                    thread: thread.to_string(),
+                    errno,
+                })?;
+                sys.enter_mount_namespace(ns_fd)?;
+                Ok(work(sys))
+            })
+            .map_err(|source| MountError::SpawnNamespaceThread {
+                thread: thread.to_string(),
+                source,
+            })?;
+        handle
+            .join()
+            .map_err(|_| MountError::NamespaceThreadPanicked {
+                thread: thread.to_string(),
+            })?
+    })
 }
 
 /// Opens `/proc/<pid>/ns/mnt`, the mount namespace of process `pid` (close-on-exec).

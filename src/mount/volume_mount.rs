@@ -1,8 +1,9 @@
 //! One bind mount of a volume into a container, described so that applying it cannot leave the container.
 //!
 //! This lives in `mount`, below both the isolator (which plans these mounts) and the launcher and hook
-//! (which apply them), because it is a mount description and its only behaviour is mount work through the
-//! [`Syscall`] seam: opening its source by fd and cloning it for a container.
+//! (which apply them), because it is a mount description; its only behaviour is opening its source by fd.
+//! Cloning it for a container is one sequence, the launcher's (`launcher::clone_source`), which the
+//! launcher, `update` and the OCI hook share.
 //!
 //! Targets are never host paths: a [`VolumeMount`] names the root it lives in (the container's sandbox, or
 //! its rootfs) and a path relative to that root, which whoever applies it resolves *inside* the root by fd,
@@ -11,15 +12,14 @@
 //! Sources are resolved by fd too: a [`VolumeMount`] names the trusted directory its source lies in
 //! (`source_root`: a PATH disk's mount point, or the work dir for the default disk), and the rest of the
 //! source (`volumes/roles/<role>/<id>`, in a tree the containers write) is opened beneath it without
-//! following any symlink; the mount is cloned from that fd ([`VolumeMount::open_source`],
-//! [`VolumeMount::clone_for_container`]).
+//! following any symlink; the mount is cloned from that fd ([`VolumeMount::open_source`]).
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{open_beneath_no_symlinks, MountError, MountFlags, Syscall};
+use super::{open_beneath_no_symlinks, MountError};
 
 /// Where a container's sandbox appears inside its rootfs (Mesos' path, so
 /// tasks moving over find it where they expect).
@@ -110,19 +110,6 @@ impl VolumeMount {
     pub fn open_source(&self) -> Result<OwnedFd, MountError> {
         let (anchor, rest) = self.source_parts()?;
         open_beneath_no_symlinks(anchor, rest)
-    }
-
-    /// The detached copy of the source a container gets: opened by
-    /// [`open_source`](Self::open_source), cloned from that fd
-    /// (`open_tree(fd, "", OPEN_TREE_CLONE | AT_EMPTY_PATH | AT_RECURSIVE)`),
-    /// with the host-only flags (nosuid, nodev) the host-side mount carries
-    /// cleared on the copy's own mount, so the container sees its volume as
-    /// the plugin mounted it. Needs the new mount API (Linux 5.12).
-    pub fn clone_for_container(&self, sys: &dyn Syscall) -> Result<OwnedFd, MountError> {
-        let source = self.open_source()?;
-        let tree = sys.open_tree_clone_fd(source.as_fd(), true)?;
-        sys.change_mount_flags(tree.as_fd(), MountFlags::NONE, MountFlags::HOST_ONLY, false)?;
-        Ok(tree)
     }
 
     /// The target as the workload sees it, inside the container: with a

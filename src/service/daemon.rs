@@ -240,7 +240,11 @@ async fn serve_with_provider(
         tracing::warn!(actions = ?report.actions, failures = ?report.failures, "provider recovery");
     }
     let provider_id = provider.id().to_string();
-    let isolator = Arc::new(VolumeIsolator::on_host(&opts.work_dir, provider));
+    let isolator = Arc::new(VolumeIsolator::on_host(
+        &opts.work_dir,
+        provider,
+        Arc::new(crate::mount::LinuxSyscall::new()),
+    ));
     let table = isolator.mount_table();
     let metrics = Arc::new(ServiceMetrics::default());
     let service = IsolatorService::new(

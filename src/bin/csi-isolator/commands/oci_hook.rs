@@ -97,6 +97,7 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
             max_volumes_per_tenant: args.max_volumes_per_tenant,
             max_capacity_per_tenant: args.max_capacity_per_tenant,
         },
+        sys: Arc::new(csi_isolator::mount::LinuxSyscall::new()),
     };
     hook::run(stage, &opts, &state)
         .await

@@ -1,0 +1,191 @@
+//! The work dir's lock and the hook container's directory (made real, removed beneath the hook dir).
+
+use super::*;
+
+/// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
+/// one waits for another instead of failing).
+pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<WorkDirLock, HookError> {
+    Ok(crate::workdir::lock(work_dir, Some(timeout)).await?)
+}
+
+/// Makes the directory `path` (0700; its parent must exist) or takes the one there, refusing a symlink
+/// or anything else: a hook directory is never somewhere else than where it is named.
+pub(super) fn make_real_dir(path: &Path) -> Result<(), HookError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let fail = |step, source| HookError::Io {
+        step,
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let meta = std::fs::symlink_metadata(path).map_err(|e| fail("stat directory", e))?;
+            if meta.file_type().is_dir() {
+                Ok(())
+            } else {
+                Err(fail(
+                    "check directory",
+                    std::io::Error::other(
+                        "a symlink or not a directory; remove it (the hook makes its own)",
+                    ),
+                ))
+            }
+        }
+        Err(e) => Err(fail("create directory", e)),
+    }
+}
+
+/// Removes the hook container directory `<work_dir>/oci-hook/<id>` (logged on failure; kept while
+/// anything is mounted under it). See [`remove_beneath_hook_dir`].
+pub(super) fn remove_container_dir(work_dir: &Path, id: &str) {
+    if let Err(reason) = remove_beneath_hook_dir(work_dir, id) {
+        tracing::error!(dir = %container_dir(work_dir, id).display(), %reason, "hook container directory kept");
+    }
+}
+
+/// Removes `<work_dir>/oci-hook/<id>` without following a symlink: `oci-hook` is opened by fd (refused
+/// if a symlink or not a directory), `<id>` beneath it must be a real directory, and its tree is removed
+/// by fd, entry by entry, never leaving the file system it is on (a mount under it is refused, not
+/// emptied) and bounded in depth and entries. A missing directory is done already.
+pub fn remove_beneath_hook_dir(work_dir: &Path, id: &str) -> Result<(), String> {
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::Mode;
+    crate::resource::validate_container_id(id).map_err(|e| e.to_string())?;
+    let hook_dir = work_dir.join(HOOK_DIR);
+    let dir_flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let parent = match open(&hook_dir, dir_flags, Mode::empty()) {
+        Ok(fd) => fd,
+        Err(nix::errno::Errno::ENOENT) => return Ok(()),
+        Err(e @ (nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR)) => {
+            return Err(format!(
+                "{}: a symlink or not a directory ({e}); refused",
+                hook_dir.display()
+            ))
+        }
+        Err(e) => return Err(format!("open {}: {e}", hook_dir.display())),
+    };
+    let st = match nix::sys::stat::fstatat(&parent, id, nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW) {
+        Ok(st) => st,
+        Err(nix::errno::Errno::ENOENT) => return Ok(()),
+        Err(e) => return Err(format!("stat {id} in {}: {e}", hook_dir.display())),
+    };
+    if st.st_mode & libc::S_IFMT != libc::S_IFDIR {
+        return Err(format!(
+            "{id} in {} is not a directory (a symlink?); refused",
+            hook_dir.display()
+        ));
+    }
+    let dir = container_dir(work_dir, id);
+    match ProcMountTable::new().mounts_under(&dir) {
+        Ok(m) if m.is_empty() => {}
+        Ok(_) => return Err("still mounted under it".to_string()),
+        Err(e) => return Err(format!("read the mount table: {e}")),
+    }
+    let mut budget = MAX_REMOVE_ENTRIES;
+    remove_tree(
+        parent.as_fd(),
+        std::ffi::OsStr::new(id),
+        st.st_dev,
+        0,
+        &mut budget,
+    )
+}
+
+/// Removes the directory `name` beneath `parent` (and everything in it) by fd; see
+/// [`remove_beneath_hook_dir`].
+fn remove_tree(
+    parent: BorrowedFd<'_>,
+    name: &std::ffi::OsStr,
+    dev: libc::dev_t,
+    depth: usize,
+    budget: &mut usize,
+) -> Result<(), String> {
+    use nix::fcntl::{openat, AtFlags, OFlag};
+    use nix::sys::stat::{fstat, fstatat, Mode};
+    use nix::unistd::{unlinkat, UnlinkatFlags};
+    let shown = || crate::shown::shown_os(name).into_owned();
+    if depth >= MAX_REMOVE_DEPTH {
+        return Err(format!(
+            "{} is nested over {MAX_REMOVE_DEPTH} levels",
+            shown()
+        ));
+    }
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let fd =
+        openat(parent, name, flags, Mode::empty()).map_err(|e| format!("open {}: {e}", shown()))?;
+    let st = fstat(&fd).map_err(|e| format!("stat {}: {e}", shown()))?;
+    if st.st_dev != dev {
+        return Err(format!("{} is on another file system (a mount)", shown()));
+    }
+    // The listing gets its own descriptor (Dir owns it); the removals go through `fd`.
+    let listing = fd
+        .try_clone()
+        .map_err(|e| format!("dup {}: {e}", shown()))?;
+    let mut entries = Vec::new();
+    for entry in nix::dir::Dir::from_fd(listing)
+        .map_err(|e| format!("list {}: {e}", shown()))?
+        .iter()
+    {
+        let entry = entry.map_err(|e| format!("list {}: {e}", shown()))?;
+        let child = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes());
+        if child == "." || child == ".." {
+            continue;
+        }
+        if *budget == 0 {
+            return Err(format!("more than {MAX_REMOVE_ENTRIES} entries"));
+        }
+        *budget -= 1;
+        entries.push(child.to_os_string());
+    }
+    for child in &entries {
+        let st = fstatat(&fd, child.as_os_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+            .map_err(|e| format!("stat {}: {e}", crate::shown::shown_os(child)))?;
+        if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+            remove_tree(fd.as_fd(), child, dev, depth + 1, budget)?;
+        } else {
+            // A symlink is removed itself, never followed.
+            unlinkat(&fd, child.as_os_str(), UnlinkatFlags::NoRemoveDir)
+                .map_err(|e| format!("remove {}: {e}", crate::shown::shown_os(child)))?;
+        }
+    }
+    unlinkat(parent, name, UnlinkatFlags::RemoveDir).map_err(|e| format!("remove {}: {e}", shown()))
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn removal_stays_beneath_the_hook_dir_and_follows_no_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let decoy = dir.path().join("decoy");
+        std::fs::create_dir_all(decoy.join("sub")).unwrap();
+        std::fs::write(decoy.join("sub/keep"), "x").unwrap();
+        let hook = work.join(HOOK_DIR);
+        // A real container directory with a tree, a symlink to the decoy inside: removed, the link
+        // itself and not what it names.
+        std::fs::create_dir_all(hook.join("c1/a/b")).unwrap();
+        std::fs::write(hook.join("c1/a/b/f"), "x").unwrap();
+        std::os::unix::fs::symlink(&decoy, hook.join("c1/a/link")).unwrap();
+        remove_beneath_hook_dir(&work, "c1").unwrap();
+        assert!(!hook.join("c1").exists());
+        assert!(decoy.join("sub/keep").exists());
+        // Missing: nothing to do.
+        remove_beneath_hook_dir(&work, "c1").unwrap();
+        // The container directory a symlink: refused, the decoy kept.
+        std::os::unix::fs::symlink(&decoy, hook.join("c2")).unwrap();
+        let err = remove_beneath_hook_dir(&work, "c2").unwrap_err();
+        assert!(err.contains("not a directory"), "{err}");
+        assert!(decoy.join("sub/keep").exists());
+        // The oci-hook directory a symlink: refused.
+        std::fs::remove_dir_all(&hook).unwrap();
+        std::fs::create_dir_all(decoy.join("c3")).unwrap();
+        std::os::unix::fs::symlink(&decoy, &hook).unwrap();
+        let err = remove_beneath_hook_dir(&work, "c3").unwrap_err();
+        assert!(err.contains("a symlink or not a directory"), "{err}");
+        assert!(decoy.join("c3").is_dir());
+        // An id that is not a path component never reaches the file system.
+        assert!(remove_beneath_hook_dir(&work, "..").is_err());
+    }
+}

@@ -1,0 +1,295 @@
+//! What the runtime hands the hook: the container state on stdin, the bundle's `config.json`, the
+//! volumes its annotations name.
+
+use super::*;
+
+/// The runtime-spec container state a hook reads on stdin.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+pub struct State {
+    /// The runtime-spec version.
+    #[serde(rename = "ociVersion", default)]
+    pub oci_version: String,
+    /// The container id.
+    pub id: String,
+    /// `creating`, `created`, `running` or `stopped`.
+    #[serde(default)]
+    pub status: String,
+    /// The container's init process (host pid), when it has one.
+    #[serde(default)]
+    pub pid: Option<i64>,
+    /// The bundle directory (absolute).
+    pub bundle: PathBuf,
+    /// The container's annotations.
+    #[serde(default)]
+    pub annotations: BTreeMap<String, String>,
+}
+
+impl State {
+    /// Parses state JSON.
+    pub fn parse(bytes: &[u8]) -> Result<State, HookError> {
+        serde_json::from_slice(bytes).map_err(|source| HookError::ParseState { source })
+    }
+}
+
+/// What the hook reads from the bundle's `config.json`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BundleConfig {
+    /// `root.path`, joined to the bundle when relative (not canonical).
+    pub rootfs: PathBuf,
+    /// `annotations`.
+    pub annotations: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct RawConfig {
+    root: RawRoot,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct RawRoot {
+    path: PathBuf,
+}
+
+impl BundleConfig {
+    /// Reads `<bundle>/config.json`.
+    pub fn read(container: &str, bundle: &Path) -> Result<BundleConfig, HookError> {
+        let path = bundle.join("config.json");
+        let bytes = std::fs::read(&path).map_err(|source| HookError::ReadConfig {
+            container: container.to_string(),
+            path: path.clone(),
+            source,
+        })?;
+        let raw: RawConfig =
+            serde_json::from_slice(&bytes).map_err(|source| HookError::ParseConfig {
+                container: container.to_string(),
+                path,
+                source,
+            })?;
+        Ok(BundleConfig {
+            rootfs: bundle.join(raw.root.path),
+            annotations: raw.annotations,
+        })
+    }
+}
+
+/// The volumes a container's annotations name.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HookVolumes {
+    /// From [`VOLUMES_ANNOTATION`]: created by name if new.
+    pub volumes: Vec<VolumeArg>,
+    /// From [`RESOURCES_ANNOTATION`]: mounted as given.
+    pub resources: Vec<Resource>,
+}
+
+impl HookVolumes {
+    /// Whether no volume is named.
+    pub fn is_empty(&self) -> bool {
+        self.volumes.is_empty() && self.resources.is_empty()
+    }
+
+    /// Parses the annotations (unknown keys are ignored). Every container path must be absolute.
+    pub fn from_annotations(
+        container: &str,
+        annotations: &BTreeMap<String, String>,
+    ) -> Result<HookVolumes, HookError> {
+        let mut out = HookVolumes::default();
+        let bad = |annotation, volume: &str, reason: String| HookError::Annotation {
+            container: container.to_string(),
+            annotation,
+            volume: volume.to_string(),
+            reason,
+        };
+        let too_large = |annotation, reason: String| HookError::AnnotationTooLarge {
+            container: container.to_string(),
+            annotation,
+            reason,
+        };
+        for key in [VOLUMES_ANNOTATION, RESOURCES_ANNOTATION] {
+            if let Some(value) = annotations
+                .get(key)
+                .filter(|v| v.len() > MAX_ANNOTATION_BYTES)
+            {
+                return Err(too_large(
+                    key,
+                    format!(
+                        "{} bytes, over the hook's limit of {MAX_ANNOTATION_BYTES} bytes",
+                        value.len()
+                    ),
+                ));
+            }
+        }
+        if let Some(value) = annotations.get(VOLUMES_ANNOTATION) {
+            for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+                let v: VolumeArg = entry.parse().map_err(|reason: String| {
+                    // VolumeArg's messages start by quoting the flag; the entry is named already.
+                    let prefix = format!("--volume '{entry}': ");
+                    let reason = reason.strip_prefix(&prefix).unwrap_or(&reason).to_string();
+                    bad(VOLUMES_ANNOTATION, entry, reason)
+                })?;
+                if !v.container_path.starts_with('/') {
+                    return Err(bad(
+                        VOLUMES_ANNOTATION,
+                        entry,
+                        format!(
+                            "container path '{}' must be absolute (it lands inside the rootfs)",
+                            v.container_path
+                        ),
+                    ));
+                }
+                out.volumes.push(v);
+            }
+        }
+        if let Some(value) = annotations.get(RESOURCES_ANNOTATION) {
+            let resources = parse_resources(value)
+                .map_err(|e| bad(RESOURCES_ANNOTATION, "(json)", e.to_string()))?;
+            for r in &resources {
+                if let Some(path) = r.container_path() {
+                    if !path.starts_with('/') {
+                        let volume = r
+                            .source_id()
+                            .map(str::to_string)
+                            .unwrap_or_else(|| r.describe());
+                        return Err(bad(
+                            RESOURCES_ANNOTATION,
+                            &volume,
+                            format!("container path '{path}' must be absolute (it lands inside the rootfs)"),
+                        ));
+                    }
+                }
+            }
+            out.resources = resources;
+        }
+        let entries = out.volumes.len() + out.resources.len();
+        if entries > MAX_ANNOTATION_ENTRIES {
+            return Err(too_large(
+                "io.csi-isolator.volumes and io.csi-isolator.resources",
+                format!(
+                    "{entries} volumes named, over the hook's limit of {MAX_ANNOTATION_ENTRIES} per container"
+                ),
+            ));
+        }
+        Ok(out)
+    }
+}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isolator::hook::annotations;
+
+    #[test]
+    fn state_parses_runtime_spec_json() {
+        let s = State::parse(
+            br#"{"ociVersion":"1.0.2","id":"c1","status":"creating","pid":4242,
+                 "bundle":"/b","annotations":{"io.csi-isolator.volumes":"d:1M:/d"}}"#,
+        )
+        .unwrap();
+        assert_eq!(s.id, "c1");
+        assert_eq!(s.pid, Some(4242));
+        assert_eq!(s.bundle, PathBuf::from("/b"));
+        assert_eq!(s.annotations[VOLUMES_ANNOTATION], "d:1M:/d");
+        // poststop: stopped, no pid, no annotations.
+        let s =
+            State::parse(br#"{"ociVersion":"1.0.2","id":"c1","status":"stopped","bundle":"/b"}"#)
+                .unwrap();
+        assert_eq!(s.pid, None);
+        assert!(s.annotations.is_empty());
+        let err = State::parse(b"{\"id\":1}").unwrap_err().to_string();
+        assert!(
+            err.starts_with("parse the container state (stdin): "),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn annotations_table() {
+        let ok = HookVolumes::from_annotations(
+            "c",
+            &annotations(&[(VOLUMES_ANNOTATION, "data:64M:/data, ref:1G:/ref:ro,")]),
+        )
+        .unwrap();
+        assert_eq!(ok.volumes.len(), 2);
+        assert_eq!(ok.volumes[0].container_path, "/data");
+        assert!(ok.volumes[1].readonly);
+        assert!(ok.resources.is_empty());
+        assert!(
+            HookVolumes::from_annotations("c", &annotations(&[("other", "x")]))
+                .unwrap()
+                .is_empty()
+        );
+
+        for (key, value, says) in [
+            (
+                VOLUMES_ANNOTATION,
+                "data:lots:/data",
+                "annotation io.csi-isolator.volumes: volume 'data:lots:/data': invalid SIZE 'lots'",
+            ),
+            (
+                VOLUMES_ANNOTATION,
+                "a:1M:/a,data:1M:rel",
+                "volume 'data:1M:rel': container path 'rel' must be absolute",
+            ),
+            (VOLUMES_ANNOTATION, "data:1M:/x:rx", "unknown mode 'rx'"),
+            (
+                RESOURCES_ANNOTATION,
+                "{not json",
+                "annotation io.csi-isolator.resources: volume '(json)'",
+            ),
+        ] {
+            let err = HookVolumes::from_annotations("c", &annotations(&[(key, value)]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("container 'c': "), "{err}");
+            assert!(err.contains(says), "{value}: {err}");
+        }
+    }
+
+    #[test]
+    fn bundle_config_joins_a_relative_root() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"},"annotations":{"k":"v"}}"#,
+        )
+        .unwrap();
+        let c = BundleConfig::read("c", dir.path()).unwrap();
+        assert_eq!(c.rootfs, dir.path().join("rootfs"));
+        assert_eq!(c.annotations["k"], "v");
+        std::fs::write(dir.path().join("config.json"), r#"{"root":{}}"#).unwrap();
+        let err = BundleConfig::read("c", dir.path()).unwrap_err().to_string();
+        assert!(err.starts_with("container 'c': parse "), "{err}");
+    }
+
+    #[test]
+    fn annotations_are_bounded() {
+        let many = (0..=MAX_ANNOTATION_ENTRIES)
+            .map(|i| format!("v{i}:1M:/v{i}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &many)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("33 volumes named, over the hook's limit of 32 per container"),
+            "{err}"
+        );
+        let long = format!("v:1M:/{}", "x".repeat(MAX_ANNOTATION_BYTES));
+        let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &long)]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("annotation io.csi-isolator.volumes: 65542 bytes, over the hook's limit"),
+            "{err}"
+        );
+        let err =
+            HookVolumes::from_annotations("c", &annotations(&[(RESOURCES_ANNOTATION, &long)]))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("annotation io.csi-isolator.resources: ")
+                && err.contains("bytes, over the hook's limit"),
+            "{err}"
+        );
+    }
+}

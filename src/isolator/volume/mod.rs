@@ -1,0 +1,263 @@
+//! The volume isolator (see the module doc of [`crate::isolator`]): the [`VolumeIsolator`] and what
+//! its lifecycle steps share; one file per step (`prepare`, `prepare_oci`, `isolate`, `update`,
+//! `cleanup`, `recover`).
+//!
+//! Invariants:
+//! - A container's checkpoint (`<work_dir>/isolators/volume/csi/<id>/state.json`)
+//!   is durable before its volumes are published, so a crash in between
+//!   leaves a record that `recover` cleans up; it is removed last at cleanup.
+//! - A failed prepare or update leaves nothing behind: what was published
+//!   for it is released, what was mounted is unmounted.
+//! - Operations on one container run one at a time; different containers in
+//!   parallel (no isolator-wide lock is held across a publish).
+//! - A checkpoint read back (`recover`, `checkpointed`) or acted on
+//!   (`cleanup`) names only paths that pass [`checkpoint_paths`]: absolute,
+//!   normal, beneath their expected root and free of symlinks, checked by fd
+//!   right before anything under them is unmounted. One that fails is set
+//!   aside (recovery) or refused (cleanup); nothing it names is unmounted or
+//!   removed.
+
+mod cleanup;
+mod isolate;
+mod prepare;
+mod prepare_oci;
+mod recover;
+mod update;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
+use crate::isolator::error::IsolatorError;
+use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
+use crate::isolator::oci::{self, OciPrepared};
+use crate::isolator::process_check::{self, ProcProcesses, Processes};
+use crate::isolator::publisher::{Publisher, VolumeUsers};
+use crate::isolator::targets::volume_mounts;
+use crate::mount::{unmount_all_under, MountTable, Syscall};
+use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::provider::checkpoint;
+use crate::provider::Manager;
+use crate::resource::Resource;
+
+pub use crate::isolator::record::{ContainerRecord, FORMAT_VERSION};
+pub use recover::IsolatorRecovery;
+
+type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
+
+/// The volume isolator.
+#[derive(Debug)]
+pub struct VolumeIsolator {
+    work_dir: PathBuf,
+    manager: Arc<Manager>,
+    publisher: Arc<dyn Publisher>,
+    sys: Arc<dyn Syscall>,
+    table: Arc<dyn MountTable>,
+    processes: Arc<dyn Processes>,
+    containers: Mutex<BTreeMap<String, Entry>>,
+}
+
+impl VolumeIsolator {
+    /// An isolator for the agent work dir `work_dir`, publishing through `manager`.
+    pub fn new(
+        work_dir: impl Into<PathBuf>,
+        manager: Arc<Manager>,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Self {
+        VolumeIsolator {
+            work_dir: work_dir.into(),
+            publisher: manager.clone(),
+            manager,
+            sys,
+            table,
+            processes: Arc::new(ProcProcesses),
+            containers: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// The same isolator, learning about processes from `processes` instead of `/proc` (a test's
+    /// double: the rule of [`process_check`] is then applied to what it says).
+    pub fn with_processes(mut self, processes: Arc<dyn Processes>) -> Self {
+        self.processes = processes;
+        self
+    }
+
+    /// The isolator of one provider on this host: the mount syscalls `sys` (the caller chooses the
+    /// real kernel's) and this process's mount table (what `run`, `serve` and the OCI hook each use).
+    pub fn on_host(
+        work_dir: impl Into<PathBuf>,
+        provider: Arc<crate::provider::StorageProvider>,
+        sys: Arc<dyn Syscall>,
+    ) -> Self {
+        let mut manager = Manager::new();
+        manager.add(provider);
+        VolumeIsolator::new(
+            work_dir,
+            Arc::new(manager),
+            sys,
+            Arc::new(crate::mount::ProcMountTable::new()),
+        )
+    }
+
+    /// The mount syscalls this isolator (and whoever launches its containers) goes through.
+    pub fn syscall(&self) -> Arc<dyn Syscall> {
+        self.sys.clone()
+    }
+
+    /// The mount table this isolator reads.
+    pub fn mount_table(&self) -> Arc<dyn MountTable> {
+        self.table.clone()
+    }
+
+    /// An isolator for the agent work dir `work_dir` that publishes through `publisher` instead of
+    /// a provider manager (a test's double; [`manager`](Self::manager) is then empty).
+    pub fn with_publisher(
+        work_dir: impl Into<PathBuf>,
+        publisher: Arc<dyn Publisher>,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Self {
+        VolumeIsolator {
+            publisher,
+            ..VolumeIsolator::new(work_dir, Arc::new(Manager::new()), sys, table)
+        }
+    }
+
+    /// The provider manager.
+    pub fn manager(&self) -> &Arc<Manager> {
+        &self.manager
+    }
+
+    /// `<work_dir>/isolators/volume/csi`.
+    pub fn checkpoint_root(&self) -> PathBuf {
+        checkpoint_root(&self.work_dir)
+    }
+
+    fn checkpoint_path(&self, container: &str) -> PathBuf {
+        checkpoint_path(&self.work_dir, container)
+    }
+
+    fn entry(&self, container: &str) -> Entry {
+        self.containers
+            .lock()
+            .unwrap()
+            .entry(container.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// The records of the containers the isolator knows.
+    pub async fn containers(&self) -> Vec<ContainerRecord> {
+        let entries: Vec<Entry> = self.containers.lock().unwrap().values().cloned().collect();
+        let mut out = Vec::new();
+        for e in entries {
+            if let Some(r) = e.lock().await.clone() {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
+        let path = self.checkpoint_path(&rec.container_id);
+        let bytes = serde_json::to_vec_pretty(rec).expect("a container record always serializes");
+        checkpoint::write_atomic(&path, &bytes).map_err(|e| IsolatorError::Checkpoint {
+            container: rec.container_id.clone(),
+            path,
+            reason: e.to_string(),
+        })
+    }
+
+    fn forget(&self, container: &str) -> Result<(), IsolatorError> {
+        let path = self.checkpoint_path(container);
+        checkpoint::remove_durable(&path).map_err(|e| IsolatorError::Checkpoint {
+            container: container.to_string(),
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::remove_dir(dir);
+        }
+        Ok(())
+    }
+
+    /// Refuses read-write mounts of volumes published read-only or with a
+    /// reader-only access mode.
+    async fn check_writable(
+        &self,
+        container: &str,
+        mounts: &[VolumeMount],
+    ) -> Result<(), IsolatorError> {
+        for m in mounts.iter().filter(|m| !m.readonly) {
+            let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) else {
+                continue;
+            };
+            let why = self.publisher.read_only_reason(pid, vid).await;
+            {
+                if let Some(why) = why {
+                    return Err(IsolatorError::ReadOnlyVolume {
+                        container: container.to_string(),
+                        volume: vid.clone(),
+                        why,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Changes a known container's record and persists it.
+    async fn modify(
+        &self,
+        container_id: &str,
+        change: impl FnOnce(&mut ContainerRecord),
+    ) -> Result<(), IsolatorError> {
+        self.try_modify(container_id, |rec| {
+            change(rec);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Changes a known container's record under its lock and persists it, unless `change` refuses
+    /// (then nothing is persisted; `change` must leave the record as it was when it refuses).
+    async fn try_modify(
+        &self,
+        container_id: &str,
+        change: impl FnOnce(&mut ContainerRecord) -> Result<(), IsolatorError>,
+    ) -> Result<(), IsolatorError> {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
+        change(rec)?;
+        self.persist(rec)
+    }
+}
+
+/// `<work_dir>/isolators/volume/csi`: one directory per container.
+pub(crate) fn checkpoint_root(work_dir: &Path) -> PathBuf {
+    work_dir
+        .join(crate::workdir::ISOLATORS_DIR)
+        .join("volume")
+        .join("csi")
+}
+
+/// A container's checkpoint file.
+fn checkpoint_path(work_dir: &Path, container: &str) -> PathBuf {
+    checkpoint_root(work_dir).join(container).join("state.json")
+}
+
+fn volume_name(m: &VolumeMount) -> String {
+    m.volume_id
+        .clone()
+        .unwrap_or_else(|| m.source.display().to_string())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,306 @@
+//! Recover: the checkpoints read back and checked, gone containers cleaned up, stale uses released.
+
+use super::*;
+
+/// What `recover` found and did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct IsolatorRecovery {
+    /// Containers recovered (known and checkpointed).
+    pub recovered: Vec<String>,
+    /// Containers cleaned up because they no longer exist.
+    pub cleaned: Vec<String>,
+    /// (volume, container) uses released because the container is gone.
+    pub released_uses: Vec<(String, String)>,
+    /// Checkpoints that could not be read, or that name paths not safe to act
+    /// on (see [`checkpoint_paths`]), set aside or left alone (path, reason):
+    /// nothing they name is unmounted, removed or signalled.
+    pub corrupt: Vec<(PathBuf, String)>,
+    /// What could not be done, per container (id, error); retried at the
+    /// next recovery or cleanup.
+    pub failures: Vec<(String, String)>,
+}
+
+impl VolumeIsolator {
+    /// The containers checkpointed on disk, without loading or changing
+    /// anything: lets a caller that shares the work dir with other
+    /// containerizers work out which containers are not its own. Only
+    /// records that [`read_record`](Self::read_record) accepts (readable,
+    /// their own directory's, paths safe to act on) are listed; the others
+    /// are left to [`recover`](Self::recover), which sets them aside.
+    pub fn checkpointed(&self) -> Vec<ContainerRecord> {
+        let Ok(entries) = std::fs::read_dir(self.checkpoint_root()) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| self.read_record(&e).ok())
+            .collect()
+    }
+
+    /// Reads one container's checkpoint from its directory entry under
+    /// [`checkpoint_root`](Self::checkpoint_root) and checks it: a real
+    /// directory (not a symlink), a record that parses, of a format this
+    /// build knows, for the container its directory names, whose paths pass
+    /// [`checkpoint_paths::check_record`] and whose sandbox and host binds
+    /// open by fd without a symlink. The error says why (for the report).
+    fn read_record(&self, e: &std::fs::DirEntry) -> Result<ContainerRecord, RecordRefusal> {
+        let id = e.file_name().to_string_lossy().into_owned();
+        if !e.file_type().is_ok_and(|t| t.is_dir()) {
+            return Err(RecordRefusal::NotADirectory);
+        }
+        let path = e.path().join("state.json");
+        let bytes = read_checkpoint_file(&path).map_err(RecordRefusal::Unreadable)?;
+        let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
+            .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
+        if rec.container_id != id {
+            return Err(RecordRefusal::Bad(format!(
+                "container id '{}' does not match its directory",
+                crate::shown::shown(&rec.container_id)
+            )));
+        }
+        if rec.format > FORMAT_VERSION {
+            return Err(RecordRefusal::Bad(format!(
+                "format {} is newer than this build's {FORMAT_VERSION}",
+                rec.format
+            )));
+        }
+        let unsafe_path = |e: CheckpointPathError| RecordRefusal::Bad(e.to_string());
+        checkpoint_paths::check_record(&rec, &self.work_dir).map_err(unsafe_path)?;
+        if let Some((fd, name)) =
+            checkpoint_paths::open_sandbox(&rec, &self.work_dir).map_err(unsafe_path)?
+        {
+            for b in &rec.host_binds {
+                checkpoint_paths::check_host_bind(&rec, &fd, &name, b).map_err(unsafe_path)?;
+            }
+        }
+        Ok(rec)
+    }
+
+    /// Recover: rebuilds from the checkpoints; containers not in `known`
+    /// are cleaned up, and volume uses by containers that exist nowhere, or
+    /// by recovered containers whose checkpoint does not have the volume
+    /// (an update interrupted by a crash), are released.
+    pub async fn recover(&self, known: &[String]) -> Result<IsolatorRecovery, IsolatorError> {
+        let known: HashSet<&str> = known.iter().map(String::as_str).collect();
+        let mut report = IsolatorRecovery::default();
+        let root = self.checkpoint_root();
+        let mut gone = Vec::new();
+        if let Ok(entries) = std::fs::read_dir(&root) {
+            for e in entries.flatten() {
+                let id = e.file_name().to_string_lossy().into_owned();
+                let path = e.path().join("state.json");
+                match self.read_record(&e) {
+                    Ok(rec) => {
+                        checkpoint::remove_stale_temps(&e.path());
+                        *self.entry(&id).lock().await = Some(rec);
+                        if known.contains(id.as_str()) {
+                            report.recovered.push(id);
+                        } else {
+                            gone.push(id);
+                        }
+                    }
+                    // Nothing is done through a symlink: not even setting it aside.
+                    Err(RecordRefusal::NotADirectory) => {
+                        let reason = "the container's checkpoint directory is not a directory (a symlink?): left alone".to_string();
+                        tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
+                        report.corrupt.push((e.path(), reason));
+                    }
+                    Err(RecordRefusal::Bad(reason)) => {
+                        checkpoint::remove_stale_temps(&e.path());
+                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                        let _ = checkpoint::set_aside(&path);
+                        report.corrupt.push((path, reason));
+                    }
+                    Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
+                        checkpoint::remove_stale_temps(&e.path());
+                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                        let _ = checkpoint::set_aside(&path);
+                        report.corrupt.push((path, reason));
+                    }
+                    Err(RecordRefusal::Unreadable(_)) => {
+                        checkpoint::remove_stale_temps(&e.path());
+                        let _ = std::fs::remove_dir(e.path());
+                    }
+                }
+            }
+        }
+        // One container's trouble does not stop the others' recovery.
+        for id in gone {
+            tracing::info!(container_id = %id, "recovery: container is gone; cleaning up");
+            match self.cleanup(&id).await {
+                Ok(()) => report.cleaned.push(id),
+                Err(e) => {
+                    tracing::error!(container_id = %id, error = %e, "recovery: cleanup failed");
+                    report.failures.push((id, e.to_string()));
+                }
+            }
+        }
+        // Containers that live on keep their uses: put back any the
+        // providers lost (publish is idempotent and repairs unpublished ones).
+        // What each one's checkpoint uses, (provider, volume), is kept for
+        // the sweep below.
+        let mut recorded: HashMap<String, HashSet<(String, String)>> = HashMap::new();
+        for id in report.recovered.clone() {
+            let resources = self
+                .entry(&id)
+                .lock()
+                .await
+                .as_ref()
+                .map(|r| r.config.resources.clone())
+                .unwrap_or_default();
+            let uses = resources
+                .iter()
+                .filter(|r| r.is_disk())
+                .filter_map(|r| Some((r.provider_id()?.to_string(), r.source_id()?.to_string())))
+                .collect();
+            recorded.insert(id.clone(), uses);
+            if let Err(e) = self.publisher.publish(&id, &resources).await {
+                tracing::error!(container_id = %id, error = %e, "recovery: cannot re-ensure the container's volumes");
+                report.failures.push((id, e.to_string()));
+            }
+        }
+        let live: HashSet<String> = known
+            .iter()
+            .map(|s| s.to_string())
+            .chain(report.recovered.iter().cloned())
+            .collect();
+        let volumes = self.publisher.users().await;
+        for (provider_id, volume_id, user) in stale_uses(&volumes, &recorded, &live) {
+            tracing::info!(%volume_id, container_id = %user, "recovery: releasing a use no live container's checkpoint has");
+            match self.publisher.release(provider_id, volume_id, user).await {
+                Ok(()) => report
+                    .released_uses
+                    .push((volume_id.to_string(), user.to_string())),
+                Err(e) => report.failures.push((user.to_string(), e.to_string())),
+            }
+        }
+        Ok(report)
+    }
+}
+
+/// The uses recovery releases, as (provider, volume, container): a use is released when its
+/// container is gone (neither in `recorded`, the recovered containers' checkpointed uses, nor in
+/// `live`), and also when its container lives on but its checkpoint does not have the volume: a
+/// crash in an update after the new volume's use became durable and before the checkpoint recorded
+/// it (the update failed: the container keeps its old set), or after the checkpoint dropped a
+/// removed volume and before its use was released.
+fn stale_uses<'a>(
+    volumes: &'a [VolumeUsers],
+    recorded: &HashMap<String, HashSet<(String, String)>>,
+    live: &HashSet<String>,
+) -> Vec<(&'a str, &'a str, &'a str)> {
+    let mut out = Vec::new();
+    for vol in volumes {
+        let key = (vol.provider_id.clone(), vol.volume_id.clone());
+        for user in &vol.users {
+            let stale = match recorded.get(user) {
+                Some(uses) => !uses.contains(&key),
+                None => !live.contains(user),
+            };
+            if stale {
+                out.push((
+                    vol.provider_id.as_str(),
+                    vol.volume_id.as_str(),
+                    user.as_str(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Why [`VolumeIsolator::read_record`] refused a checkpoint.
+#[derive(Debug)]
+enum RecordRefusal {
+    /// The container's directory is not a real directory: nothing is done through it.
+    NotADirectory,
+    /// `state.json` could not be read (missing: an empty directory).
+    Unreadable(String),
+    /// It was read but cannot be trusted (parse, id, format, paths): set aside.
+    Bad(String),
+}
+
+/// The largest container checkpoint read back (a record is a few KiB).
+const MAX_CHECKPOINT_BYTES: u64 = 1 << 20;
+
+/// A container checkpoint's bytes: a regular file, not reached through a symlink, never blocking on
+/// a FIFO planted in its place, at most [`MAX_CHECKPOINT_BYTES`]. A checkpoint is data found in the
+/// work dir, read like anything else found there.
+fn read_checkpoint_file(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| e.to_string())?;
+    let meta = file.metadata().map_err(|e| e.to_string())?;
+    if !meta.is_file() {
+        return Err("not a regular file".to_string());
+    }
+    let mut bytes = Vec::new();
+    file.take(MAX_CHECKPOINT_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > MAX_CHECKPOINT_BYTES {
+        return Err(format!("larger than {MAX_CHECKPOINT_BYTES} bytes"));
+    }
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_uses_table() {
+        let vol = |p: &str, v: &str, users: &[&str]| VolumeUsers {
+            provider_id: p.to_string(),
+            volume_id: v.to_string(),
+            users: users.iter().map(|u| u.to_string()).collect(),
+        };
+        let uses = |pairs: &[(&str, &str)]| -> HashSet<(String, String)> {
+            pairs
+                .iter()
+                .map(|(p, v)| (p.to_string(), v.to_string()))
+                .collect()
+        };
+        // c1 recovered with v1 of p; c2 known to the caller but not checkpointed here (another
+        // containerizer's); c3 exists nowhere.
+        let recorded = HashMap::from([("c1".to_string(), uses(&[("p", "v1")]))]);
+        let live: HashSet<String> = ["c1", "c2"].iter().map(|s| s.to_string()).collect();
+        // (case, volumes, released as (provider, volume, container))
+        type Case<'a> = (&'a str, Vec<VolumeUsers>, Vec<(&'a str, &'a str, &'a str)>);
+        let cases: Vec<Case> = vec![
+            (
+                "a recorded use stays",
+                vec![vol("p", "v1", &["c1"])],
+                vec![],
+            ),
+            (
+                "a live caller's use stays",
+                vec![vol("p", "v2", &["c2"])],
+                vec![],
+            ),
+            (
+                "a gone container's use goes",
+                vec![vol("p", "v1", &["c1", "c3"])],
+                vec![("p", "v1", "c3")],
+            ),
+            (
+                "a recovered container's use its checkpoint lacks goes",
+                vec![vol("p", "v2", &["c1"])],
+                vec![("p", "v2", "c1")],
+            ),
+            (
+                "the same volume id under another provider is another volume",
+                vec![vol("q", "v1", &["c1"])],
+                vec![("q", "v1", "c1")],
+            ),
+            ("no users", vec![vol("p", "v9", &[])], vec![]),
+        ];
+        for (case, volumes, released) in cases {
+            assert_eq!(stale_uses(&volumes, &recorded, &live), released, "{case}");
+        }
+    }
+}
