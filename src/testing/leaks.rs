@@ -81,7 +81,8 @@ impl fmt::Display for Leak {
 /// the daemon down, which is not a leak.
 const EXIT_GRACE: Duration = Duration::from_millis(500);
 
-/// Everything left behind under `root`: mounts, loop devices, then processes (`tracked` pids and
+/// Everything left behind under `root`: mounts, loop devices still attached after [`EXIT_GRACE`]
+/// (an autoclear device runs down after its last unmount), then processes (`tracked` pids and
 /// those whose command line names `root`) still alive after [`EXIT_GRACE`]. Read errors are logged
 /// and read as "nothing found" (the sweep still runs).
 pub(crate) fn find(root: &Path, tracked: &[u32]) -> Vec<Leak> {
@@ -94,7 +95,14 @@ pub(crate) fn find(root: &Path, tracked: &[u32]) -> Vec<Leak> {
         })),
         Err(e) => eprintln!("sandbox {}: read mount table: {e}", root.display()),
     }
-    match mount::find_backed_under(root) {
+    // A device that clears itself after its last unmount may still be running down.
+    let deadline = Instant::now() + EXIT_GRACE;
+    let mut devices = mount::find_backed_under(root);
+    while devices.as_ref().is_ok_and(|d| !d.is_empty()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        devices = mount::find_backed_under(root);
+    }
+    match devices {
         Ok(devices) => leaks.extend(
             devices
                 .into_iter()

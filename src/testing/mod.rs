@@ -161,9 +161,16 @@ impl Sandbox {
         );
     }
 
-    /// Panics if a loop device is backed by a file in the sandbox.
+    /// Panics if a loop device is backed by a file in the sandbox. A device set to clear
+    /// itself (`LO_FLAGS_AUTOCLEAR`) is released by the kernel after its last unmount, not
+    /// always before `umount` returns, and more slowly under load: it is given up to 5 s.
     pub fn assert_no_loop_devices(&self) {
-        let devices = self.loop_devices();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        let mut devices = self.loop_devices();
+        while !devices.is_empty() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            devices = self.loop_devices();
+        }
         assert!(
             devices.is_empty(),
             "loop devices left under {}: {devices:?}",
