@@ -223,6 +223,12 @@ impl Plugin {
         }
 
         let id = new_volume_id(&self.config.id_prefix);
+        // An id from an over-long --id-prefix: refused before any storage is made.
+        super::store::check_id(&id).map_err(|source| PluginError::Store {
+            rpc: RPC,
+            volume_id: id.clone(),
+            source,
+        })?;
         let record = super::store::VolumeRecord {
             version: super::store::RECORD_VERSION,
             id: id.clone(),

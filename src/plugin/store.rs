@@ -45,6 +45,11 @@ const RECORD_FILE: &str = "volume.json";
 /// Prefix of a volume directory being removed: `+` is never in an encoded id.
 const TOMBSTONE_PREFIX: &str = "+deleted-";
 
+/// The longest volume id the plugin makes, in bytes (Linux `NAME_MAX`): over CSI's 128, so
+/// tests can give it hostile prefixes, but bounded, so an over-long `--id-prefix` fails its
+/// CreateVolume before any storage is made.
+pub const MAX_ID_LEN: usize = 255;
+
 /// Errors of the metadata store.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -103,6 +108,13 @@ pub enum StoreError {
         /// The underlying error.
         #[source]
         source: io::Error,
+    },
+    /// A volume id longer than [`MAX_ID_LEN`] (an id the plugin was told to make with an
+    /// over-long `--id-prefix`).
+    #[error("volume id of {len} bytes is too long for the store (at most {MAX_ID_LEN})")]
+    IdTooLong {
+        /// The id's length in bytes.
+        len: usize,
     },
     /// Removing a volume's directory failed.
     #[error("remove volume directory {path}: {source}")]
@@ -220,6 +232,14 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
             version,
         }),
     }
+}
+
+/// Fails unless the store takes volume `id` (see [`MAX_ID_LEN`]).
+pub fn check_id(id: &str) -> Result<(), StoreError> {
+    if id.len() > MAX_ID_LEN {
+        return Err(StoreError::IdTooLong { len: id.len() });
+    }
+    Ok(())
 }
 
 /// The durable volume store, with an in-memory copy of every record.
@@ -498,6 +518,15 @@ mod tests {
         assert!(Store::open(dir.path()).unwrap().get(".hidden").is_none());
         // No encoded id can be taken for a tombstone.
         assert_eq!(encode_volume_id("+deleted-x"), "%2Bdeleted-x");
+    }
+
+    #[test]
+    fn ids_over_the_limit_are_refused() {
+        check_id(&"/".repeat(MAX_ID_LEN)).unwrap();
+        check_id(&format!("{}{:016x}", "a".repeat(200), 7u64)).unwrap();
+        let err = check_id(&"/".repeat(4096)).unwrap_err().to_string();
+        assert!(err.contains("4096 bytes") && err.contains("255"), "{err}");
+        assert!(check_id(&"a".repeat(MAX_ID_LEN + 1)).is_err());
     }
 
     #[test]
