@@ -27,8 +27,8 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use csi_isolator::provider::bundled::BUNDLED_TYPE;
-use csi_isolator::provider::paths::Layout;
 use csi_isolator::provider::supervisor::{PluginCommand, Supervisor, PLUGIN_LOG_MAX_BYTES};
+use csi_isolator::resource::Layout;
 use csi_isolator::testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
 use csi_isolator::testing::{require_root, Sandbox};
 use nix::errno::Errno;

@@ -18,7 +18,7 @@
 //! 1. [`shown`], [`error_chain`]: formatting helpers, importing nothing.
 //! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
 //! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
-//!    and the launcher use), [`workdir`], [`csi`].
+//!    and the launcher use), [`workdir`], [`durable`] (the one atomic file write), [`csi`].
 //! 4. [`provider`]; [`plugin`], the bundled test plugin, which the library never imports.
 //! 5. [`launcher`]: namespaces and processes (launching, facts about a pid, binds into a running one).
 //! 6. [`isolator`]: the lifecycle, using the provider to publish and the launcher to reach containers.
@@ -26,6 +26,7 @@
 //! 8. [`testing`]: test scaffolding; only test code imports it.
 
 pub mod csi;
+pub mod durable;
 pub mod error_chain;
 pub mod isolator;
 pub mod launcher;
@@ -51,6 +52,7 @@ mod layering {
         ("resource", 2),
         ("mount", 3),
         ("workdir", 3),
+        ("durable", 3),
         ("csi", 3),
         ("provider", 4),
         ("plugin", 4),

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::proto::{self, volume_capability};
@@ -150,7 +151,7 @@ async fn full_lifecycle_exercises_every_rpc() {
     assert_eq!(info.name, "lifecycle.csi.test");
     let probe = client.probe(proto::ProbeRequest {}).await.unwrap();
     assert_ne!(probe.ready, Some(false));
-    let caps = client.capabilities();
+    let caps = client.current_capabilities();
     assert!(caps.plugin.controller_service());
     assert!(caps.plugin.has(PluginService::ControllerService));
     assert!(caps.controller.create_delete_volume());
@@ -385,7 +386,7 @@ async fn capability_switches_are_reflected() {
         let client = Client::connect(&plugin.endpoint(), fast_retries())
             .await
             .unwrap();
-        let caps = client.capabilities();
+        let caps = client.current_capabilities();
         assert_eq!(caps.plugin.controller_service(), controller, "{flags:?}");
         assert_eq!(
             caps.controller.publish_unpublish_volume(),
@@ -444,11 +445,17 @@ async fn capability_switches_are_reflected() {
             assert_eq!(err.code(), Some(Code::Unimplemented), "{err}");
         }
 
-        // refresh_capabilities asks again and finds the same.
-        let mut refreshed = client.clone();
-        let again = refreshed.refresh_capabilities().await.unwrap().clone();
-        assert_eq!(&again, client.capabilities());
+        // refresh_capabilities asks again, through a clone, and finds the same; every clone
+        // sees what it found.
+        let again = client.clone().refresh_capabilities().await.unwrap();
+        assert_eq!(again, caps, "{flags:?}");
+        assert!(Arc::ptr_eq(&again, &client.current_capabilities()));
         assert_eq!(stats(&client)["GetPluginCapabilities"].finished, 2);
+        assert_eq!(
+            stats(&client)["ControllerGetCapabilities"].finished,
+            2 * asked,
+            "{flags:?}"
+        );
     }
 }
 
@@ -654,7 +661,7 @@ async fn connect_waits_for_a_socket_that_appears_late() {
     let client = connecting.await.unwrap().expect("connect to a late plugin");
     assert_eq!(client.endpoint(), plugin.endpoint());
     assert!(started.elapsed() >= Duration::from_secs(1));
-    assert!(client.capabilities().plugin.controller_service());
+    assert!(client.current_capabilities().plugin.controller_service());
     client.probe(proto::ProbeRequest {}).await.unwrap();
 }
 

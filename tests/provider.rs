@@ -71,7 +71,7 @@ async fn publish_unpublish_in_combination(controller_publish: bool, stage: bool)
         args.push("--no-stage");
     }
     let p = start(config(&work, "default", &args)).await;
-    let caps = p.client().capabilities();
+    let caps = p.client().current_capabilities();
     assert_eq!(
         caps.controller.publish_unpublish_volume(),
         controller_publish

@@ -14,8 +14,8 @@ use std::process::{Command, Output};
 use csi_isolator::csi::proto;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator::provider::paths::Layout;
 use csi_isolator::provider::{VolumeRecord, VolumeState};
+use csi_isolator::resource::Layout;
 use csi_isolator::testing::{raw_clients, require_root, PluginProcess, Sandbox};
 
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");

@@ -37,7 +37,7 @@ use csi_isolator::mount::VolumeMount;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::BUNDLED_TYPE;
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator::provider::paths::Layout;
+use csi_isolator::resource::Layout;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,

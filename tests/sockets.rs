@@ -9,8 +9,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use csi_isolator::provider::bundled::{bundled_config, BUNDLED_TYPE};
-use csi_isolator::provider::paths::Layout;
 use csi_isolator::provider::StorageProvider;
+use csi_isolator::resource::Layout;
 use csi_isolator::testing::{require_root, PluginProcess, Sandbox};
 
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");

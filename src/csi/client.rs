@@ -71,7 +71,6 @@ const DIAL_BACKOFF: RetryPolicy = RetryPolicy {
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
-    caps: Arc<Capabilities>,
 }
 
 struct Inner {
@@ -131,7 +130,7 @@ impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
             .field("endpoint", &self.inner.endpoint)
-            .field("capabilities", &self.caps)
+            .field("capabilities", &self.current_capabilities())
             .finish_non_exhaustive()
     }
 }
@@ -153,7 +152,7 @@ impl Client {
         let socket = socket_id(&path);
         let channel = lazy_channel(&path, socket);
         let identity = Identity { socket, name: None };
-        let mut client = Self {
+        let client = Self {
             inner: Arc::new(Inner {
                 endpoint: endpoint.to_string(),
                 path,
@@ -164,7 +163,6 @@ impl Client {
                 identity: Mutex::new(identity),
                 recheck: tokio::sync::Mutex::new(()),
             }),
-            caps: Arc::new(Capabilities::default()),
         };
         let timeout = client.inner.options.connect_timeout;
         let left = timeout.saturating_sub(started.elapsed());
@@ -187,7 +185,7 @@ impl Client {
                 })
             }
         }
-        tracing::debug!(capabilities = ?client.caps, "connected to csi plugin");
+        tracing::debug!(capabilities = ?client.current_capabilities(), "connected to csi plugin");
         Ok(client)
     }
 
@@ -204,14 +202,6 @@ impl Client {
     /// The call metrics, shared by all clones of this client.
     pub fn metrics(&self) -> Arc<Metrics> {
         Arc::clone(&self.inner.metrics)
-    }
-
-    /// The capabilities discovered at connect (or at the last
-    /// [`refresh_capabilities`](Self::refresh_capabilities) on this handle).
-    /// A snapshot: it does not follow a replacement of the plugin;
-    /// [`current_capabilities`](Self::current_capabilities) does.
-    pub fn capabilities(&self) -> &Capabilities {
-        &self.caps
     }
 
     /// The capabilities of the plugin serving the endpoint now: discovered
@@ -251,35 +241,13 @@ impl Client {
         }
     }
 
-    /// Asks the plugin for its capabilities again (GetPluginCapabilities,
-    /// ControllerGetCapabilities when it has the controller service,
-    /// NodeGetCapabilities) and keeps them in this handle and as the
-    /// [`current_capabilities`](Self::current_capabilities) of all clones;
-    /// clones made before keep their own [`capabilities`](Self::capabilities).
-    pub async fn refresh_capabilities(&mut self) -> Result<&Capabilities, CsiError> {
-        let plugin = self
-            .get_plugin_capabilities(proto::GetPluginCapabilitiesRequest {})
-            .await?;
-        let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
-        let controller = if plugin.controller_service() {
-            let resp = self
-                .controller_get_capabilities(proto::ControllerGetCapabilitiesRequest {})
-                .await?;
-            ControllerCapabilities::from_proto(&resp.capabilities)
-        } else {
-            ControllerCapabilities::default()
-        };
-        let node = self
-            .node_get_capabilities(proto::NodeGetCapabilitiesRequest {})
-            .await?;
-        let node = NodeCapabilities::from_proto(&node.capabilities);
-        self.caps = Arc::new(Capabilities {
-            plugin,
-            controller,
-            node,
-        });
-        *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = self.caps.clone();
-        Ok(&self.caps)
+    /// Asks the plugin for its capabilities again ([`discover`], each RPC
+    /// with the client's deadline and retries) and makes them the
+    /// [`current_capabilities`](Self::current_capabilities) of all clones.
+    pub async fn refresh_capabilities(&self) -> Result<Arc<Capabilities>, CsiError> {
+        let caps = Arc::new(discover(&Retried(self)).await?);
+        *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&caps);
+        Ok(caps)
     }
 
     // ---- Identity ----
@@ -804,48 +772,12 @@ impl Client {
             }
             tracing::info!(name = %info.name, vendor_version = %info.vendor_version, "the replaced plugin is the same driver");
         }
-        let plugin = self
-            .once(
-                Rpc::GetPluginCapabilities,
-                &channel,
-                deadline,
-                proto::GetPluginCapabilitiesRequest {},
-                |ch, r| async move { IdentityClient::new(ch).get_plugin_capabilities(r).await },
-            )
-            .await?;
-        let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
-        let controller = if plugin.controller_service() {
-            let resp = self
-                .once(
-                    Rpc::ControllerGetCapabilities,
-                    &channel,
-                    deadline,
-                    proto::ControllerGetCapabilitiesRequest {},
-                    |ch, r| async move {
-                        ControllerClient::new(ch)
-                            .controller_get_capabilities(r)
-                            .await
-                    },
-                )
-                .await?;
-            ControllerCapabilities::from_proto(&resp.capabilities)
-        } else {
-            ControllerCapabilities::default()
-        };
-        let node = self
-            .once(
-                Rpc::NodeGetCapabilities,
-                &channel,
-                deadline,
-                proto::NodeGetCapabilitiesRequest {},
-                |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
-            )
-            .await?;
-        let caps = Capabilities {
-            plugin,
-            controller,
-            node: NodeCapabilities::from_proto(&node.capabilities),
-        };
+        let caps = discover(&Once {
+            client: self,
+            channel: &channel,
+            deadline,
+        })
+        .await?;
         tracing::info!(capabilities = ?caps, "capabilities of the replaced plugin");
         *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(caps);
         *self.inner.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
@@ -888,6 +820,112 @@ impl Client {
             source: Box::new(source),
         }
     }
+}
+
+/// How [`discover`] sends its calls: the two ways differ only in retries
+/// and in how a failure is reported.
+trait Ask {
+    type Error;
+
+    /// Sends `request` as `rpc` (capability calls carry no volume).
+    async fn ask<Req, Resp, F, Fut>(
+        &self,
+        rpc: Rpc,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, Self::Error>
+    where
+        Req: Clone,
+        F: Fn(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>;
+}
+
+/// Ordinary calls on the client's channel, with its deadline and retries
+/// (connect and [`Client::refresh_capabilities`]).
+struct Retried<'a>(&'a Client);
+
+impl Ask for Retried<'_> {
+    type Error = CsiError;
+
+    async fn ask<Req, Resp, F, Fut>(
+        &self,
+        rpc: Rpc,
+        request: Req,
+        send: F,
+    ) -> Result<Resp, CsiError>
+    where
+        Req: Clone,
+        F: Fn(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        self.0.call(rpc, None, request, send).await
+    }
+}
+
+/// One attempt each on the channel pinned to a socket file being re-checked
+/// ([`Client::recheck`]), which must not become the client's channel before
+/// the check passed.
+struct Once<'a> {
+    client: &'a Client,
+    channel: &'a Channel,
+    deadline: Duration,
+}
+
+impl Ask for Once<'_> {
+    type Error = Recheck;
+
+    async fn ask<Req, Resp, F, Fut>(&self, rpc: Rpc, request: Req, send: F) -> Result<Resp, Recheck>
+    where
+        Req: Clone,
+        F: Fn(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        self.client
+            .once(rpc, self.channel, self.deadline, request, send)
+            .await
+    }
+}
+
+/// Capability discovery, the one place it is written: GetPluginCapabilities,
+/// ControllerGetCapabilities only when the plugin has the controller
+/// service, NodeGetCapabilities.
+async fn discover<A: Ask>(via: &A) -> Result<Capabilities, A::Error> {
+    let plugin = via
+        .ask(
+            Rpc::GetPluginCapabilities,
+            proto::GetPluginCapabilitiesRequest {},
+            |ch, r| async move { IdentityClient::new(ch).get_plugin_capabilities(r).await },
+        )
+        .await?;
+    let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
+    let controller = if plugin.controller_service() {
+        let resp = via
+            .ask(
+                Rpc::ControllerGetCapabilities,
+                proto::ControllerGetCapabilitiesRequest {},
+                |ch, r| async move {
+                    ControllerClient::new(ch)
+                        .controller_get_capabilities(r)
+                        .await
+                },
+            )
+            .await?;
+        ControllerCapabilities::from_proto(&resp.capabilities)
+    } else {
+        ControllerCapabilities::default()
+    };
+    let node = via
+        .ask(
+            Rpc::NodeGetCapabilities,
+            proto::NodeGetCapabilitiesRequest {},
+            |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
+        )
+        .await?;
+    Ok(Capabilities {
+        plugin,
+        controller,
+        node: NodeCapabilities::from_proto(&node.capabilities),
+    })
 }
 
 fn volume_id(id: &str) -> Option<VolumeRef> {

@@ -2,14 +2,21 @@
 //!
 //! Layout under the plugin's work dir:
 //! `volumes/<enc id>/volume.json` (the record), next to the volume's backing (`data/` or
-//! `image.ext4`). A record is written atomically (temp file, fsync, rename, fsync of the
-//! directory), and only after the backing exists, so a crash mid-create leaves a directory
-//! without a record. Removal first renames the volume's directory to a tombstone
-//! (`volumes/.deleted-<enc id>`, a name no encoded id can take), which drops the record
-//! atomically, then deletes the tombstone. Opening the store deletes both kinds of leftovers
-//! (directories without a record, tombstones), so no crash leaks a volume's storage.
-//! Lookups by name scan the records: the records are the only source of truth, so there is
-//! no index to disagree with them.
+//! `image.ext4`). `<enc id>` is [`encode_volume_id`], the provider's encoding. A record is
+//! written by [`crate::durable::write_atomic`] (mode 0600), and only after the backing exists,
+//! so a crash mid-create leaves a directory without a record. Removal first renames the
+//! volume's directory to a tombstone (`volumes/+deleted-<enc id>`: `+` is outside the
+//! encoding's alphabet, so no volume's name), which drops the record atomically, then deletes
+//! the tombstone. Opening the store deletes both kinds of leftovers (directories without a
+//! record, tombstones), so no crash leaks a volume's storage. Lookups by name scan the
+//! records: the records are the only source of truth, so there is no index to disagree with
+//! them.
+//!
+//! Names of older builds: they encoded ids with an encoder of their own (a leading `.`
+//! escaped as `%2E`, no hashing of long ids) and named tombstones `.deleted-<enc id>`. Their
+//! volumes keep their directories: at open, a directory whose record's id encodes to another
+//! name is that volume's, unless its name begins with `.` (the old encoder never began a name
+//! with `.`, so that is an old tombstone, deleted). New volumes get the shared encoding.
 //!
 //! Format history: version 1 kept only the readonly flag per controller-published node;
 //! version 2 adds the volume capability of each controller publish, staging path and target
@@ -17,24 +24,31 @@
 //! rewritten as version 2 on their next change.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
+
+use crate::durable;
+use crate::resource::encode_volume_id;
+use crate::workdir::PRIVATE_FILE_MODE;
 
 /// Version of the on-disk record format.
 pub const RECORD_VERSION: u32 = 2;
 
 const RECORD_FILE: &str = "volume.json";
 
-/// Prefix of a volume directory being removed.
-const TOMBSTONE_PREFIX: &str = ".deleted-";
+/// Prefix of a volume directory being removed: `+` is never in an encoded id.
+const TOMBSTONE_PREFIX: &str = "+deleted-";
 
-/// The longest encoded id the store can hold: its tombstone name
-/// (`.deleted-<enc id>`) must still fit a file name (NAME_MAX, 255 bytes).
-pub const MAX_ENCODED_ID: usize = 255 - TOMBSTONE_PREFIX.len();
+/// The longest volume id the plugin makes, in bytes (Linux `NAME_MAX`): over CSI's 128, so
+/// tests can give it hostile prefixes, but bounded, so an over-long `--id-prefix` fails its
+/// CreateVolume before any storage is made.
+pub const MAX_ID_LEN: usize = 255;
 
 /// Errors of the metadata store.
 #[derive(Debug, thiserror::Error)]
@@ -83,25 +97,24 @@ pub enum StoreError {
         /// The version found.
         version: u32,
     },
-    /// Writing a record (any step of the atomic write) failed.
+    /// Writing a record (any step of the atomic write), or renaming a
+    /// volume's directory to its tombstone, failed.
     #[error("write volume record {path} ({step}): {source}")]
     Write {
-        /// The record file.
+        /// The record file (or the volume's directory).
         path: PathBuf,
-        /// Which step of the atomic write failed.
+        /// Which step failed.
         step: &'static str,
         /// The underlying error.
         #[source]
         source: io::Error,
     },
-    /// A volume id whose encoding does not fit a file name (an id the
-    /// plugin was told to make with an over-long `--id-prefix`).
-    #[error("volume id of {len} bytes is too long for the store: its directory name would take {encoded} bytes (at most {MAX_ENCODED_ID})")]
+    /// A volume id longer than [`MAX_ID_LEN`] (an id the plugin was told to make with an
+    /// over-long `--id-prefix`).
+    #[error("volume id of {len} bytes is too long for the store (at most {MAX_ID_LEN})")]
     IdTooLong {
         /// The id's length in bytes.
         len: usize,
-        /// The length of its encoding.
-        encoded: usize,
     },
     /// Removing a volume's directory failed.
     #[error("remove volume directory {path}: {source}")]
@@ -221,29 +234,10 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
     }
 }
 
-/// Percent-encodes an id so that it is a single safe path component: bytes outside
-/// `[A-Za-z0-9_-]` (and `.`, except in the first position, so no `.`/`..`) become `%XX`.
-pub fn encode_id(id: &str) -> String {
-    let mut out = String::with_capacity(id.len());
-    for (i, b) in id.bytes().enumerate() {
-        let keep = b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || (b == b'.' && i > 0);
-        if keep {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
-}
-
-/// Fails unless the store can hold volume `id` (see [`MAX_ENCODED_ID`]).
+/// Fails unless the store takes volume `id` (see [`MAX_ID_LEN`]).
 pub fn check_id(id: &str) -> Result<(), StoreError> {
-    let encoded = encode_id(id).len();
-    if encoded > MAX_ENCODED_ID {
-        return Err(StoreError::IdTooLong {
-            len: id.len(),
-            encoded,
-        });
+    if id.len() > MAX_ID_LEN {
+        return Err(StoreError::IdTooLong { len: id.len() });
     }
     Ok(())
 }
@@ -253,6 +247,8 @@ pub fn check_id(id: &str) -> Result<(), StoreError> {
 pub struct Store {
     root: PathBuf,
     records: Mutex<HashMap<String, VolumeRecord>>,
+    /// Volumes an older build made, by id: their directory's name under an older encoding.
+    older_names: Mutex<HashMap<String, OsString>>,
 }
 
 impl Store {
@@ -267,6 +263,7 @@ impl Store {
                 source,
             })?;
         let mut records = HashMap::new();
+        let mut older_names = HashMap::new();
         let entries = fs::read_dir(&root).map_err(|source| StoreError::List {
             path: root.clone(),
             source,
@@ -277,11 +274,8 @@ impl Store {
                 source,
             })?;
             let dir = entry.path();
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(TOMBSTONE_PREFIX)
-            {
+            let name = entry.file_name();
+            if name.as_bytes().starts_with(TOMBSTONE_PREFIX.as_bytes()) {
                 tracing::info!(path = %dir.display(), "deleting the rest of an interrupted volume removal");
                 remove_dir(&dir)?;
                 continue;
@@ -298,17 +292,31 @@ impl Store {
                 Err(source) => return Err(StoreError::Read { path, source }),
             };
             let record = decode(&path, &text)?;
+            if name != OsStr::new(&encode_volume_id(&record.id)) {
+                if name.as_bytes().starts_with(b".") {
+                    tracing::info!(path = %dir.display(), "deleting the rest of an interrupted volume removal (older build)");
+                    remove_dir(&dir)?;
+                    continue;
+                }
+                older_names.insert(record.id.clone(), name);
+            }
             records.insert(record.id.clone(), record);
         }
         Ok(Store {
             root,
             records: Mutex::new(records),
+            older_names: Mutex::new(older_names),
         })
     }
 
-    /// The directory holding everything of volume `id`.
+    /// The directory holding everything of volume `id`: `volumes/<enc id>`, or the name an
+    /// older build gave it (see the module doc).
     pub fn volume_dir(&self, id: &str) -> PathBuf {
-        self.root.join(encode_id(id))
+        let older = self.older_names.lock().unwrap_or_else(|p| p.into_inner());
+        match older.get(id) {
+            Some(name) => self.root.join(name),
+            None => self.root.join(encode_volume_id(id)),
+        }
     }
 
     /// The record of volume `id`, if it exists.
@@ -343,7 +351,11 @@ impl Store {
         })?;
         let path = dir.join(RECORD_FILE);
         let bytes = serde_json::to_vec_pretty(record).expect("a volume record always serializes");
-        write_atomically(&path, &bytes)?;
+        durable::write_atomic(&path, &bytes, PRIVATE_FILE_MODE).map_err(|e| StoreError::Write {
+            path: e.path,
+            step: e.step.as_str(),
+            source: e.source,
+        })?;
         self.lock().insert(record.id.clone(), record.clone());
         Ok(())
     }
@@ -355,11 +367,15 @@ impl Store {
         let dir = self.volume_dir(id);
         let tombstone = self
             .root
-            .join(format!("{TOMBSTONE_PREFIX}{}", encode_id(id)));
+            .join(format!("{TOMBSTONE_PREFIX}{}", encode_volume_id(id)));
         // A tombstone left by an earlier, interrupted removal of the same id.
         remove_dir(&tombstone)?;
         match fs::rename(&dir, &tombstone) {
-            Ok(()) => sync_dir(&self.root, &dir)?,
+            Ok(()) => durable::sync_dir(&self.root).map_err(|source| StoreError::Write {
+                path: dir,
+                step: "fsync directory",
+                source,
+            })?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => {
                 return Err(StoreError::Write {
@@ -370,6 +386,10 @@ impl Store {
             }
         }
         self.lock().remove(id);
+        self.older_names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
         remove_dir(&tombstone)
     }
 
@@ -392,41 +412,10 @@ fn remove_dir(dir: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename,
-/// fsync of the directory.
-pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let err = |step: &'static str| {
-        let path = path.to_path_buf();
-        move |source| StoreError::Write { path, step, source }
-    };
-    let dir = path.parent().unwrap_or(Path::new("."));
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&tmp)
-        .map_err(err("create temp file"))?;
-    file.write_all(bytes).map_err(err("write temp file"))?;
-    file.sync_all().map_err(err("fsync temp file"))?;
-    drop(file);
-    fs::rename(&tmp, path).map_err(err("rename"))?;
-    sync_dir(dir, path)
-}
-
-fn sync_dir(dir: &Path, path: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| StoreError::Write {
-            path: path.to_path_buf(),
-            step: "fsync directory",
-            source,
-        })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::PermissionsExt;
 
     fn record(id: &str, name: &str) -> VolumeRecord {
         VolumeRecord {
@@ -456,26 +445,88 @@ mod tests {
         }
     }
 
+    /// A store an older build wrote (its own encoder: `%2E` for a leading dot, tombstones
+    /// `.deleted-<enc id>`) is read after an upgrade: each volume keeps its directory and
+    /// data, an old tombstone is finished, and volumes made now get the provider's encoding,
+    /// even those whose name begins with `.deleted-`.
     #[test]
-    fn ids_too_long_for_a_file_name_are_refused() {
-        check_id(&"a".repeat(MAX_ENCODED_ID)).unwrap();
-        check_id(&format!("{}{:016x}", "a".repeat(200), 7u64)).unwrap();
-        let err = check_id(&"/".repeat(4096)).unwrap_err().to_string();
-        assert!(
-            err.contains("4096 bytes") && err.contains("12288 bytes"),
-            "{err}"
+    fn an_older_builds_names_are_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let volumes = dir.path().join("volumes");
+        let old = |name: &str, id: &str| {
+            let vol = volumes.join(name);
+            fs::create_dir_all(vol.join("data")).unwrap();
+            fs::write(vol.join("data/f"), id.as_bytes()).unwrap();
+            let text = serde_json::to_vec(&record(id, &format!("name of {id}"))).unwrap();
+            fs::write(vol.join(RECORD_FILE), text).unwrap();
+        };
+        // The names the older encoder gave; "a%2Fb" is also today's.
+        old("%2Ehidden", ".hidden");
+        old("%2E.", "..");
+        old("a%2Fb", "a/b");
+        old(".deleted-vol-9", "vol-9");
+        let long = "/".repeat(300);
+        {
+            let store = Store::open(dir.path()).unwrap();
+            store.save(&record(".deleted-x", "new")).unwrap();
+            store.save(&record(&long, "long")).unwrap();
+        }
+        let store = Store::open(dir.path()).unwrap();
+        let ids: Vec<String> = store.list().into_iter().map(|r| r.id).collect();
+        assert_eq!(ids, ["..", ".deleted-x", ".hidden", long.as_str(), "a/b"]);
+        for (id, name) in [(".hidden", "%2Ehidden"), ("..", "%2E."), ("a/b", "a%2Fb")] {
+            let vol = store.volume_dir(id);
+            assert_eq!(vol, volumes.join(name), "{id}");
+            assert_eq!(fs::read(vol.join("data/f")).unwrap(), id.as_bytes());
+        }
+        assert_eq!(store.volume_dir(".deleted-x"), volumes.join(".deleted-x"));
+        assert_eq!(
+            store.volume_dir(&long),
+            volumes.join(encode_volume_id(&long))
         );
-        assert!(check_id(&"a".repeat(MAX_ENCODED_ID + 1)).is_err());
+        let mut names: Vec<String> = fs::read_dir(&volumes)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        let mut want = vec![
+            ".deleted-x".to_string(),
+            "%2E.".into(),
+            "%2Ehidden".into(),
+            "a%2Fb".into(),
+            encode_volume_id(&long),
+        ];
+        want.sort();
+        assert_eq!(names, want, "the older tombstone is deleted, nothing else");
+
+        // A change is written where the volume is; a removal takes that directory.
+        let mut changed = store.get(".hidden").unwrap();
+        changed.capacity_bytes = 4096;
+        store.save(&changed).unwrap();
+        let record_file = volumes.join("%2Ehidden").join(RECORD_FILE);
+        assert_eq!(
+            fs::metadata(&record_file).unwrap().permissions().mode() & 0o7777,
+            0o600
+        );
+        assert_eq!(
+            Store::open(dir.path()).unwrap().get(".hidden").unwrap(),
+            changed
+        );
+        store.remove(".hidden").unwrap();
+        assert!(!volumes.join("%2Ehidden").exists());
+        assert!(!volumes.join(".hidden").exists());
+        assert!(Store::open(dir.path()).unwrap().get(".hidden").is_none());
+        // No encoded id can be taken for a tombstone.
+        assert_eq!(encode_volume_id("+deleted-x"), "%2Bdeleted-x");
     }
 
     #[test]
-    fn encodes_ids_into_safe_components() {
-        assert_eq!(encode_id("vol-0123abcd"), "vol-0123abcd");
-        assert_eq!(encode_id("../x"), "%2E.%2Fx");
-        assert_eq!(encode_id(".."), "%2E.");
-        assert_eq!(encode_id("a/b"), "a%2Fb");
-        assert_eq!(encode_id(".hidden"), "%2Ehidden");
-        assert_eq!(encode_id("a.b"), "a.b");
+    fn ids_over_the_limit_are_refused() {
+        check_id(&"/".repeat(MAX_ID_LEN)).unwrap();
+        check_id(&format!("{}{:016x}", "a".repeat(200), 7u64)).unwrap();
+        let err = check_id(&"/".repeat(4096)).unwrap_err().to_string();
+        assert!(err.contains("4096 bytes") && err.contains("255"), "{err}");
+        assert!(check_id(&"a".repeat(MAX_ID_LEN + 1)).is_err());
     }
 
     #[test]
@@ -550,7 +601,7 @@ mod tests {
         store.save(&record("vol-1", "one")).unwrap();
         let locked = store.volume_dir("vol-1").join("data/locked");
         fs::create_dir_all(locked.join("inner")).unwrap();
-        let tombstone = dir.path().join("volumes/.deleted-vol-1");
+        let tombstone = dir.path().join(format!("volumes/{TOMBSTONE_PREFIX}vol-1"));
         // The final deletion fails halfway (an immutable subdirectory): by then the record
         // is gone and the directory is a tombstone, never a record without its data.
         let guard = Immutable::set(locked, tombstone.join("data/locked"));

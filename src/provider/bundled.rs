@@ -3,9 +3,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::provider::paths::Layout;
 use crate::provider::storage::{PluginSource, ProviderConfig};
 use crate::provider::supervisor::PluginCommand;
+use crate::resource::Layout;
 
 /// The plugin type of the bundled plugin (its GetPluginInfo name).
 pub const BUNDLED_TYPE: &str = "csi-test-plugin.csi-isolator.io";

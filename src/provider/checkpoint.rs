@@ -1,10 +1,10 @@
 //! Durable, atomic checkpoint files.
 //!
 //! Contract: after [`write_atomic`] returns, the file at `path` holds either
-//! its old content or the new content in full, across a crash or power loss:
-//! the bytes go to a temporary file in the same directory, which is fsynced,
-//! renamed over the target, and the directory is fsynced so the rename itself
-//! is durable. Readers never see a torn file.
+//! its old content or the new content in full, across a crash or power loss,
+//! with mode 0600: it is [`crate::durable::write_atomic`] (temporary file,
+//! fsync, rename, fsync of the directory), after the directory is created
+//! durably. Readers never see a torn file.
 //!
 //! Every durable write passes through [`crash_point`], which lets the crash
 //! tests kill the process (SIGKILL, not an early return) right after the Nth
@@ -12,13 +12,16 @@
 //! calls it right after each RPC returns and before its result is recorded,
 //! so that window is crashed at too.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::fs;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
+
+pub use crate::durable::remove_stale_temps;
+use crate::durable::{self, WriteStep};
+use crate::workdir::PRIVATE_FILE_MODE;
 
 /// The environment variable that arms the crash point (tests only).
 pub const CRASH_AFTER_WRITE_ENV: &str = "CSI_ISOLATOR_CRASH_AFTER_WRITE";
@@ -128,33 +131,22 @@ pub fn durable_writes() -> u64 {
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
     let dir = path.parent().unwrap_or(Path::new("."));
     create_dir_durable(dir)?;
-    let tmp = temp_name(path);
-    let write = |f: &mut File| -> io::Result<()> {
-        f.write_all(bytes)?;
-        FSYNCS.fetch_add(1, Ordering::Relaxed);
-        f.sync_all()
-    };
-    let result = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .and_then(|mut f| write(&mut f));
-    if let Err(source) = result {
-        let _ = fs::remove_file(&tmp);
-        return Err(CheckpointError::Write {
-            path: path.to_path_buf(),
-            source,
-        });
-    }
-    if let Err(source) = fs::rename(&tmp, path) {
-        let _ = fs::remove_file(&tmp);
-        return Err(CheckpointError::Rename {
-            path: path.to_path_buf(),
-            source,
-        });
-    }
-    sync_dir(dir)?;
+    durable::write_atomic(path, bytes, PRIVATE_FILE_MODE).map_err(|e| match e.step {
+        WriteStep::CreateTemp | WriteStep::Write | WriteStep::SyncFile => CheckpointError::Write {
+            path: e.path,
+            source: e.source,
+        },
+        WriteStep::Rename => CheckpointError::Rename {
+            path: e.path,
+            source: e.source,
+        },
+        WriteStep::SyncDir => CheckpointError::SyncDir {
+            path: dir.to_path_buf(),
+            source: e.source,
+        },
+    })?;
+    // The file's fsync and the directory's.
+    FSYNCS.fetch_add(2, Ordering::Relaxed);
     WRITES.fetch_add(1, Ordering::Relaxed);
     crash_point();
     Ok(())
@@ -241,42 +233,13 @@ pub fn set_aside(path: &Path) -> Result<PathBuf, CheckpointError> {
     Ok(aside)
 }
 
-fn temp_name(path: &Path) -> PathBuf {
-    static SEQ: AtomicU64 = AtomicU64::new(0);
-    let mut name = std::ffi::OsString::from(".");
-    name.push(path.file_name().unwrap_or_default());
-    name.push(format!(
-        ".tmp-{}-{}",
-        std::process::id(),
-        SEQ.fetch_add(1, Ordering::Relaxed)
-    ));
-    path.with_file_name(name)
-}
-
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     FSYNCS.fetch_add(1, Ordering::Relaxed);
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|source| CheckpointError::SyncDir {
-            path: dir.to_path_buf(),
-            source,
-        })
-}
-
-/// Removes temporary files a crash left behind in `dir` (they were never
-/// renamed into place, so nothing refers to them).
-pub fn remove_stale_temps(dir: &Path) {
-    let Ok(entries) = fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with('.') && name.contains(".tmp-") {
-            let _ = fs::remove_file(e.path());
-        }
-    }
+    durable::sync_dir(dir).map_err(|source| CheckpointError::SyncDir {
+        path: dir.to_path_buf(),
+        source,
+    })
 }
 
 #[cfg(test)]

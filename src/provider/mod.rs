@@ -4,7 +4,7 @@
 //! requests to providers by `Resource.provider_id`.
 //!
 //! Files: `state.rs` (the machine and its record), `checkpoint.rs` (atomic,
-//! durable writes), `paths.rs` (the on-disk layout), `supervisor.rs` (the
+//! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
 //! `manager.rs` (routing).
@@ -14,7 +14,6 @@ pub mod checkpoint;
 mod create;
 pub mod error;
 pub mod manager;
-pub mod paths;
 mod publish;
 mod recover;
 pub mod state;

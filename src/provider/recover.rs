@@ -16,10 +16,10 @@ use futures::future::join_all;
 use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
-use crate::provider::paths::STATE_FILE;
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::StorageProvider;
 use crate::resource::encode_volume_id;
+use crate::resource::STATE_FILE;
 
 impl StorageProvider {
     pub(crate) async fn recover(&self) -> Result<(), ProviderError> {

@@ -17,6 +17,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
@@ -26,8 +27,11 @@ use crate::csi::proto;
 pub const FORMAT_VERSION: u32 = 1;
 
 /// Where a volume is in its lifecycle (see the module doc).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+///
+/// Its name in the checkpoint is [`VolumeState::as_str`], the one list of
+/// names: serde writes and reads it through `as_str` and [`FromStr`]. They
+/// are Mesos' names for the same states and must not change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum VolumeState {
     /// Created (or declared, for a pre-provisioned volume); nothing on this node.
     Created,
@@ -218,7 +222,23 @@ impl VolumeState {
         }
     }
 
-    /// The CSI-style name, as written in the checkpoint (`NODE_READY`, ...).
+    /// Every state, in the order of the forward path (transient states
+    /// before the steady state they lead to).
+    pub const ALL: [VolumeState; 10] = [
+        VolumeState::Created,
+        VolumeState::ControllerPublish,
+        VolumeState::NodeReady,
+        VolumeState::NodeStage,
+        VolumeState::VolReady,
+        VolumeState::NodePublish,
+        VolumeState::Published,
+        VolumeState::NodeUnpublish,
+        VolumeState::NodeUnstage,
+        VolumeState::ControllerUnpublish,
+    ];
+
+    /// The CSI-style name, as written in the checkpoint (`NODE_READY`, ...):
+    /// the only place the names are spelled.
     pub fn as_str(self) -> &'static str {
         match self {
             VolumeState::Created => "CREATED",
@@ -238,6 +258,35 @@ impl VolumeState {
 impl fmt::Display for VolumeState {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.pad(self.as_str())
+    }
+}
+
+/// A name that is no state's [`VolumeState::as_str`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown volume state '{0}'")]
+pub struct UnknownState(pub String);
+
+impl FromStr for VolumeState {
+    type Err = UnknownState;
+
+    fn from_str(name: &str) -> Result<Self, Self::Err> {
+        VolumeState::ALL
+            .into_iter()
+            .find(|state| state.as_str() == name)
+            .ok_or_else(|| UnknownState(crate::shown::shown(name).to_string()))
+    }
+}
+
+impl Serialize for VolumeState {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for VolumeState {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -458,6 +507,48 @@ mod tests {
         assert!(json.contains("\"NODE_STAGE\""), "{json}");
         let back: VolumeRecord = serde_json::from_str(&json).unwrap();
         assert_eq!(back, r);
+    }
+
+    /// The names on disk, spelled out once more on purpose: a change to
+    /// [`VolumeState::as_str`] must fail here, since older checkpoints (and
+    /// Mesos) use these.
+    #[test]
+    fn every_state_round_trips_under_its_unchanged_name() {
+        let on_disk = [
+            (Created, "CREATED"),
+            (ControllerPublish, "CONTROLLER_PUBLISH"),
+            (NodeReady, "NODE_READY"),
+            (NodeStage, "NODE_STAGE"),
+            (VolReady, "VOL_READY"),
+            (NodePublish, "NODE_PUBLISH"),
+            (Published, "PUBLISHED"),
+            (NodeUnpublish, "NODE_UNPUBLISH"),
+            (NodeUnstage, "NODE_UNSTAGE"),
+            (ControllerUnpublish, "CONTROLLER_UNPUBLISH"),
+        ];
+        assert_eq!(VolumeState::ALL, on_disk.map(|(s, _)| s));
+        for (state, name) in on_disk {
+            // Exhaustive on purpose: a new state fails to compile here until it is listed above.
+            match state {
+                Created | ControllerPublish | NodeReady | NodeStage | VolReady | NodePublish
+                | Published | NodeUnpublish | NodeUnstage | ControllerUnpublish => {}
+            }
+            assert_eq!(state.as_str(), name);
+            assert_eq!(state.to_string(), name);
+            assert_eq!(name.parse::<VolumeState>(), Ok(state));
+            let json = serde_json::to_string(&state).unwrap();
+            assert_eq!(json, format!("\"{name}\""));
+            assert_eq!(serde_json::from_str::<VolumeState>(&json).unwrap(), state);
+            let mut rec = VolumeRecord::new("v", Capability::default());
+            rec.state = state;
+            let value = serde_json::to_value(&rec).unwrap();
+            assert_eq!(value["state"], name, "the record's state field");
+        }
+        for bad in ["node_ready", "NodeReady", "", "NODE_READY "] {
+            assert!(bad.parse::<VolumeState>().is_err(), "{bad:?}");
+            let err = serde_json::from_str::<VolumeState>(&format!("{bad:?}")).unwrap_err();
+            assert!(err.to_string().contains("unknown volume state"), "{err}");
+        }
     }
 
     #[test]

@@ -9,8 +9,8 @@ use serde::Serialize;
 
 use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
-use crate::provider::paths::{Layout, STATE_FILE};
 use crate::provider::state::{VolumeRecord, VolumeState};
+use crate::resource::{Layout, STATE_FILE};
 
 /// One volume as its checkpoint and the mount table see it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

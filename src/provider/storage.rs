@@ -25,9 +25,9 @@ use crate::csi::{Client, ClientOptions};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
-use crate::provider::paths::Layout;
 use crate::provider::state::{Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
+use crate::resource::Layout;
 use crate::resource::{validate_path_component, Resource};
 
 /// When a volume that nobody uses any more is unpublished.
@@ -111,7 +111,7 @@ impl ProviderConfig {
             client: ClientOptions::default(),
             ready_timeout: Duration::from_secs(30),
             boot_id: None,
-            socket_dir: PathBuf::from(crate::provider::paths::SHORT_SOCKET_DIR),
+            socket_dir: PathBuf::from(crate::resource::SHORT_SOCKET_DIR),
         }
     }
 }

@@ -14,6 +14,9 @@
 //!   `volumes/roles/<role>/<persistence id>` for PATH and default disks). The
 //!   result always lies beneath its root; anything else is a
 //!   [`ResourceError`] naming the resource and the field.
+//! - [`Layout`] is the provider's layout under the work dir
+//!   (`csi/<type>/<name>/{volumes,mounts,creating,plugin}`), Mesos' names,
+//!   spelled in one place; the resolver uses its `<enc id>/target` rule.
 //! - [`VolumeArg`] is the `NAME:SIZE:CONTAINER_PATH[:ro]` volume syntax of `run` and the OCI hook, and
 //!   [`parse_size`] the byte sizes it and the CLI take (`64M`, `1G`).
 //!
@@ -21,6 +24,7 @@
 
 mod encode;
 mod error;
+mod layout;
 mod path;
 mod types;
 mod volume_arg;
@@ -30,10 +34,8 @@ pub use encode::{
     MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
 };
 pub use error::ResourceError;
-pub use path::{
-    csi_mounts_root, plugin_dir, resolve_host_path, volume_staging_path, volume_target_path,
-    CSI_DIR,
-};
+pub use layout::{Layout, CSI_DIR, MAX_SOCKET_PATH, SHORT_SOCKET_DIR, STATE_FILE};
+pub use path::resolve_host_path;
 pub use types::{
     parse_resources, DiskInfo, DiskSource, Label, Labels, Marker, Persistence, Range, Ranges,
     ReservationInfo, ReservationType, Resource, ResourceProviderId, Scalar, Set, SourceRoot,

@@ -1,5 +1,5 @@
-//! Resolving a disk resource to its host mount point, and the per-plugin
-//! layout under the agent work dir (Mesos' conventions).
+//! Resolving a disk resource to its host mount point (Mesos' conventions);
+//! the per-plugin layout under the work dir is [`super::Layout`].
 //!
 //! Rules ([`resolve_host_path`]):
 //! - The root is `disk.source.mount.root` for `MOUNT` disks and
@@ -8,8 +8,9 @@
 //!   dir of the agent that resolves it. `.` components are dropped; a root
 //!   holding `..` or NUL is refused, since the result is checked lexically.
 //! - With `disk.source.id` set, the volume's mount point is
-//!   `<root>/<encoded id>/target`; without it, the root itself (a disk the
-//!   operator prepared).
+//!   `<root>/<encoded id>/target` (the rule of [`super::Layout::target_path`],
+//!   under any root); without it, the root itself (a disk the operator
+//!   prepared).
 //! - `MOUNT`: the mount point. `PATH`: the persistent volume inside it,
 //!   `<mount point>/volumes/roles/<role>/<persistence id>`. No source:
 //!   `<work dir>/volumes/roles/<role>/<persistence id>`. The role is written
@@ -26,12 +27,10 @@ use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
-use super::encode::{encode_volume_id, validate_path_component, MAX_COMPONENT_LEN};
+use super::encode::{validate_path_component, MAX_COMPONENT_LEN};
 use super::error::ResourceError;
+use super::layout::target_under;
 use super::types::{Resource, SourceType};
-
-/// The work-dir subdirectory holding everything of the CSI plugins.
-pub const CSI_DIR: &str = "csi";
 
 /// Resolves a disk resource to the host path to bind-mount into the
 /// container, following the module's rules. `work_dir` is the resolving
@@ -81,7 +80,7 @@ pub fn resolve_host_path(resource: &Resource, work_dir: &Path) -> Result<PathBuf
         Some("") => {
             return Err(invalid(resource, "disk.source.id", "", "is empty"));
         }
-        Some(id) => root.join(encode_volume_id(id)).join("target"),
+        Some(id) => target_under(&root, id),
         None => root.clone(),
     };
     let mount_point = beneath(resource, "disk.source.id", mount_point, &root)?;
@@ -96,37 +95,6 @@ pub fn resolve_host_path(resource: &Resource, work_dir: &Path) -> Result<PathBuf
         }
         _ => Ok(mount_point),
     }
-}
-
-/// The relative root a created CSI volume's resource carries:
-/// `./csi/<type>/<name>/mounts`. Both names must be safe path components.
-pub fn csi_mounts_root(plugin_type: &str, plugin_name: &str) -> Result<String, ResourceError> {
-    validate_path_component("plugin type", plugin_type)?;
-    validate_path_component("plugin name", plugin_name)?;
-    Ok(format!("./{CSI_DIR}/{plugin_type}/{plugin_name}/mounts"))
-}
-
-/// A plugin's directory under the work dir: `<work_dir>/csi/<type>/<name>`.
-/// Both names must be safe path components.
-pub fn plugin_dir(
-    work_dir: &Path,
-    plugin_type: &str,
-    plugin_name: &str,
-) -> Result<PathBuf, ResourceError> {
-    validate_path_component("plugin type", plugin_type)?;
-    validate_path_component("plugin name", plugin_name)?;
-    Ok(work_dir.join(CSI_DIR).join(plugin_type).join(plugin_name))
-}
-
-/// A volume's NodePublishVolume target, its mount point:
-/// `<mounts_dir>/<encoded id>/target`.
-pub fn volume_target_path(mounts_dir: &Path, volume_id: &str) -> PathBuf {
-    mounts_dir.join(encode_volume_id(volume_id)).join("target")
-}
-
-/// A volume's NodeStageVolume target: `<mounts_dir>/<encoded id>/staging`.
-pub fn volume_staging_path(mounts_dir: &Path, volume_id: &str) -> PathBuf {
-    mounts_dir.join(encode_volume_id(volume_id)).join("staging")
 }
 
 /// Checks a role the way Mesos does and writes it as one path component,
@@ -404,36 +372,6 @@ mod tests {
             );
         }
         assert!(role_path_component(&"r".repeat(256)).is_err());
-    }
-
-    #[test]
-    fn layout_helpers() {
-        assert_eq!(
-            csi_mounts_root("org.test", "default").unwrap(),
-            "./csi/org.test/default/mounts"
-        );
-        assert_eq!(
-            csi_mounts_root("..", "x").unwrap_err().field(),
-            Some("plugin type")
-        );
-        assert_eq!(
-            csi_mounts_root("t", "a/b").unwrap_err().field(),
-            Some("plugin name")
-        );
-        assert_eq!(
-            plugin_dir(Path::new("/w"), "t", "n").unwrap(),
-            Path::new("/w/csi/t/n")
-        );
-        assert!(plugin_dir(Path::new("/w"), "", "n").is_err());
-        let mounts = Path::new("/w/csi/t/n/mounts");
-        assert_eq!(
-            volume_target_path(mounts, "a/b"),
-            Path::new("/w/csi/t/n/mounts/a%2Fb/target")
-        );
-        assert_eq!(
-            volume_staging_path(mounts, ".."),
-            Path::new("/w/csi/t/n/mounts/%2E%2E/staging")
-        );
     }
 
     #[test]

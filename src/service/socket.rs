@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use crate::provider::paths::MAX_SOCKET_PATH;
+use crate::resource::MAX_SOCKET_PATH;
 
 /// Where the default socket goes when `<work_dir>/isolator.sock` is too
 /// long for a socket address (as the provider does for plugin sockets).

@@ -16,7 +16,9 @@
 //! - [`check_resolve`]: the same resolution properties on a disk resource
 //!   built field by field from the input (see [`check_resolve`] for the
 //!   layout), plus: whatever the fields hold, a path built under `root`
-//!   stays under `root`, and ids become one component each.
+//!   stays under `root`, ids become one component each, and the provider's
+//!   `resource::Layout` (the one production uses) puts every path where
+//!   Mesos does and agrees with the resolver.
 //! - [`check_container_path`]: `target_of` never yields an empty target, a
 //!   `..`, `.` or root component, or a NUL, and agrees with a plain
 //!   split-on-`/` model of the path.
@@ -37,10 +39,9 @@ use crate::isolator::targets::target_of;
 use crate::isolator::{ContainerConfig, ContainerRecord};
 use crate::mount::TargetRoot;
 use crate::resource::{
-    csi_mounts_root, decode_volume_id, encode_volume_id, plugin_dir, resolve_host_path,
-    validate_path_component, volume_staging_path, volume_target_path, DiskInfo, DiskSource,
-    Persistence, ReservationInfo, Resource, ResourceError, SourceRoot, SourceType,
-    MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
+    decode_volume_id, encode_volume_id, resolve_host_path, validate_path_component, DiskInfo,
+    DiskSource, Layout, Persistence, ReservationInfo, Resource, ResourceError, SourceRoot,
+    SourceType, CSI_DIR, MAX_COMPONENT_LEN, MAX_ENCODED_LEN, STATE_FILE,
 };
 
 /// The agent work dir the fuzz targets resolve against.
@@ -142,10 +143,11 @@ pub fn check_resource_json(bytes: &[u8]) -> JsonChecked {
 /// - bit 6: no `disk.persistence`.
 ///
 /// Properties: those of [`check_resolved`]; unless bit 3 is set, an
-/// accepted path lies beneath `root`; `volume_target_path` and
-/// `volume_staging_path` add exactly two components beneath their mounts
-/// dir; `csi_mounts_root` and `plugin_dir` accept the plugin names only
-/// if each is one safe component; two different ids never encode alike.
+/// accepted path lies beneath `root`; two different ids never encode alike;
+/// the provider's [`Layout`] puts each id's paths exactly where Mesos does
+/// ([`check_layout_paths`]); the plugin names pass the check the provider
+/// makes before building a layout only if each is one safe component, and
+/// then [`check_plugin_layout`] holds for them.
 pub fn check_resolve(root: &str, input: &[u8]) -> Option<PathBuf> {
     let (flags, rest) = input.split_first().map_or((0, &[][..]), |(f, r)| (*f, r));
     let mut fields = rest
@@ -216,68 +218,129 @@ pub fn check_resolve(root: &str, input: &[u8]) -> Option<PathBuf> {
             "ids {id:?} and {persistence_id:?} encode alike"
         );
     }
-    let mounts = Path::new(FUZZ_WORK_DIR).join("csi/t/n/mounts");
-    for (what, path) in [
-        ("target", volume_target_path(&mounts, &id)),
-        ("staging", volume_staging_path(&mounts, &id)),
-    ] {
-        let tail: Vec<_> = path
-            .strip_prefix(&mounts)
-            .unwrap_or_else(|_| panic!("{what} path of id {id:?} left its mounts dir"))
-            .components()
-            .collect();
-        assert!(
-            tail.len() == 2
-                && tail[0] == Component::Normal(OsStr::new(&encode_volume_id(&id)))
-                && tail[1] == Component::Normal(OsStr::new(what)),
-            "{what} path of id {id:?} is {}",
-            path.display()
-        );
-    }
+    let fixed = Layout::new(Path::new(FUZZ_WORK_DIR), "t", "n");
+    check_layout_paths(&fixed, &id);
     for value in [&persistence_id, &plugin_type, &plugin_name] {
         if validate_path_component("field", value).is_ok() {
             assert_one_component(value, "validated component");
         }
     }
+    // What the provider checks before it builds its layout.
     let names_ok = is_one_component(&plugin_type) && is_one_component(&plugin_name);
-    match csi_mounts_root(&plugin_type, &plugin_name) {
-        Ok(rel) => {
+    let validated = validate_path_component("plugin type", &plugin_type)
+        .and_then(|()| validate_path_component("plugin name", &plugin_name));
+    match validated {
+        Ok(()) => {
             assert!(
                 names_ok,
-                "csi_mounts_root accepted {plugin_type:?} {plugin_name:?}"
+                "plugin names {plugin_type:?} {plugin_name:?} accepted"
             );
-            assert_eq!(rel, format!("./csi/{plugin_type}/{plugin_name}/mounts"));
+            let layout = Layout::new(Path::new(FUZZ_WORK_DIR), &plugin_type, &plugin_name);
+            check_plugin_layout(&layout, &plugin_type, &plugin_name, &id);
         }
         Err(err) => {
             assert!(
                 !names_ok,
-                "csi_mounts_root refused {plugin_type:?} {plugin_name:?}"
-            );
-            check_error(&err, input);
-        }
-    }
-    match plugin_dir(Path::new(FUZZ_WORK_DIR), &plugin_type, &plugin_name) {
-        Ok(dir) => {
-            assert!(
-                names_ok,
-                "plugin_dir accepted {plugin_type:?} {plugin_name:?}"
-            );
-            let tail: Vec<_> = dir
-                .strip_prefix(FUZZ_WORK_DIR)
-                .expect("plugin dir beneath the work dir")
-                .components()
-                .collect();
-            assert_eq!(tail.len(), 3, "plugin dir {}", dir.display());
-        }
-        Err(err) => {
-            assert!(
-                !names_ok,
-                "plugin_dir refused {plugin_type:?} {plugin_name:?}"
+                "plugin names {plugin_type:?} {plugin_name:?} refused"
             );
             check_error(&err, input);
         }
     }
     resolved
+}
+
+/// Each of `id`'s paths in `layout` is its directory plus exactly the
+/// components of Mesos' layout, the id encoded into one of them.
+fn check_layout_paths(layout: &Layout, id: &str) {
+    let enc = encode_volume_id(id);
+    let intent = format!("{enc}.intent");
+    let cases = [
+        (
+            "target",
+            layout.target_path(id),
+            layout.mounts_dir(),
+            vec![enc.as_str(), "target"],
+        ),
+        (
+            "staging",
+            layout.staging_path(id),
+            layout.mounts_dir(),
+            vec![enc.as_str(), "staging"],
+        ),
+        (
+            "state file",
+            layout.state_file(id),
+            layout.volumes_dir(),
+            vec![enc.as_str(), STATE_FILE],
+        ),
+        (
+            "intent",
+            layout.create_intent(id),
+            layout.creating_dir(),
+            vec![intent.as_str()],
+        ),
+    ];
+    for (what, path, dir, want) in cases {
+        let tail: Vec<_> = path
+            .strip_prefix(&dir)
+            .unwrap_or_else(|_| panic!("{what} path of id {id:?} left {}", dir.display()))
+            .components()
+            .collect();
+        let want: Vec<_> = want
+            .into_iter()
+            .map(|c| Component::Normal(OsStr::new(c)))
+            .collect();
+        assert_eq!(tail, want, "{what} path of id {id:?} is {}", path.display());
+    }
+}
+
+/// The layout of validated plugin names lies at `csi/<type>/<name>` beneath
+/// the work dir, writes that relative root into resources, and the resolver
+/// maps a resource with that root and `id` to the layout's own target path.
+fn check_plugin_layout(layout: &Layout, plugin_type: &str, plugin_name: &str, id: &str) {
+    let tail: Vec<_> = layout
+        .base()
+        .strip_prefix(FUZZ_WORK_DIR)
+        .expect("plugin dir beneath the work dir")
+        .components()
+        .collect();
+    assert_eq!(
+        tail,
+        [CSI_DIR, plugin_type, plugin_name].map(|c| Component::Normal(OsStr::new(c))),
+        "plugin dir {}",
+        layout.base().display()
+    );
+    let root = layout.relative_mount_root();
+    assert_eq!(
+        root,
+        format!("./{CSI_DIR}/{plugin_type}/{plugin_name}/mounts")
+    );
+    check_layout_paths(layout, id);
+    if id.is_empty() {
+        return;
+    }
+    let mut resource = Resource::scalar("disk", 1.0);
+    resource.disk = Some(DiskInfo {
+        persistence: None,
+        volume: None,
+        source: Some(DiskSource {
+            kind: SourceType::Mount,
+            path: None,
+            mount: Some(source_root(&root)),
+            vendor: None,
+            id: Some(id.to_owned()),
+            metadata: None,
+            profile: None,
+            extra: Map::new(),
+        }),
+        extra: Map::new(),
+    });
+    let resolved = resolve_host_path(&resource, Path::new(FUZZ_WORK_DIR));
+    assert_eq!(
+        resolved.as_ref().map_err(ToString::to_string),
+        Ok(&layout.target_path(id)),
+        "the resolver and the layout disagree on id {id:?} under {root:?}"
+    );
 }
 
 /// Oracle for `isolator::targets::target_of` (fuzz target

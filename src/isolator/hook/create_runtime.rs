@@ -52,7 +52,7 @@ pub async fn create_runtime(
     let config = opts.provider_config(id, &work_dir)?;
     // What the configuration tells about the provider, checked before the lock and the plugin.
     let configured_root = (!config.plugin_type.is_empty()).then(|| {
-        crate::provider::paths::Layout::new(&work_dir, &config.plugin_type, &config.plugin_name)
+        crate::resource::Layout::new(&work_dir, &config.plugin_type, &config.plugin_name)
             .relative_mount_root()
     });
     admit_resources(

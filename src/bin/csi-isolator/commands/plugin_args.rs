@@ -35,7 +35,7 @@ pub struct PluginArgs {
     #[arg(
         long,
         env = "CSI_ISOLATOR_SOCKET_DIR",
-        default_value = csi_isolator::provider::paths::SHORT_SOCKET_DIR,
+        default_value = csi_isolator::resource::SHORT_SOCKET_DIR,
         value_name = "DIR"
     )]
     pub plugin_socket_dir: std::path::PathBuf,

@@ -1,5 +1,7 @@
-//! The on-disk layout of a storage local resource provider, under the agent
-//! work dir (kept from Mesos):
+//! The on-disk layout of a storage local resource provider under the agent
+//! work dir, kept from Mesos byte for byte. This is the one place the names
+//! are spelled; the provider, `status`, the hook and the resolver
+//! ([`super::resolve_host_path`], for `<root>/<enc id>/target`) all use it.
 //!
 //! ```text
 //! <work_dir>/csi/<type>/<name>/volumes/<enc id>/volume.state   checkpoint
@@ -10,13 +12,24 @@
 //!                                     (or /run/csi-isolator/sockets/<hash>/csi.sock if that is too long)
 //! <work_dir>/csi/<type>/<name>/plugin/data                     work dir of a managed plugin
 //! ```
-//! `<enc id>` is [`crate::resource::encode_volume_id`] of the volume id.
+//! `<enc id>` is [`encode_volume_id`] of the volume id; `<type>` and
+//! `<name>` are used verbatim, so they must pass
+//! [`super::validate_path_component`] first (the provider checks them
+//! before it builds its layout).
+//!
+//! Everything here is lexical: no file system access.
 
 use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
-use crate::resource::encode_volume_id;
+use super::encode::encode_volume_id;
+
+/// The work-dir subdirectory holding everything of the CSI plugins.
+pub const CSI_DIR: &str = "csi";
+
+/// File name of a volume's checkpoint.
+pub const STATE_FILE: &str = "volume.state";
 
 /// Where plugin sockets go when the work dir is too deep for a socket path.
 pub const SHORT_SOCKET_DIR: &str = "/run/csi-isolator/sockets";
@@ -25,8 +38,16 @@ pub const SHORT_SOCKET_DIR: &str = "/run/csi-isolator/sockets";
 /// terminating NUL; keep a margin).
 pub const MAX_SOCKET_PATH: usize = 100;
 
-/// File name of a volume's checkpoint.
-pub const STATE_FILE: &str = "volume.state";
+/// A volume's NodePublishVolume target under its mount root.
+const TARGET: &str = "target";
+/// A volume's NodeStageVolume target under its mount root.
+const STAGING: &str = "staging";
+
+/// `<mounts_root>/<enc id>/target`: where a CSI volume is mounted, under
+/// any mount root (the provider's own, or one a resource names).
+pub(super) fn target_under(mounts_root: &Path, volume_id: &str) -> PathBuf {
+    mounts_root.join(encode_volume_id(volume_id)).join(TARGET)
+}
 
 /// Paths of one provider (one plugin `type`/`name`).
 #[derive(Clone, Debug)]
@@ -37,9 +58,9 @@ pub struct Layout {
 
 impl Layout {
     /// The layout of plugin `plugin_type`/`plugin_name` under `work_dir`.
-    /// Both names must already be validated path components.
+    /// Both names must already be validated path components (see the module doc).
     pub fn new(work_dir: &Path, plugin_type: &str, plugin_name: &str) -> Self {
-        let rel = Path::new("csi").join(plugin_type).join(plugin_name);
+        let rel = Path::new(CSI_DIR).join(plugin_type).join(plugin_name);
         Layout {
             base: work_dir.join(&rel),
             mounts_rel: Path::new(".").join(rel).join("mounts"),
@@ -62,7 +83,8 @@ impl Layout {
     }
 
     /// The relative mount root written into created resources
-    /// (`./csi/<type>/<name>/mounts`).
+    /// (`./csi/<type>/<name>/mounts`), which [`super::resolve_host_path`]
+    /// joins to the resolving agent's work dir.
     pub fn relative_mount_root(&self) -> String {
         self.mounts_rel.to_string_lossy().into_owned()
     }
@@ -84,12 +106,12 @@ impl Layout {
 
     /// `mounts/<enc id>/staging`.
     pub fn staging_path(&self, volume_id: &str) -> PathBuf {
-        self.mount_dir(volume_id).join("staging")
+        self.mount_dir(volume_id).join(STAGING)
     }
 
     /// `mounts/<enc id>/target`: the volume's mount point.
     pub fn target_path(&self, volume_id: &str) -> PathBuf {
-        self.mount_dir(volume_id).join("target")
+        target_under(&self.mounts_dir(), volume_id)
     }
 
     /// `creating/`.
@@ -126,5 +148,48 @@ impl Layout {
     /// `plugin/data`.
     pub fn plugin_data_dir(&self) -> PathBuf {
         self.plugin_dir().join("data")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Mesos' names, byte for byte.
+    #[test]
+    fn the_layout_is_mesos_own() {
+        let l = Layout::new(Path::new("/w"), "org.test", "default");
+        let base = "/w/csi/org.test/default";
+        assert_eq!(l.base(), Path::new(base));
+        assert_eq!(l.relative_mount_root(), "./csi/org.test/default/mounts");
+        let cases = [
+            (l.volumes_dir(), "volumes"),
+            (l.mounts_dir(), "mounts"),
+            (l.volume_dir("a/b"), "volumes/a%2Fb"),
+            (l.state_file("a/b"), "volumes/a%2Fb/volume.state"),
+            (l.mount_dir(".."), "mounts/%2E%2E"),
+            (l.staging_path(".."), "mounts/%2E%2E/staging"),
+            (l.target_path("a/b"), "mounts/a%2Fb/target"),
+            (l.creating_dir(), "creating"),
+            (l.create_intent("my vol"), "creating/my%20vol.intent"),
+            (l.plugin_dir(), "plugin"),
+            (l.plugin_socket(Path::new("/short")), "plugin/csi.sock"),
+            (l.plugin_data_dir(), "plugin/data"),
+        ];
+        for (got, rel) in cases {
+            assert_eq!(got, Path::new(base).join(rel));
+        }
+    }
+
+    #[test]
+    fn a_socket_path_too_long_moves_under_the_short_dir() {
+        let deep = format!("/{}", "d".repeat(90));
+        let l = Layout::new(Path::new(&deep), "t", "n");
+        let socket = l.plugin_socket(Path::new("/short"));
+        assert!(socket.starts_with("/short"), "{}", socket.display());
+        assert_eq!(socket.components().count(), 4, "{}", socket.display());
+        assert!(socket.as_os_str().len() <= MAX_SOCKET_PATH);
+        // The same long path always gets the same short one.
+        assert_eq!(socket, l.plugin_socket(Path::new("/short")));
     }
 }

@@ -1,0 +1,246 @@
+//! The one atomic, durable file write, shared by the provider's checkpoints
+//! (`provider::checkpoint`) and the bundled plugin's records
+//! (`plugin::store`).
+//!
+//! Contract: after [`write_atomic`] returns `Ok`, the file at `path` holds
+//! the new bytes in full, with the caller's mode, across a crash or power
+//! loss; after it returns an error, or if the process dies in it, `path`
+//! holds its old content (or is still absent). The bytes go to a temporary
+//! file in the same directory with a name no other writer uses at the same
+//! time (`.<name>.tmp-<pid>-<seq>`), created exclusively with the caller's
+//! mode (never wider: it is opened with that mode, so the umask can only
+//! narrow it), written and fsynced, renamed over `path`, and the directory
+//! is fsynced so the rename itself is durable. On every failure the
+//! temporary file is removed; only a crash can leave one, and
+//! [`remove_stale_temps`] removes those.
+//!
+//! The directory must exist: creating it (durably or not) is the caller's
+//! business.
+
+use std::ffi::OsString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What a temporary file's name holds after the target's name.
+const TEMP_MARK: &str = ".tmp-";
+
+/// How many names [`write_atomic`] tries when a stale temporary file (a
+/// crashed process with the same pid) holds one.
+const NAME_ATTEMPTS: u32 = 16;
+
+/// The step of [`write_atomic`] that failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WriteStep {
+    /// Creating the temporary file.
+    CreateTemp,
+    /// Writing the bytes into it.
+    Write,
+    /// fsyncing it.
+    SyncFile,
+    /// Renaming it over the target.
+    Rename,
+    /// fsyncing the directory after the rename.
+    SyncDir,
+}
+
+impl WriteStep {
+    /// The step as an error message names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WriteStep::CreateTemp => "create temp file",
+            WriteStep::Write => "write temp file",
+            WriteStep::SyncFile => "fsync temp file",
+            WriteStep::Rename => "rename",
+            WriteStep::SyncDir => "fsync directory",
+        }
+    }
+}
+
+impl std::fmt::Display for WriteStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A failed [`write_atomic`]: the file, the step, the cause.
+#[derive(Debug, thiserror::Error)]
+#[error("write {path} atomically ({step}): {source}")]
+pub struct AtomicWriteError {
+    /// The file being written (not its temporary file).
+    pub path: PathBuf,
+    /// Which step failed.
+    pub step: WriteStep,
+    /// The I/O error.
+    #[source]
+    pub source: io::Error,
+}
+
+/// Writes `bytes` to `path` atomically and durably, the file getting `mode`
+/// (see the module doc). `path`'s directory must exist.
+pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWriteError> {
+    let fail = |step, source| AtomicWriteError {
+        path: path.to_path_buf(),
+        step,
+        source,
+    };
+    let dir = match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    };
+    let (tmp, mut file) = create_temp(path, mode).map_err(|e| fail(WriteStep::CreateTemp, e))?;
+    let written = file
+        .write_all(bytes)
+        .map_err(|e| (WriteStep::Write, e))
+        .and_then(|()| file.sync_all().map_err(|e| (WriteStep::SyncFile, e)));
+    drop(file);
+    let renamed = written.and_then(|()| fs::rename(&tmp, path).map_err(|e| (WriteStep::Rename, e)));
+    if let Err((step, source)) = renamed {
+        let _ = fs::remove_file(&tmp);
+        return Err(fail(step, source));
+    }
+    sync_dir(dir).map_err(|e| fail(WriteStep::SyncDir, e))
+}
+
+/// fsyncs a directory so that entries created, renamed or removed in it are durable.
+pub fn sync_dir(dir: &Path) -> io::Result<()> {
+    File::open(dir).and_then(|d| d.sync_all())
+}
+
+/// Removes the temporary files [`write_atomic`] left in `dir` when a crash
+/// interrupted it (they were never renamed into place, so nothing refers
+/// to them). Best effort: what cannot be listed or removed stays.
+pub fn remove_stale_temps(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') && name.contains(TEMP_MARK) {
+            let _ = fs::remove_file(e.path());
+        }
+    }
+}
+
+/// The next temporary file's sequence number in this process.
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// Creates `path`'s temporary file exclusively, with `mode`, under the
+/// first free name.
+fn create_temp(path: &Path, mode: u32) -> io::Result<(PathBuf, File)> {
+    let mut attempt = 0;
+    loop {
+        let mut name = OsString::from(".");
+        name.push(path.file_name().unwrap_or_default());
+        name.push(format!(
+            "{TEMP_MARK}{}-{}",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        let tmp = path.with_file_name(name);
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&tmp)
+        {
+            Ok(file) => return Ok((tmp, file)),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < NAME_ATTEMPTS => {
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<_> = fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn replaces_the_file_with_the_callers_mode_and_leaves_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("volume.json");
+        write_atomic(&p, b"one", 0o600).unwrap();
+        write_atomic(&p, b"two", 0o640).unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"two");
+        let mode = fs::metadata(&p).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode & !0o640, 0, "mode {mode:o}");
+        assert_eq!(names(dir.path()), ["volume.json"]);
+    }
+
+    #[test]
+    fn a_private_file_is_private_whatever_the_umask() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("state");
+        write_atomic(&p, b"x", 0o600).unwrap();
+        assert_eq!(
+            fs::metadata(&p).unwrap().permissions().mode() & 0o7777,
+            0o600
+        );
+    }
+
+    /// A stale temporary file of a crashed process with our pid does not
+    /// stop the write, and is not what ends up in place.
+    #[test]
+    fn a_stale_temp_name_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        let next = SEQ.load(Ordering::Relaxed);
+        for seq in next..next + 4 {
+            let stale = dir
+                .path()
+                .join(format!(".f{TEMP_MARK}{}-{seq}", std::process::id()));
+            fs::write(stale, b"stale").unwrap();
+        }
+        write_atomic(&p, b"fresh", 0o600).unwrap();
+        assert_eq!(fs::read(&p).unwrap(), b"fresh");
+        remove_stale_temps(dir.path());
+        assert_eq!(names(dir.path()), ["f"]);
+    }
+
+    /// Every failing step removes the temporary file and leaves the old
+    /// content; the error names the file and the step.
+    #[test]
+    fn a_failed_write_leaves_the_old_content_and_no_temp() {
+        let dir = tempfile::tempdir().unwrap();
+        // The rename fails: the target is a non-empty directory.
+        let target = dir.path().join("busy");
+        fs::create_dir(&target).unwrap();
+        fs::write(target.join("inside"), b"keep").unwrap();
+        let err = write_atomic(&target, b"new", 0o600).unwrap_err();
+        assert_eq!(err.step, WriteStep::Rename, "{err}");
+        assert!(err.to_string().contains("busy") && err.to_string().contains("rename"));
+        assert_eq!(names(dir.path()), ["busy"]);
+        assert_eq!(fs::read(target.join("inside")).unwrap(), b"keep");
+
+        // The create fails: the directory does not exist.
+        let missing = dir.path().join("no-such-dir").join("f");
+        let err = write_atomic(&missing, b"new", 0o600).unwrap_err();
+        assert_eq!(err.step, WriteStep::CreateTemp, "{err}");
+        assert_eq!(names(dir.path()), ["busy"]);
+    }
+
+    #[test]
+    fn stale_temps_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(".volume.state.tmp-1-0"), b"x").unwrap();
+        fs::write(dir.path().join("volume.state"), b"y").unwrap();
+        fs::write(dir.path().join(".hidden"), b"z").unwrap();
+        remove_stale_temps(dir.path());
+        assert_eq!(names(dir.path()), [".hidden", "volume.state"]);
+    }
+}
