@@ -84,7 +84,7 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
     })
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
     pub(crate) spec: CreateSpec,

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::provider::error::ProviderError;
+use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
 
@@ -219,7 +220,7 @@ impl StorageProvider {
                 let Ok(mut rec) = slot.record.try_lock() else {
                     return None;
                 };
-                if rec.users.is_empty() || rec.destroying {
+                if recovery_action(&rec, self.config.policy) != Action::Republish {
                     return None;
                 }
                 self.ensure_published(&mut rec).await.err().map(|e| (id, e))
@@ -269,13 +270,9 @@ impl StorageProvider {
         if !rec.users.is_empty() {
             return Ok(false);
         }
-        match self.config.policy {
-            UnpublishPolicy::LastUse => self.drive(rec, VolumeState::Created).await,
-            UnpublishPolicy::Keep => match rec.state.pending_step() {
-                Some(step) if step.is_forward() => self.drive(rec, step.from()).await,
-                Some(step) => self.drive(rec, step.to()).await,
-                None => Ok(false),
-            },
+        match settle_goal(rec.state, rec.towards, self.config.policy) {
+            Some(goal) => self.drive(rec, goal).await,
+            None => Ok(false),
         }
     }
 

@@ -25,6 +25,7 @@ use crate::csi::{Client, ClientOptions};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::next_step::{next_step, resume_point, Next, StepCaps};
 use crate::provider::paths::Layout;
 use crate::provider::state::{Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
@@ -407,18 +408,10 @@ impl StorageProvider {
             .cloned()
     }
 
-    /// Whether the plugin needs the RPC of `step` (else the step is skipped),
-    /// per the capabilities of the plugin serving now (rediscovered when it
-    /// is replaced, see [`crate::csi::Client`]).
-    pub(crate) fn supports(&self, step: Step) -> bool {
-        let caps = self.client.current_capabilities();
-        match step {
-            Step::ControllerPublish | Step::ControllerUnpublish => {
-                caps.plugin.controller_service() && caps.controller.publish_unpublish_volume()
-            }
-            Step::NodeStage | Step::NodeUnstage => caps.node.stage_unstage_volume(),
-            Step::NodePublish | Step::NodeUnpublish => true,
-        }
+    /// What the plugin serving now offers for choosing steps (rediscovered
+    /// when it is replaced, see [`crate::csi::Client`]).
+    pub(crate) fn step_caps(&self) -> StepCaps {
+        StepCaps::of(&self.client.current_capabilities())
     }
 
     /// Drives a volume to the steady state `goal`.
@@ -430,6 +423,11 @@ impl StorageProvider {
     /// may have done: going on re-issues the steps from the first one, going
     /// back undoes every step up to `towards` (CSI calls are idempotent, so
     /// both are safe whether or not the plugin had done them).
+    ///
+    /// The loop: decide ([`resume_point`] once, then [`next_step`] from the
+    /// state, the goal and the plugin's capabilities), make the intent
+    /// durable (first RPC only), send the RPC, move the record on; the final
+    /// state is written after the loop.
     ///
     /// Returns whether it wrote the checkpoint (callers with other changes
     /// to the record, such as its users, persist them otherwise).
@@ -460,44 +458,32 @@ impl StorageProvider {
             }
         }
         let before = rec.clone();
-        // Going back over an interrupted forward operation: the plugin may
-        // have gone as far as the operation's goal, so undo from there.
-        if let (Some(pending), Some(towards)) = (rec.state.pending_step(), rec.towards) {
-            if pending.is_forward()
-                && goal.rank() < pending.to().rank()
-                && towards.rank() > pending.to().rank()
-            {
-                if let Some(last) = Step::forward_into(towards) {
-                    rec.state = last.transient();
-                }
-            }
-        }
+        rec.state = resume_point(rec.state, rec.towards, goal);
         let mut wrote = false;
         let mut dirty = false;
         let mut intent = false;
         loop {
-            let step = if let Some(pending) = rec.state.pending_step() {
-                if pending.is_forward() && goal.rank() < pending.to().rank() {
-                    pending.reverse()
-                } else {
-                    pending
+            let caps = self.step_caps();
+            let mut next = next_step(rec.state, goal, caps, false);
+            // The mount table is asked only when its answer can change the step.
+            if next == Next::Skip(Step::NodeUnstage) && self.still_staged(rec) {
+                next = next_step(rec.state, goal, caps, true);
+            }
+            let step = match next {
+                Next::Done => break,
+                Next::Skip(step) => {
+                    dirty = true;
+                    if step == Step::ControllerUnpublish && rec.node_id.is_some() {
+                        // Published by a plugin that offered the capability; the one
+                        // serving now has no RPC to undo it with.
+                        tracing::warn!(volume_id = %rec.volume_id, "the plugin no longer offers PUBLISH_UNPUBLISH_VOLUME: ControllerUnpublishVolume skipped");
+                    }
+                    advance(rec, step);
+                    continue;
                 }
-            } else {
-                match rec.state.next_step_towards(goal) {
-                    None => break,
-                    Some(step) => step,
-                }
+                Next::Call(step) => step,
             };
             dirty = true;
-            if !self.supports(step) && !self.still_staged(rec, step) {
-                if step == Step::ControllerUnpublish && rec.node_id.is_some() {
-                    // Published by a plugin that offered the capability; the one
-                    // serving now has no RPC to undo it with.
-                    tracing::warn!(volume_id = %rec.volume_id, "the plugin no longer offers PUBLISH_UNPUBLISH_VOLUME: ControllerUnpublishVolume skipped");
-                }
-                advance(rec, step);
-                continue;
-            }
             rec.state = step.transient();
             if !intent {
                 rec.towards = Some(goal);
@@ -528,14 +514,11 @@ impl StorageProvider {
         Ok(wrote)
     }
 
-    /// Whether `step` is a NodeUnstage whose staging path still holds a mount
-    /// although the plugin no longer offers STAGE_UNSTAGE_VOLUME (it was
-    /// replaced by one without it): then the step is not skipped, and fails
-    /// in [`call`](Self::call) rather than leave a mount behind unseen.
-    fn still_staged(&self, rec: &VolumeRecord, step: Step) -> bool {
-        if step != Step::NodeUnstage {
-            return false;
-        }
+    /// Whether the volume's staging path still holds a mount although the
+    /// plugin no longer offers STAGE_UNSTAGE_VOLUME (it was replaced by one
+    /// without it): then NodeUnstage is not skipped (see [`next_step`]), and
+    /// fails in [`call`](Self::call) rather than leave a mount behind unseen.
+    fn still_staged(&self, rec: &VolumeRecord) -> bool {
         let staging = self.layout.staging_path(&rec.volume_id);
         match self.table.is_mount_root(&staging) {
             Ok(mounted) => mounted,
@@ -558,7 +541,7 @@ impl StorageProvider {
             rec.publish_context.clone().into_iter().collect();
         let staging = self.layout.staging_path(&rec.volume_id);
         let target = self.layout.target_path(&rec.volume_id);
-        let stage = self.supports(Step::NodeStage);
+        let stage = self.step_caps().stage_unstage;
         match step {
             Step::ControllerPublish => {
                 let node_id = self.node_id().await?;
