@@ -8,9 +8,16 @@
 //! repaired if the mount table disagrees); interrupted steps of unused
 //! volumes are settled per the policy; orphaned mount directories are
 //! unmounted and removed. Each action is logged and kept in the report.
+//!
+//! The decisions are pure functions at the end of the file, table-tested:
+//! [`sort_found`] (what a volume directory holds: load, reset after a
+//! reboot, set aside, leave), [`recovery_action`] (finish a destroy,
+//! republish, settle, leave) and [`sort_intent`] (finish a create, drop its
+//! intent, set it aside). The I/O around them runs on the blocking pool.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use futures::future::join_all;
 
@@ -19,12 +26,15 @@ use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::paths::{Layout, STATE_FILE};
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{blocking, StorageProvider, UnpublishPolicy};
 use crate::resource::encode_volume_id;
 
 impl StorageProvider {
-    pub(crate) async fn recover(&self) -> Result<(), ProviderError> {
-        self.load_records();
+    /// Recovery on start (see the module doc). The scans of the work dir and
+    /// the mount table, and the unmounts of orphans, run on the blocking pool.
+    pub(crate) async fn recover(self: &Arc<Self>) -> Result<(), ProviderError> {
+        let this = self.clone();
+        blocking(move || this.load_records()).await;
         self.finish_creates().await;
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
         let outcomes = join_all(slots.into_iter().map(|slot| async move {
@@ -46,7 +56,7 @@ impl StorageProvider {
                 Action::Leave => Ok("settled (no users)"),
             };
             if result.is_ok() && !rec.destroying {
-                self.harden_published(&rec.volume_id);
+                self.harden_published(&rec.volume_id).await;
             }
             (rec.volume_id.clone(), before, rec.state, result)
         }))
@@ -68,7 +78,8 @@ impl StorageProvider {
             }
         }
         drop(report);
-        self.remove_orphans();
+        let this = self.clone();
+        blocking(move || this.remove_orphans()).await;
         Ok(())
     }
 
@@ -76,12 +87,12 @@ impl StorageProvider {
     /// not published again when it needs nothing: its staging and target mounts, where they are
     /// mount roots, are hardened here so an upgrade closes them too. Idempotent; a failure is logged
     /// (the volume stays usable; the next publish tries again).
-    fn harden_published(&self, volume_id: &str) {
+    async fn harden_published(&self, volume_id: &str) {
         for (path, what) in [
             (self.layout.staging_path(volume_id), "staging"),
             (self.layout.target_path(volume_id), "target"),
         ] {
-            if let Err(e) = self.harden(volume_id, &path, what) {
+            if let Err(e) = self.harden(volume_id, &path, what).await {
                 tracing::warn!(volume_id, error = %e, "recovery: cannot set nosuid,nodev on a published volume's mount");
             }
         }
@@ -151,7 +162,7 @@ impl StorageProvider {
                 report
                     .actions
                     .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
-                if let Err(e) = self.persist(&rec) {
+                if let Err(e) = self.persist_here(&rec) {
                     tracing::error!(volume_id = %rec.volume_id, error = %e, "cannot record reboot reset");
                 }
             }
@@ -161,21 +172,32 @@ impl StorageProvider {
     }
 
     async fn finish_creates(&self) {
+        // The intents are few and small: read them all at once, off the workers.
         let dir = self.layout.creating_dir();
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        checkpoint::remove_stale_temps(&dir);
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.extension().and_then(|e| e.to_str()) != Some("intent") {
-                continue;
-            }
+        let found = blocking(move || -> Vec<(PathBuf, Result<Vec<u8>, String>)> {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                return Vec::new();
+            };
+            checkpoint::remove_stale_temps(&dir);
+            entries
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|path| path.extension().and_then(|e| e.to_str()) == Some("intent"))
+                .map(|path| {
+                    let read = std::fs::read(&path).map_err(|e| e.to_string());
+                    (path, read)
+                })
+                .collect()
+        })
+        .await;
+        for (path, read) in found {
             let known = self.names();
-            let read = std::fs::read(&path).map_err(|e| e.to_string());
             let intent = match sort_intent(read, &known) {
                 IntentSorted::Corrupt(reason) => {
-                    let aside = checkpoint::set_aside(&path).unwrap_or_default();
+                    let at = path.clone();
+                    let aside = blocking(move || checkpoint::set_aside(&at))
+                        .await
+                        .unwrap_or_default();
                     tracing::error!(path = %path.display(), %reason, "create intent set aside");
                     self.report
                         .lock()
@@ -185,7 +207,7 @@ impl StorageProvider {
                     continue;
                 }
                 IntentSorted::Created => {
-                    let _ = checkpoint::remove_durable(&path);
+                    let _ = blocking(move || checkpoint::remove_durable(&path)).await;
                     continue;
                 }
                 IntentSorted::Finish(intent) => intent,

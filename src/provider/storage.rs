@@ -225,9 +225,12 @@ impl StorageProvider {
         }
         let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
         let layout = Layout::new(&config.work_dir, &config.plugin_type, &config.plugin_name);
-        for dir in [layout.volumes_dir(), layout.mounts_dir()] {
-            mkdir(&dir, "create provider directory")?;
-        }
+        let dirs = [layout.volumes_dir(), layout.mounts_dir()];
+        blocking(move || {
+            dirs.iter()
+                .try_for_each(|dir| mkdir(dir, "create provider directory"))
+        })
+        .await?;
         let (client, supervisor) = match (&config.plugin, early_client) {
             (_, Some(client)) => (client, None),
             (PluginSource::Endpoint(endpoint), None) => {
@@ -269,7 +272,7 @@ impl StorageProvider {
             sweeping: std::sync::atomic::AtomicBool::new(false),
             config,
         });
-        provider.recover().await?;
+        Self::recover(&provider).await?;
         Ok(provider)
     }
 
@@ -380,8 +383,21 @@ impl StorageProvider {
         slot
     }
 
-    /// Writes a volume's checkpoint.
-    pub(crate) fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+    /// Writes a volume's checkpoint, on the blocking pool (its fsyncs wait
+    /// for the disk); returns once it is durable.
+    pub(crate) async fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+        let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
+        let path = self.layout.state_file(&rec.volume_id);
+        blocking(move || checkpoint::write_atomic(&path, &bytes))
+            .await
+            .map_err(|source| ProviderError::Checkpoint {
+                volume: rec.volume_id.clone(),
+                source,
+            })
+    }
+
+    /// [`persist`](Self::persist) from code already off the async workers.
+    pub(crate) fn persist_here(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
         checkpoint::write_atomic(&self.layout.state_file(&rec.volume_id), &bytes).map_err(
             |source| ProviderError::Checkpoint {
@@ -466,7 +482,7 @@ impl StorageProvider {
             let caps = self.step_caps();
             let mut next = next_step(rec.state, goal, caps, false);
             // The mount table is asked only when its answer can change the step.
-            if next == Next::Skip(Step::NodeUnstage) && self.still_staged(rec) {
+            if next == Next::Skip(Step::NodeUnstage) && self.still_staged(rec).await {
                 next = next_step(rec.state, goal, caps, true);
             }
             let step = match next {
@@ -490,7 +506,7 @@ impl StorageProvider {
                 if goal.rank() >= VolumeState::VolReady.rank() {
                     rec.boot_id = Some(self.boot_id.clone());
                 }
-                if let Err(e) = self.persist(rec) {
+                if let Err(e) = self.persist(rec).await {
                     *rec = before;
                     return Err(e);
                 }
@@ -508,7 +524,7 @@ impl StorageProvider {
         }
         if dirty || rec.towards.is_some() {
             rec.towards = None;
-            self.persist(rec)?;
+            self.persist(rec).await?;
             wrote = true;
         }
         Ok(wrote)
@@ -518,9 +534,10 @@ impl StorageProvider {
     /// plugin no longer offers STAGE_UNSTAGE_VOLUME (it was replaced by one
     /// without it): then NodeUnstage is not skipped (see [`next_step`]), and
     /// fails in [`call`](Self::call) rather than leave a mount behind unseen.
-    fn still_staged(&self, rec: &VolumeRecord) -> bool {
+    async fn still_staged(&self, rec: &VolumeRecord) -> bool {
         let staging = self.layout.staging_path(&rec.volume_id);
-        match self.table.is_mount_root(&staging) {
+        let table = self.table.clone();
+        match blocking(move || table.is_mount_root(&staging)).await {
             Ok(mounted) => mounted,
             Err(e) => {
                 tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the staging path");
@@ -561,7 +578,8 @@ impl StorageProvider {
                 rec.node_id = Some(node_id);
             }
             Step::NodeStage => {
-                mkdir(&staging, "create staging directory")?;
+                let dir = staging.clone();
+                blocking(move || mkdir(&dir, "create staging directory")).await?;
                 self.client
                     .node_stage_volume(proto::NodeStageVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -573,13 +591,16 @@ impl StorageProvider {
                     })
                     .await
                     .map_err(csi)?;
-                self.harden(&rec.volume_id, &staging, "staging")?;
+                self.harden(&rec.volume_id, &staging, "staging").await?;
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
                 let mount_dir = self.layout.mount_dir(&rec.volume_id);
-                mkdir(&mount_dir, "create mount directory")?;
-                close_dir(&mount_dir)?;
+                blocking(move || {
+                    mkdir(&mount_dir, "create mount directory")?;
+                    close_dir(&mount_dir)
+                })
+                .await?;
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -599,7 +620,8 @@ impl StorageProvider {
                     .map_err(csi)?;
                 // The plugin creates the target (the CO only its parent): an
                 // answer of success with no target is not to be trusted.
-                if !target.exists() {
+                let made = target.clone();
+                if !blocking(move || made.exists()).await {
                     return Err(ProviderError::PluginMisbehaved {
                         volume: rec.volume_id.clone(),
                         rpc: step.rpc(),
@@ -609,7 +631,7 @@ impl StorageProvider {
                         ),
                     });
                 }
-                self.harden(&rec.volume_id, &target, "target")?;
+                self.harden(&rec.volume_id, &target, "target").await?;
             }
             Step::NodeUnpublish => {
                 let result = self
@@ -643,7 +665,7 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
-                remove_empty_dir(&staging);
+                blocking(move || remove_empty_dir(&staging)).await;
             }
             Step::ControllerUnpublish => {
                 let node_id = match &rec.node_id {
@@ -667,13 +689,14 @@ impl StorageProvider {
     /// target path: nothing planted in a volume runs with privilege, or opens a device, through a host path.
     /// Only a path that is itself a mount root is changed (never the file system holding it); a plugin
     /// that mounted nothing there is left alone. The containers' copies clear the flags again.
-    pub(super) fn harden(
+    pub(super) async fn harden(
         &self,
         volume: &str,
         path: &Path,
         what: &'static str,
     ) -> Result<(), ProviderError> {
-        match self.sys.harden_mount_root(path) {
+        let (sys, at) = (self.sys.clone(), path.to_path_buf());
+        match blocking(move || sys.harden_mount_root(&at)).await {
             Ok(true) => Ok(()),
             Ok(false) => {
                 tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
@@ -698,6 +721,25 @@ impl StorageProvider {
             .entry(name.to_string())
             .or_default()
             .clone()
+    }
+}
+
+/// Runs blocking work (a checkpoint's fsyncs, a mount syscall, a statx, a
+/// read of the mount table or of a directory, an EBUSY retry's sleep) on
+/// tokio's blocking pool and waits for it, so the async workers (two on a
+/// two-core node) go on with other volumes meanwhile. The caller's order of
+/// effects is kept: it resumes only once the work is done. A panic in the
+/// work is resumed in the caller.
+pub(crate) async fn blocking<T, F>(work: F) -> T
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(value) => value,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only a runtime shutting down cancels a blocking task before it starts.
+        Err(e) => panic!("blocking work cancelled: {e}"),
     }
 }
 
