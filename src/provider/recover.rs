@@ -61,23 +61,24 @@ impl StorageProvider {
             (rec.volume_id.clone(), before, rec.state, result)
         }))
         .await;
-        let mut report = self.report.lock().unwrap();
-        for (id, before, after, result) in outcomes {
-            match result {
-                Ok(what) if before != after => {
-                    tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
-                    report
-                        .actions
-                        .push(format!("{id}: {before} -> {after} ({what})"));
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::error!(volume_id = %id, error = %e, "recovery failed for volume");
-                    report.failures.push((id, e.to_string()));
+        {
+            let mut report = self.report.lock().unwrap();
+            for (id, before, after, result) in outcomes {
+                match result {
+                    Ok(what) if before != after => {
+                        tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
+                        report
+                            .actions
+                            .push(format!("{id}: {before} -> {after} ({what})"));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::error!(volume_id = %id, error = %e, "recovery failed for volume");
+                        report.failures.push((id, e.to_string()));
+                    }
                 }
             }
         }
-        drop(report);
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
         Ok(())
@@ -154,7 +155,7 @@ impl StorageProvider {
                 Sorted::Load {
                     record,
                     reset_by_reboot,
-                } => (record, reset_by_reboot),
+                } => (*record, reset_by_reboot),
             };
             if let Some(was) = reset {
                 tracing::warn!(volume_id = %rec.volume_id, state = %was,
@@ -331,7 +332,7 @@ pub(crate) enum Sorted {
     /// rebooted under it) and, after a reset, the state it had.
     Load {
         /// The record to load.
-        record: VolumeRecord,
+        record: Box<VolumeRecord>,
         /// The node-side state the reboot reset, if any (to be made durable).
         reset_by_reboot: Option<VolumeState>,
     },
@@ -376,7 +377,7 @@ pub(crate) fn sort_found(dir_name: &str, found: Found, facts: &Facts<'_>) -> Sor
         record.boot_id = None;
     }
     Sorted::Load {
-        record,
+        record: Box::new(record),
         reset_by_reboot,
     }
 }
@@ -472,6 +473,9 @@ mod tests {
 
     const BOOT: &str = "boot-now";
 
+    /// Loaded (the state after, the state a reboot reset) or what else.
+    type Expected = Result<(VolumeState, Option<VolumeState>), &'static str>;
+
     fn record(id: &str, state: VolumeState, boot: Option<&str>) -> VolumeRecord {
         let mut r = VolumeRecord::new(id, Capability::default());
         r.state = state;
@@ -499,11 +503,7 @@ mod tests {
         let mut newer = record("newer", Created, None);
         newer.format = FORMAT_VERSION + 1;
         // (directory, what it held, expected: None = not loaded, Some(state after, reset from))
-        let table: Vec<(
-            &str,
-            Found,
-            Result<(VolumeState, Option<VolumeState>), &str>,
-        )> = vec![
+        let table: Vec<(&str, Found, Expected)> = vec![
             ("gone", Found::NoStateFile, Err("remove dir")),
             ("eio", Found::Unreadable("EIO".into()), Err("unreadable")),
             (
