@@ -17,7 +17,7 @@ use crate::csi::proto;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
-use crate::provider::storage::{remove_empty_dir, StorageProvider};
+use crate::provider::storage::{blocking, remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
 
 /// What to create.
@@ -84,7 +84,7 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
     })
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
     pub(crate) spec: CreateSpec,
@@ -123,14 +123,13 @@ impl StorageProvider {
             format: FORMAT_VERSION,
             spec: spec.clone(),
         };
-        checkpoint::write_atomic(
-            &intent_path,
-            &serde_json::to_vec(&intent).expect("an intent always serializes"),
-        )
-        .map_err(|source| ProviderError::Checkpoint {
-            volume: spec.name.clone(),
-            source,
-        })?;
+        let bytes = serde_json::to_vec(&intent).expect("an intent always serializes");
+        blocking(move || checkpoint::write_atomic(&intent_path, &bytes))
+            .await
+            .map_err(|source| ProviderError::Checkpoint {
+                volume: spec.name.clone(),
+                source,
+            })?;
         let rec = self.finish_create(&spec).await?;
         Ok(self.resource_for(&rec))
     }
@@ -140,7 +139,7 @@ impl StorageProvider {
         &self,
         spec: &CreateSpec,
     ) -> Result<VolumeRecord, ProviderError> {
-        let resp = self
+        let answer = self
             .client
             .create_volume(proto::CreateVolumeRequest {
                 name: spec.name.clone(),
@@ -152,8 +151,10 @@ impl StorageProvider {
                 parameters: spec.parameters.clone().into_iter().collect(),
                 ..Default::default()
             })
-            .await
-            .map_err(|source| {
+            .await;
+        let resp = match answer {
+            Ok(resp) => resp,
+            Err(source) => {
                 // A definite failure created nothing: drop the intent so that
                 // recovery does not create a volume nobody asks for any more.
                 // An ambiguous one (the plugin may have created it) keeps it.
@@ -166,13 +167,15 @@ impl StorageProvider {
                     )
                 );
                 if !ambiguous {
-                    let _ = checkpoint::remove_durable(&self.layout.create_intent(&spec.name));
+                    let intent = self.layout.create_intent(&spec.name);
+                    let _ = blocking(move || checkpoint::remove_durable(&intent)).await;
                 }
-                ProviderError::Csi {
+                return Err(ProviderError::Csi {
                     volume: spec.name.clone(),
                     source,
-                }
-            })?;
+                });
+            }
+        };
         checkpoint::crash_point();
         let volume = resp
             .volume
@@ -206,13 +209,14 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.profile = spec.profile.clone();
         rec.vendor = Some(self.vendor.clone());
-        self.persist(&rec)?;
-        checkpoint::remove_durable(&self.layout.create_intent(&spec.name)).map_err(|source| {
-            ProviderError::Checkpoint {
+        self.persist(&rec).await?;
+        let intent = self.layout.create_intent(&spec.name);
+        blocking(move || checkpoint::remove_durable(&intent))
+            .await
+            .map_err(|source| ProviderError::Checkpoint {
                 volume: spec.name.clone(),
                 source,
-            }
-        })?;
+            })?;
         self.insert_slot(rec.clone());
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
@@ -256,7 +260,7 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.volume_context = volume_context;
         rec.vendor = Some(self.vendor.clone());
-        self.persist(&rec)?;
+        self.persist(&rec).await?;
         self.insert_slot(rec.clone());
         Ok(self.resource_for(&rec))
     }
@@ -276,7 +280,7 @@ impl StorageProvider {
         }
         if !rec.destroying {
             rec.destroying = true;
-            self.persist(&rec)?;
+            self.persist(&rec).await?;
         }
         self.finish_destroy(&mut rec).await
     }
@@ -297,16 +301,20 @@ impl StorageProvider {
                 })?;
             checkpoint::crash_point();
         }
-        let mount_dir = self.layout.mount_dir(&rec.volume_id);
-        remove_empty_dir(&self.layout.staging_path(&rec.volume_id));
-        remove_empty_dir(&mount_dir);
-        checkpoint::remove_durable(&self.layout.state_file(&rec.volume_id)).map_err(|source| {
-            ProviderError::Checkpoint {
-                volume: rec.volume_id.clone(),
-                source,
-            }
+        let layout = self.layout.clone();
+        let id = rec.volume_id.clone();
+        blocking(move || {
+            remove_empty_dir(&layout.staging_path(&id));
+            remove_empty_dir(&layout.mount_dir(&id));
+            checkpoint::remove_durable(&layout.state_file(&id))?;
+            let _ = std::fs::remove_dir(layout.volume_dir(&id));
+            Ok(())
+        })
+        .await
+        .map_err(|source| ProviderError::Checkpoint {
+            volume: rec.volume_id.clone(),
+            source,
         })?;
-        let _ = std::fs::remove_dir(self.layout.volume_dir(&rec.volume_id));
         self.slots.lock().unwrap().remove(&rec.volume_id);
         tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
         Ok(())

@@ -3,7 +3,8 @@
 //! state machine of DESIGN.md) and the [`Manager`] that routes publish
 //! requests to providers by `Resource.provider_id`.
 //!
-//! Files: `state.rs` (the machine and its record), `checkpoint.rs` (atomic,
+//! Files: `state.rs` (the machine and its record), `next_step.rs` (which
+//! step the machine takes next: pure decisions, table-tested), `checkpoint.rs` (atomic,
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
@@ -14,6 +15,7 @@ pub mod checkpoint;
 mod create;
 pub mod error;
 pub mod manager;
+mod next_step;
 mod publish;
 mod recover;
 pub mod state;

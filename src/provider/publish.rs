@@ -13,8 +13,9 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::provider::error::ProviderError;
+use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{blocking, Slot, StorageProvider, UnpublishPolicy};
 
 impl StorageProvider {
     /// Publishes one volume for `container_id` and returns its host mount
@@ -48,7 +49,7 @@ impl StorageProvider {
         // before any RPC (or on its own when there is nothing to do).
         let added = rec.users.insert(container_id.to_string());
         let outcome = match self.ensure_published(&mut rec).await {
-            Ok(false) if added => self.persist(&rec),
+            Ok(false) if added => self.persist(&rec).await,
             Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
@@ -60,7 +61,7 @@ impl StorageProvider {
                     // when it was the only one, take the volume back down.
                     rec.users.remove(container_id);
                     let undo = match self.settle_unused(&mut rec).await {
-                        Ok(false) => self.persist(&rec),
+                        Ok(false) => self.persist(&rec).await,
                         Ok(true) => Ok(()),
                         Err(undo) => Err(undo),
                     };
@@ -94,7 +95,7 @@ impl StorageProvider {
         // The removal becomes durable with the first unpublish intent (or on
         // its own when the volume stays published).
         let result = match self.settle_unused(&mut rec).await {
-            Ok(false) if removed => self.persist(&rec),
+            Ok(false) if removed => self.persist(&rec).await,
             Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
@@ -219,7 +220,7 @@ impl StorageProvider {
                 let Ok(mut rec) = slot.record.try_lock() else {
                     return None;
                 };
-                if rec.users.is_empty() || rec.destroying {
+                if recovery_action(&rec, self.config.policy) != Action::Republish {
                     return None;
                 }
                 self.ensure_published(&mut rec).await.err().map(|e| (id, e))
@@ -245,7 +246,8 @@ impl StorageProvider {
             // One statx, not a read of the whole table (which grows with
             // every mount on the node). An unreadable answer repairs nothing
             // on a guess.
-            match self.table.is_mount_root(&target) {
+            let (table, at) = (self.table.clone(), target.clone());
+            match blocking(move || table.is_mount_root(&at)).await {
                 Ok(true) => {}
                 Ok(false) => {
                     tracing::warn!(volume_id = %rec.volume_id, target = %target.display(),
@@ -269,13 +271,9 @@ impl StorageProvider {
         if !rec.users.is_empty() {
             return Ok(false);
         }
-        match self.config.policy {
-            UnpublishPolicy::LastUse => self.drive(rec, VolumeState::Created).await,
-            UnpublishPolicy::Keep => match rec.state.pending_step() {
-                Some(step) if step.is_forward() => self.drive(rec, step.from()).await,
-                Some(step) => self.drive(rec, step.to()).await,
-                None => Ok(false),
-            },
+        match settle_goal(rec.state, rec.towards, self.config.policy) {
+            Some(goal) => self.drive(rec, goal).await,
+            None => Ok(false),
         }
     }
 

@@ -8,8 +8,16 @@
 //! repaired if the mount table disagrees); interrupted steps of unused
 //! volumes are settled per the policy; orphaned mount directories are
 //! unmounted and removed. Each action is logged and kept in the report.
+//!
+//! The decisions are pure functions at the end of the file, table-tested:
+//! [`sort_found`] (what a volume directory holds: load, reset after a
+//! reboot, set aside, leave), [`recovery_action`] (finish a destroy,
+//! republish, settle, leave) and [`sort_intent`] (finish a create, drop its
+//! intent, set it aside). The I/O around them runs on the blocking pool.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
 
 use futures::future::join_all;
 
@@ -17,55 +25,62 @@ use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::StorageProvider;
+use crate::provider::storage::{blocking, StorageProvider, UnpublishPolicy};
 use crate::resource::encode_volume_id;
 use crate::resource::STATE_FILE;
 
 impl StorageProvider {
-    pub(crate) async fn recover(&self) -> Result<(), ProviderError> {
-        self.load_records();
+    /// Recovery on start (see the module doc). The scans of the work dir and
+    /// the mount table, and the unmounts of orphans, run on the blocking pool.
+    pub(crate) async fn recover(self: &Arc<Self>) -> Result<(), ProviderError> {
+        let this = self.clone();
+        blocking(move || this.load_records()).await;
         self.finish_creates().await;
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
         let outcomes = join_all(slots.into_iter().map(|slot| async move {
             let mut rec = slot.record.lock().await;
             let before = rec.state;
-            let result = if rec.destroying {
-                self.finish_destroy(&mut rec)
+            let result = match recovery_action(&rec, self.config.policy) {
+                Action::FinishDestroy => self
+                    .finish_destroy(&mut rec)
                     .await
-                    .map(|_| "finished destroy")
-            } else if !rec.users.is_empty() {
-                self.ensure_published(&mut rec)
+                    .map(|_| "finished destroy"),
+                Action::Republish => self
+                    .ensure_published(&mut rec)
                     .await
-                    .map(|_| "republished for its users")
-            } else {
-                self.settle_unused(&mut rec)
+                    .map(|_| "republished for its users"),
+                Action::Settle { goal } => self
+                    .drive(&mut rec, goal)
                     .await
-                    .map(|_| "settled (no users)")
+                    .map(|_| "settled (no users)"),
+                Action::Leave => Ok("settled (no users)"),
             };
             if result.is_ok() && !rec.destroying {
-                self.harden_published(&rec.volume_id);
+                self.harden_published(&rec.volume_id).await;
             }
             (rec.volume_id.clone(), before, rec.state, result)
         }))
         .await;
-        let mut report = self.report.lock().unwrap();
-        for (id, before, after, result) in outcomes {
-            match result {
-                Ok(what) if before != after => {
-                    tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
-                    report
-                        .actions
-                        .push(format!("{id}: {before} -> {after} ({what})"));
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::error!(volume_id = %id, error = %e, "recovery failed for volume");
-                    report.failures.push((id, e.to_string()));
+        {
+            let mut report = self.report.lock().unwrap();
+            for (id, before, after, result) in outcomes {
+                match result {
+                    Ok(what) if before != after => {
+                        tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
+                        report
+                            .actions
+                            .push(format!("{id}: {before} -> {after} ({what})"));
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::error!(volume_id = %id, error = %e, "recovery failed for volume");
+                        report.failures.push((id, e.to_string()));
+                    }
                 }
             }
         }
-        drop(report);
-        self.remove_orphans();
+        let this = self.clone();
+        blocking(move || this.remove_orphans()).await;
         Ok(())
     }
 
@@ -73,12 +88,12 @@ impl StorageProvider {
     /// not published again when it needs nothing: its staging and target mounts, where they are
     /// mount roots, are hardened here so an upgrade closes them too. Idempotent; a failure is logged
     /// (the volume stays usable; the next publish tries again).
-    fn harden_published(&self, volume_id: &str) {
+    async fn harden_published(&self, volume_id: &str) {
         for (path, what) in [
             (self.layout.staging_path(volume_id), "staging"),
             (self.layout.target_path(volume_id), "target"),
         ] {
-            if let Err(e) = self.harden(volume_id, &path, what) {
+            if let Err(e) = self.harden(volume_id, &path, what).await {
                 tracing::warn!(volume_id, error = %e, "recovery: cannot set nosuid,nodev on a published volume's mount");
             }
         }
@@ -98,27 +113,28 @@ impl StorageProvider {
             }
             checkpoint::remove_stale_temps(&vdir);
             let path = vdir.join(STATE_FILE);
-            let bytes = match checkpoint::read(&path) {
-                Ok(Some(b)) => b,
-                Ok(None) => {
-                    // A directory without a state file: an interrupted destroy
-                    // removed the file already, or nothing was ever written.
+            let found = match checkpoint::read(&path) {
+                Ok(Some(bytes)) => Found::StateFile(bytes),
+                Ok(None) => Found::NoStateFile,
+                Err(e) => Found::Unreadable(e.to_string()),
+            };
+            let facts = Facts {
+                boot_id: &self.boot_id,
+                mounted: mounted.as_ref(),
+                layout: &self.layout,
+            };
+            let (rec, reset) = match sort_found(&entry.file_name().to_string_lossy(), found, &facts)
+            {
+                Sorted::RemoveDir => {
                     let _ = std::fs::remove_dir(&vdir);
                     continue;
                 }
-                Err(e) => {
-                    tracing::error!(path = %path.display(), error = %e, "cannot read volume state");
-                    report
-                        .failures
-                        .push((path.display().to_string(), e.to_string()));
+                Sorted::Unreadable(reason) => {
+                    tracing::error!(path = %path.display(), error = %reason, "cannot read volume state");
+                    report.failures.push((path.display().to_string(), reason));
                     continue;
                 }
-            };
-            let parsed =
-                VolumeRecord::from_state_file(&bytes, &entry.file_name().to_string_lossy());
-            let mut rec = match parsed {
-                Ok(r) => r,
-                Err(reason) => {
+                Sorted::Corrupt(reason) => {
                     match checkpoint::set_aside(&path) {
                         Ok(aside) => {
                             let e = ProviderError::CorruptState {
@@ -136,26 +152,18 @@ impl StorageProvider {
                     }
                     continue;
                 }
+                Sorted::Load {
+                    record,
+                    reset_by_reboot,
+                } => (*record, reset_by_reboot),
             };
-            // After a reboot the node-side mounts are gone. An unreadable boot
-            // id proves nothing, and a mount still in the table wins over the
-            // boot id (the mount table is the truth for "is it mounted").
-            let rebooted =
-                !self.boot_id.is_empty() && rec.boot_id.as_deref() != Some(self.boot_id.as_str());
-            let still_mounted = mounted.as_ref().is_none_or(|m| {
-                m.contains(&self.layout.target_path(&rec.volume_id))
-                    || m.contains(&self.layout.staging_path(&rec.volume_id))
-            });
-            if rec.state.is_node_side() && rebooted && !still_mounted {
-                tracing::warn!(volume_id = %rec.volume_id, state = %rec.state,
+            if let Some(was) = reset {
+                tracing::warn!(volume_id = %rec.volume_id, state = %was,
                     "node rebooted since the last transition: node-side state reset to NODE_READY");
-                report.actions.push(format!(
-                    "{}: {} -> NODE_READY (reboot)",
-                    rec.volume_id, rec.state
-                ));
-                rec.state = VolumeState::NodeReady;
-                rec.boot_id = None;
-                if let Err(e) = self.persist(&rec) {
+                report
+                    .actions
+                    .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
+                if let Err(e) = self.persist_here(&rec) {
                     tracing::error!(volume_id = %rec.volume_id, error = %e, "cannot record reboot reset");
                 }
             }
@@ -165,23 +173,32 @@ impl StorageProvider {
     }
 
     async fn finish_creates(&self) {
+        // The intents are few and small: read them all at once, off the workers.
         let dir = self.layout.creating_dir();
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
-        checkpoint::remove_stale_temps(&dir);
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if path.extension().and_then(|e| e.to_str()) != Some("intent") {
-                continue;
-            }
-            let intent = match std::fs::read(&path)
-                .map_err(|e| e.to_string())
-                .and_then(|b| serde_json::from_slice::<CreateIntent>(&b).map_err(|e| e.to_string()))
-            {
-                Ok(i) => i,
-                Err(reason) => {
-                    let aside = checkpoint::set_aside(&path).unwrap_or_default();
+        let found = blocking(move || -> Vec<(PathBuf, Result<Vec<u8>, String>)> {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                return Vec::new();
+            };
+            checkpoint::remove_stale_temps(&dir);
+            entries
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|path| path.extension().and_then(|e| e.to_str()) == Some("intent"))
+                .map(|path| {
+                    let read = std::fs::read(&path).map_err(|e| e.to_string());
+                    (path, read)
+                })
+                .collect()
+        })
+        .await;
+        for (path, read) in found {
+            let known = self.names();
+            let intent = match sort_intent(read, &known) {
+                IntentSorted::Corrupt(reason) => {
+                    let at = path.clone();
+                    let aside = blocking(move || checkpoint::set_aside(&at))
+                        .await
+                        .unwrap_or_default();
                     tracing::error!(path = %path.display(), %reason, "create intent set aside");
                     self.report
                         .lock()
@@ -190,12 +207,13 @@ impl StorageProvider {
                         .push((path, aside, reason));
                     continue;
                 }
+                IntentSorted::Created => {
+                    let _ = blocking(move || checkpoint::remove_durable(&path)).await;
+                    continue;
+                }
+                IntentSorted::Finish(intent) => intent,
             };
             let name = intent.spec.name.clone();
-            if self.find_by_name(&name).await.is_some() {
-                let _ = checkpoint::remove_durable(&path);
-                continue;
-            }
             match self.finish_create(&intent.spec).await {
                 Ok(rec) => {
                     tracing::info!(name = %name, volume_id = %rec.volume_id, "recovery: finished interrupted create");
@@ -269,6 +287,428 @@ impl StorageProvider {
                         .push((dir.display().to_string(), e.to_string()));
                 }
             }
+        }
+    }
+}
+
+impl StorageProvider {
+    /// The CreateVolume names of the volumes known (lock-free: names never change).
+    fn names(&self) -> HashSet<String> {
+        self.slots
+            .lock()
+            .unwrap()
+            .values()
+            .filter_map(|s| s.name.clone())
+            .collect()
+    }
+}
+
+/// What a volume directory held when recovery looked: the I/O's answer,
+/// sorted by [`sort_found`].
+#[derive(Debug)]
+pub(crate) enum Found {
+    /// No state file.
+    NoStateFile,
+    /// The state file could not be read (the error).
+    Unreadable(String),
+    /// The state file's bytes.
+    StateFile(Vec<u8>),
+}
+
+/// What recovery does with a volume directory found at start.
+#[derive(Debug, PartialEq)]
+pub(crate) enum Sorted {
+    /// No state file: an interrupted destroy removed it already, or nothing
+    /// was ever written. The (empty) directory is removed.
+    RemoveDir,
+    /// The file could not be read: reported, left in place (it is not known
+    /// to be bad, and the volume's mounts are not orphans).
+    Unreadable(String),
+    /// The file is not to be trusted (it does not parse, its format is newer
+    /// than this build's, its id does not match its directory): set aside,
+    /// with the reason.
+    Corrupt(String),
+    /// A volume to load: its record (reset to NODE_READY when the node
+    /// rebooted under it) and, after a reset, the state it had.
+    Load {
+        /// The record to load.
+        record: Box<VolumeRecord>,
+        /// The node-side state the reboot reset, if any (to be made durable).
+        reset_by_reboot: Option<VolumeState>,
+    },
+}
+
+/// The facts about this boot that sorting a checkpoint needs.
+pub(crate) struct Facts<'a> {
+    /// This boot's id (empty when unreadable: then nothing counts as a reboot).
+    pub(crate) boot_id: &'a str,
+    /// The provider's mount points per the mount table (`None` when it could
+    /// not be read: then every volume counts as still mounted).
+    pub(crate) mounted: Option<&'a HashSet<PathBuf>>,
+    /// Where the volumes' staging and target paths are.
+    pub(crate) layout: &'a Layout,
+}
+
+/// Sorts what the directory `dir_name` of `volumes/` held (see [`Sorted`]).
+///
+/// After a reboot the node-side mounts are gone: a node-side state falls back
+/// to NODE_READY. An unreadable boot id proves nothing, and a mount still in
+/// the table wins over the boot id (the mount table is the truth for "is it
+/// mounted").
+pub(crate) fn sort_found(dir_name: &str, found: Found, facts: &Facts<'_>) -> Sorted {
+    let bytes = match found {
+        Found::NoStateFile => return Sorted::RemoveDir,
+        Found::Unreadable(reason) => return Sorted::Unreadable(reason),
+        Found::StateFile(bytes) => bytes,
+    };
+    let mut record = match VolumeRecord::from_state_file(&bytes, dir_name) {
+        Ok(r) => r,
+        Err(reason) => return Sorted::Corrupt(reason),
+    };
+    let rebooted = !facts.boot_id.is_empty() && record.boot_id.as_deref() != Some(facts.boot_id);
+    let still_mounted = facts.mounted.is_none_or(|m| {
+        m.contains(&facts.layout.target_path(&record.volume_id))
+            || m.contains(&facts.layout.staging_path(&record.volume_id))
+    });
+    let mut reset_by_reboot = None;
+    if record.state.is_node_side() && rebooted && !still_mounted {
+        reset_by_reboot = Some(record.state);
+        record.state = VolumeState::NodeReady;
+        record.boot_id = None;
+    }
+    Sorted::Load {
+        record: Box::new(record),
+        reset_by_reboot,
+    }
+}
+
+/// What recovery does with a loaded volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Action {
+    /// A destroy was asked for: unpublish fully, then DeleteVolume.
+    FinishDestroy,
+    /// Containers use it: drive it to PUBLISHED, repairing a lost mount.
+    Republish,
+    /// Unused and not where the policy wants it: drive it to `goal`.
+    Settle {
+        /// The steady state it goes to.
+        goal: VolumeState,
+    },
+    /// Unused and where the policy wants it: nothing to do.
+    Leave,
+}
+
+/// The partition of loaded volumes: what to finish (a destroy), what to
+/// bring up again (volumes in use), what to take down or settle (unused
+/// volumes, per the policy, [`settle_goal`]) and what to leave. Also the
+/// ensure-all rule: a volume is re-ensured exactly when it is to be
+/// republished.
+pub(crate) fn recovery_action(rec: &VolumeRecord, policy: UnpublishPolicy) -> Action {
+    if rec.destroying {
+        Action::FinishDestroy
+    } else if !rec.users.is_empty() {
+        Action::Republish
+    } else {
+        match settle_goal(rec.state, rec.towards, policy) {
+            Some(goal) => Action::Settle { goal },
+            None => Action::Leave,
+        }
+    }
+}
+
+/// Where an unused volume goes: under last-use, CREATED; under keep, it
+/// stays, but an interrupted step is never left behind (a forward one is
+/// undone, a backward one finished). `None` when it is there already.
+pub(crate) fn settle_goal(
+    state: VolumeState,
+    towards: Option<VolumeState>,
+    policy: UnpublishPolicy,
+) -> Option<VolumeState> {
+    let goal = match policy {
+        UnpublishPolicy::LastUse => VolumeState::Created,
+        UnpublishPolicy::Keep => match state.pending_step() {
+            Some(step) if step.is_forward() => step.from(),
+            Some(step) => step.to(),
+            None => return None,
+        },
+    };
+    (state != goal || towards.is_some()).then_some(goal)
+}
+
+/// What recovery does with a CreateVolume intent found at start.
+#[derive(Debug)]
+pub(crate) enum IntentSorted {
+    /// It cannot be read or parsed: set aside, with the reason.
+    Corrupt(String),
+    /// A volume of that name is known: the create finished, the intent goes.
+    Created,
+    /// The create was interrupted: finish it (CreateVolume is idempotent by name).
+    Finish(CreateIntent),
+}
+
+/// Sorts a CreateVolume intent (its bytes, or why they could not be read)
+/// against the names of the volumes known.
+pub(crate) fn sort_intent(read: Result<Vec<u8>, String>, known: &HashSet<String>) -> IntentSorted {
+    let intent = match read
+        .and_then(|b| serde_json::from_slice::<CreateIntent>(&b).map_err(|e| e.to_string()))
+    {
+        Ok(i) => i,
+        Err(reason) => return IntentSorted::Corrupt(reason),
+    };
+    if known.contains(&intent.spec.name) {
+        IntentSorted::Created
+    } else {
+        IntentSorted::Finish(intent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::provider::create::CreateSpec;
+    use crate::provider::state::{Capability, FORMAT_VERSION};
+    use crate::resource::encode_volume_id;
+    use std::path::Path;
+    use VolumeState::*;
+
+    const BOOT: &str = "boot-now";
+
+    /// Loaded (the state after, the state a reboot reset) or what else.
+    type Expected = Result<(VolumeState, Option<VolumeState>), &'static str>;
+
+    fn record(id: &str, state: VolumeState, boot: Option<&str>) -> VolumeRecord {
+        let mut r = VolumeRecord::new(id, Capability::default());
+        r.state = state;
+        r.boot_id = boot.map(str::to_string);
+        r
+    }
+
+    fn bytes(r: &VolumeRecord) -> Found {
+        Found::StateFile(serde_json::to_vec(r).unwrap())
+    }
+
+    #[test]
+    fn checkpoints_found_at_start_are_sorted() {
+        let layout = Layout::new(Path::new("/w"), "t", "n");
+        let mounted: HashSet<PathBuf> = [
+            layout.target_path("still-published"),
+            layout.staging_path("still-staged"),
+        ]
+        .into();
+        let facts = Facts {
+            boot_id: BOOT,
+            mounted: Some(&mounted),
+            layout: &layout,
+        };
+        let mut newer = record("newer", Created, None);
+        newer.format = FORMAT_VERSION + 1;
+        // (directory, what it held, expected: None = not loaded, Some(state after, reset from))
+        let table: Vec<(&str, Found, Expected)> = vec![
+            ("gone", Found::NoStateFile, Err("remove dir")),
+            ("eio", Found::Unreadable("EIO".into()), Err("unreadable")),
+            (
+                "junk",
+                Found::StateFile(b"{not json".to_vec()),
+                Err("corrupt"),
+            ),
+            ("newer", bytes(&newer), Err("corrupt")),
+            // A record under another volume's directory.
+            (
+                "elsewhere",
+                bytes(&record("other", Created, None)),
+                Err("corrupt"),
+            ),
+            // This boot: trusted as written, transient states included.
+            (
+                "a",
+                bytes(&record("a", Published, Some(BOOT))),
+                Ok((Published, None)),
+            ),
+            (
+                "b",
+                bytes(&record("b", NodeStage, Some(BOOT))),
+                Ok((NodeStage, None)),
+            ),
+            (
+                "c",
+                bytes(&record("c", NodeUnpublish, Some(BOOT))),
+                Ok((NodeUnpublish, None)),
+            ),
+            // Another boot: node-side states fall back to NODE_READY...
+            (
+                "d",
+                bytes(&record("d", Published, Some("boot-before"))),
+                Ok((NodeReady, Some(Published))),
+            ),
+            (
+                "e",
+                bytes(&record("e", VolReady, None)),
+                Ok((NodeReady, Some(VolReady))),
+            ),
+            (
+                "f",
+                bytes(&record("f", NodePublish, Some("boot-before"))),
+                Ok((NodeReady, Some(NodePublish))),
+            ),
+            (
+                "g",
+                bytes(&record("g", NodeUnstage, Some("boot-before"))),
+                Ok((NodeReady, Some(NodeUnstage))),
+            ),
+            // ... controller-side ones stand...
+            (
+                "h",
+                bytes(&record("h", NodeReady, None)),
+                Ok((NodeReady, None)),
+            ),
+            (
+                "i",
+                bytes(&record("i", ControllerPublish, None)),
+                Ok((ControllerPublish, None)),
+            ),
+            (
+                "j",
+                bytes(&record("j", ControllerUnpublish, None)),
+                Ok((ControllerUnpublish, None)),
+            ),
+            ("k", bytes(&record("k", Created, None)), Ok((Created, None))),
+            // ... and a mount still in the table wins over the boot id.
+            (
+                "still-published",
+                bytes(&record("still-published", Published, Some("boot-before"))),
+                Ok((Published, None)),
+            ),
+            (
+                "still-staged",
+                bytes(&record("still-staged", VolReady, Some("boot-before"))),
+                Ok((VolReady, None)),
+            ),
+        ];
+        for (dir, found, expected) in table {
+            let got = sort_found(&encode_volume_id(dir), found, &facts);
+            match (expected, got) {
+                (Err("remove dir"), Sorted::RemoveDir) => {}
+                (Err("unreadable"), Sorted::Unreadable(reason)) => assert_eq!(reason, "EIO"),
+                (Err("corrupt"), Sorted::Corrupt(reason)) => assert!(!reason.is_empty()),
+                (
+                    Ok((state, reset)),
+                    Sorted::Load {
+                        record,
+                        reset_by_reboot,
+                    },
+                ) => {
+                    assert_eq!((record.state, reset_by_reboot), (state, reset), "{dir}");
+                    if reset.is_some() {
+                        assert_eq!(record.boot_id, None, "{dir}");
+                    }
+                }
+                (expected, got) => panic!("{dir}: expected {expected:?}, got {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn an_unknown_boot_or_mount_table_resets_nothing() {
+        let layout = Layout::new(Path::new("/w"), "t", "n");
+        let published = record("v", Published, Some("boot-before"));
+        let empty = HashSet::new();
+        for (boot_id, mounted) in [("", Some(&empty)), (BOOT, None)] {
+            let facts = Facts {
+                boot_id,
+                mounted,
+                layout: &layout,
+            };
+            match sort_found(&encode_volume_id("v"), bytes(&published), &facts) {
+                Sorted::Load {
+                    record,
+                    reset_by_reboot: None,
+                } => assert_eq!(record.state, Published),
+                other => panic!("boot {boot_id:?}, table {mounted:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn loaded_volumes_are_partitioned_by_use_destroy_and_policy() {
+        use Action::*;
+        use UnpublishPolicy::{Keep, LastUse};
+        let mk = |state, towards, users: bool, destroying: bool| {
+            let mut r = record("v", state, None);
+            r.towards = towards;
+            r.destroying = destroying;
+            if users {
+                r.users.insert("c1".into());
+            }
+            r
+        };
+        let settle = |goal| Settle { goal };
+        #[rustfmt::skip]
+        let table = [
+            // (state, towards, users, destroying, last-use, keep)
+            // A destroy is finished whatever else holds.
+            (Published, None, false, true, FinishDestroy, FinishDestroy),
+            (NodeStage, Some(Created), false, true, FinishDestroy, FinishDestroy),
+            (Created, None, false, true, FinishDestroy, FinishDestroy),
+            // In use: brought up again, from anywhere.
+            (Published, None, true, false, Republish, Republish),
+            (Created, None, true, false, Republish, Republish),
+            (NodeUnpublish, Some(Created), true, false, Republish, Republish),
+            (NodeReady, Some(Published), true, false, Republish, Republish),
+            // Unused, steady.
+            (Created, None, false, false, Leave, Leave),
+            (NodeReady, None, false, false, settle(Created), Leave),
+            (VolReady, None, false, false, settle(Created), Leave),
+            (Published, None, false, false, settle(Created), Leave),
+            // Unused, a step in flight: forward ones undone, backward ones finished under keep.
+            (ControllerPublish, Some(Published), false, false, settle(Created), settle(Created)),
+            (NodeStage, Some(Published), false, false, settle(Created), settle(NodeReady)),
+            (NodePublish, Some(Published), false, false, settle(Created), settle(VolReady)),
+            (NodeUnpublish, Some(Created), false, false, settle(Created), settle(VolReady)),
+            (NodeUnstage, Some(Created), false, false, settle(Created), settle(NodeReady)),
+            (ControllerUnpublish, Some(Created), false, false, settle(Created), settle(Created)),
+            // A goal left behind (a reboot reset an operation in flight) is cleared under last-use.
+            (Created, Some(Published), false, false, settle(Created), Leave),
+            (NodeReady, Some(Published), false, false, settle(Created), Leave),
+        ];
+        for (state, towards, users, destroying, last_use, keep) in table {
+            let rec = mk(state, towards, users, destroying);
+            for (policy, expected) in [(LastUse, last_use), (Keep, keep)] {
+                assert_eq!(
+                    recovery_action(&rec, policy),
+                    expected,
+                    "{state} towards {towards:?}, users {users}, destroying {destroying}, {policy:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn create_intents_are_finished_dropped_or_set_aside() {
+        let intent = |name: &str| {
+            serde_json::to_vec(&CreateIntent {
+                format: FORMAT_VERSION,
+                spec: CreateSpec::new(name, 1 << 20),
+            })
+            .unwrap()
+        };
+        let known: HashSet<String> = ["done".to_string()].into();
+        assert!(matches!(
+            sort_intent(Ok(intent("done")), &known),
+            IntentSorted::Created
+        ));
+        match sort_intent(Ok(intent("half")), &known) {
+            IntentSorted::Finish(i) => assert_eq!(i.spec, CreateSpec::new("half", 1 << 20)),
+            other => panic!("{other:?}"),
+        }
+        for read in [
+            Ok(b"{\"format\":1}".to_vec()),
+            Ok(vec![0xff]),
+            Err("EIO".into()),
+        ] {
+            assert!(matches!(
+                sort_intent(read, &known),
+                IntentSorted::Corrupt(reason) if !reason.is_empty()
+            ));
         }
     }
 }

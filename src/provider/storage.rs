@@ -25,6 +25,7 @@ use crate::csi::{Client, ClientOptions};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::next_step::{next_step, resume_point, Next, StepCaps};
 use crate::provider::state::{Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
 use crate::resource::Layout;
@@ -224,9 +225,12 @@ impl StorageProvider {
         }
         let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
         let layout = Layout::new(&config.work_dir, &config.plugin_type, &config.plugin_name);
-        for dir in [layout.volumes_dir(), layout.mounts_dir()] {
-            mkdir(&dir, "create provider directory")?;
-        }
+        let dirs = [layout.volumes_dir(), layout.mounts_dir()];
+        blocking(move || {
+            dirs.iter()
+                .try_for_each(|dir| mkdir(dir, "create provider directory"))
+        })
+        .await?;
         let (client, supervisor) = match (&config.plugin, early_client) {
             (_, Some(client)) => (client, None),
             (PluginSource::Endpoint(endpoint), None) => {
@@ -268,7 +272,7 @@ impl StorageProvider {
             sweeping: std::sync::atomic::AtomicBool::new(false),
             config,
         });
-        provider.recover().await?;
+        Self::recover(&provider).await?;
         Ok(provider)
     }
 
@@ -379,8 +383,21 @@ impl StorageProvider {
         slot
     }
 
-    /// Writes a volume's checkpoint.
-    pub(crate) fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+    /// Writes a volume's checkpoint, on the blocking pool (its fsyncs wait
+    /// for the disk); returns once it is durable.
+    pub(crate) async fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+        let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
+        let path = self.layout.state_file(&rec.volume_id);
+        blocking(move || checkpoint::write_atomic(&path, &bytes))
+            .await
+            .map_err(|source| ProviderError::Checkpoint {
+                volume: rec.volume_id.clone(),
+                source,
+            })
+    }
+
+    /// [`persist`](Self::persist) from code already off the async workers.
+    pub(crate) fn persist_here(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
         checkpoint::write_atomic(&self.layout.state_file(&rec.volume_id), &bytes).map_err(
             |source| ProviderError::Checkpoint {
@@ -407,18 +424,10 @@ impl StorageProvider {
             .cloned()
     }
 
-    /// Whether the plugin needs the RPC of `step` (else the step is skipped),
-    /// per the capabilities of the plugin serving now (rediscovered when it
-    /// is replaced, see [`crate::csi::Client`]).
-    pub(crate) fn supports(&self, step: Step) -> bool {
-        let caps = self.client.current_capabilities();
-        match step {
-            Step::ControllerPublish | Step::ControllerUnpublish => {
-                caps.plugin.controller_service() && caps.controller.publish_unpublish_volume()
-            }
-            Step::NodeStage | Step::NodeUnstage => caps.node.stage_unstage_volume(),
-            Step::NodePublish | Step::NodeUnpublish => true,
-        }
+    /// What the plugin serving now offers for choosing steps (rediscovered
+    /// when it is replaced, see [`crate::csi::Client`]).
+    pub(crate) fn step_caps(&self) -> StepCaps {
+        StepCaps::of(&self.client.current_capabilities())
     }
 
     /// Drives a volume to the steady state `goal`.
@@ -430,6 +439,11 @@ impl StorageProvider {
     /// may have done: going on re-issues the steps from the first one, going
     /// back undoes every step up to `towards` (CSI calls are idempotent, so
     /// both are safe whether or not the plugin had done them).
+    ///
+    /// The loop: decide ([`resume_point`] once, then [`next_step`] from the
+    /// state, the goal and the plugin's capabilities), make the intent
+    /// durable (first RPC only), send the RPC, move the record on; the final
+    /// state is written after the loop.
     ///
     /// Returns whether it wrote the checkpoint (callers with other changes
     /// to the record, such as its users, persist them otherwise).
@@ -460,51 +474,39 @@ impl StorageProvider {
             }
         }
         let before = rec.clone();
-        // Going back over an interrupted forward operation: the plugin may
-        // have gone as far as the operation's goal, so undo from there.
-        if let (Some(pending), Some(towards)) = (rec.state.pending_step(), rec.towards) {
-            if pending.is_forward()
-                && goal.rank() < pending.to().rank()
-                && towards.rank() > pending.to().rank()
-            {
-                if let Some(last) = Step::forward_into(towards) {
-                    rec.state = last.transient();
-                }
-            }
-        }
+        rec.state = resume_point(rec.state, rec.towards, goal);
         let mut wrote = false;
         let mut dirty = false;
         let mut intent = false;
         loop {
-            let step = if let Some(pending) = rec.state.pending_step() {
-                if pending.is_forward() && goal.rank() < pending.to().rank() {
-                    pending.reverse()
-                } else {
-                    pending
+            let caps = self.step_caps();
+            let mut next = next_step(rec.state, goal, caps, false);
+            // The mount table is asked only when its answer can change the step.
+            if next == Next::Skip(Step::NodeUnstage) && self.still_staged(rec).await {
+                next = next_step(rec.state, goal, caps, true);
+            }
+            let step = match next {
+                Next::Done => break,
+                Next::Skip(step) => {
+                    dirty = true;
+                    if step == Step::ControllerUnpublish && rec.node_id.is_some() {
+                        // Published by a plugin that offered the capability; the one
+                        // serving now has no RPC to undo it with.
+                        tracing::warn!(volume_id = %rec.volume_id, "the plugin no longer offers PUBLISH_UNPUBLISH_VOLUME: ControllerUnpublishVolume skipped");
+                    }
+                    advance(rec, step);
+                    continue;
                 }
-            } else {
-                match rec.state.next_step_towards(goal) {
-                    None => break,
-                    Some(step) => step,
-                }
+                Next::Call(step) => step,
             };
             dirty = true;
-            if !self.supports(step) && !self.still_staged(rec, step) {
-                if step == Step::ControllerUnpublish && rec.node_id.is_some() {
-                    // Published by a plugin that offered the capability; the one
-                    // serving now has no RPC to undo it with.
-                    tracing::warn!(volume_id = %rec.volume_id, "the plugin no longer offers PUBLISH_UNPUBLISH_VOLUME: ControllerUnpublishVolume skipped");
-                }
-                advance(rec, step);
-                continue;
-            }
             rec.state = step.transient();
             if !intent {
                 rec.towards = Some(goal);
                 if goal.rank() >= VolumeState::VolReady.rank() {
                     rec.boot_id = Some(self.boot_id.clone());
                 }
-                if let Err(e) = self.persist(rec) {
+                if let Err(e) = self.persist(rec).await {
                     *rec = before;
                     return Err(e);
                 }
@@ -522,22 +524,20 @@ impl StorageProvider {
         }
         if dirty || rec.towards.is_some() {
             rec.towards = None;
-            self.persist(rec)?;
+            self.persist(rec).await?;
             wrote = true;
         }
         Ok(wrote)
     }
 
-    /// Whether `step` is a NodeUnstage whose staging path still holds a mount
-    /// although the plugin no longer offers STAGE_UNSTAGE_VOLUME (it was
-    /// replaced by one without it): then the step is not skipped, and fails
-    /// in [`call`](Self::call) rather than leave a mount behind unseen.
-    fn still_staged(&self, rec: &VolumeRecord, step: Step) -> bool {
-        if step != Step::NodeUnstage {
-            return false;
-        }
+    /// Whether the volume's staging path still holds a mount although the
+    /// plugin no longer offers STAGE_UNSTAGE_VOLUME (it was replaced by one
+    /// without it): then NodeUnstage is not skipped (see [`next_step`]), and
+    /// fails in [`call`](Self::call) rather than leave a mount behind unseen.
+    async fn still_staged(&self, rec: &VolumeRecord) -> bool {
         let staging = self.layout.staging_path(&rec.volume_id);
-        match self.table.is_mount_root(&staging) {
+        let table = self.table.clone();
+        match blocking(move || table.is_mount_root(&staging)).await {
             Ok(mounted) => mounted,
             Err(e) => {
                 tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the staging path");
@@ -558,7 +558,7 @@ impl StorageProvider {
             rec.publish_context.clone().into_iter().collect();
         let staging = self.layout.staging_path(&rec.volume_id);
         let target = self.layout.target_path(&rec.volume_id);
-        let stage = self.supports(Step::NodeStage);
+        let stage = self.step_caps().stage_unstage;
         match step {
             Step::ControllerPublish => {
                 let node_id = self.node_id().await?;
@@ -578,7 +578,8 @@ impl StorageProvider {
                 rec.node_id = Some(node_id);
             }
             Step::NodeStage => {
-                mkdir(&staging, "create staging directory")?;
+                let dir = staging.clone();
+                blocking(move || mkdir(&dir, "create staging directory")).await?;
                 self.client
                     .node_stage_volume(proto::NodeStageVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -590,13 +591,16 @@ impl StorageProvider {
                     })
                     .await
                     .map_err(csi)?;
-                self.harden(&rec.volume_id, &staging, "staging")?;
+                self.harden(&rec.volume_id, &staging, "staging").await?;
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
                 let mount_dir = self.layout.mount_dir(&rec.volume_id);
-                mkdir(&mount_dir, "create mount directory")?;
-                close_dir(&mount_dir)?;
+                blocking(move || {
+                    mkdir(&mount_dir, "create mount directory")?;
+                    close_dir(&mount_dir)
+                })
+                .await?;
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -616,7 +620,8 @@ impl StorageProvider {
                     .map_err(csi)?;
                 // The plugin creates the target (the CO only its parent): an
                 // answer of success with no target is not to be trusted.
-                if !target.exists() {
+                let made = target.clone();
+                if !blocking(move || made.exists()).await {
                     return Err(ProviderError::PluginMisbehaved {
                         volume: rec.volume_id.clone(),
                         rpc: step.rpc(),
@@ -626,7 +631,7 @@ impl StorageProvider {
                         ),
                     });
                 }
-                self.harden(&rec.volume_id, &target, "target")?;
+                self.harden(&rec.volume_id, &target, "target").await?;
             }
             Step::NodeUnpublish => {
                 let result = self
@@ -660,7 +665,7 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
-                remove_empty_dir(&staging);
+                blocking(move || remove_empty_dir(&staging)).await;
             }
             Step::ControllerUnpublish => {
                 let node_id = match &rec.node_id {
@@ -684,13 +689,14 @@ impl StorageProvider {
     /// target path: nothing planted in a volume runs with privilege, or opens a device, through a host path.
     /// Only a path that is itself a mount root is changed (never the file system holding it); a plugin
     /// that mounted nothing there is left alone. The containers' copies clear the flags again.
-    pub(super) fn harden(
+    pub(super) async fn harden(
         &self,
         volume: &str,
         path: &Path,
         what: &'static str,
     ) -> Result<(), ProviderError> {
-        match self.sys.harden_mount_root(path) {
+        let (sys, at) = (self.sys.clone(), path.to_path_buf());
+        match blocking(move || sys.harden_mount_root(&at)).await {
             Ok(true) => Ok(()),
             Ok(false) => {
                 tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
@@ -715,6 +721,25 @@ impl StorageProvider {
             .entry(name.to_string())
             .or_default()
             .clone()
+    }
+}
+
+/// Runs blocking work (a checkpoint's fsyncs, a mount syscall, a statx, a
+/// read of the mount table or of a directory, an EBUSY retry's sleep) on
+/// tokio's blocking pool and waits for it, so the async workers (two on a
+/// two-core node) go on with other volumes meanwhile. The caller's order of
+/// effects is kept: it resumes only once the work is done. A panic in the
+/// work is resumed in the caller.
+pub(crate) async fn blocking<T, F>(work: F) -> T
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    match tokio::task::spawn_blocking(work).await {
+        Ok(value) => value,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Only a runtime shutting down cancels a blocking task before it starts.
+        Err(e) => panic!("blocking work cancelled: {e}"),
     }
 }
 
