@@ -524,6 +524,11 @@ async fn measure_publish(
     r.warm_fsyncs = fsyncs as f64 / plan.warm as f64;
     r.warm_writes = writes as f64 / plan.warm as f64;
     floor.unstage(&fv).await?;
+    // The keep policy left it published: unpublished and deleted, so that nothing stays
+    // mounted when the sandbox checks for leftovers.
+    warm.destroy_volume(&wv.id)
+        .await
+        .with_context(|| format!("destroy {} (warm)", wv.id))?;
     Ok(r)
 }
 

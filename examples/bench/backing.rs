@@ -15,6 +15,8 @@ use crate::stats::{fmt_dur, ratio, verdict, Samples};
 /// Latencies of one backing.
 #[derive(Clone, Debug, Default)]
 pub struct BackingRuns {
+    /// `volume create` of a new volume.
+    pub create: Samples,
     /// `run` that creates its volume.
     pub first: Samples,
     /// `run` of a volume that exists.
@@ -29,14 +31,41 @@ pub struct BackingReport {
 }
 
 fn run_once(cli: &Path, work: &Path, backing: &str, volume: &str) -> Result<()> {
+    cli_once(
+        cli,
+        work,
+        backing,
+        &[
+            "run".into(),
+            format!("--plugin-arg=--backing={backing}"),
+            "--volume".into(),
+            format!("{volume}:64M:data"),
+            "--".into(),
+            "true".into(),
+        ],
+    )
+}
+
+fn create_once(cli: &Path, work: &Path, backing: &str, volume: &str) -> Result<()> {
+    cli_once(
+        cli,
+        work,
+        backing,
+        &[
+            "volume".into(),
+            format!("--plugin-arg=--backing={backing}"),
+            "create".into(),
+            volume.into(),
+            "64M".into(),
+        ],
+    )
+}
+
+fn cli_once(cli: &Path, work: &Path, backing: &str, args: &[String]) -> Result<()> {
     let status = Command::new(cli)
         .arg("--work-dir")
         .arg(work)
-        .arg("run")
-        .arg(format!("--plugin-arg=--backing={backing}"))
-        .arg("--volume")
-        .arg(format!("{volume}:64M:data"))
-        .args(["--", "true"])
+        .args(args)
         .env("CSI_ISOLATOR_SOCKET_DIR", work.with_file_name("s"))
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
@@ -46,7 +75,8 @@ fn run_once(cli: &Path, work: &Path, backing: &str, volume: &str) -> Result<()> 
         .with_context(|| format!("start {}", cli.display()))?;
     ensure!(
         status.success(),
-        "csi-isolator run ({backing} backing, volume {volume}) in {}: {status}",
+        "csi-isolator {} ({backing} backing) in {}: {status}",
+        args.join(" "),
         work.display()
     );
     Ok(())
@@ -74,6 +104,9 @@ pub fn measure(cli: &Path, dir: &Path, n: usize) -> Result<BackingReport> {
             ("loop", &loop_work, &mut report.default),
         ] {
             let t = Instant::now();
+            create_once(cli, work, backing, &format!("c{i}"))?;
+            runs.create.push(t.elapsed());
+            let t = Instant::now();
             run_once(cli, work, backing, &volume)?;
             runs.first.push(t.elapsed());
             let t = Instant::now();
@@ -91,6 +124,14 @@ pub fn print(r: &BackingReport, targets: &mut Vec<(String, String, bool)>) {
     println!("\n6. BACKING COST: `csi-isolator run --volume NAME:64M:data -- true` end to end (plugin start included)");
     println!("  {:<52} {:>5} {:>10} {:>10}", "", "n", "p50", "p99");
     for (label, s) in [
+        (
+            "`volume create` (plugin start, CreateVolume), dir",
+            &r.dir.create,
+        ),
+        (
+            "`volume create` (plugin start, CreateVolume), loop",
+            &r.default.create,
+        ),
         ("first run (creates the volume), dir", &r.dir.first),
         (
             "first run (creates the volume), loop (default)",
@@ -110,6 +151,8 @@ pub fn print(r: &BackingReport, targets: &mut Vec<(String, String, bool)>) {
             fmt_dur(s.p99())
         );
     }
+    let create = ratio(r.default.create.p50(), r.dir.create.p50());
+    println!("  create loop vs dir: {create:.2}×");
     let first = ratio(r.default.first.p50(), r.dir.first.p50());
     let later = ratio(r.default.later.p50(), r.dir.later.p50());
     println!(

@@ -27,7 +27,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::{blocking, StorageProvider, UnpublishPolicy};
 use crate::resource::encode_volume_id;
-use crate::resource::STATE_FILE;
+use crate::resource::{Layout, STATE_FILE};
 
 impl StorageProvider {
     /// Recovery on start (see the module doc). The scans of the work dir and
