@@ -30,6 +30,9 @@ pub use caps::{
 };
 pub use client::Client;
 pub use error::{code_name, CsiError, Replacement, VolumeRef};
-pub use metrics::{Histogram, Metrics, Rpc, RpcStats, LATENCY_BUCKETS};
+pub use metrics::{
+    grpc_code_string, LatencyStats, Metrics, Rpc, RpcStats, LATENCY_BUCKETS, OPERATIONS_METRIC,
+    OPERATION_BUCKETS,
+};
 pub use options::ClientOptions;
 pub use retry::RetryPolicy;
