@@ -18,7 +18,9 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, TargetRoot, UpdateRequest,
 };
-use csi_isolator::testing::{processes_mentioning, require_root, wait_for_serve_ready, Sandbox};
+use csi_isolator::testing::{
+    exposition, processes_mentioning, require_root, wait_for_serve_ready, Sandbox,
+};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -41,6 +43,17 @@ struct Serve {
 impl Serve {
     /// Starts serve on `work` and waits for its `ready` line.
     fn start(sb: &Sandbox, work: &Path, socket: &Path, metrics_wanted: bool) -> Serve {
+        Serve::start_with(sb, work, socket, metrics_wanted, &[])
+    }
+
+    /// [`Serve::start`] with more arguments to `serve`.
+    fn start_with(
+        sb: &Sandbox,
+        work: &Path,
+        socket: &Path,
+        metrics_wanted: bool,
+        args: &[&str],
+    ) -> Serve {
         let mut cmd = Command::new(BIN);
         // Managed plugin sockets stay inside the sandbox.
         cmd.env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"));
@@ -52,6 +65,7 @@ impl Serve {
         if metrics_wanted {
             cmd.args(["--metrics", "127.0.0.1:0"]);
         }
+        cmd.args(args);
         let mut child = sb
             .spawn(cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()))
             .expect("spawn csi-isolator serve");
@@ -188,46 +202,16 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     out
 }
 
-/// Checks the exposition format: every sample belongs to the family of
-/// the last `# TYPE` (histogram samples with their suffixes), every TYPE
-/// follows its HELP, counters end in `_total`, and no family appears twice.
+/// Checks the exposition format with the strict 0.0.4 reader (families
+/// declared once, HELP then TYPE, samples inside their family, counters
+/// named with `_total`, histograms cumulative up to `+Inf` = `_count`, no
+/// OpenMetrics-only line) and returns each family's (name, kind).
 fn check_exposition(text: &str) -> Vec<(String, String)> {
-    let mut families: Vec<(String, String)> = Vec::new();
-    let mut help: Option<String> = None;
-    for line in text.lines() {
-        if let Some(rest) = line.strip_prefix("# HELP ") {
-            help = Some(rest.split(' ').next().unwrap().to_string());
-        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
-            let (name, kind) = rest.split_once(' ').unwrap();
-            assert_eq!(help.as_deref(), Some(name), "TYPE {name} without HELP");
-            assert!(
-                !families.iter().any(|(n, _)| n == name),
-                "family {name} twice"
-            );
-            if kind == "counter" {
-                assert!(name.ends_with("_total"), "counter {name}");
-            }
-            families.push((name.to_string(), kind.to_string()));
-        } else {
-            let (series, value) = line.rsplit_once(' ').expect("sample line");
-            value
-                .parse::<f64>()
-                .unwrap_or_else(|_| panic!("value of {line}"));
-            let name = series.split('{').next().unwrap();
-            let (family, kind) = families.last().expect("sample before any TYPE");
-            let ok = match kind.as_str() {
-                "histogram" => [
-                    format!("{family}_bucket"),
-                    format!("{family}_sum"),
-                    format!("{family}_count"),
-                ]
-                .contains(&name.to_string()),
-                _ => name == family,
-            };
-            assert!(ok, "sample {line} outside its family {family}");
-        }
-    }
-    families
+    exposition::parse(text)
+        .unwrap_or_else(|e| panic!("not Prometheus text 0.0.4: {e}\n{text}"))
+        .into_iter()
+        .map(|f| (f.name, f.kind))
+        .collect()
 }
 
 /// The value of one exact series.
@@ -759,6 +743,134 @@ async fn metrics_count_plugin_terminations() {
     .unwrap();
     drop(c);
 
+    assert!(serve.terminate(&sb).success());
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+}
+
+/// The `csi_operations_seconds` samples of a scrape (kubelet's histogram) whose
+/// `method_name` and `grpc_status_code` are given, by sample name.
+fn operations<'f>(
+    families: &'f [exposition::Family],
+    method: &str,
+    code: &str,
+) -> Vec<&'f exposition::Sample> {
+    exposition::family(families, "csi_operations_seconds")
+        .expect("csi_operations_seconds in the scrape")
+        .samples
+        .iter()
+        .filter(|s| {
+            s.label("method_name") == Some(method) && s.label("grpc_status_code") == Some(code)
+        })
+        .collect()
+}
+
+fn operations_count(families: &[exposition::Family], method: &str, code: &str) -> f64 {
+    operations(families, method, code)
+        .iter()
+        .find(|s| s.name == "csi_operations_seconds_count")
+        .map_or(0.0, |s| s.value)
+}
+
+/// A scrape rendered after now (a body is reused for a second).
+async fn fresh_scrape(addr: SocketAddr) -> Vec<exposition::Family> {
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    scrape(addr).await
+}
+
+async fn scrape(addr: SocketAddr) -> Vec<exposition::Family> {
+    let response = http_get(addr, "/metrics").await;
+    let (_, body) = response.split_once("\r\n\r\n").unwrap();
+    exposition::parse(body).unwrap_or_else(|e| panic!("not Prometheus text 0.0.4: {e}\n{body}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn csi_operations_seconds_is_kubelets_histogram_and_shows_a_failing_call() {
+    require_root();
+    let sb = Sandbox::new("serve-csi-ops");
+    let work = sb.join("work");
+    // The first CreateVolume the plugin gets fails (RESOURCE_EXHAUSTED is not retried).
+    let mut serve = Serve::start_with(
+        &sb,
+        &work,
+        &sb.join("isolator.sock"),
+        true,
+        &["--plugin-arg=--fail=CreateVolume=RESOURCE_EXHAUSTED:1"],
+    );
+    let addr = serve.metrics.unwrap();
+    const CREATE: &str = "/csi.v1.Controller/CreateVolume";
+
+    let before = scrape(addr).await;
+    let ops = exposition::family(&before, "csi_operations_seconds").unwrap();
+    assert_eq!(ops.kind, "histogram");
+    // Connecting probed the plugin and asked for its name: full gRPC method names, gRPC's
+    // spelling of the code, the plugin's GetPluginInfo name as the driver.
+    let probes = operations(&before, "/csi.v1.Identity/Probe", "OK");
+    assert!(operations_count(&before, "/csi.v1.Identity/Probe", "OK") >= 1.0);
+    assert!(operations_count(&before, "/csi.v1.Identity/GetPluginInfo", "OK") >= 1.0);
+    for s in &probes {
+        assert_eq!(
+            s.label("driver_name"),
+            Some("csi-test-plugin.csi-isolator.io"),
+            "{s:?}"
+        );
+        assert_eq!(s.label("plugin"), Some(PLUGIN), "{s:?}");
+    }
+    // kubelet's buckets.
+    let bounds: Vec<&str> = probes
+        .iter()
+        .filter(|s| s.name == "csi_operations_seconds_bucket")
+        .map(|s| s.label("le").unwrap())
+        .collect();
+    assert_eq!(
+        bounds,
+        [
+            "0.1", "0.25", "0.5", "1", "2.5", "5", "10", "15", "25", "50", "120", "300", "600",
+            "+Inf"
+        ]
+    );
+    assert_eq!(operations_count(&before, CREATE, "OK"), 0.0);
+    assert_eq!(operations_count(&before, CREATE, "ResourceExhausted"), 0.0);
+
+    let mut c = serve.client().await;
+    let failed = c
+        .create_volume(CreateVolumeRequest {
+            name: "refused".into(),
+            capacity_bytes: 16 * MIB,
+            ..Default::default()
+        })
+        .await;
+    assert!(failed.is_err(), "{failed:?}");
+    let after_failure = fresh_scrape(addr).await;
+    assert_eq!(
+        operations_count(&after_failure, CREATE, "ResourceExhausted"),
+        1.0
+    );
+    assert_eq!(operations_count(&after_failure, CREATE, "OK"), 0.0);
+
+    let v = create(&mut c, "accepted", "").await;
+    let after = fresh_scrape(addr).await;
+    assert_eq!(operations_count(&after, CREATE, "ResourceExhausted"), 1.0);
+    assert_eq!(operations_count(&after, CREATE, "OK"), 1.0);
+    // One observation per call, in the +Inf bucket too.
+    let inf = operations(&after, CREATE, "OK")
+        .into_iter()
+        .find(|s| s.label("le") == Some("+Inf"))
+        .unwrap()
+        .value;
+    assert_eq!(inf, 1.0);
+
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: v.volume_id,
+        provider_id: String::new(),
+    })
+    .await
+    .unwrap();
+    drop(c);
     assert!(serve.terminate(&sb).success());
     assert_eq!(
         processes_mentioning(sb.path()),

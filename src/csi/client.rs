@@ -273,6 +273,7 @@ impl Client {
         self.identity()
             .name
             .get_or_insert_with(|| info.name.clone());
+        self.inner.metrics.set_driver_name(&info.name);
         Ok(info)
     }
 
@@ -579,7 +580,7 @@ impl Client {
                     .retry
                     .attempt_deadline(options.deadline, started.elapsed())
                 else {
-                    guard.finish(false);
+                    guard.finish(Some(Code::DeadlineExceeded));
                     return Err(CsiError::Rpc {
                         rpc: rpc.name(),
                         volume,
@@ -602,12 +603,12 @@ impl Client {
                         match result {
                             Ok(Ok(response)) => {
                                 tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
-                                guard.finish(true);
+                                guard.finish(Some(Code::Ok));
                                 return Ok(response.into_inner());
                             }
                             Ok(Err(status)) if is_decode_failure(&status) => {
                                 tracing::warn!(message = status.message(), "csi reply does not decode");
-                                guard.finish(false);
+                                guard.finish(Some(status.code()));
                                 return Err(CsiError::InvalidResponse {
                                     rpc: rpc.name(),
                                     volume,
@@ -627,7 +628,7 @@ impl Client {
                         }
                     }
                     Err(Recheck::Replaced(replacement)) => {
-                        guard.finish(false);
+                        guard.finish(None);
                         return Err(CsiError::PluginReplaced {
                             rpc: Some(rpc.name()),
                             volume,
@@ -664,7 +665,7 @@ impl Client {
                             message = status.message(),
                             "csi call failed"
                         );
-                        guard.finish(false);
+                        guard.finish(Some(status.code()));
                         return Err(CsiError::Rpc {
                             rpc: rpc.name(),
                             volume,
@@ -810,7 +811,9 @@ impl Client {
                 fmt_duration(deadline)
             ))),
         };
-        guard.finish(result.is_ok());
+        guard.finish(Some(
+            result.as_ref().map_or_else(Status::code, |_| Code::Ok),
+        ));
         result.map_err(|status| Recheck::Failed(rpc.name(), status))
     }
 

@@ -36,6 +36,9 @@ pub use client::Client;
 /// CSI standard key: other plugins leave it out, and nothing is then claimed.
 pub const CAPACITY_ENFORCED_KEY: &str = "capacity_enforced";
 pub use error::{code_name, CsiError, Replacement, VolumeRef};
-pub use metrics::{Histogram, Metrics, Rpc, RpcStats, LATENCY_BUCKETS};
+pub use metrics::{
+    grpc_code_string, LatencyStats, Metrics, Rpc, RpcStats, LATENCY_BUCKETS, OPERATIONS_METRIC,
+    OPERATION_BUCKETS,
+};
 pub use options::ClientOptions;
 pub use retry::RetryPolicy;

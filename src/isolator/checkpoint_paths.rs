@@ -16,7 +16,7 @@
 //!   prefixes.
 //! - [`open_sandbox`] and [`check_host_bind`], on the real file system: the sandbox is opened from its
 //!   expected root (the work dir when it lies inside it, else `/`) with
-//!   `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS)` ([`crate::mount::open_dir_no_symlinks_in`]), and
+//!   `openat2(RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS)` ([`crate::mount::open_beneath_no_symlinks`]), and
 //!   each host bind from the sandbox's own fd the same way, so a symlink anywhere on those paths is
 //!   refused and containment is decided by the kernel, not by a string.
 //!
@@ -30,7 +30,7 @@ use std::path::{Component, Path, PathBuf};
 use nix::errno::Errno;
 
 use crate::isolator::record::ContainerRecord;
-use crate::mount::{fd_path, open_dir_no_symlinks_in, MountError};
+use crate::mount::{fd_path, open_beneath_no_symlinks, MountError};
 use crate::shown::shown_os;
 pub use crate::workdir::{HOOK_DIR, RUN_SANDBOXES};
 
@@ -261,18 +261,16 @@ pub fn check_canonical(field: &'static str, path: &Path) -> Result<(), Checkpoin
     }
 }
 
-/// Opens `rel` (normal components only) beneath `root` following no symlink: `None` if it does not
-/// exist; ELOOP if a symlink is on it.
+/// Opens `rel` (normal components only) beneath `root` following no symlink
+/// ([`open_beneath_no_symlinks`]): `None` if it does not exist; a symlink on it is refused.
 fn open_beneath(
     field: &'static str,
     path: &Path,
     root: &Path,
     rel: &[&OsStr],
 ) -> Result<Option<OwnedFd>, CheckpointPathError> {
-    let inside: PathBuf = std::iter::once(OsStr::new("/"))
-        .chain(rel.iter().copied())
-        .collect();
-    match open_dir_no_symlinks_in(root, &inside) {
+    let rel: PathBuf = rel.iter().collect();
+    match open_beneath_no_symlinks(root, &rel) {
         Ok(fd) => Ok(Some(fd)),
         Err(MountError::Resolve {
             errno: Errno::ENOENT,

@@ -20,13 +20,10 @@ use super::LaunchError;
 
 /// `pidfd_open(pid, 0)`: an fd that polls readable once process `pid` has exited (Linux 5.3+).
 fn pidfd_open(pid: Pid) -> Result<OwnedFd, Errno> {
-    // SAFETY: pidfd_open(pid_t pid, unsigned flags) takes two integers and returns a new fd or -1.
-    let ret = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) };
-    if ret < 0 {
-        return Err(Errno::last());
-    }
-    // SAFETY: on success pidfd_open returns a new fd (close-on-exec) that nothing else owns.
-    Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(ret as libc::c_int) })
+    // No pid is 0 or negative: EINVAL, as the kernel answers.
+    let pid = rustix::process::Pid::from_raw(pid.as_raw()).ok_or(Errno::EINVAL)?;
+    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+        .map_err(|e| Errno::from_raw(e.raw_os_error()))
 }
 
 /// A workload started by [`super::launch`].

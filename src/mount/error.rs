@@ -146,11 +146,13 @@ pub enum MountError {
         /// The kernel's answer.
         errno: Errno,
     },
-    /// A path inside a volume (a persistent volume's `volumes/roles/<role>/<id>`) goes through a symlink:
-    /// whoever writes the volume (a container) could send the mount anywhere, so it is refused.
+    /// A path beneath a trusted directory goes through a symlink: inside a volume (a persistent volume's
+    /// `volumes/roles/<role>/<id>`) whoever writes the volume (a container) could send the mount anywhere;
+    /// on a checkpointed sandbox or host bind, whoever planted it could send an unmount or a removal
+    /// anywhere. So it is refused.
     #[error(
-        "open {path} beneath {root}: {component} is a symlink; a path inside a volume is never followed \
-         through a symlink (whatever wrote the volume planted it: remove it from the volume)"
+        "open {path} beneath {root}: {component} is a symlink; paths beneath a volume's mount point or \
+         the work dir never follow symbolic links (ELOOP): whatever wrote there planted it, remove it"
     )]
     SymlinkBeneath {
         /// The trusted directory the path is resolved beneath (the volume's mount point, or the work dir).

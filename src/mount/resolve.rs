@@ -17,29 +17,20 @@
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{open, openat, readlinkat, OFlag};
 use nix::sys::stat::{fstat, mkdirat, Mode, SFlag};
+use rustix::fs::{OFlags, ResolveFlags};
 
 use super::fd::fd_path;
 use super::MountError;
 
 /// Symlinks followed in one resolution before giving up with ELOOP (the kernel's own limit).
 pub const MAX_SYMLINKS: u32 = 40;
-
-/// `struct open_how` from include/uapi/linux/openat2.h (OPEN_HOW_SIZE_VER0 = 24 bytes). libc has it, but
-/// marked non_exhaustive, so it cannot be built with a struct literal.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-struct OpenHow {
-    flags: u64,
-    mode: u64,
-    resolve: u64,
-}
 
 /// Which resolver to use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,45 +99,26 @@ fn no_symlinks(root: &Path, path: &Path, strategy: Strategy) -> Result<OwnedFd, 
     if strategy == Strategy::Walk {
         return walk_no_symlinks(&ctx, root_fd, path);
     }
-    let relative = if relative.as_os_str().is_empty() {
-        PathBuf::from(".")
-    } else {
-        relative
-    };
-    let c = std::ffi::CString::new(relative.as_os_str().as_bytes())
-        .map_err(|_| ctx.err("check path", Errno::EINVAL))?;
-    let how = OpenHow {
-        // No O_DIRECTORY: a last component that is a symlink opens as itself and is refused below as
-        // ELOOP, like a symlink anywhere else on the path.
-        flags: (libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: openat2(int dirfd, const char *path, struct open_how *how, size_t size): the root fd is
-    // borrowed for the call, `c` is a NUL-terminated string and `how` a repr(C) struct of exactly `size`
-    // bytes, both alive across the call; the kernel only reads them.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root_fd.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if ret >= 0 {
-        // SAFETY: on success openat2 returns a new fd that nothing else owns.
-        let fd = unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) };
-        let st = fstat(&fd).map_err(|e| ctx.err("fstat", e))?;
-        return match SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT {
-            SFlag::S_IFDIR => Ok(fd),
-            SFlag::S_IFLNK => Err(ctx.err("openat2", Errno::ELOOP)),
-            _ => Err(ctx.err("openat2", Errno::ENOTDIR)),
-        };
-    }
-    match Errno::last() {
-        Errno::ENOSYS | Errno::EPERM | Errno::E2BIG => {}
-        e => return Err(ctx.err("openat2", e)),
+    // No O_DIRECTORY: a last component that is a symlink opens as itself and is refused below as ELOOP,
+    // like a symlink anywhere else on the path.
+    let opened = openat2(
+        &ctx,
+        root_fd.as_fd(),
+        &relative,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    );
+    match opened {
+        Ok(fd) => {
+            let st = fstat(&fd).map_err(|e| ctx.err("fstat", e))?;
+            return match SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT {
+                SFlag::S_IFDIR => Ok(fd),
+                SFlag::S_IFLNK => Err(ctx.err("openat2", Errno::ELOOP)),
+                _ => Err(ctx.err("openat2", Errno::ENOTDIR)),
+            };
+        }
+        Err(Errno::ENOSYS | Errno::EPERM | Errno::E2BIG) => {}
+        Err(e) => return Err(ctx.err("openat2", e)),
     }
     walk_no_symlinks(&ctx, root_fd, path)
 }
@@ -351,38 +323,36 @@ fn check_inside(ctx: &Ctx<'_>, root: BorrowedFd<'_>, fd: BorrowedFd<'_>) -> Resu
 }
 
 fn openat2_in_root(ctx: &Ctx<'_>, root: BorrowedFd<'_>, relative: &Path) -> Result<OwnedFd, Errno> {
+    openat2(
+        ctx,
+        root,
+        relative,
+        OFlags::PATH | OFlags::CLOEXEC,
+        ResolveFlags::IN_ROOT | ResolveFlags::NO_MAGICLINKS,
+    )
+}
+
+/// The one openat2(2) call: `relative` (empty: the directory itself) from `dir` with `flags` and
+/// `resolve`. EINTR, and the EAGAIN that RESOLVE_IN_ROOT / RESOLVE_BENEATH return when a rename raced
+/// with the lookup, are retried a bounded number of times; every other error is the caller's to judge
+/// (ENOSYS, or EPERM/E2BIG from a seccomp filter, mean no openat2: take the walk).
+fn openat2(
+    ctx: &Ctx<'_>,
+    dir: BorrowedFd<'_>,
+    relative: &Path,
+    flags: OFlags,
+    resolve: ResolveFlags,
+) -> Result<OwnedFd, Errno> {
     let target = if relative.as_os_str().is_empty() {
         Path::new(".")
     } else {
         relative
     };
-    let c = std::ffi::CString::new(target.as_os_str().as_bytes()).map_err(|_| Errno::EINVAL)?;
-    let how = OpenHow {
-        flags: (libc::O_PATH | libc::O_CLOEXEC) as u64,
-        mode: 0,
-        resolve: libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS,
-    };
-    // RESOLVE_IN_ROOT fails with EAGAIN when a rename raced with a ".." step; retry a bounded number of times.
     for _ in 0..16 {
-        // SAFETY: openat2(int dirfd, const char *path, struct open_how *how, size_t size): the dirfd is borrowed
-        // for the call, `c` is a NUL-terminated string and `how` a repr(C) struct of exactly `size` bytes, both
-        // alive across the call; the kernel only reads them.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                root.as_raw_fd(),
-                c.as_ptr(),
-                &how as *const OpenHow,
-                std::mem::size_of::<OpenHow>(),
-            )
-        };
-        if ret >= 0 {
-            // SAFETY: on success openat2 returns a new fd that nothing else owns.
-            return Ok(unsafe { OwnedFd::from_raw_fd(ret as libc::c_int) });
-        }
-        match Errno::last() {
-            Errno::EAGAIN | Errno::EINTR => continue,
-            e => return Err(e),
+        match rustix::fs::openat2(dir, target, flags, rustix::fs::Mode::empty(), resolve) {
+            Ok(fd) => return Ok(fd),
+            Err(e) if e == rustix::io::Errno::AGAIN || e == rustix::io::Errno::INTR => continue,
+            Err(e) => return Err(Errno::from_raw(e.raw_os_error())),
         }
     }
     tracing::warn!(root = %ctx.root.display(), path = %ctx.path.display(), "openat2 kept racing");

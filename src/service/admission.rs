@@ -14,31 +14,22 @@
 //!   (`csi_isolator_connections_refused_total{listener="grpc",reason="peer"}`)
 //!   and logged (uid, gid, pid) at most [`WARNINGS_PER_WINDOW`] times per
 //!   [`WARN_WINDOW`], so a flood cannot fill the log.
-//! - At most `max_connections` admitted connections are open at once; one
-//!   over the cap is closed at once (counted, `reason="capacity"`). A slot
-//!   is freed when its connection ends (the peer closes, dies, or stops
-//!   answering HTTP/2 keepalive pings).
-//! - Accepting never stops on a transient error (out of descriptors, a
-//!   connection reset before it was accepted): it waits a moment and goes on.
+//! - The cap on connections (`reason="capacity"`) and the accept loop are
+//!   [`accept`](super::accept)'s, shared with `/metrics`. A slot is freed
+//!   when its connection ends (the peer closes, dies, or stops answering
+//!   HTTP/2 keepalive pings).
 
-use std::io::ErrorKind;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use futures::Stream;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
+use crate::service::accept::{Admitted, Gate, Listen, WarnLimiter};
+#[cfg(doc)]
+use crate::service::accept::{WARNINGS_PER_WINDOW, WARN_WINDOW};
 use crate::service::metrics::{Refusal, ServiceMetrics};
-
-/// How many refusals of one kind are logged per [`WARN_WINDOW`].
-pub const WARNINGS_PER_WINDOW: u32 = 10;
-/// The window of [`WARNINGS_PER_WINDOW`].
-pub const WARN_WINDOW: Duration = Duration::from_secs(60);
 
 /// Whom the service admits on its socket (see the module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -93,178 +84,61 @@ pub fn resolve_group(value: &str) -> Result<u32, GroupError> {
     }
 }
 
-/// Logs at most [`WARNINGS_PER_WINDOW`] events per [`WARN_WINDOW`] and says
-/// how many it left out. Pure: the caller passes the time.
-#[derive(Debug, Default)]
-pub struct WarnLimiter {
-    window_start: Option<Instant>,
-    shown: u32,
-    suppressed: u64,
-}
-
-impl WarnLimiter {
-    /// Whether the event at `now` is logged; if so, how many were left out
-    /// before it (in the windows since the last one logged).
-    pub fn allow(&mut self, now: Instant) -> Option<u64> {
-        let expired = self
-            .window_start
-            .is_none_or(|start| now.saturating_duration_since(start) >= WARN_WINDOW);
-        if expired {
-            self.window_start = Some(now);
-            self.shown = 0;
-        }
-        if self.shown < WARNINGS_PER_WINDOW {
-            self.shown += 1;
-            Some(std::mem::take(&mut self.suppressed))
-        } else {
-            self.suppressed += 1;
-            None
-        }
-    }
-}
-
-/// An admitted connection: the stream and its slot under the cap.
-#[derive(Debug)]
-pub struct Admitted {
-    stream: UnixStream,
-    _slot: OwnedSemaphorePermit,
-}
-
-impl AsyncRead for Admitted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Admitted {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.stream.is_write_vectored()
-    }
-}
-
-impl Connected for Admitted {
+impl Connected for Admitted<UnixStream> {
     type ConnectInfo = UdsConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.stream.connect_info()
+        self.stream().connect_info()
     }
 }
 
-/// The gate's state, carried from one accepted connection to the next.
-struct Gate {
+/// The service socket, admitting peers by their credentials.
+struct PeerChecked {
     listener: UnixListener,
     admission: Admission,
-    slots: Arc<Semaphore>,
     metrics: Arc<ServiceMetrics>,
     refused_peers: WarnLimiter,
-    refused_full: WarnLimiter,
 }
 
-impl Gate {
-    /// Accepts until a connection passes the gate.
-    async fn next(&mut self) -> Admitted {
-        loop {
-            let stream = match self.listener.accept().await {
-                Ok((stream, _)) => stream,
-                Err(e) => {
-                    if !is_transient(&e) {
-                        tracing::error!(error = %e, "service socket: accept failed");
-                    }
-                    // Out of descriptors, or a connection gone before it was
-                    // accepted: try again shortly rather than spin or stop.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let cred = match stream.peer_cred() {
-                Ok(c) => c,
-                Err(e) => {
-                    tracing::warn!(error = %e, "service socket: cannot read the peer's credentials; connection closed");
-                    continue;
-                }
-            };
-            let (uid, gid, pid) = (cred.uid(), cred.gid(), cred.pid());
-            if !self.admission.admits(uid, gid) {
-                drop(stream);
-                self.metrics.refused(Refusal::GrpcPeer);
-                if let Some(left_out) = self.refused_peers.allow(Instant::now()) {
-                    tracing::warn!(
-                        uid,
-                        gid,
-                        pid = ?pid,
-                        allowed_group = ?self.admission.group,
-                        left_out,
-                        "service socket: connection refused: the peer is neither root nor in the allowed group"
-                    );
-                }
-                continue;
-            }
-            match self.slots.clone().try_acquire_owned() {
-                Ok(slot) => {
-                    return Admitted {
-                        stream,
-                        _slot: slot,
-                    }
-                }
-                Err(_) => {
-                    drop(stream);
-                    self.metrics.refused(Refusal::GrpcCapacity);
-                    if let Some(left_out) = self.refused_full.allow(Instant::now()) {
-                        tracing::warn!(
-                            uid,
-                            gid,
-                            pid = ?pid,
-                            left_out,
-                            "service socket: connection refused: every connection slot is taken (serve --max-connections)"
-                        );
-                    }
-                }
-            }
-        }
+impl Listen for PeerChecked {
+    type Stream = UnixStream;
+    const NAME: &'static str = "service socket";
+    const OVER_CAPACITY: Refusal = Refusal::GrpcCapacity;
+
+    async fn accept(&mut self) -> std::io::Result<(UnixStream, String)> {
+        let (stream, _) = self.listener.accept().await?;
+        let peer = match stream.peer_cred() {
+            Ok(c) => format!("uid {} gid {} pid {:?}", c.uid(), c.gid(), c.pid()),
+            Err(_) => "unknown peer".to_string(),
+        };
+        Ok((stream, peer))
     }
-}
 
-/// Whether an accept error concerns one connection or a passing shortage,
-/// not the listener.
-pub fn is_transient(e: &std::io::Error) -> bool {
-    matches!(
-        e.kind(),
-        ErrorKind::ConnectionAborted
-            | ErrorKind::ConnectionReset
-            | ErrorKind::Interrupted
-            | ErrorKind::WouldBlock
-    ) || matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
+    fn admit(&mut self, stream: &UnixStream) -> bool {
+        let cred = match stream.peer_cred() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "service socket: cannot read the peer's credentials; connection closed");
+                return false;
+            }
+        };
+        let (uid, gid, pid) = (cred.uid(), cred.gid(), cred.pid());
+        if self.admission.admits(uid, gid) {
+            return true;
+        }
+        self.metrics.refused(Refusal::GrpcPeer);
+        if let Some(left_out) = self.refused_peers.allow(Instant::now()) {
+            tracing::warn!(
+                uid,
+                gid,
+                pid = ?pid,
+                allowed_group = ?self.admission.group,
+                left_out,
+                "service socket: connection refused: the peer is neither root nor in the allowed group"
+            );
+        }
+        false
+    }
 }
 
 /// The connections of `listener` that pass the gate (see the module doc),
@@ -274,15 +148,14 @@ pub fn incoming(
     admission: Admission,
     max_connections: usize,
     metrics: Arc<ServiceMetrics>,
-) -> impl Stream<Item = Result<Admitted, std::io::Error>> {
-    let gate = Gate {
+) -> impl Stream<Item = Result<Admitted<UnixStream>, std::io::Error>> {
+    let checked = PeerChecked {
         listener,
         admission,
-        slots: Arc::new(Semaphore::new(max_connections)),
-        metrics,
+        metrics: metrics.clone(),
         refused_peers: WarnLimiter::default(),
-        refused_full: WarnLimiter::default(),
     };
+    let gate = Gate::new(checked, max_connections, metrics);
     futures::stream::unfold(gate, |mut gate| async move {
         let admitted = gate.next().await;
         Some((Ok(admitted), gate))
@@ -320,23 +193,5 @@ mod tests {
         assert_eq!(resolve_group("root").unwrap(), 0);
         let e = resolve_group("no-such-group-csi").unwrap_err();
         assert!(e.to_string().contains("no-such-group-csi"), "{e}");
-    }
-
-    #[test]
-    fn warnings_are_limited_per_window_and_count_what_was_left_out() {
-        let t0 = Instant::now();
-        let mut l = WarnLimiter::default();
-        for i in 0..WARNINGS_PER_WINDOW {
-            assert_eq!(l.allow(t0 + Duration::from_millis(u64::from(i))), Some(0));
-        }
-        for _ in 0..5 {
-            assert_eq!(l.allow(t0 + Duration::from_secs(1)), None);
-        }
-        assert_eq!(
-            l.allow(t0 + WARN_WINDOW),
-            Some(5),
-            "the next window says how many"
-        );
-        assert_eq!(l.allow(t0 + WARN_WINDOW), Some(0));
     }
 }

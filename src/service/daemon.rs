@@ -273,11 +273,7 @@ async fn serve_with_provider(
         let render: http::Render =
             Arc::new(move || metrics.render(isolator.manager(), &work_dir, &*table));
         let limits = opts.metrics_limits;
-        tokio::spawn(async move {
-            if let Err(e) = http::serve(l, render, limits, counted).await {
-                tracing::error!(error = %e, "metrics server stopped");
-            }
-        })
+        tokio::spawn(http::serve(l, render, limits, counted))
     });
 
     on_ready(&Started {

@@ -1,27 +1,28 @@
-//! A minimal HTTP/1.1 responder for `GET /metrics`, over a tokio
-//! `TcpListener`: one request per connection, answered with
-//! `Connection: close` and an exact `Content-Length`.
+//! `GET /metrics` over hyper's HTTP/1 server, behind serve's accept gate.
 //!
-//! - `GET /metrics` (any query string): `200`, `text/plain; version=0.0.4`.
-//!   `HEAD` gets the same headers without the body.
+//! - `GET /metrics` (any query string): `200`, the Prometheus text format
+//!   0.0.4 (`text/plain; version=0.0.4`). `HEAD` gets the same headers
+//!   without the body.
 //! - Another path: `404`; another method: `405` with `Allow: GET, HEAD`;
-//!   a request line that cannot be parsed, or a header block over 16 KiB:
-//!   `400`.
+//!   a request hyper cannot parse: `400`; a head over 16 KiB: `431`.
 //!
-//! Request bodies are not read (GET and HEAD carry none); the connection is
-//! closed after the response, which HTTP/1.1 allows with `Connection: close`.
+//! One request per connection: keep-alive is off, so every response says
+//! `Connection: close` and the connection ends after it. Request bodies are
+//! never read (GET and HEAD carry none). Header names are written in title
+//! case, as before hyper.
 //!
 //! Bounds, so that whoever reaches the port cannot make serve hold more
 //! than a fixed number of descriptors or do more than a fixed amount of
 //! work (see [`Limits`]):
-//! - At most `max_connections` connections are served at once. One over the
-//!   cap is accepted and closed at once (so it neither waits in the backlog
-//!   nor holds a descriptor), counted
+//! - At most `max_connections` connections are served at once, by the
+//!   accept gate shared with the service socket ([`accept`](super::accept)):
+//!   one over the cap is accepted and closed at once, counted
 //!   (`csi_isolator_connections_refused_total{listener="metrics"}`) and
 //!   logged at a bounded rate.
 //! - One deadline covers the whole request: reading the head, rendering and
 //!   writing the response. A connection still open at the deadline is
 //!   closed, whatever it was doing.
+//! - The head is read into at most 16 KiB.
 //! - The rendered body is reused for `cache_for` (1 s by default): a burst
 //!   of scrapes renders once, instead of scanning every checkpoint and the
 //!   mount table once per scrape. Scrapes that arrive while a render runs
@@ -33,21 +34,25 @@
 //! [`parse_addr`]); serve warns when it binds any other address
 //! ([`exposure_warning`]).
 
+use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::header::{HeaderValue, ALLOW, CONTENT_TYPE as CONTENT_TYPE_HEADER};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
 
-use crate::service::admission::{is_transient, WarnLimiter};
+use crate::service::accept::{Gate, Listen};
 use crate::service::metrics::{Refusal, ServiceMetrics};
 
-/// The largest request head read.
+/// The largest request head read (hyper's buffer; its minimum is 8 KiB).
 const MAX_HEAD: usize = 16 * 1024;
 /// The content type of the Prometheus text format.
-pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub const CONTENT_TYPE: &str = crate::service::metrics::CONTENT_TYPE;
 
 /// Renders the metrics text; called on a blocking thread.
 pub type Render = Arc<dyn Fn() -> String + Send + Sync>;
@@ -101,7 +106,7 @@ pub fn exposure_warning(addr: SocketAddr) -> Option<String> {
 pub struct RenderCache {
     render: Render,
     ttl: Duration,
-    slot: tokio::sync::Mutex<Option<(Instant, Arc<String>)>>,
+    slot: tokio::sync::Mutex<Option<(Instant, Bytes)>>,
 }
 
 /// Whether a body rendered at `rendered` may still be served at `now`.
@@ -121,7 +126,7 @@ impl RenderCache {
 
     /// The body: the cached one while fresh, else a new render (on a
     /// blocking thread; concurrent callers wait for it and share it).
-    pub async fn get(&self) -> std::io::Result<Arc<String>> {
+    pub async fn get(&self) -> std::io::Result<Bytes> {
         let mut slot = self.slot.lock().await;
         if let Some((at, body)) = slot.as_ref() {
             if fresh(*at, Instant::now(), self.ttl) {
@@ -129,7 +134,7 @@ impl RenderCache {
             }
         }
         let render = self.render.clone();
-        let body = Arc::new(
+        let body = Bytes::from(
             tokio::task::spawn_blocking(move || render())
                 .await
                 .map_err(std::io::Error::other)?,
@@ -139,44 +144,52 @@ impl RenderCache {
     }
 }
 
-/// Accepts connections forever, one task each, within `limits`. Ends only
-/// on an accept error that is not per-connection (abort the task to stop it).
+/// The metrics port, for the accept gate: every peer is admitted (the bind
+/// address is the operator's choice), up to the cap.
+struct MetricsPort(TcpListener);
+
+impl Listen for MetricsPort {
+    type Stream = TcpStream;
+    const NAME: &'static str = "metrics";
+    const OVER_CAPACITY: Refusal = Refusal::MetricsCapacity;
+
+    async fn accept(&mut self) -> std::io::Result<(TcpStream, String)> {
+        let (stream, peer) = self.0.accept().await?;
+        Ok((stream, peer.to_string()))
+    }
+}
+
+/// Accepts connections until the task is aborted, one task each, within
+/// `limits` (accepting never stops by itself, see [`Gate`]).
 pub async fn serve(
     listener: TcpListener,
     render: Render,
     limits: Limits,
     metrics: Arc<ServiceMetrics>,
-) -> std::io::Result<()> {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+) {
+    let mut gate = Gate::new(MetricsPort(listener), limits.max_connections, metrics);
     let cache = Arc::new(RenderCache::new(render, limits.cache_for));
-    let mut refusals = WarnLimiter::default();
     loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(c) => c,
-            // Per-connection failures (reset before accept, out of fds for a moment).
-            Err(e) if is_transient(&e) => {
-                tracing::warn!(error = %e, "metrics: accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-            Err(e) => return Err(e),
-        };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            drop(stream);
-            metrics.refused(Refusal::MetricsCapacity);
-            if let Some(left_out) = refusals.allow(Instant::now()) {
-                tracing::warn!(%peer, max = limits.max_connections, left_out, "metrics: connection refused: every connection slot is taken");
-            }
-            continue;
-        };
+        let conn = gate.next().await;
         let cache = cache.clone();
         tokio::spawn(async move {
-            let _slot = slot;
-            match tokio::time::timeout(limits.deadline, handle(stream, &cache)).await {
+            let peer = conn.stream().peer_addr().ok();
+            let service = hyper::service::service_fn(move |req| {
+                let cache = cache.clone();
+                async move { Ok::<_, Infallible>(respond(&req, &cache).await) }
+            });
+            let http = hyper::server::conn::http1::Builder::new()
+                .keep_alive(false)
+                .title_case_headers(true)
+                .max_buf_size(MAX_HEAD)
+                .timer(TokioTimer::new())
+                .header_read_timeout(limits.deadline)
+                .serve_connection(TokioIo::new(conn), service);
+            match tokio::time::timeout(limits.deadline, http).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics: connection failed"),
+                Ok(Err(e)) => tracing::debug!(?peer, error = %e, "metrics: connection failed"),
                 Err(_elapsed) => {
-                    tracing::debug!(%peer, deadline = ?limits.deadline, "metrics: request not done by its deadline; connection closed")
+                    tracing::debug!(?peer, deadline = ?limits.deadline, "metrics: request not done by its deadline; connection closed")
                 }
             }
         });
@@ -186,147 +199,93 @@ pub async fn serve(
 /// What a request asks for.
 #[derive(Debug, PartialEq, Eq)]
 enum Route {
-    Metrics { head_only: bool },
-    NotFound { head_only: bool },
+    Metrics,
+    NotFound,
     MethodNotAllowed,
-    BadRequest,
 }
 
-/// Routes a request head (everything up to the blank line).
-fn route(head: &[u8]) -> Route {
-    let Some(line) = head.split(|b| *b == b'\n').next() else {
-        return Route::BadRequest;
-    };
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let Ok(line) = std::str::from_utf8(line) else {
-        return Route::BadRequest;
-    };
-    let mut parts = line.split(' ');
-    let (Some(method), Some(target), Some(version), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Route::BadRequest;
-    };
-    if !version.starts_with("HTTP/1.") || target.is_empty() {
-        return Route::BadRequest;
-    }
-    let head_only = match method {
-        "GET" => false,
-        "HEAD" => true,
-        _ => return Route::MethodNotAllowed,
-    };
-    let path = target.split_once('?').map_or(target, |(p, _)| p);
-    if path == "/metrics" {
-        Route::Metrics { head_only }
+/// Routes a request by its method and path (the query is not part of it).
+fn route(method: &Method, path: &str) -> Route {
+    if method != Method::GET && method != Method::HEAD {
+        Route::MethodNotAllowed
+    } else if path == "/metrics" {
+        Route::Metrics
     } else {
-        Route::NotFound { head_only }
+        Route::NotFound
     }
 }
 
-/// Reads the request head: up to and including the first blank line.
-async fn read_head(stream: &mut TcpStream) -> std::io::Result<Option<Vec<u8>>> {
-    let mut head = Vec::with_capacity(1024);
-    let mut buf = [0u8; 2048];
-    loop {
-        if let Some(end) = find_end(&head) {
-            head.truncate(end);
-            return Ok(Some(head));
-        }
-        if head.len() > MAX_HEAD {
-            return Ok(None);
-        }
-        let n = stream.read(&mut buf).await?;
-        if n == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        head.extend_from_slice(&buf[..n]);
-    }
-}
-
-/// The end of the head (after `\r\n\r\n`, or a bare `\n\n`, which RFC 9112
-/// lets a server accept).
-fn find_end(buf: &[u8]) -> Option<usize> {
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    match (crlf, lf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
-/// Serves one request (the caller bounds the whole of it by the deadline).
-async fn handle(mut stream: TcpStream, cache: &RenderCache) -> std::io::Result<()> {
-    let route = match read_head(&mut stream).await? {
-        None => Route::BadRequest,
-        Some(head) => route(&head),
+/// The response to one request (hyper leaves the body out for HEAD).
+async fn respond<B>(req: &Request<B>, cache: &RenderCache) -> Response<Full<Bytes>> {
+    let text = |status: StatusCode, body: &'static str| {
+        let mut r = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            CONTENT_TYPE_HEADER,
+            HeaderValue::from_static("text/plain; charset=utf-8"),
+        );
+        r
     };
-    let text = |s: &str| Arc::new(s.to_string());
-    let (status, body, head_only, extra) = match route {
-        Route::Metrics { head_only } => ("200 OK", cache.get().await?, head_only, ""),
-        Route::NotFound { head_only } => (
-            "404 Not Found",
-            text("not found: metrics are at /metrics\n"),
-            head_only,
-            "",
+    match route(req.method(), req.uri().path()) {
+        Route::Metrics => match cache.get().await {
+            Ok(body) => {
+                let mut r = Response::new(Full::new(body));
+                r.headers_mut()
+                    .insert(CONTENT_TYPE_HEADER, HeaderValue::from_static(CONTENT_TYPE));
+                r
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: render failed");
+                text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "the metrics could not be rendered\n",
+                )
+            }
+        },
+        Route::NotFound => text(
+            StatusCode::NOT_FOUND,
+            "not found: metrics are at /metrics\n",
         ),
-        Route::MethodNotAllowed => (
-            "405 Method Not Allowed",
-            text("only GET and HEAD are allowed\n"),
-            false,
-            "Allow: GET, HEAD\r\n",
-        ),
-        Route::BadRequest => ("400 Bad Request", text("bad request\n"), false, ""),
-    };
-    let content_type = if status.starts_with("200") {
-        CONTENT_TYPE
-    } else {
-        "text/plain; charset=utf-8"
-    };
-    let mut response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
-    if !head_only {
-        response.extend_from_slice(body.as_bytes());
+        Route::MethodNotAllowed => {
+            let mut r = text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "only GET and HEAD are allowed\n",
+            );
+            r.headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+            r
+        }
     }
-    stream.write_all(&response).await?;
-    stream.shutdown().await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     #[test]
     fn routes() {
-        for (head, want) in [
-            (
-                &b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"[..],
-                Route::Metrics { head_only: false },
-            ),
-            (
-                b"HEAD /metrics?x=1 HTTP/1.0\r\n\r\n",
-                Route::Metrics { head_only: true },
-            ),
-            (
-                b"GET / HTTP/1.1\r\n\r\n",
-                Route::NotFound { head_only: false },
-            ),
-            (b"POST /metrics HTTP/1.1\r\n\r\n", Route::MethodNotAllowed),
-            (b"GET /metrics\r\n\r\n", Route::BadRequest),
-            (b"GET /metrics SPDY/3\r\n\r\n", Route::BadRequest),
-            (b"\xff\xfe\r\n\r\n", Route::BadRequest),
+        for (method, path, want) in [
+            (Method::GET, "/metrics", Route::Metrics),
+            (Method::HEAD, "/metrics", Route::Metrics),
+            (Method::GET, "/", Route::NotFound),
+            (Method::GET, "/metrics/", Route::NotFound),
+            (Method::POST, "/metrics", Route::MethodNotAllowed),
+            (Method::PUT, "/", Route::MethodNotAllowed),
         ] {
-            assert_eq!(route(head), want, "{:?}", String::from_utf8_lossy(head));
+            assert_eq!(route(&method, path), want, "{method} {path}");
         }
     }
 
-    #[test]
-    fn head_ends_at_the_first_blank_line() {
-        assert_eq!(find_end(b"GET / HTTP/1.1\r\n\r\nbody"), Some(18));
-        assert_eq!(find_end(b"GET / HTTP/1.1\n\nbody"), Some(16));
-        assert_eq!(find_end(b"GET / HTTP/1.1\r\nHost: x\r\n"), None);
+    async fn ask(addr: SocketAddr, req: &[u8]) -> String {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(req).await.unwrap();
+        let mut out = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out))
+            .await
+            .expect("answered and closed in time")
+            .unwrap();
+        String::from_utf8(out).unwrap()
     }
 
     #[tokio::test]
@@ -339,26 +298,41 @@ mod tests {
             Limits::default(),
             Arc::new(ServiceMetrics::default()),
         ));
-        let ask = |req: &'static str| async move {
-            let mut s = TcpStream::connect(addr).await.unwrap();
-            s.write_all(req.as_bytes()).await.unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).await.unwrap();
-            out
-        };
-        let ok = ask("GET /metrics HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        let ok = ask(addr, b"GET /metrics?x=1 HTTP/1.1\r\nHost: a\r\n\r\n").await;
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
         assert!(ok.contains("Content-Length: 27\r\n"), "{ok}");
+        assert!(
+            ok.contains(&format!("Content-Type: {CONTENT_TYPE}\r\n")),
+            "{ok}"
+        );
+        assert!(ok.contains("Connection: close\r\n"), "{ok}");
         assert!(
             ok.ends_with("\r\n\r\n# TYPE x counter\nx_total 1\n"),
             "{ok}"
         );
-        let head = ask("HEAD /metrics HTTP/1.1\r\n\r\n").await;
-        assert!(head.ends_with("Connection: close\r\n\r\n"), "{head}");
-        let missing = ask("GET /nope HTTP/1.1\r\n\r\n").await;
+        let old = ask(addr, b"GET /metrics HTTP/1.0\r\n\r\n").await;
+        assert!(old.starts_with("HTTP/1.0 200 OK\r\n"), "{old}");
+        let head = ask(addr, b"HEAD /metrics HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        assert!(head.starts_with("HTTP/1.1 200 OK\r\n"), "{head}");
+        assert!(head.ends_with("\r\n\r\n"), "no body after HEAD: {head}");
+        let missing = ask(addr, b"GET /nope HTTP/1.1\r\nHost: a\r\n\r\n").await;
         assert!(missing.starts_with("HTTP/1.1 404 "), "{missing}");
-        let post = ask("POST /metrics HTTP/1.1\r\n\r\n").await;
-        assert!(post.starts_with("HTTP/1.1 405 ") && post.contains("Allow: GET, HEAD"));
+        let post = ask(addr, b"POST /metrics HTTP/1.1\r\nHost: a\r\n\r\n").await;
+        assert!(
+            post.starts_with("HTTP/1.1 405 ") && post.contains("Allow: GET, HEAD"),
+            "{post}"
+        );
+        for bad in [&b"GET /metrics SPDY/3\r\n\r\n"[..], b"\xff\xfe\r\n\r\n"] {
+            let answer = ask(addr, bad).await;
+            assert!(answer.starts_with("HTTP/1.1 400 "), "{answer}");
+        }
+        // A head over the cap is refused, not buffered.
+        let huge = format!(
+            "GET /metrics HTTP/1.1\r\nHost: a\r\nX-Pad: {}\r\n\r\n",
+            "a".repeat(2 * MAX_HEAD)
+        );
+        let answer = ask(addr, huge.as_bytes()).await;
+        assert!(answer.starts_with("HTTP/1.1 431 "), "{answer}");
         server.abort();
     }
 
@@ -437,11 +411,11 @@ mod tests {
             })
             .collect();
         for b in burst {
-            assert_eq!(b.await.unwrap().as_str(), "render 0\n");
+            assert_eq!(b.await.unwrap(), "render 0\n");
         }
         assert_eq!(renders.load(std::sync::atomic::Ordering::SeqCst), 1);
         tokio::time::sleep(Duration::from_millis(350)).await;
-        assert_eq!(cache.get().await.unwrap().as_str(), "render 1\n");
+        assert_eq!(cache.get().await.unwrap(), "render 1\n");
     }
 
     #[tokio::test]

@@ -1,7 +1,9 @@
-//! What `GET /metrics` shows, in the Prometheus text exposition format
-//! (version 0.0.4): every family has `# HELP` and `# TYPE` lines, counters
-//! end in `_total`, histograms have cumulative `_bucket{le=...}` series
-//! ending in `le="+Inf"`, then `_sum` and `_count`.
+//! What `GET /metrics` shows: every family registered with, and rendered
+//! by, `prometheus-client` in the Prometheus text exposition format
+//! (version 0.0.4: every family has `# HELP` and `# TYPE` lines, a counter's
+//! `# TYPE` names it with its `_total`, histograms have cumulative
+//! `_bucket{le=...}` series ending in `le="+Inf"`, then `_sum` and `_count`;
+//! no `# EOF`, which is OpenMetrics').
 //!
 //! Families (prefix `csi_isolator_`):
 //! - `requests_total{method,code}`: service calls by method and gRPC code.
@@ -23,17 +25,25 @@
 //!   `csi_cancelled_total`, `csi_retries_total`, `csi_latency_seconds`
 //!   (`{plugin,rpc}`): the CSI client's calls (see [`crate::csi::Metrics`]).
 //!
+//! And, without the prefix, kubelet's
+//! `csi_operations_seconds{driver_name,method_name,grpc_status_code,plugin}`:
+//! one observation per CSI call (see [`crate::csi::Metrics`]).
+//!
 //! Volume counts come from the checkpoints on disk ([`scan`]), not from the
 //! providers' in-memory records, so a scrape never waits for a volume
 //! operation in flight.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 use std::time::Duration;
 
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
 use tonic::Code;
 
 use crate::csi::code_name;
@@ -43,6 +53,9 @@ use crate::provider::{Manager, VolumeState};
 
 /// The prefix of every metric name.
 pub const PREFIX: &str = "csi_isolator";
+
+/// The content type of what [`ServiceMetrics::render`] returns.
+pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
 /// Upper bounds (seconds) of the publish-latency buckets: a publish is
 /// three CSI calls and a few durable writes, from milliseconds to the
@@ -82,50 +95,8 @@ fn state_index(s: VolumeState) -> usize {
     }
 }
 
-/// A latency histogram over [`PUBLISH_BUCKETS`], lock-free.
-#[derive(Debug, Default)]
-pub struct LatencyHistogram {
-    /// Per bucket, not cumulative; the last one is above the largest bound.
-    buckets: [AtomicU64; PUBLISH_BUCKETS.len() + 1],
-    count: AtomicU64,
-    sum_nanos: AtomicU64,
-}
-
-impl LatencyHistogram {
-    /// Records one observation.
-    pub fn observe(&self, latency: Duration) {
-        let secs = latency.as_secs_f64();
-        let i = PUBLISH_BUCKETS.partition_point(|b| *b < secs);
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-        let nanos = u64::try_from(latency.as_nanos()).unwrap_or(u64::MAX);
-        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
-    }
-
-    /// Number of observations.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    /// Writes the `_bucket`, `_sum` and `_count` series of `name` with the
-    /// extra label `labels` (`key="value"`).
-    fn encode(&self, out: &mut String, name: &str, labels: &str) {
-        let mut total = 0;
-        for (i, b) in self.buckets.iter().enumerate() {
-            total += b.load(Ordering::Relaxed);
-            let le = PUBLISH_BUCKETS
-                .get(i)
-                .map_or_else(|| "+Inf".to_string(), |b| b.to_string());
-            let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {total}");
-        }
-        let sum = Duration::from_nanos(self.sum_nanos.load(Ordering::Relaxed));
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", sum.as_secs_f64());
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count());
-    }
-}
-
-/// A call that publishes volumes, for [`ServiceMetrics::publish`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A call that publishes volumes, for [`ServiceMetrics::observe_publish`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PublishOp {
     /// `Prepare`.
     Prepare,
@@ -161,253 +132,210 @@ impl Refusal {
     ];
 
     /// (listener, reason) labels.
-    fn labels(self) -> (&'static str, &'static str) {
-        match self {
+    fn labels(self) -> RefusalLabels {
+        let (listener, reason) = match self {
             Refusal::GrpcPeer => ("grpc", "peer"),
             Refusal::GrpcCapacity => ("grpc", "capacity"),
             Refusal::MetricsCapacity => ("metrics", "capacity"),
-        }
-    }
-
-    fn index(self) -> usize {
-        match self {
-            Refusal::GrpcPeer => 0,
-            Refusal::GrpcCapacity => 1,
-            Refusal::MetricsCapacity => 2,
-        }
+        };
+        RefusalLabels { listener, reason }
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    method: &'static str,
+    code: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RefusalLabels {
+    listener: &'static str,
+    reason: &'static str,
+}
+
+fn publish_histogram() -> Histogram {
+    Histogram::new(PUBLISH_BUCKETS)
+}
+
 /// What the service counts itself (the rest is read at scrape time).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ServiceMetrics {
-    requests: Mutex<BTreeMap<(&'static str, &'static str), u64>>,
-    prepare: LatencyHistogram,
-    update: LatencyHistogram,
-    refused: [AtomicU64; Refusal::ALL.len()],
+    requests: Family<RequestLabels, Counter>,
+    publish: Family<OpLabels, Histogram, fn() -> Histogram>,
+    refused: Family<RefusalLabels, Counter>,
+}
+
+impl Default for ServiceMetrics {
+    fn default() -> Self {
+        let m = ServiceMetrics {
+            requests: Family::default(),
+            publish: Family::new_with_constructor(publish_histogram as fn() -> Histogram),
+            refused: Family::default(),
+        };
+        // Every series that can be zero is shown from the start.
+        for op in [PublishOp::Prepare, PublishOp::Update] {
+            let _ = m.publish.get_or_create(&OpLabels { op: op.label() });
+        }
+        for why in Refusal::ALL {
+            let _ = m.refused.get_or_create(&why.labels());
+        }
+        m
+    }
 }
 
 impl ServiceMetrics {
     /// Counts one finished call of `method` with `code`.
     pub fn request(&self, method: &'static str, code: Code) {
-        *self
-            .requests
-            .lock()
-            .unwrap()
-            .entry((method, code_name(code)))
-            .or_default() += 1;
+        self.requests
+            .get_or_create(&RequestLabels {
+                method,
+                code: code_name(code),
+            })
+            .inc();
     }
 
     /// Counts one connection closed at once for `why`.
     pub fn refused(&self, why: Refusal) {
-        self.refused[why.index()].fetch_add(1, Ordering::Relaxed);
+        self.refused.get_or_create(&why.labels()).inc();
     }
 
     /// How many connections were closed at once for `why`.
     pub fn refused_count(&self, why: Refusal) -> u64 {
-        self.refused[why.index()].load(Ordering::Relaxed)
+        self.refused.get_or_create(&why.labels()).get()
     }
 
-    /// The publish-latency histogram of `op`.
-    pub fn publish(&self, op: PublishOp) -> &LatencyHistogram {
-        match op {
-            PublishOp::Prepare => &self.prepare,
-            PublishOp::Update => &self.update,
-        }
+    /// Records one call of `op` that published provider volumes in `took`.
+    pub fn observe_publish(&self, op: PublishOp, took: Duration) {
+        self.publish
+            .get_or_create(&OpLabels { op: op.label() })
+            .observe(took.as_secs_f64());
     }
 
-    /// Renders every family (see the module doc). Volume counts come from
-    /// the checkpoints under `work_dir` and the mount `table`; a scan that
-    /// fails leaves those families out (and is logged).
+    /// Number of publishing calls of `op` recorded.
+    pub fn publish_count(&self, op: PublishOp) -> u64 {
+        self.publish
+            .get_or_create(&OpLabels { op: op.label() })
+            .count()
+    }
+
+    /// Renders every family (see the module doc) in the Prometheus text
+    /// format 0.0.4 ([`CONTENT_TYPE`]). Volume counts come from the
+    /// checkpoints under `work_dir` and the mount `table`; a scan that fails
+    /// leaves those families out (and is logged).
     pub fn render(&self, manager: &Manager, work_dir: &Path, table: &dyn MountTable) -> String {
-        let mut out = String::new();
-        let p = PREFIX;
-
-        header(
-            &mut out,
-            &format!("{p}_requests_total"),
-            "counter",
+        let mut registry = Registry::with_prefix(PREFIX);
+        registry.register(
+            "requests",
             "Isolator service calls by method and gRPC status code.",
+            self.requests.clone(),
         );
-        for ((method, code), n) in self.requests.lock().unwrap().iter() {
-            let _ = writeln!(
-                out,
-                "{p}_requests_total{{method=\"{method}\",code=\"{code}\"}} {n}"
-            );
-        }
-
-        let name = format!("{p}_publish_duration_seconds");
-        header(
-            &mut out,
-            &name,
-            "histogram",
+        registry.register(
+            "publish_duration_seconds",
             "Duration of Prepare and Update calls that publish provider volumes.",
+            self.publish.clone(),
         );
-        for op in [PublishOp::Prepare, PublishOp::Update] {
-            self.publish(op)
-                .encode(&mut out, &name, &format!("op=\"{}\"", op.label()));
-        }
-
-        header(
-            &mut out,
-            &format!("{p}_connections_refused_total"),
-            "counter",
+        registry.register(
+            "connections_refused",
             "Connections closed as soon as they were accepted, per listener and reason.",
+            self.refused.clone(),
         );
-        for why in Refusal::ALL {
-            let (listener, reason) = why.labels();
-            let _ = writeln!(
-                out,
-                "{p}_connections_refused_total{{listener=\"{listener}\",reason=\"{reason}\"}} {}",
-                self.refused_count(why)
-            );
-        }
 
-        match scan(work_dir, table) {
+        let mut providers = Vec::new();
+        let mut csi = Vec::new();
+        for pr in manager.providers() {
+            providers.push((pr.plugin().to_string(), pr.plugin_terminations()));
+            csi.push((Some(pr.plugin().to_string()), pr.client().metrics()));
+        }
+        let volumes = match scan(work_dir, table) {
             Ok(report) => {
-                let mut per_plugin: BTreeMap<String, [u64; STATES.len()]> = manager
-                    .providers()
-                    .map(|pr| (pr.plugin().to_string(), [0; STATES.len()]))
+                let mut per_plugin: BTreeMap<String, [u64; STATES.len()]> = providers
+                    .iter()
+                    .map(|(plugin, _)| (plugin.clone(), [0; STATES.len()]))
                     .collect();
                 for v in &report.volumes {
                     per_plugin.entry(v.plugin.clone()).or_default()[state_index(v.state)] += 1;
                 }
-                header(
-                    &mut out,
-                    &format!("{p}_volumes"),
-                    "gauge",
-                    "Volumes per plugin and recorded state (transient states: an operation in flight or interrupted).",
-                );
-                for (plugin, counts) in &per_plugin {
-                    for (state, n) in STATES.iter().zip(counts) {
-                        let _ = writeln!(
-                            out,
-                            "{p}_volumes{{plugin=\"{}\",state=\"{state}\"}} {n}",
-                            escape(plugin)
-                        );
-                    }
-                }
-                header(
-                    &mut out,
-                    &format!("{p}_volumes_published"),
-                    "gauge",
-                    "Volumes in state PUBLISHED, per plugin.",
-                );
-                for (plugin, counts) in &per_plugin {
-                    let _ = writeln!(
-                        out,
-                        "{p}_volumes_published{{plugin=\"{}\"}} {}",
-                        escape(plugin),
-                        counts[state_index(VolumeState::Published)]
-                    );
-                }
+                Some(per_plugin)
             }
-            Err(e) => tracing::warn!(error = %e, "metrics: cannot scan the volumes"),
-        }
-
-        header(
-            &mut out,
-            &format!("{p}_plugin_terminations_total"),
-            "counter",
-            "Unexpected exits of a managed CSI plugin.",
-        );
-        for pr in manager.providers() {
-            let _ = writeln!(
-                out,
-                "{p}_plugin_terminations_total{{plugin=\"{}\"}} {}",
-                escape(pr.plugin()),
-                pr.plugin_terminations()
-            );
-        }
-
-        let csi: Vec<(String, String)> = manager
-            .providers()
-            .map(|pr| {
-                (
-                    pr.plugin().to_string(),
-                    pr.client().metrics().encode_prometheus(&format!("{p}_csi")),
-                )
-            })
-            .collect();
-        encode_csi(&mut out, &csi);
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: cannot scan the volumes");
+                None
+            }
+        };
+        registry.register_collector(Box::new(ScrapeTime { volumes, providers }));
+        // The CSI client families carry the `csi_` infix under the prefix;
+        // csi_operations_seconds is kubelet's name and carries none.
+        let mut unprefixed = Registry::default();
+        unprefixed.register_collector(Box::new(crate::csi::metrics::Collect::new(
+            &format!("{PREFIX}_csi"),
+            csi,
+        )));
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &registry);
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &unprefixed);
         out
     }
 }
 
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
+/// The families read at scrape time: volumes per plugin and state (`None`
+/// when the scan failed), and each plugin's terminations.
+#[derive(Debug)]
+struct ScrapeTime {
+    volumes: Option<BTreeMap<String, [u64; STATES.len()]>>,
+    providers: Vec<(String, u64)>,
 }
 
-/// A label value with `\`, `"` and newlines escaped, as the format requires.
-fn escape(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
-}
-
-/// The help text of a CSI client family, by its name after the prefix.
-fn csi_help(suffix: &str) -> &'static str {
-    match suffix {
-        "pending" => "CSI calls in flight.",
-        "finished_total" => "CSI calls that returned OK.",
-        "failed_total" => "CSI calls that failed after their last attempt.",
-        "cancelled_total" => "CSI calls abandoned before they returned.",
-        "retries_total" => "CSI call attempts after the first.",
-        "latency_seconds" => "Latency of finished and failed CSI calls.",
-        _ => "CSI client metric.",
-    }
-}
-
-/// Merges the CSI client metrics of several plugins into one set of
-/// families (a family's samples must be contiguous), each sample labelled
-/// with its plugin.
-fn encode_csi(out: &mut String, per_plugin: &[(String, String)]) {
-    let mut families: Vec<(String, String, Vec<String>)> = Vec::new();
-    for (plugin, text) in per_plugin {
-        let mut current: Option<usize> = None;
-        for line in text.lines() {
-            if let Some(rest) = line.strip_prefix("# TYPE ") {
-                let mut parts = rest.split_whitespace();
-                let (Some(name), Some(kind)) = (parts.next(), parts.next()) else {
-                    continue;
-                };
-                let i = match families.iter().position(|(n, _, _)| n == name) {
-                    Some(i) => i,
-                    None => {
-                        families.push((name.to_string(), kind.to_string(), Vec::new()));
-                        families.len() - 1
-                    }
-                };
-                current = Some(i);
-            } else if line.starts_with('#') || line.is_empty() {
-                continue;
-            } else if let Some(i) = current {
-                let label = format!("plugin=\"{}\"", escape(plugin));
-                let sample = match line.split_once('{') {
-                    Some((name, rest)) => format!("{name}{{{label},{rest}"),
-                    None => match line.split_once(' ') {
-                        Some((name, value)) => format!("{name}{{{label}}} {value}"),
-                        None => continue,
-                    },
-                };
-                families[i].2.push(sample);
+impl prometheus_client::collector::Collector for ScrapeTime {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if let Some(per_plugin) = &self.volumes {
+            let mut family = encoder.encode_descriptor(
+                "volumes",
+                "Volumes per plugin and recorded state (transient states: an operation in flight or interrupted).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (plugin, counts) in per_plugin {
+                for (state, n) in STATES.iter().zip(counts) {
+                    let state = state.to_string();
+                    let labels = [("plugin", plugin.as_str()), ("state", state.as_str())];
+                    ConstGauge::new(gauge_value(*n)).encode(family.encode_family(&labels)?)?;
+                }
+            }
+            let mut family = encoder.encode_descriptor(
+                "volumes_published",
+                "Volumes in state PUBLISHED, per plugin.",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (plugin, counts) in per_plugin {
+                let n = counts[state_index(VolumeState::Published)];
+                ConstGauge::new(gauge_value(n))
+                    .encode(family.encode_family(&[("plugin", plugin.as_str())])?)?;
             }
         }
-    }
-    let prefix = format!("{PREFIX}_csi_");
-    for (name, kind, samples) in families {
-        header(
-            out,
-            &name,
-            &kind,
-            csi_help(name.strip_prefix(&prefix).unwrap_or(&name)),
-        );
-        for s in samples {
-            let _ = writeln!(out, "{s}");
+        let mut family = encoder.encode_descriptor(
+            "plugin_terminations",
+            "Unexpected exits of a managed CSI plugin.",
+            None,
+            MetricType::Counter,
+        )?;
+        for (plugin, n) in &self.providers {
+            ConstCounter::new(*n).encode(family.encode_family(&[("plugin", plugin.as_str())])?)?;
         }
+        Ok(())
     }
+}
+
+/// A count as a gauge value (prometheus-client's gauges are signed).
+fn gauge_value(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
 }
 
 #[cfg(test)]
@@ -415,63 +343,66 @@ mod tests {
     use super::*;
 
     #[test]
-    fn histogram_is_cumulative_with_inf_sum_and_count() {
-        let h = LatencyHistogram::default();
-        h.observe(Duration::from_micros(500));
-        h.observe(Duration::from_millis(5));
-        h.observe(Duration::from_secs(120));
-        let mut out = String::new();
-        h.encode(&mut out, "x", "op=\"prepare\"");
-        assert!(
-            out.contains("x_bucket{op=\"prepare\",le=\"0.001\"} 1\n"),
-            "{out}"
-        );
-        // 5 ms lands in the le=0.005 bucket (upper bounds are inclusive).
-        assert!(
-            out.contains("x_bucket{op=\"prepare\",le=\"0.005\"} 2\n"),
-            "{out}"
-        );
-        assert!(
-            out.contains("x_bucket{op=\"prepare\",le=\"60\"} 2\n"),
-            "{out}"
-        );
-        assert!(
-            out.contains("x_bucket{op=\"prepare\",le=\"+Inf\"} 3\n"),
-            "{out}"
-        );
-        assert!(out.contains("x_count{op=\"prepare\"} 3\n"), "{out}");
-        assert!(out.contains("x_sum{op=\"prepare\"} 120.0055\n"), "{out}");
-    }
-
-    #[test]
-    fn csi_families_are_merged_and_labelled() {
-        let a = "# TYPE p_csi_failed_total counter\np_csi_failed_total{rpc=\"Probe\"} 1\n# TYPE p_csi_pending gauge\np_csi_pending{rpc=\"Probe\"} 0\n";
-        let b = "# TYPE p_csi_failed_total counter\np_csi_failed_total{rpc=\"Probe\"} 2\n";
-        let mut out = String::new();
-        encode_csi(
-            &mut out,
-            &[("t/a".into(), a.into()), ("t/\"b".into(), b.into())],
-        );
-        let lines: Vec<&str> = out.lines().collect();
-        assert_eq!(
-            lines,
-            [
-                "# HELP p_csi_failed_total CSI client metric.",
-                "# TYPE p_csi_failed_total counter",
-                "p_csi_failed_total{plugin=\"t/a\",rpc=\"Probe\"} 1",
-                "p_csi_failed_total{plugin=\"t/\\\"b\",rpc=\"Probe\"} 2",
-                "# HELP p_csi_pending CSI client metric.",
-                "# TYPE p_csi_pending gauge",
-                "p_csi_pending{plugin=\"t/a\",rpc=\"Probe\"} 0",
-            ]
-        );
-    }
-
-    #[test]
-    fn every_refusal_has_its_index() {
-        for (i, r) in Refusal::ALL.iter().enumerate() {
-            assert_eq!(r.index(), i, "{r:?}");
+    fn publish_histograms_are_cumulative_with_inf_sum_and_count() {
+        let m = ServiceMetrics::default();
+        for d in [
+            Duration::from_micros(500),
+            Duration::from_millis(5),
+            Duration::from_secs(120),
+        ] {
+            m.observe_publish(PublishOp::Prepare, d);
         }
+        let mut registry = Registry::with_prefix(PREFIX);
+        registry.register("x", "x", m.publish.clone());
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
+        for want in [
+            "csi_isolator_x_bucket{op=\"prepare\",le=\"0.001\"} 1",
+            // 5 ms lands in the le=0.005 bucket (upper bounds are inclusive).
+            "csi_isolator_x_bucket{op=\"prepare\",le=\"0.005\"} 2",
+            "csi_isolator_x_bucket{op=\"prepare\",le=\"60\"} 2",
+            "csi_isolator_x_bucket{op=\"prepare\",le=\"+Inf\"} 3",
+            "csi_isolator_x_count{op=\"prepare\"} 3",
+            "csi_isolator_x_sum{op=\"prepare\"} 120.0055",
+            // A series not observed yet is shown at zero.
+            "csi_isolator_x_count{op=\"update\"} 0",
+        ] {
+            assert!(out.lines().any(|l| l == want), "{want} in {out}");
+        }
+        assert_eq!(m.publish_count(PublishOp::Prepare), 3);
+        assert_eq!(m.publish_count(PublishOp::Update), 0);
+    }
+
+    #[test]
+    fn scrape_time_families_are_labelled_per_plugin() {
+        let mut registry = Registry::with_prefix(PREFIX);
+        let mut counts = [0; STATES.len()];
+        counts[state_index(VolumeState::Published)] = 2;
+        registry.register_collector(Box::new(ScrapeTime {
+            volumes: Some(BTreeMap::from([("t/\"a".to_string(), counts)])),
+            providers: vec![("t/\"a".to_string(), 3)],
+        }));
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
+        for want in [
+            "# TYPE csi_isolator_volumes gauge",
+            "csi_isolator_volumes{plugin=\"t/\\\"a\",state=\"PUBLISHED\"} 2",
+            "csi_isolator_volumes{plugin=\"t/\\\"a\",state=\"CREATED\"} 0",
+            "csi_isolator_volumes_published{plugin=\"t/\\\"a\"} 2",
+            "# TYPE csi_isolator_plugin_terminations_total counter",
+            "csi_isolator_plugin_terminations_total{plugin=\"t/\\\"a\"} 3",
+        ] {
+            assert!(out.lines().any(|l| l == want), "{want} in {out}");
+        }
+    }
+
+    #[test]
+    fn every_refusal_is_counted_apart() {
+        let m = ServiceMetrics::default();
+        m.refused(Refusal::GrpcCapacity);
+        m.refused(Refusal::GrpcCapacity);
+        m.refused(Refusal::MetricsCapacity);
+        assert_eq!(Refusal::ALL.map(|r| m.refused_count(r)), [0, 2, 1]);
     }
 
     #[test]

@@ -39,10 +39,13 @@
 //!   failure it is, the message is the full error text naming the
 //!   container, the volume, the CSI RPC and its code.
 //!
-//! Files: `admission.rs` (who may connect, how many), `server.rs` (the
-//! gRPC handlers), `error.rs` (the error seam), `convert.rs` (wire messages to and from library types), `metrics.rs`
-//! (what `/metrics` shows), `http.rs` (the HTTP responder), `socket.rs`
-//! (the private socket), `daemon.rs` (start-up, serving, shutdown).
+//! Files: `accept.rs` (the accept loop and connection cap of both
+//! listeners), `admission.rs` (who may connect to the socket), `server.rs`
+//! (the gRPC handlers), `error.rs` (the error seam), `convert.rs` (wire
+//! messages to and from library types), `metrics.rs` (what `/metrics`
+//! shows, with `prometheus-client`), `http.rs` (`/metrics` on hyper),
+//! `socket.rs` (the private socket), `daemon.rs` (start-up, serving,
+//! shutdown).
 
 /// The service protocol (`package csi_isolator.v1`), generated at build
 /// time from `proto/isolator.proto`.
@@ -51,6 +54,7 @@ pub mod proto {
     tonic::include_proto!("csi_isolator.v1");
 }
 
+pub mod accept;
 pub mod admission;
 pub mod convert;
 pub mod daemon;

@@ -200,8 +200,7 @@ impl IsolatorService {
         let info = self.isolator.prepare(&req.container_id, config).await?;
         if publishes {
             self.metrics
-                .publish(PublishOp::Prepare)
-                .observe(started.elapsed());
+                .observe_publish(PublishOp::Prepare, started.elapsed());
         }
         Ok(info.into())
     }
@@ -230,8 +229,7 @@ impl IsolatorService {
         self.isolator.update(&req.container_id, resources).await?;
         if publishes {
             self.metrics
-                .publish(PublishOp::Update)
-                .observe(started.elapsed());
+                .observe_publish(PublishOp::Update, started.elapsed());
         }
         Ok(proto::UpdateResponse {})
     }
