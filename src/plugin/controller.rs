@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, HashMap};
 use rand::Rng;
 use tonic::{Request, Response, Status};
 
-use super::backing::Backing;
+use super::backing::{Backing, BackingKind};
 use super::faults::LieMode;
 use super::store::{CapabilityRecord, ControllerPublication};
 use super::{require, volume_key, LockKey, Plugin, PluginError, PluginService};
@@ -549,14 +549,20 @@ impl Plugin {
     /// only when the cheap bound (free space less every loop volume's whole capacity)
     /// does not already admit `wanted` (CreateVolume's size; `None`: the exact figure).
     fn room(&self, wanted: Option<u64>) -> Room {
-        let records = self.store.list();
-        let promised: u64 = records.iter().map(|r| r.capacity_bytes).sum();
         let kind_of = |r: &super::store::VolumeRecord| {
             r.volume_context
                 .get("backing")
                 .and_then(|k| k.parse().ok())
                 .unwrap_or(self.backing.kind())
         };
+        // What was promised, and what the images of volumes that hold their size promise.
+        let (promised, whole) = self.store.fold((0u64, 0u64), |(p, w), r| {
+            let enforced = Backing::enforces_capacity(kind_of(r));
+            (
+                p.saturating_add(r.capacity_bytes),
+                w.saturating_add(if enforced { r.capacity_bytes } else { 0 }),
+            )
+        });
         let fs_free = match nix::sys::statvfs::statvfs(&self.config.work_dir) {
             Ok(st) => Some(st.blocks_available().saturating_mul(st.fragment_size())),
             Err(errno) => {
@@ -565,23 +571,21 @@ impl Plugin {
                 None
             }
         };
-        let whole: u64 = records
-            .iter()
-            .filter(|r| Backing::enforces_capacity(kind_of(r)))
-            .map(|r| r.capacity_bytes)
-            .sum();
         let cheap = room(self.config.capacity, promised, fs_free, whole);
         if wanted.is_some_and(|w| w <= cheap.bytes) {
             return cheap;
         }
-        let unallocated: u64 = records
+        // The exact figure: each image's allocated blocks (a stat each, outside the lock).
+        let images: Vec<(String, u64, BackingKind)> = self.store.fold(Vec::new(), |mut v, r| {
+            if Backing::enforces_capacity(kind_of(r)) {
+                v.push((r.id.clone(), r.capacity_bytes, kind_of(r)));
+            }
+            v
+        });
+        let unallocated: u64 = images
             .iter()
-            .map(|r| {
-                Backing::unallocated_bytes(
-                    kind_of(r),
-                    &self.store.volume_dir(&r.id),
-                    r.capacity_bytes,
-                )
+            .map(|(id, capacity, kind)| {
+                Backing::unallocated_bytes(*kind, &self.store.volume_dir(id), *capacity)
             })
             .sum();
         room(self.config.capacity, promised, fs_free, unallocated)

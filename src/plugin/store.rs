@@ -336,6 +336,12 @@ impl Store {
         all
     }
 
+    /// `f` over every record, under the store's lock and without copying them (what a
+    /// CreateVolume adds up over a thousand volumes must not clone them all).
+    pub fn fold<T>(&self, init: T, f: impl FnMut(T, &VolumeRecord) -> T) -> T {
+        self.lock().values().fold(init, f)
+    }
+
     /// Sum of the capacity of every volume.
     pub fn used_bytes(&self) -> u64 {
         self.lock().values().map(|r| r.capacity_bytes).sum()
