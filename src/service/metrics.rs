@@ -64,35 +64,15 @@ pub const PUBLISH_BUCKETS: [f64; 14] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
-/// Every volume state, in lifecycle order (the match in
-/// [`state_index`] keeps this list complete).
-const STATES: [VolumeState; 10] = [
-    VolumeState::Created,
-    VolumeState::ControllerPublish,
-    VolumeState::NodeReady,
-    VolumeState::NodeStage,
-    VolumeState::VolReady,
-    VolumeState::NodePublish,
-    VolumeState::Published,
-    VolumeState::NodeUnpublish,
-    VolumeState::NodeUnstage,
-    VolumeState::ControllerUnpublish,
-];
+/// Every volume state, in lifecycle order: the provider's own list.
+const STATES: [VolumeState; 10] = VolumeState::ALL;
 
-/// The position of a state in [`STATES`]; a new state fails to compile here.
+/// The position of a state in [`STATES`].
 fn state_index(s: VolumeState) -> usize {
-    match s {
-        VolumeState::Created => 0,
-        VolumeState::ControllerPublish => 1,
-        VolumeState::NodeReady => 2,
-        VolumeState::NodeStage => 3,
-        VolumeState::VolReady => 4,
-        VolumeState::NodePublish => 5,
-        VolumeState::Published => 6,
-        VolumeState::NodeUnpublish => 7,
-        VolumeState::NodeUnstage => 8,
-        VolumeState::ControllerUnpublish => 9,
-    }
+    STATES
+        .iter()
+        .position(|x| *x == s)
+        .expect("VolumeState::ALL lists every state")
 }
 
 /// A call that publishes volumes, for [`ServiceMetrics::observe_publish`].
