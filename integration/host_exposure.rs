@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 use csi_isolator::mount::{Call, FakeSyscall, MountTable, ProcMountTable};
 use csi_isolator::provider::{PluginSource, ProviderConfig, StorageProvider};
 use csi_isolator::testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
-use csi_isolator::testing::{processes_mentioning, require_root, PluginProcess, Sandbox};
+use csi_isolator::testing::{
+    isolator_command, processes_mentioning, require_root, PluginProcess, Sandbox,
+};
 use nix::errno::Errno;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -34,11 +36,7 @@ const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const WAIT: Duration = Duration::from_secs(30);
 
 fn cli(work: &Path) -> Command {
-    let mut c = Command::new(CLI);
-    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
-    // Managed plugin sockets stay inside the sandbox.
-    c.env("CSI_ISOLATOR_SOCKET_DIR", work.parent().unwrap().join("s"));
-    c
+    isolator_command(CLI, work)
 }
 
 fn output(cmd: &mut Command) -> Output {

@@ -6,52 +6,22 @@
 //! Each test keeps the work dir on its own tmpfs, so free space is measured on a filesystem no
 //! other test writes to.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
-use csi_isolator::testing::{mount_capability, raw_clients, require_root, PluginProcess, Sandbox};
+use csi_isolator::testing::{
+    isolator_command, mount_capability, raw_clients, require_root, PluginProcess, Sandbox, Tmpfs,
+};
 use tonic::Code;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const MIB: u64 = 1 << 20;
 
-/// A tmpfs of `size_mib` at `<sandbox>/<rel>`, unmounted on drop (also when the test fails).
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(sb: &Sandbox, rel: &str, size_mib: u64) -> Tmpfs {
-        let dir = sb.mkdir(rel);
-        nix::mount::mount(
-            Some("tmpfs"),
-            &dir,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some(format!("size={size_mib}M,mode=0700").as_str()),
-        )
-        .expect("mount tmpfs");
-        Tmpfs(dir)
-    }
-
-    fn free(&self) -> u64 {
-        let st = nix::sys::statvfs::statvfs(&self.0).expect("statvfs of the tmpfs");
-        st.blocks_available() * st.fragment_size()
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(&self.0, nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 fn cli(work: &Path) -> Command {
-    let mut c = Command::new(CLI);
-    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
-    c.env("CSI_ISOLATOR_SOCKET_DIR", work.parent().unwrap().join("s"));
-    c
+    isolator_command(CLI, work)
 }
 
 fn ok(cmd: &mut Command) -> String {
@@ -82,8 +52,8 @@ fn field(out: &str, key: &str) -> u64 {
 /// Runs `WRITE_64M` in a container with a 32 MiB volume on a work dir on its own 256 MiB
 /// tmpfs; returns the workload's output and how many bytes the tmpfs lost to the run.
 fn write_past_a_32m_volume(sb: &Sandbox, plugin_args: &[&str]) -> (String, u64) {
-    let fs = Tmpfs::mount(sb, "fs", 256);
-    let work = fs.0.join("work");
+    let fs = Tmpfs::mount(sb, "fs", "256M");
+    let work = fs.path().join("work");
     // The volume is made first, so that what the run itself adds is the data written.
     let mut create = cli(&work);
     create.arg("volume");
@@ -147,8 +117,8 @@ fn the_dir_backing_lets_a_workload_write_past_its_size_and_status_says_so() {
 
     // status: the size and, for dir volumes, that it is not enforced; the resource JSON's
     // metadata carries the same.
-    let fs = Tmpfs::mount(&sb, "fs2", 64);
-    let work = fs.0.join("work");
+    let fs = Tmpfs::mount(&sb, "fs2", "64M");
+    let work = fs.path().join("work");
     let resource = ok(cli(&work).args([
         "volume",
         "--plugin-arg=--backing=dir",
@@ -193,7 +163,7 @@ fn the_dir_backing_lets_a_workload_write_past_its_size_and_status_says_so() {
 async fn create_volume_never_promises_more_than_the_filesystem_holds() {
     require_root();
     let sb = Sandbox::new("capacity-fs");
-    let fs = Tmpfs::mount(&sb, "plugin/work", 64);
+    let fs = Tmpfs::mount(&sb, "plugin/work", "64M");
     let mut plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
     let mut c = raw_clients(&plugin.socket()).await.expect("connect");
     let create = |name: &str, required: u64, limit: u64| proto::CreateVolumeRequest {

@@ -7,19 +7,14 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::testing::{
-    busybox_rootfs, processes_mentioning, require_root, PluginProcess, Sandbox,
+    busybox_rootfs, isolator_command, processes_mentioning, require_root, PluginProcess, Sandbox,
 };
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 
 fn cli(work: &Path) -> Command {
-    let mut c = Command::new(CLI);
-    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
-    // Managed plugin sockets stay inside the sandbox (its paths are too
-    // long for a socket address, so they would go to /run otherwise).
-    c.env("CSI_ISOLATOR_SOCKET_DIR", work.parent().unwrap().join("s"));
-    c
+    isolator_command(CLI, work)
 }
 
 fn output(cmd: &mut Command) -> Output {

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
 use csi_isolator::testing::{
-    mount_capability, raw_clients, require_root, PluginProcess, RawClients, Sandbox,
+    mount_capability, raw_clients, require_root, PluginProcess, RawClients, Sandbox, Tmpfs,
 };
 use tonic::Code;
 
@@ -49,7 +49,7 @@ struct Suite {
     volumes: Vec<(String, Published)>,
     counter: u32,
     /// A tmpfs holding the plugin's work dir, unmounted by `cleanup`.
-    tmpfs: Option<PathBuf>,
+    tmpfs: Option<Tmpfs>,
 }
 
 async fn suite(backing: &str) -> Suite {
@@ -66,18 +66,7 @@ async fn suite_on_tmpfs(backing: &str, size: &str) -> Suite {
 async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
     require_root();
     let sandbox = Sandbox::new("plugin-conformance");
-    let tmpfs = tmpfs_size.map(|size| {
-        let work = sandbox.mkdir("plugin/work");
-        nix::mount::mount(
-            Some("tmpfs"),
-            &work,
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some(format!("size={size},mode=0700").as_str()),
-        )
-        .expect("mount the plugin's tmpfs");
-        work
-    });
+    let tmpfs = tmpfs_size.map(|size| Tmpfs::mount(&sandbox, "plugin/work", size));
     let plugin = PluginProcess::start(&sandbox, BIN, &["--backing", backing]).await;
     let c = raw_clients(&plugin.socket())
         .await
@@ -262,10 +251,7 @@ impl Suite {
             .unwrap()
             .into_inner();
         assert!(left.entries.is_empty(), "volumes left: {:?}", left.entries);
-        if let Some(tmpfs) = &self.tmpfs {
-            nix::mount::umount2(tmpfs, nix::mount::MntFlags::MNT_DETACH)
-                .expect("unmount the plugin's tmpfs");
-        }
+        drop(self.tmpfs.take());
         self.sandbox.assert_no_mounts_under();
         self.sandbox.assert_no_loop_devices();
     }

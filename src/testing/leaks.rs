@@ -81,6 +81,22 @@ impl fmt::Display for Leak {
 /// the daemon down, which is not a leak.
 const EXIT_GRACE: Duration = Duration::from_millis(500);
 
+/// Loop devices backed by files under `root` once those still attached have had up to `grace`
+/// to go: a device that clears itself (`LO_FLAGS_AUTOCLEAR`) is released by the kernel after its
+/// last unmount, not always before `umount` returns, and more slowly under load.
+pub(crate) fn loop_devices_after_rundown(
+    root: &Path,
+    grace: Duration,
+) -> Result<Vec<(PathBuf, PathBuf)>, crate::mount::MountError> {
+    let deadline = Instant::now() + grace;
+    let mut devices = mount::find_backed_under(root);
+    while devices.as_ref().is_ok_and(|d| !d.is_empty()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        devices = mount::find_backed_under(root);
+    }
+    devices
+}
+
 /// Everything left behind under `root`: mounts, loop devices still attached after [`EXIT_GRACE`]
 /// (an autoclear device runs down after its last unmount), then processes (`tracked` pids and
 /// those whose command line names `root`) still alive after [`EXIT_GRACE`]. Read errors are logged
@@ -95,14 +111,7 @@ pub(crate) fn find(root: &Path, tracked: &[u32]) -> Vec<Leak> {
         })),
         Err(e) => eprintln!("sandbox {}: read mount table: {e}", root.display()),
     }
-    // A device that clears itself after its last unmount may still be running down.
-    let deadline = Instant::now() + EXIT_GRACE;
-    let mut devices = mount::find_backed_under(root);
-    while devices.as_ref().is_ok_and(|d| !d.is_empty()) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-        devices = mount::find_backed_under(root);
-    }
-    match devices {
+    match loop_devices_after_rundown(root, EXIT_GRACE) {
         Ok(devices) => leaks.extend(
             devices
                 .into_iter()

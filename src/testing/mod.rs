@@ -163,16 +163,11 @@ impl Sandbox {
         );
     }
 
-    /// Panics if a loop device is backed by a file in the sandbox. A device set to clear
-    /// itself (`LO_FLAGS_AUTOCLEAR`) is released by the kernel after its last unmount, not
-    /// always before `umount` returns, and more slowly under load: it is given up to 5 s.
+    /// Panics if a loop device is backed by a file in the sandbox once self-clearing ones have had
+    /// up to 5 s to run down after their last unmount.
     pub fn assert_no_loop_devices(&self) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        let mut devices = self.loop_devices();
-        while !devices.is_empty() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(20));
-            devices = self.loop_devices();
-        }
+        let devices = leaks::loop_devices_after_rundown(&self.path, Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("list loop devices: {e}"));
         assert!(
             devices.is_empty(),
             "loop devices left under {}: {devices:?}",
@@ -432,6 +427,63 @@ impl PluginProcess {
 impl Drop for PluginProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// `csi-isolator --work-dir WORK` for a test: `bin` is the test's
+/// `env!("CARGO_BIN_EXE_csi-isolator")`; `RUST_LOG` is removed, and managed plugin sockets go to
+/// `<work>/../s`, inside the sandbox (a work dir's own socket path there is too long for a socket
+/// address, so it would go to `/run` otherwise).
+pub fn isolator_command(bin: &str, work: &Path) -> Command {
+    let mut c = Command::new(bin);
+    c.arg("--work-dir").arg(work).env_remove("RUST_LOG");
+    let parent = work
+        .parent()
+        .expect("a work dir inside a sandbox has a parent");
+    c.env("CSI_ISOLATOR_SOCKET_DIR", parent.join("s"));
+    c
+}
+
+/// A tmpfs of its own for a test, so that its free space changes only with what the test does;
+/// unmounted (lazily) on drop, also when the test fails.
+pub struct Tmpfs {
+    path: PathBuf,
+}
+
+impl Tmpfs {
+    /// Mounts a tmpfs of `size` (mount-option syntax: `64M`, `2T`; a limit, nothing is reserved)
+    /// at `<sandbox>/<rel>`, mode 0700.
+    pub fn mount(sandbox: &Sandbox, rel: &str, size: &str) -> Tmpfs {
+        let path = sandbox.mkdir(rel);
+        nix::mount::mount(
+            Some("tmpfs"),
+            &path,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(format!("size={size},mode=0700").as_str()),
+        )
+        .unwrap_or_else(|e| panic!("mount a tmpfs at {}: {e}", path.display()));
+        Tmpfs { path }
+    }
+
+    /// Where it is mounted.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes free on it (statvfs).
+    pub fn free(&self) -> u64 {
+        let st = nix::sys::statvfs::statvfs(&self.path)
+            .unwrap_or_else(|e| panic!("statvfs {}: {e}", self.path.display()));
+        st.blocks_available() * st.fragment_size()
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        if let Err(e) = nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH) {
+            eprintln!("unmount tmpfs {}: {e}", self.path.display());
+        }
     }
 }
 
