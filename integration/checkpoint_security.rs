@@ -7,6 +7,7 @@
 //! Everything runs as root against the real binary, real mounts and real processes; every process and
 //! mount a test makes lives in (or is tracked by) its `Sandbox`, which undoes it, pass or fail.
 
+use csi_isolator::error_chain::FullMessage;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -439,7 +440,12 @@ async fn cleanup_refuses_a_sandbox_swapped_for_a_symlink() {
     let moved = sb.join("sandboxes/c1-moved");
     std::fs::rename(&sandbox, &moved).unwrap();
     std::os::unix::fs::symlink(&decoy, &sandbox).unwrap();
-    let err = agent.isolator.cleanup("c1").await.unwrap_err().to_string();
+    let err = agent
+        .isolator
+        .cleanup("c1")
+        .await
+        .unwrap_err()
+        .full_message();
     assert!(
         err.contains("not trusted") && err.contains("symbolic links"),
         "{err}"

@@ -8,6 +8,7 @@
 //!
 //! Every test compares the host mount table with the one before and checks the volumes end unpublished.
 
+use csi_isolator::error_chain::FullMessage;
 use std::ffi::CString;
 use std::fs;
 use std::os::unix::ffi::OsStrExt;
@@ -392,7 +393,7 @@ async fn targets_that_are_fifos_devices_files_or_hard_links_are_refused_by_name(
         .unwrap()
         .err()
         .unwrap_or_else(|| panic!("{path}: launched onto {kind}"));
-        let text = err.to_string();
+        let text = err.full_message();
         assert!(
             text.contains(&format!("the target is {kind}, not a directory"))
                 && text.contains(path.trim_start_matches('/')),
@@ -421,7 +422,7 @@ async fn targets_that_are_fifos_devices_files_or_hard_links_are_refused_by_name(
         .await
         .unwrap_err();
     assert!(
-        err.to_string()
+        err.full_message()
             .contains("the target is a FIFO, not a directory"),
         "{err}"
     );
@@ -485,7 +486,7 @@ async fn a_rootfs_given_through_a_symlink_is_resolved_once_and_never_the_host_ro
     .err()
     .unwrap_or_else(|| panic!("a rootfs resolving to / was accepted"));
     assert!(
-        err.to_string()
+        err.full_message()
             .contains("resolves to /, which cannot be a container's root"),
         "{err}"
     );
@@ -534,7 +535,7 @@ async fn an_update_is_refused_once_the_container_process_moved_to_another_mount_
         .await
         .unwrap_err();
     assert!(
-        err.to_string()
+        err.full_message()
             .contains("moved to another mount namespace or root since it was isolated"),
         "{err}"
     );
@@ -571,7 +572,7 @@ async fn update_refuses_a_container_without_a_live_isolated_process() {
                 .update(id, vec![vol])
                 .await
                 .unwrap_err()
-                .to_string()
+                .full_message()
         }
     };
 

@@ -3,6 +3,7 @@
 //! bind-mounted into containers started by the namespace launcher. Every
 //! test checks that the host mount table afterwards equals the one before.
 
+use csi_isolator::error_chain::FullMessage;
 use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::Path;
@@ -327,7 +328,7 @@ async fn a_failed_node_publish_fails_the_launch_before_exec() {
     let bad = agent.volume("bad", "bad", VolumeMode::Rw).await;
     let c1 = config(&sb, "c1", vec![ok.clone(), bad.clone()], None);
     let err = agent.isolator.prepare("c1", c1).await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(matches!(err, IsolatorError::Provider { .. }), "{text}");
     assert!(text.contains("NodePublishVolume"), "{text}");
     assert!(text.contains("INTERNAL"), "{text}");
@@ -378,7 +379,7 @@ async fn refused_targets_publish_nothing() {
         .prepare("a,b", config(&sb, "ab", vec![a.clone()], None))
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("contains ','"), "{err}");
+    assert!(err.full_message().contains("contains ','"), "{err}");
     let escape = a.clone().with_volume("../../outside", VolumeMode::Rw);
     let err = agent
         .isolator
@@ -386,7 +387,7 @@ async fn refused_targets_publish_nothing() {
         .await
         .unwrap_err();
     assert!(
-        err.to_string().contains("outside the container's root"),
+        err.full_message().contains("outside the container's root"),
         "{err}"
     );
     // A reader-only volume cannot be mounted read-write, only read-only.
@@ -598,7 +599,7 @@ async fn a_failed_update_keeps_what_is_mounted_and_releases_what_is_not() {
         "{err}"
     );
     assert!(
-        err.to_string().contains(extra.source_id().unwrap()),
+        err.full_message().contains(extra.source_id().unwrap()),
         "names the volume: {err}"
     );
     // The new volume is released; the old one stays mounted, published and in use.
@@ -668,7 +669,7 @@ async fn update_never_takes_a_volume_from_under_one_that_stays() {
         .update("c1", vec![inner.clone()])
         .await
         .unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         text.contains("stays mounted inside it at a/b: remove both, or neither"),
         "{text}"

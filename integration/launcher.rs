@@ -5,6 +5,7 @@
 //! Every test asserts that nothing is left mounted under its sandbox and that the host's mount table is
 //! the same before and after; the `Sandbox` kills the workloads it tracks when dropped, pass or fail.
 
+use csi_isolator::error_chain::FullMessage;
 use std::ffi::OsString;
 use std::fs;
 use std::os::unix::fs::symlink;
@@ -232,7 +233,7 @@ fn missing_program_is_reported_before_returning() {
         "{err}"
     );
     assert!(
-        err.to_string().contains("csi-isolator-no-such-program"),
+        err.full_message().contains("csi-isolator-no-such-program"),
         "{err}"
     );
     sb.assert_no_mounts_under();
@@ -424,7 +425,7 @@ fn failing_mount_fails_the_launch_before_exec() {
     ];
     let err = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
         .expect_err("a missing source must fail the launch");
-    let message = err.to_string();
+    let message = err.full_message();
     assert!(matches!(err, LaunchError::CloneSource { .. }), "{message}");
     assert!(message.contains("vol-missing"), "{message}");
     assert!(message.contains("ENOENT"), "{message}");
@@ -489,7 +490,7 @@ fn host_target_must_exist() {
         matches!(err, LaunchError::TargetMissingOnHost { .. }),
         "{err}"
     );
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         text.contains("vol-h2") && text.contains("use a relative container path"),
         "{text}"
@@ -637,7 +638,7 @@ fn inject_into_a_missing_process_names_it() {
     )
     .expect_err("no such process");
     assert!(matches!(err, LaunchError::OpenNamespace { .. }), "{err}");
-    assert!(err.to_string().contains(&pid.to_string()), "{err}");
+    assert!(err.full_message().contains(&pid.to_string()), "{err}");
     sb.assert_no_mounts_under();
 }
 
@@ -705,8 +706,8 @@ async fn concurrent_launches_from_a_busy_runtime() {
         )];
         tasks.push(tokio::task::spawn_blocking(move || {
             let mut launched = launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
-                .map_err(|e| e.to_string())?;
-            let status = launched.wait().map_err(|e| e.to_string())?;
+                .map_err(|e| e.full_message())?;
+            let status = launched.wait().map_err(|e| e.full_message())?;
             Ok::<_, String>((source, status))
         }));
     }
@@ -760,7 +761,7 @@ fn unmount_from_takes_only_the_volumes_own_mount() {
     )
     .unwrap_err();
     assert!(matches!(err, LaunchError::NotTheVolume { .. }), "{err}");
-    assert!(err.to_string().contains("not the volume's"), "{err}");
+    assert!(err.full_message().contains("not the volume's"), "{err}");
     assert_eq!((count(&data), count(&copy)), (2, 1));
 
     // In order: vol-b, then vol-a at data; its other mount at copy stays (the sweep is off).

@@ -67,7 +67,7 @@ impl std::fmt::Display for WriteStep {
 
 /// A failed [`write_atomic`]: the file, the step, the cause.
 #[derive(Debug, thiserror::Error)]
-#[error("write {path} atomically ({step}): {source}")]
+#[error("write {path} atomically ({step})")]
 pub struct AtomicWriteError {
     /// The file being written (not its temporary file).
     pub path: PathBuf,

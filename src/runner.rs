@@ -11,6 +11,8 @@
 //! work dir at a time (an exclusive lock); a run that crashed is cleaned up
 //! by the next one's recovery.
 
+use crate::error_chain::Chain;
+use crate::io_step::IoStep;
 use std::collections::HashSet;
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -63,16 +65,8 @@ pub enum RunError {
     #[error("{0}")]
     Usage(String),
     /// A file or directory of the run could not be made.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step.
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// An absolute container path given without `--rootfs` names a host
     /// directory, and this one is missing or not a directory. Nothing is
     /// created on the host's own paths, so this is refused before anything
@@ -123,10 +117,12 @@ type Stops = tokio::sync::watch::Receiver<u32>;
 
 fn watch_signals() -> Result<Stops, RunError> {
     let install = |kind: SignalKind, name: &str| {
-        signal(kind).map_err(|source| RunError::Io {
-            step: "install signal handler for",
-            path: PathBuf::from(name),
-            source,
+        signal(kind).map_err(|source| {
+            RunError::Io(IoStep::new(
+                "install signal handler for",
+                PathBuf::from(name),
+                source,
+            ))
         })
     };
     let mut sigint = install(SignalKind::interrupt(), "SIGINT")?;
@@ -172,22 +168,21 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
         .container_id
         .clone()
         .unwrap_or_else(|| format!("run-{:016x}", rand::random::<u64>()));
-    validate_container_id(&container_id).map_err(|e| RunError::Usage(e.to_string()))?;
+    validate_container_id(&container_id)
+        .map_err(|e| RunError::Usage(crate::error_chain::full_message(&e)))?;
     // An unknown `disk.volume.mode` is refused before anything starts (it
     // would never be mounted read-write, but the user should know why).
     for r in &opts.resources {
         r.check_volume_mode()
-            .map_err(|e| RunError::Usage(e.to_string()))?;
+            .map_err(|e| RunError::Usage(crate::error_chain::full_message(&e)))?;
     }
     check_host_targets(&opts)?;
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     // The checkpoint records the rootfs as the kernel names it: a read-back
     // refuses a path that is not normal and absolute.
     if let Some(rootfs) = &opts.rootfs {
-        let canonical = std::fs::canonicalize(rootfs).map_err(|source| RunError::Io {
-            step: "resolve --rootfs",
-            path: rootfs.clone(),
-            source,
+        let canonical = std::fs::canonicalize(rootfs).map_err(|source| {
+            RunError::Io(IoStep::new("resolve --rootfs", rootfs.clone(), source))
         })?;
         opts.rootfs = Some(canonical);
     }
@@ -469,11 +464,8 @@ fn check_host_targets(opts: &RunOptions) -> Result<(), RunError> {
 }
 
 fn mkdir(path: &Path) -> Result<(), RunError> {
-    std::fs::create_dir_all(path).map_err(|source| RunError::Io {
-        step: "create directory",
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::create_dir_all(path)
+        .map_err(|source| RunError::Io(IoStep::new("create directory", path, source)))
 }
 
 /// Removes the sandbox unless something is still mounted under it (then
@@ -482,7 +474,7 @@ fn remove_sandbox(table: &dyn MountTable, sandbox: &Path) {
     match table.mounts_under(sandbox) {
         Ok(m) if m.is_empty() => {
             if let Err(e) = std::fs::remove_dir_all(sandbox) {
-                tracing::warn!(sandbox = %sandbox.display(), error = %e, "cannot remove the sandbox");
+                tracing::warn!(sandbox = %sandbox.display(), error = %Chain(&e), "cannot remove the sandbox");
             }
         }
         _ => tracing::error!(sandbox = %sandbox.display(), "still mounted under the sandbox; kept"),

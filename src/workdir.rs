@@ -45,6 +45,7 @@
 //! holder, even when the holder is killed. It is mode 0600, so no other user
 //! can open it, let alone hold it ([`open_private_file`]).
 
+use crate::io_step::IoStep;
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::fs::{File, Metadata, Permissions};
@@ -189,7 +190,7 @@ fn is_root(owner: u32, euid: u32) -> bool {
 #[derive(Debug, thiserror::Error)]
 pub enum WorkDirError {
     /// The work dir could not be created or resolved.
-    #[error("work dir {path}: {source}")]
+    #[error("work dir {path}")]
     Resolve {
         /// The work dir as given.
         path: PathBuf,
@@ -232,16 +233,8 @@ pub enum WorkDirError {
     },
     /// A file or directory in a trusted directory could not be created,
     /// opened or narrowed.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step (`open`, `narrow the mode of`, ...).
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// The work dir's path is not UTF-8 (shown escaped).
     #[error("work dir {path:?}: not valid UTF-8 (CSI passes paths as UTF-8 strings); choose another work dir")]
     NotUtf8 {
@@ -315,13 +308,7 @@ pub fn canonical(work_dir: &Path) -> Result<PathBuf, WorkDirError> {
         {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
-            Err(source) => {
-                return Err(WorkDirError::Io {
-                    step: "create",
-                    path,
-                    source,
-                })
-            }
+            Err(source) => return Err(WorkDirError::Io(IoStep::new("create", path, source))),
         }
         let meta = check_subdir(work_dir, &path)?;
         narrow(&path, &meta, PRIVATE_DIR_MODE)?;
@@ -423,18 +410,12 @@ pub fn open_private_file(path: &Path, append: bool) -> Result<File, WorkDirError
                     });
                 }
             }
-            return Err(WorkDirError::Io {
-                step: "open",
-                path: path.to_path_buf(),
-                source,
-            });
+            return Err(WorkDirError::Io(IoStep::new("open", path, source)));
         }
     };
-    let meta = file.metadata().map_err(|source| WorkDirError::Io {
-        step: "stat",
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let meta = file
+        .metadata()
+        .map_err(|source| WorkDirError::Io(IoStep::new("stat", path, source)))?;
     let problem = if !meta.file_type().is_file() {
         Some(Problem::NotARegularFile)
     } else if meta.nlink() != 1 {
@@ -455,11 +436,7 @@ pub fn open_private_file(path: &Path, append: bool) -> Result<File, WorkDirError
     let mode = meta.mode() & 0o7777;
     if mode != PRIVATE_FILE_MODE {
         file.set_permissions(Permissions::from_mode(PRIVATE_FILE_MODE))
-            .map_err(|source| WorkDirError::Io {
-                step: "narrow the mode of",
-                path: path.to_path_buf(),
-                source,
-            })?;
+            .map_err(|source| WorkDirError::Io(IoStep::new("narrow the mode of", path, source)))?;
         tracing::info!(path = %path.display(), from = format!("{mode:04o}"), to = "0600", "narrowed the mode of a file made by an older version");
     }
     Ok(file)
@@ -620,11 +597,7 @@ fn unsafe_dir(
 /// A subdirectory of a checked work dir: a real directory (not a symbolic
 /// link) that passes the rule as [`Role::Own`].
 fn check_subdir(work_dir: &Path, path: &Path) -> Result<Metadata, WorkDirError> {
-    let meta = lstat(path).map_err(|source| WorkDirError::Io {
-        step: "stat",
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let meta = lstat(path).map_err(|source| WorkDirError::Io(IoStep::new("stat", path, source)))?;
     if meta.file_type().is_symlink() {
         return Err(unsafe_dir(
             work_dir,
@@ -673,13 +646,8 @@ fn narrow(path: &Path, meta: &Metadata, mode: u32) -> Result<(), WorkDirError> {
     if was & !mode == 0 {
         return Ok(());
     }
-    std::fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| {
-        WorkDirError::Io {
-            step: "narrow the mode of",
-            path: path.to_path_buf(),
-            source,
-        }
-    })?;
+    std::fs::set_permissions(path, Permissions::from_mode(mode))
+        .map_err(|source| WorkDirError::Io(IoStep::new("narrow the mode of", path, source)))?;
     tracing::info!(path = %path.display(), from = format!("{was:04o}"), to = format!("{mode:04o}"), "narrowed the mode of a directory made by an older version");
     Ok(())
 }

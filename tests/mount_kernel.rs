@@ -4,6 +4,7 @@
 //! Needs root. Every test works in its own temp dir, and a guard unmounts everything below it and detaches
 //! its loop devices when the test ends, pass or fail; each test also asserts that nothing is left mounted.
 
+use csi_isolator::error_chain::FullMessage;
 use std::fs;
 use std::io::Write;
 use std::os::fd::AsFd;
@@ -584,7 +585,7 @@ fn unmount_without_symlinks_refuses_a_path_swapped_after_the_table_was_read() {
 
     let err = LinuxSyscall.unmount_no_symlinks(&ours, false).unwrap_err();
     assert_eq!(err.errno(), Some(Errno::ELOOP), "{err}");
-    assert!(err.to_string().contains("sandbox/a"), "{err}");
+    assert!(err.full_message().contains("sandbox/a"), "{err}");
     let points: Vec<PathBuf> = sb.mounts().into_iter().map(|m| m.mount_point).collect();
     assert!(
         points.contains(&decoy),
@@ -775,7 +776,7 @@ fn clone_beneath_an_anchor_refuses_symlinks_and_clones_from_the_fd() {
             other => panic!("{rest} beneath {}: {other}", root.display()),
         }
         assert!(
-            err.to_string()
+            err.full_message()
                 .contains(&format!("{component} is a symlink")),
             "{err}"
         );
@@ -915,7 +916,7 @@ fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
         Err(e) => e,
     };
     assert!(
-        err.to_string()
+        err.full_message()
             .contains("volumes/roles/r1/pv1 is a symlink"),
         "{err}"
     );

@@ -5,6 +5,7 @@
 //! plugin received (its call log), the state on disk (the provider's checkpoints and what the
 //! plugin reports over CSI) and that nothing is left mounted.
 
+use csi_isolator::error_chain::FullMessage;
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -219,7 +220,7 @@ async fn an_empty_publish_context_fails_node_stage_and_is_rolled_back() {
     // An empty publish_context is legal CSI, so ControllerPublish cannot be refused; the
     // plugin's node side, which needs it, refuses NodeStage, and the provider says which
     // RPC, which volume and what.
-    let text = err.to_string();
+    let text = err.full_message();
     assert_eq!(
         csi_source(&err).code(),
         Some(Code::FailedPrecondition),
@@ -254,7 +255,7 @@ async fn a_node_stage_that_stages_nothing_is_caught_by_node_publish_and_rolled_b
     rig.set_faults("lie NodeStageVolume\n");
     let from = rig.calls_len();
     let err = rig.provider.publish(&id, "c1").await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert_eq!(
         csi_source(&err).code(),
         Some(Code::FailedPrecondition),
@@ -291,7 +292,7 @@ async fn a_create_answering_another_volumes_id_never_overwrites_it() {
         .create_volume(CreateSpec::new("second", 16 * MIB))
         .await
         .unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         text.contains(
             "CreateVolume of 'second' returned the volume_id of another volume already recorded"
@@ -340,7 +341,7 @@ async fn create_volume_answers_that_break_the_spec_are_refused() {
             .create_volume(CreateSpec::new(&name, 16 * MIB))
             .await
             .unwrap_err();
-        let text = err.to_string();
+        let text = err.full_message();
         assert!(
             matches!(
                 csi_source(&err),
@@ -484,7 +485,7 @@ async fn replies_that_do_not_decode_are_refused_and_their_work_undone() {
     rig.set_faults("lie NodeStageVolume:garbage\n");
     let from = rig.calls_len();
     let err = rig.provider.publish(&id, "c1").await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         matches!(
             csi_source(&err),
@@ -511,7 +512,7 @@ async fn replies_that_do_not_decode_are_refused_and_their_work_undone() {
     rig.set_faults("lie ControllerPublishVolume:bad-utf8\n");
     let from = rig.calls_len();
     let err = rig.provider.publish(&id, "c1").await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         text.starts_with(&format!("volume '{id}': ControllerPublishVolume of volume '{id}' failed: invalid response: the plugin's reply does not decode ("))
             && text.contains("not UTF-8"),
@@ -635,7 +636,7 @@ async fn a_different_driver_on_the_same_socket_is_refused() {
     .await;
     let from = rig.calls_len();
     let err = rig.provider.release(&id, "c1").await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         matches!(csi_source(&err), CsiError::PluginReplaced { .. }),
         "{text}"
@@ -711,7 +712,7 @@ async fn a_replacement_without_stage_unstage_is_probed_again() {
     // naming the mount that is left, instead of skipping it unseen.
     let from = rig.calls_len();
     let err = rig.provider.release(&staged, "c1").await.unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         matches!(
             err,

@@ -1,6 +1,7 @@
 //! The storage local resource provider against the real `csi-test-plugin`
 //! (managed by the provider, or external), real mounts, real restarts.
 
+use csi_isolator::error_chain::FullMessage;
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
@@ -544,7 +545,7 @@ async fn failed_publish_leaves_nothing_behind() {
         .publish_for_container("c1", &[ok.clone(), bad.clone()])
         .await
         .unwrap_err();
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(text.contains("NodePublishVolume"), "{text}");
     assert!(text.contains("FAILED_PRECONDITION"), "{text}");
     assert_eq!(err.csi_code(), Some(tonic::Code::FailedPrecondition));
@@ -603,7 +604,7 @@ async fn manager_routes_by_provider_id() {
     let mut stranger = ra.clone();
     stranger.provider_id.as_mut().unwrap().value = "nobody".into();
     let err = m.publish("c2", &[stranger]).await.unwrap_err();
-    assert!(err.to_string().contains("nobody"), "{err}");
+    assert!(err.full_message().contains("nobody"), "{err}");
 
     m.unpublish("c1", &[cpus, ra.clone(), agent_disk, rb.clone()])
         .await
@@ -745,7 +746,7 @@ async fn a_plugin_that_lies_about_node_publish_fails_the_publish_cleanly() {
         matches!(err, ProviderError::PluginMisbehaved { .. }),
         "{err}"
     );
-    let text = err.to_string();
+    let text = err.full_message();
     assert!(
         text.contains("NodePublishVolume") && text.contains(&id),
         "{text}"
@@ -772,7 +773,7 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
     } else {
         panic!("the bundled config is a managed plugin");
     }
-    let err = StorageProvider::start(c).await.unwrap_err().to_string();
+    let err = StorageProvider::start(c).await.unwrap_err().full_message();
     assert!(
         err.starts_with("start plugin") && err.contains(&missing.display().to_string()),
         "{err}"
@@ -790,7 +791,7 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
         cmd.args = vec!["1000".into()];
     }
     let started = std::time::Instant::now();
-    let err = StorageProvider::start(c).await.unwrap_err().to_string();
+    let err = StorageProvider::start(c).await.unwrap_err().full_message();
     assert!(
         err.contains("not ready at") && err.contains("after"),
         "{err}"

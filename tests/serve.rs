@@ -879,3 +879,83 @@ async fn csi_operations_seconds_is_kubelets_histogram_and_shows_a_failing_call()
     );
     sb.assert_no_mounts_under();
 }
+
+/// A target the kernel refuses in a running container (a regular file where the volume is to be
+/// mounted) comes back as the caller's error, INVALID_ARGUMENT, naming the container, the step, the
+/// volume and the target, not as INTERNAL; nothing stays published for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn update_onto_a_file_target_is_invalid_argument_naming_step_and_target() {
+    require_root();
+    let sb = Sandbox::new("serve-refused-target");
+    let work = sb.join("work");
+    let socket = sb.join("isolator.sock");
+    let mut serve = Serve::start(&sb, &work, &socket, false);
+    let mut c = serve.client().await;
+    let data = create(&mut c, "data", "data").await;
+    let sandbox = sb.mkdir("sandboxes/c1");
+    c.prepare(PrepareRequest {
+        container_id: "c1".into(),
+        config: Some(ContainerConfig {
+            sandbox: sandbox.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap();
+    std::fs::write(sandbox.join("data"), b"not a directory").unwrap();
+    let (sb_ref, sandbox_ref) = (&sb, sandbox.clone());
+    let mut sleeper =
+        tokio::task::block_in_place(|| launch_sleep(sb_ref, &sandbox_ref, Vec::new()));
+    c.isolate(IsolateRequest {
+        container_id: "c1".into(),
+        pid: sleeper.pid(),
+    })
+    .await
+    .unwrap();
+
+    let refused = c
+        .update(UpdateRequest {
+            container_id: "c1".into(),
+            resources_json: list(&[&data]),
+        })
+        .await
+        .expect_err("a file target is refused");
+    assert_eq!(refused.code(), Code::InvalidArgument, "{refused:?}");
+    let says = refused.message();
+    for part in [
+        "container 'c1': mount volume",
+        data.volume_id.as_str(),
+        "at data in container root",
+        "not a directory: refused",
+    ] {
+        assert!(says.contains(part), "{part:?} not in {says:?}");
+    }
+    let (state, users, mounted) = volume(&mut c, &data.volume_id).await;
+    assert_eq!(
+        (state.as_str(), users.len(), mounted),
+        ("CREATED", 0, false)
+    );
+
+    sleeper.kill(Signal::SIGKILL).unwrap();
+    tokio::time::timeout(TIMEOUT, sleeper.wait_async())
+        .await
+        .expect("the sleeper exits")
+        .unwrap();
+    sb.untrack(sleeper.pid());
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: data.volume_id.clone(),
+        provider_id: data.provider_id.clone(),
+    })
+    .await
+    .unwrap();
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

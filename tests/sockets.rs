@@ -3,6 +3,7 @@
 //! directory 0700), while root connects; a socket directory another user
 //! made first is refused, so no one can stand a fake plugin there.
 
+use csi_isolator::error_chain::FullMessage;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
@@ -122,7 +123,7 @@ async fn a_managed_plugin_socket_directory_made_first_by_another_user_is_refused
     let err = StorageProvider::start(config)
         .await
         .unwrap_err()
-        .to_string();
+        .full_message();
     let shown = dir.display().to_string();
     for needle in [
         shown.as_str(),

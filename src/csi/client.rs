@@ -34,6 +34,7 @@
 //!   [`Metrics`]. Calls on clones run in parallel.
 //! - Requests are never logged: they may carry secrets.
 
+use crate::error_chain::Chain;
 use std::future::Future;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -1027,13 +1028,13 @@ async fn wait_for_socket(endpoint: &str, path: &Path, timeout: Duration) -> Resu
                     "socket did not appear"
                 },
                 timeout,
-                last_error: appeared.then(|| err.to_string()),
+                last_error: appeared.then(|| crate::error_chain::full_message(&err)),
             });
         }
         let sleep = DIAL_BACKOFF
             .backoff(failures, &mut rand::rng())
             .min(timeout - elapsed);
-        tracing::debug!(error = %err, backoff = ?sleep, "waiting for the plugin socket");
+        tracing::debug!(error = %Chain(&err), backoff = ?sleep, "waiting for the plugin socket");
         tokio::time::sleep(sleep).await;
     }
 }
@@ -1079,6 +1080,7 @@ async fn dial_pinned(path: &Path, pinned: Option<SocketId>) -> std::io::Result<U
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
 
     #[test]
     fn create_answers_outside_the_spec_or_the_range_are_refused() {
@@ -1200,7 +1202,7 @@ mod tests {
             started.elapsed()
         );
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             format!("connect to {endpoint}: socket did not appear within 300ms")
         );
     }
@@ -1217,7 +1219,7 @@ mod tests {
             ..ClientOptions::default()
         };
         let err = Client::connect(&endpoint, options).await.unwrap_err();
-        let msg = err.to_string();
+        let msg = err.full_message();
         assert!(
             msg.starts_with(&format!("connect to {endpoint}: socket did not accept connections within 200ms (last error: ")),
             "{msg}"
@@ -1231,7 +1233,8 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, CsiError::BadEndpoint { .. }));
         assert!(
-            err.to_string().starts_with("connect to tcp://1.2.3.4:5: "),
+            err.full_message()
+                .starts_with("connect to tcp://1.2.3.4:5: "),
             "{err}"
         );
     }

@@ -18,7 +18,7 @@ use super::transport::TransportError;
 #[derive(Debug, thiserror::Error)]
 pub enum CsiError {
     /// The endpoint could not be parsed.
-    #[error("connect to {endpoint}: {source}")]
+    #[error("connect to {endpoint}")]
     BadEndpoint {
         /// The endpoint as given.
         endpoint: String,
@@ -49,7 +49,7 @@ pub enum CsiError {
         timeout: Duration,
     },
     /// An RPC made while connecting (`Probe`, capability discovery) failed.
-    #[error("connect to {endpoint}: {source}")]
+    #[error("connect to {endpoint}")]
     Connect {
         /// The endpoint.
         endpoint: String,
@@ -264,6 +264,7 @@ pub(crate) fn fmt_duration(d: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
 
     fn rpc_error(
         rpc: &'static str,
@@ -302,7 +303,7 @@ mod tests {
             ),
         ];
         for (err, want) in cases {
-            assert_eq!(err.to_string(), want);
+            assert_eq!(err.full_message(), want);
         }
     }
 
@@ -342,7 +343,7 @@ mod tests {
             )),
         };
         assert_eq!(
-            wrapped.to_string(),
+            wrapped.full_message(),
             "connect to unix:///x/csi.sock: Probe failed: FAILED_PRECONDITION: disk missing"
         );
         assert_eq!(wrapped.code(), Some(Code::FailedPrecondition));
@@ -359,7 +360,7 @@ mod tests {
             last_error: None,
         };
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             "connect to unix:///x/csi.sock: socket did not appear within 30s"
         );
         assert_eq!(err.code(), None);
@@ -372,7 +373,7 @@ mod tests {
             last_error: Some("Connection refused (os error 111)".into()),
         };
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             "connect to unix:///x/csi.sock: socket did not accept connections within 250ms (last error: Connection refused (os error 111))"
         );
 
@@ -381,7 +382,7 @@ mod tests {
             timeout: Duration::from_millis(1500),
         };
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             "connect to unix:///x/csi.sock: plugin did not report ready within 1.5s"
         );
     }
@@ -400,7 +401,7 @@ mod tests {
             replacement: Box::new(replacement.clone()),
         };
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             "NodeUnpublishVolume of volume 'vol-1' refused: the plugin at unix:///x/csi.sock is now 'b.example.com' (vendor version '2.0'), not 'a.example.com' as before; volume calls are not sent to a different driver"
         );
         assert_eq!(err.rpc(), Some("NodeUnpublishVolume"));

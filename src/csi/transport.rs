@@ -22,7 +22,7 @@ pub enum TransportError {
         endpoint: String,
     },
     /// Dialing the socket failed.
-    #[error("connect to socket {path}: {source}")]
+    #[error("connect to socket {path}")]
     Connect {
         /// The socket path.
         path: PathBuf,

@@ -79,7 +79,7 @@ pub enum CheckpointPathError {
     },
     /// The path could not be opened beneath its root without following a symlink (ELOOP: a symlink
     /// is on it).
-    #[error("open {field} {path} beneath {root} without following symlinks: {source}")]
+    #[error("open {field} {path} beneath {root} without following symlinks")]
     Resolve {
         /// `sandbox` or `host bind`.
         field: &'static str,
@@ -417,6 +417,7 @@ pub fn check_host_bind(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
     use crate::isolator::ContainerConfig;
 
     const WORK: &str = "/var/lib/csi-isolator";
@@ -604,7 +605,7 @@ mod tests {
             match (refused, got) {
                 (None, Ok(())) => {}
                 (Some(says), Err(e)) => {
-                    let msg = e.to_string();
+                    let msg = e.full_message();
                     assert!(msg.contains(says), "{what}: {msg:?} does not say {says:?}");
                     assert!(!msg.contains('\0'), "{what}: {msg:?}");
                 }
@@ -706,9 +707,9 @@ mod tests {
         for rel in ["link", "link/m", "flink"] {
             let err = check_host_bind(&good, &fd, &name, &bind(rel)).unwrap_err();
             assert!(
-                err.to_string()
+                err.full_message()
                     .contains("Too many levels of symbolic links")
-                    || err.to_string().contains("ELOOP"),
+                    || err.full_message().contains("ELOOP"),
                 "{rel}: {err}"
             );
         }
@@ -738,7 +739,7 @@ mod tests {
         // What prepare records must be canonical: a path through a symlink is refused, a
         // canonical or missing one passes.
         let err = check_canonical("sandbox", &base.join("alias/m")).unwrap_err();
-        assert!(err.to_string().contains("not canonical"), "{err}");
+        assert!(err.full_message().contains("not canonical"), "{err}");
         check_canonical("sandbox", &work.join("sandboxes/c1")).unwrap();
         check_canonical("sandbox", &work.join("sandboxes/missing")).unwrap();
         // Missing: nothing to do.

@@ -3,6 +3,10 @@
 
 use std::path::PathBuf;
 
+use crate::isolator::checkpoint_paths::CheckpointPathError;
+use crate::launcher::LaunchError;
+use crate::mount::MountError;
+use crate::provider::checkpoint::CheckpointError;
 use crate::provider::ProviderError;
 use crate::resource::ResourceError;
 
@@ -10,12 +14,13 @@ use crate::resource::ResourceError;
 #[derive(Debug, thiserror::Error)]
 pub enum IsolatorError {
     /// The container id cannot be used as a path component.
-    #[error("invalid container id '{container}': {reason}")]
+    #[error("invalid container id '{container}'")]
     InvalidContainerId {
         /// The id.
         container: String,
         /// Why.
-        reason: String,
+        #[source]
+        source: Box<ResourceError>,
     },
     /// The container is already prepared (prepare is not idempotent across configs).
     #[error("container '{container}' is already prepared")]
@@ -30,7 +35,7 @@ pub enum IsolatorError {
         container: String,
     },
     /// A resource's mount point or target could not be worked out.
-    #[error("container '{container}': volume {volume}: {source}")]
+    #[error("container '{container}': volume {volume}")]
     Resource {
         /// The container id.
         container: String,
@@ -65,7 +70,7 @@ pub enum IsolatorError {
         why: String,
     },
     /// Publishing or unpublishing through the provider failed.
-    #[error("container '{container}': {source}")]
+    #[error("container '{container}'")]
     Provider {
         /// The container id.
         container: String,
@@ -73,18 +78,43 @@ pub enum IsolatorError {
         #[source]
         source: Box<ProviderError>,
     },
-    /// The isolator's checkpoint could not be written or read.
-    #[error("container '{container}': checkpoint {path}: {reason}")]
+    /// The isolator's checkpoint could not be written or removed.
+    #[error("container '{container}': checkpoint {path}")]
     Checkpoint {
         /// The container id.
         container: String,
         /// The checkpoint path.
         path: PathBuf,
         /// What failed.
-        reason: String,
+        #[source]
+        source: Box<CheckpointError>,
+    },
+    /// A path of the container's config would fail the checks recovery makes on the checkpoint:
+    /// it is not recorded (nor anything published).
+    #[error("container '{container}': checkpoint {path}: refused to record a path of the config (give the canonical absolute path of a directory of the container's own)")]
+    UnsafeConfigPath {
+        /// The container id.
+        container: String,
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The path and the check it fails.
+        #[source]
+        source: Box<CheckpointPathError>,
+    },
+    /// The container's checkpoint names a path that fails the checks: nothing it names is
+    /// unmounted or removed.
+    #[error("container '{container}': checkpoint {path}: not trusted; nothing it names is unmounted or removed (check who can write the work dir)")]
+    UntrustedCheckpoint {
+        /// The container id.
+        container: String,
+        /// The checkpoint path.
+        path: PathBuf,
+        /// The path and the check it fails.
+        #[source]
+        source: Box<CheckpointPathError>,
     },
     /// Mounting into or unmounting from the running container failed.
-    #[error("container '{container}': {step} volume {volume}: {reason}")]
+    #[error("container '{container}': {step} volume {volume}")]
     Namespace {
         /// The container id.
         container: String,
@@ -92,8 +122,9 @@ pub enum IsolatorError {
         step: &'static str,
         /// The volume.
         volume: String,
-        /// The launcher's error.
-        reason: String,
+        /// The launcher's error (names the target, the root and the step).
+        #[source]
+        source: Box<LaunchError>,
     },
     /// The running container's pid is unknown (isolate was never called).
     #[error("container '{container}' has no known pid: call isolate first")]
@@ -102,7 +133,7 @@ pub enum IsolatorError {
         container: String,
     },
     /// The Docker/OCI host binds could not be made.
-    #[error("container '{container}': {source}")]
+    #[error("container '{container}'")]
     Oci {
         /// The container id.
         container: String,
@@ -131,13 +162,14 @@ pub enum IsolatorError {
         why: String,
     },
     /// Unmounting a host-side mount of the container failed.
-    #[error("container '{container}': unmount {path}: {reason}")]
+    #[error("container '{container}': unmount {path}")]
     Unmount {
         /// The container id.
         container: String,
         /// The mount point.
         path: PathBuf,
         /// What failed.
-        reason: String,
+        #[source]
+        source: Box<MountError>,
     },
 }

@@ -37,6 +37,7 @@ use std::time::Duration;
 use nix::errno::Errno;
 use serde::{Deserialize, Serialize};
 
+use crate::error_chain::Chain;
 use crate::isolator::launch_info::LaunchInfo;
 use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
@@ -49,7 +50,7 @@ use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 #[derive(Debug, thiserror::Error)]
 pub enum OciError {
     /// The sandbox directory could not be resolved to its canonical path.
-    #[error("resolve sandbox {path}: {source}")]
+    #[error("resolve sandbox {path}")]
     Sandbox {
         /// The sandbox as given.
         path: PathBuf,
@@ -88,7 +89,7 @@ pub enum OciError {
         other: String,
     },
     /// The volume's source could not be opened (missing, or a symlink inside a volume) or examined.
-    #[error("volume {volume}: stat source {path}: {source}")]
+    #[error("volume {volume}: stat source {path}")]
     StatSource {
         /// The volume id.
         volume: String,
@@ -98,7 +99,7 @@ pub enum OciError {
         source: io::Error,
     },
     /// Resolving (and creating) the bind target inside the sandbox failed.
-    #[error("volume {volume}: resolve bind target {path} inside sandbox {sandbox}: {source}")]
+    #[error("volume {volume}: resolve bind target {path} inside sandbox {sandbox}")]
     ResolveTarget {
         /// The volume id.
         volume: String,
@@ -110,7 +111,7 @@ pub enum OciError {
         source: Box<MountError>,
     },
     /// Cloning the source tree (`open_tree`) or binding it by path failed.
-    #[error("volume {volume}: bind source {path}: {source}")]
+    #[error("volume {volume}: bind source {path}")]
     BindSource {
         /// The volume id.
         volume: String,
@@ -120,7 +121,7 @@ pub enum OciError {
         source: Box<MountError>,
     },
     /// Setting the bind's flags (nosuid, nodev, read-only when asked) failed.
-    #[error("volume {volume}: set flags of bind at {path}: {source}")]
+    #[error("volume {volume}: set flags of bind at {path}")]
     SetReadonly {
         /// The volume id.
         volume: String,
@@ -130,7 +131,7 @@ pub enum OciError {
         source: Box<MountError>,
     },
     /// Attaching the cloned tree at the target (`move_mount`) failed.
-    #[error("volume {volume}: attach bind at {path}: {source}")]
+    #[error("volume {volume}: attach bind at {path}")]
     AttachBind {
         /// The volume id.
         volume: String,
@@ -148,7 +149,7 @@ pub enum OciError {
         path: PathBuf,
     },
     /// Unmounting what is under the sandbox failed.
-    #[error("unmount mounts under sandbox {path}: {source}")]
+    #[error("unmount mounts under sandbox {path}")]
     Cleanup {
         /// The sandbox.
         path: PathBuf,
@@ -370,7 +371,7 @@ pub fn prepare(
                 tracing::debug!(volume_id = %p.volume, host = %host.display(), destination = %p.destination, "volume bound into sandbox");
             }
             Err(e) => {
-                tracing::error!(volume_id = %p.volume, error = %e, "binding volume into sandbox failed");
+                tracing::error!(volume_id = %p.volume, error = %Chain(&e), "binding volume into sandbox failed");
                 rollback(sys, &prepared.host_binds);
                 return Err(e);
             }
@@ -470,7 +471,7 @@ fn bind_one(
 fn rollback(sys: &dyn Syscall, binds: &[PathBuf]) {
     for host in binds.iter().rev() {
         if let Err(e) = unmount_no_symlinks_with_retry(sys, host, 0, Duration::ZERO) {
-            tracing::error!(path = %host.display(), error = %e, "rollback: unmount of bind failed");
+            tracing::error!(path = %host.display(), error = %Chain(&e), "rollback: unmount of bind failed");
         }
     }
 }
@@ -497,6 +498,7 @@ pub fn cleanup(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
     use crate::mount::TargetRoot;
     use crate::mount::{Call, CallKind, FakeSyscall};
 
@@ -737,7 +739,7 @@ mod tests {
             let fake = FakeSyscall::new();
             let err = prepare(&fake, &d.sandbox, &launch(mounts.clone())).unwrap_err();
             assert!(
-                err.to_string().contains(want),
+                err.full_message().contains(want),
                 "{mounts:?}: got {err}, want {want}"
             );
             assert!(fake.calls().is_empty(), "nothing mounted for {mounts:?}");
@@ -791,7 +793,7 @@ mod tests {
                 if volume == "second" && *path == two),
             "{err:?}"
         );
-        let msg = err.to_string();
+        let msg = err.full_message();
         assert!(
             msg.starts_with(&format!(
                 "volume second: attach bind at {}: ",
@@ -825,7 +827,7 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             format!(
                 "volume b: bind source {}: open_tree clone of {}: EACCES: Permission denied",
                 d.vol2.display(),
@@ -919,7 +921,7 @@ mod tests {
         m.source_root = Some(d.vol.clone());
         let fake = FakeSyscall::new();
         let err = prepare(&fake, &d.sandbox, &launch(vec![m])).unwrap_err();
-        let text = err.to_string();
+        let text = err.full_message();
         assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
         assert!(fake.calls().is_empty(), "{:?}", fake.calls());
         assert!(!d.sandbox.join("data").exists(), "no target created");
@@ -1058,7 +1060,7 @@ mod tests {
         fake.fail(CallKind::Unmount, Errno::EPERM, 100);
         let err = cleanup(&fake, &fake, Path::new("/nonexistent/sb")).unwrap_err();
         assert_eq!(
-            err.to_string(),
+            err.full_message(),
             "unmount mounts under sandbox /nonexistent/sb: unmount /nonexistent/sb/x: EPERM: Operation not permitted"
         );
     }

@@ -136,6 +136,7 @@ pub fn target_of(container_path: &str, has_rootfs: bool) -> Result<(TargetRoot, 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
 
     #[test]
     fn targets_table() {
@@ -210,7 +211,7 @@ mod tests {
             let got = volume_mounts("c1", &config, &[volume(mode)], Path::new("/work"));
             assert_eq!(got.is_ok(), ok, "{mode}: {got:?}");
             if let Err(e) = got {
-                let text = e.to_string();
+                let text = e.full_message();
                 assert!(
                     text.contains("disk.volume.mode") && text.contains(mode),
                     "{text}"

@@ -78,7 +78,7 @@ pub enum LaunchError {
         reason: &'static str,
     },
     /// The dedicated launcher thread could not be started.
-    #[error("spawn the launcher thread: {source}")]
+    #[error("spawn the launcher thread")]
     SpawnThread {
         /// The I/O error.
         source: io::Error,
@@ -95,13 +95,13 @@ pub enum LaunchError {
         errno: Errno,
     },
     /// Making `/` recursively slave in the new mount namespace failed.
-    #[error("make / recursively slave: {source}")]
+    #[error("make / recursively slave")]
     MakeRootSlave {
         /// The mount error.
         source: MountError,
     },
     /// Cloning the volume's source tree (open_tree) failed.
-    #[error("mount {at}: clone source {source_path}: {source}")]
+    #[error("mount {at}: clone source {source_path}")]
     CloneSource {
         /// The mount.
         at: Box<VolumeRef>,
@@ -111,7 +111,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Making the detached tree (or the bind mount) read-only failed.
-    #[error("mount {at}: make read-only: {source}")]
+    #[error("mount {at}: make read-only")]
     SetReadonly {
         /// The mount.
         at: Box<VolumeRef>,
@@ -119,7 +119,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Resolving (and creating) the target inside its root failed.
-    #[error("mount {at}: resolve target: {source}")]
+    #[error("mount {at}: resolve target")]
     ResolveTarget {
         /// The mount.
         at: Box<VolumeRef>,
@@ -145,7 +145,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Attaching the tree onto the target (move_mount, or the bind fallback) failed.
-    #[error("mount {at}: attach: {source}")]
+    #[error("mount {at}: attach")]
     Attach {
         /// The mount.
         at: Box<VolumeRef>,
@@ -180,7 +180,7 @@ pub enum LaunchError {
         kind: &'static str,
     },
     /// Binding the rootfs onto itself (pivot_root needs a mount point) failed.
-    #[error("bind rootfs {rootfs} onto itself: {source}")]
+    #[error("bind rootfs {rootfs} onto itself")]
     BindRootfs {
         /// The rootfs.
         rootfs: PathBuf,
@@ -189,7 +189,7 @@ pub enum LaunchError {
     },
     /// Binding the sandbox at [`crate::mount::SANDBOX_IN_ROOTFS`] in the rootfs failed.
     #[error(
-        "bind sandbox {sandbox} at {} in rootfs {rootfs}: {source}",
+        "bind sandbox {sandbox} at {} in rootfs {rootfs}",
         crate::mount::SANDBOX_IN_ROOTFS
     )]
     BindSandbox {
@@ -201,7 +201,7 @@ pub enum LaunchError {
         source: Box<MountError>,
     },
     /// Opening a directory the child needs (its cwd, the `/proc` mount point) failed.
-    #[error("open {what} {path}: {source}")]
+    #[error("open {what} {path}")]
     OpenDir {
         /// Which directory.
         what: &'static str,
@@ -219,7 +219,7 @@ pub enum LaunchError {
         errno: Errno,
     },
     /// pivot_root into the rootfs failed.
-    #[error("pivot_root into {rootfs}: {source}")]
+    #[error("pivot_root into {rootfs}")]
     PivotRoot {
         /// The rootfs.
         rootfs: PathBuf,
@@ -227,7 +227,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Detaching the old root after pivot_root failed.
-    #[error("detach the old root after pivot_root into {rootfs}: {source}")]
+    #[error("detach the old root after pivot_root into {rootfs}")]
     DetachOldRoot {
         /// The rootfs.
         rootfs: PathBuf,
@@ -327,7 +327,7 @@ pub enum LaunchError {
         errno: Errno,
     },
     /// Opening the container's sandbox inside its root failed.
-    #[error("open sandbox {sandbox} inside the root of pid {pid}: {source}")]
+    #[error("open sandbox {sandbox} inside the root of pid {pid}")]
     OpenSandbox {
         /// The container's process.
         pid: u32,
@@ -337,7 +337,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Entering the container's mount namespace failed.
-    #[error("enter the mount namespace of pid {pid}: {source}")]
+    #[error("enter the mount namespace of pid {pid}")]
     EnterNamespace {
         /// The container's process.
         pid: u32,
@@ -345,7 +345,7 @@ pub enum LaunchError {
         source: MountError,
     },
     /// Unmounting from a running container failed.
-    #[error("unmount {target} in the mount namespace of pid {pid}: {source}")]
+    #[error("unmount {target} in the mount namespace of pid {pid}")]
     Unmount {
         /// The container's process.
         pid: u32,
@@ -417,6 +417,7 @@ impl LaunchError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
     use crate::mount::TargetRoot;
 
     fn mount(id: Option<&str>) -> VolumeMount {
@@ -477,7 +478,7 @@ mod tests {
             ),
         ];
         for (error, want) in cases {
-            let got = error.to_string();
+            let got = error.full_message();
             assert!(got.starts_with(want), "got {got:?}, want prefix {want:?}");
             assert!(error.errno().is_some());
         }

@@ -269,7 +269,7 @@ fn sweep_moved(
                 Ok(dir) => dir,
                 // Moved again, or swapped for a symlink: the next round reads the table again.
                 Err(e) => {
-                    last_problem = e.to_string();
+                    last_problem = crate::error_chain::full_message(&e);
                     continue;
                 }
             };

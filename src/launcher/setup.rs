@@ -528,6 +528,7 @@ fn fork_exec(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
 
     fn spec(root: TargetRoot, rootfs: Option<&str>) -> LaunchSpec {
         LaunchSpec {
@@ -563,7 +564,8 @@ mod tests {
             assert_eq!(got.is_ok(), ok, "{root:?} with rootfs {rootfs:?}: {got:?}");
             if let Err(e) = got {
                 assert!(
-                    e.to_string().starts_with("mount volume 'vol-1' at /data"),
+                    e.full_message()
+                        .starts_with("mount volume 'vol-1' at /data"),
                     "{e}"
                 );
             }
@@ -658,7 +660,7 @@ mod tests {
             Err(e) => e,
             Ok(_) => panic!("a symlinked sub-path was cloned"),
         };
-        let text = err.to_string();
+        let text = err.full_message();
         assert!(text.contains("volumes/roles/r1/pv1 is a symlink"), "{text}");
         assert!(text.starts_with("mount volume 'pv1' at data"), "{text}");
         assert!(fake.calls().is_empty());

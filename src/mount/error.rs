@@ -87,7 +87,7 @@ pub enum MountError {
         errno: Errno,
     },
     /// The thread that enters another mount namespace could not be started.
-    #[error("spawn the namespace thread {thread}: {source}")]
+    #[error("spawn the namespace thread {thread}")]
     SpawnNamespaceThread {
         /// The thread's name.
         thread: String,
@@ -173,7 +173,7 @@ pub enum MountError {
         errno: Errno,
     },
     /// Reading a mountinfo file failed.
-    #[error("read mountinfo {path}: {source}")]
+    #[error("read mountinfo {path}")]
     ReadMountInfo {
         /// The mountinfo file.
         path: PathBuf,
@@ -227,7 +227,7 @@ pub enum MountError {
         errno: Errno,
     },
     /// Reading loop device state from sysfs failed.
-    #[error("read loop device state {path}: {source}")]
+    #[error("read loop device state {path}")]
     LoopSysfs {
         /// The sysfs file or directory.
         path: PathBuf,

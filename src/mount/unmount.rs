@@ -1,6 +1,7 @@
 //! Unmounting that always ends: bounded EBUSY retries, then a lazy detach (MNT_DETACH), so a mount held busy
 //! by some process never blocks cleanup forever. A path that is not mounted counts as done.
 
+use crate::error_chain::Chain;
 use std::path::Path;
 use std::time::Duration;
 
@@ -118,7 +119,7 @@ pub fn unmount_all_under(
                 Ok(UnmountOutcome::NotMounted) => {}
                 // Go on with the others; the next round reads the table again.
                 Err(e) => {
-                    tracing::warn!(mount_point = %mount.mount_point.display(), error = %e, "unmount failed");
+                    tracing::warn!(mount_point = %mount.mount_point.display(), error = %Chain(&e), "unmount failed");
                     first_error.get_or_insert(e);
                 }
             }

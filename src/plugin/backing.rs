@@ -25,6 +25,7 @@
 //! retries is reported as [`BackingError::Busy`], never detached lazily (a lazily detached
 //! volume would still be in use while the plugin reports it gone and lets it be deleted).
 
+use crate::io_step::{io_step, IoStep};
 use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -79,16 +80,8 @@ const UNMOUNT_PAUSE: Duration = Duration::from_millis(50);
 #[derive(Debug, thiserror::Error)]
 pub enum BackingError {
     /// A filesystem operation on the volume's files failed.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step.
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// mkfs.ext4 could not run or failed.
     #[error("mkfs.ext4 {path}: {reason}")]
     Mkfs {
@@ -120,7 +113,7 @@ pub enum BackingError {
         what: String,
     },
     /// A mount-layer call failed.
-    #[error("{step} {path}: {source}")]
+    #[error("{step} {path}")]
     Mount {
         /// The step.
         step: &'static str,
@@ -130,11 +123,6 @@ pub enum BackingError {
         #[source]
         source: Box<MountError>,
     },
-}
-
-fn io_err(step: &'static str, path: &Path) -> impl FnOnce(io::Error) -> BackingError {
-    let path = path.to_path_buf();
-    move |source| BackingError::Io { step, path, source }
 }
 
 fn mount_err(step: &'static str, path: &Path) -> impl FnOnce(MountError) -> BackingError {
@@ -254,19 +242,19 @@ impl Backing {
     /// Creates the volume's storage in `vol_dir` (replacing leftovers of an interrupted
     /// create).
     pub fn provision(&self, vol_dir: &Path, capacity: u64) -> Result<(), BackingError> {
-        private_dir(vol_dir).map_err(io_err("create volume directory", vol_dir))?;
+        private_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
         match self.kind {
             BackingKind::Dir => {
                 // The volume's root as containers see it: its mode stays the usual one (0755 under
                 // the usual umask); the 0700 volume directory above it keeps host users out.
                 let data = Self::data_dir(vol_dir);
-                fs::create_dir_all(&data).map_err(io_err("create data directory", &data))
+                Ok(fs::create_dir_all(&data).map_err(io_step("create data directory", &data))?)
             }
             BackingKind::Loop => {
                 let image = Self::image(vol_dir);
-                let file = fs::File::create(&image).map_err(io_err("create image", &image))?;
+                let file = fs::File::create(&image).map_err(io_step("create image", &image))?;
                 file.set_len(capacity)
-                    .map_err(io_err("size image", &image))?;
+                    .map_err(io_step("size image", &image))?;
                 drop(file);
                 // Lazy inode-table and journal init and no discard: the image is a new sparse
                 // file, so what they would zero already reads as zeros, and mkfs writes a few
@@ -308,7 +296,7 @@ impl Backing {
             BackingKind::Dir => {
                 let data = Self::data_dir(vol_dir);
                 let data =
-                    fs::canonicalize(&data).map_err(io_err("resolve data directory", &data))?;
+                    fs::canonicalize(&data).map_err(io_step("resolve data directory", &data))?;
                 // The mount the data directory is reached through: the deepest mount point
                 // above it, the topmost one (last in table order) at that point.
                 let containing = mounts
@@ -334,7 +322,7 @@ impl Backing {
                         Ok(meta) => devices.push(split_dev(meta.rdev())),
                         // Detached meanwhile.
                         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(io_err("stat loop device", &dev)(e)),
+                        Err(e) => return Err(io_step("stat loop device", &dev)(e).into()),
                     }
                 }
                 Ok(Identity::Loop { devices })
@@ -501,7 +489,7 @@ impl Backing {
         staging: &Path,
         readonly: bool,
     ) -> Result<(), BackingError> {
-        private_dir(staging).map_err(io_err("create staging directory", staging))?;
+        private_dir(staging).map_err(io_step("create staging directory", staging))?;
         self.attach_at(vol_dir, staging)?;
         if readonly {
             if let Err(e) = self.sys.remount_bind_readonly(staging) {
@@ -542,7 +530,7 @@ impl Backing {
         let created = match fs::DirBuilder::new().mode(PRIVATE_DIR_MODE).create(target) {
             Ok(()) => true,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(io_err("create target directory", target)(e)),
+            Err(e) => return Err(io_step("create target directory", target)(e).into()),
         };
         let result = (|| {
             match staging {
@@ -581,7 +569,7 @@ impl Backing {
             match fs::remove_dir(target) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_err("remove target directory", target)(e)),
+                Err(e) => return Err(io_step("remove target directory", target)(e).into()),
             }
         }
         self.release_if_unused(vol_dir)
@@ -620,11 +608,11 @@ impl Backing {
             }
             self.unmount_bounded(&path)?;
         }
-        Err(BackingError::Io {
-            step: "unmount (too many stacked mounts)",
+        Err(BackingError::Io(IoStep::new(
+            "unmount (too many stacked mounts)",
             path,
-            source: io::Error::from(io::ErrorKind::ResourceBusy),
-        })
+            io::Error::from(io::ErrorKind::ResourceBusy),
+        )))
     }
 
     /// Unmounts the topmost mount at `path`, retrying a few times while it is busy; never

@@ -11,6 +11,7 @@
 //! command line and, optionally, from a file that is re-read whenever its mtime changes
 //! (counters reset then), so tests can change faults on a running plugin.
 
+use crate::error_chain::Chain;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -34,7 +35,7 @@ pub enum FaultError {
         reason: String,
     },
     /// Reading the faults file failed.
-    #[error("read faults file {path}: {source}")]
+    #[error("read faults file {path}")]
     ReadFile {
         /// The faults file.
         path: PathBuf,
@@ -43,7 +44,7 @@ pub enum FaultError {
         source: io::Error,
     },
     /// Appending to the call log failed.
-    #[error("append to call log {path}: {source}")]
+    #[error("append to call log {path}")]
     Log {
         /// The log file.
         path: PathBuf,
@@ -411,8 +412,8 @@ impl Faults {
     pub async fn enter(&self, rpc: &str, volume_id: &str) -> Result<Entered, Status> {
         if let Some(path) = &self.log_calls {
             if let Err(e) = append_line(path, rpc, volume_id) {
-                tracing::error!(rpc, error = %e, "call log");
-                return Err(Status::internal(e.to_string()));
+                tracing::error!(rpc, error = %Chain(&e), "call log");
+                return Err(Status::internal(crate::error_chain::full_message(&e)));
             }
         }
         let mut delay = 0u64;
@@ -535,7 +536,7 @@ impl Faults {
                     *armed = Armed::new(armed.spec.clone());
                 }
             }
-            Err(e) => tracing::error!(error = %e, "faults file ignored"),
+            Err(e) => tracing::error!(error = %Chain(&e), "faults file ignored"),
         }
     }
 }

@@ -34,6 +34,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use tokio::net::UnixListener;
+
+use crate::io_step::{io_step, IoStep};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Response, Status};
 
@@ -259,7 +261,7 @@ pub enum PluginError {
         rpc: &'static str,
     },
     /// The metadata store failed.
-    #[error("{rpc}: volume {volume_id}: {source}")]
+    #[error("{rpc}: volume {volume_id}")]
     Store {
         /// The RPC.
         rpc: &'static str,
@@ -270,7 +272,7 @@ pub enum PluginError {
         source: StoreError,
     },
     /// The backing (mounts, loop devices, images) failed.
-    #[error("{rpc}: volume {volume_id}: {source}")]
+    #[error("{rpc}: volume {volume_id}")]
     Backing {
         /// The RPC.
         rpc: &'static str,
@@ -281,7 +283,7 @@ pub enum PluginError {
         source: BackingError,
     },
     /// Opening the store at startup failed.
-    #[error("open volume store under {path}: {source}")]
+    #[error("open volume store under {path}")]
     OpenStore {
         /// The work dir.
         path: PathBuf,
@@ -290,16 +292,8 @@ pub enum PluginError {
         source: StoreError,
     },
     /// Preparing or binding the socket failed.
-    #[error("listen on socket {path} ({step}): {source}")]
-    Listen {
-        /// The socket path.
-        path: PathBuf,
-        /// Which step failed.
-        step: &'static str,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("listen on socket")]
+    Listen(#[source] IoStep),
     /// The handler of an RPC panicked.
     #[error("{rpc}: volume {volume_id}: handler panicked: {message}")]
     Panicked {
@@ -311,7 +305,7 @@ pub enum PluginError {
         message: String,
     },
     /// The gRPC server failed.
-    #[error("serve gRPC on socket {path}: {source}")]
+    #[error("serve gRPC on socket {path}")]
     Serve {
         /// The socket path.
         path: PathBuf,
@@ -504,10 +498,7 @@ pub async fn serve(
 }
 
 fn listen(socket: &Path) -> Result<UnixListener, PluginError> {
-    let err = |step: &'static str| {
-        let path = socket.to_path_buf();
-        move |source| PluginError::Listen { path, step, source }
-    };
+    let err = |step| move |e| PluginError::Listen(io_step(step, socket)(e));
     match std::fs::remove_file(socket) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}

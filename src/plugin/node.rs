@@ -8,6 +8,7 @@
 //! know fail with NOT_FOUND, unstage and unpublish included: the plugin never touches a
 //! path for a volume it does not know.
 
+use crate::io_step::IoStep;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
@@ -365,11 +366,11 @@ impl Plugin {
         let st = nix::sys::statvfs::statvfs(&path).map_err(|errno| PluginError::Backing {
             rpc: RPC,
             volume_id: record.id.clone(),
-            source: super::BackingError::Io {
-                step: "statvfs",
-                path: path.clone(),
-                source: std::io::Error::from(errno),
-            },
+            source: super::BackingError::Io(IoStep::new(
+                "statvfs",
+                path.clone(),
+                std::io::Error::from(errno),
+            )),
         })?;
         let frsize = st.fragment_size() as i64;
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);

@@ -77,7 +77,7 @@ pub fn code_of(err: &PluginError) -> Code {
         | PluginError::Backing { .. }
         | PluginError::Panicked { .. }
         | PluginError::OpenStore { .. }
-        | PluginError::Listen { .. }
+        | PluginError::Listen(_)
         | PluginError::Serve { .. } => Code::Internal,
     }
 }

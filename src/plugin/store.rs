@@ -34,6 +34,7 @@ use std::sync::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::durable;
+use crate::io_step::IoStep;
 use crate::resource::encode_volume_id;
 use crate::workdir::PRIVATE_FILE_MODE;
 
@@ -54,7 +55,7 @@ pub const MAX_ID_LEN: usize = 255;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// Creating a directory of the store failed.
-    #[error("create store directory {path}: {source}")]
+    #[error("create store directory {path}")]
     CreateDir {
         /// The directory.
         path: PathBuf,
@@ -63,7 +64,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// Listing the volumes directory failed.
-    #[error("list volume records in {path}: {source}")]
+    #[error("list volume records in {path}")]
     List {
         /// The directory.
         path: PathBuf,
@@ -72,7 +73,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// Reading a record failed.
-    #[error("read volume record {path}: {source}")]
+    #[error("read volume record {path}")]
     Read {
         /// The record file.
         path: PathBuf,
@@ -81,7 +82,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// A record could not be decoded.
-    #[error("decode volume record {path}: {source}")]
+    #[error("decode volume record {path}")]
     Decode {
         /// The record file.
         path: PathBuf,
@@ -99,16 +100,8 @@ pub enum StoreError {
     },
     /// Writing a record (any step of the atomic write), or renaming a
     /// volume's directory to its tombstone, failed.
-    #[error("write volume record {path} ({step}): {source}")]
-    Write {
-        /// The record file (or the volume's directory).
-        path: PathBuf,
-        /// Which step failed.
-        step: &'static str,
-        /// The underlying error.
-        #[source]
-        source: io::Error,
-    },
+    #[error("write volume record")]
+    Write(#[source] IoStep),
     /// A volume id longer than [`MAX_ID_LEN`] (an id the plugin was told to make with an
     /// over-long `--id-prefix`).
     #[error("volume id of {len} bytes is too long for the store (at most {MAX_ID_LEN})")]
@@ -117,7 +110,7 @@ pub enum StoreError {
         len: usize,
     },
     /// Removing a volume's directory failed.
-    #[error("remove volume directory {path}: {source}")]
+    #[error("remove volume directory {path}")]
     Remove {
         /// The directory.
         path: PathBuf,
@@ -357,11 +350,8 @@ impl Store {
         })?;
         let path = dir.join(RECORD_FILE);
         let bytes = serde_json::to_vec_pretty(record).expect("a volume record always serializes");
-        durable::write_atomic(&path, &bytes, PRIVATE_FILE_MODE).map_err(|e| StoreError::Write {
-            path: e.path,
-            step: e.step.as_str(),
-            source: e.source,
-        })?;
+        durable::write_atomic(&path, &bytes, PRIVATE_FILE_MODE)
+            .map_err(|e| StoreError::Write(IoStep::new(e.step.as_str(), e.path, e.source)))?;
         self.lock().insert(record.id.clone(), record.clone());
         Ok(())
     }
@@ -377,18 +367,15 @@ impl Store {
         // A tombstone left by an earlier, interrupted removal of the same id.
         remove_dir(&tombstone)?;
         match fs::rename(&dir, &tombstone) {
-            Ok(()) => durable::sync_dir(&self.root).map_err(|source| StoreError::Write {
-                path: dir,
-                step: "fsync directory",
-                source,
-            })?,
+            Ok(()) => durable::sync_dir(&self.root)
+                .map_err(|e| StoreError::Write(IoStep::new("fsync directory", &self.root, e)))?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(source) => {
-                return Err(StoreError::Write {
-                    path: dir,
-                    step: "rename to tombstone",
+                return Err(StoreError::Write(IoStep::new(
+                    "rename to tombstone",
+                    dir,
                     source,
-                })
+                )))
             }
         }
         self.lock().remove(id);

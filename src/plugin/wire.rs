@@ -13,6 +13,7 @@
 //!   UTF-8 (a repeated scalar field's last value wins and embedded messages merge, so the
 //!   appended field overrides the real one, and a decoder must check it).
 
+use crate::error_chain::Chain;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
@@ -111,7 +112,7 @@ async fn rewrite(response: Response<Body>, rpc: &str, mode: LieMode) -> Response
             Ok(frame) => frame,
             Err(status) => {
                 // The reply broke by itself; pass on what it was.
-                tracing::warn!(rpc, error = %status, "lie fault: reply body failed; not rewritten");
+                tracing::warn!(rpc, error = %Chain(&status), "lie fault: reply body failed; not rewritten");
                 return Response::from_parts(parts, Body::new(Replay::new(data, trailers)));
             }
         };

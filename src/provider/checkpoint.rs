@@ -30,7 +30,7 @@ pub const CRASH_AFTER_WRITE_ENV: &str = "CSI_ISOLATOR_CRASH_AFTER_WRITE";
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
     /// Creating the directory that holds the checkpoint failed.
-    #[error("create checkpoint directory {path}: {source}")]
+    #[error("create checkpoint directory {path}")]
     CreateDir {
         /// The directory.
         path: PathBuf,
@@ -39,7 +39,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Writing or syncing the temporary file failed.
-    #[error("write checkpoint {path}: {source}")]
+    #[error("write checkpoint {path}")]
     Write {
         /// The file being written.
         path: PathBuf,
@@ -48,7 +48,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Renaming the temporary file over the checkpoint failed.
-    #[error("rename checkpoint into place at {path}: {source}")]
+    #[error("rename checkpoint into place at {path}")]
     Rename {
         /// The checkpoint path.
         path: PathBuf,
@@ -57,7 +57,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Syncing the directory after the rename failed.
-    #[error("sync checkpoint directory {path}: {source}")]
+    #[error("sync checkpoint directory {path}")]
     SyncDir {
         /// The directory.
         path: PathBuf,
@@ -66,7 +66,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Reading the checkpoint failed.
-    #[error("read checkpoint {path}: {source}")]
+    #[error("read checkpoint {path}")]
     Read {
         /// The checkpoint path.
         path: PathBuf,
@@ -75,7 +75,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Removing the checkpoint failed.
-    #[error("remove checkpoint {path}: {source}")]
+    #[error("remove checkpoint {path}")]
     Remove {
         /// The checkpoint path.
         path: PathBuf,
@@ -84,7 +84,7 @@ pub enum CheckpointError {
         source: io::Error,
     },
     /// Setting a corrupt checkpoint aside failed.
-    #[error("set aside corrupt checkpoint {path}: {source}")]
+    #[error("set aside corrupt checkpoint {path}")]
     SetAside {
         /// The checkpoint path.
         path: PathBuf,

@@ -1,6 +1,7 @@
 //! Errors of the resource providers: one variant per failing step, naming
 //! the volume, the container or the plugin it failed on.
 
+use crate::io_step::IoStep;
 use std::path::PathBuf;
 
 use crate::csi::CsiError;
@@ -10,7 +11,7 @@ use crate::provider::checkpoint::CheckpointError;
 #[derive(Debug, thiserror::Error)]
 pub enum ProviderError {
     /// A CSI call failed (the CSI error names the RPC, code and message).
-    #[error("volume '{volume}': {source}")]
+    #[error("volume '{volume}'")]
     Csi {
         /// The volume id (or name, before it has an id).
         volume: String,
@@ -19,7 +20,7 @@ pub enum ProviderError {
         source: CsiError,
     },
     /// Connecting to, or talking to, the plugin failed outside of a volume call.
-    #[error("plugin {plugin}: {source}")]
+    #[error("plugin {plugin}")]
     Plugin {
         /// `<type>/<name>` of the plugin.
         plugin: String,
@@ -28,7 +29,7 @@ pub enum ProviderError {
         source: CsiError,
     },
     /// Starting the managed plugin process failed.
-    #[error("start plugin {plugin} ({command}): {source}")]
+    #[error("start plugin {plugin} ({command})")]
     Spawn {
         /// `<type>/<name>` of the plugin.
         plugin: String,
@@ -51,7 +52,7 @@ pub enum ProviderError {
         reason: String,
     },
     /// A checkpoint could not be written or read.
-    #[error("volume '{volume}': {source}")]
+    #[error("volume '{volume}'")]
     Checkpoint {
         /// The volume id (or name).
         volume: String,
@@ -108,16 +109,8 @@ pub enum ProviderError {
         volume: String,
     },
     /// A directory of the layout could not be created or removed.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step (`create mount directory`, ...).
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// A name that becomes a path component is not safe.
     #[error("invalid {field} '{value}': {reason}")]
     InvalidName {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use futures::future::join_all;
 
+use crate::error_chain::Chain;
 use crate::provider::error::ProviderError;
 use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;
@@ -119,7 +120,7 @@ impl Manager {
                 let provider = &self.providers[*pid];
                 for id in added {
                     if let Err(e) = provider.release(id, container_id).await {
-                        tracing::error!(volume_id = %id, error = %e, "rollback release failed");
+                        tracing::error!(volume_id = %id, error = %Chain(&e), "rollback release failed");
                     }
                 }
             }

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use futures::future::join_all;
 
+use crate::error_chain::Chain;
 use crate::provider::error::ProviderError;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
@@ -66,7 +67,7 @@ impl StorageProvider {
                         Err(undo) => Err(undo),
                     };
                     if let Err(undo) = undo {
-                        tracing::error!(volume_id, error = %undo, "rollback after failed publish failed");
+                        tracing::error!(volume_id, error = %Chain(&undo), "rollback after failed publish failed");
                     }
                 }
                 Err(e)
@@ -123,7 +124,7 @@ impl StorageProvider {
             };
             if self.needs_settling(&rec) {
                 if let Err(e) = self.settle_unused(&mut rec).await {
-                    tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot settle an unused volume yet");
+                    tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot settle an unused volume yet");
                 }
             }
         }
@@ -229,7 +230,7 @@ impl StorageProvider {
         .await;
         let failures: Vec<_> = results.into_iter().flatten().collect();
         for (id, e) in &failures {
-            tracing::error!(volume_id = %id, error = %e, "cannot re-ensure a volume in use");
+            tracing::error!(volume_id = %id, error = %Chain(e), "cannot re-ensure a volume in use");
         }
         failures
     }
@@ -255,7 +256,7 @@ impl StorageProvider {
                     rec.state = VolumeState::NodeReady;
                 }
                 Err(e) => {
-                    tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the mount")
+                    tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot check the mount")
                 }
             }
         }
@@ -283,7 +284,7 @@ impl StorageProvider {
         match self.table.mounts_under(&self.layout.mounts_dir()) {
             Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read the mount table");
+                tracing::warn!(error = %Chain(&e), "cannot read the mount table");
                 None
             }
         }

@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use futures::future::join_all;
 
+use crate::error_chain::Chain;
 use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
@@ -73,8 +74,10 @@ impl StorageProvider {
                     }
                     Ok(_) => {}
                     Err(e) => {
-                        tracing::error!(volume_id = %id, error = %e, "recovery failed for volume");
-                        report.failures.push((id, e.to_string()));
+                        tracing::error!(volume_id = %id, error = %Chain(&e), "recovery failed for volume");
+                        report
+                            .failures
+                            .push((id, crate::error_chain::full_message(&e)));
                     }
                 }
             }
@@ -94,7 +97,7 @@ impl StorageProvider {
             (self.layout.target_path(volume_id), "target"),
         ] {
             if let Err(e) = self.harden(volume_id, &path, what).await {
-                tracing::warn!(volume_id, error = %e, "recovery: cannot set nosuid,nodev on a published volume's mount");
+                tracing::warn!(volume_id, error = %Chain(&e), "recovery: cannot set nosuid,nodev on a published volume's mount");
             }
         }
     }
@@ -116,7 +119,7 @@ impl StorageProvider {
             let found = match checkpoint::read(&path) {
                 Ok(Some(bytes)) => Found::StateFile(bytes),
                 Ok(None) => Found::NoStateFile,
-                Err(e) => Found::Unreadable(e.to_string()),
+                Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
             };
             let facts = Facts {
                 boot_id: &self.boot_id,
@@ -142,11 +145,11 @@ impl StorageProvider {
                                 aside: aside.clone(),
                                 reason: reason.clone(),
                             };
-                            tracing::error!(error = %e, "volume state set aside");
+                            tracing::error!(error = %Chain(&e), "volume state set aside");
                             report.corrupt.push((path, aside, reason));
                         }
                         Err(e) => {
-                            tracing::error!(path = %path.display(), error = %e, "cannot set aside corrupt state");
+                            tracing::error!(path = %path.display(), error = %Chain(&e), "cannot set aside corrupt state");
                             report.failures.push((path.display().to_string(), reason));
                         }
                     }
@@ -164,7 +167,7 @@ impl StorageProvider {
                     .actions
                     .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
                 if let Err(e) = self.persist_here(&rec) {
-                    tracing::error!(volume_id = %rec.volume_id, error = %e, "cannot record reboot reset");
+                    tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot record reboot reset");
                 }
             }
             report.loaded += 1;
@@ -223,12 +226,12 @@ impl StorageProvider {
                     ));
                 }
                 Err(e) => {
-                    tracing::error!(name = %name, error = %e, "recovery: cannot finish create");
+                    tracing::error!(name = %name, error = %Chain(&e), "recovery: cannot finish create");
                     self.report
                         .lock()
                         .unwrap()
                         .failures
-                        .push((name, e.to_string()));
+                        .push((name, crate::error_chain::full_message(&e)));
                 }
             }
         }
@@ -279,12 +282,11 @@ impl StorageProvider {
                     }
                 }
                 Err(e) => {
-                    tracing::error!(path = %dir.display(), error = %e, "cannot unmount orphaned mount directory");
-                    self.report
-                        .lock()
-                        .unwrap()
-                        .failures
-                        .push((dir.display().to_string(), e.to_string()));
+                    tracing::error!(path = %dir.display(), error = %Chain(&e), "cannot unmount orphaned mount directory");
+                    self.report.lock().unwrap().failures.push((
+                        dir.display().to_string(),
+                        crate::error_chain::full_message(&e),
+                    ));
                 }
             }
         }

@@ -15,6 +15,8 @@
 //! declare, destroy), `publish.rs` (publish, release, ensure-all) and
 //! `recover.rs` (load and recovery on start).
 
+use crate::error_chain::Chain;
+use crate::io_step::IoStep;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -220,7 +222,7 @@ impl StorageProvider {
             validate_path_component(field, value).map_err(|e| ProviderError::InvalidName {
                 field,
                 value: value.clone(),
-                reason: e.to_string(),
+                reason: crate::error_chain::full_message(&e),
             })?;
         }
         let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
@@ -470,7 +472,7 @@ impl StorageProvider {
                 })
             }
             Err(e) => {
-                tracing::debug!(volume_id = %rec.volume_id, error = %e, "cannot re-check the plugin yet")
+                tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot re-check the plugin yet")
             }
         }
         let before = rec.clone();
@@ -540,7 +542,7 @@ impl StorageProvider {
         match blocking(move || table.is_mount_root(&staging)).await {
             Ok(mounted) => mounted,
             Err(e) => {
-                tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the staging path");
+                tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot check the staging path");
                 false
             }
         }
@@ -702,15 +704,15 @@ impl StorageProvider {
                 tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
                 Ok(())
             }
-            Err(e) => Err(ProviderError::Io {
-                step: if what == "staging" {
+            Err(e) => Err(ProviderError::Io(IoStep::new(
+                if what == "staging" {
                     "set nosuid,nodev on the staging mount"
                 } else {
                     "set nosuid,nodev on the target mount"
                 },
-                path: path.to_path_buf(),
-                source: std::io::Error::other(e),
-            }),
+                path,
+                std::io::Error::other(e),
+            ))),
         }
     }
 
@@ -763,7 +765,7 @@ fn gone_is_done<T>(
     match result {
         Ok(_) => Ok(()),
         Err(e) if e.code() == Some(tonic::Code::NotFound) => {
-            tracing::warn!(volume_id, rpc = step.rpc(), error = %e, "the plugin does not know the volume; treating the step as done");
+            tracing::warn!(volume_id, rpc = step.rpc(), error = %Chain(&e), "the plugin does not know the volume; treating the step as done");
             Ok(())
         }
         Err(e) => Err(e),
@@ -787,20 +789,19 @@ async fn connect(
 /// Existing directories are left as they are (one may be a volume's mount root, whose mode is the
 /// volume's).
 pub(crate) fn mkdir(path: &Path, step: &'static str) -> Result<(), ProviderError> {
-    crate::workdir::create_private_dirs(path).map_err(|source| ProviderError::Io {
-        step,
-        path: path.to_path_buf(),
-        source,
-    })
+    crate::workdir::create_private_dirs(path)
+        .map_err(|source| ProviderError::Io(IoStep::new(step, path, source)))
 }
 
 /// Closes a volume's `mounts/<id>` directory (never itself a mount) to everyone but root, when an earlier
 /// version created it open: it is the way to the volume's staging and target paths on the host.
 fn close_dir(dir: &Path) -> Result<(), ProviderError> {
-    crate::workdir::close_private_dir(dir).map_err(|source| ProviderError::Io {
-        step: "close mount directory to other users",
-        path: dir.to_path_buf(),
-        source,
+    crate::workdir::close_private_dir(dir).map_err(|source| {
+        ProviderError::Io(IoStep::new(
+            "close mount directory to other users",
+            dir,
+            source,
+        ))
     })
 }
 
@@ -810,7 +811,7 @@ fn close_dir(dir: &Path) -> Result<(), ProviderError> {
 pub(crate) fn remove_empty_dir(dir: &std::path::Path) {
     if let Err(e) = std::fs::remove_dir(dir) {
         if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::debug!(path = %dir.display(), error = %e, "directory kept");
+            tracing::debug!(path = %dir.display(), error = %Chain(&e), "directory kept");
         }
     }
 }

@@ -19,6 +19,8 @@
 //! than the file as the plugin's stdout, because only the writer can tell
 //! when to rotate, and a plugin appending to a file itself never would.
 
+use crate::error_chain::Chain;
+use crate::io_step::IoStep;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
@@ -198,10 +200,12 @@ impl Inner {
         // In the usual layout both are `plugin/`: walked once.
         dirs.dedup();
         for dir in dirs {
-            private_dir(dir, PLUGIN_SOCKET_DIR).map_err(|e| ProviderError::Io {
-                step: "check plugin socket directory",
-                path: dir.to_path_buf(),
-                source: std::io::Error::other(e),
+            private_dir(dir, PLUGIN_SOCKET_DIR).map_err(|e| {
+                ProviderError::Io(IoStep::new(
+                    "check plugin socket directory",
+                    dir,
+                    std::io::Error::other(e),
+                ))
             })?;
         }
         self.socket_dir_checked.store(true, Ordering::SeqCst);
@@ -209,10 +213,12 @@ impl Inner {
         // The plugin's output goes to a log file next to its socket, as
         // Mesos keeps a plugin container's stdout/stderr, through a pipe so
         // that the log can be rotated (see the module doc).
-        let log_error = |source| ProviderError::Io {
-            step: "open plugin log",
-            path: self.log_path.clone(),
-            source,
+        let log_error = |source| {
+            ProviderError::Io(IoStep::new(
+                "open plugin log",
+                self.log_path.clone(),
+                source,
+            ))
         };
         {
             let mut log = self.log.lock().unwrap();
@@ -287,7 +293,9 @@ impl Inner {
 }
 
 async fn probe(socket: &Path) -> Result<bool, String> {
-    let channel = connect_unix(socket).await.map_err(|e| e.to_string())?;
+    let channel = connect_unix(socket)
+        .await
+        .map_err(|e| crate::error_chain::full_message(&e))?;
     let mut client = IdentityClient::new(channel);
     let resp = tokio::time::timeout(Duration::from_secs(5), client.probe(ProbeRequest {}))
         .await
@@ -313,7 +321,7 @@ fn copy_output(plugin: &str, reader: OwnedFd, log: Arc<Mutex<Option<PluginLog>>>
                     Ok(n) => n,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => {
-                        tracing::warn!(plugin = %plugin, error = %e, "cannot read the plugin's output");
+                        tracing::warn!(plugin = %plugin, error = %Chain(&e), "cannot read the plugin's output");
                         return;
                     }
                 };
@@ -323,7 +331,7 @@ fn copy_output(plugin: &str, reader: OwnedFd, log: Arc<Mutex<Option<PluginLog>>>
                     Ok(()) => failing = false,
                     Err(e) if !failing => {
                         failing = true;
-                        tracing::warn!(plugin = %plugin, path = %log.path.display(), error = %e, "cannot write the plugin log; its output is dropped");
+                        tracing::warn!(plugin = %plugin, path = %log.path.display(), error = %Chain(&e), "cannot write the plugin log; its output is dropped");
                     }
                     Err(_) => {}
                 }
@@ -332,7 +340,7 @@ fn copy_output(plugin: &str, reader: OwnedFd, log: Arc<Mutex<Option<PluginLog>>>
     if let Err(e) = spawned {
         // Without a reader the plugin would get EPIPE on its first write:
         // better to say why now.
-        tracing::error!(error = %e, "cannot start the plugin log thread");
+        tracing::error!(error = %Chain(&e), "cannot start the plugin log thread");
     }
 }
 
@@ -379,7 +387,7 @@ impl PluginLog {
         old.push(".1");
         if let Err(e) = std::fs::rename(&self.path, &old) {
             // The log must stay bounded even then: start it over in place.
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot rotate the plugin log; truncating it");
+            tracing::warn!(path = %self.path.display(), error = %Chain(&e), "cannot rotate the plugin log; truncating it");
             self.file.set_len(0)?;
             self.size = 0;
             return Ok(());
@@ -395,7 +403,7 @@ fn remove_stale_socket(socket: &Path) {
         Ok(()) => tracing::info!(socket = %socket.display(), "removed stale plugin socket"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => {
-            tracing::warn!(socket = %socket.display(), error = %e, "cannot remove stale plugin socket")
+            tracing::warn!(socket = %socket.display(), error = %Chain(&e), "cannot remove stale plugin socket")
         }
     }
 }
@@ -436,11 +444,13 @@ async fn monitor(inner: Arc<Inner>, mut child: Child) {
                     child = c;
                     break;
                 }
-                Err(e) => tracing::error!(plugin = %inner.plugin, error = %e, "restart failed"),
+                Err(e) => {
+                    tracing::error!(plugin = %inner.plugin, error = %Chain(&e), "restart failed")
+                }
             }
         }
         if let Err(e) = inner.wait_ready().await {
-            tracing::warn!(plugin = %inner.plugin, error = %e, "restarted plugin not ready yet");
+            tracing::warn!(plugin = %inner.plugin, error = %Chain(&e), "restarted plugin not ready yet");
         }
     }
 }

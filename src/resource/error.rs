@@ -13,7 +13,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum ResourceError {
     /// The resources JSON could not be parsed.
-    #[error("parse resources json: {source}")]
+    #[error("parse resources json")]
     Parse {
         /// The JSON error, with line and column.
         #[source]

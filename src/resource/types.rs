@@ -686,6 +686,7 @@ impl Resource {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
     use serde_json::json;
 
     #[test]
@@ -757,7 +758,7 @@ mod tests {
         );
         // An unknown mode is never read-write, and refused where used.
         assert!(r.read_only());
-        let err = r.check_volume_mode().unwrap_err().to_string();
+        let err = r.check_volume_mode().unwrap_err().full_message();
         assert!(
             err.contains("disk.volume.mode") && err.contains("\"WO\""),
             "{err}"
@@ -838,7 +839,7 @@ mod tests {
         let err = parse_resources(r#"[{"name": "disk"}]"#).unwrap_err();
         assert!(matches!(err, ResourceError::Parse { .. }));
         assert!(
-            err.to_string()
+            err.full_message()
                 .starts_with("parse resources json: missing field `type`"),
             "{err}"
         );

@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use crate::error_chain::Chain;
 use crate::service::metrics::{Refusal, ServiceMetrics};
 
 /// How many refusals of one kind are logged per [`WARN_WINDOW`].
@@ -180,9 +181,9 @@ impl<L: Listen> Gate<L> {
                 Ok(c) => c,
                 Err(e) => {
                     if is_transient(&e) {
-                        tracing::debug!(listener = L::NAME, error = %e, "accept failed");
+                        tracing::debug!(listener = L::NAME, error = %Chain(&e), "accept failed");
                     } else {
-                        tracing::error!(listener = L::NAME, error = %e, "accept failed");
+                        tracing::error!(listener = L::NAME, error = %Chain(&e), "accept failed");
                     }
                     // Out of descriptors, or a connection gone before it was
                     // accepted: try again shortly rather than spin or stop.

@@ -26,6 +26,7 @@ use futures::Stream;
 use tokio::net::{UnixListener, UnixStream};
 use tonic::transport::server::{Connected, UdsConnectInfo};
 
+use crate::error_chain::Chain;
 use crate::service::accept::{Admitted, Gate, Listen, WarnLimiter};
 #[cfg(doc)]
 use crate::service::accept::{WARNINGS_PER_WINDOW, WARN_WINDOW};
@@ -118,7 +119,7 @@ impl Listen for PeerChecked {
         let cred = match stream.peer_cred() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "service socket: cannot read the peer's credentials; connection closed");
+                tracing::warn!(error = %Chain(&e), "service socket: cannot read the peer's credentials; connection closed");
                 return false;
             }
         };

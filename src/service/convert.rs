@@ -20,7 +20,7 @@ pub fn resources(field: &'static str, json: &str) -> Result<Vec<Resource>, Servi
     }
     parse_resources(json).map_err(|e| ServiceError::InvalidArgument {
         field,
-        reason: e.to_string(),
+        reason: crate::error_chain::full_message(&e),
     })
 }
 

@@ -1,6 +1,7 @@
 //! Start-up, serving and shutdown of `csi-isolator serve` (see the module
 //! doc of [`crate::service`] for the contract).
 
+use crate::io_step::IoStep;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -115,16 +116,8 @@ pub enum ServeError {
     #[error(transparent)]
     WorkDir(#[from] crate::workdir::WorkDirError),
     /// A file or directory could not be made.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step.
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// The provider could not start.
     #[error(transparent)]
     Provider(Box<ProviderError>),
@@ -132,7 +125,7 @@ pub enum ServeError {
     #[error(transparent)]
     Socket(#[from] SocketError),
     /// The metrics address could not be bound.
-    #[error("bind metrics address {addr}: {source}")]
+    #[error("bind metrics address {addr}")]
     MetricsBind {
         /// The address.
         addr: SocketAddr,
@@ -141,7 +134,7 @@ pub enum ServeError {
         source: std::io::Error,
     },
     /// The gRPC server failed.
-    #[error("serve on {socket}: {source}")]
+    #[error("serve on {socket}")]
     Serve {
         /// The socket.
         socket: PathBuf,

@@ -5,14 +5,20 @@
 //! a request the current state refuses (`FAILED_PRECONDITION`,
 //! `ALREADY_EXISTS`), the CSI plugin's own code where it means the same to
 //! the caller (`UNAVAILABLE`, `DEADLINE_EXCEEDED`, `RESOURCE_EXHAUSTED`,
-//! ...), `INTERNAL` for everything else. The message is the error's full
-//! text, its sources included, so it names the container, the volume, the
-//! CSI RPC, its code and the plugin's message.
+//! ...), `INTERNAL` only for faults of our own (a checkpoint that cannot be
+//! written, an unmount that fails). The code is chosen from the typed cause,
+//! however deep it lies: a target the launcher refuses inside a running
+//! container is the caller's `INVALID_ARGUMENT`, a process that is gone a
+//! `FAILED_PRECONDITION`. The message is the error's chain written out by
+//! [`crate::error_chain`], so it names the container, the volume, the step,
+//! the CSI RPC, its code and the plugin's message.
 
 use tonic::{Code, Status};
 
 use crate::csi::CsiError;
+use crate::isolator::oci::OciError;
 use crate::isolator::IsolatorError;
+use crate::launcher::LaunchError;
 use crate::mount::MountError;
 use crate::provider::ProviderError;
 
@@ -48,7 +54,7 @@ pub enum ServiceError {
     #[error(transparent)]
     Provider(Box<ProviderError>),
     /// The mount table could not be read for the status report.
-    #[error("status: read the mount table: {source}")]
+    #[error("status: read the mount table")]
     MountTable {
         /// The mount table error.
         #[source]
@@ -94,18 +100,55 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
     match e {
         IsolatorError::InvalidContainerId { .. }
         | IsolatorError::Resource { .. }
-        | IsolatorError::BadTarget { .. } => Code::InvalidArgument,
+        | IsolatorError::BadTarget { .. }
+        | IsolatorError::UnsafeConfigPath { .. } => Code::InvalidArgument,
         IsolatorError::UnknownContainer { .. } => Code::NotFound,
         IsolatorError::AlreadyPrepared { .. } => Code::AlreadyExists,
         IsolatorError::ReadOnlyVolume { .. }
         | IsolatorError::NoPid { .. }
         | IsolatorError::NotTheContainer { .. }
-        | IsolatorError::PidGone { .. } => Code::FailedPrecondition,
+        | IsolatorError::PidGone { .. }
+        | IsolatorError::UntrustedCheckpoint { .. } => Code::FailedPrecondition,
         IsolatorError::Provider { source, .. } => provider_code(source),
-        IsolatorError::Checkpoint { .. }
-        | IsolatorError::Namespace { .. }
-        | IsolatorError::Oci { .. }
-        | IsolatorError::Unmount { .. } => Code::Internal,
+        IsolatorError::Namespace { source, .. } => launch_code(source),
+        IsolatorError::Oci { source, .. } => oci_code(source),
+        IsolatorError::Checkpoint { .. } | IsolatorError::Unmount { .. } => Code::Internal,
+    }
+}
+
+/// The gRPC code of a mount into (or unmount from) a running container that failed: a target
+/// the request names and the container's files refuse is the caller's to fix; a container whose
+/// process or mounts are not what the isolator recorded refuses the request in its current state.
+pub fn launch_code(e: &LaunchError) -> Code {
+    match e {
+        LaunchError::TargetMissingOnHost { .. }
+        | LaunchError::TargetParentReadOnly { .. }
+        | LaunchError::TargetNotADirectory { .. }
+        | LaunchError::ResolveTarget { .. }
+        | LaunchError::BadRootfs { .. } => Code::InvalidArgument,
+        LaunchError::NotTheVolume { .. }
+        | LaunchError::VolumeStillMounted { .. }
+        | LaunchError::RootMismatch { .. }
+        | LaunchError::Reaped { .. } => Code::FailedPrecondition,
+        LaunchError::OpenNamespace { errno, .. }
+            if matches!(*errno, nix::errno::Errno::ENOENT | nix::errno::Errno::ESRCH) =>
+        {
+            Code::FailedPrecondition
+        }
+        _ => Code::Internal,
+    }
+}
+
+/// The gRPC code of a failed Docker/OCI host bind: a container path or destination the request
+/// names that cannot be used is the caller's to fix; the binds themselves failing is ours.
+pub fn oci_code(e: &OciError) -> Code {
+    match e {
+        OciError::InvalidContainerPath { .. }
+        | OciError::DuplicateDestination { .. }
+        | OciError::DuplicateHostPath { .. }
+        | OciError::NonUtf8Path { .. }
+        | OciError::ResolveTarget { .. } => Code::InvalidArgument,
+        _ => Code::Internal,
     }
 }
 
@@ -226,7 +269,7 @@ mod tests {
         assert_eq!(isolator_code(&unknown), Code::NotFound);
         let bad = IsolatorError::InvalidContainerId {
             container: "../x".into(),
-            reason: "not a component".into(),
+            source: Box::new(crate::resource::validate_container_id("../x").unwrap_err()),
         };
         assert_eq!(isolator_code(&bad), Code::InvalidArgument);
         let in_use = ProviderError::InUse {
@@ -249,6 +292,196 @@ mod tests {
         assert_eq!(
             status.message(),
             "isolate container 'c1': pid 42 is not the container's process: it is in the isolator's own mount namespace"
+        );
+    }
+
+    /// Each kind of isolator failure, however deep its typed cause lies, and the code the
+    /// caller sees: a refused target or argument is INVALID_ARGUMENT, a state that refuses the
+    /// request FAILED_PRECONDITION, something unknown NOT_FOUND, a plugin out of reach
+    /// UNAVAILABLE, and only our own faults INTERNAL.
+    #[test]
+    fn isolator_errors_map_by_their_typed_cause() {
+        use crate::isolator::checkpoint_paths::check_canonical;
+        use crate::launcher::VolumeRef as At;
+        use crate::provider::checkpoint::CheckpointError;
+        use nix::errno::Errno;
+        use std::path::Path;
+
+        let c = || "c1".to_string();
+        let at = || {
+            Box::new(At {
+                volume_id: Some("vol-1".into()),
+                container_path: "data".into(),
+                root: "/proc/42/root/sandbox".into(),
+            })
+        };
+        let in_container = |source: LaunchError| IsolatorError::Namespace {
+            container: c(),
+            step: "mount",
+            volume: "vol-1".into(),
+            source: Box::new(source),
+        };
+        let provider = |source: ProviderError| IsolatorError::Provider {
+            container: c(),
+            source: Box::new(source),
+        };
+        let unsafe_path =
+            || Box::new(check_canonical("sandbox", Path::new("/tmp/..")).unwrap_err());
+        let eio = || std::io::Error::from_raw_os_error(libc::EIO);
+        let cases: Vec<(IsolatorError, Code)> = vec![
+            (
+                IsolatorError::InvalidContainerId {
+                    container: "a,b".into(),
+                    source: Box::new(crate::resource::validate_container_id("a,b").unwrap_err()),
+                },
+                Code::InvalidArgument,
+            ),
+            (
+                IsolatorError::BadTarget {
+                    container: c(),
+                    volume: "vol-1".into(),
+                    container_path: "../up".into(),
+                    reason: "escapes the sandbox".into(),
+                },
+                Code::InvalidArgument,
+            ),
+            (
+                IsolatorError::UnsafeConfigPath {
+                    container: c(),
+                    path: "/w/state.json".into(),
+                    source: unsafe_path(),
+                },
+                Code::InvalidArgument,
+            ),
+            (
+                in_container(LaunchError::TargetNotADirectory {
+                    at: at(),
+                    kind: "a regular file",
+                }),
+                Code::InvalidArgument,
+            ),
+            (
+                in_container(LaunchError::TargetMissingOnHost { at: at() }),
+                Code::InvalidArgument,
+            ),
+            (
+                in_container(LaunchError::Reaped { pid: 42 }),
+                Code::FailedPrecondition,
+            ),
+            (
+                in_container(LaunchError::OpenNamespace {
+                    pid: 42,
+                    errno: Errno::ESRCH,
+                }),
+                Code::FailedPrecondition,
+            ),
+            (
+                in_container(LaunchError::OpenNamespace {
+                    pid: 42,
+                    errno: Errno::EACCES,
+                }),
+                Code::Internal,
+            ),
+            (in_container(LaunchError::ThreadPanicked), Code::Internal),
+            (
+                IsolatorError::UntrustedCheckpoint {
+                    container: c(),
+                    path: "/w/state.json".into(),
+                    source: unsafe_path(),
+                },
+                Code::FailedPrecondition,
+            ),
+            (
+                IsolatorError::PidGone {
+                    container: c(),
+                    pid: 42,
+                    why: "it exited".into(),
+                },
+                Code::FailedPrecondition,
+            ),
+            (
+                IsolatorError::NoPid { container: c() },
+                Code::FailedPrecondition,
+            ),
+            (
+                IsolatorError::UnknownContainer { container: c() },
+                Code::NotFound,
+            ),
+            (
+                IsolatorError::AlreadyPrepared { container: c() },
+                Code::AlreadyExists,
+            ),
+            (
+                provider(ProviderError::InUse {
+                    volume: "vol-1".into(),
+                    users: vec!["c2".into()],
+                }),
+                Code::FailedPrecondition,
+            ),
+            (
+                provider(ProviderError::UnknownVolume {
+                    volume: "vol-9".into(),
+                    provider: "p".into(),
+                }),
+                Code::NotFound,
+            ),
+            (
+                provider(ProviderError::Csi {
+                    volume: "vol-1".into(),
+                    source: rpc_error(Code::Unavailable),
+                }),
+                Code::Unavailable,
+            ),
+            (
+                IsolatorError::Checkpoint {
+                    container: c(),
+                    path: "/w/state.json".into(),
+                    source: Box::new(CheckpointError::Write {
+                        path: "/w/state.json".into(),
+                        source: eio(),
+                    }),
+                },
+                Code::Internal,
+            ),
+            (
+                IsolatorError::Unmount {
+                    container: c(),
+                    path: "/w/sandbox/data".into(),
+                    source: Box::new(MountError::NotMounted {
+                        target: "/w/sandbox/data".into(),
+                    }),
+                },
+                Code::Internal,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(isolator_code(&e), want, "{}", full_message(&e));
+        }
+    }
+
+    /// The status message is the chain written out once: the layer that failed (container,
+    /// step, volume), then the launcher's (target and root), each once.
+    #[test]
+    fn a_refused_target_is_the_callers_error_and_names_step_and_target() {
+        let e = ServiceError::from(IsolatorError::Namespace {
+            container: "c1".into(),
+            step: "mount",
+            volume: "vol-1".into(),
+            source: Box::new(LaunchError::TargetNotADirectory {
+                at: Box::new(crate::launcher::VolumeRef {
+                    volume_id: Some("vol-1".into()),
+                    container_path: "data".into(),
+                    root: "/proc/42/root/sb".into(),
+                }),
+                kind: "a regular file",
+            }),
+        });
+        let status = Status::from(e);
+        assert_eq!(status.code(), Code::InvalidArgument);
+        assert_eq!(
+            status.message(),
+            "container 'c1': mount volume vol-1: mount volume 'vol-1' at data in container root \
+             /proc/42/root/sb: the target is a regular file, not a directory: refused"
         );
     }
 }

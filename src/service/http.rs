@@ -46,6 +46,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 
+use crate::error_chain::Chain;
 use crate::service::accept::{Gate, Listen};
 use crate::service::metrics::{Refusal, ServiceMetrics};
 
@@ -187,7 +188,9 @@ pub async fn serve(
                 .serve_connection(TokioIo::new(conn), service);
             match tokio::time::timeout(limits.deadline, http).await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::debug!(?peer, error = %e, "metrics: connection failed"),
+                Ok(Err(e)) => {
+                    tracing::debug!(?peer, error = %Chain(&e), "metrics: connection failed")
+                }
                 Err(_elapsed) => {
                     tracing::debug!(?peer, deadline = ?limits.deadline, "metrics: request not done by its deadline; connection closed")
                 }
@@ -235,7 +238,7 @@ async fn respond<B>(req: &Request<B>, cache: &RenderCache) -> Response<Full<Byte
                 r
             }
             Err(e) => {
-                tracing::warn!(error = %e, "metrics: render failed");
+                tracing::warn!(error = %Chain(&e), "metrics: render failed");
                 text(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "the metrics could not be rendered\n",

@@ -47,6 +47,7 @@ use prometheus_client::registry::Registry;
 use tonic::Code;
 
 use crate::csi::code_name;
+use crate::error_chain::Chain;
 use crate::mount::MountTable;
 use crate::provider::status::scan;
 use crate::provider::{Manager, VolumeState};
@@ -244,7 +245,7 @@ impl ServiceMetrics {
                 Some(per_plugin)
             }
             Err(e) => {
-                tracing::warn!(error = %e, "metrics: cannot scan the volumes");
+                tracing::warn!(error = %Chain(&e), "metrics: cannot scan the volumes");
                 None
             }
         };

@@ -274,7 +274,8 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {
 }
 
 fn container_id(id: &str) -> Result<(), ServiceError> {
-    crate::resource::validate_container_id(id).map_err(|e| invalid("container_id", e.to_string()))
+    crate::resource::validate_container_id(id)
+        .map_err(|e| invalid("container_id", crate::error_chain::full_message(&e)))
 }
 
 /// Whether any resource is a provider's disk (so the call publishes).

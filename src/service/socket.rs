@@ -22,6 +22,8 @@
 //! anything that is not a socket. [`SocketGuard`] removes the socket when
 //! dropped, if the path still holds the same socket.
 
+use crate::error_chain::Chain;
+use crate::io_step::{io_step, IoStep};
 use std::io::ErrorKind;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -68,24 +70,8 @@ pub enum SocketError {
         path: PathBuf,
     },
     /// A step failed.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step (`create socket directory`, `bind`, ...).
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-fn io<'a>(step: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> SocketError + 'a {
-    move |source| SocketError::Io {
-        step,
-        path: path.to_path_buf(),
-        source,
-    }
+    #[error(transparent)]
+    Io(#[from] IoStep),
 }
 
 /// `<work_dir>/isolator.sock`, or `/run/csi-isolator/serve/<hash of the
@@ -127,7 +113,7 @@ impl Drop for SocketGuard {
         match std::fs::symlink_metadata(&self.path) {
             Ok(m) if m.ino() == self.ino && m.dev() == self.dev => {
                 if let Err(e) = std::fs::remove_file(&self.path) {
-                    tracing::warn!(path = %self.path.display(), error = %e, "cannot remove the service socket");
+                    tracing::warn!(path = %self.path.display(), error = %Chain(&e), "cannot remove the service socket");
                 }
             }
             _ => {}
@@ -169,19 +155,20 @@ pub fn bind(
 
     let (temp_dir, temp_socket) = private_dir(parent)?;
     let bound = bind_in(&temp_socket, group).and_then(|listener| {
-        std::fs::rename(&temp_socket, path).map_err(io("move socket into place at", path))?;
+        std::fs::rename(&temp_socket, path).map_err(io_step("move socket into place at", path))?;
         Ok(listener)
     });
     let _ = std::fs::remove_file(&temp_socket);
     let _ = std::fs::remove_dir(&temp_dir);
     let listener = bound?;
-    let meta = std::fs::symlink_metadata(path).map_err(io("stat", path))?;
+    let meta = std::fs::symlink_metadata(path).map_err(io_step("stat", path))?;
     let guard = SocketGuard {
         path: path.to_path_buf(),
         ino: meta.ino(),
         dev: meta.dev(),
     };
-    let listener = tokio::net::UnixListener::from_std(listener).map_err(io("register", path))?;
+    let listener =
+        tokio::net::UnixListener::from_std(listener).map_err(io_step("register", path))?;
     Ok((listener, guard))
 }
 
@@ -207,13 +194,13 @@ fn create_dirs(dir: &Path, group: Option<u32>) -> Result<(), SocketError> {
             Ok(()) => {}
             // Made meanwhile by someone else: left as it is, like any existing one.
             Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(io("create socket directory", d)(e)),
+            Err(e) => return Err(io_step("create socket directory", d)(e).into()),
         }
         if let Some(gid) = group {
             std::os::unix::fs::chown(d, None, Some(gid))
-                .map_err(io("give the allowed group the socket directory", d))?;
+                .map_err(io_step("give the allowed group the socket directory", d))?;
             std::fs::set_permissions(d, std::fs::Permissions::from_mode(dir_mode))
-                .map_err(io("chmod 0710", d))?;
+                .map_err(io_step("chmod 0710", d))?;
         }
     }
     Ok(())
@@ -251,18 +238,18 @@ fn bind_in(
     temp_socket: &Path,
     group: Option<u32>,
 ) -> Result<std::os::unix::net::UnixListener, SocketError> {
-    let listener =
-        std::os::unix::net::UnixListener::bind(temp_socket).map_err(io("bind", temp_socket))?;
+    let listener = std::os::unix::net::UnixListener::bind(temp_socket)
+        .map_err(io_step("bind", temp_socket))?;
     let (mode, _) = modes(group);
     if let Some(gid) = group {
         std::os::unix::fs::chown(temp_socket, None, Some(gid))
-            .map_err(io("give the allowed group the socket", temp_socket))?;
+            .map_err(io_step("give the allowed group the socket", temp_socket))?;
     }
     std::fs::set_permissions(temp_socket, std::fs::Permissions::from_mode(mode))
-        .map_err(io("chmod", temp_socket))?;
+        .map_err(io_step("chmod", temp_socket))?;
     listener
         .set_nonblocking(true)
-        .map_err(io("set non-blocking", temp_socket))?;
+        .map_err(io_step("set non-blocking", temp_socket))?;
     Ok(listener)
 }
 
@@ -277,12 +264,13 @@ fn private_dir(parent: &Path) -> Result<(PathBuf, PathBuf), SocketError> {
                 return Ok((dir, socket));
             }
             Err(e) if e.kind() == ErrorKind::AlreadyExists => last = Some(e),
-            Err(e) => return Err(io("create private directory", &dir)(e)),
+            Err(e) => return Err(io_step("create private directory", &dir)(e).into()),
         }
     }
-    Err(io("create private directory in", parent)(last.expect(
-        "the loop ran and every attempt found the name taken",
-    )))
+    Err(io_step("create private directory in", parent)(
+        last.expect("the loop ran and every attempt found the name taken"),
+    )
+    .into())
 }
 
 /// Removes a stale socket at `path`; refuses a live one and non-sockets.
@@ -290,7 +278,7 @@ fn remove_stale(path: &Path) -> Result<(), SocketError> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(io("stat", path)(e)),
+        Err(e) => return Err(io_step("stat", path)(e).into()),
     };
     if !meta.file_type().is_socket() {
         return Err(SocketError::NotASocket {
@@ -305,12 +293,12 @@ fn remove_stale(path: &Path) -> Result<(), SocketError> {
             tracing::info!(path = %path.display(), "removing a stale service socket");
             match std::fs::remove_file(path) {
                 Err(e) if e.kind() != ErrorKind::NotFound => {
-                    Err(io("remove stale socket", path)(e))
+                    Err(io_step("remove stale socket", path)(e).into())
                 }
                 _ => Ok(()),
             }
         }
-        Err(e) => Err(io("probe existing socket", path)(e)),
+        Err(e) => Err(io_step("probe existing socket", path)(e).into()),
     }
 }
 

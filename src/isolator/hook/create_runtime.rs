@@ -1,6 +1,7 @@
 //! create-runtime: the annotated volumes published and mounted into the container before its pivot.
 
 use super::*;
+use crate::error_chain::Chain;
 
 /// create-runtime: publishes the annotated volumes and mounts them into the container (see the module
 /// doc). Returns the mounts made (empty for a container without volume annotations).
@@ -244,7 +245,7 @@ async fn create_with_provider(
             tracing::error!(container_id = id, error = %undo, "unmount from the container failed");
         }
         if let Err(undo) = isolator.cleanup(id).await {
-            tracing::error!(container_id = id, error = %undo, "release after a failed create-runtime failed");
+            tracing::error!(container_id = id, error = %Chain(&undo), "release after a failed create-runtime failed");
         }
         remove_container_dir(req.work_dir, id);
         return Err(e);

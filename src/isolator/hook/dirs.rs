@@ -1,6 +1,7 @@
 //! The work dir's lock and the hook container's directory (made real, removed beneath the hook dir).
 
 use super::*;
+use crate::io_step::IoStep;
 
 /// Takes the work dir's lock, waiting up to `timeout` (hooks are short, so
 /// one waits for another instead of failing).
@@ -12,11 +13,7 @@ pub async fn lock_work_dir(work_dir: &Path, timeout: Duration) -> Result<WorkDir
 /// or anything else: a hook directory is never somewhere else than where it is named.
 pub(super) fn make_real_dir(path: &Path) -> Result<(), HookError> {
     use std::os::unix::fs::DirBuilderExt;
-    let fail = |step, source| HookError::Io {
-        step,
-        path: path.to_path_buf(),
-        source,
-    };
+    let fail = |step, source| HookError::Io(IoStep::new(step, path, source));
     match std::fs::DirBuilder::new().mode(0o700).create(path) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {

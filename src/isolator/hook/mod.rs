@@ -106,6 +106,7 @@ mod poststop;
 mod reaper;
 mod state;
 
+use crate::io_step::IoStep;
 pub use admit::*;
 pub use create_runtime::*;
 pub use dirs::*;
@@ -170,7 +171,7 @@ const MAX_REMOVE_ENTRIES: usize = 4096;
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {
     /// The state on stdin is not runtime-spec state JSON.
-    #[error("parse the container state (stdin): {source}")]
+    #[error("parse the container state (stdin)")]
     ParseState {
         /// The JSON error.
         #[source]
@@ -191,7 +192,7 @@ pub enum HookError {
         container: String,
     },
     /// The bundle's config.json could not be read.
-    #[error("container '{container}': read {path}: {source}")]
+    #[error("container '{container}': read {path}")]
     ReadConfig {
         /// The container id.
         container: String,
@@ -202,7 +203,7 @@ pub enum HookError {
         source: std::io::Error,
     },
     /// The bundle's config.json is not an OCI config with a root.
-    #[error("container '{container}': parse {path}: {source}")]
+    #[error("container '{container}': parse {path}")]
     ParseConfig {
         /// The container id.
         container: String,
@@ -213,7 +214,7 @@ pub enum HookError {
         source: serde_json::Error,
     },
     /// The rootfs does not exist (or cannot be made canonical).
-    #[error("container '{container}': rootfs {path}: {source}")]
+    #[error("container '{container}': rootfs {path}")]
     Rootfs {
         /// The container id.
         container: String,
@@ -307,21 +308,13 @@ pub enum HookError {
         reason: String,
     },
     /// A directory of the hook could not be made or removed.
-    #[error("{step} {path}: {source}")]
-    Io {
-        /// The step.
-        step: &'static str,
-        /// The path.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Io(#[from] IoStep),
     /// The work dir's lock could not be taken.
     #[error(transparent)]
     WorkDir(#[from] crate::workdir::WorkDirError),
     /// The provider could not be started.
-    #[error("container '{container}': start the provider: {source}")]
+    #[error("container '{container}': start the provider")]
     Provider {
         /// The container id.
         container: String,
@@ -330,7 +323,7 @@ pub enum HookError {
         source: Box<ProviderError>,
     },
     /// A named volume could not be created (or found).
-    #[error("container '{container}': volume '{volume}' of {tenant}: create: {source}")]
+    #[error("container '{container}': volume '{volume}' of {tenant}: create")]
     CreateVolume {
         /// The container id.
         container: String,
@@ -432,7 +425,7 @@ pub async fn run(stage: Stage, opts: &HookOptions, state: &State) -> Result<(), 
 fn validate_id(id: &str) -> Result<(), HookError> {
     crate::resource::validate_container_id(id).map_err(|e| HookError::InvalidContainerId {
         container: id.to_string(),
-        reason: e.to_string(),
+        reason: crate::error_chain::full_message(&e),
     })
 }
 

@@ -10,8 +10,12 @@ fn in_namespace<T: Send>(
     ns_fd: BorrowedFd<'_>,
     work: impl FnOnce(&dyn Syscall) -> Result<T, (&'static str, String)> + Send,
 ) -> Result<T, (&'static str, String)> {
-    ns::in_namespace(sys, ns_fd, "csi-oci-hook", work)
-        .map_err(|e| ("enter the container's mount namespace", e.to_string()))?
+    ns::in_namespace(sys, ns_fd, "csi-oci-hook", work).map_err(|e| {
+        (
+            "enter the container's mount namespace",
+            crate::error_chain::full_message(&e),
+        )
+    })?
 }
 
 /// Mounts `mount` (a rootfs target) into the mount namespace of the container whose init process is `pid`,
@@ -46,7 +50,7 @@ pub fn mount_into_rootfs(
     // followed), cloned, host-only flags cleared on the container's copy, read-only if asked.
     let at = crate::launcher::VolumeRef::new(mount, rootfs);
     let clone = crate::launcher::clone_source(sys, mount, &at)
-        .map_err(|e| fail("clone source", e.to_string()))?;
+        .map_err(|e| fail("clone source", crate::error_chain::full_message(&e)))?;
     let tree = clone.into_complete_tree().ok_or_else(|| {
         fail(
             "clone source",
@@ -57,7 +61,7 @@ pub fn mount_into_rootfs(
     let rootfs_fd = mount::open_in_root(&ns_root, rootfs).map_err(|e| {
         fail(
             "open the rootfs in the container's mount namespace",
-            e.to_string(),
+            crate::error_chain::full_message(&e),
         )
     })?;
     let host = std::fs::metadata(rootfs)
@@ -86,10 +90,15 @@ pub fn mount_into_rootfs(
         &mount.target,
         is_file,
     )
-    .map_err(|e| fail("resolve target in the rootfs", e.to_string()))?;
+    .map_err(|e| {
+        fail(
+            "resolve target in the rootfs",
+            crate::error_chain::full_message(&e),
+        )
+    })?;
     in_namespace(sys, ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
-            .map_err(|e| ("attach", e.to_string()))
+            .map_err(|e| ("attach", crate::error_chain::full_message(&e)))
     })
     .map_err(|(step, reason)| fail(step, reason))?;
     tracing::debug!(
@@ -115,7 +124,7 @@ pub(super) fn unmount_in_namespace(
     in_namespace(sys, ns_fd.as_fd(), |sys| {
         for tree in trees.iter().rev() {
             sys.unmount(&mount::proc_fd_path(tree.as_fd()), true)
-                .map_err(|e| ("unmount", e.to_string()))?;
+                .map_err(|e| ("unmount", crate::error_chain::full_message(&e)))?;
         }
         Ok(())
     })

@@ -1,6 +1,7 @@
 //! The reaper: hook containers whose poststop never came, cleaned up by a later create-runtime.
 
 use super::*;
+use crate::error_chain::Chain;
 use crate::isolator::process_check;
 
 /// Cleans up hook containers other than `current` (see [`hook_sandbox_of`]) whose init process is gone
@@ -28,7 +29,7 @@ pub(super) async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, curre
         match isolator.cleanup(&rec.container_id).await {
             Ok(()) => remove_container_dir(work_dir, &rec.container_id),
             Err(err) => {
-                tracing::error!(container_id = %rec.container_id, error = %err, "cleanup of a stale hook container failed")
+                tracing::error!(container_id = %rec.container_id, error = %Chain(&err), "cleanup of a stale hook container failed")
             }
         }
     }

@@ -176,6 +176,7 @@ impl HookVolumes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error_chain::FullMessage;
     use crate::isolator::hook::annotations;
 
     #[test]
@@ -195,7 +196,7 @@ mod tests {
                 .unwrap();
         assert_eq!(s.pid, None);
         assert!(s.annotations.is_empty());
-        let err = State::parse(b"{\"id\":1}").unwrap_err().to_string();
+        let err = State::parse(b"{\"id\":1}").unwrap_err().full_message();
         assert!(
             err.starts_with("parse the container state (stdin): "),
             "{err}"
@@ -239,7 +240,7 @@ mod tests {
         ] {
             let err = HookVolumes::from_annotations("c", &annotations(&[(key, value)]))
                 .unwrap_err()
-                .to_string();
+                .full_message();
             assert!(err.starts_with("container 'c': "), "{err}");
             assert!(err.contains(says), "{value}: {err}");
         }
@@ -257,7 +258,9 @@ mod tests {
         assert_eq!(c.rootfs, dir.path().join("rootfs"));
         assert_eq!(c.annotations["k"], "v");
         std::fs::write(dir.path().join("config.json"), r#"{"root":{}}"#).unwrap();
-        let err = BundleConfig::read("c", dir.path()).unwrap_err().to_string();
+        let err = BundleConfig::read("c", dir.path())
+            .unwrap_err()
+            .full_message();
         assert!(err.starts_with("container 'c': parse "), "{err}");
     }
 
@@ -269,7 +272,7 @@ mod tests {
             .join(",");
         let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &many)]))
             .unwrap_err()
-            .to_string();
+            .full_message();
         assert!(
             err.contains("33 volumes named, over the hook's limit of 32 per container"),
             "{err}"
@@ -277,7 +280,7 @@ mod tests {
         let long = format!("v:1M:/{}", "x".repeat(MAX_ANNOTATION_BYTES));
         let err = HookVolumes::from_annotations("c", &annotations(&[(VOLUMES_ANNOTATION, &long)]))
             .unwrap_err()
-            .to_string();
+            .full_message();
         assert!(
             err.contains("annotation io.csi-isolator.volumes: 65542 bytes, over the hook's limit"),
             "{err}"
@@ -285,7 +288,7 @@ mod tests {
         let err =
             HookVolumes::from_annotations("c", &annotations(&[(RESOURCES_ANNOTATION, &long)]))
                 .unwrap_err()
-                .to_string();
+                .full_message();
         assert!(
             err.contains("annotation io.csi-isolator.resources: ")
                 && err.contains("bytes, over the hook's limit"),

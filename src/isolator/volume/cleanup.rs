@@ -2,6 +2,7 @@
 //! checkpoint removed.
 
 use super::*;
+use crate::error_chain::Chain;
 
 impl VolumeIsolator {
     /// Cleanup: unmounts what the isolator mounted on the host for the
@@ -38,11 +39,11 @@ impl VolumeIsolator {
     fn unmount_host_side(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
         let container = &rec.container_id;
         let refuse = |source: CheckpointPathError| {
-            tracing::error!(container_id = %container, error = %source, "checkpoint names an unsafe path: nothing it names is unmounted");
-            IsolatorError::Checkpoint {
+            tracing::error!(container_id = %container, error = %Chain(&source), "checkpoint names an unsafe path: nothing it names is unmounted");
+            IsolatorError::UntrustedCheckpoint {
                 container: container.clone(),
                 path: self.checkpoint_path(container),
-                reason: format!("not trusted: {source}; nothing it names is unmounted or removed (check who can write the work dir)"),
+                source: Box::new(source),
             }
         };
         checkpoint_paths::check_record(rec, &self.work_dir).map_err(refuse)?;
@@ -59,7 +60,7 @@ impl VolumeIsolator {
             unmount_all_under(&*self.sys, &*self.table, path).map_err(|e| IsolatorError::Unmount {
                 container: container.clone(),
                 path: path.to_path_buf(),
-                reason: e.to_string(),
+                source: Box::new(e),
             })
         };
         if rec.binds_in_sandbox {

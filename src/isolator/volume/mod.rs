@@ -166,7 +166,7 @@ impl VolumeIsolator {
         checkpoint::write_atomic(&path, &bytes).map_err(|e| IsolatorError::Checkpoint {
             container: rec.container_id.clone(),
             path,
-            reason: e.to_string(),
+            source: Box::new(e),
         })
     }
 
@@ -175,7 +175,7 @@ impl VolumeIsolator {
         checkpoint::remove_durable(&path).map_err(|e| IsolatorError::Checkpoint {
             container: container.to_string(),
             path: path.clone(),
-            reason: e.to_string(),
+            source: Box::new(e),
         })?;
         if let Some(dir) = path.parent() {
             let _ = std::fs::remove_dir(dir);

@@ -15,7 +15,7 @@ impl VolumeIsolator {
         crate::resource::validate_container_id(container_id).map_err(|e| {
             IsolatorError::InvalidContainerId {
                 container: container_id.to_string(),
-                reason: e.to_string(),
+                source: Box::new(e),
             }
         })?;
         let entry = self.entry(container_id);
@@ -57,9 +57,9 @@ fn check_config(
     let probe = ContainerRecord::new(container, config.clone(), Vec::new());
     checkpoint_paths::check_record(&probe, work_dir)
         .and_then(|()| checkpoint_paths::check_canonical("sandbox", &config.sandbox))
-        .map_err(|source| IsolatorError::Checkpoint {
+        .map_err(|source| IsolatorError::UnsafeConfigPath {
             container: container.to_string(),
             path: checkpoint_path(work_dir, container),
-            reason: format!("refused to record {source}: give the canonical absolute path of a directory of the container's own"),
+            source: Box::new(source),
         })
 }

@@ -1,6 +1,7 @@
 //! Recover: the checkpoints read back and checked, gone containers cleaned up, stale uses released.
 
 use super::*;
+use crate::error_chain::Chain;
 
 /// What `recover` found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -64,7 +65,8 @@ impl VolumeIsolator {
                 rec.format
             )));
         }
-        let unsafe_path = |e: CheckpointPathError| RecordRefusal::Bad(e.to_string());
+        let unsafe_path =
+            |e: CheckpointPathError| RecordRefusal::Bad(crate::error_chain::full_message(&e));
         checkpoint_paths::check_record(&rec, &self.work_dir).map_err(unsafe_path)?;
         if let Some((fd, name)) =
             checkpoint_paths::open_sandbox(&rec, &self.work_dir).map_err(unsafe_path)?
@@ -130,8 +132,10 @@ impl VolumeIsolator {
             match self.cleanup(&id).await {
                 Ok(()) => report.cleaned.push(id),
                 Err(e) => {
-                    tracing::error!(container_id = %id, error = %e, "recovery: cleanup failed");
-                    report.failures.push((id, e.to_string()));
+                    tracing::error!(container_id = %id, error = %Chain(&e), "recovery: cleanup failed");
+                    report
+                        .failures
+                        .push((id, crate::error_chain::full_message(&e)));
                 }
             }
         }
@@ -155,8 +159,10 @@ impl VolumeIsolator {
                 .collect();
             recorded.insert(id.clone(), uses);
             if let Err(e) = self.publisher.publish(&id, &resources).await {
-                tracing::error!(container_id = %id, error = %e, "recovery: cannot re-ensure the container's volumes");
-                report.failures.push((id, e.to_string()));
+                tracing::error!(container_id = %id, error = %Chain(&e), "recovery: cannot re-ensure the container's volumes");
+                report
+                    .failures
+                    .push((id, crate::error_chain::full_message(&e)));
             }
         }
         let live: HashSet<String> = known
@@ -171,7 +177,9 @@ impl VolumeIsolator {
                 Ok(()) => report
                     .released_uses
                     .push((volume_id.to_string(), user.to_string())),
-                Err(e) => report.failures.push((user.to_string(), e.to_string())),
+                Err(e) => report
+                    .failures
+                    .push((user.to_string(), crate::error_chain::full_message(&e))),
             }
         }
         Ok(report)

@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use futures::future::BoxFuture;
 
 use super::*;
+use crate::error_chain::FullMessage;
 use crate::isolator::process_check::PidFacts;
 use crate::launcher::process::MountView;
 use crate::mount::{Call, CallKind, FakeSyscall};
@@ -272,7 +273,7 @@ async fn prepare_records_the_container_then_publishes() {
     assert_eq!(rig.sys.calls(), []);
     // A second prepare of the same container is refused and changes nothing.
     let err = iso.prepare("c1", rig.config(vec![data])).await.unwrap_err();
-    assert!(err.to_string().contains("c1"), "{err}");
+    assert!(err.full_message().contains("c1"), "{err}");
     assert_eq!(rig.publisher.calls(), Vec::<String>::new());
 }
 
@@ -286,7 +287,7 @@ async fn a_failed_prepare_leaves_no_checkpoint_and_no_use() {
         .prepare("c1", rig.config(vec![data.clone()]))
         .await
         .unwrap_err()
-        .to_string();
+        .full_message();
     assert!(err.contains("c1") && err.contains("vol-1"), "{err}");
     assert_eq!(rig.publisher.calls(), ["publish c1 [\"vol-1\"]"]);
     assert!(rig.checkpoint("c1").is_none(), "checkpoint left behind");
@@ -301,7 +302,7 @@ async fn a_failed_prepare_leaves_no_checkpoint_and_no_use() {
         .prepare("c1", rig.config(vec![data]))
         .await
         .unwrap_err()
-        .to_string();
+        .full_message();
     assert!(err.contains("published read-only"), "{err}");
     assert_eq!(rig.publisher.calls(), Vec::<String>::new());
     assert!(rig.checkpoint("c1").is_none());
@@ -390,7 +391,7 @@ async fn update_refuses_a_pid_that_is_no_longer_the_containers() {
         .update("c1", vec![data, more])
         .await
         .unwrap_err()
-        .to_string();
+        .full_message();
     assert!(err.contains("belongs to another process"), "{err}");
     assert_eq!(rig.publisher.calls(), Vec::<String>::new());
     assert_eq!(rig.sys.calls(), []);
@@ -414,7 +415,7 @@ async fn a_failed_mount_records_what_is_mounted_and_releases_the_rest() {
         .update("c1", vec![data, more])
         .await
         .unwrap_err()
-        .to_string();
+        .full_message();
     assert!(err.contains("mount") && err.contains("vol-2"), "{err}");
     // vol-2 was published for the update, then released since it did not make it in.
     assert_eq!(

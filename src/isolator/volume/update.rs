@@ -1,6 +1,7 @@
 //! Update: volumes mounted into, and unmounted from, a running container.
 
 use super::*;
+use crate::error_chain::Chain;
 use crate::launcher::LaunchError;
 
 impl VolumeIsolator {
@@ -60,7 +61,7 @@ impl VolumeIsolator {
                         container: container_id.to_string(),
                         step: "unmount",
                         volume: volume_name(m),
-                        reason: reason.to_string(),
+                        source: Box::new(reason),
                     });
                     break;
                 }
@@ -78,7 +79,7 @@ impl VolumeIsolator {
                             container: container_id.to_string(),
                             step: "mount",
                             volume: volume_name(m),
-                            reason: reason.to_string(),
+                            source: Box::new(reason),
                         });
                         break;
                     }
@@ -115,7 +116,7 @@ impl VolumeIsolator {
         let released = self.publisher.unpublish(container_id, &release).await;
         if let Some(e) = failure {
             if let Err(r) = released {
-                tracing::error!(container_id, error = %r, "release after a failed update failed");
+                tracing::error!(container_id, error = %Chain(&r), "release after a failed update failed");
             }
             return Err(e);
         }
@@ -136,12 +137,14 @@ impl VolumeIsolator {
         step: impl FnOnce(&dyn Syscall, u32, &VolumeMount, &Path) -> Result<(), LaunchError>
             + Send
             + 'static,
-    ) -> Result<(), String> {
+    ) -> Result<(), LaunchError> {
         let (sys, m, sandbox_in) = (self.sys.clone(), m.clone(), sandbox_in.to_path_buf());
         tokio::task::spawn_blocking(move || step(&*sys, pid, &m, &sandbox_in))
             .await
-            .map_err(|e| format!("the namespace task failed: {e}"))?
-            .map_err(|e| e.to_string())
+            .map_err(|e| {
+                tracing::error!(error = %Chain(&e), "the namespace task failed");
+                LaunchError::ThreadPanicked
+            })?
     }
 
     fn sandbox_in_container(&self, config: &ContainerConfig) -> PathBuf {

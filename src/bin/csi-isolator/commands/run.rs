@@ -86,8 +86,9 @@ pub async fn run(work_dir: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
             })?;
             parse_resources(&text).map_err(|e| {
                 anyhow::anyhow!(
-                    "--resources {}: not a JSON list of Mesos Resource objects ({e})",
-                    path.display()
+                    "--resources {}: not a JSON list of Mesos Resource objects ({})",
+                    path.display(),
+                    csi_isolator::error_chain::full_message(&e)
                 )
             })?
         }
