@@ -356,6 +356,21 @@ pub fn safe_dir(dir: &Path, purpose: Purpose) -> Result<PathBuf, WorkDirError> {
     Ok(canonical)
 }
 
+/// [`safe_dir`] for a directory created if missing: each missing component
+/// is made only after the path above it passed the rule (so nothing is made
+/// through another user's directory or symbolic link), the last with `mode`,
+/// the others 0755. Returns its canonical path and the directories it made, outermost first.
+pub fn create_safe_dir(
+    dir: &Path,
+    purpose: Purpose,
+    mode: u32,
+) -> Result<(PathBuf, Vec<PathBuf>), WorkDirError> {
+    let mut made = Vec::new();
+    let (canonical, _) =
+        walk_made(dir, purpose, Some(mode), &mut made)?.ok_or_else(|| not_found(dir))?;
+    Ok((canonical, made))
+}
+
 /// A directory that only root may use, created (with its missing parents)
 /// if needed: its path passes the work dir's rule, and it is a directory
 /// owned by root of mode exactly 0700, or it is refused. Returns its
@@ -497,6 +512,16 @@ fn walk(
     purpose: Purpose,
     create: Option<u32>,
 ) -> Result<Option<(PathBuf, Metadata)>, WorkDirError> {
+    walk_made(dir, purpose, create, &mut Vec::new())
+}
+
+/// [`walk`], noting in `made` each directory it created.
+fn walk_made(
+    dir: &Path,
+    purpose: Purpose,
+    create: Option<u32>,
+    made: &mut Vec<PathBuf>,
+) -> Result<Option<(PathBuf, Metadata)>, WorkDirError> {
     let resolve = |source| WorkDirError::Resolve {
         path: dir.to_path_buf(),
         source,
@@ -554,6 +579,7 @@ fn walk(
                         // The umask may have taken bits the mode asks for.
                         std::fs::set_permissions(&next, Permissions::from_mode(mode))
                             .map_err(resolve)?;
+                        made.push(next.clone());
                     }
                     Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
                     Err(e) => return Err(resolve(e)),
