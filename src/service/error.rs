@@ -169,7 +169,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::Spawn { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
-        | ProviderError::Io { .. }
+        | ProviderError::Io(_)
         | ProviderError::BadCreateResponse { .. }
         | ProviderError::PluginMisbehaved { .. } => Code::Internal,
     }
