@@ -485,6 +485,7 @@ impl World {
                     c.destroy_volume(DestroyVolumeRequest {
                         volume_id: v.volume_id.clone(),
                         provider_id: v.provider_id.clone(),
+                        ..Default::default()
                     }),
                 )
                 .await
@@ -737,6 +738,7 @@ impl World {
                 c.destroy_volume(DestroyVolumeRequest {
                     volume_id: v.volume_id.clone(),
                     provider_id: v.provider_id.clone(),
+                    ..Default::default()
                 }),
             )
             .await

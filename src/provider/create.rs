@@ -6,6 +6,10 @@
 //! durable intent (`creating/<enc name>.intent`) is written before
 //! CreateVolume, so a crash between the RPC and the volume's first
 //! checkpoint is finished by recovery (CreateVolume is idempotent by name).
+//! import: the same intent, holding the existing volume's id, is written
+//! before ValidateVolumeCapabilities; the record (pre-provisioned, so kept
+//! in the plugin on destroy unless asked) comes next and the intent goes
+//! last, so recovery finishes an interrupted import the same way.
 //! destroy: marked durably, unpublished fully, then DeleteVolume; the
 //! checkpoint goes last, so a crash anywhere is finished by recovery.
 
@@ -16,6 +20,8 @@ use serde::{Deserialize, Serialize};
 use crate::csi::proto;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::import::ImportSpec;
+use crate::provider::parameters;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{blocking, remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
@@ -48,6 +54,17 @@ impl CreateSpec {
             profile: None,
         }
     }
+}
+
+/// Whether a failed call may have had its effect (the plugin may have
+/// acted): the intent is kept for recovery then.
+pub(crate) fn is_ambiguous(source: &crate::csi::CsiError) -> bool {
+    matches!(
+        source.code(),
+        None | Some(
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        )
+    )
 }
 
 /// CSI's general limit for strings, which `CreateVolumeRequest.name` keeps.
@@ -88,6 +105,9 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
     pub(crate) spec: CreateSpec,
+    /// Set for an import: the volume exists, nothing is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) import: Option<ImportSpec>,
 }
 
 impl StorageProvider {
@@ -111,27 +131,73 @@ impl StorageProvider {
     /// forbids ([`validate_volume_name`]) is refused before anything is
     /// written or sent.
     #[tracing::instrument(skip(self, spec), fields(name = %spec.name.escape_debug()))]
+    /// An existing volume of that name is handed out only when it was
+    /// created with the same parameters; another set is refused, naming
+    /// the first key that differs.
     pub async fn create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
         validate_volume_name(&spec.name)?;
+        parameters::check(&spec.parameters).map_err(|source| ProviderError::Parameters {
+            volume: spec.name.clone(),
+            source,
+        })?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         if let Some(rec) = self.find_by_name(&spec.name).await {
+            if let Some(key) = parameters::first_difference(&rec.parameters, &spec.parameters) {
+                return Err(ProviderError::ParametersDiffer {
+                    volume: spec.name.clone(),
+                    key: crate::shown::shown(key).into_owned(),
+                });
+            }
             return Ok(self.resource_for(&rec));
         }
-        let intent_path = self.layout.create_intent(&spec.name);
-        let intent = CreateIntent {
-            format: FORMAT_VERSION,
-            spec: spec.clone(),
-        };
+        let name = spec.name.clone();
+        let rec = self
+            .begin_and_finish(CreateIntent {
+                format: FORMAT_VERSION,
+                spec,
+                import: None,
+            })
+            .await?;
+        debug_assert_eq!(rec.name.as_deref(), Some(name.as_str()));
+        Ok(self.resource_for(&rec))
+    }
+
+    /// The volume of this name as it is (whatever its parameters), or a
+    /// new one created from `spec`: `run --volume NAME:SIZE:PATH` uses a
+    /// volume made earlier by `volume create` with its parameters.
+    pub async fn use_or_create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
+        if let Some(rec) = self.find_by_name(&spec.name).await {
+            return Ok(self.resource_for(&rec));
+        }
+        self.create_volume(spec).await
+    }
+
+    /// Writes the intent durably, then finishes it.
+    pub(crate) async fn begin_and_finish(
+        &self,
+        intent: CreateIntent,
+    ) -> Result<VolumeRecord, ProviderError> {
+        let intent_path = self.layout.create_intent(&intent.spec.name);
         let bytes = serde_json::to_vec(&intent).expect("an intent always serializes");
         blocking(move || checkpoint::write_atomic(&intent_path, &bytes))
             .await
             .map_err(|source| ProviderError::Checkpoint {
-                volume: spec.name.clone(),
+                volume: intent.spec.name.clone(),
                 source,
             })?;
-        let rec = self.finish_create(&spec).await?;
-        Ok(self.resource_for(&rec))
+        self.finish_intent(&intent).await
+    }
+
+    /// Finishes a create or an import intent (also run by recovery).
+    pub(crate) async fn finish_intent(
+        &self,
+        intent: &CreateIntent,
+    ) -> Result<VolumeRecord, ProviderError> {
+        match &intent.import {
+            None => self.finish_create(&intent.spec).await,
+            Some(import) => self.finish_import(import).await,
+        }
     }
 
     /// CreateVolume, the volume's first checkpoint, then the intent removed.
@@ -158,15 +224,7 @@ impl StorageProvider {
                 // A definite failure created nothing: drop the intent so that
                 // recovery does not create a volume nobody asks for any more.
                 // An ambiguous one (the plugin may have created it) keeps it.
-                let ambiguous = matches!(
-                    source.code(),
-                    None | Some(
-                        tonic::Code::Unavailable
-                            | tonic::Code::DeadlineExceeded
-                            | tonic::Code::Cancelled
-                    )
-                );
-                if !ambiguous {
+                if !is_ambiguous(&source) {
                     let intent = self.layout.create_intent(&spec.name);
                     let _ = blocking(move || checkpoint::remove_durable(&intent)).await;
                 }
@@ -268,8 +326,20 @@ impl StorageProvider {
     /// Destroys a volume: unpublishes it fully, then DeleteVolume (not for
     /// pre-provisioned volumes, which are only forgotten). Refused while
     /// containers use it. The data is gone afterwards.
-    #[tracing::instrument(skip(self))]
     pub async fn destroy_volume(&self, volume_id: &str) -> Result<(), ProviderError> {
+        self.destroy_volume_with(volume_id, false).await
+    }
+
+    /// [`destroy_volume`](Self::destroy_volume); with `delete_imported` a
+    /// pre-provisioned (imported) volume is deleted in the plugin too
+    /// (`volume destroy --delete`). The choice is recorded with the mark,
+    /// so recovery finishes the same destroy.
+    #[tracing::instrument(skip(self))]
+    pub async fn destroy_volume_with(
+        &self,
+        volume_id: &str,
+        delete_imported: bool,
+    ) -> Result<(), ProviderError> {
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
         if !rec.users.is_empty() {
@@ -278,8 +348,9 @@ impl StorageProvider {
                 users: rec.users.iter().cloned().collect(),
             });
         }
-        if !rec.destroying {
+        if !rec.destroying || (delete_imported && !rec.delete_imported) {
             rec.destroying = true;
+            rec.delete_imported |= delete_imported && rec.pre_provisioned;
             self.persist(&rec).await?;
         }
         self.finish_destroy(&mut rec).await
@@ -288,7 +359,7 @@ impl StorageProvider {
     /// The rest of a destroy, from any state (also run by recovery).
     pub(crate) async fn finish_destroy(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
         self.drive(rec, VolumeState::Created).await?;
-        if !rec.pre_provisioned {
+        if !rec.pre_provisioned || rec.delete_imported {
             self.client
                 .delete_volume(proto::DeleteVolumeRequest {
                     volume_id: rec.volume_id.clone(),
@@ -316,7 +387,11 @@ impl StorageProvider {
             source,
         })?;
         self.slots.lock().unwrap().remove(&rec.volume_id);
-        tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        if rec.pre_provisioned && !rec.delete_imported {
+            tracing::info!(volume_id = %rec.volume_id, "imported volume forgotten (kept in the plugin)");
+        } else {
+            tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        }
         Ok(())
     }
 }

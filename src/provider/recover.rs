@@ -214,7 +214,7 @@ impl StorageProvider {
                 IntentSorted::Finish(intent) => intent,
             };
             let name = intent.spec.name.clone();
-            match self.finish_create(&intent.spec).await {
+            match self.finish_intent(&intent).await {
                 Ok(rec) => {
                     tracing::info!(name = %name, volume_id = %rec.volume_id, "recovery: finished interrupted create");
                     self.report.lock().unwrap().actions.push(format!(
@@ -443,7 +443,7 @@ pub(crate) enum IntentSorted {
     /// A volume of that name is known: the create finished, the intent goes.
     Created,
     /// The create was interrupted: finish it (CreateVolume is idempotent by name).
-    Finish(CreateIntent),
+    Finish(Box<CreateIntent>),
 }
 
 /// Sorts a CreateVolume intent (its bytes, or why they could not be read)
@@ -458,7 +458,7 @@ pub(crate) fn sort_intent(read: Result<Vec<u8>, String>, known: &HashSet<String>
     if known.contains(&intent.spec.name) {
         IntentSorted::Created
     } else {
-        IntentSorted::Finish(intent)
+        IntentSorted::Finish(Box::new(intent))
     }
 }
 
@@ -688,6 +688,7 @@ mod tests {
             serde_json::to_vec(&CreateIntent {
                 format: FORMAT_VERSION,
                 spec: CreateSpec::new(name, 1 << 20),
+                import: None,
             })
             .unwrap()
         };
