@@ -425,3 +425,250 @@ fn a_refused_create_leaves_no_sandbox_warning() {
     assert!(!err.contains("cannot remove the sandbox"), "{err}");
     sb.assert_no_mounts_under();
 }
+
+/// The bundled provider's id, which resources name.
+const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
+
+/// A profiles file (root's, 0644, in a root-owned directory) with profile
+/// `shared` giving `share=/from-profile`.
+fn profiles_file(sb: &Sandbox) -> std::path::PathBuf {
+    let dir = sb.mkdir("profiles");
+    let file = dir.join("profiles.json");
+    std::fs::write(
+        &file,
+        r#"{"profile_matrix": {"shared": {
+            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+            "create_parameters": {"share": "/from-profile"}}}}"#,
+    )
+    .unwrap();
+    file
+}
+
+/// A disk of the bundled provider with a profile and no volume yet, named by its persistence id.
+fn profile_disk(profile: &str, name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "provider_id": {"value": PROVIDER},
+        "disk": {
+            "source": {"type": "RAW", "profile": profile},
+            "persistence": {"id": name},
+            "volume": {"container_path": "data", "mode": "RW"}
+        }
+    })
+}
+
+#[tokio::test]
+async fn serve_takes_parameters_imports_and_profile_disks() {
+    use csi_isolator::service::proto::isolator_client::IsolatorClient;
+    use csi_isolator::service::proto::{
+        CleanupRequest, ContainerConfig, CreateVolumeRequest, ImportVolumeRequest, PrepareRequest,
+        StatusRequest,
+    };
+    require_root();
+    let sb = Sandbox::new("params-serve");
+    let work = sb.join("work");
+    let socket = sb.join("serve.sock");
+    let profiles = profiles_file(&sb);
+    let mut cmd = isolator_command(CLI, &work);
+    cmd.args([
+        "serve",
+        "--plugin-arg=--backing=dir",
+        "--plugin-arg=--require-parameters=share",
+        "--disk-profiles",
+    ])
+    .arg(&profiles)
+    .arg("--socket")
+    .arg(&socket)
+    .stdout(std::process::Stdio::piped());
+    let mut child = sb.spawn(&mut cmd).expect("spawn serve");
+    csi_isolator::testing::wait_for_serve_ready(&mut child, std::time::Duration::from_secs(30));
+    let channel = csi_isolator::csi::transport::connect_unix(&socket)
+        .await
+        .unwrap();
+    let mut c = IsolatorClient::new(channel);
+
+    // CreateVolume: refused without the parameter, accepted with it, refused with another value.
+    let create = |share: Option<&str>| CreateVolumeRequest {
+        name: "v".into(),
+        capacity_bytes: 8 << 20,
+        parameters: share
+            .map(|s| [("share".to_string(), s.to_string())].into())
+            .unwrap_or_default(),
+        ..Default::default()
+    };
+    let err = c.create_volume(create(None)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("parameter 'share'"), "{err:?}");
+    let made = c
+        .create_volume(create(Some("/export")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        made.resource_json.contains("parameter.share"),
+        "{}",
+        made.resource_json
+    );
+    let err = c.create_volume(create(Some("/other"))).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    assert!(err.message().contains("key 'share'"), "{err:?}");
+    let bad = CreateVolumeRequest {
+        parameters: [("a b".to_string(), "x".to_string())].into(),
+        ..create(None)
+    };
+    let err = c.create_volume(bad).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+
+    // ImportVolume: an id the plugin lacks is refused by it, a recorded id under another name too.
+    let import = |name: &str, id: &str| ImportVolumeRequest {
+        name: name.into(),
+        volume_id: id.into(),
+        ..Default::default()
+    };
+    let err = c.import_volume(import("ghost", "nope")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let err = c
+        .import_volume(import("again", &made.volume_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("already recorded as 'v'"), "{err:?}");
+
+    // Prepare with a profile disk: created with the profile's parameters, then published.
+    let sandbox = sb.mkdir("sandbox");
+    let prepare = |resources: serde_json::Value| PrepareRequest {
+        container_id: "c1".into(),
+        config: Some(ContainerConfig {
+            resources_json: resources.to_string(),
+            sandbox: sandbox.display().to_string(),
+            ..Default::default()
+        }),
+    };
+    let err = c
+        .prepare(prepare(serde_json::json!([profile_disk("slow", "pv1")])))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("disk profile 'slow'"), "{err:?}");
+    let info = c
+        .prepare(prepare(serde_json::json!([profile_disk("shared", "pv1")])))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1);
+    let status = c.status(StatusRequest {}).await.unwrap().into_inner();
+    let pv1 = status.volumes.iter().find(|v| v.name == "pv1").unwrap();
+    assert_eq!(pv1.parameters["share"], "/from-profile");
+    assert_eq!(pv1.state, "PUBLISHED");
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    drop(c);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let _ = child.wait();
+    sb.untrack(child.id());
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn run_creates_a_profile_disk_with_the_profiles_parameters() {
+    require_root();
+    let sb = Sandbox::new("params-profile-run");
+    let work = sb.join("work");
+    let profiles = profiles_file(&sb);
+    let resources = sb.join("res.json");
+    std::fs::write(
+        &resources,
+        serde_json::json!([profile_disk("shared", "pv1")]).to_string(),
+    )
+    .unwrap();
+    let run = |profiles_flag: bool| {
+        let mut c = isolator_command(CLI, &work);
+        c.args([
+            "run",
+            "--plugin-arg=--backing=dir",
+            "--plugin-arg=--require-parameters=share=/from-profile",
+        ]);
+        if profiles_flag {
+            c.arg("--disk-profiles").arg(&profiles);
+        }
+        c.arg("--resources")
+            .arg(&resources)
+            .args(["--", "sh", "-c", "echo hi > data/f; cat data/f"])
+            .output()
+            .unwrap()
+    };
+    let err = refused(run(false), "run without a profiles file");
+    assert!(
+        err.contains("disk profile 'shared'") && err.contains("--disk-profiles"),
+        "{err}"
+    );
+    assert_eq!(ok(run(true), "run with the profiles file"), "hi\n");
+    let list: serde_json::Value = serde_json::from_str(&ok(
+        isolator_command(CLI, &work)
+            .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
+            .output()
+            .unwrap(),
+        "list",
+    ))
+    .unwrap();
+    assert_eq!(list[0]["name"], "pv1");
+    assert_eq!(list[0]["profile"], "shared");
+    assert_eq!(
+        list[0]["volume_context"]["parameter.share"],
+        "/from-profile"
+    );
+    // The same resource again is the same volume.
+    assert_eq!(ok(run(true), "a second run"), "hi\n");
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn a_profiles_file_someone_else_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let sb = Sandbox::new("params-profile-attack");
+    let work = sb.join("work");
+    let good = profiles_file(&sb);
+    let list = |file: &Path| {
+        isolator_command(CLI, &work)
+            .args(["volume", "--plugin-arg=--backing=dir", "--disk-profiles"])
+            .arg(file)
+            .args(["list"])
+            .output()
+            .unwrap()
+    };
+    ok(list(&good), "list with a root-only profiles file");
+    // Writable by others.
+    std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let err = refused(list(&good), "a world-writable profiles file");
+    assert!(err.contains("writable by group or others"), "{err}");
+    std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // Owned by another user.
+    std::os::unix::fs::chown(&good, Some(65534), None).unwrap();
+    let err = refused(list(&good), "a profiles file of nobody's");
+    assert!(err.contains("not owned by root"), "{err}");
+    std::os::unix::fs::chown(&good, Some(0), None).unwrap();
+    // A symbolic link to it.
+    let link = sb.join("profiles/link.json");
+    std::os::unix::fs::symlink(&good, &link).unwrap();
+    let err = refused(list(&link), "a symlinked profiles file");
+    assert!(err.contains("symbolic link"), "{err}");
+    // In a directory others can write.
+    let open = sb.mkdir("open");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let planted = open.join("p.json");
+    std::fs::copy(&good, &planted).unwrap();
+    let err = refused(list(&planted), "a profiles file in an open directory");
+    assert!(err.contains("writable by group or others"), "{err}");
+    // Oversized.
+    std::fs::write(&good, vec![b' '; (1 << 20) + 1]).unwrap();
+    let err = refused(list(&good), "an oversized profiles file");
+    assert!(err.contains("over 1048576 bytes"), "{err}");
+}

@@ -259,11 +259,11 @@ mod tests {
                 r#"{"other": {"k": "v"}}"#,
                 "names no volume of io.csi-isolator.volumes",
             ),
+            (r#"{"data": {"a\nb": "v"}}"#, "other than letters"),
             (
-                r#"{"data": {"a\nb": "v"}}"#,
-                "other than letters",
+                r#"{"data": {"k": "v\u001b[2J"}}"#,
+                "its value holds a control character",
             ),
-            (r#"{"data": {"k": "v\u001b[2J"}}"#, "its value holds a control character"),
             (
                 r#"{"data": {"csi.storage.k8s.io/node-publish-secret-name": "s"}}"#,
                 "secrets never travel",
