@@ -139,6 +139,10 @@ fn mount_root(root: &str) -> Option<serde_json::Value> {
     Some(serde_json::json!({"type": "MOUNT", "mount": {"root": root}}))
 }
 
+fn path_root(root: &str) -> Option<serde_json::Value> {
+    Some(serde_json::json!({"type": "PATH", "path": {"root": root}}))
+}
+
 /// A root-only host directory holding a secret file.
 fn secret_dir(sb: &Sandbox) -> PathBuf {
     let dir = sb.mkdir("secret");
@@ -172,6 +176,16 @@ async fn resources_annotation_with_a_host_path_is_refused_and_nothing_is_mounted
             "slash",
             host_disk(Some(OUR_PROVIDER), mount_root("/")),
             "disk.source.mount.root '/' is a host path".to_string(),
+        ),
+        (
+            "abs-path",
+            host_disk(Some(OUR_PROVIDER), path_root(secret)),
+            format!("disk.source.path.root '{secret}' is a host path"),
+        ),
+        (
+            "path-slash",
+            host_disk(None, path_root("/")),
+            "it has no provider_id (a disk of the host, not a volume)".to_string(),
         ),
         (
             "default-disk",

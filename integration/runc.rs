@@ -18,6 +18,8 @@ use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
 use csi_isolator::mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, StorageProvider};
+use csi_isolator::service::proto;
+use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::testing::{require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox};
 
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
@@ -386,6 +388,193 @@ async fn csi_volume_is_bound_through_runc() {
     if let Some(pid) = plugin_pid {
         sb.untrack(pid);
     }
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+
+/// `csi-isolator serve` on `<sb>/work`, killed when dropped.
+struct Serve {
+    child: std::process::Child,
+    socket: PathBuf,
+}
+
+impl Serve {
+    fn start(sb: &Sandbox) -> Serve {
+        let socket = sb.join("isolator.sock");
+        let mut cmd = csi_isolator::testing::isolator_command(CLI, &sb.join("work"));
+        cmd.arg("serve")
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit());
+        let mut child = sb.spawn(&mut cmd).expect("start csi-isolator serve");
+        csi_isolator::testing::wait_for_serve_ready(&mut child, RUN_TIMEOUT);
+        Serve { child, socket }
+    }
+
+    async fn client(&self) -> IsolatorClient<tonic::transport::Channel> {
+        IsolatorClient::new(
+            csi_isolator::csi::transport::connect_unix(&self.socket)
+                .await
+                .expect("connect to serve"),
+        )
+    }
+
+    /// SIGTERM and a clean exit.
+    fn stop(mut self, sb: &Sandbox) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .unwrap();
+        let status = self.child.wait().unwrap();
+        sb.untrack(self.child.id());
+        assert!(status.success(), "serve exited with {status:?}");
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// The Docker/OCI path through `serve`: PrepareOci publishes the volume and binds it into the
+/// sandbox on the host, runc runs a container given the answer's `mounts` entries, the container
+/// writes through them; Cleanup takes the binds down and releases the volume; nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_prepare_oci_binds_volumes_for_runc() {
+    require_tools();
+    let sb = Sandbox::new("runc-serve");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let mut resources = Vec::new();
+    for (name, path) in [("abs", "/data"), ("rel", "work/rel")] {
+        let v = c
+            .create_volume(proto::CreateVolumeRequest {
+                name: name.into(),
+                capacity_bytes: 16 << 20,
+                container_path: path.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume")
+            .into_inner();
+        resources.push(v.resource_json);
+    }
+    let request = |id: &str| proto::PrepareRequest {
+        container_id: id.into(),
+        config: Some(proto::ContainerConfig {
+            resources_json: format!("[{}]", resources.join(",")),
+            sandbox: bundle.sandbox.to_str().unwrap().into(),
+            rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+            ..Default::default()
+        }),
+    };
+    let info = c
+        .prepare_oci(request("c1"))
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    let destinations: Vec<&str> = info.mounts.iter().map(|m| m.destination.as_str()).collect();
+    assert_eq!(
+        destinations,
+        ["/data".to_string(), format!("{SANDBOX_IN_ROOTFS}/work/rel")]
+    );
+    let table = ProcMountTable::new();
+    for m in &info.mounts {
+        let source = Path::new(&m.source);
+        assert!(
+            source.starts_with(&bundle.sandbox),
+            "{} is not in the sandbox",
+            m.source
+        );
+        assert!(
+            table.is_mount_point(source).unwrap(),
+            "{} not bound",
+            m.source
+        );
+        assert_eq!(m.r#type, "bind");
+        assert_eq!(m.options, ["rbind", "rprivate", "rw"]);
+    }
+    assert_eq!(info.docker_args.len(), 4);
+    assert_eq!(info.docker_args[0], "--mount");
+    // The same container id again is refused: it is prepared already.
+    let again = c
+        .prepare_oci(request("c1"))
+        .await
+        .expect_err("a second PrepareOci");
+    assert_eq!(again.code(), tonic::Code::AlreadyExists, "{again:?}");
+
+    let prepared = OciPrepared {
+        host_binds: Vec::new(),
+        mounts: info
+            .mounts
+            .iter()
+            .map(|m| oci::OciMount {
+                destination: m.destination.clone(),
+                kind: m.r#type.clone(),
+                source: m.source.clone(),
+                options: m.options.clone(),
+            })
+            .collect(),
+        docker_args: info.docker_args.clone(),
+    };
+    let script = format!(
+        "echo abs > /data/hello && echo rel > {SANDBOX_IN_ROOTFS}/work/rel/hello && cat /data/hello"
+    );
+    let r = run(&sb, &bundle, "serve", &prepared, &script);
+    assert_ran(&r);
+    assert_eq!(r.stdout.trim(), "abs");
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The data is in the volumes, seen through the published mount points.
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    assert_eq!(st.volumes.len(), 2);
+    for v in &st.volumes {
+        assert_eq!(v.state, "PUBLISHED", "{v:?}");
+        assert_eq!(
+            fs::read_to_string(Path::new(&v.mount_point).join("hello")).unwrap(),
+            format!("{}\n", v.name)
+        );
+    }
+
+    c.cleanup(proto::CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("Cleanup");
+    assert!(table.mounts_under(&bundle.sandbox).unwrap().is_empty());
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    for v in &st.volumes {
+        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+        c.destroy_volume(proto::DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    serve.stop(&sb);
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }

@@ -3,7 +3,8 @@
 //! end as root with the real `csi-isolator` binary, the bundled plugin and a
 //! real unprivileged uid (`nobody`, through `setresuid` in a forked child):
 //! - a work dir another user owns, or one beneath a directory others may
-//!   write, is refused by `run`, `volume` and `status` before anything is
+//!   write, is refused by `run`, `volume`, `status`, `serve` and both OCI
+//!   hooks before anything is
 //!   created or opened in it, naming the directory, its owner and mode;
 //!   beneath a root-owned directory in a sticky one (as `/tmp`) it is fine;
 //! - `run.lock` and `plugin.log` are never opened through a planted
@@ -129,6 +130,82 @@ fn a_work_dir_owned_by_nobody_is_refused_before_anything_is_made_in_it() {
     }
     assert!(!socket_dir.exists(), "no plugin was started");
     assert_eq!(mode(&work), 0o755, "the foreign dir is left as it was");
+}
+
+/// `oci-hook STAGE` on `work` with the container state `state` on stdin.
+fn hook(work: &Path, socket_dir: &Path, stage: &str, state: &str) -> Output {
+    use std::io::Write;
+    let mut child = cli(work, socket_dir)
+        .args(["oci-hook", stage])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start the hook");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(state.as_bytes())
+        .unwrap();
+    child.wait_with_output().expect("wait for the hook")
+}
+
+/// The other entry points that take a work dir, `serve` and both hooks, refuse one another user
+/// owns before anything is made in it, as `run`, `volume` and `status` do.
+#[test]
+fn serve_and_the_hooks_refuse_a_work_dir_owned_by_nobody() {
+    require_root();
+    let sb = Sandbox::new("wdsec-owner-entries");
+    let socket_dir = sb.join("s");
+    let work = sb.mkdir("w");
+    chown_nobody(&work);
+    let dir = work.display().to_string();
+    let needles = [
+        dir.as_str(),
+        "not owned by root",
+        "owner uid 65534",
+        "--work-dir",
+    ];
+
+    let socket = sb.join("isolator.sock");
+    let serve = output(
+        cli(&work, &socket_dir)
+            .args(["serve", "--socket"])
+            .arg(&socket),
+    );
+    // A bundle with a volume annotation, so create-runtime goes as far as the work dir.
+    let bundle = sb.mkdir("bundle");
+    std::fs::create_dir(bundle.join("rootfs")).unwrap();
+    std::fs::write(
+        bundle.join("config.json"),
+        r#"{"ociVersion":"1.0.2","root":{"path":"rootfs"},"annotations":{"io.csi-isolator.volumes":"a:1M:/data"}}"#,
+    )
+    .unwrap();
+    let state = format!(
+        r#"{{"ociVersion":"1.0.2","id":"c1","status":"creating","pid":{},"bundle":"{}"}}"#,
+        std::process::id(),
+        bundle.display()
+    );
+    let refused = [
+        ("serve", serve),
+        (
+            "oci-hook create-runtime",
+            hook(&work, &socket_dir, "create-runtime", &state),
+        ),
+        (
+            "oci-hook poststop",
+            hook(&work, &socket_dir, "poststop", &state),
+        ),
+    ];
+    for (what, out) in &refused {
+        assert_refused(out, what, &needles);
+        assert!(names(&work).is_empty(), "{what} made {:?}", names(&work));
+    }
+    assert!(!socket.exists(), "serve bound its socket");
+    assert!(!socket_dir.exists(), "no plugin was started");
+    assert_eq!(mode(&work), 0o755, "the foreign dir is left as it was");
+    sb.assert_no_mounts_under();
 }
 
 #[test]
@@ -310,6 +387,66 @@ fn nobody_can_neither_open_nor_hold_run_lock() {
         "a launch while nobody tried to hold the lock: {}",
         text(&second.stderr)
     );
+    sb.assert_no_mounts_under();
+}
+
+/// A `run.lock` an older version left 0644, opened and locked by `nobody` before the upgrade:
+/// the next launch does not wait for that holder, it replaces the lock file with a fresh
+/// root-only one (nobody keeps a lock on a file that is no longer the lock).
+#[test]
+fn a_lock_held_by_another_user_since_before_the_upgrade_does_not_stop_launches() {
+    require_root();
+    let sb = Sandbox::new("wdsec-lock-old");
+    let socket_dir = sb.join("s");
+    let work = sb.join("w");
+    let first = run_true(&work, &socket_dir);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    let lock = work.join("run.lock");
+    // As an older version left it.
+    chmod(&lock, 0o644);
+    let old_ino = std::fs::metadata(&lock).unwrap().ino();
+    let path = CString::new(lock.as_os_str().as_bytes()).unwrap();
+    let (reader, writer) = nix::unistd::pipe().unwrap();
+    let release = sb.join("release");
+    let release_in_child = release.clone();
+    let holder = std::thread::spawn(move || {
+        as_nobody(move || {
+            // SAFETY: a valid NUL-terminated path; the fd is ours alone.
+            let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+            let got = fd >= 0
+                // SAFETY: `fd` is an open descriptor of this process.
+                && unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0;
+            let errno = Errno::last();
+            let word = if got { b"h" } else { b"n" };
+            // SAFETY: one byte from a valid buffer to the pipe's write end.
+            unsafe { libc::write(writer.as_raw_fd(), word.as_ptr().cast(), 1) };
+            if !got {
+                return Err(errno);
+            }
+            let started = Instant::now();
+            while !release_in_child.exists() && started.elapsed() < Duration::from_secs(20) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(0)
+        })
+    });
+    let word = read_byte(&reader, Duration::from_secs(15));
+    let started = Instant::now();
+    let second = run_true(&work, &socket_dir);
+    let took = started.elapsed();
+    std::fs::write(&release, b"").unwrap();
+    let outcome = holder.join().unwrap();
+    assert_eq!(word, b'h', "nobody could not take the old lock");
+    assert_eq!(outcome, Outcome::Ok(0));
+    assert!(
+        second.status.success(),
+        "a launch while nobody held the old lock: {}",
+        text(&second.stderr)
+    );
+    assert!(took < Duration::from_secs(10), "the launch waited {took:?}");
+    assert!(text(&second.stderr).contains("replaced it with a fresh root-only lock file"));
+    assert_eq!(mode(&lock), 0o600);
+    assert_ne!(std::fs::metadata(&lock).unwrap().ino(), old_ino);
     sb.assert_no_mounts_under();
 }
 

@@ -356,6 +356,21 @@ pub fn safe_dir(dir: &Path, purpose: Purpose) -> Result<PathBuf, WorkDirError> {
     Ok(canonical)
 }
 
+/// [`safe_dir`] for a directory created if missing: each missing component
+/// is made only after the path above it passed the rule (so nothing is made
+/// through another user's directory or symbolic link), the last with `mode`,
+/// the others 0755. Returns its canonical path and the directories it made, outermost first.
+pub fn create_safe_dir(
+    dir: &Path,
+    purpose: Purpose,
+    mode: u32,
+) -> Result<(PathBuf, Vec<PathBuf>), WorkDirError> {
+    let mut made = Vec::new();
+    let (canonical, _) =
+        walk_made(dir, purpose, Some(mode), &mut made)?.ok_or_else(|| not_found(dir))?;
+    Ok((canonical, made))
+}
+
 /// A directory that only root may use, created (with its missing parents)
 /// if needed: its path passes the work dir's rule, and it is a directory
 /// owned by root of mode exactly 0700, or it is refused. Returns its
@@ -497,6 +512,16 @@ fn walk(
     purpose: Purpose,
     create: Option<u32>,
 ) -> Result<Option<(PathBuf, Metadata)>, WorkDirError> {
+    walk_made(dir, purpose, create, &mut Vec::new())
+}
+
+/// [`walk`], noting in `made` each directory it created.
+fn walk_made(
+    dir: &Path,
+    purpose: Purpose,
+    create: Option<u32>,
+    made: &mut Vec<PathBuf>,
+) -> Result<Option<(PathBuf, Metadata)>, WorkDirError> {
     let resolve = |source| WorkDirError::Resolve {
         path: dir.to_path_buf(),
         source,
@@ -554,6 +579,7 @@ fn walk(
                         // The umask may have taken bits the mode asks for.
                         std::fs::set_permissions(&next, Permissions::from_mode(mode))
                             .map_err(resolve)?;
+                        made.push(next.clone());
                     }
                     Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
                     Err(e) => return Err(resolve(e)),
@@ -721,7 +747,15 @@ pub async fn lock(work_dir: &Path, wait: Option<Duration>) -> Result<WorkDirLock
                     return Ok(WorkDirLock { _lock: locked });
                 }
             }
-            Err((_, Errno::EWOULDBLOCK)) => {}
+            Err((file, Errno::EWOULDBLOCK)) => {
+                // Held by a user who could only have opened it while an older version left it
+                // 0644: that holder keeps the old inode and the lock moves to a fresh file.
+                if let Some(holders) = foreign_holders(&file) {
+                    replace_lock_file(&path)?;
+                    tracing::warn!(lock = %path.display(), ?holders, "run.lock was held by a process not running as root (opened while an older version left it readable); replaced it with a fresh root-only lock file");
+                    continue;
+                }
+            }
             Err((_, errno)) => return Err(WorkDirError::Lock { path, errno }),
         }
         match wait {
@@ -743,9 +777,94 @@ pub async fn lock(work_dir: &Path, wait: Option<Duration>) -> Result<WorkDirLock
     }
 }
 
+/// The pids holding a `flock` on the inode `(major, minor, ino)`, from the
+/// text of `/proc/locks` (`1: FLOCK  ADVISORY  WRITE 1234 fe:00:5832770 0 EOF`:
+/// the device in hex).
+fn flock_holders(locks: &str, major: u32, minor: u32, ino: u64) -> Vec<i32> {
+    locks
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split_whitespace().skip(1);
+            if fields.next()? != "FLOCK" {
+                return None;
+            }
+            let pid: i32 = fields.nth(2)?.parse().ok()?;
+            let mut id = fields.next()?.split(':');
+            let (maj, min, i) = (id.next()?, id.next()?, id.next()?);
+            let same = u32::from_str_radix(maj, 16).ok()? == major
+                && u32::from_str_radix(min, 16).ok()? == minor
+                && i.parse::<u64>().ok()? == ino;
+            same.then_some(pid)
+        })
+        .collect()
+}
+
+/// The effective uid of `pid` (the `Uid:` line of its status), if it still runs.
+fn effective_uid(pid: i32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The holders of the lock on `file` when every one is a process not running as root;
+/// None when a holder is root (another csi-isolator: wait for it) or cannot be told.
+fn foreign_holders(file: &File) -> Option<Vec<i32>> {
+    let meta = file.metadata().ok()?;
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    let (major, minor) = (
+        nix::sys::stat::major(meta.dev()) as u32,
+        nix::sys::stat::minor(meta.dev()) as u32,
+    );
+    let holders = flock_holders(&locks, major, minor, meta.ino());
+    let foreign = !holders.is_empty()
+        && holders
+            .iter()
+            .all(|pid| effective_uid(*pid).is_some_and(|uid| !is_root(uid, euid())));
+    foreign.then_some(holders)
+}
+
+/// Puts a fresh, empty, root-only file at `path` (a rename: whoever holds the
+/// old one keeps a lock on a file that is no longer the lock).
+fn replace_lock_file(path: &Path) -> Result<(), WorkDirError> {
+    let fresh = path.with_file_name(format!(".{LOCK_FILE}.{}", std::process::id()));
+    let io = |step: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| WorkDirError::Io { step, path, source }
+    };
+    // A leftover of a process with this pid that died here: root's own.
+    let _ = std::fs::remove_file(&fresh);
+    File::options()
+        .write(true)
+        .create_new(true)
+        .mode(PRIVATE_FILE_MODE)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&fresh)
+        .map_err(io("create a fresh lock file", &fresh))?;
+    std::fs::rename(&fresh, path).map_err(io("replace the lock file", path))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flock_holders_of_one_inode() {
+        let locks = "1: FLOCK  ADVISORY  WRITE 30189 fe:00:5832770 0 EOF\n\
+                     2: POSIX  ADVISORY  WRITE 777 fe:00:5832770 0 EOF\n\
+                     3: FLOCK  ADVISORY  WRITE 4242 fe:00:5832771 0 EOF\n\
+                     4: FLOCK  ADVISORY  READ 17 fe:01:5832770 0 EOF\n\
+                     5: FLOCK  ADVISORY  WRITE 99 fe:00:5832770 0 EOF\n\
+                     6: OFDLCK ADVISORY  WRITE -1 fe:00:5832770 0 EOF\n\
+                     garbage\n";
+        assert_eq!(flock_holders(locks, 0xfe, 0, 5832770), vec![30189, 99]);
+        assert_eq!(flock_holders(locks, 0xfe, 1, 5832770), vec![17]);
+        assert_eq!(flock_holders(locks, 8, 1, 1), Vec::<i32>::new());
+    }
 
     #[tokio::test]
     async fn one_holder_at_a_time_and_the_file_stays() {

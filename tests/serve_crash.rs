@@ -1,6 +1,7 @@
 //! `csi-isolator serve` killed (SIGKILL, by the crash-point hook
 //! `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`) at every crash point of a launch
-//! (Prepare + Isolate), an update that adds a volume, an update that removes
+//! (Prepare + Isolate; and PrepareOci + Isolate, the volumes bound on the
+//! host into the sandbox), an update that adds a volume, an update that removes
 //! one, a cleanup and a volume destroy. For each operation and each N: the
 //! preconditions are set up on a serve without the hook (volumes created,
 //! containers running in their own mount namespaces, each having written a
@@ -134,6 +135,9 @@ impl Drop for Serve {
 struct Container {
     sandbox: PathBuf,
     launched: Launched,
+    /// Prepared with PrepareOci: its volumes are bound on the host into its sandbox (the
+    /// runtime's binds), not by the launcher in its namespace.
+    oci: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -141,6 +145,9 @@ enum Op {
     /// Prepare c1 with volumes a (new) and b (already used by c0), launch
     /// it, write markers, Isolate.
     Launch,
+    /// The same through PrepareOci: the volumes bound on the host into c1's
+    /// sandbox, the container seeing them there as a runtime's binds.
+    LaunchOci,
     /// Update c1 from [a] to [a, b].
     UpdateAdd,
     /// Update c1 from [a, b] to [b].
@@ -155,6 +162,7 @@ impl Op {
     fn label(self) -> &'static str {
         match self {
             Op::Launch => "launch",
+            Op::LaunchOci => "launch-oci",
             Op::UpdateAdd => "update-add",
             Op::UpdateRemove => "update-remove",
             Op::Cleanup => "cleanup",
@@ -333,7 +341,7 @@ impl World {
         self.volumes.insert(name.to_string(), v);
     }
 
-    /// Prepare, launch, write a marker into every read-write volume,
+    /// Prepare (PrepareOci if `oci`), launch, write a marker into every read-write volume,
     /// Isolate. An error names the call that failed; the container counts
     /// as running from its launch on.
     async fn start_container(
@@ -342,27 +350,59 @@ impl World {
         id: &str,
         volumes: &[&str],
     ) -> Result<(), String> {
+        self.start(c, id, volumes, false).await
+    }
+
+    async fn start(
+        &mut self,
+        c: &mut Client,
+        id: &str,
+        volumes: &[&str],
+        oci: bool,
+    ) -> Result<(), String> {
         let sandbox = self.sb.mkdir(format!("sandboxes/{id}"));
-        let info = rpc(
-            "Prepare",
-            c.prepare(PrepareRequest {
-                container_id: id.into(),
-                config: Some(ContainerConfig {
-                    resources_json: self.resources(volumes),
-                    sandbox: sandbox.to_string_lossy().into(),
-                    ..Default::default()
-                }),
+        let request = PrepareRequest {
+            container_id: id.into(),
+            config: Some(ContainerConfig {
+                resources_json: self.resources(volumes),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
             }),
-        )
-        .await
-        .map_err(|s| format!("Prepare {id}: {s}"))?;
-        assert_eq!(info.mounts.len(), volumes.len(), "{}: {info:?}", self.label);
-        let mounts: Vec<VolumeMount> = info
-            .mounts
-            .iter()
-            .cloned()
-            .map(|m| VolumeMount::try_from(m).unwrap())
-            .collect();
+        };
+        let (records, mounts) = if oci {
+            let info = rpc("PrepareOci", c.prepare_oci(request))
+                .await
+                .map_err(|s| format!("PrepareOci {id}: {s}"))?;
+            assert_eq!(info.mounts.len(), volumes.len(), "{}: {info:?}", self.label);
+            // The runtime's binds are already in the sandbox on the host: the container's new
+            // namespace, a copy of the host's, has them.
+            let records: Vec<(String, bool)> = volumes
+                .iter()
+                .zip(&info.mounts)
+                .map(|(name, m)| {
+                    assert_eq!(Path::new(&m.source), sandbox.join(name), "{}", self.label);
+                    (name.to_string(), m.options.iter().any(|o| o == "ro"))
+                })
+                .collect();
+            (records, Vec::new())
+        } else {
+            let info = rpc("Prepare", c.prepare(request))
+                .await
+                .map_err(|s| format!("Prepare {id}: {s}"))?;
+            assert_eq!(info.mounts.len(), volumes.len(), "{}: {info:?}", self.label);
+            let records = info
+                .mounts
+                .iter()
+                .map(|m| (m.target.clone(), m.readonly))
+                .collect();
+            let mounts: Vec<VolumeMount> = info
+                .mounts
+                .iter()
+                .cloned()
+                .map(|m| VolumeMount::try_from(m).unwrap())
+                .collect();
+            (records, mounts)
+        };
         let spec = LaunchSpec {
             argv: vec!["sleep".into(), "1000".into()],
             sandbox: sandbox.clone(),
@@ -375,16 +415,26 @@ impl World {
         .unwrap_or_else(|e| panic!("{}: launch {id}: {e}", self.label));
         let pid = launched.pid();
         self.sb.track(pid);
-        for m in info.mounts.iter().filter(|m| !m.readonly) {
-            let name = self.name_of(&m.volume_id);
+        for (target, readonly) in &records {
+            if *readonly {
+                continue;
+            }
+            // Volumes are created with their name as the container path.
+            let name = target.clone();
             let file = format!("{id}.marker");
             let content = format!("{id} wrote this into {name}");
-            std::fs::write(inside(pid, &sandbox).join(&m.target).join(&file), &content)
+            std::fs::write(inside(pid, &sandbox).join(target).join(&file), &content)
                 .unwrap_or_else(|e| panic!("{}: {id} writes into {name}: {e}", self.label));
             self.markers.push((name, file, content));
         }
-        self.containers
-            .insert(id.to_string(), Container { sandbox, launched });
+        self.containers.insert(
+            id.to_string(),
+            Container {
+                sandbox,
+                launched,
+                oci,
+            },
+        );
         rpc(
             "Isolate",
             c.isolate(IsolateRequest {
@@ -417,7 +467,7 @@ impl World {
         self.create(c, "b").await;
         let must = |r: Result<(), String>| r.unwrap_or_else(|e| panic!("{label}: set-up: {e}"));
         match op {
-            Op::Launch => must(self.start_container(c, "c0", &["b"]).await),
+            Op::Launch | Op::LaunchOci => must(self.start_container(c, "c0", &["b"]).await),
             Op::UpdateAdd => must(self.start_container(c, "c1", &["a"]).await),
             Op::UpdateRemove => must(self.start_container(c, "c1", &["a", "b"]).await),
             Op::Cleanup => {
@@ -447,6 +497,7 @@ impl World {
     async fn operate(&mut self, op: Op, c: &mut Client) -> Result<(), String> {
         match op {
             Op::Launch => self.start_container(c, "c1", &["a", "b"]).await,
+            Op::LaunchOci => self.start(c, "c1", &["a", "b"], true).await,
             Op::UpdateAdd | Op::UpdateRemove => {
                 let to: &[&str] = if matches!(op, Op::UpdateAdd) {
                     &["a", "b"]
@@ -621,8 +672,13 @@ impl World {
         }
 
         // The host: nothing mounted under the sandbox but the targets and
-        // staging paths of published volumes.
+        // staging paths of published volumes, and the binds of live OCI containers.
         let mut allowed = BTreeSet::new();
+        for (id, ctr) in self.containers.iter().filter(|(_, c)| c.oci) {
+            for m in &records[id].mounts {
+                allowed.insert(ctr.sandbox.join(&m.target));
+            }
+        }
         for v in st.volumes.iter().filter(|v| v.state == "PUBLISHED") {
             let target = PathBuf::from(&v.mount_point);
             allowed.insert(target.parent().unwrap().join("staging"));
@@ -846,6 +902,13 @@ async fn crash_at_every_point(op: Op, at_least: u32) {
 async fn launch_survives_a_crash_at_every_point() {
     // At least: the container's checkpoint, a's first intent, the pid.
     crash_at_every_point(Op::Launch, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn launch_through_prepare_oci_survives_a_crash_at_every_point() {
+    // At least: the container's checkpoint, a's first intent, the binds' mark, the binds made
+    // and not recorded, their record.
+    crash_at_every_point(Op::LaunchOci, 5).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

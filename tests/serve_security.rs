@@ -20,7 +20,8 @@ use csi_isolator::csi::transport::connect_unix;
 use csi_isolator::launcher::{self, LaunchSpec, Launched};
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
-    CleanupRequest, ContainerConfig, IsolateRequest, PrepareRequest, StatusRequest,
+    CleanupRequest, ContainerConfig, CreateVolumeRequest, IsolateRequest, PrepareRequest,
+    StatusRequest,
 };
 use csi_isolator::testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
 use csi_isolator::testing::{
@@ -474,6 +475,15 @@ fn raise_nofile() -> Result<(), Errno> {
     Ok(())
 }
 
+/// Creates its file when dropped: the signal for a step of another user to let go.
+struct Release(PathBuf);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, b"");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_metrics_connections_from_another_user_leave_serve_answering() {
     require_root();
@@ -487,6 +497,8 @@ async fn idle_metrics_connections_from_another_user_leave_serve_answering() {
     let (ready_r, ready_w): (OwnedFd, OwnedFd) = nix::unistd::pipe().unwrap();
     let release = sb.join("release");
     let release_in_child = release.clone();
+    // Lets the flooder go however this test ends, so it never holds its connections past it.
+    let _release_on_exit = Release(release.clone());
     let mut conns: Vec<std::net::TcpStream> = Vec::with_capacity(FLOOD);
     let flooder = std::thread::spawn(move || {
         as_nobody(move || {
@@ -601,6 +613,123 @@ async fn metrics_are_on_loopback_for_a_bare_port_and_a_wider_address_is_warned_a
     serve.stop(&sb);
 }
 
+/// A root connection that greeted serve in HTTP/2 and got its answer: admitted, holding a slot.
+fn admitted_connection(socket: &Path) -> std::os::unix::net::UnixStream {
+    let mut s = std::os::unix::net::UnixStream::connect(socket).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(H2_HELLO).expect("greet");
+    let mut buf = [0u8; 64];
+    let n = s
+        .read(&mut buf)
+        .expect("serve answers an admitted connection");
+    assert!(n > 0, "an admitted connection was closed");
+    s
+}
+
+/// serve's own bounds (finding 10): connections over `--max-connections` are closed at once and
+/// counted, a slot is given back when its connection goes, and a call that outlasts
+/// `--request-timeout` is answered CANCELLED while its operation still runs to its end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_bounds_connections_and_call_time() {
+    require_root();
+    let sb = Sandbox::new("serve-bounds");
+    let serve = Serve::start(
+        &sb,
+        &[
+            "--metrics",
+            "0",
+            "--max-connections",
+            "2",
+            "--request-timeout",
+            "1",
+            "--plugin-arg=--backing=dir",
+            "--plugin-arg=--delay=CreateVolume=3000",
+        ],
+        None,
+    );
+    let addr = serve.metrics.unwrap();
+    let capacity = "csi_isolator_connections_refused_total{listener=\"grpc\",reason=\"capacity\"}";
+
+    let idle = [
+        admitted_connection(&serve.socket),
+        admitted_connection(&serve.socket),
+    ];
+    // A third connection is closed without a word.
+    assert_eq!(greet(&serve.socket), Ok(0));
+    let scraped = http_get(addr, "/metrics").await.unwrap();
+    assert!(sample(&scraped, capacity) >= 1.0, "{scraped}");
+    // The slots come back with their connections.
+    drop(idle);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut c = loop {
+        if greet(&serve.socket) == Ok(1) {
+            break serve.client().await;
+        }
+        assert!(Instant::now() < deadline, "no slot came back");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+
+    // CreateVolume waits 3 s in the plugin; the caller is answered after 1 s.
+    let started = Instant::now();
+    let answer = c
+        .create_volume(CreateVolumeRequest {
+            name: "slow".into(),
+            capacity_bytes: 1 << 20,
+            ..Default::default()
+        })
+        .await;
+    let took = started.elapsed();
+    let status = answer.expect_err("a call past the request timeout");
+    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+    assert!(
+        took >= Duration::from_millis(900) && took < Duration::from_millis(2900),
+        "answered after {took:?}"
+    );
+    // The operation was not cut short: the volume is created once the plugin answers.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let volumes = c
+            .status(StatusRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .volumes;
+        if volumes
+            .iter()
+            .any(|v| v.name == "slow" && v.state == "CREATED")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cancelled CreateVolume never finished: {volumes:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(c);
+    serve.stop(&sb);
+}
+
+/// Runs `serve --socket socket` on `<sb>/work`, which must refuse to start; returns its stderr.
+fn serve_refused_with_socket(sb: &Sandbox, socket: &Path) -> String {
+    let out = Command::new(BIN)
+        .env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
+        .env_remove("RUST_LOG")
+        .arg("--work-dir")
+        .arg(sb.join("work"))
+        .arg("serve")
+        .arg("--socket")
+        .arg(socket)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run csi-isolator serve");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "serve started: {stderr}");
+    assert_eq!(processes_mentioning(sb.path()), Vec::<u32>::new());
+    stderr
+}
+
 /// A `--socket` in a directory another user may write in is refused before anything is bound: the
 /// socket is renamed into that directory, where such a user could swap it for one of their own.
 #[test]
@@ -609,20 +738,7 @@ fn a_socket_in_a_directory_others_may_write_is_refused() {
     let sb = Sandbox::new("serve-sec-sockdir");
     let shared = sb.mkdir("shared");
     std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let out = Command::new(BIN)
-        .env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
-        .env_remove("RUST_LOG")
-        .arg("--work-dir")
-        .arg(sb.join("work"))
-        .arg("serve")
-        .arg("--socket")
-        .arg(shared.join("isolator.sock"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run csi-isolator serve");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success(), "serve started: {stderr}");
+    let stderr = serve_refused_with_socket(&sb, &shared.join("isolator.sock"));
     assert!(
         stderr.contains("serve socket dir")
             && stderr.contains(&shared.display().to_string())
@@ -632,5 +748,46 @@ fn a_socket_in_a_directory_others_may_write_is_refused() {
     );
     let left: Vec<_> = std::fs::read_dir(&shared).unwrap().flatten().collect();
     assert!(left.is_empty(), "made in the shared dir: {left:?}");
-    assert_eq!(processes_mentioning(sb.path()), Vec::<u32>::new());
+}
+
+/// The socket's missing parent directories are made only beneath a path that passed the rule:
+/// root makes nothing inside another user's directory, or through their symbolic link, on the
+/// way to a `--socket` that is then refused.
+#[test]
+fn no_socket_directory_is_made_through_another_users_directory_or_link() {
+    require_root();
+    let sb = Sandbox::new("serve-sec-sockpar");
+    // A sticky, world-writable directory as /tmp is, where a user made things first.
+    let sticky = sb.mkdir("sticky");
+    std::fs::set_permissions(&sticky, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let theirs = sticky.join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    std::os::unix::fs::chown(&theirs, Some(NOBODY_UID), Some(NOGROUP_GID)).unwrap();
+    let elsewhere = sb.mkdir("elsewhere");
+    let link = sticky.join("link");
+    std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+    std::os::unix::fs::lchown(&link, Some(NOBODY_UID), Some(NOGROUP_GID)).unwrap();
+
+    let stderr = serve_refused_with_socket(&sb, &theirs.join("sub/d/i.sock"));
+    assert!(
+        stderr.contains("serve socket dir")
+            && stderr.contains(&theirs.display().to_string())
+            && stderr.contains("not owned by root")
+            && stderr.contains(&format!("owner uid {NOBODY_UID}")),
+        "{stderr}"
+    );
+    assert!(
+        !theirs.join("sub").exists(),
+        "made inside nobody's directory"
+    );
+
+    let stderr = serve_refused_with_socket(&sb, &link.join("sub/i.sock"));
+    assert!(
+        stderr.contains("serve socket dir") && stderr.contains(&link.display().to_string()),
+        "{stderr}"
+    );
+    assert!(
+        !elsewhere.join("sub").exists(),
+        "made through nobody's link"
+    );
 }

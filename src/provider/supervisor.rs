@@ -336,38 +336,66 @@ fn copy_output(plugin: &str, reader: OwnedFd, log: Arc<Mutex<Option<PluginLog>>>
     }
 }
 
+/// Opens `plugin.log` for appending: [`open_private_file`], or a stand-in in tests.
+type OpenLog = fn(&Path) -> Result<File, crate::workdir::WorkDirError>;
+
+fn open_log(path: &Path) -> Result<File, crate::workdir::WorkDirError> {
+    open_private_file(path, true)
+}
+
 /// `plugin.log`, rotated to `plugin.log.1` past its cap.
 #[derive(Debug)]
 struct PluginLog {
     path: PathBuf,
-    file: File,
+    /// None after a rotation whose new file could not be opened: the next write tries again
+    /// (never writing on into the rotated file).
+    file: Option<File>,
     size: u64,
     cap: u64,
+    open: OpenLog,
 }
 
 impl PluginLog {
     /// Opens (or creates) the log without following a symbolic link.
     fn open(path: PathBuf, cap: u64) -> Result<Self, crate::workdir::WorkDirError> {
-        let file = open_private_file(&path, true)?;
+        Self::open_with(path, cap, open_log)
+    }
+
+    fn open_with(
+        path: PathBuf,
+        cap: u64,
+        open: OpenLog,
+    ) -> Result<Self, crate::workdir::WorkDirError> {
+        let file = open(&path)?;
         let size = file.metadata().map(|m| m.len()).unwrap_or(0);
         Ok(PluginLog {
             path,
-            file,
+            file: Some(file),
             size,
             cap,
+            open,
         })
     }
 
     /// Appends `chunk`, rotating first when it would take the file past
-    /// its cap (a chunk larger than the cap is cut to it).
+    /// its cap (a chunk larger than the cap is cut to it). On an error the
+    /// chunk is dropped.
     fn write(&mut self, chunk: &[u8]) -> std::io::Result<()> {
         let chunk = &chunk[..chunk
             .len()
             .min(usize::try_from(self.cap).unwrap_or(usize::MAX))];
-        if self.size > 0 && self.size + chunk.len() as u64 > self.cap {
+        if self.file.is_some() && self.size > 0 && self.size + chunk.len() as u64 > self.cap {
             self.rotate()?;
         }
-        self.file.write_all(chunk)?;
+        let file = match &mut self.file {
+            Some(file) => file,
+            None => {
+                let file = (self.open)(&self.path).map_err(std::io::Error::other)?;
+                self.size = file.metadata().map(|m| m.len()).unwrap_or(0);
+                self.file.insert(file)
+            }
+        };
+        file.write_all(chunk)?;
         self.size += chunk.len() as u64;
         Ok(())
     }
@@ -380,12 +408,17 @@ impl PluginLog {
         if let Err(e) = std::fs::rename(&self.path, &old) {
             // The log must stay bounded even then: start it over in place.
             tracing::warn!(path = %self.path.display(), error = %e, "cannot rotate the plugin log; truncating it");
-            self.file.set_len(0)?;
+            if let Some(file) = &self.file {
+                file.set_len(0)?;
+            }
             self.size = 0;
             return Ok(());
         }
-        self.file = open_private_file(&self.path, true).map_err(std::io::Error::other)?;
+        // The handle now writes to plugin.log.1: let it go before anything else can fail.
+        self.file = None;
         self.size = 0;
+        let file = (self.open)(&self.path).map_err(std::io::Error::other)?;
+        self.file = Some(file);
         Ok(())
     }
 }
@@ -442,5 +475,64 @@ async fn monitor(inner: Arc<Inner>, mut child: Child) {
         if let Err(e) = inner.wait_ready().await {
             tracing::warn!(plugin = %inner.plugin, error = %e, "restarted plugin not ready yet");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    thread_local! {
+        static OPEN_FAILS: Cell<bool> = const { Cell::new(false) };
+    }
+
+    fn flaky_open(path: &Path) -> Result<File, crate::workdir::WorkDirError> {
+        if OPEN_FAILS.with(Cell::get) {
+            return Err(crate::workdir::WorkDirError::Io {
+                step: "open",
+                path: path.to_path_buf(),
+                source: std::io::Error::from_raw_os_error(libc::EMFILE),
+            });
+        }
+        File::options()
+            .append(true)
+            .create(true)
+            .open(path)
+            .map_err(|source| crate::workdir::WorkDirError::Io {
+                step: "open",
+                path: path.to_path_buf(),
+                source,
+            })
+    }
+
+    #[test]
+    fn a_log_that_cannot_be_reopened_after_rotation_drops_output_and_spares_the_rotated_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("plugin.log");
+        let rotated = dir.path().join("plugin.log.1");
+        let mut log = PluginLog::open_with(path.clone(), 10, flaky_open).unwrap();
+        log.write(b"0123456789").unwrap();
+
+        OPEN_FAILS.with(|f| f.set(true));
+        // Rotates, then cannot open a new plugin.log: the chunk is dropped.
+        assert!(log.write(b"abc").is_err());
+        assert!(log.write(b"def").is_err());
+        assert_eq!(std::fs::read(&rotated).unwrap(), b"0123456789");
+        assert!(!path.exists());
+
+        OPEN_FAILS.with(|f| f.set(false));
+        log.write(b"ghi").unwrap();
+        log.write(b"jk").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"ghijk");
+        assert_eq!(
+            std::fs::read(&rotated).unwrap(),
+            b"0123456789",
+            "the rotated log was written or truncated"
+        );
+        // And it rotates again from there.
+        log.write(b"lmnopq").unwrap();
+        assert_eq!(std::fs::read(&rotated).unwrap(), b"ghijk");
+        assert_eq!(std::fs::read(&path).unwrap(), b"lmnopq");
     }
 }

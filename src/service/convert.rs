@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::isolator::oci::OciPrepared;
 use crate::isolator::{ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo};
 use crate::mount::{TargetRoot, VolumeMount};
 use crate::provider::status::StatusReport;
@@ -129,6 +130,24 @@ impl From<LaunchInfo> for proto::LaunchInfo {
     fn from(info: LaunchInfo) -> Self {
         proto::LaunchInfo {
             mounts: mounts(&info.mounts),
+        }
+    }
+}
+
+impl From<OciPrepared> for proto::OciLaunchInfo {
+    fn from(prepared: OciPrepared) -> Self {
+        proto::OciLaunchInfo {
+            mounts: prepared
+                .mounts
+                .into_iter()
+                .map(|m| proto::OciMount {
+                    destination: m.destination,
+                    r#type: m.kind,
+                    source: m.source,
+                    options: m.options,
+                })
+                .collect(),
+            docker_args: prepared.docker_args,
         }
     }
 }

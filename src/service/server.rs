@@ -221,6 +221,23 @@ impl IsolatorService {
         Ok(info.into())
     }
 
+    async fn prepare_oci(
+        &self,
+        req: proto::PrepareRequest,
+    ) -> Result<proto::OciLaunchInfo, ServiceError> {
+        container_id(&req.container_id)?;
+        let mut config = convert::container_config(req.config)?;
+        self.create_profile_disks(&mut config.resources).await?;
+        let publishes = has_provider_volumes(&config.resources);
+        let started = Instant::now();
+        let (_, prepared) = self.isolator.prepare_oci(&req.container_id, config).await?;
+        if publishes {
+            self.metrics
+                .observe_publish(PublishOp::Prepare, started.elapsed());
+        }
+        Ok(prepared.into())
+    }
+
     async fn isolate(
         &self,
         req: proto::IsolateRequest,
@@ -378,6 +395,17 @@ impl Isolator for IsolatorService {
         let req = request.into_inner();
         self.run("Prepare", |s| async move {
             IsolatorService::prepare(&s, req).await
+        })
+        .await
+    }
+
+    async fn prepare_oci(
+        &self,
+        request: Request<proto::PrepareRequest>,
+    ) -> Reply<proto::OciLaunchInfo> {
+        let req = request.into_inner();
+        self.run("PrepareOci", |s| async move {
+            IsolatorService::prepare_oci(&s, req).await
         })
         .await
     }

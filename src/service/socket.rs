@@ -153,9 +153,21 @@ pub fn bind(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    create_dirs(parent, group)?;
-    // The socket is renamed into this directory: whoever may write in it could swap it after.
-    crate::workdir::safe_dir(parent, crate::workdir::SERVE_SOCKET_DIR)?;
+    // The socket is renamed into this directory: whoever may write in it could swap it after. It is
+    // checked by the work dir's rule before anything is made in or under it.
+    let (_, dir_mode) = modes(group);
+    let (_, made) =
+        crate::workdir::create_safe_dir(parent, crate::workdir::SERVE_SOCKET_DIR, dir_mode)?;
+    // What this call made is the socket's alone (and the group's, if given); an existing
+    // directory is left as it is.
+    for d in &made {
+        if let Some(gid) = group {
+            std::os::unix::fs::chown(d, None, Some(gid))
+                .map_err(io("give the allowed group the socket directory", d))?;
+        }
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(dir_mode))
+            .map_err(io("narrow the socket directory", d))?;
+    }
     if let Some(gid) = group {
         for blocked in unreachable_by_group(parent, gid) {
             tracing::warn!(
@@ -192,31 +204,6 @@ fn modes(group: Option<u32>) -> (u32, u32) {
         None => (0o600, 0o700),
         Some(_) => (0o660, 0o710),
     }
-}
-
-/// Creates the missing directories of `dir`, outermost first, each with
-/// the mode and group of [`modes`].
-fn create_dirs(dir: &Path, group: Option<u32>) -> Result<(), SocketError> {
-    let missing: Vec<&Path> = dir
-        .ancestors()
-        .take_while(|d| !d.as_os_str().is_empty() && std::fs::symlink_metadata(d).is_err())
-        .collect();
-    let (_, dir_mode) = modes(group);
-    for d in missing.into_iter().rev() {
-        match std::fs::DirBuilder::new().mode(0o700).create(d) {
-            Ok(()) => {}
-            // Made meanwhile by someone else: left as it is, like any existing one.
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(io("create socket directory", d)(e)),
-        }
-        if let Some(gid) = group {
-            std::os::unix::fs::chown(d, None, Some(gid))
-                .map_err(io("give the allowed group the socket directory", d))?;
-            std::fs::set_permissions(d, std::fs::Permissions::from_mode(dir_mode))
-                .map_err(io("chmod 0710", d))?;
-        }
-    }
-    Ok(())
 }
 
 /// Whether a member of `gid` (not root, not the owner) may search a

@@ -21,6 +21,12 @@ pub async fn create_runtime(
     // Everything that needs no provider is judged before the work dir is touched.
     let tenant = opts.policy.tenant(id, &annotations)?;
     admit_parameters(id, &opts.policy, &wanted.parameters)?;
+    if tenant == Tenant::Single {
+        tracing::info!(
+            container = id,
+            "single tenant (no --tenant-annotation): every container that can set annotations can name every volume this hook made"
+        );
+    }
     let named = wanted
         .volumes
         .iter()

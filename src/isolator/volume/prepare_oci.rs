@@ -18,6 +18,9 @@ impl VolumeIsolator {
         self.mark_host_binds(container_id).await?;
         match oci::prepare(&*self.sys, &sandbox, &launch) {
             Ok(prepared) => {
+                // A crash point with the binds made and not yet recorded: recovery then finds
+                // them by the mark alone.
+                crate::provider::checkpoint::crash_point();
                 self.record_host_binds(container_id, prepared.host_binds.clone())
                     .await?;
                 Ok((launch, prepared))
