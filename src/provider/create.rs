@@ -20,8 +20,8 @@ use serde::{Deserialize, Serialize};
 use crate::csi::proto;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
-use crate::provider::import::ImportSpec;
 use crate::provider::parameters;
+use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{blocking, remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
@@ -101,6 +101,24 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
     })
 }
 
+/// An existing CSI volume to record under a name (`volume import`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImportSpec {
+    /// The name it is known by from now on.
+    pub name: String,
+    /// The plugin's volume id.
+    pub volume_id: String,
+    /// Its capacity in bytes, if known (0: unknown).
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// The capability it will be published with.
+    pub capability: Capability,
+    /// The volume context the plugin's node service needs (what
+    /// CreateVolume would have returned).
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
@@ -151,15 +169,13 @@ impl StorageProvider {
             }
             return Ok(self.resource_for(&rec));
         }
-        let name = spec.name.clone();
-        let rec = self
-            .begin_and_finish(CreateIntent {
-                format: FORMAT_VERSION,
-                spec,
-                import: None,
-            })
-            .await?;
-        debug_assert_eq!(rec.name.as_deref(), Some(name.as_str()));
+        let intent = CreateIntent {
+            format: FORMAT_VERSION,
+            spec,
+            import: None,
+        };
+        self.begin_intent(&intent).await?;
+        let rec = self.finish_create(&intent.spec).await?;
         Ok(self.resource_for(&rec))
     }
 
@@ -173,31 +189,17 @@ impl StorageProvider {
         self.create_volume(spec).await
     }
 
-    /// Writes the intent durably, then finishes it.
-    pub(crate) async fn begin_and_finish(
-        &self,
-        intent: CreateIntent,
-    ) -> Result<VolumeRecord, ProviderError> {
+    /// Writes a create (or import) intent durably, before its first RPC.
+    pub(crate) async fn begin_intent(&self, intent: &CreateIntent) -> Result<(), ProviderError> {
         let intent_path = self.layout.create_intent(&intent.spec.name);
-        let bytes = serde_json::to_vec(&intent).expect("an intent always serializes");
+        let bytes = serde_json::to_vec(intent).expect("an intent always serializes");
+        let name = intent.spec.name.clone();
         blocking(move || checkpoint::write_atomic(&intent_path, &bytes))
             .await
             .map_err(|source| ProviderError::Checkpoint {
-                volume: intent.spec.name.clone(),
+                volume: name,
                 source,
-            })?;
-        self.finish_intent(&intent).await
-    }
-
-    /// Finishes a create or an import intent (also run by recovery).
-    pub(crate) async fn finish_intent(
-        &self,
-        intent: &CreateIntent,
-    ) -> Result<VolumeRecord, ProviderError> {
-        match &intent.import {
-            None => self.finish_create(&intent.spec).await,
-            Some(import) => self.finish_import(import).await,
-        }
+            })
     }
 
     /// CreateVolume, the volume's first checkpoint, then the intent removed.
@@ -267,16 +269,27 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.profile = spec.profile.clone();
         rec.vendor = Some(self.vendor.clone());
+        let rec = self.record_new(rec, &spec.name).await?;
+        tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
+        Ok(rec)
+    }
+
+    /// The end of a create or an import: the volume's first checkpoint, then
+    /// its intent (under `name`) removed, then the volume known.
+    pub(crate) async fn record_new(
+        &self,
+        rec: VolumeRecord,
+        name: &str,
+    ) -> Result<VolumeRecord, ProviderError> {
         self.persist(&rec).await?;
-        let intent = self.layout.create_intent(&spec.name);
+        let intent = self.layout.create_intent(name);
         blocking(move || checkpoint::remove_durable(&intent))
             .await
             .map_err(|source| ProviderError::Checkpoint {
-                volume: spec.name.clone(),
+                volume: name.to_string(),
                 source,
             })?;
         self.insert_slot(rec.clone());
-        tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
     }
 
@@ -391,6 +404,53 @@ impl StorageProvider {
             tracing::info!(volume_id = %rec.volume_id, "imported volume forgotten (kept in the plugin)");
         } else {
             tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        }
+        Ok(())
+    }
+}
+
+impl StorageProvider {
+    /// Creates (or finds, with the same parameters) the volume of every
+    /// profile disk of this provider among `resources` ([`profile_disk`])
+    /// and puts its source (id, relative mount root, metadata) in the
+    /// resource, keeping everything else. A profile the profiles file lacks,
+    /// or a profile disk without what names it, is refused naming the
+    /// resource.
+    pub async fn create_profile_disks(
+        &self,
+        resources: &mut [Resource],
+    ) -> Result<(), ProviderError> {
+        for r in resources.iter_mut() {
+            let (profile, name, bytes) = match profiles::profile_disk(r, self.id()) {
+                profiles::ProfileDisk::Keep => continue,
+                profiles::ProfileDisk::Refuse(why) => {
+                    return Err(ProviderError::BadProfileDisk {
+                        resource: r.describe(),
+                        why,
+                    })
+                }
+                profiles::ProfileDisk::Create {
+                    profile,
+                    name,
+                    bytes,
+                } => (profile.to_string(), name.to_string(), bytes),
+            };
+            let profiles = self.config().disk_profiles.as_deref();
+            let found = profiles.and_then(|p| p.get(&profile, &self.config().plugin_type));
+            let Some(found) = found else {
+                return Err(ProviderError::UnknownProfile {
+                    resource: r.describe(),
+                    profile: crate::shown::shown(&profile).into_owned(),
+                    file: profiles.map(|p| p.file.clone()),
+                });
+            };
+            let mut spec = CreateSpec::new(name, bytes);
+            spec.capability = found.capability.clone();
+            spec.parameters = found.parameters.clone();
+            spec.profile = Some(profile);
+            let created = self.create_volume(spec).await?;
+            let disk = r.disk.get_or_insert_with(Default::default);
+            disk.source = created.disk.and_then(|d| d.source);
         }
         Ok(())
     }

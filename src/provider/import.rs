@@ -17,30 +17,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
 use crate::provider::checkpoint;
-use crate::provider::create::{is_ambiguous, validate_volume_name, CreateIntent, CreateSpec};
+use crate::provider::create::{
+    is_ambiguous, validate_volume_name, CreateIntent, CreateSpec, ImportSpec,
+};
 use crate::provider::error::ProviderError;
 use crate::provider::parameters;
-use crate::provider::state::{Capability, VolumeRecord, FORMAT_VERSION};
+use crate::provider::state::{VolumeRecord, FORMAT_VERSION};
 use crate::provider::storage::{blocking, StorageProvider};
 use crate::resource::Resource;
-
-/// An existing CSI volume to record under a name (`volume import`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ImportSpec {
-    /// The name it is known by from now on.
-    pub name: String,
-    /// The plugin's volume id.
-    pub volume_id: String,
-    /// Its capacity in bytes, if known (0: unknown).
-    #[serde(default)]
-    pub capacity_bytes: u64,
-    /// The capability it will be published with.
-    pub capability: Capability,
-    /// The volume context the plugin's node service needs (what
-    /// CreateVolume would have returned).
-    #[serde(default)]
-    pub volume_context: BTreeMap<String, String>,
-}
 
 /// Longest volume id `import` takes: the bundled plugin's limit, generous
 /// for real drivers (ceph-csi's ids are under 100 bytes).
@@ -127,12 +111,14 @@ impl StorageProvider {
         }
         let mut create = CreateSpec::new(&spec.name, spec.capacity_bytes);
         create.capability = spec.capability.clone();
+        let intent = CreateIntent {
+            format: FORMAT_VERSION,
+            spec: create,
+            import: Some(spec),
+        };
+        self.begin_intent(&intent).await?;
         let rec = self
-            .begin_and_finish(CreateIntent {
-                format: FORMAT_VERSION,
-                spec: create,
-                import: Some(spec),
-            })
+            .finish_import(intent.import.as_ref().expect("set above"))
             .await?;
         Ok(self.resource_for(&rec))
     }
@@ -202,15 +188,7 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.volume_context = spec.volume_context.clone();
         rec.vendor = Some(self.vendor.clone());
-        self.persist(&rec).await?;
-        let intent = self.layout.create_intent(&spec.name);
-        blocking(move || checkpoint::remove_durable(&intent))
-            .await
-            .map_err(|source| ProviderError::Checkpoint {
-                volume: spec.name.clone(),
-                source,
-            })?;
-        self.insert_slot(rec.clone());
+        let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name.escape_debug(), "volume imported");
         Ok(rec)
     }

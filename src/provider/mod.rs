@@ -26,9 +26,9 @@ pub mod status;
 pub mod storage;
 pub mod supervisor;
 
-pub use create::{validate_volume_name, CreateSpec, MAX_NAME_BYTES};
+pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::ProviderError;
-pub use import::{validate_import, ImportSpec, PluginVolume, MAX_IMPORT_ID_BYTES, MAX_LISTED};
+pub use import::{validate_import, PluginVolume, MAX_IMPORT_ID_BYTES, MAX_LISTED};
 pub use manager::{Manager, PublishedVolume};
 pub use state::{Capability, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};

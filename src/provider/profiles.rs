@@ -26,11 +26,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::provider::create::CreateSpec;
-use crate::provider::error::ProviderError;
 use crate::provider::parameters::{self, ParameterError};
 use crate::provider::state::Capability;
-use crate::provider::storage::StorageProvider;
 use crate::resource::{Resource, SourceType};
 use crate::workdir::{self, Problem, Role};
 
@@ -361,53 +358,6 @@ pub fn profile_disk<'a>(r: &'a Resource, provider_id: &str) -> ProfileDisk<'a> {
             bytes,
         },
         _ => ProfileDisk::Refuse("a profile disk needs a scalar size above 0 (MB)"),
-    }
-}
-
-impl StorageProvider {
-    /// Creates (or finds, with the same parameters) the volume of every
-    /// profile disk of this provider among `resources` ([`profile_disk`])
-    /// and puts its source (id, relative mount root, metadata) in the
-    /// resource, keeping everything else. A profile the profiles file lacks,
-    /// or a profile disk without what names it, is refused naming the
-    /// resource.
-    pub async fn create_profile_disks(
-        &self,
-        resources: &mut [Resource],
-    ) -> Result<(), ProviderError> {
-        for r in resources.iter_mut() {
-            let (profile, name, bytes) = match profile_disk(r, self.id()) {
-                ProfileDisk::Keep => continue,
-                ProfileDisk::Refuse(why) => {
-                    return Err(ProviderError::BadProfileDisk {
-                        resource: r.describe(),
-                        why,
-                    })
-                }
-                ProfileDisk::Create {
-                    profile,
-                    name,
-                    bytes,
-                } => (profile.to_string(), name.to_string(), bytes),
-            };
-            let profiles = self.config().disk_profiles.as_deref();
-            let found = profiles.and_then(|p| p.get(&profile, &self.config().plugin_type));
-            let Some(found) = found else {
-                return Err(ProviderError::UnknownProfile {
-                    resource: r.describe(),
-                    profile: crate::shown::shown(&profile).into_owned(),
-                    file: profiles.map(|p| p.file.clone()),
-                });
-            };
-            let mut spec = CreateSpec::new(name, bytes);
-            spec.capability = found.capability.clone();
-            spec.parameters = found.parameters.clone();
-            spec.profile = Some(profile);
-            let created = self.create_volume(spec).await?;
-            let disk = r.disk.get_or_insert_with(Default::default);
-            disk.source = created.disk.and_then(|d| d.source);
-        }
-        Ok(())
     }
 }
 

@@ -172,6 +172,17 @@ impl StorageProvider {
         }
     }
 
+    /// Finishes a create or an import intent (also run by recovery).
+    pub(crate) async fn finish_intent(
+        &self,
+        intent: &CreateIntent,
+    ) -> Result<VolumeRecord, ProviderError> {
+        match &intent.import {
+            None => self.finish_create(&intent.spec).await,
+            Some(import) => self.finish_import(import).await,
+        }
+    }
+
     async fn finish_creates(&self) {
         // The intents are few and small: read them all at once, off the workers.
         let dir = self.layout.creating_dir();
