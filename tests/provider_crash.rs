@@ -79,20 +79,14 @@ fn mounted_under(dir: &Path) -> Vec<PathBuf> {
 
 /// The plugin's view of a volume: (exists, controller-published, published at `target`).
 async fn plugin_view(plugin: &PluginProcess, id: &str, target: &Path) -> (bool, bool, bool) {
-    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
-    let listed = raw
-        .controller
-        .list_volumes(proto::ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = plugin.listed().await;
     let entry = listed
-        .entries
         .iter()
         .find(|e| e.volume.as_ref().map(|v| v.volume_id.as_str()) == Some(id));
     let controller_published = entry
         .and_then(|e| e.status.as_ref())
         .is_some_and(|s| !s.published_node_ids.is_empty());
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
     let stats = raw
         .node
         .node_get_volume_stats(proto::NodeGetVolumeStatsRequest {
@@ -245,15 +239,8 @@ async fn crash_once(op: &Op, n: u32) -> bool {
             let (exists, _, _) =
                 plugin_view(&plugin, &rec.volume_id, Path::new("/nonexistent")).await;
             assert!(exists, "write {n}: the plugin has the volume");
-            let mut raw = raw_clients(&plugin.socket()).await.unwrap();
-            let all = raw
-                .controller
-                .list_volumes(proto::ListVolumesRequest::default())
-                .await
-                .unwrap()
-                .into_inner();
             assert_eq!(
-                all.entries.len(),
+                plugin.listed().await.len(),
                 1,
                 "write {n}: no second volume in the plugin"
             );

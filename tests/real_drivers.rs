@@ -9,8 +9,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use csi_isolator::csi::proto;
-use csi_isolator::testing::{isolator_command, raw_clients, require_root, PluginProcess, Sandbox};
+use csi_isolator::testing::{isolator_command, require_root, PluginProcess, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
@@ -44,15 +43,9 @@ fn refused(out: Output, what: &str) -> String {
 
 /// The plugin's volume ids, asked over CSI.
 async fn plugin_ids(plugin: &PluginProcess) -> Vec<String> {
-    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
-    let listed = raw
-        .controller
-        .list_volumes(proto::ListVolumesRequest::default())
+    plugin
+        .listed()
         .await
-        .unwrap()
-        .into_inner();
-    listed
-        .entries
         .into_iter()
         .filter_map(|e| e.volume.map(|v| v.volume_id))
         .collect()
