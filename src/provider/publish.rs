@@ -7,7 +7,7 @@
 //! a live container uses (ensure-all), repairing any found unpublished.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::future::join_all;
@@ -212,19 +212,41 @@ impl StorageProvider {
             .filter(|(id, _)| !skip.contains(id.as_str()))
             .map(|(id, s)| (id.clone(), s.clone()))
             .collect();
-        let results = join_all(slots.into_iter().map(|(id, slot)| {
-            async move {
-                // A volume with an operation in flight is left to it: that
-                // operation ends in a consistent state, and waiting for it
-                // would serialize every launch behind every other.
-                let Ok(mut rec) = slot.record.try_lock() else {
-                    return None;
-                };
-                if recovery_action(&rec, self.config.policy) != Action::Republish {
-                    return None;
-                }
-                self.ensure_published(&mut rec).await.err().map(|e| (id, e))
-            }
+        // A volume with an operation in flight is left to it: that operation ends in a
+        // consistent state, and waiting for it would serialize every launch behind every other.
+        let mut held: Vec<(&str, tokio::sync::MutexGuard<'_, VolumeRecord>)> = slots
+            .iter()
+            .filter_map(|(id, slot)| Some((id.as_str(), slot.record.try_lock().ok()?)))
+            .filter(|(_, rec)| recovery_action(rec, self.config.policy) == Action::Republish)
+            .collect();
+        // Whether each published one is still mounted: one trip to the blocking pool for the
+        // whole sweep (a statx each), not one per volume.
+        let targets: Vec<(usize, PathBuf)> = held
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, rec))| rec.state == VolumeState::Published)
+            .map(|(i, (_, rec))| (i, self.mount_point(&rec.volume_id)))
+            .collect();
+        let table = self.table.clone();
+        let checked = blocking(move || {
+            targets
+                .into_iter()
+                .map(|(i, t)| {
+                    let mounted = table.is_mount_root(&t);
+                    (i, t, mounted)
+                })
+                .collect::<Vec<_>>()
+        })
+        .await;
+        for (i, target, mounted) in checked {
+            let rec = &mut held[i].1;
+            note_mount_check(rec, &target, mounted);
+        }
+        let results = join_all(held.iter_mut().map(|(id, rec)| async move {
+            self.drive(rec, VolumeState::Published)
+                .await
+                .err()
+                .map(|e| (id.to_string(), e))
         }))
         .await;
         let failures: Vec<_> = results.into_iter().flatten().collect();
@@ -247,17 +269,8 @@ impl StorageProvider {
             // every mount on the node). An unreadable answer repairs nothing
             // on a guess.
             let (table, at) = (self.table.clone(), target.clone());
-            match blocking(move || table.is_mount_root(&at)).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    tracing::warn!(volume_id = %rec.volume_id, target = %target.display(),
-                        "recorded as published but not mounted; repairing");
-                    rec.state = VolumeState::NodeReady;
-                }
-                Err(e) => {
-                    tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the mount")
-                }
-            }
+            let mounted = blocking(move || table.is_mount_root(&at)).await;
+            note_mount_check(rec, &target, mounted);
         }
         self.drive(rec, VolumeState::Published).await
     }
@@ -286,6 +299,27 @@ impl StorageProvider {
                 tracing::warn!(error = %e, "cannot read the mount table");
                 None
             }
+        }
+    }
+}
+
+/// What a mount check of a volume recorded as published means for its record: not mounted sends
+/// it back to NODE_READY (re-staged and re-published, both idempotent); an unreadable answer
+/// repairs nothing on a guess.
+fn note_mount_check<E: std::fmt::Display>(
+    rec: &mut VolumeRecord,
+    target: &Path,
+    mounted: Result<bool, E>,
+) {
+    match mounted {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(volume_id = %rec.volume_id, target = %target.display(),
+                "recorded as published but not mounted; repairing");
+            rec.state = VolumeState::NodeReady;
+        }
+        Err(e) => {
+            tracing::warn!(volume_id = %rec.volume_id, error = %e, "cannot check the mount")
         }
     }
 }
