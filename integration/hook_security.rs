@@ -11,7 +11,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use csi_isolator::isolator::hook::{HOOK_DIR, RESOURCES_ANNOTATION, VOLUMES_ANNOTATION};
+use csi_isolator::isolator::hook::{
+    HOOK_DIR, PARAMETERS_ANNOTATION, RESOURCES_ANNOTATION, VOLUMES_ANNOTATION,
+};
 use csi_isolator::isolator::{ContainerConfig, ContainerRecord};
 use csi_isolator::provider::VolumeRecord;
 use csi_isolator::resource::VolumeMode;
@@ -332,6 +334,87 @@ async fn a_container_without_its_tenant_is_refused() {
     assert_eq!(host_mount_points(&sb), before);
     // Nothing was created for a container without a tenant.
     assert!(volumes(&sb, &bundle).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_annotation_sets_only_the_keys_the_operator_allows() {
+    let sb = Sandbox::new("hook-sec-params");
+    // The bundled plugin refuses a create without `share` and echoes what it got.
+    let bundle = build_bundle(
+        &sb,
+        &[
+            "--allow-parameter",
+            "share",
+            "--plugin-arg=--require-parameters=share",
+        ],
+    );
+    let before = host_mount_points(&sb);
+    let vols = "data:16M:/data";
+    let long = "x".repeat(5000);
+    for (name, parameters, says) in [
+        (
+            "denied",
+            serde_json::json!({"data": {"share": "/export", "server": "evil.example"}}),
+            "parameter 'server' refused",
+        ),
+        (
+            "oversized",
+            serde_json::json!({"data": {"share": long}}),
+            "over CSI's limit of 4096 bytes",
+        ),
+        (
+            "hostile",
+            serde_json::json!({"data": {"share\n": "x"}}),
+            "other than letters",
+        ),
+        (
+            "elsewhere",
+            serde_json::json!({"other": {"share": "/export"}}),
+            "names no volume",
+        ),
+    ] {
+        let annotations = serde_json::json!({
+            VOLUMES_ANNOTATION: vols,
+            PARAMETERS_ANNOTATION: parameters.to_string(),
+        });
+        let r = run(&sb, &bundle, name, annotations, "echo started");
+        assert_refused(&r, &[says]);
+    }
+    assert_eq!(host_mount_points(&sb), before);
+    assert!(volumes(&sb, &bundle).await.is_empty(), "nothing created");
+    // Without the annotation the plugin refuses (the parameter is required)...
+    let r = run(
+        &sb,
+        &bundle,
+        "none",
+        serde_json::json!({ VOLUMES_ANNOTATION: vols }),
+        "echo started",
+    );
+    assert_refused(&r, &["parameter 'share' is required"]);
+    // ... with an allowed key it reaches CreateVolume, and comes back in the volume context.
+    let with = |share: &str| {
+        serde_json::json!({
+            VOLUMES_ANNOTATION: vols,
+            PARAMETERS_ANNOTATION: serde_json::json!({"data": {"share": share}}).to_string(),
+        })
+    };
+    assert_ran(&run(&sb, &bundle, "ok", with("/export"), "echo started"));
+    let recorded = volumes(&sb, &bundle).await;
+    assert_eq!(recorded.len(), 1);
+    assert_eq!(recorded[0].parameters["share"], "/export");
+    assert_eq!(recorded[0].volume_context["parameter.share"], "/export");
+    // Another value for the same volume is refused by key; none at all uses it as created.
+    let r = run(&sb, &bundle, "other", with("/other"), "echo started");
+    assert_refused(&r, &["key 'share'"]);
+    assert_ran(&run(
+        &sb,
+        &bundle,
+        "reuse",
+        serde_json::json!({ VOLUMES_ANNOTATION: vols }),
+        "echo started",
+    ));
+    assert_eq!(host_mount_points(&sb), before);
+    sb.assert_no_mounts_under();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -273,10 +273,13 @@ async fn prepare_and_supervise(
     stops: &Stops,
 ) -> Result<i32, RunError> {
     let mut resources = opts.resources.clone();
+    // Disks with a profile and no volume yet (Mesos' CREATE_DISK): created first.
+    step(stops, provider.create_profile_disks(&mut resources)).await??;
     for v in &opts.volumes {
-        // A volume of that name already there is handed out as it is (create is idempotent by name).
+        // A volume of that name already there is handed out as it is, with the
+        // parameters it was created with (`volume create --param`).
         let spec = CreateSpec::new(&v.name, v.size_bytes);
-        let res = step(stops, provider.create_volume(spec)).await??;
+        let res = step(stops, provider.use_or_create_volume(spec)).await??;
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
@@ -472,11 +475,13 @@ fn mkdir(path: &Path) -> Result<(), RunError> {
 /// its content may be a volume's data: keep it and say so).
 fn remove_sandbox(table: &dyn MountTable, sandbox: &Path) {
     match table.mounts_under(sandbox) {
-        Ok(m) if m.is_empty() => {
-            if let Err(e) = std::fs::remove_dir_all(sandbox) {
+        Ok(m) if m.is_empty() => match std::fs::remove_dir_all(sandbox) {
+            // A run that failed before its sandbox was made (a CreateVolume refused) has none.
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
                 tracing::warn!(sandbox = %sandbox.display(), error = %Chain(&e), "cannot remove the sandbox");
             }
-        }
+            _ => {}
+        },
         _ => tracing::error!(sandbox = %sandbox.display(), "still mounted under the sandbox; kept"),
     }
 }

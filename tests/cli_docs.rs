@@ -40,10 +40,13 @@ fn completions_for_every_shell_name_every_verb_and_the_security_flags() {
     for shell in ["bash", "zsh", "fish", "elvish", "powershell"] {
         let script = String::from_utf8(cli(&work, &["completions", shell]).stdout)
             .expect("completions are UTF-8");
-        for word in VERBS
-            .iter()
-            .chain(&["allow-group", "tenant-annotation", "allow-raw-resources"])
-        {
+        for word in VERBS.iter().chain(&[
+            "allow-group",
+            "tenant-annotation",
+            "allow-raw-resources",
+            "allow-parameter",
+            "disk-profiles",
+        ]) {
             assert!(script.contains(word), "{shell} completions lack {word}");
         }
     }

@@ -112,15 +112,9 @@ impl Rig {
 
     /// What the plugin says about a volume over CSI: (exists, published node ids).
     async fn plugin_view(&self, id: &str) -> Option<Vec<String>> {
-        let mut raw = raw_clients(&self.plugin.socket()).await.unwrap();
-        let listed = raw
-            .controller
-            .list_volumes(proto::ListVolumesRequest::default())
+        self.plugin
+            .listed()
             .await
-            .unwrap()
-            .into_inner();
-        listed
-            .entries
             .into_iter()
             .find(|e| e.volume.as_ref().unwrap().volume_id == id)
             .map(|e| e.status.unwrap_or_default().published_node_ids)

@@ -79,20 +79,14 @@ fn mounted_under(dir: &Path) -> Vec<PathBuf> {
 
 /// The plugin's view of a volume: (exists, controller-published, published at `target`).
 async fn plugin_view(plugin: &PluginProcess, id: &str, target: &Path) -> (bool, bool, bool) {
-    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
-    let listed = raw
-        .controller
-        .list_volumes(proto::ListVolumesRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let listed = plugin.listed().await;
     let entry = listed
-        .entries
         .iter()
         .find(|e| e.volume.as_ref().map(|v| v.volume_id.as_str()) == Some(id));
     let controller_published = entry
         .and_then(|e| e.status.as_ref())
         .is_some_and(|s| !s.published_node_ids.is_empty());
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
     let stats = raw
         .node
         .node_get_volume_stats(proto::NodeGetVolumeStatsRequest {
@@ -141,6 +135,32 @@ enum Op {
     Publish,
     Release,
     Destroy,
+    /// `import` of a volume made in the plugin behind the provider's back.
+    Import,
+    /// `destroy` of an imported volume: forgotten, kept in the plugin.
+    DestroyImported,
+}
+
+/// Makes a volume in the plugin directly (CSI CreateVolume), as another CO would: its id.
+async fn made_behind_our_back(plugin: &PluginProcess) -> String {
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
+    let cap = csi_isolator::provider::Capability::default().to_proto();
+    raw.controller
+        .create_volume(proto::CreateVolumeRequest {
+            name: "theirs".into(),
+            capacity_range: Some(proto::CapacityRange {
+                required_bytes: 8 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id
 }
 
 /// Runs `op` with a crash after write `n`; returns false when the operation
@@ -151,14 +171,24 @@ async fn crash_once(op: &Op, n: u32) -> bool {
     let agent = Agent {
         work: sb.mkdir("work"),
         endpoint: plugin.endpoint(),
-        policy: if matches!(op, Op::Destroy) {
+        policy: if matches!(op, Op::Destroy | Op::DestroyImported) {
             "keep"
         } else {
             "last-use"
         },
     };
     let mut id = None;
-    if !matches!(op, Op::Create) {
+    let theirs = if matches!(op, Op::Import | Op::DestroyImported) {
+        Some(made_behind_our_back(&plugin).await)
+    } else {
+        None
+    };
+    if matches!(op, Op::DestroyImported) {
+        agent.ok(&["import", "v", "--volume-id", theirs.as_deref().unwrap()]);
+        agent.ok(&["publish", "v", "--container", "c1"]);
+        agent.ok(&["release", "v", "--container", "c1"]);
+    }
+    if !matches!(op, Op::Create | Op::Import | Op::DestroyImported) {
         let res: serde_json::Value =
             serde_json::from_str(&agent.ok(&["create", "v", "8M"])).unwrap();
         id = Some(res["disk"]["source"]["id"].as_str().unwrap().to_string());
@@ -169,11 +199,16 @@ async fn crash_once(op: &Op, n: u32) -> bool {
     if matches!(op, Op::Destroy) {
         agent.ok(&["release", "v", "--container", "c1"]);
     }
+    let import_args;
     let args: &[&str] = match op {
         Op::Create => &["create", "v", "8M"],
         Op::Publish => &["publish", "v", "--container", "c1"],
         Op::Release => &["release", "v", "--container", "c1"],
-        Op::Destroy => &["destroy", "v"],
+        Op::Destroy | Op::DestroyImported => &["destroy", "v"],
+        Op::Import => {
+            import_args = ["import", "v", "--volume-id", theirs.as_deref().unwrap()];
+            &import_args
+        }
     };
     let out = agent.run(args, Some(n));
     if out.status.success() {
@@ -204,15 +239,8 @@ async fn crash_once(op: &Op, n: u32) -> bool {
             let (exists, _, _) =
                 plugin_view(&plugin, &rec.volume_id, Path::new("/nonexistent")).await;
             assert!(exists, "write {n}: the plugin has the volume");
-            let mut raw = raw_clients(&plugin.socket()).await.unwrap();
-            let all = raw
-                .controller
-                .list_volumes(proto::ListVolumesRequest::default())
-                .await
-                .unwrap()
-                .into_inner();
             assert_eq!(
-                all.entries.len(),
+                plugin.listed().await.len(),
                 1,
                 "write {n}: no second volume in the plugin"
             );
@@ -252,6 +280,33 @@ async fn crash_once(op: &Op, n: u32) -> bool {
                 "write {n}"
             );
         }
+        Op::Import => {
+            let theirs = theirs.as_deref().unwrap();
+            assert_eq!(records.len(), 1, "write {n}: exactly one volume named v");
+            let rec = &records[0];
+            assert_eq!(rec.name.as_deref(), Some("v"));
+            assert_eq!(rec.volume_id, theirs, "write {n}");
+            assert!(rec.pre_provisioned, "write {n}: recorded as imported");
+            assert_eq!(rec.state, VolumeState::Created);
+            let (exists, _, _) = plugin_view(&plugin, theirs, Path::new("/nonexistent")).await;
+            assert!(exists, "write {n}: the plugin still has it");
+            id = Some(rec.volume_id.clone());
+        }
+        Op::DestroyImported => {
+            let theirs = theirs.as_deref().unwrap();
+            assert!(records.is_empty(), "write {n}: volume forgotten");
+            assert!(!agent.layout().state_file(theirs).exists());
+            assert!(
+                mounted_under(&work).is_empty(),
+                "write {n}: nothing mounted"
+            );
+            let target = agent.layout().target_path(theirs);
+            assert_eq!(
+                plugin_view(&plugin, theirs, &target).await,
+                (true, false, false),
+                "write {n}: kept in the plugin, unpublished"
+            );
+        }
         Op::Destroy => {
             assert!(records.is_empty(), "write {n}: volume forgotten");
             let id = id.as_deref().unwrap();
@@ -269,13 +324,13 @@ async fn crash_once(op: &Op, n: u32) -> bool {
         }
     }
     // The volume still works after recovery: a full cycle, then gone.
-    if !matches!(op, Op::Destroy) {
+    if !matches!(op, Op::Destroy | Op::DestroyImported) {
         agent.ok(&["publish", "v", "--container", "c2"]);
         agent.ok(&["release", "v", "--container", "c2"]);
         if matches!(op, Op::Publish) {
             agent.ok(&["release", "v", "--container", "c1"]);
         }
-        agent.ok(&["destroy", "v"]);
+        agent.ok(&["destroy", "v", "--delete"]);
     }
     let _ = id;
     sb.assert_no_mounts_under();
@@ -323,4 +378,18 @@ async fn crash_at_every_write_of_destroy() {
     // The mark, the intent, the three backward RPCs returned, the final
     // state, DeleteVolume returned, the checkpoint's removal.
     crash_at_every_write(Op::Destroy, 8).await;
+}
+
+#[tokio::test]
+async fn crash_at_every_write_of_import() {
+    // The intent, ValidateVolumeCapabilities returned, the volume's first
+    // checkpoint, the intent's removal.
+    crash_at_every_write(Op::Import, 4).await;
+}
+
+#[tokio::test]
+async fn crash_at_every_write_of_destroy_of_an_imported_volume() {
+    // The mark, the intent, the three backward RPCs returned, the final
+    // state, the checkpoint's removal (no DeleteVolume: the volume stays).
+    crash_at_every_write(Op::DestroyImported, 7).await;
 }

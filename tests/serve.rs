@@ -615,6 +615,7 @@ async fn serve_end_to_end() {
         c.destroy_volume(DestroyVolumeRequest {
             volume_id: v.volume_id.clone(),
             provider_id: v.provider_id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -738,6 +739,7 @@ async fn metrics_count_plugin_terminations() {
     c.destroy_volume(DestroyVolumeRequest {
         volume_id: v.volume_id,
         provider_id: String::new(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -867,6 +869,7 @@ async fn csi_operations_seconds_is_kubelets_histogram_and_shows_a_failing_call()
     c.destroy_volume(DestroyVolumeRequest {
         volume_id: v.volume_id,
         provider_id: String::new(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -950,6 +953,7 @@ async fn update_onto_a_file_target_is_invalid_argument_naming_step_and_target() 
     c.destroy_volume(DestroyVolumeRequest {
         volume_id: data.volume_id.clone(),
         provider_id: data.provider_id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();

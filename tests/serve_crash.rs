@@ -536,6 +536,7 @@ impl World {
                     c.destroy_volume(DestroyVolumeRequest {
                         volume_id: v.volume_id.clone(),
                         provider_id: v.provider_id.clone(),
+                        ..Default::default()
                     }),
                 )
                 .await
@@ -793,6 +794,7 @@ impl World {
                 c.destroy_volume(DestroyVolumeRequest {
                     volume_id: v.volume_id.clone(),
                     provider_id: v.provider_id.clone(),
+                    ..Default::default()
                 }),
             )
             .await

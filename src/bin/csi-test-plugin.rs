@@ -23,6 +23,9 @@ Examples:
   # A lying plugin: publishes, but answers ControllerPublishVolume with no publish_context
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
       --lie ControllerPublishVolume:empty-context
+  # Refuse a CreateVolume without parameters server and share=/export (echoed as parameter.KEY)
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
+      --require-parameters server,share=/export
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -99,6 +102,11 @@ struct Args {
     /// Append `<RPC> <volume_id or ->` per RPC received to this file.
     #[arg(long)]
     log_calls: Option<PathBuf>,
+    /// Refuse a CreateVolume without these parameters (INVALID_ARGUMENT naming the key):
+    /// `KEY[=VALUE],...`, a value when given must match. Every plugin echoes the parameters
+    /// it got in the volume context as `parameter.<KEY>`.
+    #[arg(long, value_name = "KEY[=VALUE],...")]
+    require_parameters: Option<String>,
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
@@ -136,6 +144,10 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     }
     config.faults_file = args.faults_file;
     config.log_calls = args.log_calls;
+    if let Some(text) = &args.require_parameters {
+        config.required_parameters =
+            plugin::parse_required_parameters(text).map_err(anyhow::Error::msg)?;
+    }
     Ok(config)
 }
 

@@ -45,6 +45,19 @@ pub enum IsolatorError {
         #[source]
         source: Box<ResourceError>,
     },
+    /// A disk without `provider_id` (an agent disk: a mount the operator
+    /// prepares) whose host path is missing or not a directory.
+    #[error("container '{container}': resource {resource} has no provider_id, so it is an agent disk the operator prepares, but its host path {} {problem}: create that directory (or mount the disk there), or give the resource the provider_id and disk.source.id of a CSI volume (`csi-isolator volume create` or `volume import`)", path.display())]
+    MissingAgentDisk {
+        /// The container id.
+        container: String,
+        /// The resource, described.
+        resource: String,
+        /// Its host path.
+        path: PathBuf,
+        /// What is wrong there (`does not exist`, `is not a directory`).
+        problem: &'static str,
+    },
     /// A volume target is refused (escapes its root, duplicate, needs a rootfs...).
     #[error(
         "container '{container}': volume {volume}: container_path '{container_path}': {reason}"

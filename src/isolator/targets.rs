@@ -67,6 +67,59 @@ pub fn volume_mounts(
     Ok(out)
 }
 
+/// What an agent disk's host path is: a directory, something else, or nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostPathKind {
+    /// A directory: it can be mounted.
+    Directory,
+    /// A file, a device...
+    Other,
+    /// Nothing there.
+    Missing,
+}
+
+/// Refuses a disk without `provider_id` (an agent disk, which no provider
+/// publishes: the operator prepares it) whose host path is not a directory,
+/// naming the resource and the path, before anything is published or
+/// mounted. `kind` reads the host (injected, so the rule is tested alone).
+pub fn check_agent_disks(
+    container: &str,
+    resources: &[Resource],
+    work_dir: &Path,
+    kind: impl Fn(&Path) -> HostPathKind,
+) -> Result<(), IsolatorError> {
+    for r in resources {
+        if !r.is_disk() || r.provider_id().is_some() || r.container_path().is_none() {
+            continue;
+        }
+        // A path that cannot be worked out is refused by `volume_mounts`, naming why.
+        let Ok(path) = r.host_path(work_dir) else {
+            continue;
+        };
+        let problem = match kind(&path) {
+            HostPathKind::Directory => continue,
+            HostPathKind::Other => "is not a directory",
+            HostPathKind::Missing => "does not exist",
+        };
+        return Err(IsolatorError::MissingAgentDisk {
+            container: container.to_string(),
+            resource: r.describe(),
+            path,
+            problem,
+        });
+    }
+    Ok(())
+}
+
+/// What is at a host path (following symlinks: the mount itself resolves it by fd later).
+pub fn host_path_kind(path: &Path) -> HostPathKind {
+    match std::fs::metadata(path) {
+        Ok(m) if m.is_dir() => HostPathKind::Directory,
+        Ok(_) => HostPathKind::Other,
+        Err(_) => HostPathKind::Missing,
+    }
+}
+
 /// The part of a source per DESIGN.md's rules that nobody but us writes:
 /// for a persistent volume (a PATH disk's, or the default disk's in the work
 /// dir) the directory above `volumes/roles/<role>/<id>`, which lies in a
@@ -137,6 +190,41 @@ pub fn target_of(container_path: &str, has_rootfs: bool) -> Result<(TargetRoot, 
 mod tests {
     use super::*;
     use crate::error_chain::FullMessage;
+
+    #[test]
+    fn agent_disks_must_be_directories_provider_disks_are_not_asked() {
+        let disk = |json: serde_json::Value| -> Resource { serde_json::from_value(json).unwrap() };
+        let agent = disk(serde_json::json!({
+            "name": "disk", "type": "SCALAR", "scalar": {"value": 1},
+            "disk": {"source": {"type": "MOUNT", "mount": {"root": "/srv/disk"}},
+                     "volume": {"container_path": "d", "mode": "RW"}}}));
+        let provider = disk(serde_json::json!({
+            "name": "disk", "type": "SCALAR", "scalar": {"value": 1},
+            "provider_id": {"value": "p"},
+            "disk": {"source": {"type": "MOUNT", "id": "v", "mount": {"root": "./csi/t/n/mounts"}},
+                     "volume": {"container_path": "d", "mode": "RW"}}}));
+        let work = Path::new("/work");
+        let cases = [
+            (HostPathKind::Directory, None),
+            (HostPathKind::Missing, Some("/srv/disk does not exist")),
+            (HostPathKind::Other, Some("/srv/disk is not a directory")),
+        ];
+        for (kind, want) in cases {
+            let got = check_agent_disks("c", std::slice::from_ref(&agent), work, |_| kind);
+            match want {
+                None => got.unwrap(),
+                Some(want) => {
+                    let err = got.unwrap_err().to_string();
+                    assert!(
+                        err.contains(want) && err.contains("has no provider_id"),
+                        "{err}"
+                    );
+                }
+            }
+            // A provider's disk is the provider's business: never looked at here.
+            check_agent_disks("c", std::slice::from_ref(&provider), work, |_| kind).unwrap();
+        }
+    }
 
     #[test]
     fn targets_table() {

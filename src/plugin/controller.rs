@@ -11,7 +11,9 @@ use tonic::{Request, Response, Status};
 use super::backing::{Backing, BackingKind};
 use super::faults::LieMode;
 use super::store::{CapabilityRecord, ControllerPublication};
-use super::{require, volume_key, LockKey, Plugin, PluginError, PluginService};
+use super::{
+    require, volume_key, LockKey, Plugin, PluginError, PluginService, PARAMETER_ECHO_PREFIX,
+};
 use crate::csi::proto;
 use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
 use crate::csi::proto::volume_capability::access_mode::Mode;
@@ -152,6 +154,33 @@ pub(super) fn room(total: u64, promised: u64, fs_free: Option<u64>, unallocated:
     }
 }
 
+/// Refuses a CreateVolume that lacks a parameter `--require-parameters` asks for, or gives
+/// it another value, naming the key.
+fn check_required_parameters(
+    required: &[super::RequiredParameter],
+    got: &BTreeMap<String, String>,
+) -> Result<(), PluginError> {
+    for r in required {
+        let reason = match (got.get(&r.key), &r.value) {
+            (None, _) => {
+                "is required by this plugin (--require-parameters) and missing".to_string()
+            }
+            (Some(v), Some(want)) if v != want => format!(
+                "must be '{}' (--require-parameters), got '{}'",
+                want.escape_debug(),
+                crate::shown::shown(v)
+            ),
+            _ => continue,
+        };
+        return Err(PluginError::InvalidField {
+            rpc: "CreateVolume",
+            field: "parameters",
+            reason: format!("parameter '{}' {reason}", r.key.escape_debug()),
+        });
+    }
+    Ok(())
+}
+
 fn to_volume(record: &super::store::VolumeRecord) -> proto::Volume {
     proto::Volume {
         capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
@@ -213,6 +242,7 @@ impl Plugin {
             return Err(bad_range("limit_bytes is smaller than required_bytes"));
         }
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
+        check_required_parameters(&self.config.required_parameters, &parameters)?;
 
         if let Some(found) = self.store.find_by_name(&req.name) {
             // A DeleteVolume of it may be running (it holds only the volume's lock): wait for
@@ -270,22 +300,28 @@ impl Plugin {
             volume_id: id.clone(),
             source,
         })?;
+        let mut volume_context = BTreeMap::from([
+            (
+                "backing".to_string(),
+                self.backing.kind().as_str().to_string(),
+            ),
+            (
+                CAPACITY_ENFORCED_KEY.to_string(),
+                Backing::enforces_capacity(self.backing.kind()).to_string(),
+            ),
+        ]);
+        volume_context.extend(
+            parameters
+                .iter()
+                .map(|(k, v)| (format!("{PARAMETER_ECHO_PREFIX}{k}"), v.clone())),
+        );
         let record = super::store::VolumeRecord {
             version: super::store::RECORD_VERSION,
             id: id.clone(),
             name: req.name,
             capacity_bytes: size,
             parameters,
-            volume_context: BTreeMap::from([
-                (
-                    "backing".to_string(),
-                    self.backing.kind().as_str().to_string(),
-                ),
-                (
-                    CAPACITY_ENFORCED_KEY.to_string(),
-                    Backing::enforces_capacity(self.backing.kind()).to_string(),
-                ),
-            ]),
+            volume_context,
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
@@ -887,6 +923,28 @@ impl proto::controller_server::Controller for PluginService {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn required_parameters_are_checked_by_key_and_value() {
+        let required = crate::plugin::parse_required_parameters("server,share=/export").unwrap();
+        let got = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        check_required_parameters(&required, &got(&[("server", "s"), ("share", "/export")]))
+            .unwrap();
+        let err = |pairs: &[(&str, &str)]| {
+            check_required_parameters(&required, &got(pairs))
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err(&[("share", "/export")]).contains("parameter 'server' is required"));
+        assert!(err(&[("server", "s"), ("share", "/x")])
+            .contains("parameter 'share' must be '/export'"));
+        assert!(crate::plugin::parse_required_parameters("a,,b").is_err());
+    }
 
     #[test]
     fn room_is_the_tighter_of_the_total_and_the_filesystem() {

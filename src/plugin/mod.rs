@@ -87,6 +87,44 @@ pub struct PluginConfig {
     pub faults_file: Option<PathBuf>,
     /// Append one line per RPC received to this file.
     pub log_calls: Option<PathBuf>,
+    /// CreateVolume parameters that must be present (with this value, when one is given):
+    /// a create without them is refused with INVALID_ARGUMENT naming the key.
+    pub required_parameters: Vec<RequiredParameter>,
+}
+
+/// One `--require-parameters` entry: a key, and the value it must have if one is given.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RequiredParameter {
+    /// The parameter key.
+    pub key: String,
+    /// The value it must have (any value when `None`).
+    pub value: Option<String>,
+}
+
+/// Prefix of the volume_context keys that echo the CreateVolume parameters the plugin got
+/// (`parameter.<key>` = value), so a test sees exactly what reached CreateVolume.
+pub const PARAMETER_ECHO_PREFIX: &str = "parameter.";
+
+/// Parses `--require-parameters KEY[=VALUE],...`.
+pub fn parse_required_parameters(text: &str) -> Result<Vec<RequiredParameter>, String> {
+    text.split(',')
+        .map(|entry| {
+            let (key, value) = match entry.split_once('=') {
+                Some((k, v)) => (k, Some(v.to_string())),
+                None => (entry, None),
+            };
+            if key.is_empty() {
+                return Err(format!(
+                    "invalid --require-parameters entry '{}': give KEY or KEY=VALUE",
+                    entry.escape_debug()
+                ));
+            }
+            Ok(RequiredParameter {
+                key: key.to_string(),
+                value,
+            })
+        })
+        .collect()
 }
 
 impl PluginConfig {
@@ -108,6 +146,7 @@ impl PluginConfig {
             faults: Vec::new(),
             faults_file: None,
             log_calls: None,
+            required_parameters: Vec::new(),
         }
     }
 

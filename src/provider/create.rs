@@ -6,6 +6,10 @@
 //! durable intent (`creating/<enc name>.intent`) is written before
 //! CreateVolume, so a crash between the RPC and the volume's first
 //! checkpoint is finished by recovery (CreateVolume is idempotent by name).
+//! import: the same intent, holding the existing volume's id, is written
+//! before ValidateVolumeCapabilities; the record (pre-provisioned, so kept
+//! in the plugin on destroy unless asked) comes next and the intent goes
+//! last, so recovery finishes an interrupted import the same way.
 //! destroy: marked durably, unpublished fully, then DeleteVolume; the
 //! checkpoint goes last, so a crash anywhere is finished by recovery.
 
@@ -16,6 +20,8 @@ use serde::{Deserialize, Serialize};
 use crate::csi::proto;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::parameters;
+use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{blocking, remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
@@ -48,6 +54,17 @@ impl CreateSpec {
             profile: None,
         }
     }
+}
+
+/// Whether a failed call may have had its effect (the plugin may have
+/// acted): the intent is kept for recovery then.
+pub(crate) fn is_ambiguous(source: &crate::csi::CsiError) -> bool {
+    matches!(
+        source.code(),
+        None | Some(
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled
+        )
+    )
 }
 
 /// CSI's general limit for strings, which `CreateVolumeRequest.name` keeps.
@@ -84,10 +101,31 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
     })
 }
 
+/// An existing CSI volume to record under a name (`volume import`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ImportSpec {
+    /// The name it is known by from now on.
+    pub name: String,
+    /// The plugin's volume id.
+    pub volume_id: String,
+    /// Its capacity in bytes, if known (0: unknown).
+    #[serde(default)]
+    pub capacity_bytes: u64,
+    /// The capability it will be published with.
+    pub capability: Capability,
+    /// The volume context the plugin's node service needs (what
+    /// CreateVolume would have returned).
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct CreateIntent {
     pub(crate) format: u32,
     pub(crate) spec: CreateSpec,
+    /// Set for an import: the volume exists, nothing is created.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) import: Option<ImportSpec>,
 }
 
 impl StorageProvider {
@@ -111,27 +149,57 @@ impl StorageProvider {
     /// forbids ([`validate_volume_name`]) is refused before anything is
     /// written or sent.
     #[tracing::instrument(skip(self, spec), fields(name = %spec.name.escape_debug()))]
+    /// An existing volume of that name is handed out only when it was
+    /// created with the same parameters; another set is refused, naming
+    /// the first key that differs.
     pub async fn create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
         validate_volume_name(&spec.name)?;
+        parameters::check(&spec.parameters).map_err(|source| ProviderError::Parameters {
+            volume: spec.name.clone(),
+            source,
+        })?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         if let Some(rec) = self.find_by_name(&spec.name).await {
+            if let Some(key) = parameters::first_difference(&rec.parameters, &spec.parameters) {
+                return Err(ProviderError::ParametersDiffer {
+                    volume: spec.name.clone(),
+                    key: crate::shown::shown(key).into_owned(),
+                });
+            }
             return Ok(self.resource_for(&rec));
         }
-        let intent_path = self.layout.create_intent(&spec.name);
         let intent = CreateIntent {
             format: FORMAT_VERSION,
-            spec: spec.clone(),
+            spec,
+            import: None,
         };
-        let bytes = serde_json::to_vec(&intent).expect("an intent always serializes");
+        self.begin_intent(&intent).await?;
+        let rec = self.finish_create(&intent.spec).await?;
+        Ok(self.resource_for(&rec))
+    }
+
+    /// The volume of this name as it is (whatever its parameters), or a
+    /// new one created from `spec`: `run --volume NAME:SIZE:PATH` uses a
+    /// volume made earlier by `volume create` with its parameters.
+    pub async fn use_or_create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
+        if let Some(rec) = self.find_by_name(&spec.name).await {
+            return Ok(self.resource_for(&rec));
+        }
+        self.create_volume(spec).await
+    }
+
+    /// Writes a create (or import) intent durably, before its first RPC.
+    pub(crate) async fn begin_intent(&self, intent: &CreateIntent) -> Result<(), ProviderError> {
+        let intent_path = self.layout.create_intent(&intent.spec.name);
+        let bytes = serde_json::to_vec(intent).expect("an intent always serializes");
+        let name = intent.spec.name.clone();
         blocking(move || checkpoint::write_atomic(&intent_path, &bytes))
             .await
             .map_err(|source| ProviderError::Checkpoint {
-                volume: spec.name.clone(),
+                volume: name,
                 source,
-            })?;
-        let rec = self.finish_create(&spec).await?;
-        Ok(self.resource_for(&rec))
+            })
     }
 
     /// CreateVolume, the volume's first checkpoint, then the intent removed.
@@ -158,15 +226,7 @@ impl StorageProvider {
                 // A definite failure created nothing: drop the intent so that
                 // recovery does not create a volume nobody asks for any more.
                 // An ambiguous one (the plugin may have created it) keeps it.
-                let ambiguous = matches!(
-                    source.code(),
-                    None | Some(
-                        tonic::Code::Unavailable
-                            | tonic::Code::DeadlineExceeded
-                            | tonic::Code::Cancelled
-                    )
-                );
-                if !ambiguous {
+                if !is_ambiguous(&source) {
                     let intent = self.layout.create_intent(&spec.name);
                     let _ = blocking(move || checkpoint::remove_durable(&intent)).await;
                 }
@@ -209,16 +269,27 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.profile = spec.profile.clone();
         rec.vendor = Some(self.vendor.clone());
+        let rec = self.record_new(rec, &spec.name).await?;
+        tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
+        Ok(rec)
+    }
+
+    /// The end of a create or an import: the volume's first checkpoint, then
+    /// its intent (under `name`) removed, then the volume known.
+    pub(crate) async fn record_new(
+        &self,
+        rec: VolumeRecord,
+        name: &str,
+    ) -> Result<VolumeRecord, ProviderError> {
         self.persist(&rec).await?;
-        let intent = self.layout.create_intent(&spec.name);
+        let intent = self.layout.create_intent(name);
         blocking(move || checkpoint::remove_durable(&intent))
             .await
             .map_err(|source| ProviderError::Checkpoint {
-                volume: spec.name.clone(),
+                volume: name.to_string(),
                 source,
             })?;
         self.insert_slot(rec.clone());
-        tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
     }
 
@@ -268,8 +339,20 @@ impl StorageProvider {
     /// Destroys a volume: unpublishes it fully, then DeleteVolume (not for
     /// pre-provisioned volumes, which are only forgotten). Refused while
     /// containers use it. The data is gone afterwards.
-    #[tracing::instrument(skip(self))]
     pub async fn destroy_volume(&self, volume_id: &str) -> Result<(), ProviderError> {
+        self.destroy_volume_with(volume_id, false).await
+    }
+
+    /// [`destroy_volume`](Self::destroy_volume); with `delete_imported` a
+    /// pre-provisioned (imported) volume is deleted in the plugin too
+    /// (`volume destroy --delete`). The choice is recorded with the mark,
+    /// so recovery finishes the same destroy.
+    #[tracing::instrument(skip(self))]
+    pub async fn destroy_volume_with(
+        &self,
+        volume_id: &str,
+        delete_imported: bool,
+    ) -> Result<(), ProviderError> {
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
         if !rec.users.is_empty() {
@@ -278,8 +361,9 @@ impl StorageProvider {
                 users: rec.users.iter().cloned().collect(),
             });
         }
-        if !rec.destroying {
+        if !rec.destroying || (delete_imported && !rec.delete_imported) {
             rec.destroying = true;
+            rec.delete_imported |= delete_imported && rec.pre_provisioned;
             self.persist(&rec).await?;
         }
         self.finish_destroy(&mut rec).await
@@ -288,7 +372,7 @@ impl StorageProvider {
     /// The rest of a destroy, from any state (also run by recovery).
     pub(crate) async fn finish_destroy(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
         self.drive(rec, VolumeState::Created).await?;
-        if !rec.pre_provisioned {
+        if !rec.pre_provisioned || rec.delete_imported {
             self.client
                 .delete_volume(proto::DeleteVolumeRequest {
                     volume_id: rec.volume_id.clone(),
@@ -316,7 +400,58 @@ impl StorageProvider {
             source,
         })?;
         self.slots.lock().unwrap().remove(&rec.volume_id);
-        tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        if rec.pre_provisioned && !rec.delete_imported {
+            tracing::info!(volume_id = %rec.volume_id, "imported volume forgotten (kept in the plugin)");
+        } else {
+            tracing::info!(volume_id = %rec.volume_id, "volume destroyed");
+        }
+        Ok(())
+    }
+}
+
+impl StorageProvider {
+    /// Creates (or finds, with the same parameters) the volume of every
+    /// profile disk of this provider among `resources` ([`profile_disk`])
+    /// and puts its source (id, relative mount root, metadata) in the
+    /// resource, keeping everything else. A profile the profiles file lacks,
+    /// or a profile disk without what names it, is refused naming the
+    /// resource.
+    pub async fn create_profile_disks(
+        &self,
+        resources: &mut [Resource],
+    ) -> Result<(), ProviderError> {
+        for r in resources.iter_mut() {
+            let (profile, name, bytes) = match profiles::profile_disk(r, self.id()) {
+                profiles::ProfileDisk::Keep => continue,
+                profiles::ProfileDisk::Refuse(why) => {
+                    return Err(ProviderError::BadProfileDisk {
+                        resource: r.describe(),
+                        why,
+                    })
+                }
+                profiles::ProfileDisk::Create {
+                    profile,
+                    name,
+                    bytes,
+                } => (profile.to_string(), name.to_string(), bytes),
+            };
+            let profiles = self.config().disk_profiles.as_deref();
+            let found = profiles.and_then(|p| p.get(&profile, &self.config().plugin_type));
+            let Some(found) = found else {
+                return Err(ProviderError::UnknownProfile {
+                    resource: r.describe(),
+                    profile: crate::shown::shown(&profile).into_owned(),
+                    file: profiles.map(|p| p.file.clone()),
+                });
+            };
+            let mut spec = CreateSpec::new(name, bytes);
+            spec.capability = found.capability.clone();
+            spec.parameters = found.parameters.clone();
+            spec.profile = Some(profile);
+            let created = self.create_volume(spec).await?;
+            let disk = r.disk.get_or_insert_with(Default::default);
+            disk.source = created.disk.and_then(|d| d.source);
+        }
         Ok(())
     }
 }

@@ -71,7 +71,7 @@ pub enum ProviderError {
         reason: String,
     },
     /// No such volume is known to the provider.
-    #[error("unknown volume '{volume}' in provider {provider}")]
+    #[error("unknown volume '{volume}' in provider {provider}: csi-isolator did not create or import it; if the plugin has it, record it first with `csi-isolator volume import NAME --volume-id '{volume}'` (serve: ImportVolume), or give a volume this provider knows (`volume list`)")]
     UnknownVolume {
         /// The volume id.
         volume: String,
@@ -87,7 +87,7 @@ pub enum ProviderError {
         resource: String,
     },
     /// A disk resource of a provider lacks `disk.source.id`.
-    #[error("resource {resource} of provider {provider} has no disk.source.id")]
+    #[error("resource {resource} of provider {provider} has no disk.source.id: name a volume the provider has (`volume list`; `volume import` records one it does not know), or give disk.source.profile (with --disk-profiles) and disk.persistence.id to create one")]
     MissingVolumeId {
         /// The resource.
         resource: String,
@@ -133,6 +133,58 @@ pub enum ProviderError {
         rpc: &'static str,
         /// What is wrong.
         what: String,
+    },
+    /// CreateVolume parameters that are refused before anything is sent.
+    #[error("volume '{volume}'")]
+    Parameters {
+        /// The volume name.
+        volume: String,
+        /// What is wrong with them.
+        #[source]
+        source: crate::provider::parameters::ParameterError,
+    },
+    /// A create of an existing name with another parameter set.
+    #[error("volume '{volume}' exists with other CreateVolume parameters (first difference: key '{key}'): create it with the parameters it has (`volume list --json` shows them), or destroy it first, or use another name")]
+    ParametersDiffer {
+        /// The volume name.
+        volume: String,
+        /// The first key on which they differ.
+        key: String,
+    },
+    /// An import refused: it clashes with a volume already recorded, or
+    /// the plugin did not confirm the capability.
+    #[error("import of '{name}' (volume id '{volume_id}'): {clash}")]
+    ImportRefused {
+        /// The name asked for.
+        name: String,
+        /// The volume id asked for.
+        volume_id: String,
+        /// What is wrong.
+        clash: String,
+    },
+    /// `volume list --plugin` on a plugin without LIST_VOLUMES.
+    #[error("plugin {plugin} does not offer LIST_VOLUMES: it cannot say which volumes it has; import a volume you know by id (`volume import NAME --volume-id ID`)")]
+    NoListVolumes {
+        /// The provider id.
+        plugin: String,
+    },
+    /// A disk resource with a profile and no volume that cannot be made into one.
+    #[error("resource {resource}: {why}")]
+    BadProfileDisk {
+        /// The resource.
+        resource: String,
+        /// What is missing.
+        why: &'static str,
+    },
+    /// A disk resource with a profile the profiles file does not define.
+    #[error("resource {resource}: disk profile '{profile}' is not in the profiles file{}", file.as_ref().map(|f| format!(" {}", f.display())).unwrap_or_else(|| " (none given: pass --disk-profiles FILE)".to_string()))]
+    UnknownProfile {
+        /// The resource.
+        resource: String,
+        /// The profile it names.
+        profile: String,
+        /// The profiles file, if any.
+        file: Option<PathBuf>,
     },
     /// The CreateVolume response lacked something the spec requires.
     #[error("CreateVolume of '{name}' returned {what}")]

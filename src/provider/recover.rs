@@ -175,6 +175,17 @@ impl StorageProvider {
         }
     }
 
+    /// Finishes a create or an import intent (also run by recovery).
+    pub(crate) async fn finish_intent(
+        &self,
+        intent: &CreateIntent,
+    ) -> Result<VolumeRecord, ProviderError> {
+        match &intent.import {
+            None => self.finish_create(&intent.spec).await,
+            Some(import) => self.finish_import(import).await,
+        }
+    }
+
     async fn finish_creates(&self) {
         // The intents are few and small: read them all at once, off the workers.
         let dir = self.layout.creating_dir();
@@ -217,7 +228,7 @@ impl StorageProvider {
                 IntentSorted::Finish(intent) => intent,
             };
             let name = intent.spec.name.clone();
-            match self.finish_create(&intent.spec).await {
+            match self.finish_intent(&intent).await {
                 Ok(rec) => {
                     tracing::info!(name = %name, volume_id = %rec.volume_id, "recovery: finished interrupted create");
                     self.report.lock().unwrap().actions.push(format!(
@@ -445,7 +456,7 @@ pub(crate) enum IntentSorted {
     /// A volume of that name is known: the create finished, the intent goes.
     Created,
     /// The create was interrupted: finish it (CreateVolume is idempotent by name).
-    Finish(CreateIntent),
+    Finish(Box<CreateIntent>),
 }
 
 /// Sorts a CreateVolume intent (its bytes, or why they could not be read)
@@ -460,7 +471,7 @@ pub(crate) fn sort_intent(read: Result<Vec<u8>, String>, known: &HashSet<String>
     if known.contains(&intent.spec.name) {
         IntentSorted::Created
     } else {
-        IntentSorted::Finish(intent)
+        IntentSorted::Finish(Box::new(intent))
     }
 }
 
@@ -690,6 +701,7 @@ mod tests {
             serde_json::to_vec(&CreateIntent {
                 format: FORMAT_VERSION,
                 spec: CreateSpec::new(name, 1 << 20),
+                import: None,
             })
             .unwrap()
         };

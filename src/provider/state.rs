@@ -391,6 +391,10 @@ pub struct VolumeRecord {
     /// A destroy was asked for: unpublish fully, then DeleteVolume.
     #[serde(default)]
     pub destroying: bool,
+    /// The destroy of a pre-provisioned (imported) volume deletes it in the
+    /// plugin too (`volume destroy --delete`); without it, it is only forgotten.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub delete_imported: bool,
     /// While an operation is in flight: the steady state it is going to.
     /// With the transient `state` (its first step) it bounds what the plugin
     /// may have done if the operation was interrupted.
@@ -444,6 +448,7 @@ impl VolumeRecord {
             users: BTreeSet::new(),
             pre_provisioned: false,
             destroying: false,
+            delete_imported: false,
             towards: None,
             profile: None,
             vendor: None,

@@ -2,7 +2,7 @@
 //! mount table: what `csi-isolator status` prints. It reads checkpoints and
 //! `/proc/self/mountinfo` only; it starts no plugin and changes nothing.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -30,6 +30,10 @@ pub struct VolumeStatus {
     /// Whether the plugin says the volume holds at most its capacity (its volume context's
     /// `capacity_enforced`); `None` when the plugin does not say.
     pub capacity_enforced: Option<bool>,
+    /// The CreateVolume parameters it was created with.
+    pub parameters: BTreeMap<String, String>,
+    /// Whether it was imported (pre-provisioned): destroy leaves it in the plugin.
+    pub imported: bool,
     /// Its mount point (the NodePublish target).
     pub mount_point: PathBuf,
     /// Whether the mount table has a mount at the mount point.
@@ -107,6 +111,8 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                     .get(CAPACITY_ENFORCED_KEY)
                     .and_then(|v| v.parse().ok()),
                 users: rec.users,
+                parameters: rec.parameters,
+                imported: rec.pre_provisioned,
                 mount_point: target,
                 mounted: is_mounted,
                 staged,

@@ -91,6 +91,9 @@ pub struct ProviderConfig {
     /// Where a managed plugin's socket goes when the one under the work dir
     /// would be too long for a socket address.
     pub socket_dir: PathBuf,
+    /// The operator's disk profiles (`--disk-profiles`): what a disk
+    /// resource's `disk.source.profile` means for CreateVolume.
+    pub disk_profiles: Option<std::sync::Arc<crate::provider::profiles::Profiles>>,
 }
 
 impl ProviderConfig {
@@ -115,6 +118,7 @@ impl ProviderConfig {
             ready_timeout: Duration::from_secs(30),
             boot_id: None,
             socket_dir: PathBuf::from(crate::resource::SHORT_SOCKET_DIR),
+            disk_profiles: None,
         }
     }
 }

@@ -211,6 +211,8 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 disagreement: v.disagreement.unwrap_or_default(),
                 capacity_bytes: v.capacity_bytes,
                 capacity_enforced: v.capacity_enforced,
+                parameters: v.parameters.into_iter().collect(),
+                imported: v.imported,
             })
             .collect(),
         containers: containers

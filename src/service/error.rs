@@ -105,6 +105,7 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         IsolatorError::UnknownContainer { .. } => Code::NotFound,
         IsolatorError::AlreadyPrepared { .. } => Code::AlreadyExists,
         IsolatorError::ReadOnlyVolume { .. }
+        | IsolatorError::MissingAgentDisk { .. }
         | IsolatorError::NoPid { .. }
         | IsolatorError::NotTheContainer { .. }
         | IsolatorError::PidGone { .. }
@@ -162,10 +163,16 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::UnknownVolume { .. } | ProviderError::UnknownProvider { .. } => {
             Code::NotFound
         }
-        ProviderError::MissingVolumeId { .. } | ProviderError::InvalidName { .. } => {
-            Code::InvalidArgument
-        }
-        ProviderError::InUse { .. } | ProviderError::Destroying { .. } => Code::FailedPrecondition,
+        ProviderError::MissingVolumeId { .. }
+        | ProviderError::InvalidName { .. }
+        | ProviderError::Parameters { .. }
+        | ProviderError::UnknownProfile { .. }
+        | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,
+        ProviderError::ParametersDiffer { .. } => Code::AlreadyExists,
+        ProviderError::InUse { .. }
+        | ProviderError::Destroying { .. }
+        | ProviderError::ImportRefused { .. }
+        | ProviderError::NoListVolumes { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }

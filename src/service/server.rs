@@ -30,7 +30,7 @@ use tonic::{Code, Request, Response, Status};
 use crate::isolator::VolumeIsolator;
 use crate::mount::MountTable;
 use crate::provider::status::scan;
-use crate::provider::{Capability, CreateSpec, StorageProvider};
+use crate::provider::{Capability, CreateSpec, ImportSpec, StorageProvider};
 use crate::resource::{Resource, VolumeMode};
 use crate::service::convert;
 use crate::service::error::{full_message, ServiceError};
@@ -152,32 +152,45 @@ impl IsolatorService {
             return Err(invalid("name", "is empty"));
         }
         let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
-        if !req.access_mode.is_empty() {
-            spec.capability = Capability {
-                access_mode: req.access_mode.clone(),
-                ..Capability::default()
-            };
+        spec.capability = capability(&req.access_mode)?;
+        spec.parameters = req.parameters.into_iter().collect();
+        let resource = provider.create_volume(spec).await?;
+        Ok(volume_answer(
+            &provider,
+            resource,
+            &req.container_path,
+            req.readonly,
+        ))
+    }
+
+    /// Disks with a profile and no volume yet become volumes of their
+    /// provider first (Mesos' CREATE_DISK), with the profile's parameters.
+    async fn create_profile_disks(&self, resources: &mut [Resource]) -> Result<(), ServiceError> {
+        for provider in self.isolator.manager().providers() {
+            provider.create_profile_disks(resources).await?;
         }
-        if spec.capability.mode().is_none() {
-            return Err(invalid(
-                "access_mode",
-                format!("unknown CSI access mode '{}'", req.access_mode),
-            ));
-        }
-        let mut resource = provider.create_volume(spec).await?;
-        if !req.container_path.is_empty() {
-            let mode = if req.readonly {
-                VolumeMode::Ro
-            } else {
-                VolumeMode::Rw
-            };
-            resource = resource.with_volume(&req.container_path, mode);
-        }
-        Ok(proto::CreateVolumeResponse {
-            resource_json: serde_json::to_string(&resource).expect("a resource always serializes"),
-            volume_id: resource.source_id().unwrap_or_default().to_string(),
-            provider_id: provider.id().to_string(),
-        })
+        Ok(())
+    }
+
+    async fn import_volume(
+        &self,
+        req: proto::ImportVolumeRequest,
+    ) -> Result<proto::CreateVolumeResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        let spec = ImportSpec {
+            name: req.name,
+            volume_id: req.volume_id,
+            capacity_bytes: req.capacity_bytes,
+            capability: capability(&req.access_mode)?,
+            volume_context: req.volume_context.into_iter().collect(),
+        };
+        let resource = provider.import_volume(spec).await?;
+        Ok(volume_answer(
+            &provider,
+            resource,
+            &req.container_path,
+            req.readonly,
+        ))
     }
 
     async fn destroy_volume(
@@ -188,13 +201,16 @@ impl IsolatorService {
         if req.volume_id.is_empty() {
             return Err(invalid("volume_id", "is empty"));
         }
-        provider.destroy_volume(&req.volume_id).await?;
+        provider
+            .destroy_volume_with(&req.volume_id, req.delete_imported)
+            .await?;
         Ok(proto::DestroyVolumeResponse {})
     }
 
     async fn prepare(&self, req: proto::PrepareRequest) -> Result<proto::LaunchInfo, ServiceError> {
         container_id(&req.container_id)?;
-        let config = convert::container_config(req.config)?;
+        let mut config = convert::container_config(req.config)?;
+        self.create_profile_disks(&mut config.resources).await?;
         let publishes = has_provider_volumes(&config.resources);
         let started = Instant::now();
         let info = self.isolator.prepare(&req.container_id, config).await?;
@@ -210,7 +226,8 @@ impl IsolatorService {
         req: proto::PrepareRequest,
     ) -> Result<proto::OciLaunchInfo, ServiceError> {
         container_id(&req.container_id)?;
-        let config = convert::container_config(req.config)?;
+        let mut config = convert::container_config(req.config)?;
+        self.create_profile_disks(&mut config.resources).await?;
         let publishes = has_provider_volumes(&config.resources);
         let started = Instant::now();
         let (_, prepared) = self.isolator.prepare_oci(&req.container_id, config).await?;
@@ -239,7 +256,8 @@ impl IsolatorService {
         req: proto::UpdateRequest,
     ) -> Result<proto::UpdateResponse, ServiceError> {
         container_id(&req.container_id)?;
-        let resources = convert::resources("resources_json", &req.resources_json)?;
+        let mut resources = convert::resources("resources_json", &req.resources_json)?;
+        self.create_profile_disks(&mut resources).await?;
         let publishes = has_provider_volumes(&resources);
         let started = Instant::now();
         self.isolator.update(&req.container_id, resources).await?;
@@ -294,6 +312,44 @@ fn container_id(id: &str) -> Result<(), ServiceError> {
         .map_err(|e| invalid("container_id", crate::error_chain::full_message(&e)))
 }
 
+/// The capability of a request's access mode (empty: the default).
+fn capability(access_mode: &str) -> Result<Capability, ServiceError> {
+    let mut capability = Capability::default();
+    if !access_mode.is_empty() {
+        capability.access_mode = access_mode.to_string();
+    }
+    if capability.mode().is_none() {
+        return Err(invalid(
+            "access_mode",
+            format!("unknown CSI access mode '{access_mode}'"),
+        ));
+    }
+    Ok(capability)
+}
+
+/// The answer to CreateVolume and ImportVolume: the resource, with
+/// `disk.volume` when a container path is given.
+fn volume_answer(
+    provider: &StorageProvider,
+    mut resource: Resource,
+    container_path: &str,
+    readonly: bool,
+) -> proto::CreateVolumeResponse {
+    if !container_path.is_empty() {
+        let mode = if readonly {
+            VolumeMode::Ro
+        } else {
+            VolumeMode::Rw
+        };
+        resource = resource.with_volume(container_path, mode);
+    }
+    proto::CreateVolumeResponse {
+        resource_json: serde_json::to_string(&resource).expect("a resource always serializes"),
+        volume_id: resource.source_id().unwrap_or_default().to_string(),
+        provider_id: provider.id().to_string(),
+    }
+}
+
 /// Whether any resource is a provider's disk (so the call publishes).
 fn has_provider_volumes(resources: &[Resource]) -> bool {
     resources
@@ -321,6 +377,17 @@ impl Isolator for IsolatorService {
         let req = request.into_inner();
         self.run("DestroyVolume", |s| async move {
             IsolatorService::destroy_volume(&s, req).await
+        })
+        .await
+    }
+
+    async fn import_volume(
+        &self,
+        request: Request<proto::ImportVolumeRequest>,
+    ) -> Reply<proto::CreateVolumeResponse> {
+        let req = request.into_inner();
+        self.run("ImportVolume", |s| async move {
+            IsolatorService::import_volume(&s, req).await
         })
         .await
     }

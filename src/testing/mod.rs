@@ -256,6 +256,19 @@ pub struct PluginProcess {
 }
 
 impl PluginProcess {
+    /// What the plugin lists over CSI (ListVolumes, one page): its volumes and their status.
+    pub async fn listed(&self) -> Vec<crate::csi::proto::list_volumes_response::Entry> {
+        let mut raw = raw_clients(&self.socket())
+            .await
+            .expect("connect to the plugin");
+        raw.controller
+            .list_volumes(crate::csi::proto::ListVolumesRequest::default())
+            .await
+            .expect("ListVolumes")
+            .into_inner()
+            .entries
+    }
+
     /// Starts the plugin binary `bin` (from the test: `env!("CARGO_BIN_EXE_csi-test-plugin")`)
     /// with its files in `<sandbox>/plugin` and `args` added to the command line, and waits
     /// until it answers Probe.

@@ -285,6 +285,8 @@ pub struct HookPolicy {
     pub max_volumes_per_tenant: u64,
     /// [`MAX_CAPACITY_FLAG`], in bytes.
     pub max_capacity_per_tenant: u64,
+    /// [`ALLOW_PARAMETER_FLAG`]: the CreateVolume parameter keys annotations may set.
+    pub allowed_parameters: std::collections::BTreeSet<String>,
 }
 
 impl Default for HookPolicy {
@@ -294,8 +296,38 @@ impl Default for HookPolicy {
             tenant_annotation: None,
             max_volumes_per_tenant: DEFAULT_MAX_VOLUMES_PER_TENANT,
             max_capacity_per_tenant: DEFAULT_MAX_CAPACITY_PER_TENANT,
+            allowed_parameters: std::collections::BTreeSet::new(),
         }
     }
+}
+
+/// Refuses a parameters annotation that sets a key the operator does not allow
+/// ([`ALLOW_PARAMETER_FLAG`]; every key with [`ALLOW_RAW_RESOURCES_FLAG`]).
+pub fn admit_parameters(
+    container: &str,
+    policy: &HookPolicy,
+    parameters: &BTreeMap<String, BTreeMap<String, String>>,
+) -> Result<(), HookError> {
+    if policy.allow_raw_resources {
+        return Ok(());
+    }
+    for (volume, set) in parameters {
+        if let Some(key) = set.keys().find(|k| !policy.allowed_parameters.contains(*k)) {
+            let allowed = if policy.allowed_parameters.is_empty() {
+                "no parameter".to_string()
+            } else {
+                let keys: Vec<_> = policy.allowed_parameters.iter().cloned().collect();
+                format!("only {}", keys.join(", "))
+            };
+            return Err(HookError::ParameterRefused {
+                container: container.to_string(),
+                volume: crate::shown::shown(volume).into_owned(),
+                key: crate::shown::shown(key).into_owned(),
+                allowed,
+            });
+        }
+    }
+    Ok(())
 }
 
 impl HookPolicy {
@@ -352,6 +384,43 @@ pub(super) fn admit_resources(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parameter_keys_need_the_operators_leave() {
+        let sets: BTreeMap<String, BTreeMap<String, String>> = [(
+            "data".to_string(),
+            [("share".to_string(), "/export".to_string())].into(),
+        )]
+        .into();
+        let err = admit_parameters("c", &HookPolicy::default(), &sets)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("parameter 'share' refused")
+                && err.contains("allows annotations to set no parameter")
+                && err.contains("--allow-parameter share"),
+            "{err}"
+        );
+        let other = HookPolicy {
+            allowed_parameters: ["server".to_string()].into(),
+            ..HookPolicy::default()
+        };
+        let err = admit_parameters("c", &other, &sets)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only server"), "{err}");
+        let allowed = HookPolicy {
+            allowed_parameters: ["share".to_string()].into(),
+            ..HookPolicy::default()
+        };
+        admit_parameters("c", &allowed, &sets).unwrap();
+        let raw = HookPolicy {
+            allow_raw_resources: true,
+            ..HookPolicy::default()
+        };
+        admit_parameters("c", &raw, &sets).unwrap();
+        admit_parameters("c", &HookPolicy::default(), &BTreeMap::new()).unwrap();
+    }
     use crate::isolator::hook::annotations;
 
     #[test]

@@ -21,6 +21,7 @@ pub async fn create_runtime(
     }
     // Everything that needs no provider is judged before the work dir is touched.
     let tenant = opts.policy.tenant(id, &annotations)?;
+    admit_parameters(id, &opts.policy, &wanted.parameters)?;
     if tenant == Tenant::Single {
         tracing::info!(
             container = id,
@@ -89,7 +90,7 @@ pub async fn create_runtime(
         tenant: &tenant,
         sys: &opts.sys,
     };
-    let result = create_with_provider(&request, &named, &wanted.resources, provider.clone()).await;
+    let result = create_with_provider(&request, &named, &wanted, provider.clone()).await;
     provider.shutdown(PLUGIN_STOP_GRACE).await;
     drop(lock);
     result
@@ -109,9 +110,10 @@ struct Request<'a> {
 async fn create_with_provider(
     req: &Request<'_>,
     named: &[Wanted<'_>],
-    raw_resources: &[Resource],
+    wanted: &HookVolumes,
     provider: Arc<StorageProvider>,
 ) -> Result<Vec<VolumeMount>, HookError> {
+    let raw_resources = wanted.resources.as_slice();
     let id = req.id;
     let isolator = VolumeIsolator::on_host(req.work_dir, provider.clone(), req.sys.clone());
     reap_stale(&isolator, req.work_dir, id).await;
@@ -161,11 +163,18 @@ async fn create_with_provider(
     for w in named {
         let v = w.arg;
         let mut spec = CreateSpec::new(&w.scoped, v.size_bytes);
-        if let Some(existing) = records
+        let existing = records
             .iter()
-            .find(|r| r.name.as_deref() == Some(w.scoped.as_str()))
-        {
+            .find(|r| r.name.as_deref() == Some(w.scoped.as_str()));
+        if let Some(existing) = existing {
             spec.capability = existing.capability.clone();
+        }
+        // Parameters the annotation gives must be the volume's; without any, a volume that
+        // exists is used as it was created.
+        match (wanted.parameters.get(&v.name), existing) {
+            (Some(set), _) => spec.parameters = set.clone(),
+            (None, Some(existing)) => spec.parameters = existing.parameters.clone(),
+            (None, None) => {}
         }
         let res = provider
             .create_volume(spec)

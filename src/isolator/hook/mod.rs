@@ -12,6 +12,10 @@
 //!     container's tenant has no volume of that name (the same name is the same volume next time).
 //!   - [`RESOURCES_ANNOTATION`] `io.csi-isolator.resources`: a Mesos Resource JSON list naming volumes
 //!     the provider already has (see "Who may name what").
+//!   - [`PARAMETERS_ANNOTATION`] `io.csi-isolator.parameters`: CreateVolume parameters for volumes of
+//!     the volumes annotation, `{"NAME": {"KEY": "VALUE"}}`, bounded and checked as every parameter
+//!     set is ([`crate::provider::parameters`]); a volume that exists must have been created with the
+//!     same set. A volume it does not mention is created without parameters, or used as it is.
 //!
 //!   `CONTAINER_PATH`s must be absolute: they land inside the container's rootfs. A container without
 //!   either annotation is left alone (no lock, no provider, the work dir untouched).
@@ -44,6 +48,10 @@
 //!   of its own tenant. Without the flag the host is single-tenant: names are passed as written, and
 //!   every container on the host that can set annotations can name (and read and write) every volume
 //!   the hook made.
+//! - Parameters choose what a driver mounts (an NFS driver's `server` and `share` are a host path on
+//!   another machine, mounted by root): annotations may set only the keys the operator names with
+//!   [`ALLOW_PARAMETER_FLAG`] `KEY` ([`admit_parameters`]); none by default. [`ALLOW_RAW_RESOURCES_FLAG`],
+//!   which trusts whoever sets annotations with host paths, allows every key.
 //! - Per tenant (the single tenant when tenants are off), annotations may create at most
 //!   [`MAX_VOLUMES_FLAG`] volumes of at most [`MAX_CAPACITY_FLAG`] bytes together, counted from the
 //!   provider's records ([`check_caps`]); a creation over a cap is refused before CreateVolume. The
@@ -135,6 +143,12 @@ use crate::workdir::WorkDirLock;
 pub const VOLUMES_ANNOTATION: &str = "io.csi-isolator.volumes";
 /// The annotation carrying a Mesos Resource JSON list of volumes.
 pub const RESOURCES_ANNOTATION: &str = "io.csi-isolator.resources";
+/// The annotation carrying CreateVolume parameters per volume of [`VOLUMES_ANNOTATION`]: a JSON
+/// object `{"NAME": {"KEY": "VALUE", ...}, ...}`; only keys the operator allows
+/// ([`ALLOW_PARAMETER_FLAG`]).
+pub const PARAMETERS_ANNOTATION: &str = "io.csi-isolator.parameters";
+/// The hook argument allowing annotations to set one CreateVolume parameter key.
+pub const ALLOW_PARAMETER_FLAG: &str = "--allow-parameter";
 /// The directory under the work dir holding one directory per hook container.
 pub use crate::workdir::HOOK_DIR;
 /// How long a hook waits for the work-dir lock by default.
@@ -245,6 +259,22 @@ pub enum HookError {
         annotation: &'static str,
         /// What is over which bound.
         reason: String,
+    },
+    /// A parameters annotation sets a key the operator does not allow.
+    #[error(
+        "container '{container}': annotation {PARAMETERS_ANNOTATION}: volume '{volume}': parameter \
+         '{key}' refused: the hook's operator allows annotations to set {allowed} (add \
+         {ALLOW_PARAMETER_FLAG} {key} to the hook's arguments to allow it)"
+    )]
+    ParameterRefused {
+        /// The container id.
+        container: String,
+        /// The volume name as written.
+        volume: String,
+        /// The key, escaped and shortened.
+        key: String,
+        /// The keys allowed, as words.
+        allowed: String,
     },
     /// A resources annotation names something that is not a volume of this hook's provider.
     #[error(

@@ -81,6 +81,8 @@ pub struct HookVolumes {
     pub volumes: Vec<VolumeArg>,
     /// From [`RESOURCES_ANNOTATION`]: mounted as given.
     pub resources: Vec<Resource>,
+    /// From [`PARAMETERS_ANNOTATION`]: CreateVolume parameters by volume name (as written).
+    pub parameters: BTreeMap<String, BTreeMap<String, String>>,
 }
 
 impl HookVolumes {
@@ -106,7 +108,11 @@ impl HookVolumes {
             annotation,
             reason,
         };
-        for key in [VOLUMES_ANNOTATION, RESOURCES_ANNOTATION] {
+        for key in [
+            VOLUMES_ANNOTATION,
+            RESOURCES_ANNOTATION,
+            PARAMETERS_ANNOTATION,
+        ] {
             if let Some(value) = annotations
                 .get(key)
                 .filter(|v| v.len() > MAX_ANNOTATION_BYTES)
@@ -161,6 +167,33 @@ impl HookVolumes {
             }
             out.resources = resources;
         }
+        if let Some(value) = annotations.get(PARAMETERS_ANNOTATION) {
+            let sets: BTreeMap<String, BTreeMap<String, String>> = serde_json::from_str(value)
+                .map_err(|e| {
+                    bad(
+                        PARAMETERS_ANNOTATION,
+                        "(json)",
+                        format!("not a JSON object of volume names to string maps: {e}"),
+                    )
+                })?;
+            for (name, set) in &sets {
+                if !out.volumes.iter().any(|v| &v.name == name) {
+                    return Err(bad(
+                        PARAMETERS_ANNOTATION,
+                        &crate::shown::shown(name),
+                        format!("names no volume of {VOLUMES_ANNOTATION}"),
+                    ));
+                }
+                crate::provider::parameters::check(set).map_err(|e| {
+                    bad(
+                        PARAMETERS_ANNOTATION,
+                        &crate::shown::shown(name),
+                        e.to_string(),
+                    )
+                })?;
+            }
+            out.parameters = sets;
+        }
         let entries = out.volumes.len() + out.resources.len();
         if entries > MAX_ANNOTATION_ENTRIES {
             return Err(too_large(
@@ -201,6 +234,56 @@ mod tests {
             err.starts_with("parse the container state (stdin): "),
             "{err}"
         );
+    }
+
+    #[test]
+    fn parameters_annotation_is_parsed_bounded_and_tied_to_a_volume() {
+        let vols = (VOLUMES_ANNOTATION, "data:64M:/data");
+        let ok = HookVolumes::from_annotations(
+            "c",
+            &annotations(&[
+                vols,
+                (PARAMETERS_ANNOTATION, r#"{"data": {"share": "/export"}}"#),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(ok.parameters["data"]["share"], "/export");
+        let long = format!(r#"{{"data": {{"share": "{}"}}}}"#, "x".repeat(5000));
+        let huge = format!(
+            r#"{{"data": {{"k": "{}"}}}}"#,
+            "x".repeat(MAX_ANNOTATION_BYTES)
+        );
+        for (value, says) in [
+            ("[1]", "not a JSON object"),
+            (r#"{"data": {"k": 1}}"#, "not a JSON object"),
+            (
+                r#"{"other": {"k": "v"}}"#,
+                "names no volume of io.csi-isolator.volumes",
+            ),
+            (r#"{"data": {"a\nb": "v"}}"#, "other than letters"),
+            (
+                r#"{"data": {"k": "v\u001b[2J"}}"#,
+                "its value holds a control character",
+            ),
+            (
+                r#"{"data": {"csi.storage.k8s.io/node-publish-secret-name": "s"}}"#,
+                "secrets never travel",
+            ),
+            (&long, "over CSI's limit of 4096 bytes"),
+            (&huge, "over the hook's limit of 65536 bytes"),
+        ] {
+            let err = HookVolumes::from_annotations(
+                "c",
+                &annotations(&[vols, (PARAMETERS_ANNOTATION, value)]),
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(says) && err.contains(PARAMETERS_ANNOTATION),
+                "{}: {err}",
+                crate::shown::shown(value)
+            );
+        }
     }
 
     #[test]

@@ -34,7 +34,7 @@ use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
 use crate::isolator::process_check::{self, ProcProcesses, Processes};
 use crate::isolator::publisher::{Publisher, VolumeUsers};
-use crate::isolator::targets::volume_mounts;
+use crate::isolator::targets::{check_agent_disks, host_path_kind, volume_mounts};
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::provider::checkpoint;

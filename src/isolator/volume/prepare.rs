@@ -26,6 +26,12 @@ impl VolumeIsolator {
             });
         }
         let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
+        check_agent_disks(
+            container_id,
+            &config.resources,
+            &self.work_dir,
+            host_path_kind,
+        )?;
         self.check_writable(container_id, &mounts).await?;
         check_config(container_id, &config, &self.work_dir)?;
         let rec = ContainerRecord::new(container_id, config, mounts.clone());

@@ -34,6 +34,12 @@ impl VolumeIsolator {
         // 1. Publish what is new. Volumes the container uses already are only
         //    re-ensured; a failure undoes only the uses it added.
         let added_resources = resources_of(&resources, &added);
+        check_agent_disks(
+            container_id,
+            &added_resources,
+            &self.work_dir,
+            host_path_kind,
+        )?;
         self.publisher
             .publish(container_id, &added_resources)
             .await

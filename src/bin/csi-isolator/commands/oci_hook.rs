@@ -67,6 +67,11 @@ pub struct OciHookArgs {
     /// provider's volumes); a creation over it is refused.
     #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = parse_capacity)]
     max_capacity_per_tenant: u64,
+    /// Let the io.csi-isolator.parameters annotation set this CreateVolume parameter key
+    /// (repeatable). None by default: parameters choose what a driver mounts as root (an NFS
+    /// driver's server and share), so allow only keys whoever sets annotations may choose.
+    #[arg(long = "allow-parameter", value_name = "KEY", value_parser = text())]
+    allowed_parameters: Vec<String>,
     /// The hook: create-runtime or poststop.
     #[arg(value_enum)]
     stage: StageArg,
@@ -99,6 +104,7 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
             tenant_annotation: args.tenant_annotation,
             max_volumes_per_tenant: args.max_volumes_per_tenant,
             max_capacity_per_tenant: args.max_capacity_per_tenant,
+            allowed_parameters: args.allowed_parameters.into_iter().collect(),
         },
         sys: Arc::new(csi_isolator::mount::LinuxSyscall::new()),
     };

@@ -42,6 +42,12 @@ pub struct PluginArgs {
     /// Seconds to wait for the plugin to come up and answer Probe.
     #[arg(long, default_value = "30", value_name = "SECS")]
     pub plugin_timeout: u64,
+    /// Disk profiles, in the JSON of Mesos' URI disk profile adaptor ({"profile_matrix": {NAME:
+    /// {"volume_capabilities": ..., "create_parameters": {...}}}}): a disk resource of this
+    /// provider with disk.source.profile and no disk.source.id is created with that profile's
+    /// parameters and capability, named by its disk.persistence.id. Must be root's alone.
+    #[arg(long, value_name = "FILE")]
+    pub disk_profiles: Option<std::path::PathBuf>,
 }
 
 impl PluginArgs {
@@ -74,6 +80,11 @@ impl PluginArgs {
         config.socket_dir = self.plugin_socket_dir.clone();
         config.client.connect_timeout = std::time::Duration::from_secs(self.plugin_timeout);
         config.ready_timeout = std::time::Duration::from_secs(self.plugin_timeout);
+        if let Some(file) = &self.disk_profiles {
+            config.disk_profiles = Some(std::sync::Arc::new(
+                csi_isolator::provider::profiles::load(file)?,
+            ));
+        }
         Ok(config)
     }
 }

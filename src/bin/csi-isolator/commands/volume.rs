@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
-use csi_isolator::provider::{Capability, CreateSpec, StorageProvider};
+use csi_isolator::provider::{parameters, Capability, CreateSpec, ImportSpec, StorageProvider};
 use csi_isolator::resource::validate_container_id;
 
 use super::plugin_args::PluginArgs;
@@ -20,6 +20,11 @@ use super::{shown, text};
 #[command(after_help = "\
 Examples:
   csi-isolator --work-dir /var/lib/csi-demo volume create data 64M
+  csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock create share 10G \\
+      --param server=nfs.example.com --param share=/export --access-mode MULTI_NODE_MULTI_WRITER
+  csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock list --plugin   # volumes it has that we do not know
+  csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock import old --volume-id 'nfs.example.com#export#old#' \\
+      --context server=nfs.example.com --context share=/export
   csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
   csi-isolator --work-dir /var/lib/csi-demo volume list
   csi-isolator --work-dir /var/lib/csi-demo volume release data --container c1
@@ -45,6 +50,31 @@ enum Action {
         /// CSI access mode.
         #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
         access_mode: String,
+        /// A CreateVolume parameter for the plugin, KEY=VALUE (repeatable, as `docker volume
+        /// create -o`). A second create of the same name must give the same set. Never a secret.
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = text())]
+        params: Vec<String>,
+    },
+    /// Record a volume that exists in the plugin already under NAME (ValidateVolumeCapabilities
+    /// first, when the plugin offers it) and print its resource JSON. `destroy` keeps it in the
+    /// plugin unless given --delete.
+    Import {
+        /// The name it is known by from now on.
+        #[arg(value_parser = text())]
+        name: String,
+        /// The plugin's volume id (`list --plugin` shows the ones it has).
+        #[arg(long, value_parser = text())]
+        volume_id: String,
+        /// Its capacity, e.g. 10G (shown by `list`; not checked).
+        #[arg(long, value_parser = text())]
+        capacity: Option<String>,
+        /// A volume context entry the plugin's node service needs, KEY=VALUE (repeatable):
+        /// what CreateVolume would have returned (a Kubernetes PV's volumeAttributes).
+        #[arg(long = "context", value_name = "KEY=VALUE", value_parser = text())]
+        context: Vec<String>,
+        /// CSI access mode.
+        #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
+        access_mode: String,
     },
     /// Publish a volume (id or name) for a container and print its mount point.
     Publish {
@@ -64,17 +94,25 @@ enum Action {
         #[arg(long, value_parser = text())]
         container: String,
     },
-    /// Unpublish fully and delete a volume; refused while containers use it.
+    /// Unpublish fully and delete a volume; refused while containers use it. An imported
+    /// volume is only forgotten (it stays in the plugin) unless --delete is given.
     Destroy {
         /// Volume id or name.
         #[arg(value_parser = text())]
         volume: String,
+        /// Delete an imported volume in the plugin too (DeleteVolume): its data is gone.
+        #[arg(long)]
+        delete: bool,
     },
     /// List the provider's volumes.
     List {
         /// Print JSON records instead of a table.
         #[arg(long)]
         json: bool,
+        /// List instead the plugin's volumes the provider does not know (ListVolumes), to
+        /// `import` them.
+        #[arg(long)]
+        plugin: bool,
     },
 }
 
@@ -104,6 +142,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             name,
             size,
             access_mode,
+            params,
         } => {
             // A size of 0 would leave the plugin to pick one: say so instead.
             let bytes = csi_isolator::resource::parse_size(&size)
@@ -114,19 +153,40 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
                         shown(&size)
                     )
                 })?;
-            let capability = Capability {
-                access_mode,
-                ..Capability::default()
-            };
-            if capability.mode().is_none() {
-                return Err(anyhow!(
-                    "unknown access mode '{}'",
-                    shown(&capability.access_mode)
-                ));
-            }
+            let parameters = parameters::parse(params.iter().map(String::as_str))
+                .with_context(|| format!("volume create {}: --param", shown(&name)))?;
             let mut spec = CreateSpec::new(name, bytes);
-            spec.capability = capability;
+            spec.capability = capability(access_mode)?;
+            spec.parameters = parameters;
             let resource = provider.create_volume(spec).await?;
+            println!("{}", serde_json::to_string_pretty(&resource)?);
+        }
+        Action::Import {
+            name,
+            volume_id,
+            capacity,
+            context,
+            access_mode,
+        } => {
+            let capacity_bytes = match capacity {
+                None => 0,
+                Some(text) => csi_isolator::resource::parse_size(&text).ok_or_else(|| {
+                    anyhow!(
+                        "volume import: invalid --capacity '{}': give a size with a unit (examples: 64M, 1G)",
+                        shown(&text)
+                    )
+                })?,
+            };
+            let volume_context = parameters::parse(context.iter().map(String::as_str))
+                .with_context(|| format!("volume import {}: --context", shown(&name)))?;
+            let spec = ImportSpec {
+                name,
+                volume_id,
+                capacity_bytes,
+                capability: capability(access_mode)?,
+                volume_context,
+            };
+            let resource = provider.import_volume(spec).await?;
             println!("{}", serde_json::to_string_pretty(&resource)?);
         }
         Action::Publish { volume, container } => {
@@ -138,11 +198,35 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             let id = resolve(provider, &volume).await?;
             provider.release(&id, &container).await?;
         }
-        Action::Destroy { volume } => {
+        Action::Destroy { volume, delete } => {
             let id = resolve(provider, &volume).await?;
-            provider.destroy_volume(&id).await?;
+            provider.destroy_volume_with(&id, delete).await?;
         }
-        Action::List { json } => {
+        Action::List { json, plugin: true } => {
+            let volumes = provider.plugin_volumes().await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&volumes)?);
+            } else {
+                println!("{:<40} {:>14} CONTEXT", "PLUGIN VOLUME", "CAPACITY");
+                for v in volumes {
+                    let context: Vec<_> = v
+                        .volume_context
+                        .iter()
+                        .map(|(k, v)| format!("{}={}", shown(k), shown(v)))
+                        .collect();
+                    println!(
+                        "{:<40} {:>14} {}",
+                        shown(&v.volume_id),
+                        v.capacity_bytes,
+                        context.join(",")
+                    );
+                }
+            }
+        }
+        Action::List {
+            json,
+            plugin: false,
+        } => {
             let volumes = provider.volumes().await;
             if json {
                 println!("{}", serde_json::to_string_pretty(&volumes)?);
@@ -162,6 +246,21 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         }
     }
     Ok(())
+}
+
+/// The capability of an access mode named on the command line.
+fn capability(access_mode: String) -> anyhow::Result<Capability> {
+    let capability = Capability {
+        access_mode,
+        ..Capability::default()
+    };
+    if capability.mode().is_none() {
+        return Err(anyhow!(
+            "unknown access mode '{}'",
+            shown(&capability.access_mode)
+        ));
+    }
+    Ok(capability)
 }
 
 /// A volume named by id or by CreateVolume name.

@@ -1,0 +1,667 @@
+//! What a real driver needs, end to end with the built binaries: CreateVolume
+//! parameters from `volume create` (the bundled plugin in require mode refuses
+//! a create without them and echoes what it got in the volume context), a
+//! second create with other parameters refused by key, import of a volume the
+//! provider does not know (`volume list --plugin` shows it, a run reads what
+//! it held, destroy keeps it in the plugin unless `--delete`), and the
+//! messages for disks the provider does not know.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use csi_isolator::testing::{isolator_command, require_root, PluginProcess, Sandbox};
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// `csi-isolator --work-dir WORK volume --plugin-endpoint EP ARGS...`.
+fn volume(work: &Path, endpoint: &str, args: &[&str]) -> Output {
+    isolator_command(CLI, work)
+        .args(["volume", "--plugin-endpoint", endpoint])
+        .args(args)
+        .output()
+        .expect("run csi-isolator")
+}
+
+fn ok(out: Output, what: &str) -> String {
+    assert!(out.status.success(), "{what} failed: {}", text(&out.stderr));
+    text(&out.stdout)
+}
+
+fn refused(out: Output, what: &str) -> String {
+    assert!(
+        !out.status.success(),
+        "{what} succeeded: {}",
+        text(&out.stdout)
+    );
+    text(&out.stderr)
+}
+
+/// The plugin's volume ids, asked over CSI.
+async fn plugin_ids(plugin: &PluginProcess) -> Vec<String> {
+    plugin
+        .listed()
+        .await
+        .into_iter()
+        .filter_map(|e| e.volume.map(|v| v.volume_id))
+        .collect()
+}
+
+#[tokio::test]
+async fn volume_create_parameters_reach_create_volume() {
+    require_root();
+    let sb = Sandbox::new("params-create");
+    let plugin = PluginProcess::start(
+        &sb,
+        PLUGIN,
+        &[
+            "--backing",
+            "dir",
+            "--require-parameters",
+            "server,share=/export",
+        ],
+    )
+    .await;
+    let work = sb.join("work");
+    let ep = plugin.endpoint();
+
+    // Without them: the plugin refuses, naming the key; nothing is recorded.
+    let err = refused(volume(&work, &ep, &["create", "v", "8M"]), "create without");
+    assert!(
+        err.contains("InvalidArgument") || err.contains("INVALID_ARGUMENT"),
+        "{err}"
+    );
+    assert!(err.contains("parameter 'server'"), "{err}");
+    let err = refused(
+        volume(
+            &work,
+            &ep,
+            &[
+                "create",
+                "v",
+                "8M",
+                "--param",
+                "server=s1",
+                "--param",
+                "share=/other",
+            ],
+        ),
+        "create with a wrong value",
+    );
+    assert!(err.contains("parameter 'share'"), "{err}");
+    assert!(plugin_ids(&plugin).await.is_empty());
+
+    // With them: accepted, echoed back in the volume context, recorded, shown.
+    let res: serde_json::Value = serde_json::from_str(&ok(
+        volume(
+            &work,
+            &ep,
+            &[
+                "create",
+                "v",
+                "8M",
+                "--param",
+                "server=s1",
+                "--param",
+                "share=/export",
+            ],
+        ),
+        "create with",
+    ))
+    .unwrap();
+    let metadata = &res["disk"]["source"]["metadata"];
+    let labels = serde_json::to_string(metadata).unwrap();
+    assert!(
+        labels.contains("parameter.server") && labels.contains("s1"),
+        "{labels}"
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list[0]["parameters"]["server"], "s1");
+    assert_eq!(list[0]["parameters"]["share"], "/export");
+    assert_eq!(list[0]["volume_context"]["parameter.share"], "/export");
+    let status = isolator_command(CLI, &work)
+        .args(["status", "--json"])
+        .output()
+        .unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(status["volumes"][0]["parameters"]["server"], "s1");
+
+    // The same create again is the same volume; another set is refused by key.
+    ok(
+        volume(
+            &work,
+            &ep,
+            &[
+                "create",
+                "v",
+                "8M",
+                "--param",
+                "share=/export",
+                "--param",
+                "server=s1",
+            ],
+        ),
+        "the same create again",
+    );
+    let err = refused(
+        volume(
+            &work,
+            &ep,
+            &[
+                "create",
+                "v",
+                "8M",
+                "--param",
+                "server=s2",
+                "--param",
+                "share=/export",
+            ],
+        ),
+        "create with other parameters",
+    );
+    assert!(
+        err.contains("other CreateVolume parameters") && err.contains("key 'server'"),
+        "{err}"
+    );
+    let err = refused(
+        volume(&work, &ep, &["create", "v", "8M"]),
+        "create with none",
+    );
+    assert!(err.contains("key 'server'"), "{err}");
+    assert_eq!(plugin_ids(&plugin).await.len(), 1);
+
+    // A run by name uses the volume with its parameters; the plugin refuses nothing.
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "v:8M:data"])
+        .args(["--", "sh", "-c", "echo ok > data/f; cat data/f"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run by name"), "ok\n");
+    ok(volume(&work, &ep, &["destroy", "v"]), "destroy");
+    assert!(plugin_ids(&plugin).await.is_empty());
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn hostile_parameters_are_refused_before_the_plugin() {
+    require_root();
+    let sb = Sandbox::new("params-hostile");
+    let work = sb.join("work");
+    let long = format!("k={}", "v".repeat(5000));
+    let cases: [(&[&str], &str); 5] = [
+        (&["--param", "novalue"], "give KEY=VALUE"),
+        (&["--param", "a b=1"], "other than letters"),
+        (
+            &["--param", "csi.storage.k8s.io/node-stage-secret-name=s"],
+            "secrets never travel",
+        ),
+        (&["--param", "a=1", "--param", "a=2"], "given twice"),
+        (&["--param", &long], "4096 bytes"),
+    ];
+    for (args, want) in cases {
+        let out = isolator_command(CLI, &work)
+            .args(["volume", "--plugin-arg=--backing=dir", "create", "v", "8M"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = refused(out, want);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test]
+async fn an_imported_volume_is_run_with_its_data_and_kept_on_destroy() {
+    require_root();
+    let sb = Sandbox::new("import");
+    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let ep = plugin.endpoint();
+    // Another CO (its own work dir) makes a volume and writes into it: behind our back.
+    let other = sb.join("other");
+    let res: serde_json::Value =
+        serde_json::from_str(&ok(volume(&other, &ep, &["create", "old", "8M"]), "create")).unwrap();
+    let id = res["disk"]["source"]["id"].as_str().unwrap().to_string();
+    let mount = ok(
+        volume(&other, &ep, &["publish", "old", "--container", "c"]),
+        "publish",
+    );
+    std::fs::write(Path::new(mount.trim()).join("before"), "from before\n").unwrap();
+    ok(
+        volume(&other, &ep, &["release", "old", "--container", "c"]),
+        "release",
+    );
+
+    let work = sb.join("work");
+    // `list --plugin` shows it: the plugin has it, this provider does not know it.
+    let listed = ok(volume(&work, &ep, &["list", "--plugin"]), "list --plugin");
+    assert!(listed.contains(&id), "{listed}");
+    let listed: serde_json::Value = serde_json::from_str(&ok(
+        volume(&work, &ep, &["list", "--plugin", "--json"]),
+        "list --plugin --json",
+    ))
+    .unwrap();
+    assert_eq!(listed[0]["volume_id"], id.as_str());
+
+    // Before the import, a resource naming it says how to import it, and nothing is mounted.
+    let resources = sb.join("res.json");
+    let mut r = res.clone();
+    r["disk"]["volume"] = serde_json::json!({"container_path": "data", "mode": "RW"});
+    std::fs::write(&resources, serde_json::to_string(&[&r]).unwrap()).unwrap();
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--resources"])
+        .arg(&resources)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    let err = refused(out, "run of an unknown volume");
+    assert!(
+        err.contains("unknown volume") && err.contains("volume import"),
+        "{err}"
+    );
+    assert!(!err.contains("cannot remove the sandbox"), "{err}");
+    sb.assert_no_mounts_under();
+
+    // Imported, it runs with the data it held.
+    let imported: serde_json::Value = serde_json::from_str(&ok(
+        volume(
+            &work,
+            &ep,
+            &["import", "mine", "--volume-id", &id, "--capacity", "8M"],
+        ),
+        "import",
+    ))
+    .unwrap();
+    assert_eq!(imported["disk"]["source"]["id"], id.as_str());
+    ok(
+        volume(&work, &ep, &["import", "mine", "--volume-id", &id]),
+        "the same import again",
+    );
+    let err = refused(
+        volume(&work, &ep, &["import", "again", "--volume-id", &id]),
+        "import of a recorded id under another name",
+    );
+    assert!(err.contains("already recorded as 'mine'"), "{err}");
+    let listed = ok(volume(&work, &ep, &["list", "--plugin"]), "list --plugin");
+    assert!(!listed.contains(&id), "{listed}");
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "mine:8M:data"])
+        .args(["--", "cat", "data/before"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run"), "from before\n");
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list[0]["pre_provisioned"], true);
+
+    // Destroy forgets it and leaves it in the plugin; --delete deletes it.
+    ok(volume(&work, &ep, &["destroy", "mine"]), "destroy");
+    assert!(plugin_ids(&plugin).await.contains(&id));
+    ok(
+        volume(&work, &ep, &["import", "mine", "--volume-id", &id]),
+        "import once more",
+    );
+    ok(
+        volume(&work, &ep, &["destroy", "mine", "--delete"]),
+        "destroy --delete",
+    );
+    assert!(!plugin_ids(&plugin).await.contains(&id));
+    // The other CO's record stays; its destroy finds the volume gone (idempotent DeleteVolume).
+    ok(
+        volume(&other, &ep, &["destroy", "old"]),
+        "the other's destroy",
+    );
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test]
+async fn an_import_the_plugin_does_not_confirm_is_refused() {
+    require_root();
+    let sb = Sandbox::new("import-refused");
+    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let ep = plugin.endpoint();
+    let work = sb.join("work");
+    let err = refused(
+        volume(
+            &work,
+            &ep,
+            &["import", "ghost", "--volume-id", "no-such-volume"],
+        ),
+        "import of a volume the plugin lacks",
+    );
+    assert!(
+        err.contains("NotFound") || err.contains("not found"),
+        "{err}"
+    );
+    let err = refused(
+        volume(&work, &ep, &["import", "x", "--volume-id", "a\u{7}b"]),
+        "import of a control character",
+    );
+    assert!(err.contains("control character"), "{err}");
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list, serde_json::json!([]));
+    let layout_intents = std::fs::read_dir(work.join("csi"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|t| std::fs::read_dir(t.path()).into_iter().flatten().flatten())
+        .filter_map(|n| std::fs::read_dir(n.path().join("creating")).ok())
+        .flat_map(|d| d.flatten())
+        .count();
+    assert_eq!(layout_intents, 0, "no import intent left");
+}
+
+#[test]
+fn a_disk_without_provider_id_must_exist() {
+    require_root();
+    let sb = Sandbox::new("agent-disk");
+    let work = sb.join("work");
+    let missing = sb.join("prepared-by-the-operator");
+    let resources = sb.join("res.json");
+    let disk = serde_json::json!([{
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 64},
+        "disk": {
+            "source": {"type": "MOUNT", "mount": {"root": missing}},
+            "volume": {"container_path": "data", "mode": "RW"}
+        }
+    }]);
+    std::fs::write(&resources, disk.to_string()).unwrap();
+    let run = || -> Command {
+        let mut c = isolator_command(CLI, &work);
+        c.args(["run", "--plugin-arg=--backing=dir", "--resources"])
+            .arg(&resources)
+            .args(["--", "cat", "data/f"]);
+        c
+    };
+    let err = refused(run().output().unwrap(), "run of a missing agent disk");
+    assert!(
+        err.contains("has no provider_id")
+            && err.contains(&missing.display().to_string())
+            && err.contains("does not exist"),
+        "{err}"
+    );
+    assert!(!err.contains("open_tree"), "{err}");
+    sb.assert_no_mounts_under();
+    // Prepared by the operator, it is mounted.
+    std::fs::create_dir(&missing).unwrap();
+    std::fs::write(missing.join("f"), "prepared\n").unwrap();
+    let out = run().output().unwrap();
+    assert_eq!(ok(out, "run of a prepared agent disk"), "prepared\n");
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn a_refused_create_leaves_no_sandbox_warning() {
+    require_root();
+    let sb = Sandbox::new("refused-create");
+    let work = sb.join("work");
+    let out = isolator_command(CLI, &work)
+        .env("RUST_LOG", "warn")
+        .args([
+            "run",
+            "--plugin-arg=--backing=dir",
+            "--plugin-arg=--require-parameters=server",
+            "--volume",
+            "v:8M:data",
+            "--",
+            "true",
+        ])
+        .output()
+        .unwrap();
+    let err = refused(out, "run whose CreateVolume is refused");
+    assert!(err.contains("parameter 'server'"), "{err}");
+    assert!(!err.contains("cannot remove the sandbox"), "{err}");
+    sb.assert_no_mounts_under();
+}
+
+/// The bundled provider's id, which resources name.
+const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
+
+/// A profiles file (root's, 0644, in a root-owned directory) with profile
+/// `shared` giving `share=/from-profile`.
+fn profiles_file(sb: &Sandbox) -> std::path::PathBuf {
+    let dir = sb.mkdir("profiles");
+    let file = dir.join("profiles.json");
+    std::fs::write(
+        &file,
+        r#"{"profile_matrix": {"shared": {
+            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+            "create_parameters": {"share": "/from-profile"}}}}"#,
+    )
+    .unwrap();
+    file
+}
+
+/// A disk of the bundled provider with a profile and no volume yet, named by its persistence id.
+fn profile_disk(profile: &str, name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "provider_id": {"value": PROVIDER},
+        "disk": {
+            "source": {"type": "RAW", "profile": profile},
+            "persistence": {"id": name},
+            "volume": {"container_path": "data", "mode": "RW"}
+        }
+    })
+}
+
+#[tokio::test]
+async fn serve_takes_parameters_imports_and_profile_disks() {
+    use csi_isolator::service::proto::isolator_client::IsolatorClient;
+    use csi_isolator::service::proto::{
+        CleanupRequest, ContainerConfig, CreateVolumeRequest, ImportVolumeRequest, PrepareRequest,
+        StatusRequest,
+    };
+    require_root();
+    let sb = Sandbox::new("params-serve");
+    let work = sb.join("work");
+    let socket = sb.join("serve.sock");
+    let profiles = profiles_file(&sb);
+    let mut cmd = isolator_command(CLI, &work);
+    cmd.args([
+        "serve",
+        "--plugin-arg=--backing=dir",
+        "--plugin-arg=--require-parameters=share",
+        "--disk-profiles",
+    ])
+    .arg(&profiles)
+    .arg("--socket")
+    .arg(&socket)
+    .stdout(std::process::Stdio::piped());
+    let mut child = sb.spawn(&mut cmd).expect("spawn serve");
+    csi_isolator::testing::wait_for_serve_ready(&mut child, std::time::Duration::from_secs(30));
+    let channel = csi_isolator::csi::transport::connect_unix(&socket)
+        .await
+        .unwrap();
+    let mut c = IsolatorClient::new(channel);
+
+    // CreateVolume: refused without the parameter, accepted with it, refused with another value.
+    let create = |share: Option<&str>| CreateVolumeRequest {
+        name: "v".into(),
+        capacity_bytes: 8 << 20,
+        parameters: share
+            .map(|s| [("share".to_string(), s.to_string())].into())
+            .unwrap_or_default(),
+        ..Default::default()
+    };
+    let err = c.create_volume(create(None)).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("parameter 'share'"), "{err:?}");
+    let made = c
+        .create_volume(create(Some("/export")))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        made.resource_json.contains("parameter.share"),
+        "{}",
+        made.resource_json
+    );
+    let err = c.create_volume(create(Some("/other"))).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    assert!(err.message().contains("key 'share'"), "{err:?}");
+    let bad = CreateVolumeRequest {
+        parameters: [("a b".to_string(), "x".to_string())].into(),
+        ..create(None)
+    };
+    let err = c.create_volume(bad).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+
+    // ImportVolume: an id the plugin lacks is refused by it, a recorded id under another name too.
+    let import = |name: &str, id: &str| ImportVolumeRequest {
+        name: name.into(),
+        volume_id: id.into(),
+        ..Default::default()
+    };
+    let err = c.import_volume(import("ghost", "nope")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    let err = c
+        .import_volume(import("again", &made.volume_id))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("already recorded as 'v'"), "{err:?}");
+
+    // Prepare with a profile disk: created with the profile's parameters, then published.
+    let sandbox = sb.mkdir("sandbox");
+    let prepare = |resources: serde_json::Value| PrepareRequest {
+        container_id: "c1".into(),
+        config: Some(ContainerConfig {
+            resources_json: resources.to_string(),
+            sandbox: sandbox.display().to_string(),
+            ..Default::default()
+        }),
+    };
+    let err = c
+        .prepare(prepare(serde_json::json!([profile_disk("slow", "pv1")])))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("disk profile 'slow'"), "{err:?}");
+    let info = c
+        .prepare(prepare(serde_json::json!([profile_disk("shared", "pv1")])))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1);
+    let status = c.status(StatusRequest {}).await.unwrap().into_inner();
+    let pv1 = status.volumes.iter().find(|v| v.name == "pv1").unwrap();
+    assert_eq!(pv1.parameters["share"], "/from-profile");
+    assert_eq!(pv1.state, "PUBLISHED");
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    drop(c);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let _ = child.wait();
+    sb.untrack(child.id());
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn run_creates_a_profile_disk_with_the_profiles_parameters() {
+    require_root();
+    let sb = Sandbox::new("params-profile-run");
+    let work = sb.join("work");
+    let profiles = profiles_file(&sb);
+    let resources = sb.join("res.json");
+    std::fs::write(
+        &resources,
+        serde_json::json!([profile_disk("shared", "pv1")]).to_string(),
+    )
+    .unwrap();
+    let run = |profiles_flag: bool| {
+        let mut c = isolator_command(CLI, &work);
+        c.args([
+            "run",
+            "--plugin-arg=--backing=dir",
+            "--plugin-arg=--require-parameters=share=/from-profile",
+        ]);
+        if profiles_flag {
+            c.arg("--disk-profiles").arg(&profiles);
+        }
+        c.arg("--resources")
+            .arg(&resources)
+            .args(["--", "sh", "-c", "echo hi > data/f; cat data/f"])
+            .output()
+            .unwrap()
+    };
+    let err = refused(run(false), "run without a profiles file");
+    assert!(
+        err.contains("disk profile 'shared'") && err.contains("--disk-profiles"),
+        "{err}"
+    );
+    assert_eq!(ok(run(true), "run with the profiles file"), "hi\n");
+    let list: serde_json::Value = serde_json::from_str(&ok(
+        isolator_command(CLI, &work)
+            .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
+            .output()
+            .unwrap(),
+        "list",
+    ))
+    .unwrap();
+    assert_eq!(list[0]["name"], "pv1");
+    assert_eq!(list[0]["profile"], "shared");
+    assert_eq!(
+        list[0]["volume_context"]["parameter.share"],
+        "/from-profile"
+    );
+    // The same resource again is the same volume.
+    assert_eq!(ok(run(true), "a second run"), "hi\n");
+    sb.assert_no_mounts_under();
+}
+
+#[test]
+fn a_profiles_file_someone_else_can_write_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let sb = Sandbox::new("params-profile-attack");
+    let work = sb.join("work");
+    let good = profiles_file(&sb);
+    let list = |file: &Path| {
+        isolator_command(CLI, &work)
+            .args(["volume", "--plugin-arg=--backing=dir", "--disk-profiles"])
+            .arg(file)
+            .args(["list"])
+            .output()
+            .unwrap()
+    };
+    ok(list(&good), "list with a root-only profiles file");
+    // Writable by others.
+    std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let err = refused(list(&good), "a world-writable profiles file");
+    assert!(err.contains("writable by group or others"), "{err}");
+    std::fs::set_permissions(&good, std::fs::Permissions::from_mode(0o644)).unwrap();
+    // Owned by another user.
+    std::os::unix::fs::chown(&good, Some(65534), None).unwrap();
+    let err = refused(list(&good), "a profiles file of nobody's");
+    assert!(err.contains("not owned by root"), "{err}");
+    std::os::unix::fs::chown(&good, Some(0), None).unwrap();
+    // A symbolic link to it.
+    let link = sb.join("profiles/link.json");
+    std::os::unix::fs::symlink(&good, &link).unwrap();
+    let err = refused(list(&link), "a symlinked profiles file");
+    assert!(err.contains("symbolic link"), "{err}");
+    // In a directory others can write.
+    let open = sb.mkdir("open");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let planted = open.join("p.json");
+    std::fs::copy(&good, &planted).unwrap();
+    let err = refused(list(&planted), "a profiles file in an open directory");
+    assert!(err.contains("writable by group or others"), "{err}");
+    // Oversized.
+    std::fs::write(&good, vec![b' '; (1 << 20) + 1]).unwrap();
+    let err = refused(list(&good), "an oversized profiles file");
+    assert!(err.contains("over 1048576 bytes"), "{err}");
+}
