@@ -100,13 +100,16 @@ fn assert_refused(out: &Output, what: &str, needles: &[&str]) {
     }
 }
 
-#[test]
-fn a_work_dir_owned_by_nobody_is_refused_before_anything_is_made_in_it() {
-    require_root();
-    let sb = Sandbox::new("wdsec-owner");
-    let socket_dir = sb.join("s");
+/// A work dir `<sb>/w` that `nobody` owns (mode 0755), and the managed plugin's socket dir.
+fn nobodys_work_dir(sb: &Sandbox) -> (PathBuf, PathBuf) {
     let work = sb.mkdir("w");
     chown_nobody(&work);
+    (work, sb.join("s"))
+}
+
+/// Each command was refused naming the work dir, its owner, its mode and the fix, and nothing
+/// was made in the work dir, no plugin started, the directory left as it was.
+fn assert_refused_in_nobodys_work_dir(work: &Path, socket_dir: &Path, refused: &[(&str, Output)]) {
     let dir = work.display().to_string();
     let needles = [
         dir.as_str(),
@@ -116,6 +119,19 @@ fn a_work_dir_owned_by_nobody_is_refused_before_anything_is_made_in_it() {
         "chown root",
         "--work-dir",
     ];
+    for (what, out) in refused {
+        assert_refused(out, what, &needles);
+        assert!(names(work).is_empty(), "{what} made {:?}", names(work));
+    }
+    assert!(!socket_dir.exists(), "no plugin was started");
+    assert_eq!(mode(work), 0o755, "the foreign dir is left as it was");
+}
+
+#[test]
+fn a_work_dir_owned_by_nobody_is_refused_before_anything_is_made_in_it() {
+    require_root();
+    let sb = Sandbox::new("wdsec-owner");
+    let (work, socket_dir) = nobodys_work_dir(&sb);
     let refused = [
         ("run", run_true(&work, &socket_dir)),
         (
@@ -124,12 +140,7 @@ fn a_work_dir_owned_by_nobody_is_refused_before_anything_is_made_in_it() {
         ),
         ("status", output(cli(&work, &socket_dir).arg("status"))),
     ];
-    for (what, out) in &refused {
-        assert_refused(out, what, &needles);
-        assert!(names(&work).is_empty(), "{what} made {:?}", names(&work));
-    }
-    assert!(!socket_dir.exists(), "no plugin was started");
-    assert_eq!(mode(&work), 0o755, "the foreign dir is left as it was");
+    assert_refused_in_nobodys_work_dir(&work, &socket_dir, &refused);
 }
 
 /// `oci-hook STAGE` on `work` with the container state `state` on stdin.
@@ -157,17 +168,7 @@ fn hook(work: &Path, socket_dir: &Path, stage: &str, state: &str) -> Output {
 fn serve_and_the_hooks_refuse_a_work_dir_owned_by_nobody() {
     require_root();
     let sb = Sandbox::new("wdsec-owner-entries");
-    let socket_dir = sb.join("s");
-    let work = sb.mkdir("w");
-    chown_nobody(&work);
-    let dir = work.display().to_string();
-    let needles = [
-        dir.as_str(),
-        "not owned by root",
-        "owner uid 65534",
-        "--work-dir",
-    ];
-
+    let (work, socket_dir) = nobodys_work_dir(&sb);
     let socket = sb.join("isolator.sock");
     let serve = output(
         cli(&work, &socket_dir)
@@ -198,13 +199,8 @@ fn serve_and_the_hooks_refuse_a_work_dir_owned_by_nobody() {
             hook(&work, &socket_dir, "poststop", &state),
         ),
     ];
-    for (what, out) in &refused {
-        assert_refused(out, what, &needles);
-        assert!(names(&work).is_empty(), "{what} made {:?}", names(&work));
-    }
+    assert_refused_in_nobodys_work_dir(&work, &socket_dir, &refused);
     assert!(!socket.exists(), "serve bound its socket");
-    assert!(!socket_dir.exists(), "no plugin was started");
-    assert_eq!(mode(&work), 0o755, "the foreign dir is left as it was");
     sb.assert_no_mounts_under();
 }
 
