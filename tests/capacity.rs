@@ -11,6 +11,7 @@ use std::process::{Command, Output};
 
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+use csi_isolator::mount::MountTable;
 use csi_isolator::testing::{
     isolator_command, mount_capability, raw_clients, require_root, PluginProcess, Sandbox, Tmpfs,
 };
@@ -257,6 +258,56 @@ async fn create_volume_never_promises_more_than_the_filesystem_holds() {
     let back = capacity(&mut c).await;
     assert!(back.abs_diff(empty) < MIB, "{back} after, {empty} before");
     plugin.kill();
+    drop(fs);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// Through the command a user types: a `volume create` (and a `run` that would create) larger
+/// than the work dir's filesystem can hold is refused with the plugin's RESOURCE_EXHAUSTED and
+/// its reason, and nothing is recorded, mounted or attached.
+#[test]
+fn a_volume_larger_than_the_filesystem_is_refused_through_the_cli_and_nothing_is_recorded() {
+    require_root();
+    let sb = Sandbox::new("capacity-cli-full");
+    let fs = Tmpfs::mount(&sb, "fs", "64M");
+    let work = fs.path().join("work");
+    let refused = |out: Output, what: &str| {
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{what} succeeded: {err}");
+        assert!(
+            err.contains("RESOURCE_EXHAUSTED") && err.contains("but the filesystem of"),
+            "{what}: {err}"
+        );
+    };
+    refused(
+        cli(&work)
+            .args(["volume", "create", "big", "200M"])
+            .output()
+            .expect("run csi-isolator"),
+        "volume create",
+    );
+    refused(
+        cli(&work)
+            .args(["run", "--volume", "big:200M:data", "--", "true"])
+            .output()
+            .expect("run csi-isolator"),
+        "run",
+    );
+    let listed = ok(cli(&work).args(["volume", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_str(&listed).expect("list --json");
+    assert_eq!(
+        listed.as_array().map(Vec::len),
+        Some(0),
+        "recorded: {listed}"
+    );
+    // What fits is still made.
+    ok(cli(&work).args(["volume", "create", "fits", "16M"]));
+    ok(cli(&work).args(["volume", "destroy", "fits"]));
+    let left = csi_isolator::mount::ProcMountTable::new()
+        .mounts_under(&work)
+        .expect("read the mount table");
+    assert!(left.is_empty(), "mounted under the work dir: {left:?}");
     drop(fs);
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
