@@ -701,6 +701,9 @@ pub struct WorkDirLock {
 pub async fn lock(work_dir: &Path, wait: Option<Duration>) -> Result<WorkDirLock, WorkDirError> {
     let path = work_dir.join(LOCK_FILE);
     let start = Instant::now();
+    // Who holds it is asked once: a root holder (another csi-isolator) is then waited for, and no
+    // other user can open the 0600 file afterwards.
+    let mut holders_asked = false;
     loop {
         let file = open_private_file(&path, false)?;
         match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -718,7 +721,13 @@ pub async fn lock(work_dir: &Path, wait: Option<Duration>) -> Result<WorkDirLock
             Err((file, Errno::EWOULDBLOCK)) => {
                 // Held by a user who could only have opened it while an older version left it
                 // 0644: that holder keeps the old inode and the lock moves to a fresh file.
-                if let Some(holders) = foreign_holders(&file) {
+                let foreign = if holders_asked {
+                    None
+                } else {
+                    holders_asked = true;
+                    foreign_holders(&file)
+                };
+                if let Some(holders) = foreign {
                     replace_lock_file(&path)?;
                     tracing::warn!(lock = %path.display(), ?holders, "run.lock was held by a process not running as root (opened while an older version left it readable); replaced it with a fresh root-only lock file");
                     continue;
@@ -802,11 +811,12 @@ fn replace_lock_file(path: &Path) -> Result<(), WorkDirError> {
     let fresh = path.with_file_name(format!(".{LOCK_FILE}.{}", std::process::id()));
     // A leftover of a process with this pid that died here: root's own.
     let _ = std::fs::remove_file(&fresh);
+    // create_new (O_EXCL) follows no link. Not made durable (no directory fsync): after a power
+    // loss either file is a valid lock, and an old wide one is narrowed or replaced again.
     File::options()
         .write(true)
         .create_new(true)
         .mode(PRIVATE_FILE_MODE)
-        .custom_flags(libc::O_NOFOLLOW)
         .open(&fresh)
         .map_err(io_step("create a fresh lock file", &fresh))?;
     Ok(std::fs::rename(&fresh, path).map_err(io_step("replace the lock file", path))?)

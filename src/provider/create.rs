@@ -361,9 +361,12 @@ impl StorageProvider {
                 users: rec.users.iter().cloned().collect(),
             });
         }
+        // `--delete` changes the record only for an imported volume: a created one is deleted
+        // from the plugin anyway, so asking again is no change to persist.
+        let delete_imported = delete_imported && rec.pre_provisioned;
         if !rec.destroying || (delete_imported && !rec.delete_imported) {
             rec.destroying = true;
-            rec.delete_imported |= delete_imported && rec.pre_provisioned;
+            rec.delete_imported |= delete_imported;
             self.persist(&rec).await?;
         }
         self.finish_destroy(&mut rec).await

@@ -205,8 +205,10 @@ impl StorageProvider {
                 .collect()
         })
         .await;
+        // Intent files are named by their volume's name, so one name is finished at most once
+        // in this loop: the names known before it are the ones to judge by.
+        let known = self.names();
         for (path, read) in found {
-            let known = self.names();
             let intent = match sort_intent(read, &known) {
                 IntentSorted::Corrupt(reason) => {
                     let at = path.clone();
@@ -305,7 +307,8 @@ impl StorageProvider {
 }
 
 impl StorageProvider {
-    /// The CreateVolume names of the volumes known (lock-free: names never change).
+    /// The CreateVolume names of the volumes known (without waiting for any record's lock: names
+    /// never change).
     fn names(&self) -> HashSet<String> {
         self.slots
             .lock()

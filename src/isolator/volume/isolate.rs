@@ -7,11 +7,10 @@ impl VolumeIsolator {
     /// namespace on update).
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
         let facts = self.processes.facts(pid);
-        let (start, view) = (facts.start, facts.view);
         self.modify(container_id, |rec| {
             rec.pid = Some(pid);
-            rec.pid_start = start;
-            rec.mount_view = view;
+            rec.pid_start = facts.start;
+            rec.mount_view = facts.view;
         })
         .await
     }

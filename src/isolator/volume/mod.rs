@@ -194,15 +194,12 @@ impl VolumeIsolator {
             let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) else {
                 continue;
             };
-            let why = self.publisher.read_only_reason(pid, vid).await;
-            {
-                if let Some(why) = why {
-                    return Err(IsolatorError::ReadOnlyVolume {
-                        container: container.to_string(),
-                        volume: vid.clone(),
-                        why,
-                    });
-                }
+            if let Some(why) = self.publisher.read_only_reason(pid, vid).await {
+                return Err(IsolatorError::ReadOnlyVolume {
+                    container: container.to_string(),
+                    volume: vid.clone(),
+                    why,
+                });
             }
         }
         Ok(())
