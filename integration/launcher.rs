@@ -730,6 +730,7 @@ async fn concurrent_launches_from_a_busy_runtime() {
 #[test]
 fn unmount_from_takes_only_the_volumes_own_mount() {
     require_root();
+    let sys = csi_isolator::mount::LinuxSyscall::new();
     let sb = Sandbox::new("inject-identity");
     let sandbox = sb.mkdir("sandbox");
     let (a, b) = (sb.mkdir("vol-a"), sb.mkdir("vol-b"));
@@ -744,62 +745,26 @@ fn unmount_from_takes_only_the_volumes_own_mount() {
     let a_copy = volume(&a, TargetRoot::Sandbox, "copy", "copy", false, "vol-a");
     let b_data = volume(&b, TargetRoot::Sandbox, "data", "data", false, "vol-b");
     for m in [&a_data, &a_copy, &b_data] {
-        inject::mount_into(&csi_isolator::mount::LinuxSyscall::new(), pid, m, &sandbox)
-            .unwrap_or_else(|e| panic!("mount_into: {e}"));
+        inject::mount_into(&sys, pid, m, &sandbox).unwrap_or_else(|e| panic!("mount_into: {e}"));
     }
     let count = |p: &Path| mount_points_of(pid).iter().filter(|m| *m == p).count();
     let (data, copy) = (sandbox.join("data"), sandbox.join("copy"));
     assert_eq!((count(&data), count(&copy)), (2, 1));
 
     // vol-b is on top of vol-a at data: taking vol-a there is refused, nothing is unmounted.
-    let err = inject::unmount_from(
-        &csi_isolator::mount::LinuxSyscall::new(),
-        pid,
-        &a_data,
-        &sandbox,
-        true,
-    )
-    .unwrap_err();
+    let err = inject::unmount_from(&sys, pid, &a_data, &sandbox, true).unwrap_err();
     assert!(matches!(err, LaunchError::NotTheVolume { .. }), "{err}");
     assert!(err.full_message().contains("not the volume's"), "{err}");
     assert_eq!((count(&data), count(&copy)), (2, 1));
 
     // In order: vol-b, then vol-a at data; its other mount at copy stays (the sweep is off).
-    inject::unmount_from(
-        &csi_isolator::mount::LinuxSyscall::new(),
-        pid,
-        &b_data,
-        &sandbox,
-        false,
-    )
-    .unwrap();
+    inject::unmount_from(&sys, pid, &b_data, &sandbox, false).unwrap();
     assert_eq!((count(&data), count(&copy)), (1, 1));
-    inject::unmount_from(
-        &csi_isolator::mount::LinuxSyscall::new(),
-        pid,
-        &a_data,
-        &sandbox,
-        true,
-    )
-    .unwrap();
+    inject::unmount_from(&sys, pid, &a_data, &sandbox, true).unwrap();
     assert_eq!((count(&data), count(&copy)), (0, 1));
     // Nothing left at data: done, again.
-    inject::unmount_from(
-        &csi_isolator::mount::LinuxSyscall::new(),
-        pid,
-        &a_data,
-        &sandbox,
-        true,
-    )
-    .unwrap();
-    inject::unmount_from(
-        &csi_isolator::mount::LinuxSyscall::new(),
-        pid,
-        &a_copy,
-        &sandbox,
-        false,
-    )
-    .unwrap();
+    inject::unmount_from(&sys, pid, &a_data, &sandbox, true).unwrap();
+    inject::unmount_from(&sys, pid, &a_copy, &sandbox, false).unwrap();
     assert_eq!(count(&copy), 0);
 
     fs::write(sandbox.join("stop"), "").unwrap();

@@ -244,7 +244,6 @@ async fn crash_once(op: &Op, n: u32) -> bool {
                 1,
                 "write {n}: no second volume in the plugin"
             );
-            id = Some(rec.volume_id.clone());
         }
         Op::Publish => {
             let rec = &records[0];
@@ -290,7 +289,6 @@ async fn crash_once(op: &Op, n: u32) -> bool {
             assert_eq!(rec.state, VolumeState::Created);
             let (exists, _, _) = plugin_view(&plugin, theirs, Path::new("/nonexistent")).await;
             assert!(exists, "write {n}: the plugin still has it");
-            id = Some(rec.volume_id.clone());
         }
         Op::DestroyImported => {
             let theirs = theirs.as_deref().unwrap();
@@ -332,7 +330,6 @@ async fn crash_once(op: &Op, n: u32) -> bool {
         }
         agent.ok(&["destroy", "v", "--delete"]);
     }
-    let _ = id;
     sb.assert_no_mounts_under();
     true
 }

@@ -345,12 +345,21 @@ async fn an_import_the_plugin_does_not_confirm_is_refused() {
     let list: serde_json::Value =
         serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
     assert_eq!(list, serde_json::json!([]));
-    let layout_intents = std::fs::read_dir(work.join("csi"))
-        .into_iter()
-        .flatten()
+    // Every provider directory (`csi/<type>/<name>`) of the work dir, then the intents in each.
+    let providers: Vec<std::path::PathBuf> = std::fs::read_dir(work.join("csi"))
+        .expect("the work dir has a csi/ directory")
         .flatten()
         .flat_map(|t| std::fs::read_dir(t.path()).into_iter().flatten().flatten())
-        .filter_map(|n| std::fs::read_dir(n.path().join("creating")).ok())
+        .map(|n| n.path())
+        .collect();
+    assert!(
+        !providers.is_empty(),
+        "no provider directory under {}",
+        work.display()
+    );
+    let layout_intents = providers
+        .iter()
+        .filter_map(|p| std::fs::read_dir(p.join("creating")).ok())
         .flat_map(|d| d.flatten())
         .count();
     assert_eq!(layout_intents, 0, "no import intent left");
@@ -564,8 +573,9 @@ async fn serve_takes_parameters_imports_and_profile_disks() {
         nix::sys::signal::Signal::SIGTERM,
     )
     .unwrap();
-    let _ = child.wait();
+    let status = child.wait().expect("wait for serve");
     sb.untrack(child.id());
+    assert!(status.success(), "serve exited with {status:?}");
     sb.assert_no_mounts_under();
 }
 

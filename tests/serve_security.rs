@@ -25,7 +25,8 @@ use csi_isolator::service::proto::{
 };
 use csi_isolator::testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
 use csi_isolator::testing::{
-    busybox_rootfs, processes_mentioning, require_root, wait_for_serve_ready, Sandbox,
+    busybox_rootfs, isolator_command, processes_mentioning, require_root, wait_for_serve_ready,
+    Sandbox,
 };
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
@@ -712,11 +713,7 @@ async fn serve_bounds_connections_and_call_time() {
 
 /// Runs `serve --socket socket` on `<sb>/work`, which must refuse to start; returns its stderr.
 fn serve_refused_with_socket(sb: &Sandbox, socket: &Path) -> String {
-    let out = Command::new(BIN)
-        .env("CSI_ISOLATOR_SOCKET_DIR", sb.join("s"))
-        .env_remove("RUST_LOG")
-        .arg("--work-dir")
-        .arg(sb.join("work"))
+    let out = isolator_command(BIN, &sb.join("work"))
         .arg("serve")
         .arg("--socket")
         .arg(socket)
