@@ -50,7 +50,7 @@ use csi_isolator::provider::bundled::{bundled_config, bundled_plugin_path, BUNDL
 use csi_isolator::provider::checkpoint;
 use csi_isolator::provider::{CreateSpec, Manager, StorageProvider, UnpublishPolicy};
 use csi_isolator::resource::{Resource, VolumeMode};
-use csi_isolator::testing::Sandbox;
+use csi_isolator_testing::Sandbox;
 
 use floor::Floor;
 use hold::HoldReport;
@@ -261,6 +261,7 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
             cmd.args([
                 "build",
                 "--quiet",
+                "--workspace",
                 "--bin",
                 BUNDLED_BINARY,
                 "--bin",
@@ -281,7 +282,7 @@ fn find_plugin(given: Option<&Path>) -> Result<PathBuf> {
     }
     bundled_plugin_path().with_context(|| {
         format!(
-            "{BUNDLED_BINARY} not found next to {}: run `cargo build --release --bin {BUNDLED_BINARY}` \
+            "{BUNDLED_BINARY} not found next to {}: run `cargo build --release -p {BUNDLED_BINARY}` \
              or set CSI_TEST_PLUGIN",
             exe.display()
         )

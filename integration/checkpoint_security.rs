@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use csi_isolator::isolator::{ContainerConfig, ContainerRecord};
 use csi_isolator::launcher::process::{mount_view, process_start_time};
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
+use csi_isolator_testing::{processes_mentioning, require_root, Sandbox};
 
 mod common;
 use common::{config, Agent};

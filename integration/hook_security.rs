@@ -7,6 +7,7 @@
 //! Needs root, `runc` on PATH and `/bin/busybox` (package busybox-static); nothing is installed at test
 //! time.
 
+use csi_isolator_testing::plugin_bin;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -17,13 +18,12 @@ use csi_isolator::isolator::hook::{
 use csi_isolator::isolator::{ContainerConfig, ContainerRecord};
 use csi_isolator::provider::VolumeRecord;
 use csi_isolator::resource::VolumeMode;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     host_mount_points, require_root, require_runc, runc_run, set_oci_hooks, start_bundled_provider,
     RuncBundle, RuncRun, Sandbox,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const RUN_TIMEOUT: Duration = Duration::from_secs(90);
 /// The annotation CRI-O sets to the pod's namespace, used as the tenant.
 const NAMESPACE: &str = "io.kubernetes.pod.namespace";
@@ -100,7 +100,7 @@ fn assert_refused(r: &RuncRun, says: &[&str]) {
 /// The provider's volumes on the hook's work dir.
 async fn volumes(sb: &Sandbox, bundle: &Bundle) -> Vec<VolumeRecord> {
     let provider =
-        start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
+        start_bundled_provider(sb, Path::new(plugin_bin()), &bundle.work, &bundle.sockets).await;
     let out = provider.volumes().await;
     provider.shutdown(Duration::from_secs(5)).await;
     out
@@ -109,7 +109,7 @@ async fn volumes(sb: &Sandbox, bundle: &Bundle) -> Vec<VolumeRecord> {
 /// The resources annotation naming the provider's volume recorded as `name`, at `/data`.
 async fn resource_of(sb: &Sandbox, bundle: &Bundle, name: &str) -> String {
     let provider =
-        start_bundled_provider(sb, Path::new(PLUGIN), &bundle.work, &bundle.sockets).await;
+        start_bundled_provider(sb, Path::new(plugin_bin()), &bundle.work, &bundle.sockets).await;
     let rec = provider
         .find_by_name(name)
         .await

@@ -14,6 +14,7 @@
 //!
 //! Every test works in its own sandbox and checks that nothing is left mounted.
 
+use csi_isolator_testing::plugin_bin;
 use std::ffi::CString;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -23,14 +24,13 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{Call, FakeSyscall, MountTable, ProcMountTable};
 use csi_isolator::provider::{PluginSource, ProviderConfig, StorageProvider};
-use csi_isolator::testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
-use csi_isolator::testing::{
+use csi_isolator_testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
+use csi_isolator_testing::{
     isolator_command, processes_mentioning, require_root, PluginProcess, Sandbox,
 };
 use nix::errno::Errno;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 
 /// How long a test waits for the workload to reach a point.
 const WAIT: Duration = Duration::from_secs(30);
@@ -371,7 +371,7 @@ fn the_provider_hardens_any_plugins_mounts_and_keeps_its_directories_private() {
         // A store an earlier version left open is closed when the plugin opens it.
         let old_store = sb.mkdir("plugin/work/volumes");
         std::fs::set_permissions(&old_store, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+        let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
         let work = sb.mkdir("work");
         let mut config = ProviderConfig::new(
             "",
@@ -439,7 +439,7 @@ fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
     use csi_isolator::isolator::LaunchInfo;
     use csi_isolator::mount::LinuxSyscall;
     use csi_isolator::mount::{TargetRoot, VolumeMount};
-    use csi_isolator::testing::{require_runc, runc_run, RuncBundle};
+    use csi_isolator_testing::{require_runc, runc_run, RuncBundle};
     require_root();
     require_runc();
     let sb = Sandbox::new("host-oci");
@@ -494,7 +494,7 @@ fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
 #[test]
 fn the_bundled_plugin_mounts_nosuid_nodev_with_both_backings() {
     use csi_isolator::csi::proto;
-    use csi_isolator::testing::{mount_capability, raw_clients};
+    use csi_isolator_testing::{mount_capability, raw_clients};
     require_root();
     let sb = Sandbox::new("host-plugin");
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -506,7 +506,7 @@ fn the_bundled_plugin_mounts_nosuid_nodev_with_both_backings() {
             let plugin = PluginProcess::start_named(
                 &sb,
                 backing,
-                PLUGIN,
+                plugin_bin(),
                 &["--backing", backing, "--no-controller-publish"],
             )
             .await;

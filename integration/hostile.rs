@@ -21,7 +21,7 @@ use csi_isolator::isolator::ContainerConfig;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::VolumeState;
 use csi_isolator::resource::{Resource, VolumeMode};
-use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
+use csi_isolator_testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 
 mod common;

@@ -13,7 +13,7 @@ use csi_isolator::isolator::IsolatorError;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::{Capability, CreateSpec, PluginSource, ProviderConfig, VolumeState};
 use csi_isolator::resource::VolumeMode;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     busybox_rootfs, host_mount_points, require_root, PluginProcess, Sandbox,
 };
 
@@ -255,7 +255,7 @@ async fn a_relative_root_created_on_one_agent_is_mounted_on_another() {
     require_root();
     let sb = Sandbox::new("iso-agents");
     let before = host_mount_points(&sb);
-    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let agent_x = {
         let mut c = ProviderConfig::new(
             "",

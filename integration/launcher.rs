@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use csi_isolator::launcher::{self, inject, LaunchError, LaunchSpec, Launched};
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
-use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
+use csi_isolator_testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 
 mod common;

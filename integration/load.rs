@@ -24,6 +24,7 @@
 //! be that plus exactly one pidfd per live workload. And once for the whole
 //! test: at the start, and after the providers were shut down and dropped.
 
+use csi_isolator_testing::plugin_bin;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::fs;
@@ -41,13 +42,12 @@ use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::status::scan;
 use csi_isolator::provider::{CreateSpec, Manager, StorageProvider, VolumeState};
 use csi_isolator::resource::{Resource, VolumeMode};
-use csi_isolator::testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
+use csi_isolator_testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
 use nix::sys::signal::Signal;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::task::JoinSet;
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const MIB: u64 = 1024 * 1024;
 
 /// Container lifecycles in one run.
@@ -839,7 +839,7 @@ async fn five_hundred_containers_leave_nothing_behind() {
         let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         args.push("--log-calls".into());
         args.push(sb.join(format!("calls-{name}.log")).display().to_string());
-        let mut c = bundled_config(Path::new(PLUGIN), &work, name, &args);
+        let mut c = bundled_config(Path::new(plugin_bin()), &work, name, &args);
         c.socket_dir = sb.join("s");
         let provider = StorageProvider::start(c).await.expect("start provider");
         plugins.register(&provider);

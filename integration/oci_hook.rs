@@ -5,6 +5,7 @@
 //! Needs root, `runc` on PATH and `/bin/busybox` (package busybox-static); nothing is installed at test
 //! time (`.ci/run` installs them).
 
+use csi_isolator_testing::plugin_bin;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,13 +15,12 @@ use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::state::VolumeState;
 use csi_isolator::provider::StorageProvider;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     host_mount_points, require_root, require_runc, runc_run, set_oci_hooks, RuncBundle, RuncRun,
     Sandbox,
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const RUN_TIMEOUT: Duration = Duration::from_secs(90);
 
 /// Root and runc, or a panic saying what is missing (busybox is checked when the bundle is built).
@@ -86,7 +86,7 @@ fn assert_container_gone(sb: &Sandbox, bundle: &Bundle, r: &RuncRun) {
 
 /// The volume `name` as the provider on the work dir sees it: (state, users, mount point mounted?).
 async fn volume_status(sb: &Sandbox, work: &Path, name: &str) -> (VolumeState, Vec<String>, bool) {
-    let mut config = bundled_config(Path::new(PLUGIN), work, "default", &[]);
+    let mut config = bundled_config(Path::new(plugin_bin()), work, "default", &[]);
     config.socket_dir = sb.join("s");
     config.ready_timeout = Duration::from_secs(10);
     let provider = StorageProvider::start(config)

@@ -7,6 +7,7 @@
 //! Needs root, `runc` on PATH and `/bin/busybox` (package busybox-static);
 //! nothing is installed at test time (`.ci/run` installs them).
 
+use csi_isolator_testing::plugin_bin;
 use std::fs;
 use std::os::unix::fs::symlink;
 use std::path::{Path, PathBuf};
@@ -20,9 +21,8 @@ use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, StorageProvider};
 use csi_isolator::service::proto;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
-use csi_isolator::testing::{require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox};
+use csi_isolator_testing::{require_root, require_runc, runc_run, RuncBundle, RuncRun, Sandbox};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const RUN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Root and runc, or a panic saying what is missing (busybox is checked when the bundle is built).
@@ -321,7 +321,7 @@ async fn csi_volume_is_bound_through_runc() {
     let sb = Sandbox::new("runc-csi");
     let bundle = build_bundle(&sb);
     let work = sb.mkdir("work");
-    let mut config = bundled_config(Path::new(PLUGIN), &work, "default", &[]);
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
     config.socket_dir = sb.join("s");
     config.ready_timeout = Duration::from_secs(10);
     let provider = StorageProvider::start(config)
@@ -403,14 +403,14 @@ struct Serve {
 impl Serve {
     fn start(sb: &Sandbox) -> Serve {
         let socket = sb.join("isolator.sock");
-        let mut cmd = csi_isolator::testing::isolator_command(CLI, &sb.join("work"));
+        let mut cmd = csi_isolator_testing::isolator_command(CLI, &sb.join("work"));
         cmd.arg("serve")
             .arg("--socket")
             .arg(&socket)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::inherit());
         let mut child = sb.spawn(&mut cmd).expect("start csi-isolator serve");
-        csi_isolator::testing::wait_for_serve_ready(&mut child, RUN_TIMEOUT);
+        csi_isolator_testing::wait_for_serve_ready(&mut child, RUN_TIMEOUT);
         Serve { child, socket }
     }
 

@@ -18,6 +18,7 @@
 //!
 //! Every test works in its own sandbox, removed pass or fail.
 
+use csi_isolator_testing::plugin_bin;
 use std::ffi::CString;
 use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -30,12 +31,11 @@ use std::time::{Duration, Instant};
 use csi_isolator::provider::bundled::BUNDLED_TYPE;
 use csi_isolator::provider::supervisor::{PluginCommand, Supervisor, PLUGIN_LOG_MAX_BYTES};
 use csi_isolator::resource::Layout;
-use csi_isolator::testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
-use csi_isolator::testing::{require_root, Sandbox};
+use csi_isolator_testing::unprivileged::{as_nobody, Outcome, NOBODY_UID};
+use csi_isolator_testing::{require_root, Sandbox};
 use nix::errno::Errno;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 
 /// `csi-isolator --work-dir WORK`, with managed plugin sockets under
 /// `socket_dir` when the work dir is too deep for them.
@@ -615,7 +615,7 @@ async fn plugin_log_stays_under_its_cap_while_the_plugin_writes_a_lot() {
         args: vec![
             "-c".into(),
             script,
-            PLUGIN.into(),
+            plugin_bin().into(),
             sb.join("data").display().to_string(),
         ],
         env: Vec::new(),

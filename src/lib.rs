@@ -1,12 +1,13 @@
 //! csi-isolator: makes CSI volumes usable by containers.
 //!
-//! The library holds all logic; the binaries in `src/bin/` only parse
-//! arguments, set up logging and map errors to exit codes.
+//! The library holds all logic; the binary in `src/bin/` only parses arguments, sets up logging
+//! and maps errors to exit codes. The workspace's other crates build on it and the library never
+//! links them: `crates/csi-test-plugin` (the bundled CSI plugin, its own binary) and
+//! `crates/testing` (`csi_isolator_testing`, the scaffolding only tests use).
 //!
 //! Concerns, one module each:
 //! - [`resource`]: the Mesos `Resource` model and its mount-point rules.
 //! - [`csi`]: the CSI v1 gRPC client (and the generated protocol types).
-//! - [`plugin`]: `csi-test-plugin`, the CSI plugin bundled for tests and `run`.
 //! - [`mount`]: every mount syscall, behind one seam.
 //! - [`provider`]: resource providers and the volume state machine.
 //! - [`isolator`]: prepare / isolate / update / cleanup / recover.
@@ -20,11 +21,10 @@
 //! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
 //! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
 //!    and the launcher use), [`workdir`], [`durable`] (the one atomic file write), [`csi`].
-//! 4. [`provider`]; [`plugin`], the bundled test plugin, which the library never imports.
+//! 4. [`provider`].
 //! 5. [`launcher`]: namespaces and processes (launching, facts about a pid, binds into a running one).
 //! 6. [`isolator`]: the lifecycle, using the provider to publish and the launcher to reach containers.
 //! 7. [`runner`], [`service`]: the front ends.
-//! 8. [`testing`]: test scaffolding; only test code imports it.
 
 pub mod csi;
 pub mod durable;
@@ -33,14 +33,11 @@ pub mod io_step;
 pub mod isolator;
 pub mod launcher;
 pub mod mount;
-pub mod plugin;
 pub mod provider;
 pub mod resource;
 pub mod runner;
 pub mod service;
 pub mod shown;
-#[doc(hidden)]
-pub mod testing;
 pub mod workdir;
 
 #[cfg(test)]
@@ -58,12 +55,10 @@ mod layering {
         ("durable", 3),
         ("csi", 3),
         ("provider", 4),
-        ("plugin", 4),
         ("launcher", 5),
         ("isolator", 6),
         ("runner", 7),
         ("service", 7),
-        ("testing", 8),
     ];
 
     fn layer(module: &str) -> u8 {
@@ -74,12 +69,12 @@ mod layering {
             .unwrap_or_else(|| panic!("module {module} has no layer in LAYERS"))
     }
 
-    /// Every `crate::<module>` a file names, with whether it stands after a `#[cfg(test)]`.
-    fn arrows(text: &str) -> Vec<(String, bool)> {
-        let mut in_tests = false;
+    /// Every `crate::<module>` a file names, its tests included. (The workspace's other crates
+    /// need no check here: the library does not depend on the plugin's crate at all, and the
+    /// scaffolding is only a dev-dependency.)
+    fn arrows(text: &str) -> Vec<String> {
         let mut found = Vec::new();
         for line in text.lines() {
-            in_tests |= line.trim_start().starts_with("#[cfg(test)]");
             let mut rest = line;
             while let Some(at) = rest.find("crate::") {
                 rest = &rest[at + "crate::".len()..];
@@ -88,7 +83,7 @@ mod layering {
                     .take_while(|c| c.is_ascii_lowercase() || *c == '_')
                     .collect();
                 if !name.is_empty() {
-                    found.push((name, in_tests));
+                    found.push(name);
                 }
             }
         }
@@ -121,8 +116,8 @@ mod layering {
                 continue;
             }
             let text = std::fs::read_to_string(&file).expect("read source");
-            for (target, in_tests) in arrows(&text) {
-                if target == module || (target == "testing" && in_tests) {
+            for target in arrows(&text) {
+                if target == module {
                     continue;
                 }
                 if layer(&target) >= layer(module) {

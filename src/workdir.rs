@@ -920,7 +920,7 @@ mod tests {
 
     #[test]
     fn a_symlink_on_the_way_is_followed_only_when_root_owns_it() {
-        crate::testing::require_root();
+        csi_isolator_testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         let real = dir.path().join("real");
         std::fs::create_dir(&real).unwrap();
@@ -952,7 +952,7 @@ mod tests {
 
     #[test]
     fn a_private_file_is_root_s_regular_file_of_one_name() {
-        crate::testing::require_root();
+        csi_isolator_testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         let at = |name: &str| dir.path().join(name);
         nix::unistd::mkfifo(&at("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();

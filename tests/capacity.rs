@@ -6,19 +6,19 @@
 //! Each test keeps the work dir on its own tmpfs, so free space is measured on a filesystem no
 //! other test writes to.
 
+use csi_isolator_testing::plugin_bin;
 use std::path::Path;
 use std::process::{Command, Output};
 
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
 use csi_isolator::mount::MountTable;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     isolator_command, mount_capability, raw_clients, require_root, PluginProcess, Sandbox, Tmpfs,
 };
 use tonic::Code;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const MIB: u64 = 1 << 20;
 
 fn cli(work: &Path) -> Command {
@@ -165,7 +165,7 @@ async fn create_volume_never_promises_more_than_the_filesystem_holds() {
     require_root();
     let sb = Sandbox::new("capacity-fs");
     let fs = Tmpfs::mount(&sb, "plugin/work", "64M");
-    let mut plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let mut plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let mut c = raw_clients(&plugin.socket()).await.expect("connect");
     let create = |name: &str, required: u64, limit: u64| proto::CreateVolumeRequest {
         name: name.into(),
@@ -176,7 +176,7 @@ async fn create_volume_never_promises_more_than_the_filesystem_holds() {
         volume_capabilities: vec![mount_capability(Mode::SingleNodeWriter)],
         ..Default::default()
     };
-    let capacity = |c: &mut csi_isolator::testing::RawClients| {
+    let capacity = |c: &mut csi_isolator_testing::RawClients| {
         let mut controller = c.controller.clone();
         async move {
             controller

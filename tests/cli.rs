@@ -1,17 +1,17 @@
 //! The `csi-isolator` command end to end, as a user runs it: the built
 //! binaries, the bundled plugin (or an external one), real namespaces.
 
+use csi_isolator_testing::plugin_bin;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     busybox_rootfs, isolator_command, processes_mentioning, require_root, PluginProcess, Sandbox,
 };
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 
 fn cli(work: &Path) -> Command {
     isolator_command(CLI, work)
@@ -181,7 +181,7 @@ fn sigint_stops_the_workload_and_cleans_everything_up() {
 fn resources_json_and_an_external_plugin() {
     require_root();
     let sb = Sandbox::new("cli-resources");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "loop"]).await_blocking();
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &["--backing", "loop"]).await_blocking();
     let work = sb.join("work");
     let endpoint = plugin.endpoint();
     let created = output(cli(&work).args([

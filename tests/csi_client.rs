@@ -4,6 +4,7 @@
 //! not retried), waiting for a late socket, surviving a plugin restart, and
 //! the call metrics.
 
+use csi_isolator_testing::plugin_bin;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use csi_isolator::csi::{
 };
 use tonic::Code;
 
-use csi_isolator::testing::{self, require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{require_root, PluginProcess, Sandbox};
 
 fn fast_retries() -> ClientOptions {
     ClientOptions {
@@ -31,17 +32,15 @@ fn fast_retries() -> ClientOptions {
     }
 }
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
-
 fn mount_capability() -> proto::VolumeCapability {
-    testing::mount_capability(volume_capability::access_mode::Mode::SingleNodeWriter)
+    csi_isolator_testing::mount_capability(volume_capability::access_mode::Mode::SingleNodeWriter)
 }
 
 /// Starts the plugin (node id `node-1`, calls logged) and waits until it is ready.
 async fn start_plugin(sandbox: &Sandbox, args: &[&str]) -> PluginProcess {
     let mut all = vec!["--node-id", "node-1"];
     all.extend_from_slice(args);
-    PluginProcess::start(sandbox, PLUGIN, &all).await
+    PluginProcess::start(sandbox, plugin_bin(), &all).await
 }
 
 fn stats(client: &Client) -> BTreeMap<&'static str, RpcStats> {

@@ -3,6 +3,7 @@
 //! the volume untouched on disk and in memory, nothing mounted), nothing
 //! half-written is trusted afterwards, and it works again once space is back.
 
+use csi_isolator_testing::plugin_bin;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,9 +13,7 @@ use csi_isolator::mount::{self, LinuxSyscall, MountFlags, MountTable, ProcMountT
 use csi_isolator::provider::{
     CreateSpec, PluginSource, ProviderConfig, ProviderError, StorageProvider, VolumeState,
 };
-use csi_isolator::testing::{require_root, PluginProcess, Sandbox};
-
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
+use csi_isolator_testing::{require_root, PluginProcess, Sandbox};
 
 /// A small ext4 filesystem on a loop device, mounted at `<sandbox>/work`.
 fn small_work_fs(sb: &Sandbox) -> PathBuf {
@@ -67,7 +66,7 @@ fn fill(dir: &Path) -> PathBuf {
 async fn a_full_or_read_only_work_dir_fails_cleanly_and_recovers() {
     require_root();
     let sb = Sandbox::new("disk-full");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let work = small_work_fs(&sb);
     let mut config = ProviderConfig::new(
         "",

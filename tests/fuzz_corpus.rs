@@ -1,6 +1,6 @@
 //! The fuzz corpora, replayed on stable Rust: every file of
 //! `fuzz/corpus/<target>/` goes through the oracle its fuzz target calls
-//! (`csi_isolator::testing::props`), then a short deterministic mutation
+//! (`csi_isolator_testing::props`), then a short deterministic mutation
 //! run (fixed seed: byte flips, hostile-token inserts, deletes, splices of
 //! corpus entries) feeds [`MUTATIONS`] more inputs per target. This is the
 //! fuzz pass CI runs; `cargo +nightly fuzz run <target>` (see `fuzz/`)
@@ -13,7 +13,7 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 
-use csi_isolator::testing::props::{
+use csi_isolator_testing::props::{
     check_checkpoint_record, check_container_path, check_resolve, check_resource_json,
     FUZZ_WORK_DIR,
 };

@@ -35,7 +35,7 @@ use std::process::{Command, Output, Stdio};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::resource::encode_volume_id;
-use csi_isolator::testing::{host_mount_points, processes_mentioning, require_root, Sandbox};
+use csi_isolator_testing::{host_mount_points, processes_mentioning, require_root, Sandbox};
 use serde_json::Value;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");

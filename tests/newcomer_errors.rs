@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
+use csi_isolator_testing::{processes_mentioning, require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 

@@ -7,17 +7,17 @@
 //! order (NodeUnpublish, NodeUnstage, ControllerUnpublish, DeleteVolume) for every volume the
 //! spec created. Each spec ends by asserting no mount and no loop device is left.
 
+use csi_isolator_testing::plugin_bin;
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     mount_capability, raw_clients, require_root, PluginProcess, RawClients, Sandbox, Tmpfs,
 };
 use tonic::Code;
 
-const BIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 /// csi-sanity's test volume size is configurable; a small one keeps loop images cheap.
 const SIZE: i64 = 16 << 20;
 
@@ -67,7 +67,7 @@ async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
     require_root();
     let sandbox = Sandbox::new("plugin-conformance");
     let tmpfs = tmpfs_size.map(|size| Tmpfs::mount(&sandbox, "plugin/work", size));
-    let plugin = PluginProcess::start(&sandbox, BIN, &["--backing", backing]).await;
+    let plugin = PluginProcess::start(&sandbox, plugin_bin(), &["--backing", backing]).await;
     let c = raw_clients(&plugin.socket())
         .await
         .expect("connect to plugin");

@@ -6,6 +6,7 @@
 //! plugin reports over CSI) and that nothing is left mounted.
 
 use csi_isolator::error_chain::FullMessage;
+use csi_isolator_testing::plugin_bin;
 use std::collections::BTreeSet;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -20,12 +21,11 @@ use csi_isolator::provider::{
     VolumeState,
 };
 use csi_isolator::resource::encode_volume_id;
-use csi_isolator::testing::{raw_clients, require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{raw_clients, require_root, PluginProcess, Sandbox};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tonic::Code;
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const MIB: u64 = 1024 * 1024;
 
 /// Quick retries, so a case that exhausts them does not take minutes.
@@ -69,7 +69,7 @@ impl Rig {
         let faults_arg = format!("--faults-file={}", faults.display());
         let mut args = vec![faults_arg.as_str()];
         args.extend_from_slice(extra);
-        let plugin = PluginProcess::start(&sb, PLUGIN, &args).await;
+        let plugin = PluginProcess::start(&sb, plugin_bin(), &args).await;
         let work = sb.mkdir("work");
         let provider = provider(&work, plugin.endpoint()).await;
         Rig {
@@ -558,7 +558,7 @@ async fn replace(rig: &mut Rig, args: &[&str], graceful: bool) {
     let faults_arg = format!("--faults-file={}", rig.faults.display());
     let mut all = vec![faults_arg.as_str()];
     all.extend_from_slice(args);
-    rig.plugin = PluginProcess::start(&rig.sb, PLUGIN, &all).await;
+    rig.plugin = PluginProcess::start(&rig.sb, plugin_bin(), &all).await;
     assert_ne!(
         socket_file(&rig.plugin.socket()),
         before,
@@ -785,7 +785,7 @@ async fn a_supervised_plugin_restarted_after_a_crash_is_checked_again() {
     let work = sb.mkdir("work");
     let log = sb.join("calls.log");
     let log_arg = format!("--log-calls={}", log.display());
-    let mut c = bundled_config(Path::new(PLUGIN), &work, "default", &[log_arg]);
+    let mut c = bundled_config(Path::new(plugin_bin()), &work, "default", &[log_arg]);
     c.ready_timeout = Duration::from_secs(10);
     c.socket_dir = sb.join("s");
     c.client = client_options();

@@ -3,19 +3,19 @@
 //! calls, capability switches, restarts and fault injection. Every test ends with no mount and
 //! no loop device left behind by the plugin (asserted before the sandbox's own cleanup).
 
+use csi_isolator_testing::plugin_bin;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     block_capability, mount_capability, raw_clients, require_root, PluginProcess, RawClients,
     Sandbox,
 };
 use tonic::Code;
 
-const BIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const NODE: &str = "test-node";
 const MIB: i64 = 1 << 20;
 
@@ -42,7 +42,7 @@ async fn setup(backing: &'static str, extra: &[&str]) -> Env {
         &faults_arg,
     ];
     args.extend_from_slice(extra);
-    let plugin = PluginProcess::start(&sandbox, BIN, &args).await;
+    let plugin = PluginProcess::start(&sandbox, plugin_bin(), &args).await;
     let c = raw_clients(&plugin.socket())
         .await
         .expect("connect to plugin");

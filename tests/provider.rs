@@ -2,6 +2,7 @@
 //! (managed by the provider, or external), real mounts, real restarts.
 
 use csi_isolator::error_chain::FullMessage;
+use csi_isolator_testing::plugin_bin;
 use std::collections::HashSet;
 use std::path::Path;
 use std::sync::Arc;
@@ -15,14 +16,13 @@ use csi_isolator::provider::{
     UnpublishPolicy, VolumeState,
 };
 use csi_isolator::resource::Resource;
-use csi_isolator::testing::{raw_clients, require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{raw_clients, require_root, PluginProcess, Sandbox};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const MIB: u64 = 1024 * 1024;
 
 fn config(work: &Path, name: &str, plugin_args: &[&str]) -> ProviderConfig {
     let args: Vec<String> = plugin_args.iter().map(|s| s.to_string()).collect();
-    let mut c = bundled_config(Path::new(PLUGIN), work, name, &args);
+    let mut c = bundled_config(Path::new(plugin_bin()), work, name, &args);
     c.ready_timeout = Duration::from_secs(10);
     // Socket paths under the sandbox are too long for sun_path: keep the
     // short-path fallback inside the sandbox too.
@@ -623,13 +623,13 @@ async fn manager_routes_by_provider_id() {
 async fn pre_provisioned_volume_is_published_but_never_deleted() {
     require_root();
     let sb = Sandbox::new("prov-pre");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let mut raw = raw_clients(&plugin.socket()).await.unwrap();
     let created = raw
         .controller
         .create_volume(proto::CreateVolumeRequest {
             name: "made-elsewhere".into(),
-            volume_capabilities: vec![csi_isolator::testing::mount_capability(
+            volume_capabilities: vec![csi_isolator_testing::mount_capability(
                 proto::volume_capability::access_mode::Mode::SingleNodeWriter,
             )],
             ..Default::default()
@@ -801,7 +801,7 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
         "it did wait"
     );
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while !csi_isolator::testing::processes_mentioning(&never_ready).is_empty() {
+    while !csi_isolator_testing::processes_mentioning(&never_ready).is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
             "the plugin process was left running"

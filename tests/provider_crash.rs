@@ -7,6 +7,7 @@
 //! nothing leaked. The plugin runs on its own (an agent crash does not take
 //! it down) and is asked for its view over CSI.
 
+use csi_isolator_testing::plugin_bin;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -16,9 +17,8 @@ use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator::provider::{VolumeRecord, VolumeState};
 use csi_isolator::resource::Layout;
-use csi_isolator::testing::{raw_clients, require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{raw_clients, require_root, PluginProcess, Sandbox};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const TYPE: &str = csi_isolator::provider::bundled::BUNDLED_TYPE;
 
@@ -167,7 +167,7 @@ async fn made_behind_our_back(plugin: &PluginProcess) -> String {
 /// completed without reaching write `n` (every write has been crashed at).
 async fn crash_once(op: &Op, n: u32) -> bool {
     let sb = Sandbox::new("crash");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let agent = Agent {
         work: sb.mkdir("work"),
         endpoint: plugin.endpoint(),

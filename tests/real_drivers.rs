@@ -6,13 +6,13 @@
 //! it held, destroy keeps it in the plugin unless `--delete`), and the
 //! messages for disks the provider does not know.
 
+use csi_isolator_testing::plugin_bin;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use csi_isolator::testing::{isolator_command, require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{isolator_command, require_root, PluginProcess, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -57,7 +57,7 @@ async fn volume_create_parameters_reach_create_volume() {
     let sb = Sandbox::new("params-create");
     let plugin = PluginProcess::start(
         &sb,
-        PLUGIN,
+        plugin_bin(),
         &[
             "--backing",
             "dir",
@@ -219,7 +219,7 @@ fn hostile_parameters_are_refused_before_the_plugin() {
 async fn an_imported_volume_is_run_with_its_data_and_kept_on_destroy() {
     require_root();
     let sb = Sandbox::new("import");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &["--backing", "dir"]).await;
     let ep = plugin.endpoint();
     // Another CO (its own work dir) makes a volume and writes into it: behind our back.
     let other = sb.join("other");
@@ -322,7 +322,7 @@ async fn an_imported_volume_is_run_with_its_data_and_kept_on_destroy() {
 async fn an_import_the_plugin_does_not_confirm_is_refused() {
     require_root();
     let sb = Sandbox::new("import-refused");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &["--backing", "dir"]).await;
     let ep = plugin.endpoint();
     let work = sb.join("work");
     let err = refused(
@@ -483,7 +483,7 @@ async fn serve_takes_parameters_imports_and_profile_disks() {
     .arg(&socket)
     .stdout(std::process::Stdio::piped());
     let mut child = sb.spawn(&mut cmd).expect("spawn serve");
-    csi_isolator::testing::wait_for_serve_ready(&mut child, std::time::Duration::from_secs(30));
+    csi_isolator_testing::wait_for_serve_ready(&mut child, std::time::Duration::from_secs(30));
     let channel = csi_isolator::csi::transport::connect_unix(&socket)
         .await
         .unwrap();

@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator::testing::{processes_mentioning, require_root, Sandbox};
+use csi_isolator_testing::{processes_mentioning, require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 

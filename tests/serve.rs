@@ -18,7 +18,7 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, TargetRoot, UpdateRequest,
 };
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     exposition, processes_mentioning, require_root, wait_for_serve_ready, Sandbox,
 };
 use nix::sys::signal::{kill, Signal};

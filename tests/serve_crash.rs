@@ -44,7 +44,7 @@ use csi_isolator::service::proto::{
     self, CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     IsolateRequest, PrepareRequest, RecoverRequest, StatusRequest, UpdateRequest,
 };
-use csi_isolator::testing::{
+use csi_isolator_testing::{
     processes_mentioning, raw_clients, require_root, wait_for_serve_ready, Sandbox,
 };
 use nix::sys::signal::{kill, Signal};

@@ -3,7 +3,7 @@
 //! `Isolate` with a pid that is not the container's, a flood of idle
 //! connections to `/metrics`, metrics on a non-loopback address. Steps of
 //! another local user run as a real unprivileged uid in a forked child
-//! (`csi_isolator::testing::unprivileged`). Every test ends with no mount
+//! (`csi_isolator_testing::unprivileged`). Every test ends with no mount
 //! and no process left.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -23,8 +23,8 @@ use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, IsolateRequest, PrepareRequest,
     StatusRequest,
 };
-use csi_isolator::testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
-use csi_isolator::testing::{
+use csi_isolator_testing::unprivileged::{as_nobody, run_as, Outcome, NOBODY_UID, NOGROUP_GID};
+use csi_isolator_testing::{
     busybox_rootfs, isolator_command, processes_mentioning, require_root, wait_for_serve_ready,
     Sandbox,
 };

@@ -4,6 +4,7 @@
 //! made first is refused, so no one can stand a fake plugin there.
 
 use csi_isolator::error_chain::FullMessage;
+use csi_isolator_testing::plugin_bin;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
@@ -12,9 +13,8 @@ use std::time::Duration;
 use csi_isolator::provider::bundled::{bundled_config, BUNDLED_TYPE};
 use csi_isolator::provider::StorageProvider;
 use csi_isolator::resource::Layout;
-use csi_isolator::testing::{require_root, PluginProcess, Sandbox};
+use csi_isolator_testing::{require_root, PluginProcess, Sandbox};
 
-const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 const PYTHON: &str = "/usr/bin/python3";
 const NOBODY: &str = "65534";
 
@@ -68,7 +68,7 @@ fn open_path_to(sb: &Sandbox, dir: &Path) {
 async fn a_plugin_socket_refuses_other_uids() {
     require_root();
     let sb = Sandbox::new("sock-plugin");
-    let plugin = PluginProcess::start(&sb, PLUGIN, &[]).await;
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &[]).await;
     let socket = plugin.socket();
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "socket mode");
@@ -89,7 +89,7 @@ async fn a_managed_plugin_socket_lives_in_an_owner_only_directory() {
     require_root();
     let sb = Sandbox::new("sock-managed");
     let work = sb.mkdir("work");
-    let mut config = bundled_config(Path::new(PLUGIN), &work, "default", &[]);
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
     config.socket_dir = sb.join("s");
     let provider = StorageProvider::start(config).await.unwrap();
     let socket = csi_isolator::csi::transport::socket_path(provider.client().endpoint()).unwrap();
@@ -118,7 +118,7 @@ async fn a_managed_plugin_socket_directory_made_first_by_another_user_is_refused
     std::fs::create_dir_all(dir).unwrap();
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     std::os::unix::fs::lchown(dir, Some(65534), Some(65534)).unwrap();
-    let mut config = bundled_config(Path::new(PLUGIN), &work, "default", &[]);
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
     config.socket_dir = socket_dir;
     let err = StorageProvider::start(config)
         .await

@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use csi_isolator::csi::proto;
 use csi_isolator::csi::transport::endpoint_for;
 use csi_isolator::provider::Capability;
-use csi_isolator::testing::{raw_clients, RawClients, Sandbox};
+use csi_isolator_testing::{raw_clients, RawClients, Sandbox};
 
 /// A volume of the floor plugin, with its own staging and target paths.
 #[derive(Clone, Debug)]

@@ -14,7 +14,7 @@ use futures::{StreamExt, TryStreamExt};
 use csi_isolator::csi::transport::connect_unix;
 use csi_isolator::service::proto;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
-use csi_isolator::testing::Sandbox;
+use csi_isolator_testing::Sandbox;
 
 use crate::machine::status_kib;
 

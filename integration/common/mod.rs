@@ -2,6 +2,7 @@
 //! volume isolator over it) in a test sandbox, and real containers from the namespace launcher.
 #![allow(dead_code)]
 
+pub use csi_isolator_testing::plugin_bin;
 use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -15,10 +16,9 @@ use csi_isolator::mount::{LinuxSyscall, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, Manager, ProviderConfig, StorageProvider};
 use csi_isolator::resource::{Resource, VolumeMode};
-use csi_isolator::testing::{host_mount_points, Sandbox};
+use csi_isolator_testing::{host_mount_points, Sandbox};
 use nix::sys::signal::Signal;
 
-pub const PLUGIN: &str = env!("CARGO_BIN_EXE_csi-test-plugin");
 pub const MIB: u64 = 1024 * 1024;
 pub const TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -32,7 +32,7 @@ impl Agent {
     pub async fn start(sb: &Sandbox, work_rel: &str, plugin_args: &[&str]) -> Agent {
         let work = sb.mkdir(work_rel);
         let args: Vec<String> = plugin_args.iter().map(|s| s.to_string()).collect();
-        let mut c = bundled_config(Path::new(PLUGIN), &work, "default", &args);
+        let mut c = bundled_config(Path::new(plugin_bin()), &work, "default", &args);
         c.socket_dir = sb.join("s");
         Self::with_config(c).await
     }

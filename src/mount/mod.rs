@@ -20,6 +20,7 @@
 //! - `/proc/self/fd/N` is named in one place ([`proc_fd_path`], [`fd_path`]).
 
 mod error;
+#[cfg(any(test, feature = "fake-syscall"))]
 mod fake;
 mod fd;
 mod linux;
@@ -32,6 +33,7 @@ mod unmount;
 pub mod volume_mount;
 
 pub use error::MountError;
+#[cfg(any(test, feature = "fake-syscall"))]
 pub use fake::FakeSyscall;
 pub use fd::{fd_path, proc_fd_path};
 pub use linux::LinuxSyscall;

@@ -335,7 +335,7 @@ mod tests {
 
     #[tokio::test]
     async fn with_a_group_the_socket_and_its_new_directories_are_the_groups_only() {
-        crate::testing::require_root();
+        csi_isolator_testing::require_root();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a").join("b").join("x.sock");
         let gid = 4242;

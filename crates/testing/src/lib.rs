@@ -28,12 +28,13 @@ use std::time::{Duration, Instant};
 use rand::Rng;
 use tonic::transport::Channel;
 
-use crate::csi::proto::controller_client::ControllerClient;
-use crate::csi::proto::identity_client::IdentityClient;
-use crate::csi::proto::node_client::NodeClient;
-use crate::csi::proto::ProbeRequest;
-use crate::csi::transport::{connect_unix, endpoint_for, TransportError};
-use crate::mount::{self, MountInfo, MountTable, ProcMountTable};
+use csi_isolator::csi::proto::controller_client::ControllerClient;
+use csi_isolator::csi::proto::identity_client::IdentityClient;
+use csi_isolator::csi::proto::node_client::NodeClient;
+use csi_isolator::csi::proto::ProbeRequest;
+use csi_isolator::csi::transport::{connect_unix, endpoint_for, TransportError};
+use csi_isolator::mount::{self, MountInfo, MountTable, ProcMountTable};
+use csi_isolator::provider::bundled::{bundled_plugin_path, BUNDLED_BINARY};
 
 pub use leaks::Leftover;
 
@@ -42,6 +43,27 @@ pub fn require_root() {
     if !nix::unistd::geteuid().is_root() {
         panic!("this test needs root (mounts, loop devices, namespaces): run it as root; it does not skip");
     }
+}
+
+/// The bundled plugin's binary, `csi-test-plugin`, where cargo put it: found as `run` finds it
+/// ([`bundled_plugin_path`]: beside the running executable, or one directory up from a test's
+/// `deps/`). Its crate is another package of the workspace, so cargo gives tests no
+/// `CARGO_BIN_EXE_` for it; the README's test command (`cargo nextest run --all-targets`)
+/// builds it with every other target. Panics, saying how to build it, when it is missing.
+pub fn plugin_bin() -> &'static str {
+    static BIN: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        let bin = bundled_plugin_path().unwrap_or_else(|| {
+            panic!(
+                "{BUNDLED_BINARY} was not found beside this test's executable: build it with \
+                 `cargo build -p {BUNDLED_BINARY}` (the README's test command, \
+                 `cargo nextest run --all-targets`, builds it)"
+            )
+        });
+        bin.into_os_string()
+            .into_string()
+            .expect("the target directory's path is UTF-8")
+    })
 }
 
 /// Pids a sandbox kills when dropped.
@@ -257,19 +279,19 @@ pub struct PluginProcess {
 
 impl PluginProcess {
     /// What the plugin lists over CSI (ListVolumes, one page): its volumes and their status.
-    pub async fn listed(&self) -> Vec<crate::csi::proto::list_volumes_response::Entry> {
+    pub async fn listed(&self) -> Vec<csi_isolator::csi::proto::list_volumes_response::Entry> {
         let mut raw = raw_clients(&self.socket())
             .await
             .expect("connect to the plugin");
         raw.controller
-            .list_volumes(crate::csi::proto::ListVolumesRequest::default())
+            .list_volumes(csi_isolator::csi::proto::ListVolumesRequest::default())
             .await
             .expect("ListVolumes")
             .into_inner()
             .entries
     }
 
-    /// Starts the plugin binary `bin` (from the test: `env!("CARGO_BIN_EXE_csi-test-plugin")`)
+    /// Starts the plugin binary `bin` (usually [`plugin_bin`])
     /// with its files in `<sandbox>/plugin` and `args` added to the command line, and waits
     /// until it answers Probe.
     pub async fn start(sandbox: &Sandbox, bin: impl AsRef<Path>, args: &[&str]) -> PluginProcess {
@@ -502,10 +524,10 @@ impl Drop for Tmpfs {
 
 /// A `mount` volume capability with access `mode` (no fs type, no flags).
 pub fn mount_capability(
-    mode: crate::csi::proto::volume_capability::access_mode::Mode,
-) -> crate::csi::proto::VolumeCapability {
-    use crate::csi::proto::volume_capability::{AccessMode, AccessType, MountVolume};
-    crate::csi::proto::VolumeCapability {
+    mode: csi_isolator::csi::proto::volume_capability::access_mode::Mode,
+) -> csi_isolator::csi::proto::VolumeCapability {
+    use csi_isolator::csi::proto::volume_capability::{AccessMode, AccessType, MountVolume};
+    csi_isolator::csi::proto::VolumeCapability {
         access_mode: Some(AccessMode { mode: mode as i32 }),
         access_type: Some(AccessType::Mount(MountVolume::default())),
     }
@@ -513,10 +535,10 @@ pub fn mount_capability(
 
 /// A `block` volume capability with access `mode`.
 pub fn block_capability(
-    mode: crate::csi::proto::volume_capability::access_mode::Mode,
-) -> crate::csi::proto::VolumeCapability {
-    use crate::csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume};
-    crate::csi::proto::VolumeCapability {
+    mode: csi_isolator::csi::proto::volume_capability::access_mode::Mode,
+) -> csi_isolator::csi::proto::VolumeCapability {
+    use csi_isolator::csi::proto::volume_capability::{AccessMode, AccessType, BlockVolume};
+    csi_isolator::csi::proto::VolumeCapability {
         access_mode: Some(AccessMode { mode: mode as i32 }),
         access_type: Some(AccessType::Block(BlockVolume::default())),
     }
@@ -815,11 +837,11 @@ pub async fn start_bundled_provider(
     plugin: &Path,
     work: &Path,
     socket_dir: &Path,
-) -> Arc<crate::provider::StorageProvider> {
-    let mut config = crate::provider::bundled::bundled_config(plugin, work, "default", &[]);
+) -> Arc<csi_isolator::provider::StorageProvider> {
+    let mut config = csi_isolator::provider::bundled::bundled_config(plugin, work, "default", &[]);
     config.socket_dir = socket_dir.to_path_buf();
     config.ready_timeout = Duration::from_secs(10);
-    let provider = crate::provider::StorageProvider::start(config)
+    let provider = csi_isolator::provider::StorageProvider::start(config)
         .await
         .unwrap_or_else(|e| panic!("start the provider on {}: {e}", work.display()));
     if let Some(pid) = provider.plugin_pid() {

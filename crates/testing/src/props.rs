@@ -34,11 +34,11 @@ use std::path::{Component, Path, PathBuf};
 
 use serde_json::Map;
 
-use crate::isolator::checkpoint_paths::{check_normal, check_record, is_run_container};
-use crate::isolator::targets::target_of;
-use crate::isolator::{ContainerConfig, ContainerRecord};
-use crate::mount::TargetRoot;
-use crate::resource::{
+use csi_isolator::isolator::checkpoint_paths::{check_normal, check_record, is_run_container};
+use csi_isolator::isolator::targets::target_of;
+use csi_isolator::isolator::{ContainerConfig, ContainerRecord};
+use csi_isolator::mount::TargetRoot;
+use csi_isolator::resource::{
     decode_volume_id, encode_volume_id, resolve_host_path, validate_path_component, DiskInfo,
     DiskSource, Layout, Persistence, ReservationInfo, Resource, ResourceError, SourceRoot,
     SourceType, CSI_DIR, MAX_COMPONENT_LEN, MAX_ENCODED_LEN, STATE_FILE,
@@ -78,7 +78,7 @@ pub fn check_resource_json(bytes: &[u8]) -> JsonChecked {
     let single = serde_json::from_slice::<Resource>(bytes);
     let list = serde_json::from_slice::<Vec<Resource>>(bytes);
     if let Ok(text) = std::str::from_utf8(bytes) {
-        match (crate::resource::parse_resources(text), &list) {
+        match (csi_isolator::resource::parse_resources(text), &list) {
             (Ok(a), Ok(b)) => assert!(
                 &a == b,
                 "parse_resources and serde_json disagree on {:?}",
@@ -478,9 +478,12 @@ pub fn check_checkpoint_record(input: &[u8]) -> bool {
         shown(sandbox)
     );
     if sandbox_s.starts_with(&work_s) {
-        let own = [crate::workdir::RUN_SANDBOXES, crate::workdir::HOOK_DIR]
-            .iter()
-            .any(|area| *sandbox == work.join(area).join(&rec.container_id));
+        let own = [
+            csi_isolator::workdir::RUN_SANDBOXES,
+            csi_isolator::workdir::HOOK_DIR,
+        ]
+        .iter()
+        .any(|area| *sandbox == work.join(area).join(&rec.container_id));
         assert!(
             own && !rec.container_id.contains('/'),
             "accepted sandbox {} lies in the work dir but is not container {:?}'s",

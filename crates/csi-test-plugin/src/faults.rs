@@ -11,7 +11,7 @@
 //! command line and, optionally, from a file that is re-read whenever its mtime changes
 //! (counters reset then), so tests can change faults on a running plugin.
 
-use crate::error_chain::Chain;
+use csi_isolator::error_chain::Chain;
 use std::fs::{self, OpenOptions};
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
@@ -413,7 +413,9 @@ impl Faults {
         if let Some(path) = &self.log_calls {
             if let Err(e) = append_line(path, rpc, volume_id) {
                 tracing::error!(rpc, error = %Chain(&e), "call log");
-                return Err(Status::internal(crate::error_chain::full_message(&e)));
+                return Err(Status::internal(csi_isolator::error_chain::full_message(
+                    &e,
+                )));
             }
         }
         let mut delay = 0u64;

@@ -13,7 +13,7 @@
 //!   UTF-8 (a repeated scalar field's last value wins and embedded messages merge, so the
 //!   appended field overrides the real one, and a decoder must check it).
 
-use crate::error_chain::Chain;
+use csi_isolator::error_chain::Chain;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::future::Future;
@@ -229,7 +229,7 @@ mod tests {
     use prost::Message;
 
     use super::*;
-    use crate::csi::proto;
+    use csi_isolator::csi::proto;
 
     #[test]
     fn frames_round_trip_and_odd_bodies_are_left_alone() {

@@ -14,11 +14,11 @@ use super::store::{CapabilityRecord, ControllerPublication};
 use super::{
     require, volume_key, LockKey, Plugin, PluginError, PluginService, PARAMETER_ECHO_PREFIX,
 };
-use crate::csi::proto;
-use crate::csi::proto::controller_service_capability::rpc::Type as Cap;
-use crate::csi::proto::volume_capability::access_mode::Mode;
-use crate::csi::proto::volume_capability::AccessType;
-use crate::csi::CAPACITY_ENFORCED_KEY;
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::controller_service_capability::rpc::Type as Cap;
+use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+use csi_isolator::csi::proto::volume_capability::AccessType;
+use csi_isolator::csi::CAPACITY_ENFORCED_KEY;
 
 /// Longest volume name accepted (the CSI spec asks plugins to support at least 128).
 const MAX_NAME_LEN: usize = 128;
@@ -168,7 +168,7 @@ fn check_required_parameters(
             (Some(v), Some(want)) if v != want => format!(
                 "must be '{}' (--require-parameters), got '{}'",
                 want.escape_debug(),
-                crate::shown::shown(v)
+                csi_isolator::shown::shown(v)
             ),
             _ => continue,
         };
@@ -926,7 +926,7 @@ mod tests {
 
     #[test]
     fn required_parameters_are_checked_by_key_and_value() {
-        let required = crate::plugin::parse_required_parameters("server,share=/export").unwrap();
+        let required = crate::parse_required_parameters("server,share=/export").unwrap();
         let got = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
             pairs
                 .iter()
@@ -943,7 +943,7 @@ mod tests {
         assert!(err(&[("share", "/export")]).contains("parameter 'server' is required"));
         assert!(err(&[("server", "s"), ("share", "/x")])
             .contains("parameter 'share' must be '/export'"));
-        assert!(crate::plugin::parse_required_parameters("a,,b").is_err());
+        assert!(crate::parse_required_parameters("a,,b").is_err());
     }
 
     #[test]

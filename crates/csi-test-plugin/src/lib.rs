@@ -35,12 +35,12 @@ use std::sync::Arc;
 
 use tokio::net::UnixListener;
 
-use crate::io_step::{io_step, IoStep};
+use csi_isolator::io_step::{io_step, IoStep};
 use tokio_stream::wrappers::UnixListenerStream;
 use tonic::{Response, Status};
 
-use crate::csi::proto;
 pub use backing::{BackingError, BackingKind};
+use csi_isolator::csi::proto;
 use faults::{FaultSpec, Faults};
 use store::{Store, StoreError, VolumeRecord};
 
@@ -374,7 +374,7 @@ fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), Pl
 
 impl Plugin {
     /// The record of a volume the request names, or NOT_FOUND.
-    pub(super) fn known_volume(
+    pub(crate) fn known_volume(
         &self,
         rpc: &'static str,
         volume_id: &str,
@@ -387,7 +387,7 @@ impl Plugin {
             })
     }
 
-    pub(super) fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
+    pub(crate) fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
         self.store
             .save(record)
             .map_err(|source| PluginError::Store {

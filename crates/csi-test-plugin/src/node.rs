@@ -8,7 +8,7 @@
 //! know fail with NOT_FOUND, unstage and unpublish included: the plugin never touches a
 //! path for a volume it does not know.
 
-use crate::io_step::IoStep;
+use csi_isolator::io_step::IoStep;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 
@@ -18,8 +18,8 @@ use super::backing::MountState;
 use super::controller::{capability_record, check_capability, publish_context, wants_readonly};
 use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
 use super::{require, LockKey, Plugin, PluginError, PluginService};
-use crate::csi::proto;
-use crate::csi::proto::node_service_capability::rpc::Type as Cap;
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::node_service_capability::rpc::Type as Cap;
 
 /// Checks the request's capability and returns its comparable form.
 fn require_capability(

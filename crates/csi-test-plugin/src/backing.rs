@@ -25,7 +25,7 @@
 //! retries is reported as [`BackingError::Busy`], never detached lazily (a lazily detached
 //! volume would still be in use while the plugin reports it gone and lets it be deleted).
 
-use crate::io_step::{io_step, IoStep};
+use csi_isolator::io_step::{io_step, IoStep};
 use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use nix::errno::Errno;
 
-use crate::mount::{
+use csi_isolator::mount::{
     loopdev, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable, ProcMountTable, Syscall,
 };
 
@@ -670,7 +670,7 @@ impl Backing {
 
 /// The plugin's own directories (its store, volume directories, staging and target directories) are
 /// made and closed by the work dir's rules.
-pub use crate::workdir::{
+pub use csi_isolator::workdir::{
     close_private_dir as close_dir, create_private_dirs as private_dir, PRIVATE_DIR_MODE,
 };
 

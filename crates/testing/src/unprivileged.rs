@@ -47,7 +47,7 @@ impl Outcome {
 /// caller is not root, if the child could not drop privileges, or if it did
 /// not exit within [`STEP_TIMEOUT`] (it is killed first).
 pub fn run_as(uid: u32, gid: u32, step: impl FnOnce() -> Result<u8, Errno>) -> Outcome {
-    crate::testing::require_root();
+    crate::require_root();
     // SAFETY: the child only makes syscalls and runs `step` (which the module doc asks to stay
     // small), then leaves with `_exit`, never returning into the test harness.
     match unsafe { fork() }.expect("fork") {
@@ -114,7 +114,7 @@ mod tests {
 
     #[test]
     fn a_step_runs_as_nobody_and_reports_errno() {
-        crate::testing::require_root();
+        crate::require_root();
         assert_eq!(
             as_nobody(|| Ok(u8::from(nix::unistd::geteuid().as_raw() == NOBODY_UID))),
             Outcome::Ok(1)

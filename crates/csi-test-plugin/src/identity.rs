@@ -3,8 +3,8 @@
 use tonic::{Request, Response, Status};
 
 use super::{LockKey, Plugin, PluginError, PluginService};
-use crate::csi::proto;
-use crate::csi::proto::plugin_capability::service::Type as ServiceType;
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::plugin_capability::service::Type as ServiceType;
 
 impl Plugin {
     fn plugin_info(

@@ -1,4 +1,4 @@
-//! `csi-test-plugin`: the bundled CSI v1 plugin (see `csi_isolator::plugin`).
+//! `csi-test-plugin`: the bundled CSI v1 plugin (see `csi_test_plugin`).
 //!
 //! Thin: parses the command line into a `PluginConfig`, logs to stderr, and serves until
 //! SIGTERM or SIGINT, which shut down gracefully and remove the socket.
@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Parser;
 use csi_isolator::csi::transport::socket_path;
-use csi_isolator::plugin::{self, faults, BackingKind, PluginConfig};
 use csi_isolator::resource::parse_size;
+use csi_test_plugin::{faults, BackingKind, PluginConfig};
 
 const EXAMPLES: &str = "\
 Examples:
@@ -51,19 +51,19 @@ struct Args {
     #[arg(long)]
     node_id: Option<String>,
     /// GetPluginInfo name.
-    #[arg(long, default_value = plugin::DEFAULT_NAME)]
+    #[arg(long, default_value = csi_test_plugin::DEFAULT_NAME)]
     name: String,
     /// GetPluginInfo vendor_version.
-    #[arg(long, default_value = plugin::DEFAULT_VENDOR_VERSION)]
+    #[arg(long, default_value = csi_test_plugin::DEFAULT_VENDOR_VERSION)]
     vendor_version: String,
     /// Prefix of the volume ids CreateVolume makes (16 random hex digits follow). Any string
     /// CSI allows, path syntax included (`../x/`), to test that a CO encodes ids.
-    #[arg(long, default_value = plugin::DEFAULT_ID_PREFIX)]
+    #[arg(long, default_value = csi_test_plugin::DEFAULT_ID_PREFIX)]
     id_prefix: String,
     /// Total capacity in bytes (suffixes K, M, G, T). Large by default: nothing is reserved
     /// up front (loop images are sparse), and conformance suites create several volumes of
     /// 10 GiB each.
-    #[arg(long, default_value_t = plugin::DEFAULT_CAPACITY, value_parser = parse_capacity)]
+    #[arg(long, default_value_t = csi_test_plugin::DEFAULT_CAPACITY, value_parser = parse_capacity)]
     capacity: u64,
     /// Drop the controller PUBLISH_UNPUBLISH_VOLUME capability.
     #[arg(long)]
@@ -146,7 +146,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.log_calls = args.log_calls;
     if let Some(text) = &args.require_parameters {
         config.required_parameters =
-            plugin::parse_required_parameters(text).map_err(anyhow::Error::msg)?;
+            csi_test_plugin::parse_required_parameters(text).map_err(anyhow::Error::msg)?;
     }
     Ok(config)
 }
@@ -176,7 +176,7 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let config = config(Args::parse())?;
-    plugin::serve(config, shutdown_signal())
+    csi_test_plugin::serve(config, shutdown_signal())
         .await
         .context("csi-test-plugin")
 }

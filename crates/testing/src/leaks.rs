@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
-use crate::mount::{self, LinuxSyscall, MountTable, ProcMountTable};
+use csi_isolator::mount::{self, LinuxSyscall, MountTable, ProcMountTable};
 
 /// Something a test leaves for the sandbox to clean on purpose (see
 /// [`Sandbox::expect_cleanup_of`](super::Sandbox::expect_cleanup_of)).
@@ -87,7 +87,7 @@ const EXIT_GRACE: Duration = Duration::from_millis(500);
 pub(crate) fn loop_devices_after_rundown(
     root: &Path,
     grace: Duration,
-) -> Result<Vec<(PathBuf, PathBuf)>, crate::mount::MountError> {
+) -> Result<Vec<(PathBuf, PathBuf)>, csi_isolator::mount::MountError> {
     let deadline = Instant::now() + grace;
     let mut devices = mount::find_backed_under(root);
     while devices.as_ref().is_ok_and(|d| !d.is_empty()) && Instant::now() < deadline {

@@ -3,7 +3,7 @@
 //! Layout under the plugin's work dir:
 //! `volumes/<enc id>/volume.json` (the record), next to the volume's backing (`data/` or
 //! `image.ext4`). `<enc id>` is [`encode_volume_id`], the provider's encoding. A record is
-//! written by [`crate::durable::write_atomic`] (mode 0600), and only after the backing exists,
+//! written by [`csi_isolator::durable::write_atomic`] (mode 0600), and only after the backing exists,
 //! so a crash mid-create leaves a directory without a record. Removal first renames the
 //! volume's directory to a tombstone (`volumes/+deleted-<enc id>`: `+` is outside the
 //! encoding's alphabet, so no volume's name), which drops the record atomically, then deletes
@@ -33,10 +33,10 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
-use crate::durable;
-use crate::io_step::IoStep;
-use crate::resource::encode_volume_id;
-use crate::workdir::PRIVATE_FILE_MODE;
+use csi_isolator::durable;
+use csi_isolator::io_step::IoStep;
+use csi_isolator::resource::encode_volume_id;
+use csi_isolator::workdir::PRIVATE_FILE_MODE;
 
 /// Version of the on-disk record format.
 pub const RECORD_VERSION: u32 = 2;

@@ -87,7 +87,7 @@ pub fn code_of(err: &PluginError) -> Code {
 /// repeated), [`bounded`].
 pub fn to_status(rpc: &str, volume_id: &str, err: PluginError) -> Status {
     let code = code_of(&err);
-    let message = bounded(&crate::error_chain::full_message(&err));
+    let message = bounded(&csi_isolator::error_chain::full_message(&err));
     let volume_id = bounded(volume_id);
     let volume_id = volume_id.as_str();
     if code == Code::Internal {
