@@ -192,6 +192,28 @@ fn a_volume_create_size_of_zero_or_words_is_refused() {
 }
 
 #[test]
+fn an_access_mode_csi_does_not_define_is_refused_naming_the_ones_it_does() {
+    let case = Case::new("ne-mode");
+    for (verb, extra) in [("create", "1M"), ("import", "--volume-id=v1")] {
+        case.refused(
+            &[
+                "volume",
+                verb,
+                "data",
+                extra,
+                "--access-mode",
+                "single_node_writer",
+            ],
+            &[
+                &format!("volume {verb} data: --access-mode"),
+                "unknown CSI access mode 'single_node_writer'",
+                "expected one of SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY",
+            ],
+        );
+    }
+}
+
+#[test]
 fn a_container_path_above_the_root_keeps_its_lexical_refusal() {
     let case = Case::new("ne-dotdot");
     for path in ["../x", "/nowhere/../../../tmp"] {

@@ -201,14 +201,10 @@ impl Profiles {
                 capability.fs_type = mount.fs_type;
                 capability.mount_flags = mount.mount_flags;
                 if let Some(mode) = caps.access_mode {
-                    capability.access_mode = mode.mode;
+                    capability
+                        .set_access_mode(&mode.mode)
+                        .map_err(|e| bad(e.to_string()))?;
                 }
-            }
-            if capability.mode().is_none() {
-                return Err(bad(format!(
-                    "unknown access mode '{}'",
-                    crate::shown::shown(&capability.access_mode)
-                )));
             }
             profiles.insert(
                 name,
@@ -458,7 +454,7 @@ mod tests {
             ),
             (
                 r#"{"profile_matrix": {"p": {"volume_capabilities": {"access_mode": {"mode": "ANY"}}}}}"#,
-                "unknown access mode 'ANY'",
+                "unknown CSI access mode 'ANY' (expected one of SINGLE_NODE_WRITER",
             ),
             (
                 r#"{"profile_matrix": {"p": {"volume_capabilities": {"block": {}}}}}"#,

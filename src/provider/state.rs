@@ -313,7 +313,40 @@ impl Default for Capability {
     }
 }
 
+/// An access mode name the CSI spec does not define.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown CSI access mode '{name}' (expected one of {})", Capability::access_mode_names().join(", "))]
+pub struct UnknownAccessMode {
+    /// The name as given, escaped for showing.
+    pub name: String,
+}
+
 impl Capability {
+    /// Sets the access mode to one a user named (CSI's names, such as `SINGLE_NODE_WRITER`):
+    /// the one check of a mode name, for the command line, `serve` and disk profiles alike.
+    pub fn set_access_mode(&mut self, name: &str) -> Result<(), UnknownAccessMode> {
+        let named = Capability {
+            access_mode: name.to_string(),
+            ..Capability::default()
+        };
+        if named.mode().is_none() {
+            return Err(UnknownAccessMode {
+                name: crate::shown::shown(name).to_string(),
+            });
+        }
+        self.access_mode = named.access_mode;
+        Ok(())
+    }
+
+    /// The access mode names the CSI spec defines, in its order.
+    pub fn access_mode_names() -> Vec<&'static str> {
+        use proto::volume_capability::access_mode::Mode;
+        (1..)
+            .map_while(|n| Mode::try_from(n).ok())
+            .map(|m| m.as_str_name())
+            .collect()
+    }
+
     /// The CSI access mode, if the name is one the spec defines.
     pub fn mode(&self) -> Option<proto::volume_capability::access_mode::Mode> {
         proto::volume_capability::access_mode::Mode::from_str_name(&self.access_mode)
@@ -564,5 +597,39 @@ mod tests {
         assert!(c.is_reader_only());
         c.access_mode = "BOGUS".into();
         assert!(c.mode().is_none());
+    }
+
+    #[test]
+    fn access_mode_names_are_checked_in_one_place() {
+        let names = Capability::access_mode_names();
+        assert_eq!(names.first(), Some(&"SINGLE_NODE_WRITER"));
+        assert!(names.contains(&"SINGLE_NODE_MULTI_WRITER"), "{names:?}");
+        assert!(!names.contains(&"UNKNOWN"), "{names:?}");
+        for name in &names {
+            let mut c = Capability::default();
+            c.set_access_mode(name).expect(name);
+            assert_eq!(c.access_mode, *name);
+        }
+        // Refused, and the capability left as it was: not a CSI name, the spec's placeholder,
+        // the proto's number, a lower-case name, empty, and a name with a control character.
+        for bad in [
+            "ANY",
+            "UNKNOWN",
+            "1",
+            "single_node_writer",
+            "",
+            "X\u{1b}[2J",
+        ] {
+            let mut c = Capability::default();
+            let err = c.set_access_mode(bad).expect_err(bad);
+            assert_eq!(c, Capability::default(), "{bad:?}");
+            let text = err.to_string();
+            assert!(text.starts_with("unknown CSI access mode '"), "{text}");
+            assert!(
+                text.contains("expected one of SINGLE_NODE_WRITER, "),
+                "{text}"
+            );
+            assert!(!text.contains('\u{1b}'), "shown escaped: {text}");
+        }
     }
 }

@@ -316,13 +316,9 @@ fn container_id(id: &str) -> Result<(), ServiceError> {
 fn capability(access_mode: &str) -> Result<Capability, ServiceError> {
     let mut capability = Capability::default();
     if !access_mode.is_empty() {
-        capability.access_mode = access_mode.to_string();
-    }
-    if capability.mode().is_none() {
-        return Err(invalid(
-            "access_mode",
-            format!("unknown CSI access mode '{access_mode}'"),
-        ));
+        capability
+            .set_access_mode(access_mode)
+            .map_err(|e| invalid("access_mode", e.to_string()))?;
     }
     Ok(capability)
 }

@@ -156,7 +156,8 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             let parameters = parameters::parse(params.iter().map(String::as_str))
                 .with_context(|| format!("volume create {}: --param", shown(&name)))?;
             let mut spec = CreateSpec::new(name, bytes);
-            spec.capability = capability(access_mode)?;
+            spec.capability = capability(access_mode)
+                .with_context(|| format!("volume create {}: --access-mode", shown(&spec.name)))?;
             spec.parameters = parameters;
             let resource = provider.create_volume(spec).await?;
             println!("{}", serde_json::to_string_pretty(&resource)?);
@@ -179,11 +180,13 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             };
             let volume_context = parameters::parse(context.iter().map(String::as_str))
                 .with_context(|| format!("volume import {}: --context", shown(&name)))?;
+            let capability = capability(access_mode)
+                .with_context(|| format!("volume import {}: --access-mode", shown(&name)))?;
             let spec = ImportSpec {
                 name,
                 volume_id,
                 capacity_bytes,
-                capability: capability(access_mode)?,
+                capability,
                 volume_context,
             };
             let resource = provider.import_volume(spec).await?;
@@ -250,16 +253,8 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
 
 /// The capability of an access mode named on the command line.
 fn capability(access_mode: String) -> anyhow::Result<Capability> {
-    let capability = Capability {
-        access_mode,
-        ..Capability::default()
-    };
-    if capability.mode().is_none() {
-        return Err(anyhow!(
-            "unknown access mode '{}'",
-            shown(&capability.access_mode)
-        ));
-    }
+    let mut capability = Capability::default();
+    capability.set_access_mode(&access_mode)?;
     Ok(capability)
 }
 
