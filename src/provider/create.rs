@@ -227,8 +227,7 @@ impl StorageProvider {
                 // recovery does not create a volume nobody asks for any more.
                 // An ambiguous one (the plugin may have created it) keeps it.
                 if !is_ambiguous(&source) {
-                    let intent = self.layout.create_intent(&spec.name);
-                    let _ = blocking(move || checkpoint::remove_durable(&intent)).await;
+                    self.drop_intent(&spec.name).await;
                 }
                 return Err(ProviderError::Csi {
                     volume: spec.name.clone(),
@@ -282,15 +281,31 @@ impl StorageProvider {
         name: &str,
     ) -> Result<VolumeRecord, ProviderError> {
         self.persist(&rec).await?;
+        self.remove_intent(name).await?;
+        self.insert_slot(rec.clone());
+        Ok(rec)
+    }
+
+    /// Removes the create (or import) intent under `name`, durably.
+    async fn remove_intent(&self, name: &str) -> Result<(), ProviderError> {
         let intent = self.layout.create_intent(name);
         blocking(move || checkpoint::remove_durable(&intent))
             .await
             .map_err(|source| ProviderError::Checkpoint {
                 volume: name.to_string(),
                 source,
-            })?;
-        self.insert_slot(rec.clone());
-        Ok(rec)
+            })
+    }
+
+    /// Drops the intent under `name` after a definite failure (the plugin made nothing), so
+    /// that recovery does not make a volume nobody asks for any more. Best effort: the caller
+    /// is already failing; when the removal fails too, it is logged, and the next recovery
+    /// retries the create or import the intent names (and drops it when refused again).
+    pub(crate) async fn drop_intent(&self, name: &str) {
+        if let Err(e) = self.remove_intent(name).await {
+            tracing::warn!(name = %name.escape_debug(), error = %crate::error_chain::full_message(&e),
+                "cannot drop the intent of a refused create or import; recovery will finish it");
+        }
     }
 
     /// Declares a pre-provisioned volume (one that exists in the plugin

@@ -23,7 +23,7 @@ use crate::provider::create::{
 use crate::provider::error::ProviderError;
 use crate::provider::parameters;
 use crate::provider::state::{VolumeRecord, FORMAT_VERSION};
-use crate::provider::storage::{blocking, StorageProvider};
+use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;
 
 /// Longest volume id `import` takes: the bundled plugin's limit, generous
@@ -175,8 +175,7 @@ impl StorageProvider {
                 }
             };
             if let Some(err) = refused {
-                let intent = self.layout.create_intent(&spec.name);
-                let _ = blocking(move || checkpoint::remove_durable(&intent)).await;
+                self.drop_intent(&spec.name).await;
                 return Err(err);
             }
             checkpoint::crash_point();
