@@ -365,6 +365,96 @@ async fn an_import_the_plugin_does_not_confirm_is_refused() {
     assert_eq!(layout_intents, 0, "no import intent left");
 }
 
+/// `volume list --plugin` follows ListVolumes' `next_token` to the last page: more volumes than
+/// one page holds, made behind the provider's back, are all listed, and the provider's own are not.
+#[tokio::test]
+async fn volume_list_plugin_shows_every_page() {
+    use csi_isolator::csi::proto;
+    use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+    use csi_isolator::provider::{PluginVolume, LIST_PAGE_ENTRIES};
+    use csi_isolator::testing::{mount_capability, raw_clients, Tmpfs};
+    require_root();
+    let sb = Sandbox::new("list-pages");
+    // A thousand creates, each made durable: on a tmpfs, so that fsync costs nothing.
+    let fs = Tmpfs::mount(&sb, "plugin/work", "1G");
+    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let ep = plugin.endpoint();
+    let work = sb.join("work");
+    // The provider's own volumes: known, so never listed.
+    let mut known = Vec::new();
+    for name in ["ours-1", "ours-2"] {
+        let res: serde_json::Value =
+            serde_json::from_str(&ok(volume(&work, &ep, &["create", name, "1M"]), "create"))
+                .unwrap();
+        known.push(res["disk"]["source"]["id"].as_str().unwrap().to_string());
+    }
+    // More than a page of volumes made straight in the plugin.
+    let theirs = usize::try_from(LIST_PAGE_ENTRIES).unwrap() + 7;
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
+    let mut made = Vec::new();
+    for i in 0..theirs {
+        let v = raw
+            .controller
+            .create_volume(proto::CreateVolumeRequest {
+                name: format!("theirs-{i}"),
+                capacity_range: Some(proto::CapacityRange {
+                    required_bytes: 4096,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![mount_capability(Mode::SingleNodeWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|s| panic!("CreateVolume theirs-{i}: {s}"))
+            .into_inner()
+            .volume
+            .unwrap();
+        made.push(v.volume_id);
+    }
+    made.sort();
+    let list_calls = || {
+        plugin
+            .calls()
+            .iter()
+            .filter(|l| l.starts_with("ListVolumes "))
+            .count()
+    };
+    let before = list_calls();
+
+    let listed: Vec<PluginVolume> = serde_json::from_str(&ok(
+        volume(&work, &ep, &["list", "--plugin", "--json"]),
+        "list --plugin --json",
+    ))
+    .unwrap();
+    let ids: Vec<String> = listed.into_iter().map(|v| v.volume_id).collect();
+    assert_eq!(ids.len(), theirs, "every volume made behind its back");
+    assert_eq!(ids, made);
+    for id in &known {
+        assert!(!ids.contains(id), "its own volume {id} listed");
+    }
+    // It took more than one ListVolumes to get them.
+    let pages = list_calls() - before;
+    assert!(
+        pages >= 2,
+        "{pages} ListVolumes call(s) for {} volumes",
+        theirs + known.len()
+    );
+    // The table has a line per volume too.
+    let table = ok(volume(&work, &ep, &["list", "--plugin"]), "list --plugin");
+    assert_eq!(
+        table.lines().count(),
+        theirs + 1,
+        "a header and a line per volume"
+    );
+
+    for name in ["ours-1", "ours-2"] {
+        ok(volume(&work, &ep, &["destroy", name]), "destroy");
+    }
+    drop(plugin);
+    drop(fs);
+    sb.assert_no_mounts_under();
+}
+
 #[test]
 fn a_disk_without_provider_id_must_exist() {
     require_root();

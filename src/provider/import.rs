@@ -64,6 +64,10 @@ pub fn validate_import(spec: &ImportSpec) -> Result<(), ProviderError> {
 /// trusted to end).
 pub const MAX_LISTED: usize = 10_000;
 
+/// The `max_entries` of each ListVolumes page `plugin_volumes` asks for
+/// (a plugin may answer with fewer; every `next_token` is followed).
+pub const LIST_PAGE_ENTRIES: i32 = 1000;
+
 /// A volume the plugin has and the provider does not know.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PluginVolume {
@@ -210,7 +214,7 @@ impl StorageProvider {
             let page = self
                 .client
                 .list_volumes(proto::ListVolumesRequest {
-                    max_entries: 1000,
+                    max_entries: LIST_PAGE_ENTRIES,
                     starting_token: token.clone(),
                 })
                 .await
