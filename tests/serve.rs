@@ -963,3 +963,258 @@ async fn update_onto_a_file_target_is_invalid_argument_naming_step_and_target() 
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// A volume made straight in the plugin, behind serve's back, with `content` written into
+/// `file` through the plugin's own node calls (ControllerPublish, NodeStage, NodePublish, then
+/// all undone): what an administrator or another CO leaves behind. Returns its id.
+async fn made_behind_serves_back(
+    sb: &Sandbox,
+    plugin: &csi_isolator::testing::PluginProcess,
+    file: &str,
+    content: &str,
+) -> String {
+    use csi_isolator::csi::proto as csi;
+    use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+    use csi_isolator::testing::{mount_capability, raw_clients};
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
+    let cap = mount_capability(Mode::SingleNodeWriter);
+    let node_id = raw
+        .node
+        .node_get_info(csi::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .node_id;
+    let id = raw
+        .controller
+        .create_volume(csi::CreateVolumeRequest {
+            name: "made-by-hand".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 16 * MIB as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let publish_context = raw
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id: node_id.clone(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    let staging = sb.mkdir("by-hand/staging");
+    let target = sb.mkdir("by-hand/pod").join("target");
+    raw.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+            volume_capability: Some(cap.clone()),
+            publish_context: publish_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    raw.node
+        .node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(cap),
+            publish_context,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    std::fs::write(target.join(file), content).unwrap();
+    raw.node
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .unwrap();
+    raw.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    raw.controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    sb.assert_no_mounts_under();
+    id
+}
+
+/// Prepares `id` with `resources` in a sandbox of its own, launches a sleeper with the returned
+/// mounts and returns it with its sandbox.
+async fn prepare_and_launch(
+    c: &mut IsolatorClient<Channel>,
+    sb: &Sandbox,
+    id: &str,
+    resources: String,
+) -> (Launched, PathBuf) {
+    let sandbox = sb.mkdir(format!("sandboxes/{id}"));
+    let info = c
+        .prepare(PrepareRequest {
+            container_id: id.into(),
+            config: Some(ContainerConfig {
+                resources_json: resources,
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("Prepare {id}: {s}"))
+        .into_inner();
+    let mounts: Vec<VolumeMount> = info
+        .mounts
+        .into_iter()
+        .map(|m| VolumeMount::try_from(m).unwrap())
+        .collect();
+    let launched = tokio::task::block_in_place(|| launch_sleep(sb, &sandbox, mounts));
+    (launched, sandbox)
+}
+
+/// Kills and reaps a sleeper.
+async fn stop(sb: &Sandbox, mut sleeper: Launched) {
+    sleeper.kill(Signal::SIGKILL).unwrap();
+    tokio::time::timeout(TIMEOUT, sleeper.wait_async())
+        .await
+        .expect("the sleeper exits")
+        .unwrap();
+    sb.untrack(sleeper.pid());
+}
+
+/// Serve's ImportVolume adopts a volume made behind its back: a container prepared with the
+/// resource it returns reads what was written before the import; DestroyVolume then forgets it
+/// and leaves it, data and all, in the plugin, unless `delete_imported` is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_imports_a_volume_and_a_container_reads_it() {
+    use csi_isolator::testing::PluginProcess;
+    require_root();
+    let sb = Sandbox::new("serve-import");
+    let plugin = PluginProcess::start(
+        &sb,
+        env!("CARGO_BIN_EXE_csi-test-plugin"),
+        &["--backing", "dir"],
+    )
+    .await;
+    let id = made_behind_serves_back(&sb, &plugin, "before", "written before the import\n").await;
+    let work = sb.join("work");
+    let ep = plugin.endpoint();
+    let mut serve = Serve::start_with(
+        &sb,
+        &work,
+        &sb.join("isolator.sock"),
+        false,
+        &["--plugin-endpoint", &ep],
+    );
+    let mut c = serve.client().await;
+    let import = || proto::ImportVolumeRequest {
+        name: "adopted".into(),
+        volume_id: id.clone(),
+        capacity_bytes: 16 * MIB,
+        container_path: "data".into(),
+        ..Default::default()
+    };
+    let imported = c.import_volume(import()).await.unwrap().into_inner();
+    assert_eq!(imported.volume_id, id);
+    let find = |s: &proto::StatusResponse| s.volumes.iter().find(|v| v.volume_id == id).cloned();
+    let v = find(&status(&mut c).await).expect("the imported volume in status");
+    assert_eq!(
+        (v.name.as_str(), v.state.as_str(), v.imported),
+        ("adopted", "CREATED", true)
+    );
+
+    // A container prepared with it reads the data written before the import, and writes more.
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c1", list(&[&imported])).await;
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(sandbox.strip_prefix("/").unwrap())
+        .join("data");
+    assert_eq!(
+        std::fs::read_to_string(inside.join("before")).unwrap(),
+        "written before the import\n"
+    );
+    std::fs::write(inside.join("after"), "written by c1\n").unwrap();
+    assert_eq!(find(&status(&mut c).await).unwrap().state, "PUBLISHED");
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+
+    // Destroy forgets it; the plugin keeps it, with its data: imported again, a container reads
+    // what c1 wrote.
+    let destroy = |delete_imported| DestroyVolumeRequest {
+        volume_id: id.clone(),
+        delete_imported,
+        ..Default::default()
+    };
+    c.destroy_volume(destroy(false)).await.unwrap();
+    assert!(find(&status(&mut c).await).is_none(), "still recorded");
+    let in_plugin = || async {
+        plugin
+            .listed()
+            .await
+            .iter()
+            .any(|e| e.volume.as_ref().is_some_and(|v| v.volume_id == id))
+    };
+    assert!(
+        in_plugin().await,
+        "deleted in the plugin without delete_imported"
+    );
+    let again = c.import_volume(import()).await.unwrap().into_inner();
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c2", list(&[&again])).await;
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(sandbox.strip_prefix("/").unwrap())
+        .join("data");
+    assert_eq!(
+        std::fs::read_to_string(inside.join("after")).unwrap(),
+        "written by c1\n"
+    );
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c2".into(),
+    })
+    .await
+    .unwrap();
+
+    // With delete_imported, DeleteVolume goes to the plugin too.
+    c.destroy_volume(destroy(true)).await.unwrap();
+    assert!(find(&status(&mut c).await).is_none());
+    assert!(
+        !in_plugin().await,
+        "kept in the plugin with delete_imported"
+    );
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    drop(plugin);
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
