@@ -1218,3 +1218,258 @@ async fn serve_imports_a_volume_and_a_container_reads_it() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The bundled provider's id, which resources name.
+const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
+
+/// A profiles file (root's, 0644, in a root-owned directory) whose profile `shared` gives
+/// `share=/from-profile`.
+fn profiles_file(sb: &Sandbox) -> PathBuf {
+    let file = sb.mkdir("profiles").join("profiles.json");
+    std::fs::write(
+        &file,
+        r#"{"profile_matrix": {"shared": {
+            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+            "create_parameters": {"share": "/from-profile"}}}}"#,
+    )
+    .unwrap();
+    file
+}
+
+/// A Mesos disk of the bundled provider with `profile` and no volume yet, named by its
+/// persistence id, at `path` in the container.
+fn profile_disk(profile: &str, name: &str, path: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "provider_id": {"value": PROVIDER},
+        "disk": {
+            "source": {"type": "RAW", "profile": profile},
+            "persistence": {"id": name},
+            "volume": {"container_path": path, "mode": "RW"}
+        }
+    })
+}
+
+/// A disk without provider_id (an agent disk the operator prepares) at `root` on the host.
+fn agent_disk(root: &Path, path: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "disk": {
+            "source": {"type": "MOUNT", "mount": {"root": root}},
+            "volume": {"container_path": path, "mode": "RW"}
+        }
+    })
+}
+
+/// PrepareOci and Update take Mesos disks with a profile: each becomes a volume created with the
+/// profile's parameters (the plugin refuses a create without them), then published. An Update
+/// naming a disk the provider does not know, or an agent disk that is not there, is refused with
+/// a message that says so, and nothing new is mounted, on the host or in the container.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_oci_and_update_create_profile_disks_and_refuse_unknown_disks() {
+    require_root();
+    let sb = Sandbox::new("serve-profiles");
+    let work = sb.join("work");
+    let profiles = profiles_file(&sb);
+    let profiles_arg = profiles.display().to_string();
+    let mut serve = Serve::start_with(
+        &sb,
+        &work,
+        &sb.join("isolator.sock"),
+        false,
+        &[
+            "--plugin-arg=--require-parameters=share=/from-profile",
+            "--disk-profiles",
+            &profiles_arg,
+        ],
+    );
+    let mut c = serve.client().await;
+    let by_name = |s: &proto::StatusResponse, name: &str| {
+        s.volumes
+            .iter()
+            .find(|v| v.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no volume {name} in {s:?}"))
+    };
+
+    // PrepareOci: the profile disk is created with the profile's parameters and bound on the host.
+    let oci_sandbox = sb.mkdir("sandboxes/oci");
+    let info = c
+        .prepare_oci(PrepareRequest {
+            container_id: "oci".into(),
+            config: Some(ContainerConfig {
+                resources_json: serde_json::json!([profile_disk("shared", "pv-oci", "data")])
+                    .to_string(),
+                sandbox: oci_sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("PrepareOci: {s}"))
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1, "{info:?}");
+    let bind = PathBuf::from(&info.mounts[0].source);
+    assert_eq!(bind, oci_sandbox.join("data"));
+    assert!(ProcMountTable::new().is_mount_point(&bind).unwrap());
+    let v = by_name(&status(&mut c).await, "pv-oci");
+    assert_eq!(v.parameters["share"], "/from-profile", "{v:?}");
+    assert_eq!(
+        (v.state.as_str(), v.users.as_slice()),
+        ("PUBLISHED", &["oci".to_string()][..])
+    );
+    c.cleanup(CleanupRequest {
+        container_id: "oci".into(),
+    })
+    .await
+    .unwrap();
+    assert!(!ProcMountTable::new().is_mount_point(&bind).unwrap());
+
+    // Update: a running container gets a profile disk, created and mounted into it.
+    let sandbox = sb.mkdir("sandboxes/c1");
+    c.prepare(PrepareRequest {
+        container_id: "c1".into(),
+        config: Some(ContainerConfig {
+            sandbox: sandbox.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap();
+    let (sb_ref, sandbox_ref) = (&sb, sandbox.clone());
+    let sleeper = tokio::task::block_in_place(|| launch_sleep(sb_ref, &sandbox_ref, Vec::new()));
+    let pid = sleeper.pid();
+    c.isolate(IsolateRequest {
+        container_id: "c1".into(),
+        pid,
+    })
+    .await
+    .unwrap();
+    let disk = profile_disk("shared", "pv-upd", "data");
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: serde_json::json!([disk]).to_string(),
+    })
+    .await
+    .unwrap_or_else(|s| panic!("Update with a profile disk: {s}"));
+    assert!(
+        mounted_in(pid, &sandbox.join("data")),
+        "not mounted in the container"
+    );
+    let v = by_name(&status(&mut c).await, "pv-upd");
+    assert_eq!(v.parameters["share"], "/from-profile", "{v:?}");
+    assert_eq!(v.state, "PUBLISHED");
+
+    // Update naming what the provider cannot mount: refused, saying so; nothing more mounted.
+    let host_mounts = || sb.mounts_under().len();
+    let mounted_before = host_mounts();
+    let gone = c
+        .create_volume(CreateVolumeRequest {
+            name: "gone".into(),
+            capacity_bytes: 16 * MIB,
+            container_path: "ghost".into(),
+            parameters: [("share".to_string(), "/from-profile".to_string())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: gone.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let unknown: serde_json::Value = serde_json::from_str(&gone.resource_json).unwrap();
+    let missing = sb.join("never-prepared");
+    let file = sb.join("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let cases = [
+        (
+            unknown,
+            Code::NotFound,
+            vec!["unknown volume", gone.volume_id.as_str(), "volume import"],
+        ),
+        (
+            agent_disk(&missing, "agent"),
+            Code::FailedPrecondition,
+            vec!["has no provider_id", "does not exist"],
+        ),
+        (
+            agent_disk(&file, "agent"),
+            Code::FailedPrecondition,
+            vec!["has no provider_id", "is not a directory"],
+        ),
+    ];
+    let missing_text = missing.display().to_string();
+    let file_text = file.display().to_string();
+    for (extra, code, says) in cases {
+        let refused = c
+            .update(UpdateRequest {
+                container_id: "c1".into(),
+                resources_json: serde_json::json!([disk, extra]).to_string(),
+            })
+            .await
+            .expect_err("an update with a disk the provider cannot mount");
+        assert_eq!(refused.code(), code, "{refused:?}");
+        for part in says {
+            assert!(
+                refused.message().contains(part),
+                "{part:?} not in {refused:?}"
+            );
+        }
+        if code == Code::FailedPrecondition {
+            let path = if refused.message().contains("does not exist") {
+                &missing_text
+            } else {
+                &file_text
+            };
+            assert!(refused.message().contains(path.as_str()), "{refused:?}");
+        }
+        for target in ["ghost", "agent"] {
+            assert!(
+                !mounted_in(pid, &sandbox.join(target)),
+                "{target} mounted in the container"
+            );
+        }
+        assert!(mounted_in(pid, &sandbox.join("data")), "data unmounted");
+        assert_eq!(host_mounts(), mounted_before, "{:?}", sb.mounts_under());
+        let st = status(&mut c).await;
+        assert_eq!(st.containers[0].mounts.len(), 1, "{st:?}");
+        assert!(st.volumes.iter().all(|v| v.volume_id != gone.volume_id));
+    }
+
+    // Out again, then everything goes.
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: "[]".into(),
+    })
+    .await
+    .unwrap();
+    assert!(!mounted_in(pid, &sandbox.join("data")));
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    for name in ["pv-oci", "pv-upd"] {
+        let v = by_name(&status(&mut c).await, name);
+        assert_eq!(v.state, "CREATED");
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: v.volume_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
