@@ -455,6 +455,104 @@ async fn volume_list_plugin_shows_every_page() {
     sb.assert_no_mounts_under();
 }
 
+/// A node-only plugin (no controller service, so no LIST_VOLUMES and no
+/// ValidateVolumeCapabilities, no DeleteVolume): `volume list --plugin` says it cannot list and
+/// how to import; an import is recorded without asking the plugin and runs with the data the
+/// volume held; `destroy --delete` is refused before anything is recorded (recorded, no destroy
+/// could ever finish), so a plain destroy still forgets it.
+#[tokio::test]
+async fn a_node_only_plugin_imports_without_validation() {
+    require_root();
+    let sb = Sandbox::new("import-node-only");
+    // The volume is made, and written, while the plugin still has its controller service.
+    let plugin = PluginProcess::start(&sb, PLUGIN, &["--backing", "dir"]).await;
+    let other = sb.join("other");
+    let ep = plugin.endpoint();
+    let res: serde_json::Value =
+        serde_json::from_str(&ok(volume(&other, &ep, &["create", "old", "8M"]), "create")).unwrap();
+    let id = res["disk"]["source"]["id"].as_str().unwrap().to_string();
+    let mount = ok(
+        volume(&other, &ep, &["publish", "old", "--container", "c"]),
+        "publish",
+    );
+    std::fs::write(Path::new(mount.trim()).join("before"), "from before\n").unwrap();
+    ok(
+        volume(&other, &ep, &["release", "old", "--container", "c"]),
+        "release",
+    );
+    drop(plugin);
+    // The same plugin work dir, served without a controller.
+    let plugin = PluginProcess::start(
+        &sb,
+        PLUGIN,
+        &[
+            "--backing",
+            "dir",
+            "--no-controller",
+            "--no-controller-publish",
+        ],
+    )
+    .await;
+    let work = sb.join("work");
+    let err = refused(
+        volume(&work, &ep, &["list", "--plugin"]),
+        "list --plugin of a node-only plugin",
+    );
+    assert!(
+        err.contains("does not offer LIST_VOLUMES")
+            && err.contains("volume import NAME --volume-id ID"),
+        "{err}"
+    );
+    let calls_before = plugin.calls().len();
+    ok(
+        volume(&work, &ep, &["import", "mine", "--volume-id", &id]),
+        "import",
+    );
+    let asked: Vec<String> = plugin.calls()[calls_before..].to_vec();
+    assert!(
+        !asked
+            .iter()
+            .any(|c| c.starts_with("ValidateVolumeCapabilities")),
+        "{asked:?}"
+    );
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "mine:8M:data"])
+        .args(["--", "cat", "data/before"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run"), "from before\n");
+    // It cannot be deleted there: --delete is refused up front and changes nothing, so a plain
+    // destroy still forgets it.
+    let err = refused(
+        volume(&work, &ep, &["destroy", "mine", "--delete"]),
+        "destroy --delete on a plugin without DeleteVolume",
+    );
+    assert!(
+        err.contains("does not offer CREATE_DELETE_VOLUME") && err.contains("without --delete"),
+        "{err}"
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list[0]["destroying"], false, "{list}");
+    assert_ne!(list[0]["delete_imported"], true, "{list}");
+    ok(volume(&work, &ep, &["destroy", "mine"]), "destroy");
+    let list = ok(volume(&work, &ep, &["list", "--json"]), "list");
+    assert_eq!(list.trim(), "[]");
+    // Kept in the plugin, data and all.
+    ok(
+        volume(&work, &ep, &["import", "again", "--volume-id", &id]),
+        "import again",
+    );
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "again:8M:data"])
+        .args(["--", "cat", "data/before"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run after the destroy"), "from before\n");
+    ok(volume(&work, &ep, &["destroy", "again"]), "destroy");
+    sb.assert_no_mounts_under();
+}
+
 #[test]
 fn a_disk_without_provider_id_must_exist() {
     require_root();

@@ -168,6 +168,16 @@ pub enum ProviderError {
         /// The provider id.
         plugin: String,
     },
+    /// `volume destroy --delete` (serve: `delete_imported`) of an imported
+    /// volume on a plugin without CREATE_DELETE_VOLUME: refused before the
+    /// destroy is recorded, since no DeleteVolume could ever finish it.
+    #[error("plugin {plugin} does not offer CREATE_DELETE_VOLUME: it cannot delete volume '{volume}'; destroy it without --delete to forget it and leave it in the plugin")]
+    NoDeleteVolume {
+        /// The provider id.
+        plugin: String,
+        /// The volume id.
+        volume: String,
+    },
     /// A disk resource with a profile and no volume that cannot be made into one.
     #[error("resource {resource}: {why}")]
     BadProfileDisk {

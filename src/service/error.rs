@@ -172,7 +172,8 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::InUse { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
-        | ProviderError::NoListVolumes { .. } => Code::FailedPrecondition,
+        | ProviderError::NoListVolumes { .. }
+        | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
