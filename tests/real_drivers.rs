@@ -342,6 +342,27 @@ async fn an_import_the_plugin_does_not_confirm_is_refused() {
         "import of a control character",
     );
     assert!(err.contains("control character"), "{err}");
+    // A plugin that answers ValidateVolumeCapabilities without confirming the access mode.
+    let liar = PluginProcess::start_named(
+        &sb,
+        "liar",
+        PLUGIN,
+        &["--backing", "dir", "--lie", "ValidateVolumeCapabilities"],
+    )
+    .await;
+    let err = refused(
+        volume(
+            &work,
+            &liar.endpoint(),
+            &["import", "unconfirmed", "--volume-id", "vol-1"],
+        ),
+        "import the plugin does not confirm",
+    );
+    assert!(
+        err.contains("did not confirm access mode SINGLE_NODE_WRITER")
+            && err.contains("--access-mode"),
+        "{err}"
+    );
     let list: serde_json::Value =
         serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
     assert_eq!(list, serde_json::json!([]));
@@ -620,15 +641,22 @@ fn a_refused_create_leaves_no_sandbox_warning() {
 const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
 
 /// A profiles file (root's, 0644, in a root-owned directory) with profile
-/// `shared` giving `share=/from-profile`.
+/// `shared` giving `share=/from-profile`, `elsewhere` giving `share=/elsewhere`
+/// and `bare` giving no parameter.
 fn profiles_file(sb: &Sandbox) -> std::path::PathBuf {
     let dir = sb.mkdir("profiles");
     let file = dir.join("profiles.json");
     std::fs::write(
         &file,
-        r#"{"profile_matrix": {"shared": {
-            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
-            "create_parameters": {"share": "/from-profile"}}}}"#,
+        r#"{"profile_matrix": {
+            "shared": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+                "create_parameters": {"share": "/from-profile"}},
+            "elsewhere": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+                "create_parameters": {"share": "/elsewhere"}},
+            "bare": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}}}}"#,
     )
     .unwrap();
     file
@@ -647,7 +675,9 @@ fn profile_disk(profile: &str, name: &str) -> serde_json::Value {
     })
 }
 
-#[tokio::test]
+// Multi-threaded: the client's connection must answer serve's shutdown (HTTP/2 GOAWAY and PING)
+// while the test waits for serve to exit, or serve waits out its 10 s grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_takes_parameters_imports_and_profile_disks() {
     use csi_isolator::service::proto::isolator_client::IsolatorClient;
     use csi_isolator::service::proto::{
@@ -774,12 +804,8 @@ fn run_creates_a_profile_disk_with_the_profiles_parameters() {
     let work = sb.join("work");
     let profiles = profiles_file(&sb);
     let resources = sb.join("res.json");
-    std::fs::write(
-        &resources,
-        serde_json::json!([profile_disk("shared", "pv1")]).to_string(),
-    )
-    .unwrap();
-    let run = |profiles_flag: bool| {
+    let run_with = |profiles_flag: bool, disk: serde_json::Value| {
+        std::fs::write(&resources, serde_json::json!([disk]).to_string()).unwrap();
         let mut c = isolator_command(CLI, &work);
         c.args([
             "run",
@@ -795,25 +821,56 @@ fn run_creates_a_profile_disk_with_the_profiles_parameters() {
             .output()
             .unwrap()
     };
+    let run = |profiles_flag: bool| run_with(profiles_flag, profile_disk("shared", "pv1"));
+    let list = || -> serde_json::Value {
+        serde_json::from_str(&ok(
+            isolator_command(CLI, &work)
+                .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
+                .output()
+                .unwrap(),
+            "list",
+        ))
+        .unwrap()
+    };
     let err = refused(run(false), "run without a profiles file");
     assert!(
         err.contains("disk profile 'shared'") && err.contains("--disk-profiles"),
         "{err}"
     );
+    // A profile without the parameter: the plugin refuses the create, naming it; nothing recorded.
+    let err = refused(
+        run_with(true, profile_disk("bare", "pv0")),
+        "run of a profile without the parameter",
+    );
+    assert!(err.contains("parameter 'share'"), "{err}");
+    assert_eq!(list(), serde_json::json!([]));
+    // A profile disk without the persistence id that names its volume.
+    let mut unnamed = profile_disk("shared", "x");
+    unnamed["disk"]
+        .as_object_mut()
+        .unwrap()
+        .remove("persistence");
+    let err = refused(run_with(true, unnamed), "run of an unnamed profile disk");
+    assert!(err.contains("needs disk.persistence.id"), "{err}");
+    assert_eq!(list(), serde_json::json!([]));
+    sb.assert_no_mounts_under();
+
     assert_eq!(ok(run(true), "run with the profiles file"), "hi\n");
-    let list: serde_json::Value = serde_json::from_str(&ok(
-        isolator_command(CLI, &work)
-            .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
-            .output()
-            .unwrap(),
-        "list",
-    ))
-    .unwrap();
+    let list = list();
     assert_eq!(list[0]["name"], "pv1");
     assert_eq!(list[0]["profile"], "shared");
     assert_eq!(
         list[0]["volume_context"]["parameter.share"],
         "/from-profile"
+    );
+    // The same name through a profile with other parameters: refused by key.
+    let err = refused(
+        run_with(true, profile_disk("elsewhere", "pv1")),
+        "run of the same disk with another profile",
+    );
+    assert!(
+        err.contains("other CreateVolume parameters") && err.contains("key 'share'"),
+        "{err}"
     );
     // The same resource again is the same volume.
     assert_eq!(ok(run(true), "a second run"), "hi\n");
