@@ -526,7 +526,18 @@ async fn a_node_only_plugin_imports_without_validation() {
     );
     let calls_before = plugin.calls().len();
     ok(
-        volume(&work, &ep, &["import", "mine", "--volume-id", &id]),
+        volume(
+            &work,
+            &ep,
+            &[
+                "import",
+                "mine",
+                "--volume-id",
+                &id,
+                "--context",
+                "server=s1",
+            ],
+        ),
         "import",
     );
     let asked: Vec<String> = plugin.calls()[calls_before..].to_vec();
@@ -554,6 +565,7 @@ async fn a_node_only_plugin_imports_without_validation() {
     );
     let list: serde_json::Value =
         serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list[0]["volume_context"]["server"], "s1", "{list}");
     assert_eq!(list[0]["destroying"], false, "{list}");
     assert_ne!(list[0]["delete_imported"], true, "{list}");
     ok(volume(&work, &ep, &["destroy", "mine"]), "destroy");
