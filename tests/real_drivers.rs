@@ -1,7 +1,7 @@
 //! What a real driver needs, end to end with the built binaries: CreateVolume
 //! parameters from `volume create` (the bundled plugin in require mode refuses
 //! a create without them and echoes what it got in the volume context), a
-//! second create with other parameters refused by key, import of a volume the
+//! second create with other parameters refused by key (or with another access mode), import of a volume the
 //! provider does not know (`volume list --plugin` shows it, a run reads what
 //! it held, destroy keeps it in the plugin unless `--delete`), and the
 //! messages for disks the provider does not know.
@@ -173,6 +173,29 @@ async fn volume_create_parameters_reach_create_volume() {
         "create with none",
     );
     assert!(err.contains("key 'server'"), "{err}");
+    // The same parameters with another access mode: refused, naming both capabilities.
+    let err = refused(
+        volume(
+            &work,
+            &ep,
+            &[
+                "create",
+                "v",
+                "8M",
+                "--param",
+                "share=/export",
+                "--param",
+                "server=s1",
+                "--access-mode",
+                "MULTI_NODE_MULTI_WRITER",
+            ],
+        ),
+        "create with another access mode",
+    );
+    assert!(
+        err.contains("exists with capability SINGLE_NODE_WRITER, not MULTI_NODE_MULTI_WRITER"),
+        "{err}"
+    );
     assert_eq!(plugin_ids(&plugin).await.len(), 1);
 
     // A run by name uses the volume with its parameters; the plugin refuses nothing.
@@ -342,6 +365,27 @@ async fn an_import_the_plugin_does_not_confirm_is_refused() {
         "import of a control character",
     );
     assert!(err.contains("control character"), "{err}");
+    // A plugin that answers ValidateVolumeCapabilities without confirming the access mode.
+    let liar = PluginProcess::start_named(
+        &sb,
+        "liar",
+        plugin_bin(),
+        &["--backing", "dir", "--lie", "ValidateVolumeCapabilities"],
+    )
+    .await;
+    let err = refused(
+        volume(
+            &work,
+            &liar.endpoint(),
+            &["import", "unconfirmed", "--volume-id", "vol-1"],
+        ),
+        "import the plugin does not confirm",
+    );
+    assert!(
+        err.contains("did not confirm access mode SINGLE_NODE_WRITER")
+            && err.contains("--access-mode"),
+        "{err}"
+    );
     let list: serde_json::Value =
         serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
     assert_eq!(list, serde_json::json!([]));
@@ -363,6 +407,206 @@ async fn an_import_the_plugin_does_not_confirm_is_refused() {
         .flat_map(|d| d.flatten())
         .count();
     assert_eq!(layout_intents, 0, "no import intent left");
+}
+
+/// `volume list --plugin` follows ListVolumes' `next_token` to the last page: more volumes than
+/// one page holds, made behind the provider's back, are all listed, and the provider's own are not.
+#[tokio::test]
+async fn volume_list_plugin_shows_every_page() {
+    use csi_isolator::csi::proto;
+    use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+    use csi_isolator::provider::{PluginVolume, LIST_PAGE_ENTRIES};
+    use csi_isolator_testing::{mount_capability, raw_clients, Tmpfs};
+    require_root();
+    let sb = Sandbox::new("list-pages");
+    // A thousand creates, each made durable: on a tmpfs, so that fsync costs nothing.
+    let fs = Tmpfs::mount(&sb, "plugin/work", "1G");
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &["--backing", "dir"]).await;
+    let ep = plugin.endpoint();
+    let work = sb.join("work");
+    // The provider's own volumes: known, so never listed.
+    let mut known = Vec::new();
+    for name in ["ours-1", "ours-2"] {
+        let res: serde_json::Value =
+            serde_json::from_str(&ok(volume(&work, &ep, &["create", name, "1M"]), "create"))
+                .unwrap();
+        known.push(res["disk"]["source"]["id"].as_str().unwrap().to_string());
+    }
+    // More than a page of volumes made straight in the plugin.
+    let theirs = usize::try_from(LIST_PAGE_ENTRIES).unwrap() + 7;
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
+    let mut made = Vec::new();
+    for i in 0..theirs {
+        let v = raw
+            .controller
+            .create_volume(proto::CreateVolumeRequest {
+                name: format!("theirs-{i}"),
+                capacity_range: Some(proto::CapacityRange {
+                    required_bytes: 4096,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![mount_capability(Mode::SingleNodeWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|s| panic!("CreateVolume theirs-{i}: {s}"))
+            .into_inner()
+            .volume
+            .unwrap();
+        made.push(v.volume_id);
+    }
+    made.sort();
+    let list_calls = || {
+        plugin
+            .calls()
+            .iter()
+            .filter(|l| l.starts_with("ListVolumes "))
+            .count()
+    };
+    let before = list_calls();
+
+    let listed: Vec<PluginVolume> = serde_json::from_str(&ok(
+        volume(&work, &ep, &["list", "--plugin", "--json"]),
+        "list --plugin --json",
+    ))
+    .unwrap();
+    let ids: Vec<String> = listed.into_iter().map(|v| v.volume_id).collect();
+    assert_eq!(ids.len(), theirs, "every volume made behind its back");
+    assert_eq!(ids, made);
+    for id in &known {
+        assert!(!ids.contains(id), "its own volume {id} listed");
+    }
+    // It took more than one ListVolumes to get them.
+    let pages = list_calls() - before;
+    assert!(
+        pages >= 2,
+        "{pages} ListVolumes call(s) for {} volumes",
+        theirs + known.len()
+    );
+    // The table has a line per volume too.
+    let table = ok(volume(&work, &ep, &["list", "--plugin"]), "list --plugin");
+    assert_eq!(
+        table.lines().count(),
+        theirs + 1,
+        "a header and a line per volume"
+    );
+
+    for name in ["ours-1", "ours-2"] {
+        ok(volume(&work, &ep, &["destroy", name]), "destroy");
+    }
+    drop(plugin);
+    drop(fs);
+    sb.assert_no_mounts_under();
+}
+
+/// A node-only plugin (no controller service, so no LIST_VOLUMES and no
+/// ValidateVolumeCapabilities, no DeleteVolume): `volume list --plugin` says it cannot list and
+/// how to import; an import is recorded without asking the plugin and runs with the data the
+/// volume held; `destroy --delete` is refused before anything is recorded (recorded, no destroy
+/// could ever finish), so a plain destroy still forgets it.
+#[tokio::test]
+async fn a_node_only_plugin_imports_without_validation() {
+    require_root();
+    let sb = Sandbox::new("import-node-only");
+    // The volume is made, and written, while the plugin still has its controller service.
+    let plugin = PluginProcess::start(&sb, plugin_bin(), &["--backing", "dir"]).await;
+    let other = sb.join("other");
+    let ep = plugin.endpoint();
+    let res: serde_json::Value =
+        serde_json::from_str(&ok(volume(&other, &ep, &["create", "old", "8M"]), "create")).unwrap();
+    let id = res["disk"]["source"]["id"].as_str().unwrap().to_string();
+    let mount = ok(
+        volume(&other, &ep, &["publish", "old", "--container", "c"]),
+        "publish",
+    );
+    std::fs::write(Path::new(mount.trim()).join("before"), "from before\n").unwrap();
+    ok(
+        volume(&other, &ep, &["release", "old", "--container", "c"]),
+        "release",
+    );
+    drop(plugin);
+    // The same plugin work dir, served without a controller.
+    let plugin = PluginProcess::start(
+        &sb,
+        plugin_bin(),
+        &[
+            "--backing",
+            "dir",
+            "--no-controller",
+            "--no-controller-publish",
+        ],
+    )
+    .await;
+    let work = sb.join("work");
+    let err = refused(
+        volume(&work, &ep, &["list", "--plugin"]),
+        "list --plugin of a node-only plugin",
+    );
+    assert!(
+        err.contains("does not offer LIST_VOLUMES")
+            && err.contains("volume import NAME --volume-id ID"),
+        "{err}"
+    );
+    let calls_before = plugin.calls().len();
+    ok(
+        volume(
+            &work,
+            &ep,
+            &[
+                "import",
+                "mine",
+                "--volume-id",
+                &id,
+                "--context",
+                "server=s1",
+            ],
+        ),
+        "import",
+    );
+    let asked: Vec<String> = plugin.calls()[calls_before..].to_vec();
+    assert!(
+        !asked
+            .iter()
+            .any(|c| c.starts_with("ValidateVolumeCapabilities")),
+        "{asked:?}"
+    );
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "mine:8M:data"])
+        .args(["--", "cat", "data/before"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run"), "from before\n");
+    // It cannot be deleted there: --delete is refused up front and changes nothing, so a plain
+    // destroy still forgets it.
+    let err = refused(
+        volume(&work, &ep, &["destroy", "mine", "--delete"]),
+        "destroy --delete on a plugin without DeleteVolume",
+    );
+    assert!(
+        err.contains("does not offer CREATE_DELETE_VOLUME") && err.contains("without --delete"),
+        "{err}"
+    );
+    let list: serde_json::Value =
+        serde_json::from_str(&ok(volume(&work, &ep, &["list", "--json"]), "list")).unwrap();
+    assert_eq!(list[0]["volume_context"]["server"], "s1", "{list}");
+    assert_eq!(list[0]["destroying"], false, "{list}");
+    assert_ne!(list[0]["delete_imported"], true, "{list}");
+    ok(volume(&work, &ep, &["destroy", "mine"]), "destroy");
+    let list = ok(volume(&work, &ep, &["list", "--json"]), "list");
+    assert_eq!(list.trim(), "[]");
+    // Kept in the plugin, data and all.
+    ok(
+        volume(&work, &ep, &["import", "again", "--volume-id", &id]),
+        "import again",
+    );
+    let out = isolator_command(CLI, &work)
+        .args(["run", "--plugin-endpoint", &ep, "--volume", "again:8M:data"])
+        .args(["--", "cat", "data/before"])
+        .output()
+        .unwrap();
+    assert_eq!(ok(out, "run after the destroy"), "from before\n");
+    ok(volume(&work, &ep, &["destroy", "again"]), "destroy");
+    sb.assert_no_mounts_under();
 }
 
 #[test]
@@ -432,15 +676,22 @@ fn a_refused_create_leaves_no_sandbox_warning() {
 const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
 
 /// A profiles file (root's, 0644, in a root-owned directory) with profile
-/// `shared` giving `share=/from-profile`.
+/// `shared` giving `share=/from-profile`, `elsewhere` giving `share=/elsewhere`
+/// and `bare` giving no parameter.
 fn profiles_file(sb: &Sandbox) -> std::path::PathBuf {
     let dir = sb.mkdir("profiles");
     let file = dir.join("profiles.json");
     std::fs::write(
         &file,
-        r#"{"profile_matrix": {"shared": {
-            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
-            "create_parameters": {"share": "/from-profile"}}}}"#,
+        r#"{"profile_matrix": {
+            "shared": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+                "create_parameters": {"share": "/from-profile"}},
+            "elsewhere": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+                "create_parameters": {"share": "/elsewhere"}},
+            "bare": {
+                "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}}}}"#,
     )
     .unwrap();
     file
@@ -459,7 +710,9 @@ fn profile_disk(profile: &str, name: &str) -> serde_json::Value {
     })
 }
 
-#[tokio::test]
+// Multi-threaded: the client's connection must answer serve's shutdown (HTTP/2 GOAWAY and PING)
+// while the test waits for serve to exit, or serve waits out its 10 s grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_takes_parameters_imports_and_profile_disks() {
     use csi_isolator::service::proto::isolator_client::IsolatorClient;
     use csi_isolator::service::proto::{
@@ -586,12 +839,8 @@ fn run_creates_a_profile_disk_with_the_profiles_parameters() {
     let work = sb.join("work");
     let profiles = profiles_file(&sb);
     let resources = sb.join("res.json");
-    std::fs::write(
-        &resources,
-        serde_json::json!([profile_disk("shared", "pv1")]).to_string(),
-    )
-    .unwrap();
-    let run = |profiles_flag: bool| {
+    let run_with = |profiles_flag: bool, disk: serde_json::Value| {
+        std::fs::write(&resources, serde_json::json!([disk]).to_string()).unwrap();
         let mut c = isolator_command(CLI, &work);
         c.args([
             "run",
@@ -607,25 +856,56 @@ fn run_creates_a_profile_disk_with_the_profiles_parameters() {
             .output()
             .unwrap()
     };
+    let run = |profiles_flag: bool| run_with(profiles_flag, profile_disk("shared", "pv1"));
+    let list = || -> serde_json::Value {
+        serde_json::from_str(&ok(
+            isolator_command(CLI, &work)
+                .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
+                .output()
+                .unwrap(),
+            "list",
+        ))
+        .unwrap()
+    };
     let err = refused(run(false), "run without a profiles file");
     assert!(
         err.contains("disk profile 'shared'") && err.contains("--disk-profiles"),
         "{err}"
     );
+    // A profile without the parameter: the plugin refuses the create, naming it; nothing recorded.
+    let err = refused(
+        run_with(true, profile_disk("bare", "pv0")),
+        "run of a profile without the parameter",
+    );
+    assert!(err.contains("parameter 'share'"), "{err}");
+    assert_eq!(list(), serde_json::json!([]));
+    // A profile disk without the persistence id that names its volume.
+    let mut unnamed = profile_disk("shared", "x");
+    unnamed["disk"]
+        .as_object_mut()
+        .unwrap()
+        .remove("persistence");
+    let err = refused(run_with(true, unnamed), "run of an unnamed profile disk");
+    assert!(err.contains("needs disk.persistence.id"), "{err}");
+    assert_eq!(list(), serde_json::json!([]));
+    sb.assert_no_mounts_under();
+
     assert_eq!(ok(run(true), "run with the profiles file"), "hi\n");
-    let list: serde_json::Value = serde_json::from_str(&ok(
-        isolator_command(CLI, &work)
-            .args(["volume", "--plugin-arg=--backing=dir", "list", "--json"])
-            .output()
-            .unwrap(),
-        "list",
-    ))
-    .unwrap();
+    let list = list();
     assert_eq!(list[0]["name"], "pv1");
     assert_eq!(list[0]["profile"], "shared");
     assert_eq!(
         list[0]["volume_context"]["parameter.share"],
         "/from-profile"
+    );
+    // The same name through a profile with other parameters: refused by key.
+    let err = refused(
+        run_with(true, profile_disk("elsewhere", "pv1")),
+        "run of the same disk with another profile",
+    );
+    assert!(
+        err.contains("other CreateVolume parameters") && err.contains("key 'share'"),
+        "{err}"
     );
     // The same resource again is the same volume.
     assert_eq!(ok(run(true), "a second run"), "hi\n");

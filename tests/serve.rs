@@ -963,3 +963,513 @@ async fn update_onto_a_file_target_is_invalid_argument_naming_step_and_target() 
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// A volume made straight in the plugin, behind serve's back, with `content` written into
+/// `file` through the plugin's own node calls (ControllerPublish, NodeStage, NodePublish, then
+/// all undone): what an administrator or another CO leaves behind. Returns its id.
+async fn made_behind_serves_back(
+    sb: &Sandbox,
+    plugin: &csi_isolator_testing::PluginProcess,
+    file: &str,
+    content: &str,
+) -> String {
+    use csi_isolator::csi::proto as csi;
+    use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
+    use csi_isolator_testing::{mount_capability, raw_clients};
+    let mut raw = raw_clients(&plugin.socket()).await.unwrap();
+    let cap = mount_capability(Mode::SingleNodeWriter);
+    let node_id = raw
+        .node
+        .node_get_info(csi::NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .node_id;
+    let id = raw
+        .controller
+        .create_volume(csi::CreateVolumeRequest {
+            name: "made-by-hand".into(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 16 * MIB as i64,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let publish_context = raw
+        .controller
+        .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id: node_id.clone(),
+            volume_capability: Some(cap.clone()),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    let staging = sb.mkdir("by-hand/staging");
+    let target = sb.mkdir("by-hand/pod").join("target");
+    raw.node
+        .node_stage_volume(csi::NodeStageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+            volume_capability: Some(cap.clone()),
+            publish_context: publish_context.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    raw.node
+        .node_publish_volume(csi::NodePublishVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(cap),
+            publish_context,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    std::fs::write(target.join(file), content).unwrap();
+    raw.node
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .unwrap();
+    raw.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    raw.controller
+        .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            node_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    sb.assert_no_mounts_under();
+    id
+}
+
+/// Prepares `id` with `resources` in a sandbox of its own, launches a sleeper with the returned
+/// mounts and returns it with its sandbox.
+async fn prepare_and_launch(
+    c: &mut IsolatorClient<Channel>,
+    sb: &Sandbox,
+    id: &str,
+    resources: String,
+) -> (Launched, PathBuf) {
+    let sandbox = sb.mkdir(format!("sandboxes/{id}"));
+    let info = c
+        .prepare(PrepareRequest {
+            container_id: id.into(),
+            config: Some(ContainerConfig {
+                resources_json: resources,
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("Prepare {id}: {s}"))
+        .into_inner();
+    let mounts: Vec<VolumeMount> = info
+        .mounts
+        .into_iter()
+        .map(|m| VolumeMount::try_from(m).unwrap())
+        .collect();
+    let launched = tokio::task::block_in_place(|| launch_sleep(sb, &sandbox, mounts));
+    (launched, sandbox)
+}
+
+/// Kills and reaps a sleeper.
+async fn stop(sb: &Sandbox, mut sleeper: Launched) {
+    sleeper.kill(Signal::SIGKILL).unwrap();
+    tokio::time::timeout(TIMEOUT, sleeper.wait_async())
+        .await
+        .expect("the sleeper exits")
+        .unwrap();
+    sb.untrack(sleeper.pid());
+}
+
+/// Serve's ImportVolume adopts a volume made behind its back: a container prepared with the
+/// resource it returns reads what was written before the import; DestroyVolume then forgets it
+/// and leaves it, data and all, in the plugin, unless `delete_imported` is set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_imports_a_volume_and_a_container_reads_it() {
+    use csi_isolator_testing::PluginProcess;
+    require_root();
+    let sb = Sandbox::new("serve-import");
+    let plugin = PluginProcess::start(
+        &sb,
+        csi_isolator_testing::plugin_bin(),
+        &["--backing", "dir"],
+    )
+    .await;
+    let id = made_behind_serves_back(&sb, &plugin, "before", "written before the import\n").await;
+    let work = sb.join("work");
+    let ep = plugin.endpoint();
+    let mut serve = Serve::start_with(
+        &sb,
+        &work,
+        &sb.join("isolator.sock"),
+        false,
+        &["--plugin-endpoint", &ep],
+    );
+    let mut c = serve.client().await;
+    let import = || proto::ImportVolumeRequest {
+        name: "adopted".into(),
+        volume_id: id.clone(),
+        capacity_bytes: 16 * MIB,
+        container_path: "data".into(),
+        ..Default::default()
+    };
+    let imported = c.import_volume(import()).await.unwrap().into_inner();
+    assert_eq!(imported.volume_id, id);
+    let find = |s: &proto::StatusResponse| s.volumes.iter().find(|v| v.volume_id == id).cloned();
+    let v = find(&status(&mut c).await).expect("the imported volume in status");
+    assert_eq!(
+        (v.name.as_str(), v.state.as_str(), v.imported),
+        ("adopted", "CREATED", true)
+    );
+
+    // A container prepared with it reads the data written before the import, and writes more.
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c1", list(&[&imported])).await;
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(sandbox.strip_prefix("/").unwrap())
+        .join("data");
+    assert_eq!(
+        std::fs::read_to_string(inside.join("before")).unwrap(),
+        "written before the import\n"
+    );
+    std::fs::write(inside.join("after"), "written by c1\n").unwrap();
+    assert_eq!(find(&status(&mut c).await).unwrap().state, "PUBLISHED");
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+
+    // Destroy forgets it; the plugin keeps it, with its data: imported again, a container reads
+    // what c1 wrote.
+    let destroy = |delete_imported| DestroyVolumeRequest {
+        volume_id: id.clone(),
+        delete_imported,
+        ..Default::default()
+    };
+    c.destroy_volume(destroy(false)).await.unwrap();
+    assert!(find(&status(&mut c).await).is_none(), "still recorded");
+    let in_plugin = || async {
+        plugin
+            .listed()
+            .await
+            .iter()
+            .any(|e| e.volume.as_ref().is_some_and(|v| v.volume_id == id))
+    };
+    assert!(
+        in_plugin().await,
+        "deleted in the plugin without delete_imported"
+    );
+    let again = c.import_volume(import()).await.unwrap().into_inner();
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c2", list(&[&again])).await;
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(sandbox.strip_prefix("/").unwrap())
+        .join("data");
+    assert_eq!(
+        std::fs::read_to_string(inside.join("after")).unwrap(),
+        "written by c1\n"
+    );
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c2".into(),
+    })
+    .await
+    .unwrap();
+
+    // With delete_imported, DeleteVolume goes to the plugin too.
+    c.destroy_volume(destroy(true)).await.unwrap();
+    assert!(find(&status(&mut c).await).is_none());
+    assert!(
+        !in_plugin().await,
+        "kept in the plugin with delete_imported"
+    );
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    drop(plugin);
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// The bundled provider's id, which resources name.
+const PROVIDER: &str = "csi-test-plugin.csi-isolator.io.default";
+
+/// A profiles file (root's, 0644, in a root-owned directory) whose profile `shared` gives
+/// `share=/from-profile`.
+fn profiles_file(sb: &Sandbox) -> PathBuf {
+    let file = sb.mkdir("profiles").join("profiles.json");
+    std::fs::write(
+        &file,
+        r#"{"profile_matrix": {"shared": {
+            "volume_capabilities": {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+            "create_parameters": {"share": "/from-profile"}}}}"#,
+    )
+    .unwrap();
+    file
+}
+
+/// A Mesos disk of the bundled provider with `profile` and no volume yet, named by its
+/// persistence id, at `path` in the container.
+fn profile_disk(profile: &str, name: &str, path: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "provider_id": {"value": PROVIDER},
+        "disk": {
+            "source": {"type": "RAW", "profile": profile},
+            "persistence": {"id": name},
+            "volume": {"container_path": path, "mode": "RW"}
+        }
+    })
+}
+
+/// A disk without provider_id (an agent disk the operator prepares) at `root` on the host.
+fn agent_disk(root: &Path, path: &str) -> serde_json::Value {
+    serde_json::json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 16},
+        "disk": {
+            "source": {"type": "MOUNT", "mount": {"root": root}},
+            "volume": {"container_path": path, "mode": "RW"}
+        }
+    })
+}
+
+/// PrepareOci and Update take Mesos disks with a profile: each becomes a volume created with the
+/// profile's parameters (the plugin refuses a create without them), then published. An Update
+/// naming a disk the provider does not know, or an agent disk that is not there, is refused with
+/// a message that says so, and nothing new is mounted, on the host or in the container.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepare_oci_and_update_create_profile_disks_and_refuse_unknown_disks() {
+    require_root();
+    let sb = Sandbox::new("serve-profiles");
+    let work = sb.join("work");
+    let profiles = profiles_file(&sb);
+    let profiles_arg = profiles.display().to_string();
+    let mut serve = Serve::start_with(
+        &sb,
+        &work,
+        &sb.join("isolator.sock"),
+        false,
+        &[
+            "--plugin-arg=--require-parameters=share=/from-profile",
+            "--disk-profiles",
+            &profiles_arg,
+        ],
+    );
+    let mut c = serve.client().await;
+    let by_name = |s: &proto::StatusResponse, name: &str| {
+        s.volumes
+            .iter()
+            .find(|v| v.name == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no volume {name} in {s:?}"))
+    };
+
+    // PrepareOci: the profile disk is created with the profile's parameters and bound on the host.
+    let oci_sandbox = sb.mkdir("sandboxes/oci");
+    let info = c
+        .prepare_oci(PrepareRequest {
+            container_id: "oci".into(),
+            config: Some(ContainerConfig {
+                resources_json: serde_json::json!([profile_disk("shared", "pv-oci", "data")])
+                    .to_string(),
+                sandbox: oci_sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("PrepareOci: {s}"))
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1, "{info:?}");
+    let bind = PathBuf::from(&info.mounts[0].source);
+    assert_eq!(bind, oci_sandbox.join("data"));
+    assert!(ProcMountTable::new().is_mount_point(&bind).unwrap());
+    let v = by_name(&status(&mut c).await, "pv-oci");
+    assert_eq!(v.parameters["share"], "/from-profile", "{v:?}");
+    assert_eq!(
+        (v.state.as_str(), v.users.as_slice()),
+        ("PUBLISHED", &["oci".to_string()][..])
+    );
+    c.cleanup(CleanupRequest {
+        container_id: "oci".into(),
+    })
+    .await
+    .unwrap();
+    assert!(!ProcMountTable::new().is_mount_point(&bind).unwrap());
+
+    // Update: a running container gets a profile disk, created and mounted into it.
+    let sandbox = sb.mkdir("sandboxes/c1");
+    c.prepare(PrepareRequest {
+        container_id: "c1".into(),
+        config: Some(ContainerConfig {
+            sandbox: sandbox.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await
+    .unwrap();
+    let (sb_ref, sandbox_ref) = (&sb, sandbox.clone());
+    let sleeper = tokio::task::block_in_place(|| launch_sleep(sb_ref, &sandbox_ref, Vec::new()));
+    let pid = sleeper.pid();
+    c.isolate(IsolateRequest {
+        container_id: "c1".into(),
+        pid,
+    })
+    .await
+    .unwrap();
+    let disk = profile_disk("shared", "pv-upd", "data");
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: serde_json::json!([disk]).to_string(),
+    })
+    .await
+    .unwrap_or_else(|s| panic!("Update with a profile disk: {s}"));
+    assert!(
+        mounted_in(pid, &sandbox.join("data")),
+        "not mounted in the container"
+    );
+    let v = by_name(&status(&mut c).await, "pv-upd");
+    assert_eq!(v.parameters["share"], "/from-profile", "{v:?}");
+    assert_eq!(v.state, "PUBLISHED");
+
+    // Update naming what the provider cannot mount: refused, saying so; nothing more mounted.
+    let host_mounts = || sb.mounts_under().len();
+    let mounted_before = host_mounts();
+    let gone = c
+        .create_volume(CreateVolumeRequest {
+            name: "gone".into(),
+            capacity_bytes: 16 * MIB,
+            container_path: "ghost".into(),
+            parameters: [("share".to_string(), "/from-profile".to_string())].into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: gone.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let unknown: serde_json::Value = serde_json::from_str(&gone.resource_json).unwrap();
+    let missing = sb.join("never-prepared");
+    let file = sb.join("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let cases = [
+        (
+            unknown,
+            Code::NotFound,
+            vec!["unknown volume", gone.volume_id.as_str(), "volume import"],
+        ),
+        (
+            agent_disk(&missing, "agent"),
+            Code::FailedPrecondition,
+            vec!["has no provider_id", "does not exist"],
+        ),
+        (
+            agent_disk(&file, "agent"),
+            Code::FailedPrecondition,
+            vec!["has no provider_id", "is not a directory"],
+        ),
+    ];
+    let missing_text = missing.display().to_string();
+    let file_text = file.display().to_string();
+    for (extra, code, says) in cases {
+        let refused = c
+            .update(UpdateRequest {
+                container_id: "c1".into(),
+                resources_json: serde_json::json!([disk, extra]).to_string(),
+            })
+            .await
+            .expect_err("an update with a disk the provider cannot mount");
+        assert_eq!(refused.code(), code, "{refused:?}");
+        for part in says {
+            assert!(
+                refused.message().contains(part),
+                "{part:?} not in {refused:?}"
+            );
+        }
+        if code == Code::FailedPrecondition {
+            let path = if refused.message().contains("does not exist") {
+                &missing_text
+            } else {
+                &file_text
+            };
+            assert!(refused.message().contains(path.as_str()), "{refused:?}");
+        }
+        for target in ["ghost", "agent"] {
+            assert!(
+                !mounted_in(pid, &sandbox.join(target)),
+                "{target} mounted in the container"
+            );
+        }
+        assert!(mounted_in(pid, &sandbox.join("data")), "data unmounted");
+        assert_eq!(host_mounts(), mounted_before, "{:?}", sb.mounts_under());
+        let st = status(&mut c).await;
+        assert_eq!(st.containers[0].mounts.len(), 1, "{st:?}");
+        assert!(st.volumes.iter().all(|v| v.volume_id != gone.volume_id));
+    }
+
+    // Out again, then everything goes.
+    c.update(UpdateRequest {
+        container_id: "c1".into(),
+        resources_json: "[]".into(),
+    })
+    .await
+    .unwrap();
+    assert!(!mounted_in(pid, &sandbox.join("data")));
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    for name in ["pv-oci", "pv-upd"] {
+        let v = by_name(&status(&mut c).await, name);
+        assert_eq!(v.state, "CREATED");
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: v.volume_id,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    assert_eq!(
+        processes_mentioning(sb.path()),
+        Vec::<u32>::new(),
+        "processes left"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

@@ -167,6 +167,13 @@ impl StorageProvider {
                     key: crate::shown::shown(key).into_owned(),
                 });
             }
+            if rec.capability != spec.capability {
+                return Err(ProviderError::CapabilityDiffers {
+                    volume: spec.name.clone(),
+                    recorded: rec.capability.describe(),
+                    asked: spec.capability.describe(),
+                });
+            }
             return Ok(self.resource_for(&rec));
         }
         let intent = CreateIntent {
@@ -379,6 +386,19 @@ impl StorageProvider {
         // `--delete` changes the record only for an imported volume: a created one is deleted
         // from the plugin anyway, so asking again is no change to persist.
         let delete_imported = delete_imported && rec.pre_provisioned;
+        // A delete no DeleteVolume can finish is refused before it is recorded: recorded, it
+        // would fail every later destroy and every recovery, and the volume could not even be
+        // forgotten any more.
+        let caps = self.client.current_capabilities();
+        if delete_imported
+            && !rec.delete_imported
+            && !(caps.plugin.controller_service() && caps.controller.create_delete_volume())
+        {
+            return Err(ProviderError::NoDeleteVolume {
+                plugin: self.id().to_string(),
+                volume: volume_id.to_string(),
+            });
+        }
         if !rec.destroying || (delete_imported && !rec.delete_imported) {
             rec.destroying = true;
             rec.delete_imported |= delete_imported;

@@ -151,6 +151,18 @@ pub enum ProviderError {
         /// The first key on which they differ.
         key: String,
     },
+    /// A create of an existing name with another volume capability (access mode, fs type or
+    /// mount flags): CSI answers ALREADY_EXISTS to a CreateVolume whose capabilities the
+    /// volume of that name does not have.
+    #[error("volume '{volume}' exists with capability {recorded}, not {asked}: create it with the capability it has (`volume list --json` shows it), or destroy it first, or use another name")]
+    CapabilityDiffers {
+        /// The volume name.
+        volume: String,
+        /// The recorded capability, shown.
+        recorded: String,
+        /// The capability asked for, shown.
+        asked: String,
+    },
     /// An import refused: it clashes with a volume already recorded, or
     /// the plugin did not confirm the capability.
     #[error("import of '{name}' (volume id '{volume_id}'): {clash}")]
@@ -167,6 +179,16 @@ pub enum ProviderError {
     NoListVolumes {
         /// The provider id.
         plugin: String,
+    },
+    /// `volume destroy --delete` (serve: `delete_imported`) of an imported
+    /// volume on a plugin without CREATE_DELETE_VOLUME: refused before the
+    /// destroy is recorded, since no DeleteVolume could ever finish it.
+    #[error("plugin {plugin} does not offer CREATE_DELETE_VOLUME: it cannot delete volume '{volume}'; destroy it without --delete to forget it and leave it in the plugin")]
+    NoDeleteVolume {
+        /// The provider id.
+        plugin: String,
+        /// The volume id.
+        volume: String,
     },
     /// A disk resource with a profile and no volume that cannot be made into one.
     #[error("resource {resource}: {why}")]

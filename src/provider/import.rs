@@ -64,6 +64,34 @@ pub fn validate_import(spec: &ImportSpec) -> Result<(), ProviderError> {
 /// trusted to end).
 pub const MAX_LISTED: usize = 10_000;
 
+/// The `max_entries` of each ListVolumes page `plugin_volumes` asks for
+/// (a plugin may answer with fewer; every `next_token` is followed).
+pub const LIST_PAGE_ENTRIES: i32 = 1000;
+
+/// How far `plugin_volumes` read the plugin's list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Listing {
+    /// To its end (the last page had no `next_token`).
+    Complete,
+    /// Stopped after [`MAX_LISTED`] entries: the plugin has more.
+    Capped,
+    /// Stopped because the plugin answered the `next_token` it was given (it would loop).
+    TokenRepeated,
+}
+
+/// After a page: the token of the next one, or how the listing ends. Pure, table-tested.
+fn after_page(asked: &str, next: &str, seen: usize) -> Result<(), Listing> {
+    if next.is_empty() {
+        Err(Listing::Complete)
+    } else if next == asked {
+        Err(Listing::TokenRepeated)
+    } else if seen >= MAX_LISTED {
+        Err(Listing::Capped)
+    } else {
+        Ok(())
+    }
+}
+
 /// A volume the plugin has and the provider does not know.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PluginVolume {
@@ -193,9 +221,9 @@ impl StorageProvider {
     }
 
     /// The plugin's volumes this provider does not know (ListVolumes, page
-    /// by page, at most [`MAX_LISTED`]). Refused, saying so, when the plugin
-    /// lacks LIST_VOLUMES.
-    pub async fn plugin_volumes(&self) -> Result<Vec<PluginVolume>, ProviderError> {
+    /// by page, at most [`MAX_LISTED`]), and whether the list was read to its
+    /// end. Refused, saying so, when the plugin lacks LIST_VOLUMES.
+    pub async fn plugin_volumes(&self) -> Result<(Vec<PluginVolume>, Listing), ProviderError> {
         let caps = self.client.current_capabilities();
         if !caps.plugin.controller_service() || !caps.controller.list_volumes() {
             return Err(ProviderError::NoListVolumes {
@@ -209,7 +237,7 @@ impl StorageProvider {
             let page = self
                 .client
                 .list_volumes(proto::ListVolumesRequest {
-                    max_entries: 1000,
+                    max_entries: LIST_PAGE_ENTRIES,
                     starting_token: token.clone(),
                 })
                 .await
@@ -229,12 +257,39 @@ impl StorageProvider {
                     volume_context: v.volume_context.into_iter().collect(),
                 });
             }
-            if page.next_token.is_empty() || page.next_token == token || seen >= MAX_LISTED {
-                break;
+            if let Err(listing) = after_page(&token, &page.next_token, seen) {
+                out.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
+                return Ok((out, listing));
             }
             token = page.next_token;
         }
-        out.sort_by(|a, b| a.volume_id.cmp(&b.volume_id));
-        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listing_follows_new_tokens_and_ends_on_none_a_repeat_or_the_cap() {
+        let below = MAX_LISTED - 1;
+        let cases = [
+            ("", "", 3, Err(Listing::Complete)),
+            ("", "p2", 1000, Ok(())),
+            ("p2", "p3", 2000, Ok(())),
+            ("p2", "", 2000, Err(Listing::Complete)),
+            ("p2", "p2", 2000, Err(Listing::TokenRepeated)),
+            ("p2", "p3", below, Ok(())),
+            ("p2", "p3", MAX_LISTED, Err(Listing::Capped)),
+            // The end of the list wins over the cap: nothing was left out.
+            ("p2", "", MAX_LISTED, Err(Listing::Complete)),
+        ];
+        for (asked, next, seen, want) in cases {
+            assert_eq!(
+                after_page(asked, next, seen),
+                want,
+                "{asked:?} -> {next:?} after {seen}"
+            );
+        }
     }
 }

@@ -28,7 +28,9 @@ pub mod supervisor;
 
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::ProviderError;
-pub use import::{validate_import, PluginVolume, MAX_IMPORT_ID_BYTES, MAX_LISTED};
+pub use import::{
+    validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
+};
 pub use manager::{Manager, PublishedVolume};
 pub use state::{Capability, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};

@@ -338,6 +338,24 @@ impl Capability {
         Ok(())
     }
 
+    /// The capability for people: the access mode, then the fs type and mount flags when set
+    /// (shown escaped: they come from users and profiles files).
+    pub fn describe(&self) -> String {
+        let mut text = crate::shown::shown(&self.access_mode).into_owned();
+        if !self.fs_type.is_empty() {
+            text.push_str(&format!(" fs_type={}", crate::shown::shown(&self.fs_type)));
+        }
+        if !self.mount_flags.is_empty() {
+            let flags: Vec<_> = self
+                .mount_flags
+                .iter()
+                .map(|f| crate::shown::shown(f))
+                .collect();
+            text.push_str(&format!(" mount_flags={}", flags.join(",")));
+        }
+        text
+    }
+
     /// The access mode names the CSI spec defines, in its order.
     pub fn access_mode_names() -> Vec<&'static str> {
         use proto::volume_capability::access_mode::Mode;
@@ -631,5 +649,17 @@ mod tests {
             );
             assert!(!text.contains('\u{1b}'), "shown escaped: {text}");
         }
+    }
+
+    #[test]
+    fn a_capability_is_described_for_people_escaped() {
+        let mut c = Capability::default();
+        assert_eq!(c.describe(), "SINGLE_NODE_WRITER");
+        c.fs_type = "xfs".into();
+        c.mount_flags = vec!["noatime".into(), "a\u{1b}b".into()];
+        assert_eq!(
+            c.describe(),
+            "SINGLE_NODE_WRITER fs_type=xfs mount_flags=noatime,a\\u{1b}b"
+        );
     }
 }

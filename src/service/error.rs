@@ -168,11 +168,14 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::Parameters { .. }
         | ProviderError::UnknownProfile { .. }
         | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,
-        ProviderError::ParametersDiffer { .. } => Code::AlreadyExists,
+        ProviderError::ParametersDiffer { .. } | ProviderError::CapabilityDiffers { .. } => {
+            Code::AlreadyExists
+        }
         ProviderError::InUse { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
-        | ProviderError::NoListVolumes { .. } => Code::FailedPrecondition,
+        | ProviderError::NoListVolumes { .. }
+        | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
@@ -431,6 +434,14 @@ mod tests {
                     provider: "p".into(),
                 }),
                 Code::NotFound,
+            ),
+            (
+                provider(ProviderError::CapabilityDiffers {
+                    volume: "data".into(),
+                    recorded: "SINGLE_NODE_WRITER".into(),
+                    asked: "MULTI_NODE_MULTI_WRITER".into(),
+                }),
+                Code::AlreadyExists,
             ),
             (
                 provider(ProviderError::Csi {

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
-use csi_isolator::provider::{parameters, Capability, CreateSpec, ImportSpec, StorageProvider};
+use csi_isolator::provider::{
+    parameters, Capability, CreateSpec, ImportSpec, Listing, StorageProvider, MAX_LISTED,
+};
 use csi_isolator::resource::validate_container_id;
 
 use super::plugin_args::PluginArgs;
@@ -206,7 +208,18 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             provider.destroy_volume_with(&id, delete).await?;
         }
         Action::List { json, plugin: true } => {
-            let volumes = provider.plugin_volumes().await?;
+            let (volumes, listing) = provider.plugin_volumes().await?;
+            match listing {
+                Listing::Complete => {}
+                Listing::Capped => eprintln!(
+                    "csi-isolator: volume list --plugin: stopped after {MAX_LISTED} of the plugin's volumes (it has more): \
+                     the volumes below are the unknown ones among those; import by id with `volume import NAME --volume-id ID`"
+                ),
+                Listing::TokenRepeated => eprintln!(
+                    "csi-isolator: volume list --plugin: the plugin answered ListVolumes with the next_token it was given, \
+                     so the list stops there and may be incomplete (a plugin bug)"
+                ),
+            }
             if json {
                 println!("{}", serde_json::to_string_pretty(&volumes)?);
             } else {
