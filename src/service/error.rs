@@ -165,6 +165,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         }
         ProviderError::MissingVolumeId { .. }
         | ProviderError::InvalidName { .. }
+        | ProviderError::InvalidConfig(_)
         | ProviderError::Parameters { .. }
         | ProviderError::UnknownProfile { .. }
         | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,

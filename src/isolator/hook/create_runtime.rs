@@ -223,14 +223,15 @@ async fn create_with_provider(
             mount_into_rootfs(&*sys, &container, pid, &rootfs, &mount)
         })
         .await
-        .unwrap_or_else(|e| {
-            Err(HookError::Mount {
-                container: id.to_string(),
-                volume: volume_name(m),
-                container_path: m.container_path.clone(),
-                step: "attach",
-                reason: format!("the mount task failed: {e}"),
-            })
+        .unwrap_or_else(|source| {
+            Err(mount_error(
+                id,
+                m,
+                RootfsMountError::Task {
+                    step: "attach",
+                    source,
+                },
+            ))
         });
         match mounted {
             Ok(tree) => attached.push(tree),
@@ -255,9 +256,14 @@ async fn create_with_provider(
         let undone =
             tokio::task::spawn_blocking(move || unmount_in_namespace(&*sys, pid, &attached))
                 .await
-                .unwrap_or_else(|e| Err(format!("the unmount task failed: {e}")));
+                .unwrap_or_else(|source| {
+                    Err(RootfsMountError::Task {
+                        step: "unmount",
+                        source,
+                    })
+                });
         if let Err(undo) = undone {
-            tracing::error!(container_id = id, error = %undo, "unmount from the container failed");
+            tracing::error!(container_id = id, error = %Chain(&undo), "unmount from the container failed");
         }
         if let Err(undo) = isolator.cleanup(id).await {
             tracing::error!(container_id = id, error = %Chain(&undo), "release after a failed create-runtime failed");
