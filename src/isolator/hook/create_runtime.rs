@@ -198,8 +198,12 @@ async fn create_with_provider(
     }
 
     let sandbox = container_dir(req.work_dir, id);
-    make_real_dir(&req.work_dir.join(HOOK_DIR))?;
-    make_real_dir(&sandbox)?;
+    let (hook_dir, dir) = (req.work_dir.join(HOOK_DIR), sandbox.clone());
+    crate::provider::storage::blocking(move || {
+        make_real_dir(&hook_dir)?;
+        make_real_dir(&dir)
+    })
+    .await?;
     let config = ContainerConfig {
         resources,
         sandbox: sandbox.clone(),
@@ -209,7 +213,7 @@ async fn create_with_provider(
     let launch = match isolator.prepare(id, config).await {
         Ok(launch) => launch,
         Err(e) => {
-            remove_container_dir(req.work_dir, id);
+            remove_container_dir(req.work_dir, id).await;
             return Err(e.into());
         }
     };
@@ -268,7 +272,7 @@ async fn create_with_provider(
         if let Err(undo) = isolator.cleanup(id).await {
             tracing::error!(container_id = id, error = %Chain(&undo), "release after a failed create-runtime failed");
         }
-        remove_container_dir(req.work_dir, id);
+        remove_container_dir(req.work_dir, id).await;
         return Err(e);
     }
     tracing::info!(

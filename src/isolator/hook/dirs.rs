@@ -92,11 +92,15 @@ fn errno_step<'a>(
 }
 
 /// Removes the hook container directory `<work_dir>/oci-hook/<id>` (logged on failure; kept while
-/// anything is mounted under it). See [`remove_beneath_hook_dir`].
-pub(super) fn remove_container_dir(work_dir: &Path, id: &str) {
-    if let Err(e) = remove_beneath_hook_dir(work_dir, id) {
-        tracing::error!(dir = %container_dir(work_dir, id).display(), error = %crate::error_chain::Chain(&e), "hook container directory kept");
-    }
+/// anything is mounted under it) on the blocking pool. See [`remove_beneath_hook_dir`].
+pub(super) async fn remove_container_dir(work_dir: &Path, id: &str) {
+    let (dir, id) = (work_dir.to_path_buf(), id.to_string());
+    crate::provider::storage::blocking(move || {
+        if let Err(e) = remove_beneath_hook_dir(&dir, &id) {
+            tracing::error!(dir = %container_dir(&dir, &id).display(), error = %crate::error_chain::Chain(&e), "hook container directory kept");
+        }
+    })
+    .await
 }
 
 /// Removes `<work_dir>/oci-hook/<id>` without following a symlink: `oci-hook` is opened by fd (refused
