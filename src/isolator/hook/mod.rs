@@ -245,6 +245,19 @@ pub enum HookError {
         /// Why.
         reason: String,
     },
+    /// An annotation's value fails the check it goes through (its JSON, or a parameter set).
+    #[error("container '{container}': annotation {annotation}: volume '{volume}'")]
+    AnnotationRefused {
+        /// The container id.
+        container: String,
+        /// The annotation key.
+        annotation: &'static str,
+        /// The volume name (shown), or `(json)` for the whole value.
+        volume: String,
+        /// The check's error.
+        #[source]
+        source: Box<AnnotationError>,
+    },
     /// An annotation is longer, or names more volumes, than the hook takes.
     #[error("container '{container}': annotation {annotation}: {reason}")]
     AnnotationTooLarge {
@@ -377,6 +390,20 @@ pub enum HookError {
         #[source]
         source: Box<RootfsMountError>,
     },
+}
+
+/// Why an annotation's value was refused by the check it goes through.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnotationError {
+    /// The resources annotation is not a Mesos Resource JSON list.
+    #[error(transparent)]
+    Resources(#[from] crate::resource::ResourceError),
+    /// The parameters annotation is not a JSON object of volume names to string maps.
+    #[error("not a JSON object of volume names to string maps")]
+    ParametersJson(#[source] serde_json::Error),
+    /// A parameter set is refused (too many, too large, a bad key or value).
+    #[error(transparent)]
+    Parameters(#[from] crate::provider::parameters::ParameterError),
 }
 
 impl From<IsolatorError> for HookError {
