@@ -441,6 +441,12 @@ mod tests {
                 Code::Unavailable,
             ),
             (
+                provider(ProviderError::InvalidConfig(Box::new(
+                    crate::resource::validate_path_component("plugin name", "a/b").unwrap_err(),
+                ))),
+                Code::InvalidArgument,
+            ),
+            (
                 IsolatorError::Checkpoint {
                     container: c(),
                     path: "/w/state.json".into(),
