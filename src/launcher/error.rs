@@ -153,14 +153,15 @@ pub enum LaunchError {
         source: MountError,
     },
     /// A mount of the volume kept moving inside the container's namespace while being unmounted.
-    #[error("unmount volume {source_path} from the mount namespace of pid {pid}: still mounted after its mount point moved: {reason}")]
+    #[error("unmount volume {source_path} from the mount namespace of pid {pid}: still mounted after its mount point moved")]
     VolumeStillMounted {
         /// The container's process.
         pid: u32,
         /// The volume's source on the host.
         source_path: PathBuf,
         /// Why the last attempt did not take it down.
-        reason: String,
+        #[source]
+        last: Box<StillMounted>,
     },
     /// The rootfs resolves to something that cannot be a container's root (the host's `/`, or not a
     /// directory).
@@ -414,6 +415,30 @@ impl LaunchError {
     }
 }
 
+/// Why the last sweep of a volume's moved mounts in a container did not take it down (see
+/// [`LaunchError::VolumeStillMounted`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StillMounted {
+    /// The mount moved again between two reads of the container's mount table.
+    #[error("it was moved again between two reads of the mount table")]
+    MovedAgain,
+    /// The directory holding the moved mount could not be opened (moved again, or a symlink now).
+    #[error("open the directory of {}", path.display())]
+    OpenParent {
+        /// The mount point, as the container's table names it.
+        path: PathBuf,
+        /// The mount error.
+        #[source]
+        source: MountError,
+    },
+    /// What is mounted on top at the mount point is not the volume.
+    #[error("what is mounted on top at {} is not the volume", path.display())]
+    NotTheVolume {
+        /// The mount point, as the container's table names it.
+        path: PathBuf,
+    },
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -481,6 +506,44 @@ mod tests {
             let got = error.full_message();
             assert!(got.starts_with(want), "got {got:?}, want prefix {want:?}");
             assert!(error.errno().is_some());
+        }
+    }
+
+    /// The last problem of a sweep is the cause, written once after the volume and the pid.
+    #[test]
+    fn a_volume_still_mounted_names_its_last_problem_as_the_cause() {
+        let still = |last| LaunchError::VolumeStillMounted {
+            pid: 42,
+            source_path: PathBuf::from("/w/mounts/vol-1"),
+            last,
+        };
+        let head = "unmount volume /w/mounts/vol-1 from the mount namespace of pid 42: still \
+                    mounted after its mount point moved";
+        for (last, cause) in [
+            (
+                StillMounted::MovedAgain,
+                "it was moved again between two reads of the mount table".to_string(),
+            ),
+            (
+                StillMounted::NotTheVolume {
+                    path: PathBuf::from("/data"),
+                },
+                "what is mounted on top at /data is not the volume".to_string(),
+            ),
+            (
+                StillMounted::OpenParent {
+                    path: PathBuf::from("/data"),
+                    source: MountError::NotMounted {
+                        target: PathBuf::from("/"),
+                    },
+                },
+                "open the directory of /data: unmount /: not mounted".to_string(),
+            ),
+        ] {
+            assert_eq!(
+                still(Box::new(last)).full_message(),
+                format!("{head}: {cause}")
+            );
         }
     }
 }

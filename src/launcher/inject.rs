@@ -24,7 +24,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use super::setup::{attach, clone_source, resolve_target, Resolve};
-use super::{LaunchError, VolumeRef};
+use super::{LaunchError, StillMounted, VolumeRef};
 use crate::mount::{
     self, ns, MountError, MountTable, ProcMountTable, Syscall, TargetRoot, UnmountOutcome,
     VolumeMount, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
@@ -246,7 +246,7 @@ fn sweep_moved(
         .filter(|m| same(m))
         .map(|m| m.mount_point.as_path())
         .collect();
-    let mut last_problem = String::from("it was moved again between two reads of the mount table");
+    let mut last_problem = StillMounted::MovedAgain;
     for _round in 0..SWEEP_ROUNDS {
         let left: Vec<PathBuf> = read(ProcMountTable::for_pid(pid))?
             .into_iter()
@@ -269,7 +269,10 @@ fn sweep_moved(
                 Ok(dir) => dir,
                 // Moved again, or swapped for a symlink: the next round reads the table again.
                 Err(e) => {
-                    last_problem = crate::error_chain::full_message(&e);
+                    last_problem = StillMounted::OpenParent {
+                        path: path.clone(),
+                        source: e,
+                    };
                     continue;
                 }
             };
@@ -280,10 +283,7 @@ fn sweep_moved(
                     f.mount_root != Some(false) && source.is_none_or(|id| (f.dev, f.ino) == id)
                 });
                 if !ours {
-                    last_problem = format!(
-                        "what is mounted on top at {} is not the volume",
-                        path.display()
-                    );
+                    last_problem = StillMounted::NotTheVolume { path: path.clone() };
                     return Ok(());
                 }
                 mount::retry_unmount(path, DEFAULT_ATTEMPTS, DEFAULT_DELAY, |detach| {
@@ -301,6 +301,6 @@ fn sweep_moved(
     Err(LaunchError::VolumeStillMounted {
         pid,
         source_path: mount.source.clone(),
-        reason: last_problem,
+        last: Box::new(last_problem),
     })
 }

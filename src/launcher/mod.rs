@@ -58,7 +58,7 @@ mod setup;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-pub use error::{LaunchError, VolumeRef};
+pub use error::{LaunchError, StillMounted, VolumeRef};
 pub use process::Launched;
 pub use setup::{clone_source, DetachedTree};
 

@@ -111,6 +111,10 @@ pub enum ProviderError {
     /// A directory of the layout could not be created or removed.
     #[error(transparent)]
     Io(#[from] IoStep),
+    /// A configured name of the plugin that becomes a path component (its type or name) is not
+    /// safe (the error names the field, the value and why).
+    #[error("configure the provider")]
+    InvalidConfig(#[source] Box<crate::resource::ResourceError>),
     /// A name that becomes a path component is not safe.
     #[error("invalid {field} '{value}': {reason}")]
     InvalidName {

@@ -223,11 +223,8 @@ impl StorageProvider {
             ("plugin type", &config.plugin_type),
             ("plugin name", &config.plugin_name),
         ] {
-            validate_path_component(field, value).map_err(|e| ProviderError::InvalidName {
-                field,
-                value: value.clone(),
-                reason: crate::error_chain::full_message(&e),
-            })?;
+            validate_path_component(field, value)
+                .map_err(|e| ProviderError::InvalidConfig(Box::new(e)))?;
         }
         let plugin = format!("{}/{}", config.plugin_type, config.plugin_name);
         let layout = Layout::new(&config.work_dir, &config.plugin_type, &config.plugin_name);

@@ -165,6 +165,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         }
         ProviderError::MissingVolumeId { .. }
         | ProviderError::InvalidName { .. }
+        | ProviderError::InvalidConfig(_)
         | ProviderError::Parameters { .. }
         | ProviderError::UnknownProfile { .. }
         | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,
@@ -449,6 +450,12 @@ mod tests {
                     source: rpc_error(Code::Unavailable),
                 }),
                 Code::Unavailable,
+            ),
+            (
+                provider(ProviderError::InvalidConfig(Box::new(
+                    crate::resource::validate_path_component("plugin name", "a/b").unwrap_err(),
+                ))),
+                Code::InvalidArgument,
             ),
             (
                 IsolatorError::Checkpoint {

@@ -198,8 +198,12 @@ async fn create_with_provider(
     }
 
     let sandbox = container_dir(req.work_dir, id);
-    make_real_dir(&req.work_dir.join(HOOK_DIR))?;
-    make_real_dir(&sandbox)?;
+    let (hook_dir, dir) = (req.work_dir.join(HOOK_DIR), sandbox.clone());
+    crate::provider::storage::blocking(move || {
+        make_real_dir(&hook_dir)?;
+        make_real_dir(&dir)
+    })
+    .await?;
     let config = ContainerConfig {
         resources,
         sandbox: sandbox.clone(),
@@ -209,7 +213,7 @@ async fn create_with_provider(
     let launch = match isolator.prepare(id, config).await {
         Ok(launch) => launch,
         Err(e) => {
-            remove_container_dir(req.work_dir, id);
+            remove_container_dir(req.work_dir, id).await;
             return Err(e.into());
         }
     };
@@ -223,14 +227,15 @@ async fn create_with_provider(
             mount_into_rootfs(&*sys, &container, pid, &rootfs, &mount)
         })
         .await
-        .unwrap_or_else(|e| {
-            Err(HookError::Mount {
-                container: id.to_string(),
-                volume: volume_name(m),
-                container_path: m.container_path.clone(),
-                step: "attach",
-                reason: format!("the mount task failed: {e}"),
-            })
+        .unwrap_or_else(|source| {
+            Err(mount_error(
+                id,
+                m,
+                RootfsMountError::Task {
+                    step: "attach",
+                    source,
+                },
+            ))
         });
         match mounted {
             Ok(tree) => attached.push(tree),
@@ -255,14 +260,19 @@ async fn create_with_provider(
         let undone =
             tokio::task::spawn_blocking(move || unmount_in_namespace(&*sys, pid, &attached))
                 .await
-                .unwrap_or_else(|e| Err(format!("the unmount task failed: {e}")));
+                .unwrap_or_else(|source| {
+                    Err(RootfsMountError::Task {
+                        step: "unmount",
+                        source,
+                    })
+                });
         if let Err(undo) = undone {
-            tracing::error!(container_id = id, error = %undo, "unmount from the container failed");
+            tracing::error!(container_id = id, error = %Chain(&undo), "unmount from the container failed");
         }
         if let Err(undo) = isolator.cleanup(id).await {
             tracing::error!(container_id = id, error = %Chain(&undo), "release after a failed create-runtime failed");
         }
-        remove_container_dir(req.work_dir, id);
+        remove_container_dir(req.work_dir, id).await;
         return Err(e);
     }
     tracing::info!(

@@ -191,14 +191,9 @@ pub enum HookError {
         #[source]
         source: serde_json::Error,
     },
-    /// The container id cannot be used as a path component.
-    #[error("invalid container id '{container}': {reason}")]
-    InvalidContainerId {
-        /// The id.
-        container: String,
-        /// Why.
-        reason: String,
-    },
+    /// The container id cannot be used as a path component (the error names the id and why).
+    #[error(transparent)]
+    InvalidContainerId(Box<crate::resource::ResourceError>),
     /// create-runtime needs the container's init pid.
     #[error("container '{container}': the state has no pid (create-runtime needs the container's init process)")]
     NoPid {
@@ -249,6 +244,19 @@ pub enum HookError {
         volume: String,
         /// Why.
         reason: String,
+    },
+    /// An annotation's value fails the check it goes through (its JSON, or a parameter set).
+    #[error("container '{container}': annotation {annotation}: volume '{volume}'")]
+    AnnotationRefused {
+        /// The container id.
+        container: String,
+        /// The annotation key.
+        annotation: &'static str,
+        /// The volume name (shown), or `(json)` for the whole value.
+        volume: String,
+        /// The check's error.
+        #[source]
+        source: Box<AnnotationError>,
     },
     /// An annotation is longer, or names more volumes, than the hook takes.
     #[error("container '{container}': annotation {annotation}: {reason}")]
@@ -330,12 +338,13 @@ pub enum HookError {
         exceeded: CapExceeded,
     },
     /// The provider's configuration could not be built.
-    #[error("container '{container}': configure the provider: {reason}")]
+    #[error("container '{container}': configure the provider")]
     ProviderConfig {
         /// The container id.
         container: String,
-        /// Why.
-        reason: String,
+        /// What the provider factory failed with.
+        #[source]
+        source: ProviderConfigError,
     },
     /// A directory of the hook could not be made or removed.
     #[error(transparent)]
@@ -369,9 +378,7 @@ pub enum HookError {
     #[error(transparent)]
     Isolator(Box<IsolatorError>),
     /// A volume could not be mounted into the container.
-    #[error(
-        "container '{container}': mount volume {volume} at {container_path}: {step}: {reason}"
-    )]
+    #[error("container '{container}': mount volume {volume} at {container_path}")]
     Mount {
         /// The container id.
         container: String,
@@ -379,11 +386,24 @@ pub enum HookError {
         volume: String,
         /// The container path.
         container_path: String,
-        /// The step that failed.
-        step: &'static str,
-        /// Why.
-        reason: String,
+        /// The step that failed (its text names it) and its cause.
+        #[source]
+        source: Box<RootfsMountError>,
     },
+}
+
+/// Why an annotation's value was refused by the check it goes through.
+#[derive(Debug, thiserror::Error)]
+pub enum AnnotationError {
+    /// The resources annotation is not a Mesos Resource JSON list.
+    #[error(transparent)]
+    Resources(#[from] crate::resource::ResourceError),
+    /// The parameters annotation is not a JSON object of volume names to string maps.
+    #[error("not a JSON object of volume names to string maps")]
+    ParametersJson(#[source] serde_json::Error),
+    /// A parameter set is refused (too many, too large, a bad key or value).
+    #[error(transparent)]
+    Parameters(#[from] crate::provider::parameters::ParameterError),
 }
 
 impl From<IsolatorError> for HookError {
@@ -392,9 +412,13 @@ impl From<IsolatorError> for HookError {
     }
 }
 
+/// What a [`ProviderFactory`] fails with: the binary's error (its command-line options), whose
+/// causes the chain shows.
+pub type ProviderConfigError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Builds the provider's configuration for the work dir (canonical by then).
 pub type ProviderFactory =
-    Arc<dyn Fn(&Path) -> Result<ProviderConfig, String> + Send + Sync + 'static>;
+    Arc<dyn Fn(&Path) -> Result<ProviderConfig, ProviderConfigError> + Send + Sync + 'static>;
 
 /// The hook's own options (from its command line in `config.json`).
 #[derive(Clone)]
@@ -428,9 +452,9 @@ impl HookOptions {
         container: &str,
         work_dir: &Path,
     ) -> Result<ProviderConfig, HookError> {
-        (self.provider)(work_dir).map_err(|reason| HookError::ProviderConfig {
+        (self.provider)(work_dir).map_err(|source| HookError::ProviderConfig {
             container: container.to_string(),
-            reason,
+            source,
         })
     }
 }
@@ -453,10 +477,8 @@ pub async fn run(stage: Stage, opts: &HookOptions, state: &State) -> Result<(), 
 }
 
 fn validate_id(id: &str) -> Result<(), HookError> {
-    crate::resource::validate_container_id(id).map_err(|e| HookError::InvalidContainerId {
-        container: id.to_string(),
-        reason: crate::error_chain::full_message(&e),
-    })
+    crate::resource::validate_container_id(id)
+        .map_err(|e| HookError::InvalidContainerId(Box::new(e)))
 }
 
 /// `<work_dir>/oci-hook/<id>`.
@@ -487,5 +509,40 @@ mod tests {
             assert!(validate_id(bad).is_err(), "{bad:?}");
         }
         validate_id("my-container_1").unwrap();
+        // The id's error is the resource check's own, named once.
+        assert_eq!(
+            crate::error_chain::full_message(&validate_id("..").unwrap_err()),
+            "invalid container id \"..\": is a relative path component"
+        );
+    }
+
+    /// What the provider factory fails with is the cause of the hook's error, its own causes
+    /// after it: the hook says only which container and which step.
+    #[test]
+    fn a_provider_factory_failure_is_the_cause_with_its_own_causes() {
+        let opts = HookOptions {
+            work_dir: PathBuf::from("/w"),
+            provider: Arc::new(|work_dir: &Path| {
+                Err(IoStep::new(
+                    "read disk profiles",
+                    work_dir.join("profiles.json"),
+                    std::io::Error::from_raw_os_error(libc::ENOENT),
+                )
+                .into())
+            }),
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            policy: HookPolicy::default(),
+            sys: Arc::new(crate::mount::FakeSyscall::new()),
+        };
+        let e = opts.provider_config("c1", Path::new("/w")).unwrap_err();
+        let message = crate::error_chain::full_message(&e);
+        assert!(
+            message.starts_with(
+                "container 'c1': configure the provider: read disk profiles /w/profiles.json: "
+            ),
+            "{message}"
+        );
+        assert_eq!(message.matches("configure the provider").count(), 1);
+        assert!(message.contains("No such file"), "{message}");
     }
 }

@@ -3,19 +3,86 @@
 
 use super::*;
 
+/// A step of the mount into a container's rootfs before its pivot_root (or of its undo) failed: the
+/// variant is the step and names its object; the cause, where there is one, is its source.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsMountError {
+    /// The target is not inside the rootfs (a relative or host path).
+    #[error("check target: only absolute container paths (inside the rootfs) are supported")]
+    NotInRootfs,
+    /// `/proc/<pid>/ns/mnt` could not be opened.
+    #[error("open mount namespace /proc/{pid}/ns/mnt")]
+    OpenNamespace {
+        /// The container's init process.
+        pid: u32,
+        /// The kernel's answer.
+        #[source]
+        errno: nix::errno::Errno,
+    },
+    /// The volume could not be cloned as a detached tree.
+    #[error("clone source")]
+    CloneSource(#[source] Box<crate::launcher::LaunchError>),
+    /// The kernel cannot complete a detached tree (no `open_tree` or `mount_setattr`).
+    #[error("clone source: this kernel lacks open_tree or mount_setattr (Linux 5.12 is needed)")]
+    NoMountApi,
+    /// The rootfs could not be opened in the container's view.
+    #[error("open the rootfs in the container's mount namespace")]
+    OpenRootfs(#[source] crate::mount::MountError),
+    /// The rootfs opened in the container's view is not the bundle's.
+    #[error("open the rootfs in the container's mount namespace: {} there is not the bundle's rootfs (is the hook running before pivot_root?)", rootfs.display())]
+    NotTheRootfs {
+        /// The rootfs's host path.
+        rootfs: PathBuf,
+    },
+    /// The rootfs could not be looked at on the host.
+    #[error("stat rootfs {}", rootfs.display())]
+    StatRootfs {
+        /// The rootfs's host path.
+        rootfs: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The rootfs could not be looked at in the container's view.
+    #[error("stat rootfs {} in the container", rootfs.display())]
+    StatRootfsInContainer {
+        /// The rootfs's host path.
+        rootfs: PathBuf,
+        /// The kernel's answer.
+        #[source]
+        errno: nix::errno::Errno,
+    },
+    /// The target could not be resolved (or created) inside the rootfs.
+    #[error("resolve target in the rootfs")]
+    ResolveTarget(#[source] crate::mount::MountError),
+    /// The thread could not enter the container's mount namespace.
+    #[error("enter the container's mount namespace")]
+    EnterNamespace(#[source] crate::mount::MountError),
+    /// `move_mount` of the tree onto the target failed.
+    #[error("attach")]
+    Attach(#[source] crate::mount::MountError),
+    /// Detaching an attached tree failed.
+    #[error("unmount")]
+    Unmount(#[source] crate::mount::MountError),
+    /// The blocking task doing the step failed (panicked, or the runtime is shutting down).
+    #[error("{step}: the blocking task failed")]
+    Task {
+        /// The step it was doing.
+        step: &'static str,
+        /// The join error.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
 /// Runs `work` inside the mount namespace `ns_fd` of the container's init process, on the short-lived
 /// thread of [`ns::in_namespace`], through `sys`.
 fn in_namespace<T: Send>(
     sys: &dyn Syscall,
     ns_fd: BorrowedFd<'_>,
-    work: impl FnOnce(&dyn Syscall) -> Result<T, (&'static str, String)> + Send,
-) -> Result<T, (&'static str, String)> {
-    ns::in_namespace(sys, ns_fd, "csi-oci-hook", work).map_err(|e| {
-        (
-            "enter the container's mount namespace",
-            crate::error_chain::full_message(&e),
-        )
-    })?
+    work: impl FnOnce(&dyn Syscall) -> Result<T, RootfsMountError> + Send,
+) -> Result<T, RootfsMountError> {
+    ns::in_namespace(sys, ns_fd, "csi-oci-hook", work).map_err(RootfsMountError::EnterNamespace)?
 }
 
 /// Mounts `mount` (a rootfs target) into the mount namespace of the container whose init process is `pid`,
@@ -30,56 +97,60 @@ pub fn mount_into_rootfs(
     rootfs: &Path,
     mount: &VolumeMount,
 ) -> Result<OwnedFd, HookError> {
-    let fail = |step: &'static str, reason: String| HookError::Mount {
+    attach_in_rootfs(sys, pid, rootfs, mount).map_err(|e| mount_error(container, mount, e))
+}
+
+/// The hook's error for a step of the mount of `mount` into `container` that failed.
+pub(super) fn mount_error(
+    container: &str,
+    mount: &VolumeMount,
+    source: RootfsMountError,
+) -> HookError {
+    HookError::Mount {
         container: container.to_string(),
         volume: volume_name(mount),
         container_path: mount.container_path.clone(),
-        step,
-        reason,
-    };
+        source: Box::new(source),
+    }
+}
+
+/// [`mount_into_rootfs`], failing with the step.
+fn attach_in_rootfs(
+    sys: &dyn Syscall,
+    pid: u32,
+    rootfs: &Path,
+    mount: &VolumeMount,
+) -> Result<OwnedFd, RootfsMountError> {
     if mount.root != TargetRoot::Rootfs {
-        return Err(fail(
-            "check target",
-            "only absolute container paths (inside the rootfs) are supported".to_string(),
-        ));
+        return Err(RootfsMountError::NotInRootfs);
     }
     let ns_fd = ns::open_mount_namespace(pid)
-        .map_err(|e| fail("open mount namespace", format!("/proc/{pid}/ns/mnt: {e}")))?;
+        .map_err(|errno| RootfsMountError::OpenNamespace { pid, errno })?;
     // The source first: a missing volume fails before anything is created in the rootfs. The
     // launcher's clone sequence: opened beneath its trusted root by fd (no symlink inside a volume is
     // followed), cloned, host-only flags cleared on the container's copy, read-only if asked.
     let at = crate::launcher::VolumeRef::new(mount, rootfs);
     let clone = crate::launcher::clone_source(sys, mount, &at)
-        .map_err(|e| fail("clone source", crate::error_chain::full_message(&e)))?;
-    let tree = clone.into_complete_tree().ok_or_else(|| {
-        fail(
-            "clone source",
-            "this kernel lacks open_tree or mount_setattr (Linux 5.12 is needed)".to_string(),
-        )
-    })?;
+        .map_err(|e| RootfsMountError::CloneSource(Box::new(e)))?;
+    let tree = clone
+        .into_complete_tree()
+        .ok_or(RootfsMountError::NoMountApi)?;
     let ns_root = PathBuf::from(format!("/proc/{pid}/root"));
-    let rootfs_fd = mount::open_in_root(&ns_root, rootfs).map_err(|e| {
-        fail(
-            "open the rootfs in the container's mount namespace",
-            crate::error_chain::full_message(&e),
-        )
+    let rootfs_fd = mount::open_in_root(&ns_root, rootfs).map_err(RootfsMountError::OpenRootfs)?;
+    let host = std::fs::metadata(rootfs).map_err(|source| RootfsMountError::StatRootfs {
+        rootfs: rootfs.to_path_buf(),
+        source,
     })?;
-    let host = std::fs::metadata(rootfs)
-        .map_err(|e| fail("stat rootfs", format!("{}: {e}", rootfs.display())))?;
-    let seen = nix::sys::stat::fstat(rootfs_fd.as_fd()).map_err(|e| {
-        fail(
-            "stat rootfs",
-            format!("{} in the container: {e}", rootfs.display()),
-        )
+    let seen = nix::sys::stat::fstat(rootfs_fd.as_fd()).map_err(|errno| {
+        RootfsMountError::StatRootfsInContainer {
+            rootfs: rootfs.to_path_buf(),
+            errno,
+        }
     })?;
     if seen.st_dev != host.dev() || seen.st_ino != host.ino() {
-        return Err(fail(
-            "open the rootfs in the container's mount namespace",
-            format!(
-                "{} there is not the bundle's rootfs (is the hook running before pivot_root?)",
-                rootfs.display()
-            ),
-        ));
+        return Err(RootfsMountError::NotTheRootfs {
+            rootfs: rootfs.to_path_buf(),
+        });
     }
     // The kind of what was cloned, from the clone itself: the path string may have changed since.
     let is_file = nix::sys::stat::fstat(tree.as_fd())
@@ -90,17 +161,11 @@ pub fn mount_into_rootfs(
         &mount.target,
         is_file,
     )
-    .map_err(|e| {
-        fail(
-            "resolve target in the rootfs",
-            crate::error_chain::full_message(&e),
-        )
-    })?;
+    .map_err(RootfsMountError::ResolveTarget)?;
     in_namespace(sys, ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
-            .map_err(|e| ("attach", crate::error_chain::full_message(&e)))
-    })
-    .map_err(|(step, reason)| fail(step, reason))?;
+            .map_err(RootfsMountError::Attach)
+    })?;
     tracing::debug!(
         volume_id = mount.volume_id.as_deref().unwrap_or("-"),
         container_path = %mount.container_path,
@@ -116,17 +181,105 @@ pub(super) fn unmount_in_namespace(
     sys: &dyn Syscall,
     pid: u32,
     trees: &[OwnedFd],
-) -> Result<(), String> {
+) -> Result<(), RootfsMountError> {
     if trees.is_empty() {
         return Ok(());
     }
-    let ns_fd = ns::open_mount_namespace(pid).map_err(|e| format!("/proc/{pid}/ns/mnt: {e}"))?;
+    let ns_fd = ns::open_mount_namespace(pid)
+        .map_err(|errno| RootfsMountError::OpenNamespace { pid, errno })?;
     in_namespace(sys, ns_fd.as_fd(), |sys| {
         for tree in trees.iter().rev() {
             sys.unmount(&mount::proc_fd_path(tree.as_fd()), true)
-                .map_err(|e| ("unmount", crate::error_chain::full_message(&e)))?;
+                .map_err(RootfsMountError::Unmount)?;
         }
         Ok(())
     })
-    .map_err(|(step, reason)| format!("{step}: {reason}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error_chain::full_message;
+    use nix::errno::Errno;
+
+    fn volume(root: TargetRoot) -> VolumeMount {
+        VolumeMount {
+            source: PathBuf::from("/w/mounts/vol-1"),
+            source_root: None,
+            root,
+            target: PathBuf::from("data"),
+            container_path: "/data".to_string(),
+            readonly: false,
+            volume_id: Some("vol-1".to_string()),
+            provider_id: None,
+        }
+    }
+
+    /// The hook's error names the container, the volume and the target; the step's own text follows
+    /// once, then its cause once (the chain walker's part).
+    #[test]
+    fn a_failed_step_is_named_once_and_its_cause_follows() {
+        let m = volume(TargetRoot::Rootfs);
+        let head = "container 'c1': mount volume vol-1 at /data";
+        let cases = [
+            (
+                RootfsMountError::OpenNamespace {
+                    pid: 42,
+                    errno: Errno::ESRCH,
+                },
+                format!("open mount namespace /proc/42/ns/mnt: {}", Errno::ESRCH),
+            ),
+            (
+                RootfsMountError::Attach(crate::mount::MountError::MoveMount {
+                    from: 3,
+                    to: 4,
+                    errno: Errno::EINVAL,
+                }),
+                format!("attach: move_mount fd 3 onto fd 4: {}", Errno::EINVAL),
+            ),
+            (
+                RootfsMountError::StatRootfsInContainer {
+                    rootfs: PathBuf::from("/b/rootfs"),
+                    errno: Errno::EACCES,
+                },
+                format!("stat rootfs /b/rootfs in the container: {}", Errno::EACCES),
+            ),
+            (
+                RootfsMountError::NotTheRootfs {
+                    rootfs: PathBuf::from("/b/rootfs"),
+                },
+                "open the rootfs in the container's mount namespace: /b/rootfs there is not the \
+                 bundle's rootfs (is the hook running before pivot_root?)"
+                    .to_string(),
+            ),
+        ];
+        for (step, want) in cases {
+            let e = mount_error("c1", &m, step);
+            assert_eq!(full_message(&e), format!("{head}: {want}"));
+        }
+    }
+
+    /// A target outside the rootfs is refused before any syscall, as the hook's mount error.
+    #[test]
+    fn a_target_outside_the_rootfs_is_refused_before_any_syscall() {
+        let sys = crate::mount::FakeSyscall::new();
+        let e = mount_into_rootfs(
+            &sys,
+            "c1",
+            1,
+            Path::new("/b/rootfs"),
+            &volume(TargetRoot::Sandbox),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(&e, HookError::Mount { source, .. } if matches!(**source, RootfsMountError::NotInRootfs)),
+            "{e:?}"
+        );
+        assert_eq!(
+            full_message(&e),
+            "container 'c1': mount volume vol-1 at /data: check target: only absolute container \
+             paths (inside the rootfs) are supported"
+        );
+        assert!(sys.calls().is_empty());
+    }
 }

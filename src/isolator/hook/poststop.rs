@@ -27,7 +27,7 @@ pub async fn poststop(opts: &HookOptions, state: &State) -> Result<(), HookError
     let isolator = VolumeIsolator::on_host(&work_dir, provider.clone(), opts.sys.clone());
     let result = isolator.cleanup(id).await.map_err(HookError::from);
     if result.is_ok() {
-        remove_container_dir(&work_dir, id);
+        remove_container_dir(&work_dir, id).await;
     }
     provider.shutdown(PLUGIN_STOP_GRACE).await;
     drop(lock);

@@ -103,6 +103,13 @@ impl HookVolumes {
             volume: volume.to_string(),
             reason,
         };
+        let refused =
+            |annotation, volume: &str, source: AnnotationError| HookError::AnnotationRefused {
+                container: container.to_string(),
+                annotation,
+                volume: volume.to_string(),
+                source: Box::new(source),
+            };
         let too_large = |annotation, reason: String| HookError::AnnotationTooLarge {
             container: container.to_string(),
             annotation,
@@ -149,7 +156,7 @@ impl HookVolumes {
         }
         if let Some(value) = annotations.get(RESOURCES_ANNOTATION) {
             let resources = parse_resources(value)
-                .map_err(|e| bad(RESOURCES_ANNOTATION, "(json)", e.to_string()))?;
+                .map_err(|e| refused(RESOURCES_ANNOTATION, "(json)", e.into()))?;
             for r in &resources {
                 if let Some(path) = r.container_path() {
                     if !path.starts_with('/') {
@@ -170,10 +177,10 @@ impl HookVolumes {
         if let Some(value) = annotations.get(PARAMETERS_ANNOTATION) {
             let sets: BTreeMap<String, BTreeMap<String, String>> = serde_json::from_str(value)
                 .map_err(|e| {
-                    bad(
+                    refused(
                         PARAMETERS_ANNOTATION,
                         "(json)",
-                        format!("not a JSON object of volume names to string maps: {e}"),
+                        AnnotationError::ParametersJson(e),
                     )
                 })?;
             for (name, set) in &sets {
@@ -185,11 +192,7 @@ impl HookVolumes {
                     ));
                 }
                 crate::provider::parameters::check(set).map_err(|e| {
-                    bad(
-                        PARAMETERS_ANNOTATION,
-                        &crate::shown::shown(name),
-                        e.to_string(),
-                    )
+                    refused(PARAMETERS_ANNOTATION, &crate::shown::shown(name), e.into())
                 })?;
             }
             out.parameters = sets;
@@ -277,7 +280,7 @@ mod tests {
                 &annotations(&[vols, (PARAMETERS_ANNOTATION, value)]),
             )
             .unwrap_err()
-            .to_string();
+            .full_message();
             assert!(
                 err.contains(says) && err.contains(PARAMETERS_ANNOTATION),
                 "{}: {err}",
@@ -318,7 +321,16 @@ mod tests {
             (
                 RESOURCES_ANNOTATION,
                 "{not json",
-                "annotation io.csi-isolator.resources: volume '(json)'",
+                // The JSON error's place is kept (it was lost when the cause was flattened).
+                "annotation io.csi-isolator.resources: volume '(json)': parse resources json: \
+                 invalid type: map, expected a sequence at line 1 column",
+            ),
+            (
+                PARAMETERS_ANNOTATION,
+                "[]",
+                "annotation io.csi-isolator.parameters: volume '(json)': not a JSON object of \
+                 volume names to string maps: invalid type: sequence, expected a map at line 1 \
+                 column",
             ),
         ] {
             let err = HookVolumes::from_annotations("c", &annotations(&[(key, value)]))

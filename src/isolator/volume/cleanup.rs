@@ -14,7 +14,16 @@ impl VolumeIsolator {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         if let Some(rec) = slot.as_ref() {
-            self.unmount_host_side(rec)?;
+            // The checks by fd and the unmounts (with their EBUSY retries' sleeps) in one trip to
+            // the blocking pool.
+            let host = HostSide {
+                sys: self.sys.clone(),
+                table: self.table.clone(),
+                work_dir: self.work_dir.clone(),
+                checkpoint: self.checkpoint_path(container_id),
+            };
+            let rec = rec.clone();
+            blocking(move || host.unmount(&rec)).await?;
         }
         self.publisher
             .release_container(container_id)
@@ -23,26 +32,37 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
                 source: Box::new(source),
             })?;
-        self.forget(container_id)?;
+        self.forget(container_id).await?;
         *slot = None;
         drop(slot);
         self.containers.lock().unwrap().remove(container_id);
         Ok(())
     }
+}
 
+/// What unmounting a container's host-side mounts needs, owned, to run on the blocking pool.
+struct HostSide {
+    sys: Arc<dyn Syscall>,
+    table: Arc<dyn MountTable>,
+    work_dir: PathBuf,
+    /// The container's checkpoint (named when it is not trusted).
+    checkpoint: PathBuf,
+}
+
+impl HostSide {
     /// Unmounts what the isolator made on the host for `rec` (the sweep of
     /// its sandbox, its host binds), after checking every path by fd: the
     /// record's paths must pass [`checkpoint_paths::check_record`], the
     /// sandbox must open beneath its root with no symlink on the way, and so
     /// must each host bind beneath the sandbox's fd. The unmounts then go by
     /// the kernel's names for what was opened, through the mount table.
-    fn unmount_host_side(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
+    fn unmount(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
         let container = &rec.container_id;
         let refuse = |source: CheckpointPathError| {
             tracing::error!(container_id = %container, error = %Chain(&source), "checkpoint names an unsafe path: nothing it names is unmounted");
             IsolatorError::UntrustedCheckpoint {
                 container: container.clone(),
-                path: self.checkpoint_path(container),
+                path: self.checkpoint.clone(),
                 source: Box::new(source),
             }
         };

@@ -6,7 +6,8 @@ impl VolumeIsolator {
     /// Isolate: records the container's pid (needed to mount into its
     /// namespace on update).
     pub async fn isolate(&self, container_id: &str, pid: u32) -> Result<(), IsolatorError> {
-        let facts = self.processes.facts(pid);
+        let processes = self.processes.clone();
+        let facts = blocking(move || processes.facts(pid)).await;
         self.modify(container_id, |rec| {
             rec.pid = Some(pid);
             rec.pid_start = facts.start;
@@ -32,39 +33,50 @@ impl VolumeIsolator {
             pid,
             why,
         };
-        self.try_modify(container_id, |rec| {
-            let rootfs = match &rec.config.rootfs {
+        let entry = self.entry(container_id);
+        let mut slot = entry.lock().await;
+        let rec = slot
+            .as_mut()
+            .ok_or_else(|| IsolatorError::UnknownContainer {
+                container: container_id.to_string(),
+            })?;
+        // The reads of /proc and of the rootfs in one trip to the blocking pool, under the
+        // container's lock; the record is changed only after, from what was checked.
+        let rootfs_path = rec.config.rootfs.clone();
+        let checked = blocking(move || {
+            let rootfs = match &rootfs_path {
                 Some(path) => {
                     let m = std::fs::metadata(path).map_err(|e| {
-                        refuse(format!(
+                        format!(
                             "its rootfs {} cannot be read: {e}",
                             crate::shown::shown_os(path.as_os_str())
-                        ))
+                        )
                     })?;
                     Some((m.dev(), m.ino()))
                 }
                 None => None,
             };
-            let start =
-                process_start_time(pid).ok_or_else(|| refuse("no such process".into()))?;
+            let start = process_start_time(pid).ok_or_else(|| "no such process".to_string())?;
             let seen = process_check::Seen {
                 view: mount_view(pid),
                 shares_our_mount_namespace: shares_mount_namespace(pid),
             };
             if let Some(why) = process_check::not_the_container(rootfs, &seen) {
-                return Err(refuse(why));
+                return Err(why);
             }
             if process_start_time(pid) != Some(start) {
-                return Err(refuse(
+                return Err(
                     "it exited while it was being checked (its pid now names another process or none)"
-                        .into(),
-                ));
+                        .to_string(),
+                );
             }
-            rec.pid = Some(pid);
-            rec.pid_start = Some(start);
-            rec.mount_view = seen.view;
-            Ok(())
+            Ok((start, seen.view))
         })
-        .await
+        .await;
+        let (start, view) = checked.map_err(refuse)?;
+        rec.pid = Some(pid);
+        rec.pid_start = Some(start);
+        rec.mount_view = view;
+        self.persist(rec).await
     }
 }

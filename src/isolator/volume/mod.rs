@@ -38,10 +38,12 @@ use crate::isolator::targets::{check_agent_disks, host_path_kind, volume_mounts}
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
 use crate::provider::checkpoint;
+use crate::provider::storage::blocking;
 use crate::provider::Manager;
 use crate::resource::Resource;
 
 pub use crate::isolator::record::{ContainerRecord, FORMAT_VERSION};
+pub(crate) use recover::checkpointed_in;
 pub use recover::IsolatorRecovery;
 
 type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
@@ -160,27 +162,38 @@ impl VolumeIsolator {
         out
     }
 
-    fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
+    /// Writes the container's checkpoint durably (temp file, fsync, rename, fsync of the
+    /// directory) on the blocking pool: the caller resumes once it is durable.
+    async fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
         let path = self.checkpoint_path(&rec.container_id);
         let bytes = serde_json::to_vec_pretty(rec).expect("a container record always serializes");
-        checkpoint::write_atomic(&path, &bytes).map_err(|e| IsolatorError::Checkpoint {
-            container: rec.container_id.clone(),
+        let at = path.clone();
+        blocking(move || checkpoint::write_atomic(&at, &bytes))
+            .await
+            .map_err(|e| IsolatorError::Checkpoint {
+                container: rec.container_id.clone(),
+                path,
+                source: Box::new(e),
+            })
+    }
+
+    /// Removes the container's checkpoint durably, then its directory, on the blocking pool.
+    async fn forget(&self, container: &str) -> Result<(), IsolatorError> {
+        let path = self.checkpoint_path(container);
+        let at = path.clone();
+        blocking(move || {
+            checkpoint::remove_durable(&at)?;
+            if let Some(dir) = at.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| IsolatorError::Checkpoint {
+            container: container.to_string(),
             path,
             source: Box::new(e),
         })
-    }
-
-    fn forget(&self, container: &str) -> Result<(), IsolatorError> {
-        let path = self.checkpoint_path(container);
-        checkpoint::remove_durable(&path).map_err(|e| IsolatorError::Checkpoint {
-            container: container.to_string(),
-            path: path.clone(),
-            source: Box::new(e),
-        })?;
-        if let Some(dir) = path.parent() {
-            let _ = std::fs::remove_dir(dir);
-        }
-        Ok(())
     }
 
     /// Refuses read-write mounts of volumes published read-only or with a
@@ -233,7 +246,7 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
             })?;
         change(rec)?;
-        self.persist(rec)
+        self.persist(rec).await
     }
 }
 

@@ -26,22 +26,29 @@ impl VolumeIsolator {
             });
         }
         let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
-        check_agent_disks(
-            container_id,
-            &config.resources,
-            &self.work_dir,
-            host_path_kind,
-        )?;
+        // The checks that look at the host's files (a stat per agent disk; the config's paths
+        // made canonical), each step one trip to the blocking pool.
+        let (id, work_dir, resources) = (
+            container_id.to_string(),
+            self.work_dir.clone(),
+            config.resources.clone(),
+        );
+        blocking(move || check_agent_disks(&id, &resources, &work_dir, host_path_kind)).await?;
         self.check_writable(container_id, &mounts).await?;
-        check_config(container_id, &config, &self.work_dir)?;
+        let (id, work_dir, checked) = (
+            container_id.to_string(),
+            self.work_dir.clone(),
+            config.clone(),
+        );
+        blocking(move || check_config(&id, &checked, &work_dir)).await?;
         let rec = ContainerRecord::new(container_id, config, mounts.clone());
-        self.persist(&rec)?;
+        self.persist(&rec).await?;
         if let Err(source) = self
             .publisher
             .publish(container_id, &rec.config.resources)
             .await
         {
-            let _ = self.forget(container_id);
+            let _ = self.forget(container_id).await;
             return Err(IsolatorError::Provider {
                 container: container_id.to_string(),
                 source: Box::new(source),

@@ -16,7 +16,10 @@ impl VolumeIsolator {
         // Durably say that binds will be made in the sandbox before making
         // them, so cleanup after a crash in between still sweeps them.
         self.mark_host_binds(container_id).await?;
-        match oci::prepare(&*self.sys, &sandbox, &launch) {
+        // The binds (and, on failure, their rollback's EBUSY retries) in one trip to the
+        // blocking pool.
+        let (sys, bound) = (self.sys.clone(), launch.clone());
+        match blocking(move || oci::prepare(&*sys, &sandbox, &bound)).await {
             Ok(prepared) => {
                 // A crash point with the binds made and not yet recorded: recovery then finds
                 // them by the mark alone.

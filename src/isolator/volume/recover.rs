@@ -25,57 +25,12 @@ impl VolumeIsolator {
     /// The containers checkpointed on disk, without loading or changing
     /// anything: lets a caller that shares the work dir with other
     /// containerizers work out which containers are not its own. Only
-    /// records that [`read_record`](Self::read_record) accepts (readable,
-    /// their own directory's, paths safe to act on) are listed; the others
-    /// are left to [`recover`](Self::recover), which sets them aside.
+    /// records that pass the checks recovery makes (readable, their own
+    /// directory's, paths safe to act on) are listed; the others are left to
+    /// [`recover`](Self::recover), which sets them aside. Reads the file
+    /// system in the caller's thread.
     pub fn checkpointed(&self) -> Vec<ContainerRecord> {
-        let Ok(entries) = std::fs::read_dir(self.checkpoint_root()) else {
-            return Vec::new();
-        };
-        entries
-            .flatten()
-            .filter_map(|e| self.read_record(&e).ok())
-            .collect()
-    }
-
-    /// Reads one container's checkpoint from its directory entry under
-    /// [`checkpoint_root`](Self::checkpoint_root) and checks it: a real
-    /// directory (not a symlink), a record that parses, of a format this
-    /// build knows, for the container its directory names, whose paths pass
-    /// [`checkpoint_paths::check_record`] and whose sandbox and host binds
-    /// open by fd without a symlink. The error says why (for the report).
-    fn read_record(&self, e: &std::fs::DirEntry) -> Result<ContainerRecord, RecordRefusal> {
-        let id = e.file_name().to_string_lossy().into_owned();
-        if !e.file_type().is_ok_and(|t| t.is_dir()) {
-            return Err(RecordRefusal::NotADirectory);
-        }
-        let path = e.path().join("state.json");
-        let bytes = read_checkpoint_file(&path).map_err(RecordRefusal::Unreadable)?;
-        let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
-            .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
-        if rec.container_id != id {
-            return Err(RecordRefusal::Bad(format!(
-                "container id '{}' does not match its directory",
-                crate::shown::shown(&rec.container_id)
-            )));
-        }
-        if rec.format > FORMAT_VERSION {
-            return Err(RecordRefusal::Bad(format!(
-                "format {} is newer than this build's {FORMAT_VERSION}",
-                rec.format
-            )));
-        }
-        let unsafe_path =
-            |e: CheckpointPathError| RecordRefusal::Bad(crate::error_chain::full_message(&e));
-        checkpoint_paths::check_record(&rec, &self.work_dir).map_err(unsafe_path)?;
-        if let Some((fd, name)) =
-            checkpoint_paths::open_sandbox(&rec, &self.work_dir).map_err(unsafe_path)?
-        {
-            for b in &rec.host_binds {
-                checkpoint_paths::check_host_bind(&rec, &fd, &name, b).map_err(unsafe_path)?;
-            }
-        }
-        Ok(rec)
+        checkpointed_in(&self.work_dir)
     }
 
     /// Recover: rebuilds from the checkpoints; containers not in `known`
@@ -85,45 +40,22 @@ impl VolumeIsolator {
     pub async fn recover(&self, known: &[String]) -> Result<IsolatorRecovery, IsolatorError> {
         let known: HashSet<&str> = known.iter().map(String::as_str).collect();
         let mut report = IsolatorRecovery::default();
-        let root = self.checkpoint_root();
         let mut gone = Vec::new();
-        if let Ok(entries) = std::fs::read_dir(&root) {
-            for e in entries.flatten() {
-                let id = e.file_name().to_string_lossy().into_owned();
-                let path = e.path().join("state.json");
-                match self.read_record(&e) {
-                    Ok(rec) => {
-                        checkpoint::remove_stale_temps(&e.path());
-                        *self.entry(&id).lock().await = Some(rec);
-                        if known.contains(id.as_str()) {
-                            report.recovered.push(id);
-                        } else {
-                            gone.push(id);
-                        }
-                    }
-                    // Nothing is done through a symlink: not even setting it aside.
-                    Err(RecordRefusal::NotADirectory) => {
-                        let reason = "the container's checkpoint directory is not a directory (a symlink?): left alone".to_string();
-                        tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
-                        report.corrupt.push((e.path(), reason));
-                    }
-                    Err(RecordRefusal::Bad(reason)) => {
-                        checkpoint::remove_stale_temps(&e.path());
-                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
-                        let _ = checkpoint::set_aside(&path);
-                        report.corrupt.push((path, reason));
-                    }
-                    Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
-                        checkpoint::remove_stale_temps(&e.path());
-                        tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
-                        let _ = checkpoint::set_aside(&path);
-                        report.corrupt.push((path, reason));
-                    }
-                    Err(RecordRefusal::Unreadable(_)) => {
-                        checkpoint::remove_stale_temps(&e.path());
-                        let _ = std::fs::remove_dir(e.path());
+        // The scan (reads, checks by fd, stale temps removed, bad checkpoints set aside) in one
+        // trip to the blocking pool; what it found is then loaded in order.
+        let work_dir = self.work_dir.clone();
+        for found in blocking(move || scan_checkpoints(&work_dir)).await {
+            match found {
+                Scanned::Record(rec) => {
+                    let id = rec.container_id.clone();
+                    *self.entry(&id).lock().await = Some(rec);
+                    if known.contains(id.as_str()) {
+                        report.recovered.push(id);
+                    } else {
+                        gone.push(id);
                     }
                 }
+                Scanned::Refused(path, reason) => report.corrupt.push((path, reason)),
             }
         }
         // One container's trouble does not stop the others' recovery.
@@ -184,6 +116,105 @@ impl VolumeIsolator {
         }
         Ok(report)
     }
+}
+
+/// What the scan of the checkpoints found, per container directory.
+enum Scanned {
+    /// A checkpoint that passed every check, to load.
+    Record(ContainerRecord),
+    /// A checkpoint refused (set aside, or left alone if not a real directory), and why.
+    Refused(PathBuf, String),
+}
+
+/// Reads and checks every container checkpoint under the checkpoint root of `work_dir` (see
+/// [`read_record`]): stale temp files of each real directory are removed, a checkpoint that cannot
+/// be trusted is set aside (nothing is done through a symlink: not even that), an empty directory
+/// removed. Blocks on the file system.
+fn scan_checkpoints(work_dir: &Path) -> Vec<Scanned> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(checkpoint_root(work_dir)) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let path = e.path().join("state.json");
+        match read_record(work_dir, &e) {
+            Ok(rec) => {
+                checkpoint::remove_stale_temps(&e.path());
+                out.push(Scanned::Record(rec));
+            }
+            // Nothing is done through a symlink: not even setting it aside.
+            Err(RecordRefusal::NotADirectory) => {
+                let reason = "the container's checkpoint directory is not a directory (a symlink?): left alone".to_string();
+                tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
+                out.push(Scanned::Refused(e.path(), reason));
+            }
+            Err(RecordRefusal::Bad(reason)) => {
+                checkpoint::remove_stale_temps(&e.path());
+                tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                let _ = checkpoint::set_aside(&path);
+                out.push(Scanned::Refused(path, reason));
+            }
+            Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
+                checkpoint::remove_stale_temps(&e.path());
+                tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+                let _ = checkpoint::set_aside(&path);
+                out.push(Scanned::Refused(path, reason));
+            }
+            Err(RecordRefusal::Unreadable(_)) => {
+                checkpoint::remove_stale_temps(&e.path());
+                let _ = std::fs::remove_dir(e.path());
+            }
+        }
+    }
+    out
+}
+
+/// The records [`VolumeIsolator::checkpointed`] lists, for the isolator of `work_dir`.
+pub(crate) fn checkpointed_in(work_dir: &Path) -> Vec<ContainerRecord> {
+    let Ok(entries) = std::fs::read_dir(checkpoint_root(work_dir)) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| read_record(work_dir, &e).ok())
+        .collect()
+}
+
+/// Reads one container's checkpoint from its directory entry under the checkpoint root of
+/// `work_dir` and checks it: a real directory (not a symlink), a record that parses, of a format
+/// this build knows, for the container its directory names, whose paths pass
+/// [`checkpoint_paths::check_record`] and whose sandbox and host binds open by fd without a
+/// symlink. The error says why (for the report).
+fn read_record(work_dir: &Path, e: &std::fs::DirEntry) -> Result<ContainerRecord, RecordRefusal> {
+    let id = e.file_name().to_string_lossy().into_owned();
+    if !e.file_type().is_ok_and(|t| t.is_dir()) {
+        return Err(RecordRefusal::NotADirectory);
+    }
+    let path = e.path().join("state.json");
+    let bytes = read_checkpoint_file(&path).map_err(RecordRefusal::Unreadable)?;
+    let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
+        .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
+    if rec.container_id != id {
+        return Err(RecordRefusal::Bad(format!(
+            "container id '{}' does not match its directory",
+            crate::shown::shown(&rec.container_id)
+        )));
+    }
+    if rec.format > FORMAT_VERSION {
+        return Err(RecordRefusal::Bad(format!(
+            "format {} is newer than this build's {FORMAT_VERSION}",
+            rec.format
+        )));
+    }
+    let unsafe_path =
+        |e: CheckpointPathError| RecordRefusal::Bad(crate::error_chain::full_message(&e));
+    checkpoint_paths::check_record(&rec, work_dir).map_err(unsafe_path)?;
+    if let Some((fd, name)) = checkpoint_paths::open_sandbox(&rec, work_dir).map_err(unsafe_path)? {
+        for b in &rec.host_binds {
+            checkpoint_paths::check_host_bind(&rec, &fd, &name, b).map_err(unsafe_path)?;
+        }
+    }
+    Ok(rec)
 }
 
 /// The uses recovery releases, as (provider, volume, container): a use is released when its

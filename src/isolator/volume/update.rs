@@ -23,7 +23,12 @@ impl VolumeIsolator {
             .ok_or_else(|| IsolatorError::UnknownContainer {
                 container: container_id.to_string(),
             })?;
-        let pid = live_pid(container_id, rec, &*self.processes)?;
+        let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
+            container: container_id.to_string(),
+        })?;
+        let processes = self.processes.clone();
+        let facts = blocking(move || processes.facts(pid)).await;
+        still_the_container(container_id, rec, pid, &facts, self.processes.own_pid())?;
         let mut config = rec.config.clone();
         config.resources = resources.clone();
         let new_mounts = volume_mounts(container_id, &config, &resources, &self.work_dir)?;
@@ -34,12 +39,12 @@ impl VolumeIsolator {
         // 1. Publish what is new. Volumes the container uses already are only
         //    re-ensured; a failure undoes only the uses it added.
         let added_resources = resources_of(&resources, &added);
-        check_agent_disks(
-            container_id,
-            &added_resources,
-            &self.work_dir,
-            host_path_kind,
-        )?;
+        let (id, work_dir, checked) = (
+            container_id.to_string(),
+            self.work_dir.clone(),
+            added_resources.clone(),
+        );
+        blocking(move || check_agent_disks(&id, &checked, &work_dir, host_path_kind)).await?;
         self.publisher
             .publish(container_id, &added_resources)
             .await
@@ -104,7 +109,7 @@ impl VolumeIsolator {
             rec.config.resources = resources_of(&all_resources, &current);
             rec.mounts = current;
         }
-        self.persist(rec)?;
+        self.persist(rec).await?;
         let kept: HashSet<(Option<String>, Option<String>)> =
             rec.mounts.iter().map(volume_key).collect();
         let mut seen = HashSet::new();
@@ -234,30 +239,23 @@ fn volume_key(m: &VolumeMount) -> (Option<String>, Option<String>) {
     (m.provider_id.clone(), m.volume_id.clone())
 }
 
-/// The container's pid, checked to still be the container's by the one rule
-/// ([`process_check::not_still_the_container`]) over what `processes` says of it now.
-fn live_pid(
+/// Whether the recorded `pid` is still the container's, by the one rule
+/// ([`process_check::not_still_the_container`]) over `facts`, what is known of it now.
+fn still_the_container(
     container: &str,
     rec: &ContainerRecord,
-    processes: &dyn Processes,
-) -> Result<u32, IsolatorError> {
-    let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
-        container: container.to_string(),
-    })?;
-    let facts = processes.facts(pid);
-    match process_check::not_still_the_container(
-        pid,
-        rec.pid_start,
-        rec.mount_view,
-        processes.own_pid(),
-        &facts,
-    ) {
+    pid: u32,
+    facts: &process_check::PidFacts,
+    own_pid: u32,
+) -> Result<(), IsolatorError> {
+    match process_check::not_still_the_container(pid, rec.pid_start, rec.mount_view, own_pid, facts)
+    {
         Some(why) => Err(IsolatorError::PidGone {
             container: container.to_string(),
             pid,
             why: why.to_string(),
         }),
-        None => Ok(pid),
+        None => Ok(()),
     }
 }
 

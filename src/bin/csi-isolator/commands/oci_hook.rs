@@ -90,11 +90,9 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
         .with_context(|| format!("{name}: read the container state from stdin"))?;
     let state = State::parse(&input).with_context(|| name.to_string())?;
     let plugin = args.plugin;
-    let provider: ProviderFactory = Arc::new(move |work_dir: &Path| {
-        plugin
-            .config(work_dir)
-            .map_err(|e| csi_isolator::error_chain::full_message(e.as_ref()))
-    });
+    // The anyhow error becomes the boxed error as it is: its context and causes stay its chain.
+    let provider: ProviderFactory =
+        Arc::new(move |work_dir: &Path| plugin.config(work_dir).map_err(Into::into));
     let opts = HookOptions {
         work_dir: work_dir.to_path_buf(),
         provider,
