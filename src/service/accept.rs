@@ -202,8 +202,9 @@ impl<L: Listen> Gate<L> {
                     }
                 }
                 Err(_) => {
-                    drop(stream);
+                    // Counted before the close, so that whoever sees the close sees the count.
                     self.metrics.refused(L::OVER_CAPACITY);
+                    drop(stream);
                     if let Some(left_out) = self.refused_full.allow(Instant::now()) {
                         tracing::warn!(
                             listener = L::NAME,
