@@ -13,15 +13,9 @@ use crate::resource::ResourceError;
 /// An isolator operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum IsolatorError {
-    /// The container id cannot be used as a path component.
-    #[error("invalid container id '{container}'")]
-    InvalidContainerId {
-        /// The id.
-        container: String,
-        /// Why.
-        #[source]
-        source: Box<ResourceError>,
-    },
+    /// The container id cannot be used as a path component (the error names the id and why).
+    #[error(transparent)]
+    InvalidContainerId(Box<ResourceError>),
     /// The container is already prepared (prepare is not idempotent across configs).
     #[error("container '{container}' is already prepared")]
     AlreadyPrepared {

@@ -98,7 +98,7 @@ impl From<ServiceError> for Status {
 /// The gRPC code of an isolator error.
 pub fn isolator_code(e: &IsolatorError) -> Code {
     match e {
-        IsolatorError::InvalidContainerId { .. }
+        IsolatorError::InvalidContainerId(_)
         | IsolatorError::Resource { .. }
         | IsolatorError::BadTarget { .. }
         | IsolatorError::UnsafeConfigPath { .. } => Code::InvalidArgument,
@@ -278,10 +278,9 @@ mod tests {
             container: "c".into(),
         };
         assert_eq!(isolator_code(&unknown), Code::NotFound);
-        let bad = IsolatorError::InvalidContainerId {
-            container: "../x".into(),
-            source: Box::new(crate::resource::validate_container_id("../x").unwrap_err()),
-        };
+        let bad = IsolatorError::InvalidContainerId(Box::new(
+            crate::resource::validate_container_id("../x").unwrap_err(),
+        ));
         assert_eq!(isolator_code(&bad), Code::InvalidArgument);
         let in_use = ProviderError::InUse {
             volume: "v".into(),
@@ -341,10 +340,9 @@ mod tests {
         let eio = || std::io::Error::from_raw_os_error(libc::EIO);
         let cases: Vec<(IsolatorError, Code)> = vec![
             (
-                IsolatorError::InvalidContainerId {
-                    container: "a,b".into(),
-                    source: Box::new(crate::resource::validate_container_id("a,b").unwrap_err()),
-                },
+                IsolatorError::InvalidContainerId(Box::new(
+                    crate::resource::validate_container_id("a,b").unwrap_err(),
+                )),
                 Code::InvalidArgument,
             ),
             (

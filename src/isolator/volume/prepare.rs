@@ -12,12 +12,8 @@ impl VolumeIsolator {
         container_id: &str,
         config: ContainerConfig,
     ) -> Result<LaunchInfo, IsolatorError> {
-        crate::resource::validate_container_id(container_id).map_err(|e| {
-            IsolatorError::InvalidContainerId {
-                container: container_id.to_string(),
-                source: Box::new(e),
-            }
-        })?;
+        crate::resource::validate_container_id(container_id)
+            .map_err(|e| IsolatorError::InvalidContainerId(Box::new(e)))?;
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
         if slot.is_some() {
