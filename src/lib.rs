@@ -16,8 +16,8 @@
 //!
 //! Layers, lowest first; a module imports only from lower layers, never from its own or a higher one,
 //! so the module graph has no cycle (the `layers_import_only_downward` test checks it):
-//! 1. [`shown`], [`error_chain`], [`io_step`]: formatting helpers and the shared I/O-step error,
-//!    importing nothing.
+//! 1. [`shown`], [`error_chain`], [`io_step`], `offload`: formatting helpers, the shared I/O-step
+//!    error and the one way blocking work leaves the async workers, importing nothing.
 //! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
 //! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
 //!    and the launcher use), [`workdir`], [`durable`] (the one atomic file write), [`csi`].
@@ -33,6 +33,7 @@ pub mod io_step;
 pub mod isolator;
 pub mod launcher;
 pub mod mount;
+mod offload;
 pub mod provider;
 pub mod resource;
 pub mod runner;
@@ -49,6 +50,7 @@ mod layering {
         ("shown", 1),
         ("error_chain", 1),
         ("io_step", 1),
+        ("offload", 1),
         ("resource", 2),
         ("mount", 3),
         ("workdir", 3),

@@ -18,12 +18,13 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
+use crate::offload::blocking;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
 use crate::provider::parameters;
 use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
-use crate::provider::storage::{blocking, remove_empty_dir, StorageProvider};
+use crate::provider::storage::{remove_empty_dir, StorageProvider};
 use crate::resource::Resource;
 
 /// What to create.

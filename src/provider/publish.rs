@@ -13,10 +13,11 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
+use crate::offload::blocking;
 use crate::provider::error::ProviderError;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{blocking, Slot, StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
 
 impl StorageProvider {
     /// Publishes one volume for `container_id` and returns its host mount

@@ -22,11 +22,12 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
+use crate::offload::blocking;
 use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{blocking, StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{StorageProvider, UnpublishPolicy};
 use crate::resource::encode_volume_id;
 use crate::resource::{Layout, STATE_FILE};
 

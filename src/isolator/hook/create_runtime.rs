@@ -199,7 +199,7 @@ async fn create_with_provider(
 
     let sandbox = container_dir(req.work_dir, id);
     let (hook_dir, dir) = (req.work_dir.join(HOOK_DIR), sandbox.clone());
-    crate::provider::storage::blocking(move || {
+    crate::offload::blocking(move || {
         make_real_dir(&hook_dir)?;
         make_real_dir(&dir)
     })

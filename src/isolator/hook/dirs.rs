@@ -95,7 +95,7 @@ fn errno_step<'a>(
 /// anything is mounted under it) on the blocking pool. See [`remove_beneath_hook_dir`].
 pub(super) async fn remove_container_dir(work_dir: &Path, id: &str) {
     let (dir, id) = (work_dir.to_path_buf(), id.to_string());
-    crate::provider::storage::blocking(move || {
+    crate::offload::blocking(move || {
         if let Err(e) = remove_beneath_hook_dir(&dir, &id) {
             tracing::error!(dir = %container_dir(&dir, &id).display(), error = %crate::error_chain::Chain(&e), "hook container directory kept");
         }

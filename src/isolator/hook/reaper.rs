@@ -10,8 +10,7 @@ use crate::isolator::process_check;
 pub(super) async fn reap_stale(isolator: &VolumeIsolator, work_dir: &Path, current: &str) {
     // The scan of the checkpoints and the reads of /proc in one trip to the blocking pool.
     let (dir, current_id) = (work_dir.to_path_buf(), current.to_string());
-    let stale =
-        crate::provider::storage::blocking(move || stale_hook_containers(&dir, &current_id)).await;
+    let stale = crate::offload::blocking(move || stale_hook_containers(&dir, &current_id)).await;
     for rec in stale {
         tracing::warn!(container_id = %rec.container_id, pid = ?rec.pid, "hook container is gone without poststop; releasing its volumes");
         match isolator.cleanup(&rec.container_id).await {

@@ -37,8 +37,8 @@ use crate::isolator::publisher::{Publisher, VolumeUsers};
 use crate::isolator::targets::{check_agent_disks, host_path_kind, volume_mounts};
 use crate::mount::{unmount_all_under, MountTable, Syscall};
 use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::offload::blocking;
 use crate::provider::checkpoint;
-use crate::provider::storage::blocking;
 use crate::provider::Manager;
 use crate::resource::Resource;
 
