@@ -244,7 +244,12 @@ impl StorageProvider {
             let rec = &mut held[i].1;
             note_mount_check(rec, &target, mounted);
         }
-        let results = join_all(held.iter_mut().map(|(id, rec)| async move {
+        // Only what needs work gets a future: with a thousand volumes in use, a thousand
+        // futures of `drive` (kilobytes each) for nothing cost more than the checks themselves.
+        let to_repair = held
+            .iter_mut()
+            .filter(|(_, rec)| !rec.rests_at(VolumeState::Published));
+        let results = join_all(to_repair.map(|(id, rec)| async move {
             self.drive(rec, VolumeState::Published)
                 .await
                 .err()

@@ -460,6 +460,12 @@ pub struct VolumeRecord {
 }
 
 impl VolumeRecord {
+    /// Whether the volume rests at `goal`: there, with no operation under way. Driving it to
+    /// `goal` then does nothing (no RPC, no write).
+    pub fn rests_at(&self, goal: VolumeState) -> bool {
+        self.state == goal && self.towards.is_none()
+    }
+
     /// Parses the state file of the volume directory named `dir_name`, checking what a reader must
     /// not trust: a format newer than this build's, or a volume id that does not encode to its own
     /// directory. Recovery and `status` read the same way, so `status` never shows as healthy a

@@ -458,7 +458,7 @@ impl StorageProvider {
     ) -> Result<bool, ProviderError> {
         // If the intent cannot be written nothing is sent, and the record in
         // memory goes back to what it was (it must match the disk).
-        if rec.state == goal && rec.towards.is_none() {
+        if rec.rests_at(goal) {
             return Ok(false);
         }
         // Steps are chosen by the plugin's capabilities: if the plugin was
