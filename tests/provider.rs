@@ -796,6 +796,8 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
         err.contains("not ready at") && err.contains("after"),
         "{err}"
     );
+    // The last cause, typed and shown once by the chain.
+    assert!(err.ends_with(": its socket was not created"), "{err}");
     assert!(
         started.elapsed() >= Duration::from_millis(300),
         "it did wait"

@@ -40,7 +40,7 @@ pub enum ProviderError {
         source: std::io::Error,
     },
     /// The managed plugin did not become ready in time.
-    #[error("plugin {plugin} not ready at {endpoint} after {waited_ms} ms: {reason}")]
+    #[error("plugin {plugin} not ready at {endpoint} after {waited_ms} ms")]
     NotReady {
         /// `<type>/<name>` of the plugin.
         plugin: String,
@@ -49,7 +49,8 @@ pub enum ProviderError {
         /// How long we waited.
         waited_ms: u128,
         /// What went wrong last.
-        reason: String,
+        #[source]
+        last: NotReadyCause,
     },
     /// A checkpoint could not be written or read.
     #[error("volume '{volume}'")]
@@ -232,4 +233,29 @@ impl ProviderError {
             _ => None,
         }
     }
+}
+
+/// Why a managed plugin was not ready, the last time it was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum NotReadyCause {
+    /// Its socket never appeared.
+    #[error("its socket was not created")]
+    NoSocket,
+    /// The socket is there, but a connection failed.
+    #[error("cannot connect")]
+    Connect(#[source] crate::csi::transport::TransportError),
+    /// Probe had no answer in time.
+    #[error("Probe had no answer within {0:?}")]
+    ProbeTimedOut(std::time::Duration),
+    /// Probe answered an error.
+    #[error("Probe failed: {code}: {message}")]
+    ProbeFailed {
+        /// The gRPC code.
+        code: tonic::Code,
+        /// The plugin's message, shown escaped.
+        message: String,
+    },
+    /// Probe answered `ready: false`.
+    #[error("Probe answered ready=false")]
+    NotReadyYet,
 }

@@ -27,7 +27,7 @@ pub mod storage;
 pub mod supervisor;
 
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
-pub use error::ProviderError;
+pub use error::{NotReadyCause, ProviderError};
 pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };

@@ -38,7 +38,7 @@ use tokio::sync::Notify;
 use crate::csi::proto::identity_client::IdentityClient;
 use crate::csi::proto::ProbeRequest;
 use crate::csi::transport::{connect_unix, endpoint_for};
-use crate::provider::error::ProviderError;
+use crate::provider::error::{NotReadyCause, ProviderError};
 use crate::workdir::{open_private_file, private_dir, PLUGIN_SOCKET_DIR};
 
 /// The size past which `plugin.log` is rotated to `plugin.log.1` (the
@@ -271,12 +271,12 @@ impl Inner {
     async fn wait_ready(&self) -> Result<(), ProviderError> {
         let start = Instant::now();
         let mut delay = Duration::from_millis(5);
-        let mut last = String::from("socket not created");
+        let mut last = NotReadyCause::NoSocket;
         while start.elapsed() < self.ready_timeout {
             if self.socket.exists() {
                 match probe(&self.socket).await {
                     Ok(true) => return Ok(()),
-                    Ok(false) => last = "Probe answered ready=false".into(),
+                    Ok(false) => last = NotReadyCause::NotReadyYet,
                     Err(e) => last = e,
                 }
             }
@@ -287,20 +287,22 @@ impl Inner {
             plugin: self.plugin.clone(),
             endpoint: endpoint_for(&self.socket),
             waited_ms: start.elapsed().as_millis(),
-            reason: last,
+            last,
         })
     }
 }
 
-async fn probe(socket: &Path) -> Result<bool, String> {
-    let channel = connect_unix(socket)
-        .await
-        .map_err(|e| crate::error_chain::full_message(&e))?;
+async fn probe(socket: &Path) -> Result<bool, NotReadyCause> {
+    const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+    let channel = connect_unix(socket).await.map_err(NotReadyCause::Connect)?;
     let mut client = IdentityClient::new(channel);
-    let resp = tokio::time::timeout(Duration::from_secs(5), client.probe(ProbeRequest {}))
+    let resp = tokio::time::timeout(PROBE_TIMEOUT, client.probe(ProbeRequest {}))
         .await
-        .map_err(|_| "Probe timed out".to_string())?
-        .map_err(|s| format!("Probe failed: {}: {}", s.code(), s.message()))?;
+        .map_err(|_| NotReadyCause::ProbeTimedOut(PROBE_TIMEOUT))?
+        .map_err(|s| NotReadyCause::ProbeFailed {
+            code: s.code(),
+            message: crate::shown::shown(s.message()).into_owned(),
+        })?;
     Ok(resp.into_inner().ready.unwrap_or(true))
 }
 
