@@ -335,11 +335,6 @@ impl Store {
         self.lock().values().fold(init, f)
     }
 
-    /// Sum of the capacity of every volume.
-    pub fn used_bytes(&self) -> u64 {
-        self.lock().values().map(|r| r.capacity_bytes).sum()
-    }
-
     /// Durably writes `record` (atomically replacing any previous version), then updates
     /// the in-memory copy.
     pub fn save(&self, record: &VolumeRecord) -> Result<(), StoreError> {
@@ -545,7 +540,7 @@ mod tests {
         left.sort();
         assert_eq!(left, ["vol-1", "vol-2"], "leftovers are deleted at open");
         assert_eq!(reopened.find_by_name("two").unwrap().id, "vol-2");
-        assert_eq!(reopened.used_bytes(), 2048);
+        assert_eq!(reopened.fold(0, |sum, r| sum + r.capacity_bytes), 2048);
         reopened.remove("vol-1").unwrap();
         reopened.remove("vol-1").unwrap();
         assert!(!reopened.volume_dir("vol-1").exists());
