@@ -8,7 +8,8 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing).
+//! `manager.rs` (routing); `tests.rs`, the machine driven without root against an in-process
+//! CSI plugin that records its calls.
 
 pub mod bundled;
 pub mod checkpoint;
@@ -25,6 +26,8 @@ pub mod state;
 pub mod status;
 pub mod storage;
 pub mod supervisor;
+#[cfg(test)]
+mod tests;
 
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::{NotReadyCause, ProviderError};

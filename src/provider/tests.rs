@@ -1,0 +1,588 @@
+//! The provider's state machine driven end to end without root: a [`StorageProvider`] on
+//! [`FakeSyscall`] (its mount seam and its mount table) talks real gRPC, over a Unix socket in a
+//! temp dir, to [`Recorder`], an in-process CSI plugin that records each RPC and "mounts" by
+//! adding to the same fake table. What these check is the provider's own sequence (which RPC
+//! when, what is durable after each operation), not a plugin: `tests/provider.rs` runs the same
+//! paths as root against the real bundled plugin and the kernel.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tonic::{Request, Response, Status};
+
+use crate::csi::proto;
+use crate::csi::proto::controller_service_capability::rpc::Type as ControllerCap;
+use crate::csi::proto::node_service_capability::rpc::Type as NodeCap;
+use crate::mount::{FakeSyscall, MountTable, Syscall};
+use crate::provider::{
+    CreateSpec, PluginSource, ProviderConfig, StorageProvider, UnpublishPolicy, VolumeState,
+};
+
+/// What the recorder was asked, in order (the RPC names of the CSI spec).
+type Log = Arc<Mutex<Vec<&'static str>>>;
+
+/// An in-process CSI plugin with controller and stage capabilities that records every call,
+/// "mounts" its staging path and targets into the provider's fake table, and fails one RPC on
+/// demand.
+#[derive(Clone)]
+struct Recorder {
+    log: Log,
+    sys: Arc<FakeSyscall>,
+    /// An RPC to refuse (with UNAVAILABLE, a transient error the provider may retry) and how
+    /// many times.
+    fail: Arc<Mutex<Option<(&'static str, u32)>>>,
+    volumes: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Recorder {
+    fn new(sys: Arc<FakeSyscall>) -> Recorder {
+        Recorder {
+            log: Arc::default(),
+            sys,
+            fail: Arc::default(),
+            volumes: Arc::default(),
+        }
+    }
+
+    fn called(&self, rpc: &'static str) -> Result<(), Status> {
+        self.log.lock().unwrap().push(rpc);
+        let mut fail = self.fail.lock().unwrap();
+        if let Some((name, left)) = fail.as_mut() {
+            if *name == rpc && *left > 0 {
+                *left -= 1;
+                return Err(Status::internal(format!("{rpc} refused by the test")));
+            }
+        }
+        Ok(())
+    }
+
+    fn calls(&self) -> Vec<&'static str> {
+        std::mem::take(&mut *self.log.lock().unwrap())
+    }
+
+    fn mount(&self, path: &str) {
+        self.sys.add_mount("fake-volume", Path::new(path), "ext4");
+    }
+
+    fn unmount(&self, path: &str) {
+        // Not mounted is success, as NodeUnpublish and NodeUnstage are idempotent.
+        let _ = self.sys.unmount(Path::new(path), false);
+    }
+}
+
+#[tonic::async_trait]
+impl proto::identity_server::Identity for Recorder {
+    async fn get_plugin_info(
+        &self,
+        _: Request<proto::GetPluginInfoRequest>,
+    ) -> Result<Response<proto::GetPluginInfoResponse>, Status> {
+        Ok(Response::new(proto::GetPluginInfoResponse {
+            name: "recorder.csi-isolator.io".into(),
+            vendor_version: "1".into(),
+            ..Default::default()
+        }))
+    }
+
+    async fn get_plugin_capabilities(
+        &self,
+        _: Request<proto::GetPluginCapabilitiesRequest>,
+    ) -> Result<Response<proto::GetPluginCapabilitiesResponse>, Status> {
+        use proto::plugin_capability::service::Type;
+        let service = proto::PluginCapability {
+            r#type: Some(proto::plugin_capability::Type::Service(
+                proto::plugin_capability::Service {
+                    r#type: Type::ControllerService as i32,
+                },
+            )),
+        };
+        Ok(Response::new(proto::GetPluginCapabilitiesResponse {
+            capabilities: vec![service],
+        }))
+    }
+
+    async fn probe(
+        &self,
+        _: Request<proto::ProbeRequest>,
+    ) -> Result<Response<proto::ProbeResponse>, Status> {
+        Ok(Response::new(proto::ProbeResponse { ready: Some(true) }))
+    }
+}
+
+/// The answer to an RPC the provider must not call here.
+fn not_here<T>(rpc: &str) -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!(
+        "{rpc} is not part of these tests"
+    )))
+}
+
+#[tonic::async_trait]
+impl proto::controller_server::Controller for Recorder {
+    async fn create_volume(
+        &self,
+        request: Request<proto::CreateVolumeRequest>,
+    ) -> Result<Response<proto::CreateVolumeResponse>, Status> {
+        self.called("CreateVolume")?;
+        let req = request.into_inner();
+        let id = format!("id-{}", req.name);
+        self.volumes.lock().unwrap().insert(id.clone());
+        Ok(Response::new(proto::CreateVolumeResponse {
+            volume: Some(proto::Volume {
+                volume_id: id,
+                capacity_bytes: req.capacity_range.map_or(0, |r| r.required_bytes),
+                ..Default::default()
+            }),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<proto::DeleteVolumeRequest>,
+    ) -> Result<Response<proto::DeleteVolumeResponse>, Status> {
+        self.called("DeleteVolume")?;
+        self.volumes
+            .lock()
+            .unwrap()
+            .remove(&request.into_inner().volume_id);
+        Ok(Response::new(proto::DeleteVolumeResponse {}))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _: Request<proto::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<proto::ControllerPublishVolumeResponse>, Status> {
+        self.called("ControllerPublishVolume")?;
+        Ok(Response::new(
+            proto::ControllerPublishVolumeResponse::default(),
+        ))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        _: Request<proto::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<proto::ControllerUnpublishVolumeResponse>, Status> {
+        self.called("ControllerUnpublishVolume")?;
+        Ok(Response::new(proto::ControllerUnpublishVolumeResponse {}))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _: Request<proto::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<proto::ControllerGetCapabilitiesResponse>, Status> {
+        let capabilities = [
+            ControllerCap::CreateDeleteVolume,
+            ControllerCap::PublishUnpublishVolume,
+        ]
+        .into_iter()
+        .map(|c| proto::ControllerServiceCapability {
+            r#type: Some(proto::controller_service_capability::Type::Rpc(
+                proto::controller_service_capability::Rpc { r#type: c as i32 },
+            )),
+        })
+        .collect();
+        Ok(Response::new(proto::ControllerGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        _: Request<proto::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<proto::ValidateVolumeCapabilitiesResponse>, Status> {
+        not_here("ValidateVolumeCapabilities")
+    }
+
+    async fn list_volumes(
+        &self,
+        _: Request<proto::ListVolumesRequest>,
+    ) -> Result<Response<proto::ListVolumesResponse>, Status> {
+        not_here("ListVolumes")
+    }
+
+    async fn get_capacity(
+        &self,
+        _: Request<proto::GetCapacityRequest>,
+    ) -> Result<Response<proto::GetCapacityResponse>, Status> {
+        not_here("GetCapacity")
+    }
+
+    async fn create_snapshot(
+        &self,
+        _: Request<proto::CreateSnapshotRequest>,
+    ) -> Result<Response<proto::CreateSnapshotResponse>, Status> {
+        not_here("CreateSnapshot")
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _: Request<proto::DeleteSnapshotRequest>,
+    ) -> Result<Response<proto::DeleteSnapshotResponse>, Status> {
+        not_here("DeleteSnapshot")
+    }
+
+    async fn list_snapshots(
+        &self,
+        _: Request<proto::ListSnapshotsRequest>,
+    ) -> Result<Response<proto::ListSnapshotsResponse>, Status> {
+        not_here("ListSnapshots")
+    }
+
+    async fn get_snapshot(
+        &self,
+        _: Request<proto::GetSnapshotRequest>,
+    ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
+        not_here("GetSnapshot")
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        _: Request<proto::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<proto::ControllerExpandVolumeResponse>, Status> {
+        not_here("ControllerExpandVolume")
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _: Request<proto::ControllerGetVolumeRequest>,
+    ) -> Result<Response<proto::ControllerGetVolumeResponse>, Status> {
+        not_here("ControllerGetVolume")
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _: Request<proto::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<proto::ControllerModifyVolumeResponse>, Status> {
+        not_here("ControllerModifyVolume")
+    }
+}
+
+#[tonic::async_trait]
+impl proto::node_server::Node for Recorder {
+    async fn node_stage_volume(
+        &self,
+        request: Request<proto::NodeStageVolumeRequest>,
+    ) -> Result<Response<proto::NodeStageVolumeResponse>, Status> {
+        self.called("NodeStageVolume")?;
+        self.mount(&request.into_inner().staging_target_path);
+        Ok(Response::new(proto::NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        request: Request<proto::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<proto::NodeUnstageVolumeResponse>, Status> {
+        self.called("NodeUnstageVolume")?;
+        self.unmount(&request.into_inner().staging_target_path);
+        Ok(Response::new(proto::NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        request: Request<proto::NodePublishVolumeRequest>,
+    ) -> Result<Response<proto::NodePublishVolumeResponse>, Status> {
+        self.called("NodePublishVolume")?;
+        // The plugin makes the target (CSI); the provider checks that it did.
+        let target = request.into_inner().target_path;
+        std::fs::create_dir_all(&target).map_err(|e| Status::internal(e.to_string()))?;
+        self.mount(&target);
+        Ok(Response::new(proto::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<proto::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<proto::NodeUnpublishVolumeResponse>, Status> {
+        self.called("NodeUnpublishVolume")?;
+        self.unmount(&request.into_inner().target_path);
+        Ok(Response::new(proto::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        _: Request<proto::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<proto::NodeGetVolumeStatsResponse>, Status> {
+        not_here("NodeGetVolumeStats")
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _: Request<proto::NodeExpandVolumeRequest>,
+    ) -> Result<Response<proto::NodeExpandVolumeResponse>, Status> {
+        not_here("NodeExpandVolume")
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _: Request<proto::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<proto::NodeGetCapabilitiesResponse>, Status> {
+        let stage = proto::NodeServiceCapability {
+            r#type: Some(proto::node_service_capability::Type::Rpc(
+                proto::node_service_capability::Rpc {
+                    r#type: NodeCap::StageUnstageVolume as i32,
+                },
+            )),
+        };
+        Ok(Response::new(proto::NodeGetCapabilitiesResponse {
+            capabilities: vec![stage],
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _: Request<proto::NodeGetInfoRequest>,
+    ) -> Result<Response<proto::NodeGetInfoResponse>, Status> {
+        self.called("NodeGetInfo")?;
+        Ok(Response::new(proto::NodeGetInfoResponse {
+            node_id: "node-1".into(),
+            ..Default::default()
+        }))
+    }
+}
+
+/// A provider on the fake seam and its recorder, in a temp dir that goes with it.
+struct Bench {
+    _dir: tempfile::TempDir,
+    work: PathBuf,
+    endpoint: String,
+    sys: Arc<FakeSyscall>,
+    plugin: Recorder,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Bench {
+    async fn new() -> Bench {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        std::fs::create_dir(&work).unwrap();
+        let socket = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        let sys = Arc::new(FakeSyscall::new());
+        let plugin = Recorder::new(sys.clone());
+        let incoming = futures::stream::unfold(listener, |listener| async move {
+            let next = listener.accept().await.map(|(stream, _)| stream);
+            Some((next, listener))
+        });
+        let server = tokio::spawn({
+            let plugin = plugin.clone();
+            async move {
+                let _ = tonic::transport::Server::builder()
+                    .add_service(proto::identity_server::IdentityServer::new(plugin.clone()))
+                    .add_service(proto::controller_server::ControllerServer::new(
+                        plugin.clone(),
+                    ))
+                    .add_service(proto::node_server::NodeServer::new(plugin))
+                    .serve_with_incoming(incoming)
+                    .await;
+            }
+        });
+        Bench {
+            _dir: dir,
+            work,
+            endpoint: format!("unix://{}", socket.display()),
+            sys,
+            plugin,
+            server,
+        }
+    }
+
+    /// A provider (a fresh one each call: a restart) under `policy`.
+    async fn provider(&self, policy: UnpublishPolicy) -> Arc<StorageProvider> {
+        let mut config = ProviderConfig::new(
+            "recorder.csi-isolator.io",
+            "unit",
+            &self.work,
+            PluginSource::Endpoint(self.endpoint.clone()),
+        );
+        config.policy = policy;
+        config.boot_id = Some("boot-1".into());
+        let table: Arc<dyn MountTable> = self.sys.clone();
+        StorageProvider::start_with(config, self.sys.clone(), table)
+            .await
+            .expect("start the provider on the fake seam")
+    }
+}
+
+impl Drop for Bench {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// The state written on disk for `volume_id`, as a restarted provider would read it.
+async fn state_on_disk(bench: &Bench, volume_id: &str) -> VolumeState {
+    let provider = bench.provider(UnpublishPolicy::Keep).await;
+    let state = provider.volume(volume_id).await.expect("recorded").state;
+    bench.plugin.calls();
+    state
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_walks_controller_stage_and_node_and_the_last_release_walks_back() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    assert_eq!(bench.plugin.calls(), ["CreateVolume"]);
+
+    let target = provider.publish(&id, "c1").await.unwrap();
+    assert_eq!(
+        bench.plugin.calls(),
+        [
+            "NodeGetInfo",
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodePublishVolume"
+        ]
+    );
+    assert!(bench.sys.is_mount_root(&target).unwrap(), "published");
+    // A second user is recorded without a call; the first one's release keeps it published.
+    provider.publish(&id, "c2").await.unwrap();
+    provider.release(&id, "c1").await.unwrap();
+    assert!(bench.plugin.calls().is_empty());
+    let rec = provider.volume(&id).await.unwrap();
+    assert_eq!(rec.state, VolumeState::Published);
+    assert_eq!(rec.users.iter().collect::<Vec<_>>(), ["c2"]);
+
+    provider.release(&id, "c2").await.unwrap();
+    assert_eq!(
+        bench.plugin.calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+    assert!(!bench.sys.is_mount_root(&target).unwrap(), "unpublished");
+    drop(provider);
+    assert_eq!(state_on_disk(&bench, &id).await, VolumeState::Created);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_stage_is_undone_to_where_the_policy_keeps_the_volume() {
+    for (policy, undone) in [
+        (UnpublishPolicy::LastUse, true),
+        (UnpublishPolicy::Keep, false),
+    ] {
+        let bench = Bench::new().await;
+        let provider = bench.provider(policy).await;
+        let resource = provider
+            .create_volume(CreateSpec::new("data", 1 << 20))
+            .await
+            .unwrap();
+        let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+        bench.plugin.calls();
+        // INTERNAL is final: not retried, and the error names what the plugin said.
+        *bench.plugin.fail.lock().unwrap() = Some(("NodeStageVolume", 1));
+        let err = provider.publish(&id, "c1").await.unwrap_err();
+        let text = crate::error_chain::full_message(&err);
+        assert!(
+            text.contains("NodeStageVolume refused by the test"),
+            "{text}"
+        );
+        let rec = provider.volume(&id).await.unwrap();
+        assert!(rec.users.is_empty(), "a failed publish adds no user");
+        // The interrupted step is never left behind: the undo starts from as far as the
+        // operation could have gone (its one intent names only its goal), so an idempotent
+        // NodeUnpublish comes first; unused under last-use, the volume goes back the whole way.
+        let mut walked = vec![
+            "NodeGetInfo",
+            "ControllerPublishVolume",
+            "NodeStageVolume",
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+        ];
+        if undone {
+            walked.push("ControllerUnpublishVolume");
+            assert_eq!(rec.state, VolumeState::Created, "{policy:?}");
+        } else {
+            assert_eq!(rec.state, VolumeState::NodeReady, "{policy:?}");
+        }
+        assert_eq!(bench.plugin.calls(), walked, "{policy:?}");
+
+        // The next publish goes on from where the volume stands.
+        provider.publish(&id, "c1").await.unwrap();
+        let from_there: &[&str] = if undone {
+            &[
+                "ControllerPublishVolume",
+                "NodeStageVolume",
+                "NodePublishVolume",
+            ]
+        } else {
+            &["NodeStageVolume", "NodePublishVolume"]
+        };
+        assert_eq!(bench.plugin.calls(), from_there, "{policy:?}");
+        drop(provider);
+        assert_eq!(state_on_disk(&bench, &id).await, VolumeState::Published);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ensure_all_republishes_only_a_volume_unmounted_behind_the_providers_back() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    let mut ids = Vec::new();
+    for name in ["a", "b", "c"] {
+        let r = provider
+            .create_volume(CreateSpec::new(name, 1 << 20))
+            .await
+            .unwrap();
+        let id = r.disk.unwrap().source.unwrap().id.unwrap();
+        provider
+            .publish(&id, &format!("user-{name}"))
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    bench.plugin.calls();
+    // Someone unmounts b's target: the next launch finds and repairs it, and only it.
+    bench
+        .sys
+        .unmount(&provider.mount_point(&ids[1]), false)
+        .unwrap();
+    let failures = provider.ensure_in_use(&HashSet::new()).await;
+    assert!(failures.is_empty(), "{failures:?}");
+    // Re-staged (idempotent: the staging mount may have gone too) and re-published.
+    assert_eq!(
+        bench.plugin.calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    for id in &ids {
+        assert!(bench.sys.is_mount_root(&provider.mount_point(id)).unwrap());
+    }
+    // With everything mounted, a sweep calls nothing.
+    provider.ensure_in_use(&HashSet::new()).await;
+    assert!(bench.plugin.calls().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_keeps_published_volumes_and_their_users_without_a_call() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    let r = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = r.disk.unwrap().source.unwrap().id.unwrap();
+    provider.publish(&id, "c1").await.unwrap();
+    drop(provider);
+    bench.plugin.calls();
+
+    let restarted = bench.provider(UnpublishPolicy::LastUse).await;
+    let rec = restarted.volume(&id).await.unwrap();
+    assert_eq!(rec.state, VolumeState::Published);
+    assert_eq!(rec.users.iter().collect::<Vec<_>>(), ["c1"]);
+    assert!(
+        !bench.plugin.calls().contains(&"NodePublishVolume"),
+        "nothing to repair"
+    );
+    // Destroy of a volume in use is refused; after its release it is deleted in the plugin.
+    assert!(restarted.destroy_volume(&id).await.is_err());
+    restarted.release(&id, "c1").await.unwrap();
+    restarted.destroy_volume(&id).await.unwrap();
+    assert!(bench.plugin.calls().ends_with(&["DeleteVolume"]));
+    assert!(bench.plugin.volumes.lock().unwrap().is_empty());
+    assert!(restarted.volume(&id).await.is_none());
+}
