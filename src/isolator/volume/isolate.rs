@@ -35,11 +35,7 @@ impl VolumeIsolator {
         };
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
+        let rec = known(&mut slot, container_id)?;
         // The reads of /proc and of the rootfs in one trip to the blocking pool, under the
         // container's lock; the record is changed only after, from what was checked.
         let rootfs_path = rec.config.rootfs.clone();

@@ -240,11 +240,7 @@ impl VolumeIsolator {
     ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
+        let rec = known(&mut slot, container_id)?;
         change(rec)?;
         self.persist(rec).await
     }
@@ -271,3 +267,14 @@ fn volume_name(m: &VolumeMount) -> String {
 
 #[cfg(test)]
 mod tests;
+
+/// The record in a container's slot, or the error that names the unknown container.
+fn known<'a>(
+    slot: &'a mut Option<ContainerRecord>,
+    container_id: &str,
+) -> Result<&'a mut ContainerRecord, IsolatorError> {
+    slot.as_mut()
+        .ok_or_else(|| IsolatorError::UnknownContainer {
+            container: container_id.to_string(),
+        })
+}

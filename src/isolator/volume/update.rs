@@ -18,11 +18,7 @@ impl VolumeIsolator {
     ) -> Result<(), IsolatorError> {
         let entry = self.entry(container_id);
         let mut slot = entry.lock().await;
-        let rec = slot
-            .as_mut()
-            .ok_or_else(|| IsolatorError::UnknownContainer {
-                container: container_id.to_string(),
-            })?;
+        let rec = known(&mut slot, container_id)?;
         let pid = rec.pid.ok_or_else(|| IsolatorError::NoPid {
             container: container_id.to_string(),
         })?;
