@@ -540,3 +540,50 @@ async fn only_root_may_use_the_socket() {
     p.ok("/VolumeDriver.List", json!({})).await;
     assert!(p.stop(&sb, Signal::SIGTERM).success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
+    require_root();
+    let sb = Sandbox::new("docker-drain");
+    let p = Plugin::start(&sb, &["--plugin-arg=--delay=NodePublishVolume=1500"]);
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "v", "Opts": {"size": "8M"}}),
+    )
+    .await;
+    let socket = p.socket.clone();
+    let mount = tokio::spawn(async move {
+        request(
+            &socket,
+            "POST",
+            "/VolumeDriver.Mount",
+            &json!({"Name": "v", "ID": A}).to_string(),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = p.child.id();
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    // No new calls once the signal is taken.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        tokio::net::UnixStream::connect(&p.socket).await.is_err(),
+        "a new connection is refused while draining"
+    );
+    let (status, text) = mount.await.unwrap();
+    assert_eq!(status, 200, "the Mount in flight is answered: {text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let mountpoint = PathBuf::from(answer["Mountpoint"].as_str().unwrap());
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    assert!(
+        is_mounted(&mountpoint),
+        "the drained Mount's volume stays published"
+    );
+
+    let p = Plugin::start(&sb, &[]);
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(!is_mounted(&mountpoint));
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
