@@ -13,6 +13,7 @@
 //! - [`isolator`]: prepare / isolate / update / cleanup / recover.
 //! - [`launcher`]: the namespace launcher used by `run` and the tests.
 //! - [`service`]: `serve`, the isolator as a gRPC service on a Unix socket, with metrics.
+//! - [`docker_plugin`]: `docker-plugin`, the Docker (and Podman) volume plugin protocol.
 //!
 //! Layers, lowest first; a module imports only from lower layers, never from its own or a higher one,
 //! so the module graph has no cycle (the `layers_import_only_downward` test checks it):
@@ -25,8 +26,10 @@
 //! 5. [`launcher`]: namespaces and processes (launching, facts about a pid, binds into a running one).
 //! 6. [`isolator`]: the lifecycle, using the provider to publish and the launcher to reach containers.
 //! 7. [`runner`], [`service`]: the front ends.
+//! 8. [`docker_plugin`]: a front end built on `serve`'s socket, admission and accept gate.
 
 pub mod csi;
+pub mod docker_plugin;
 pub mod durable;
 pub mod error_chain;
 pub mod io_step;
@@ -61,6 +64,7 @@ mod layering {
         ("isolator", 6),
         ("runner", 7),
         ("service", 7),
+        ("docker_plugin", 8),
     ];
 
     fn layer(module: &str) -> u8 {

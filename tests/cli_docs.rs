@@ -9,7 +9,14 @@ const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 
 /// The verbs users see, and flags whose absence from a completion or a page
 /// would hide a security option.
-const VERBS: [&str; 5] = ["run", "status", "volume", "serve", "oci-hook"];
+const VERBS: [&str; 6] = [
+    "run",
+    "status",
+    "volume",
+    "serve",
+    "docker-plugin",
+    "oci-hook",
+];
 
 /// Runs `csi-isolator` with a work dir that must stay untouched.
 fn cli(work: &Path, args: &[&str]) -> Output {

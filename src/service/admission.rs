@@ -93,18 +93,41 @@ impl Connected for Admitted<UnixStream> {
     }
 }
 
-/// The service socket, admitting peers by their credentials.
-struct PeerChecked {
+/// A Unix socket whose peers are admitted by their credentials: its name in
+/// logs and how its refusals are counted. serve's gRPC socket is [`Grpc`];
+/// the Docker volume plugin's socket has its own.
+pub trait PeerSocket: Send + 'static {
+    /// The listener's name in logs.
+    const NAME: &'static str;
+    /// What a peer that is not admitted is counted as.
+    const REFUSED_PEER: Refusal;
+    /// What a connection over the cap is counted as.
+    const OVER_CAPACITY: Refusal;
+}
+
+/// serve's gRPC socket.
+#[derive(Debug)]
+pub struct Grpc;
+
+impl PeerSocket for Grpc {
+    const NAME: &'static str = "service socket";
+    const REFUSED_PEER: Refusal = Refusal::GrpcPeer;
+    const OVER_CAPACITY: Refusal = Refusal::GrpcCapacity;
+}
+
+/// A Unix socket, admitting peers by their credentials.
+pub struct PeerChecked<K> {
     listener: UnixListener,
     admission: Admission,
     metrics: Arc<ServiceMetrics>,
     refused_peers: WarnLimiter,
+    kind: std::marker::PhantomData<K>,
 }
 
-impl Listen for PeerChecked {
+impl<K: PeerSocket> Listen for PeerChecked<K> {
     type Stream = UnixStream;
-    const NAME: &'static str = "service socket";
-    const OVER_CAPACITY: Refusal = Refusal::GrpcCapacity;
+    const NAME: &'static str = K::NAME;
+    const OVER_CAPACITY: Refusal = K::OVER_CAPACITY;
 
     async fn accept(&mut self) -> std::io::Result<(UnixStream, String)> {
         let (stream, _) = self.listener.accept().await?;
@@ -119,7 +142,7 @@ impl Listen for PeerChecked {
         let cred = match stream.peer_cred() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %Chain(&e), "service socket: cannot read the peer's credentials; connection closed");
+                tracing::warn!(listener = K::NAME, error = %Chain(&e), "cannot read the peer's credentials; connection closed");
                 return false;
             }
         };
@@ -127,7 +150,7 @@ impl Listen for PeerChecked {
         if self.admission.admits(uid, gid) {
             return true;
         }
-        self.metrics.refused(Refusal::GrpcPeer);
+        self.metrics.refused(K::REFUSED_PEER);
         if let Some(left_out) = self.refused_peers.allow(Instant::now()) {
             tracing::warn!(
                 uid,
@@ -135,11 +158,30 @@ impl Listen for PeerChecked {
                 pid = ?pid,
                 allowed_group = ?self.admission.group,
                 left_out,
-                "service socket: connection refused: the peer is neither root nor in the allowed group"
+                "{}: connection refused: the peer is neither root nor in the allowed group",
+                K::NAME
             );
         }
         false
     }
+}
+
+/// The accept gate of a socket of kind `K` (see the module doc): peers
+/// checked by their credentials, at most `max_connections` at once.
+pub fn gate<K: PeerSocket>(
+    listener: UnixListener,
+    admission: Admission,
+    max_connections: usize,
+    metrics: Arc<ServiceMetrics>,
+) -> Gate<PeerChecked<K>> {
+    let checked = PeerChecked {
+        listener,
+        admission,
+        metrics: metrics.clone(),
+        refused_peers: WarnLimiter::default(),
+        kind: std::marker::PhantomData,
+    };
+    Gate::new(checked, max_connections, metrics)
 }
 
 /// The connections of `listener` that pass the gate (see the module doc),
@@ -150,13 +192,7 @@ pub fn incoming(
     max_connections: usize,
     metrics: Arc<ServiceMetrics>,
 ) -> impl Stream<Item = Result<Admitted<UnixStream>, std::io::Error>> {
-    let checked = PeerChecked {
-        listener,
-        admission,
-        metrics: metrics.clone(),
-        refused_peers: WarnLimiter::default(),
-    };
-    let gate = Gate::new(checked, max_connections, metrics);
+    let gate = gate::<Grpc>(listener, admission, max_connections, metrics);
     futures::stream::unfold(gate, |mut gate| async move {
         let admitted = gate.next().await;
         Some((Ok(admitted), gate))

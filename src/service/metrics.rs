@@ -103,13 +103,19 @@ pub enum Refusal {
     GrpcCapacity,
     /// On `/metrics`: every connection slot is taken.
     MetricsCapacity,
+    /// On the Docker volume plugin's socket: the peer is neither root nor in the allowed group.
+    DockerPeer,
+    /// On the Docker volume plugin's socket: every connection slot is taken.
+    DockerCapacity,
 }
 
 impl Refusal {
-    const ALL: [Refusal; 3] = [
+    const ALL: [Refusal; 5] = [
         Refusal::GrpcPeer,
         Refusal::GrpcCapacity,
         Refusal::MetricsCapacity,
+        Refusal::DockerPeer,
+        Refusal::DockerCapacity,
     ];
 
     /// (listener, reason) labels.
@@ -118,6 +124,8 @@ impl Refusal {
             Refusal::GrpcPeer => ("grpc", "peer"),
             Refusal::GrpcCapacity => ("grpc", "capacity"),
             Refusal::MetricsCapacity => ("metrics", "capacity"),
+            Refusal::DockerPeer => ("docker", "peer"),
+            Refusal::DockerCapacity => ("docker", "capacity"),
         };
         RefusalLabels { listener, reason }
     }
@@ -383,7 +391,7 @@ mod tests {
         m.refused(Refusal::GrpcCapacity);
         m.refused(Refusal::GrpcCapacity);
         m.refused(Refusal::MetricsCapacity);
-        assert_eq!(Refusal::ALL.map(|r| m.refused_count(r)), [0, 2, 1]);
+        assert_eq!(Refusal::ALL.map(|r| m.refused_count(r)), [0, 2, 1, 0, 0]);
     }
 
     #[test]

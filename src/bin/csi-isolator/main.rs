@@ -38,6 +38,8 @@ enum Command {
     Volume(commands::volume::VolumeArgs),
     /// Serve the isolator on a Unix socket (gRPC) for containerizers, with Prometheus metrics.
     Serve(commands::serve::ServeArgs),
+    /// Serve the Docker (and Podman) volume plugin protocol on a Unix socket, for any CSI driver.
+    DockerPlugin(commands::docker_plugin::DockerPluginArgs),
     /// OCI runtime hook (createRuntime, poststop): CSI volumes named by annotations; state on stdin.
     OciHook(commands::oci_hook::OciHookArgs),
     /// Print the completion script for a shell (bash, elvish, fish, powershell, zsh).
@@ -67,6 +69,7 @@ fn main() -> ExitCode {
             Command::Status(args) => commands::status::run(&cli.work_dir, args),
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
             Command::Serve(args) => commands::serve::run(&cli.work_dir, args).await,
+            Command::DockerPlugin(args) => commands::docker_plugin::run(&cli.work_dir, args).await,
             Command::OciHook(args) => commands::oci_hook::run(&cli.work_dir, args).await,
             // Generated from the definitions above; the work dir is not touched.
             Command::Completions(args) => commands::docs::completions(Cli::command(), args),

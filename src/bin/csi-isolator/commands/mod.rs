@@ -7,6 +7,7 @@ use std::ffi::OsStr;
 use clap::builder::{StringValueParser, TypedValueParser};
 use clap::error::ErrorKind;
 
+pub mod docker_plugin;
 pub mod docs;
 pub mod oci_hook;
 pub mod plugin_args;

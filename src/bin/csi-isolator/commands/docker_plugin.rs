@@ -1,0 +1,94 @@
+//! `csi-isolator docker-plugin`: the Docker (and Podman) volume plugin
+//! protocol on a Unix socket (see `csi_isolator::docker_plugin`). Prints
+//! where it listens on stdout, then `ready`; serves until SIGINT or SIGTERM.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use csi_isolator::docker_plugin::{self, Limits, PluginOptions, Scope, Started, DEFAULT_SOCKET};
+use tokio::signal::unix::{signal, SignalKind};
+
+use super::plugin_args::PluginArgs;
+
+/// `docker-plugin` options.
+#[derive(Debug, Args)]
+#[command(after_help = "\
+Examples:
+  # The driver `csi-isolator` for Docker, on the bundled plugin
+  csi-isolator --work-dir /var/lib/csi-isolator docker-plugin
+  docker volume create --driver csi-isolator -o size=1G data
+  docker run --rm -v data:/data busybox sh -c 'date > /data/x'
+  # Any CSI driver already serving a socket
+  csi-isolator docker-plugin --plugin-endpoint unix:///run/csi/nfs.sock
+
+Create options (-o KEY=VALUE): size (64M, 1G), access-mode (a CSI access mode),
+fs-type, mount-flags (comma-separated), volume-id (import the plugin's volume of
+that id instead of creating one); any other key is a CreateVolume parameter (a
+volume context entry for an import). See docs/docker.md.
+
+Who may call: the socket is 0600 root; each connection is checked by the peer's
+credentials (SO_PEERCRED) and only root is served. Each Mount ID is a durable
+user of its volume: a plugin killed and restarted keeps the volume published
+and serves the later Unmount. On SIGTERM calls in flight finish and volumes in
+use stay published.")]
+pub struct DockerPluginArgs {
+    #[command(flatten)]
+    plugin: PluginArgs,
+    /// The socket the engine connects to (the file name without `.sock` is
+    /// the driver's name).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_SOCKET)]
+    socket: PathBuf,
+    /// What Capabilities answers: local (this host's volumes) or global.
+    #[arg(long, default_value = "local", value_name = "local|global")]
+    scope: Scope,
+    /// Seconds the engine waits for an answer (the call itself runs to its end).
+    #[arg(long, value_name = "SECS", default_value_t = Limits::default().call_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    call_timeout: u64,
+    /// Connections open at once on the socket; more are closed at once.
+    #[arg(long, value_name = "N", default_value_t = Limits::default().max_connections as u32, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+}
+
+/// Runs `docker-plugin` until SIGINT/SIGTERM.
+pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<ExitCode> {
+    super::run::check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
+    let mut opts = PluginOptions::new(work_dir, args.plugin.config(work_dir)?);
+    opts.socket = args.socket;
+    opts.scope = args.scope;
+    opts.limits = Limits {
+        call_timeout: Duration::from_secs(args.call_timeout),
+        max_connections: args.max_connections as usize,
+        ..Limits::default()
+    };
+    // Installed before the socket exists, so a signal right after `ready` is never lost.
+    let mut sigint = signal(SignalKind::interrupt()).context("install SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("install SIGTERM handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+        }
+    };
+    docker_plugin::run(opts, announce, shutdown).await?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn announce(started: &Started) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "csi-isolator docker-plugin: volume plugin on unix://{}",
+        started.socket.display()
+    );
+    let _ = writeln!(
+        out,
+        "csi-isolator docker-plugin: provider {}",
+        started.provider_id
+    );
+    let _ = writeln!(out, "csi-isolator docker-plugin: ready");
+    let _ = out.flush();
+}

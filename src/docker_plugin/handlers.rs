@@ -1,0 +1,346 @@
+//! One handler per endpoint, each a short mapping onto the provider:
+//!
+//! | endpoint | provider |
+//! |---|---|
+//! | `Create` | `create_volume` (same name and options: the same volume), or `import_volume` with `volume-id` |
+//! | `Remove` | `destroy_volume_with(id, false)`: unpublish, DeleteVolume; an imported volume is only forgotten; refused while in use, naming the Mount IDs |
+//! | `Mount` | `publish(id, ID)`: the Mount ID becomes a durable user |
+//! | `Unmount` | `release(id, ID)`: unpublished after the last user |
+//! | `Path`, `Get`, `List` | the provider's records |
+//!
+//! Volume names are the provider's CreateVolume names (checked by
+//! [`validate_volume_name`](crate::provider::validate_volume_name) inside
+//! `create_volume` and `import_volume`); a Mount ID must pass
+//! [`validate_container_id`] before it is recorded, as a container id
+//! from any other entry point does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::provider::{StorageProvider, VolumeRecord, VolumeState};
+use crate::resource::validate_container_id;
+use crate::shown::shown;
+
+use super::error::DockerError;
+use super::opts::{self, Plan};
+use super::wire::{self, Request};
+
+/// The endpoints of the protocol.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/Plugin.Activate`.
+    Activate,
+    /// `/VolumeDriver.Capabilities`.
+    Capabilities,
+    /// `/VolumeDriver.Create`.
+    Create,
+    /// `/VolumeDriver.Remove`.
+    Remove,
+    /// `/VolumeDriver.Mount`.
+    Mount,
+    /// `/VolumeDriver.Unmount`.
+    Unmount,
+    /// `/VolumeDriver.Path`.
+    Path,
+    /// `/VolumeDriver.Get`.
+    Get,
+    /// `/VolumeDriver.List`.
+    List,
+}
+
+impl Endpoint {
+    const ALL: [Endpoint; 9] = [
+        Endpoint::Activate,
+        Endpoint::Capabilities,
+        Endpoint::Create,
+        Endpoint::Remove,
+        Endpoint::Mount,
+        Endpoint::Unmount,
+        Endpoint::Path,
+        Endpoint::Get,
+        Endpoint::List,
+    ];
+
+    /// The request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Activate => "/Plugin.Activate",
+            Endpoint::Capabilities => "/VolumeDriver.Capabilities",
+            Endpoint::Create => "/VolumeDriver.Create",
+            Endpoint::Remove => "/VolumeDriver.Remove",
+            Endpoint::Mount => "/VolumeDriver.Mount",
+            Endpoint::Unmount => "/VolumeDriver.Unmount",
+            Endpoint::Path => "/VolumeDriver.Path",
+            Endpoint::Get => "/VolumeDriver.Get",
+            Endpoint::List => "/VolumeDriver.List",
+        }
+    }
+
+    /// The endpoint of a request path, if it is one.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        Endpoint::ALL.into_iter().find(|e| e.path() == path)
+    }
+
+    /// Its name in messages (`VolumeDriver.Mount`).
+    pub fn name(self) -> &'static str {
+        &self.path()[1..]
+    }
+
+    /// Whether its body is read (the others take none, or `{}`).
+    fn takes_body(self) -> bool {
+        !matches!(
+            self,
+            Endpoint::Activate | Endpoint::Capabilities | Endpoint::List
+        )
+    }
+}
+
+/// Whether volumes are seen by this host only or by the whole cluster.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scope {
+    /// This host's volumes (the default).
+    #[default]
+    Local,
+    /// Cluster-wide volumes (Swarm): one create for every node.
+    Global,
+}
+
+impl std::str::FromStr for Scope {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "local" => Ok(Scope::Local),
+            "global" => Ok(Scope::Global),
+            _ => Err(format!(
+                "unknown scope '{}' (expected local or global)",
+                shown(s)
+            )),
+        }
+    }
+}
+
+/// The driver: the provider and how it answers.
+pub struct Driver {
+    provider: Arc<StorageProvider>,
+    scope: Scope,
+}
+
+impl Driver {
+    /// A driver on `provider`.
+    pub fn new(provider: Arc<StorageProvider>, scope: Scope) -> Driver {
+        Driver { provider, scope }
+    }
+
+    /// Answers one call: the JSON body of a 200, or the error.
+    pub async fn call(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, DockerError> {
+        let call = endpoint.name();
+        let req: Request = if endpoint.takes_body() {
+            serde_json::from_slice(body).map_err(|source| DockerError::BadBody { call, source })?
+        } else {
+            Request::default()
+        };
+        match endpoint {
+            Endpoint::Activate => json(&wire::Activated {
+                implements: vec!["VolumeDriver"],
+            }),
+            Endpoint::Capabilities => json(&wire::Capabilities {
+                capabilities: wire::Scope {
+                    scope: match self.scope {
+                        Scope::Local => "local",
+                        Scope::Global => "global",
+                    },
+                },
+            }),
+            Endpoint::Create => {
+                self.create(&req).await?;
+                json(&wire::Done::default())
+            }
+            Endpoint::Remove => {
+                let rec = self.find(call, &req.name).await?;
+                self.provider
+                    .destroy_volume_with(&rec.volume_id, false)
+                    .await
+                    .map_err(|source| provider_error(call, &req.name, source))?;
+                json(&wire::Done::default())
+            }
+            Endpoint::Mount => {
+                let (rec, id) = self.user(call, &req).await?;
+                let mountpoint = self
+                    .provider
+                    .publish(&rec.volume_id, &id)
+                    .await
+                    .map_err(|source| provider_error(call, &req.name, source))?;
+                json(&wire::MountPoint {
+                    mountpoint: mountpoint.display().to_string(),
+                    err: String::new(),
+                })
+            }
+            Endpoint::Unmount => {
+                let (rec, id) = self.user(call, &req).await?;
+                self.provider
+                    .release(&rec.volume_id, &id)
+                    .await
+                    .map_err(|source| provider_error(call, &req.name, source))?;
+                json(&wire::Done::default())
+            }
+            Endpoint::Path => {
+                let rec = self.find(call, &req.name).await?;
+                json(&wire::MountPoint {
+                    mountpoint: self.mountpoint(&rec),
+                    err: String::new(),
+                })
+            }
+            Endpoint::Get => {
+                let rec = self.find(call, &req.name).await?;
+                json(&wire::Got {
+                    volume: self.volume(&req.name, &rec, true),
+                    err: String::new(),
+                })
+            }
+            Endpoint::List => {
+                let volumes = self
+                    .provider
+                    .volumes()
+                    .await
+                    .into_iter()
+                    .filter_map(|rec| {
+                        let name = rec.name.clone()?;
+                        Some(self.volume(&name, &rec, false))
+                    })
+                    .collect();
+                json(&wire::Listed {
+                    volumes,
+                    err: String::new(),
+                })
+            }
+        }
+    }
+
+    async fn create(&self, req: &Request) -> Result<(), DockerError> {
+        let call = Endpoint::Create.name();
+        let empty = BTreeMap::new();
+        let plan =
+            opts::plan(&req.name, req.opts.as_ref().unwrap_or(&empty)).map_err(|source| {
+                DockerError::Opts {
+                    call,
+                    volume: shown(&req.name).into_owned(),
+                    source,
+                }
+            })?;
+        let created = match plan {
+            Plan::Create(spec) => self.provider.create_volume(spec).await,
+            Plan::Import(spec) => match self.provider.find_by_name(&spec.name).await {
+                // The same import again is the same volume (an engine may repeat a Create).
+                Some(rec) if rec.volume_id == spec.volume_id && rec.pre_provisioned => {
+                    return Ok(())
+                }
+                _ => self.provider.import_volume(spec).await,
+            },
+        };
+        created
+            .map(drop)
+            .map_err(|source| provider_error(call, &req.name, source))
+    }
+
+    /// The named volume's record.
+    async fn find(&self, call: &'static str, name: &str) -> Result<VolumeRecord, DockerError> {
+        if name.is_empty() {
+            return Err(DockerError::Missing {
+                call,
+                field: "Name",
+            });
+        }
+        self.provider
+            .find_by_name(name)
+            .await
+            .ok_or_else(|| DockerError::NoSuchVolume {
+                call,
+                volume: shown(name).into_owned(),
+            })
+    }
+
+    /// The named volume and the request's Mount ID, checked as a container id.
+    async fn user(
+        &self,
+        call: &'static str,
+        req: &Request,
+    ) -> Result<(VolumeRecord, String), DockerError> {
+        let id = req
+            .id
+            .clone()
+            .filter(|id| !id.is_empty())
+            .ok_or(DockerError::Missing { call, field: "ID" })?;
+        validate_container_id(&id).map_err(|source| DockerError::BadId {
+            call,
+            volume: shown(&req.name).into_owned(),
+            source: Box::new(source),
+        })?;
+        Ok((self.find(call, &req.name).await?, id))
+    }
+
+    /// The host path while the volume is published for someone, else empty.
+    fn mountpoint(&self, rec: &VolumeRecord) -> String {
+        if rec.state == VolumeState::Published && !rec.users.is_empty() {
+            self.provider
+                .mount_point(&rec.volume_id)
+                .display()
+                .to_string()
+        } else {
+            String::new()
+        }
+    }
+
+    fn volume(&self, name: &str, rec: &VolumeRecord, status: bool) -> wire::Volume {
+        wire::Volume {
+            name: name.to_string(),
+            mountpoint: self.mountpoint(rec),
+            status: status.then(|| wire::Status {
+                volume_id: rec.volume_id.clone(),
+                plugin: self.provider.id().to_string(),
+                state: rec.state.as_str().to_string(),
+                capacity_bytes: rec.capacity_bytes,
+                users: rec.users.clone(),
+                imported: rec.pre_provisioned,
+            }),
+        }
+    }
+}
+
+fn provider_error(
+    call: &'static str,
+    name: &str,
+    source: crate::provider::ProviderError,
+) -> DockerError {
+    DockerError::Provider {
+        call,
+        volume: shown(name).into_owned(),
+        source: Box::new(source),
+    }
+}
+
+fn json<T: Serialize>(value: &T) -> Result<Vec<u8>, DockerError> {
+    Ok(serde_json::to_vec(value).expect("the protocol's answers serialize"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_route_by_exact_path() {
+        for e in Endpoint::ALL {
+            assert_eq!(Endpoint::from_path(e.path()), Some(e));
+        }
+        for other in [
+            "/",
+            "/VolumeDriver.mount",
+            "/VolumeDriver.Mount/",
+            "/Plugin.Activate?x",
+        ] {
+            assert_eq!(Endpoint::from_path(other), None, "{other}");
+        }
+        assert_eq!(Endpoint::Mount.name(), "VolumeDriver.Mount");
+    }
+}

@@ -1,0 +1,227 @@
+//! `Create`'s options (`docker volume create -o KEY=VALUE`, `--mount
+//! ...,volume-opt=KEY=VALUE`): what to create or import. Pure, table-tested.
+//!
+//! Options are untrusted input from whoever may run the engine's CLI (on a
+//! rootless Podman host, any user). Ours are read and checked here; every
+//! other key is a CreateVolume parameter (or, for an import, a volume
+//! context entry) and passes [`parameters::check`] before anything is
+//! written or sent, so a key outside CSI's bounds or one naming a secret is
+//! refused by name. No option names a host path or a plugin.
+
+use std::collections::BTreeMap;
+
+use crate::provider::{parameters, Capability, CreateSpec, ImportSpec};
+use crate::shown::shown;
+
+/// Capacity, with a unit (`64M`, `1G`).
+pub const SIZE: &str = "size";
+/// A CSI access mode name (`SINGLE_NODE_WRITER`, ...).
+pub const ACCESS_MODE: &str = "access-mode";
+/// The filesystem type asked of the plugin.
+pub const FS_TYPE: &str = "fs-type";
+/// Mount flags asked of the plugin, comma-separated.
+pub const MOUNT_FLAGS: &str = "mount-flags";
+/// Import the plugin's volume of this id instead of creating one.
+pub const VOLUME_ID: &str = "volume-id";
+
+/// Our own option keys, in the order the docs give them.
+pub const OURS: [&str; 5] = [SIZE, ACCESS_MODE, FS_TYPE, MOUNT_FLAGS, VOLUME_ID];
+
+/// What a `Create` asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Plan {
+    /// A new volume (or the existing one of that name, with the same parameters).
+    Create(CreateSpec),
+    /// A volume the plugin has already, recorded under the name.
+    Import(ImportSpec),
+}
+
+/// An option that cannot be used, named.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("option '{key}': {reason}")]
+pub struct OptError {
+    /// The key, escaped and shortened.
+    pub key: String,
+    /// What is wrong.
+    pub reason: String,
+}
+
+fn refuse(key: &str, reason: impl Into<String>) -> OptError {
+    OptError {
+        key: shown(key).into_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// The plan of `Create {Name: name, Opts: opts}`.
+pub fn plan(name: &str, opts: &BTreeMap<String, String>) -> Result<Plan, OptError> {
+    let mut capability = Capability::default();
+    let mut capacity_bytes = 0;
+    let mut rest = BTreeMap::new();
+    let mut volume_id = None;
+    for (key, value) in opts {
+        let ours = OURS.contains(&key.as_str());
+        if ours && value.is_empty() {
+            return Err(refuse(key, "empty value"));
+        }
+        match key.as_str() {
+            SIZE => {
+                capacity_bytes = crate::resource::parse_size(value)
+                    .filter(|b| *b > 0)
+                    .ok_or_else(|| {
+                        refuse(
+                            key,
+                            format!(
+                                "invalid size '{}': give a size above 0 with a unit (examples: 64M, 1G)",
+                                shown(value)
+                            ),
+                        )
+                    })?;
+            }
+            ACCESS_MODE => capability
+                .set_access_mode(value)
+                .map_err(|e| refuse(key, e.to_string()))?,
+            FS_TYPE => {
+                if !value
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_')
+                {
+                    return Err(refuse(
+                        key,
+                        format!("'{}' is not a filesystem type name", shown(value)),
+                    ));
+                }
+                capability.fs_type = value.clone();
+            }
+            MOUNT_FLAGS => {
+                let flags: Vec<String> = value.split(',').map(str::to_string).collect();
+                if let Some(bad) = flags
+                    .iter()
+                    .find(|f| f.is_empty() || f.chars().any(char::is_control))
+                {
+                    return Err(refuse(
+                        key,
+                        format!(
+                            "flag '{}' is empty or holds a control character",
+                            shown(bad)
+                        ),
+                    ));
+                }
+                capability.mount_flags = flags;
+            }
+            VOLUME_ID => volume_id = Some(value.clone()),
+            _ => {
+                rest.insert(key.clone(), value.clone());
+            }
+        }
+    }
+    parameters::check(&rest).map_err(|e| match &e {
+        parameters::ParameterError::BadKey { key, .. }
+        | parameters::ParameterError::BadValue { key }
+        | parameters::ParameterError::Secret { key } => OptError {
+            key: key.clone(),
+            reason: e.to_string(),
+        },
+        _ => refuse("*", e.to_string()),
+    })?;
+    Ok(match volume_id {
+        Some(volume_id) => Plan::Import(ImportSpec {
+            name: name.to_string(),
+            volume_id,
+            capacity_bytes,
+            capability,
+            volume_context: rest,
+        }),
+        None => {
+            let mut spec = CreateSpec::new(name, capacity_bytes);
+            spec.capability = capability;
+            spec.parameters = rest;
+            Plan::Create(spec)
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn options_become_a_create_or_an_import() {
+        let Plan::Create(spec) = plan(
+            "v",
+            &opts(&[
+                ("size", "64M"),
+                ("access-mode", "MULTI_NODE_MULTI_WRITER"),
+                ("fs-type", "ext4"),
+                ("mount-flags", "noatime,nodiratime"),
+                ("server", "nfs.example.com"),
+            ]),
+        )
+        .unwrap() else {
+            panic!("a create")
+        };
+        assert_eq!(spec.name, "v");
+        assert_eq!(spec.capacity_bytes, 64 << 20);
+        assert_eq!(spec.capability.access_mode, "MULTI_NODE_MULTI_WRITER");
+        assert_eq!(spec.capability.fs_type, "ext4");
+        assert_eq!(spec.capability.mount_flags, ["noatime", "nodiratime"]);
+        assert_eq!(spec.parameters, opts(&[("server", "nfs.example.com")]));
+
+        assert_eq!(
+            plan("v", &BTreeMap::new()).unwrap(),
+            Plan::Create(CreateSpec::new("v", 0)),
+            "no options: the plugin's default size"
+        );
+
+        let Plan::Import(spec) = plan(
+            "old",
+            &opts(&[("volume-id", "nfs#a#b"), ("size", "1G"), ("share", "/x")]),
+        )
+        .unwrap() else {
+            panic!("an import")
+        };
+        assert_eq!(spec.volume_id, "nfs#a#b");
+        assert_eq!(spec.capacity_bytes, 1 << 30);
+        assert_eq!(spec.volume_context, opts(&[("share", "/x")]));
+    }
+
+    #[test]
+    fn bad_options_are_refused_by_name() {
+        for (pairs, key, says) in [
+            (&[("size", "big")][..], "size", "invalid size 'big'"),
+            (&[("size", "0")], "size", "above 0"),
+            (&[("size", "")], "size", "empty value"),
+            (
+                &[("access-mode", "RW")],
+                "access-mode",
+                "unknown CSI access mode 'RW'",
+            ),
+            (
+                &[("fs-type", "ext4 -o x")],
+                "fs-type",
+                "not a filesystem type",
+            ),
+            (&[("mount-flags", "a,,b")], "mount-flags", "empty"),
+            (&[("volume-id", "")], "volume-id", "empty value"),
+            (&[("bad key", "x")], "bad key", "parameter key"),
+            (
+                &[("csi.storage.k8s.io/secret", "x")],
+                "csi.storage.k8s.io/secret",
+                "secret",
+            ),
+            (&[("k", "a\nb")], "k", "control character"),
+        ] {
+            let e = plan("v", &opts(pairs)).unwrap_err();
+            assert_eq!(e.key, key, "{pairs:?}: {e}");
+            assert!(e.to_string().contains(says), "{pairs:?}: {e}");
+            assert!(e.to_string().contains(&format!("option '{key}'")), "{e}");
+        }
+    }
+}

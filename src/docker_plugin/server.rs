@@ -1,0 +1,316 @@
+//! Start-up, the accept loop, one HTTP/1 exchange per connection, and
+//! shutdown of `csi-isolator docker-plugin` (the contract is in the module
+//! doc of [`crate::docker_plugin`]).
+//!
+//! Reused from `serve`, not copied: the private socket
+//! ([`crate::service::socket::bind`]), the accept gate with its admission by
+//! peer credentials and its connection cap
+//! ([`crate::service::admission::gate`]), the work-dir lock.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::UnixStream;
+use tokio::task::JoinSet;
+
+use crate::error_chain::Chain;
+use crate::provider::{ProviderConfig, ProviderError, StorageProvider};
+use crate::service::accept::Admitted;
+use crate::service::admission::{self, Admission, PeerSocket};
+use crate::service::metrics::{Refusal, ServiceMetrics};
+use crate::service::socket::{self, SocketError};
+use crate::shown::shown;
+
+use super::error::DockerError;
+use super::handlers::{Driver, Endpoint, Scope};
+use super::wire;
+
+/// Where Docker looks for a plugin named `csi-isolator`.
+pub const DEFAULT_SOCKET: &str = "/run/docker/plugins/csi-isolator.sock";
+
+/// The largest request head read (hyper's buffer; its minimum is 8 KiB).
+const MAX_HEAD: usize = 16 * 1024;
+
+/// What `docker-plugin` does.
+#[derive(Clone, Debug)]
+pub struct PluginOptions {
+    /// The agent work dir.
+    pub work_dir: PathBuf,
+    /// The provider (bundled plugin or an endpoint).
+    pub provider: ProviderConfig,
+    /// The socket the engine connects to.
+    pub socket: PathBuf,
+    /// What `Capabilities` answers.
+    pub scope: Scope,
+    /// Who may connect besides root (nobody by default).
+    pub admission: Admission,
+    /// The bounds of what a peer can make the plugin hold.
+    pub limits: Limits,
+    /// How long calls in flight get to finish after the shutdown signal.
+    pub drain: Duration,
+    /// How long a managed plugin gets to exit after SIGTERM before SIGKILL.
+    pub plugin_grace: Duration,
+}
+
+impl PluginOptions {
+    /// Options with the default socket, local scope, root only, the default
+    /// limits, 30 s to drain calls and 5 s for the plugin to stop.
+    pub fn new(work_dir: impl Into<PathBuf>, provider: ProviderConfig) -> Self {
+        PluginOptions {
+            work_dir: work_dir.into(),
+            provider,
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            scope: Scope::Local,
+            admission: Admission::default(),
+            limits: Limits::default(),
+            drain: Duration::from_secs(30),
+            plugin_grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What one peer of the socket can make the plugin hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once; more are closed as soon as accepted.
+    pub max_connections: usize,
+    /// The largest request body read; a larger one is answered 413.
+    pub max_body: usize,
+    /// How long reading a request's head, and then its body, may take.
+    pub read_timeout: Duration,
+    /// How long a caller waits for an answer. A call that takes longer is
+    /// answered with an error but runs to its end, so no publish is torn.
+    pub call_timeout: Duration,
+}
+
+impl Default for Limits {
+    /// 64 connections, 64 KiB bodies, 10 s to read a request, 2 minutes per
+    /// call (Docker gives Create and Mount 2 minutes, the rest 1).
+    fn default() -> Self {
+        Limits {
+            max_connections: 64,
+            max_body: 64 * 1024,
+            read_timeout: Duration::from_secs(10),
+            call_timeout: Duration::from_secs(120),
+        }
+    }
+}
+
+/// Where the plugin listens, once it does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Started {
+    /// The socket.
+    pub socket: PathBuf,
+    /// The provider id of its volumes.
+    pub provider_id: String,
+}
+
+/// `docker-plugin` failed to start.
+#[derive(Debug, thiserror::Error)]
+pub enum PluginError {
+    /// The work dir, its lock or the privilege check failed.
+    #[error(transparent)]
+    WorkDir(#[from] crate::workdir::WorkDirError),
+    /// The socket could not be set up.
+    #[error(transparent)]
+    Socket(#[from] SocketError),
+    /// The provider could not start.
+    #[error(transparent)]
+    Provider(Box<ProviderError>),
+}
+
+/// The plugin's socket, for the accept gate.
+struct DockerSocket;
+
+impl PeerSocket for DockerSocket {
+    const NAME: &'static str = "docker plugin socket";
+    const REFUSED_PEER: Refusal = Refusal::DockerPeer;
+    const OVER_CAPACITY: Refusal = Refusal::DockerCapacity;
+}
+
+/// Runs the plugin until `shutdown` resolves; `on_ready` is called once it
+/// accepts calls.
+pub async fn run(
+    opts: PluginOptions,
+    on_ready: impl FnOnce(&Started),
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), PluginError> {
+    crate::workdir::require_mount_privilege("csi-isolator docker-plugin")?;
+    let mut opts = opts;
+    opts.work_dir = crate::workdir::canonical(&opts.work_dir)?;
+    opts.provider.work_dir = opts.work_dir.clone();
+    let lock = crate::workdir::lock(&opts.work_dir, None).await?;
+    // Bound before the provider starts, so a busy socket fails fast; calls
+    // that arrive meanwhile wait in the backlog.
+    let (listener, socket_guard) = socket::bind(&opts.socket, opts.admission.group)?;
+    let result = match StorageProvider::start(opts.provider.clone()).await {
+        Ok(provider) => {
+            let report = provider.recovery_report();
+            if !report.actions.is_empty() || !report.failures.is_empty() {
+                tracing::warn!(actions = ?report.actions, failures = ?report.failures, "provider recovery");
+            }
+            let started = Started {
+                socket: opts.socket.clone(),
+                provider_id: provider.id().to_string(),
+            };
+            let metrics = Arc::new(ServiceMetrics::default());
+            let gate = admission::gate::<DockerSocket>(
+                listener,
+                opts.admission,
+                opts.limits.max_connections,
+                metrics,
+            );
+            let driver = Arc::new(Driver::new(provider.clone(), opts.scope));
+            on_ready(&started);
+            tracing::info!(socket = %opts.socket.display(), "csi-isolator docker-plugin ready");
+            accept_until(gate, driver, &opts, shutdown).await;
+            provider.shutdown(opts.plugin_grace).await;
+            Ok(())
+        }
+        Err(e) => Err(PluginError::Provider(Box::new(e))),
+    };
+    drop(socket_guard);
+    drop(lock);
+    result
+}
+
+/// Serves connections until `shutdown`, then stops accepting and waits (up
+/// to the drain time) for the calls in flight.
+async fn accept_until(
+    mut gate: crate::service::accept::Gate<admission::PeerChecked<DockerSocket>>,
+    driver: Arc<Driver>,
+    opts: &PluginOptions,
+    shutdown: impl Future<Output = ()> + Send,
+) {
+    let mut connections = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            conn = gate.next() => {
+                connections.spawn(connection(conn, driver.clone(), opts.limits));
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            () = &mut shutdown => break,
+        }
+    }
+    drop(gate);
+    tracing::info!(
+        in_flight = connections.len(),
+        "shutting down: no new calls; waiting for calls in flight"
+    );
+    let drained = tokio::time::timeout(opts.drain, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            "calls still in flight after {:?}; stopping anyway (their operations are recorded: the next start finishes them)",
+            opts.drain
+        );
+    }
+}
+
+/// One connection: one request, answered, then closed.
+async fn connection(conn: Admitted<UnixStream>, driver: Arc<Driver>, limits: Limits) {
+    let service = hyper::service::service_fn(move |req| {
+        let driver = driver.clone();
+        async move { Ok::<_, Infallible>(respond(req, driver, limits).await) }
+    });
+    let http = hyper::server::conn::http1::Builder::new()
+        .keep_alive(false)
+        .max_buf_size(MAX_HEAD)
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.read_timeout)
+        .serve_connection(TokioIo::new(conn), service);
+    // The answer comes within the call timeout (or says it did not); this
+    // only frees the slot of a peer that reads nothing back.
+    let whole = limits.read_timeout * 2 + limits.call_timeout + Duration::from_secs(5);
+    match tokio::time::timeout(whole, http).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %Chain(&e), "docker plugin: connection failed"),
+        Err(_) => tracing::debug!("docker plugin: connection not done in time; closed"),
+    }
+}
+
+/// The answer to one request.
+async fn respond(
+    req: Request<Incoming>,
+    driver: Arc<Driver>,
+    limits: Limits,
+) -> Response<Full<Bytes>> {
+    let answer = match read(req, limits).await {
+        Ok((endpoint, body)) => call(endpoint, body, driver, limits).await,
+        Err(e) => Err(e),
+    };
+    let (status, body) = match answer {
+        Ok(body) => (StatusCode::OK, body),
+        Err(e) => {
+            let message = e.message();
+            tracing::warn!(error = %message, "docker plugin: call refused or failed");
+            let status =
+                StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            let body = serde_json::to_vec(&wire::Done { err: message })
+                .expect("an error answer serializes");
+            (status, body)
+        }
+    };
+    let mut r = Response::new(Full::new(Bytes::from(body)));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(wire::CONTENT_TYPE));
+    r
+}
+
+/// The endpoint and the body, bounded in size and time.
+async fn read(req: Request<Incoming>, limits: Limits) -> Result<(Endpoint, Bytes), DockerError> {
+    let path = req.uri().path().to_string();
+    if req.method() != Method::POST {
+        return Err(DockerError::Method {
+            method: shown(req.method().as_str()).into_owned(),
+            path: shown(&path).into_owned(),
+        });
+    }
+    let endpoint = Endpoint::from_path(&path).ok_or_else(|| DockerError::NotFound {
+        path: shown(&path).into_owned(),
+    })?;
+    let call = endpoint.name().to_string();
+    let body = Limited::new(req.into_body(), limits.max_body);
+    match tokio::time::timeout(limits.read_timeout, body.collect()).await {
+        Ok(Ok(collected)) => Ok((endpoint, collected.to_bytes())),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => Err(DockerError::TooLarge {
+            call,
+            limit: limits.max_body,
+        }),
+        Ok(Err(_)) | Err(_) => Err(DockerError::BodyRead { call }),
+    }
+}
+
+/// Runs the call in a task of its own, so that a caller that gives up (or
+/// the call timeout) never cuts a provider operation short.
+async fn call(
+    endpoint: Endpoint,
+    body: Bytes,
+    driver: Arc<Driver>,
+    limits: Limits,
+) -> Result<Vec<u8>, DockerError> {
+    let task = tokio::spawn(async move { driver.call(endpoint, &body).await });
+    match tokio::time::timeout(limits.call_timeout, task).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(_)) => Err(DockerError::Aborted {
+            call: endpoint.name(),
+        }),
+        Err(_) => Err(DockerError::TimedOut {
+            call: endpoint.name(),
+            secs: limits.call_timeout.as_secs(),
+        }),
+    }
+}

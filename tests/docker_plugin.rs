@@ -1,0 +1,589 @@
+//! `csi-isolator docker-plugin` at the protocol level: real HTTP/1.1
+//! requests from the test on the real Unix socket, the bundled CSI plugin,
+//! real mounts. (Real dockerd and podman come later: issue 12.)
+
+use std::io::{BufRead, Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator_testing::unprivileged::{as_nobody, Outcome};
+use csi_isolator_testing::{isolator_command, processes_mentioning, require_root, Sandbox};
+use nix::errno::Errno;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const READY: &str = "csi-isolator docker-plugin: ready";
+const TIMEOUT: Duration = Duration::from_secs(30);
+const CONTENT_TYPE: &str = "application/vnd.docker.plugins.v1.2+json";
+
+/// A running `csi-isolator docker-plugin`; killed by the sandbox if left running.
+struct Plugin {
+    child: Child,
+    socket: PathBuf,
+    work: PathBuf,
+    log: PathBuf,
+}
+
+impl Plugin {
+    fn start(sb: &Sandbox, args: &[&str]) -> Plugin {
+        let work = sb.join("work");
+        let socket = sb.join("d/csi-isolator.sock");
+        let log = sb.join(format!("plugin-{}.log", rand_suffix()));
+        let mut cmd = isolator_command(BIN, &work);
+        cmd.arg("docker-plugin")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap());
+        let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + TIMEOUT;
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line == READY => break,
+                Ok(_) => {}
+                Err(e) => panic!(
+                    "docker-plugin did not get ready ({e}); exit {:?}; log:\n{}",
+                    child.try_wait(),
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                ),
+            }
+        }
+        Plugin {
+            child,
+            socket,
+            work,
+            log,
+        }
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal`, waits for the exit and for the managed plugin to go.
+    fn stop(mut self, sb: &Sandbox, signal: Signal) -> ExitStatus {
+        kill(Pid::from_raw(self.child.id() as i32), signal).unwrap();
+        let deadline = Instant::now() + TIMEOUT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "docker-plugin did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        sb.untrack(self.child.id());
+        while !processes_mentioning(&self.work).is_empty() {
+            assert!(Instant::now() < deadline, "the managed plugin did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        status
+    }
+
+    /// One POST; the status and the JSON answer.
+    async fn post(&self, endpoint: &str, body: Value) -> (u16, Value) {
+        let (status, text) = request(&self.socket, "POST", endpoint, &body.to_string()).await;
+        let value = serde_json::from_str(&text)
+            .unwrap_or_else(|e| panic!("{endpoint}: answer is not JSON ({e}): {text}"));
+        (status, value)
+    }
+
+    /// A POST that must succeed: its answer.
+    async fn ok(&self, endpoint: &str, body: Value) -> Value {
+        let (status, answer) = self.post(endpoint, body).await;
+        assert_eq!(status, 200, "{endpoint}: {answer}");
+        assert_eq!(
+            answer.get("Err").and_then(Value::as_str).unwrap_or(""),
+            "",
+            "{endpoint}: {answer}"
+        );
+        answer
+    }
+
+    /// A POST that must fail: its `Err`.
+    async fn err(&self, endpoint: &str, body: Value) -> String {
+        let (status, answer) = self.post(endpoint, body).await;
+        assert_eq!(status, 500, "{endpoint}: {answer}");
+        answer["Err"].as_str().expect("an Err").to_string()
+    }
+}
+
+fn rand_suffix() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+/// One HTTP/1.1 request on the socket; the status and the body.
+async fn request(socket: &Path, method: &str, path: &str, body: &str) -> (u16, String) {
+    let exchange = async {
+        let mut s = tokio::net::UnixStream::connect(socket).await.unwrap();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: plugin\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes()).await.unwrap();
+        // A server that refuses a large body may close before reading it all.
+        let _ = s.write_all(body.as_bytes()).await;
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out).await;
+        String::from_utf8(out).unwrap()
+    };
+    let text = tokio::time::timeout(TIMEOUT, exchange)
+        .await
+        .unwrap_or_else(|_| panic!("{path}: no answer within {TIMEOUT:?}"));
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("{path}: no HTTP answer: {text:?}"));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{path}: no status: {head}"));
+    assert!(
+        head.to_ascii_lowercase()
+            .contains(&format!("content-type: {CONTENT_TYPE}")),
+        "{path}: {head}"
+    );
+    (status, body.to_string())
+}
+
+fn is_mounted(path: &Path) -> bool {
+    ProcMountTable::new()
+        .mounts_under(path)
+        .unwrap()
+        .iter()
+        .any(|m| m.mount_point == path)
+}
+
+/// Mounts under the work dir (the volumes' staging and target paths).
+fn mounts_in(work: &Path) -> Vec<PathBuf> {
+    ProcMountTable::new()
+        .mounts_under(work)
+        .unwrap()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect()
+}
+
+const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+const B: &str = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_is_created_inspected_mounted_twice_unmounted_and_removed() {
+    require_root();
+    let sb = Sandbox::new("docker-life");
+    let p = Plugin::start(&sb, &[]);
+
+    let meta = std::fs::metadata(&p.socket).unwrap();
+    assert_eq!(
+        meta.permissions().mode() & 0o777,
+        0o600,
+        "the socket is owner-only"
+    );
+    assert_eq!(meta.uid(), 0);
+
+    assert_eq!(
+        p.ok("/Plugin.Activate", json!({})).await,
+        json!({"Implements": ["VolumeDriver"]})
+    );
+    assert_eq!(
+        p.ok("/VolumeDriver.Capabilities", json!({})).await,
+        json!({"Capabilities": {"Scope": "local"}})
+    );
+    // Docker asks Get before Create.
+    let missing = p.err("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    assert!(
+        missing.contains("'data'") && missing.contains("no such volume"),
+        "{missing}"
+    );
+
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "data", "Opts": {"size": "16M", "access-mode": "SINGLE_NODE_WRITER"}}),
+    )
+    .await;
+    // The same Create again is the same volume; other options are refused naming the key.
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "data", "Opts": {"size": "16M"}}),
+    )
+    .await;
+    let differs = p
+        .err(
+            "/VolumeDriver.Create",
+            json!({"Name": "data", "Opts": {"size": "16M", "tier": "gold"}}),
+        )
+        .await;
+    assert!(
+        differs.contains("tier") && differs.contains("VolumeDriver.Create volume 'data'"),
+        "{differs}"
+    );
+    // Podman leaves Opts out; Docker may send null.
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "other", "Opts": null}),
+    )
+    .await;
+
+    let got = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    let volume = &got["Volume"];
+    assert_eq!(volume["Name"], "data");
+    assert_eq!(volume["Mountpoint"], "", "not published yet");
+    let status = &volume["Status"];
+    assert!(
+        status["volume_id"].as_str().is_some_and(|s| !s.is_empty()),
+        "{got}"
+    );
+    assert!(
+        status["plugin"].as_str().unwrap().contains("default"),
+        "{got}"
+    );
+    assert_eq!(status["capacity_bytes"], 16 << 20, "{got}");
+    assert_eq!(status["users"], json!([]));
+    let listed = p.ok("/VolumeDriver.List", json!({})).await;
+    let mut names: Vec<&str> = listed["Volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["Name"].as_str().unwrap())
+        .collect();
+    names.sort_unstable();
+    assert_eq!(names, ["data", "other"]);
+    assert_eq!(
+        p.ok("/VolumeDriver.Path", json!({"Name": "data"})).await["Mountpoint"],
+        ""
+    );
+
+    // Two Mount IDs share one publish.
+    let first = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": A}))
+        .await;
+    let mountpoint = PathBuf::from(first["Mountpoint"].as_str().unwrap());
+    assert!(mountpoint.starts_with(&p.work), "{}", mountpoint.display());
+    assert!(
+        is_mounted(&mountpoint),
+        "{} is not a mount",
+        mountpoint.display()
+    );
+    std::fs::write(mountpoint.join("file"), b"written").unwrap();
+    let second = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": B}))
+        .await;
+    assert_eq!(second["Mountpoint"], first["Mountpoint"]);
+    assert_eq!(
+        p.ok("/VolumeDriver.Path", json!({"Name": "data"})).await["Mountpoint"],
+        first["Mountpoint"]
+    );
+    let got = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    assert_eq!(got["Volume"]["Status"]["users"], json!([A, B]));
+    assert_eq!(got["Volume"]["Status"]["state"], "PUBLISHED");
+
+    // Remove is refused while mounted, naming the holders.
+    let busy = p.err("/VolumeDriver.Remove", json!({"Name": "data"})).await;
+    assert!(
+        busy.contains(A) && busy.contains(B) && busy.contains("in use"),
+        "{busy}"
+    );
+
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": A}))
+        .await;
+    assert!(
+        is_mounted(&mountpoint),
+        "the second user keeps it published"
+    );
+    assert_eq!(std::fs::read(mountpoint.join("file")).unwrap(), b"written");
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": B}))
+        .await;
+    assert!(
+        !is_mounted(&mountpoint),
+        "unpublished after the last Unmount"
+    );
+    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+
+    p.ok("/VolumeDriver.Remove", json!({"Name": "data"})).await;
+    p.ok("/VolumeDriver.Remove", json!({"Name": "other"})).await;
+    let gone = p.err("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    assert!(gone.contains("no such volume"), "{gone}");
+    assert_eq!(
+        p.ok("/VolumeDriver.List", json!({})).await["Volumes"],
+        json!([])
+    );
+
+    let socket = p.socket.clone();
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    assert!(!socket.exists(), "the socket is removed at exit");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_options_and_bad_requests_are_refused_by_name() {
+    require_root();
+    let sb = Sandbox::new("docker-bad");
+    let p = Plugin::start(&sb, &["--scope", "global"]);
+    assert_eq!(
+        p.ok("/VolumeDriver.Capabilities", json!({})).await,
+        json!({"Capabilities": {"Scope": "global"}})
+    );
+    for (opts, says) in [
+        (
+            json!({"size": "lots"}),
+            "option 'size': invalid size 'lots'",
+        ),
+        (
+            json!({"access-mode": "RWX"}),
+            "option 'access-mode': unknown CSI access mode 'RWX'",
+        ),
+        (
+            json!({"mount-flags": ""}),
+            "option 'mount-flags': empty value",
+        ),
+        (json!({"bad key": "x"}), "option 'bad key'"),
+        (
+            json!({"csi.storage.k8s.io/node-stage-secret-name": "s"}),
+            "secret",
+        ),
+    ] {
+        let e = p
+            .err("/VolumeDriver.Create", json!({"Name": "v", "Opts": opts}))
+            .await;
+        assert!(
+            e.contains("VolumeDriver.Create volume 'v'") && e.contains(says),
+            "{opts}: {e}"
+        );
+    }
+    let e = p
+        .err("/VolumeDriver.Create", json!({"Name": "bad\u{7}name"}))
+        .await;
+    assert!(e.contains("control character"), "{e}");
+    assert_eq!(
+        p.ok("/VolumeDriver.List", json!({})).await["Volumes"],
+        json!([]),
+        "nothing was created"
+    );
+
+    p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
+    let e = p.err("/VolumeDriver.Mount", json!({"Name": "v"})).await;
+    assert!(
+        e.contains("VolumeDriver.Mount") && e.contains("no ID"),
+        "{e}"
+    );
+    let e = p
+        .err("/VolumeDriver.Mount", json!({"Name": "v", "ID": "../x"}))
+        .await;
+    assert!(e.contains("container id") && e.contains("'v'"), "{e}");
+    let e = p
+        .err("/VolumeDriver.Mount", json!({"Name": "nope", "ID": A}))
+        .await;
+    assert!(e.contains("'nope'") && e.contains("no such volume"), "{e}");
+    let (status, text) = request(&p.socket, "POST", "/VolumeDriver.Create", "{not json").await;
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("not valid JSON"), "{text}");
+
+    let (status, text) = request(&p.socket, "POST", "/VolumeDriver.Nope", "{}").await;
+    assert_eq!(status, 404, "{text}");
+    let (status, text) = request(&p.socket, "GET", "/VolumeDriver.List", "").await;
+    assert_eq!(status, 405, "{text}");
+    let huge = json!({"Name": "v", "Opts": {"k": "x".repeat(200 * 1024)}}).to_string();
+    let (status, text) = request(&p.socket, "POST", "/VolumeDriver.Create", &huge).await;
+    assert_eq!(status, 413, "{text}");
+    assert!(text.contains("over 65536 bytes"), "{text}");
+    // Still serving.
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_csi_publish_answers_its_error_and_leaves_nothing_mounted() {
+    require_root();
+    let sb = Sandbox::new("docker-fail");
+    let p = Plugin::start(
+        &sb,
+        &["--plugin-arg=--fail=NodePublishVolume=PERMISSION_DENIED"],
+    );
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "v", "Opts": {"size": "8M"}}),
+    )
+    .await;
+    let e = p
+        .err("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(
+        e.contains("VolumeDriver.Mount volume 'v'")
+            && e.contains("NodePublishVolume")
+            && e.contains("PERMISSION_DENIED: NodePublishVolume: injected fault"),
+        "{e}"
+    );
+    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+    let got = p.ok("/VolumeDriver.Get", json!({"Name": "v"})).await;
+    assert_eq!(got["Volume"]["Status"]["users"], json!([]), "{got}");
+    assert_eq!(got["Volume"]["Mountpoint"], "");
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mounts_outlive_a_stopped_or_killed_plugin_and_the_next_one_serves_the_unmount() {
+    require_root();
+    let sb = Sandbox::new("docker-kill");
+    let p = Plugin::start(&sb, &[]);
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "v", "Opts": {"size": "8M"}}),
+    )
+    .await;
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    let mountpoint = PathBuf::from(mounted["Mountpoint"].as_str().unwrap());
+    std::fs::write(mountpoint.join("file"), b"kept").unwrap();
+
+    // SIGTERM: the volume in use stays published.
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    assert!(
+        is_mounted(&mountpoint),
+        "SIGTERM left the volume in use published"
+    );
+
+    // SIGKILL, the next one keeps it and serves the Unmount.
+    let p = Plugin::start(&sb, &[]);
+    assert!(is_mounted(&mountpoint));
+    let got = p.ok("/VolumeDriver.Get", json!({"Name": "v"})).await;
+    assert_eq!(got["Volume"]["Status"]["users"], json!([A]));
+    assert_eq!(got["Volume"]["Mountpoint"], mounted["Mountpoint"]);
+    let status = p.stop(&sb, Signal::SIGKILL);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    assert!(is_mounted(&mountpoint), "a killed plugin leaves the mount");
+    assert_eq!(std::fs::read(mountpoint.join("file")).unwrap(), b"kept");
+
+    let p = Plugin::start(&sb, &[]);
+    assert!(
+        is_mounted(&mountpoint),
+        "recovery keeps a volume with a user published"
+    );
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(!is_mounted(&mountpoint));
+    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
+
+/// Connects as `nobody` and sends a request: 0 when closed without an
+/// answer, 1 when answered.
+fn ask_as_nobody(socket: &Path) -> Result<u8, Errno> {
+    let errno = |e: &std::io::Error| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO));
+    let mut s = std::os::unix::net::UnixStream::connect(socket).map_err(|e| errno(&e))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(|e| errno(&e))?;
+    let _ =
+        s.write_all(b"POST /VolumeDriver.List HTTP/1.1\r\nHost: p\r\nContent-Length: 2\r\n\r\n{}");
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf) {
+        Ok(0) => Ok(0),
+        Ok(_) => Ok(1),
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(0),
+        Err(e) => Err(errno(&e)),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_root_may_use_the_socket() {
+    require_root();
+    let sb = Sandbox::new("docker-peer");
+    let p = Plugin::start(&sb, &[]);
+    // Let other users reach the socket's directory: the socket itself must refuse them.
+    let dir = p.socket.parent().unwrap();
+    assert_eq!(
+        std::fs::metadata(dir).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    // The file mode refuses other users first...
+    assert_eq!(
+        as_nobody(|| ask_as_nobody(&p.socket)),
+        Outcome::Failed(Errno::EACCES)
+    );
+    // ...and with the socket opened to all, the peer's credentials do.
+    std::fs::set_permissions(&p.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    assert_eq!(
+        as_nobody(|| ask_as_nobody(&p.socket)),
+        Outcome::Ok(0),
+        "a connection from nobody is closed without an answer"
+    );
+    assert!(
+        p.log()
+            .contains("docker plugin socket: connection refused: the peer is neither root"),
+        "{}",
+        p.log()
+    );
+    p.ok("/VolumeDriver.List", json!({})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
+    require_root();
+    let sb = Sandbox::new("docker-drain");
+    let p = Plugin::start(&sb, &["--plugin-arg=--delay=NodePublishVolume=1500"]);
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "v", "Opts": {"size": "8M"}}),
+    )
+    .await;
+    let socket = p.socket.clone();
+    let mount = tokio::spawn(async move {
+        request(
+            &socket,
+            "POST",
+            "/VolumeDriver.Mount",
+            &json!({"Name": "v", "ID": A}).to_string(),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = p.child.id();
+    kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
+    // No new calls once the signal is taken.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        tokio::net::UnixStream::connect(&p.socket).await.is_err(),
+        "a new connection is refused while draining"
+    );
+    let (status, text) = mount.await.unwrap();
+    assert_eq!(status, 200, "the Mount in flight is answered: {text}");
+    let answer: Value = serde_json::from_str(&text).unwrap();
+    let mountpoint = PathBuf::from(answer["Mountpoint"].as_str().unwrap());
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    assert!(
+        is_mounted(&mountpoint),
+        "the drained Mount's volume stays published"
+    );
+
+    let p = Plugin::start(&sb, &[]);
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(!is_mounted(&mountpoint));
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
