@@ -7,10 +7,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use csi_isolator::docker_plugin::{self, Limits, PluginOptions, Scope, Started, DEFAULT_SOCKET};
-use tokio::signal::unix::{signal, SignalKind};
 
 use super::plugin_args::PluginArgs;
 
@@ -64,15 +62,7 @@ pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<Exit
         max_connections: args.max_connections as usize,
         ..Limits::default()
     };
-    // Installed before the socket exists, so a signal right after `ready` is never lost.
-    let mut sigint = signal(SignalKind::interrupt()).context("install SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("install SIGTERM handler")?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
-        }
-    };
+    let shutdown = super::stop_signal()?;
     docker_plugin::run(opts, announce, shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }

@@ -18,6 +18,22 @@ pub mod volume;
 
 pub use csi_isolator::shown::{escaped, shown, shown_os};
 
+/// What ends a long-running verb (`serve`, `docker-plugin`): the first SIGINT or SIGTERM. The
+/// handlers are installed when this is called, before the service's socket exists, so a signal
+/// sent right after the service says `ready` is never lost.
+pub fn stop_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    use anyhow::Context;
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut sigint = signal(SignalKind::interrupt()).context("install SIGINT handler")?;
+    let mut sigterm = signal(SignalKind::terminate()).context("install SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = sigint.recv() => {}
+            _ = sigterm.recv() => {}
+        }
+    })
+}
+
 /// Examples shown by `--help`.
 pub const EXAMPLES: &str = "\
 Examples:

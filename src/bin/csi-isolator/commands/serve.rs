@@ -8,12 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Args;
 use csi_isolator::service::admission::resolve_group;
 use csi_isolator::service::http::parse_addr;
 use csi_isolator::service::{self, Admission, ServeOptions, ServiceLimits, Started};
-use tokio::signal::unix::{signal, SignalKind};
 
 use super::plugin_args::PluginArgs;
 
@@ -84,15 +82,7 @@ pub async fn run(work_dir: &Path, args: ServeArgs) -> anyhow::Result<ExitCode> {
         request_timeout: Duration::from_secs(args.request_timeout),
         ..ServiceLimits::default()
     };
-    // Installed before the socket exists, so a signal right after `ready` is never lost.
-    let mut sigint = signal(SignalKind::interrupt()).context("install SIGINT handler")?;
-    let mut sigterm = signal(SignalKind::terminate()).context("install SIGTERM handler")?;
-    let shutdown = async move {
-        tokio::select! {
-            _ = sigint.recv() => {}
-            _ = sigterm.recv() => {}
-        }
-    };
+    let shutdown = super::stop_signal()?;
     service::serve(opts, announce, shutdown).await?;
     Ok(ExitCode::SUCCESS)
 }
