@@ -2,15 +2,15 @@
 //! requests from the test on the real Unix socket, the bundled CSI plugin,
 //! real mounts. (Real dockerd and podman come later: issue 12.)
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::ExitStatus;
+use std::time::Duration;
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::unprivileged::{as_nobody, Outcome};
-use csi_isolator_testing::{isolator_command, processes_mentioning, require_root, Sandbox};
+use csi_isolator_testing::{require_root, DockerPluginProcess, Sandbox};
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -18,83 +18,27 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const READY: &str = "csi-isolator docker-plugin: ready";
 const TIMEOUT: Duration = Duration::from_secs(30);
 const CONTENT_TYPE: &str = "application/vnd.docker.plugins.v1.2+json";
 
-/// A running `csi-isolator docker-plugin`; killed by the sandbox if left running.
-struct Plugin {
-    child: Child,
-    socket: PathBuf,
-    work: PathBuf,
-    log: PathBuf,
+/// The service under test (the scaffolding's process) with this file's protocol helpers.
+struct Plugin(DockerPluginProcess);
+
+impl std::ops::Deref for Plugin {
+    type Target = DockerPluginProcess;
+    fn deref(&self) -> &DockerPluginProcess {
+        &self.0
+    }
 }
 
 impl Plugin {
     fn start(sb: &Sandbox, args: &[&str]) -> Plugin {
-        let work = sb.join("work");
-        let socket = sb.join("d/csi-isolator.sock");
-        let log = sb.join(format!("plugin-{}.log", rand_suffix()));
-        let mut cmd = isolator_command(BIN, &work);
-        cmd.arg("docker-plugin")
-            .arg("--socket")
-            .arg(&socket)
-            .args(args)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap());
-        let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line == READY => break,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "docker-plugin did not get ready ({e}); exit {:?}; log:\n{}",
-                    child.try_wait(),
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                ),
-            }
-        }
-        Plugin {
-            child,
-            socket,
-            work,
-            log,
-        }
+        let (work, socket) = (sb.join("work"), sb.join("d/csi-isolator.sock"));
+        Plugin(DockerPluginProcess::start(sb, BIN, &work, &socket, args))
     }
 
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Sends `signal`, waits for the exit and for the managed plugin to go.
-    fn stop(mut self, sb: &Sandbox, signal: Signal) -> ExitStatus {
-        kill(Pid::from_raw(self.child.id() as i32), signal).unwrap();
-        let deadline = Instant::now() + TIMEOUT;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "docker-plugin did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        sb.untrack(self.child.id());
-        while !processes_mentioning(&self.work).is_empty() {
-            assert!(Instant::now() < deadline, "the managed plugin did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        status
+    fn stop(self, sb: &Sandbox, signal: Signal) -> ExitStatus {
+        self.0.stop(sb, signal)
     }
 
     /// One POST; the status and the JSON answer.
@@ -123,12 +67,6 @@ impl Plugin {
         assert_eq!(status, 500, "{endpoint}: {answer}");
         answer["Err"].as_str().expect("an Err").to_string()
     }
-}
-
-fn rand_suffix() -> u32 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static N: AtomicU32 = AtomicU32::new(0);
-    N.fetch_add(1, Ordering::SeqCst)
 }
 
 /// One HTTP/1.1 request on the socket; the status and the body.

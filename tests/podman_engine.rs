@@ -6,18 +6,17 @@
 //! host paths on its first run are removed when this test made them. One test function, so
 //! no two Podman runs share those paths at once.
 
-use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator_testing::{isolator_command, processes_mentioning, require_root, Sandbox};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use csi_isolator_testing::{
+    isolator_command, processes_mentioning, require_root, DockerPluginProcess, Sandbox,
+};
+use nix::sys::signal::Signal;
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const READY: &str = "csi-isolator docker-plugin: ready";
 const TIMEOUT: Duration = Duration::from_secs(60);
 /// The driver name Podman knows the plugin by (a key of `[engine.volume_plugins]`).
 const DRIVER: &str = "csitest";
@@ -149,37 +148,6 @@ fn import_busybox(sb: &Sandbox, podman: &Podman, image: &str) {
     podman.ok(&["import", tar.to_str().unwrap(), image]);
 }
 
-/// Starts `csi-isolator docker-plugin` on `socket`; returns once it says `ready`.
-fn start_plugin(sb: &Sandbox, work: &Path, socket: &Path) -> std::process::Child {
-    let mut cmd = isolator_command(BIN, work);
-    cmd.arg("docker-plugin")
-        .arg("--socket")
-        .arg(socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-            Ok(line) if line == READY => return child,
-            Ok(_) => {}
-            Err(e) => panic!("docker-plugin did not get ready: {e}"),
-        }
-    }
-}
-
 #[test]
 fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
     require_root();
@@ -194,7 +162,7 @@ fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
     let sb = Sandbox::new("podman-engine");
     let work = sb.join("work");
     let socket = sb.join("plugin/csi-isolator.sock");
-    let mut plugin = start_plugin(&sb, &work, &socket);
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &[]);
     let podman = Podman::new(&sb, &socket);
     let image = format!("localhost/csi-isolator-busybox-{}", std::process::id());
     import_busybox(&sb, &podman, &image);
@@ -275,17 +243,7 @@ fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
     assert!(!listed.contains("v1"), "{listed}");
     podman.ok(&["rmi", &image]);
 
-    kill(Pid::from_raw(plugin.id() as i32), Signal::SIGTERM).unwrap();
-    let deadline = Instant::now() + TIMEOUT;
-    while plugin.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "docker-plugin did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    sb.untrack(plugin.id());
-    while !processes_mentioning(&work).is_empty() {
-        assert!(Instant::now() < deadline, "the managed plugin did not exit");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(plugin.stop(&sb, Signal::SIGTERM).success());
     let status = isolator_command(BIN, &work)
         .args(["status", "--json"])
         .output()

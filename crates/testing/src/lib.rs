@@ -881,3 +881,97 @@ pub fn wait_for_serve_ready(child: &mut Child, timeout: Duration) -> Vec<String>
         }
     }
 }
+
+/// A running `csi-isolator docker-plugin` on a socket of the test's, ready (it printed its
+/// `ready` line) when returned; killed by the sandbox if the test does not stop it.
+#[derive(Debug)]
+pub struct DockerPluginProcess {
+    /// The service process.
+    pub child: Child,
+    /// Its Unix socket.
+    pub socket: PathBuf,
+    /// Its work dir.
+    pub work: PathBuf,
+    log: PathBuf,
+}
+
+impl DockerPluginProcess {
+    /// The line it prints once it serves.
+    pub const READY: &'static str = "csi-isolator docker-plugin: ready";
+
+    /// Starts `cli docker-plugin --socket socket args…` on `work`, its log (stderr, at info)
+    /// in the sandbox, and waits for its `ready` line (30 s at most).
+    pub fn start(
+        sb: &Sandbox,
+        cli: &str,
+        work: &Path,
+        socket: &Path,
+        args: &[&str],
+    ) -> DockerPluginProcess {
+        static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let log = sb.join(format!("docker-plugin-{n}.log"));
+        let mut cmd = isolator_command(cli, work);
+        cmd.arg("docker-plugin")
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(File::create(&log).expect("create the docker-plugin log"));
+        let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in io::BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(line) if line == Self::READY => break,
+                Ok(_) => {}
+                Err(e) => panic!(
+                    "docker-plugin did not get ready ({e}); exit {:?}; log:\n{}",
+                    child.try_wait(),
+                    fs::read_to_string(&log).unwrap_or_default()
+                ),
+            }
+        }
+        DockerPluginProcess {
+            child,
+            socket: socket.to_path_buf(),
+            work: work.to_path_buf(),
+            log,
+        }
+    }
+
+    /// What it logged so far.
+    pub fn log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends `signal`, waits (30 s at most) for its exit and for its managed plugin to go.
+    pub fn stop(mut self, sb: &Sandbox, signal: nix::sys::signal::Signal) -> ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("signal docker-plugin");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("wait for docker-plugin") {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "docker-plugin did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        sb.untrack(self.child.id());
+        while !processes_mentioning(&self.work).is_empty() {
+            assert!(Instant::now() < deadline, "the managed plugin did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        status
+    }
+}
