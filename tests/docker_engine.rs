@@ -6,9 +6,10 @@
 //! no plugin socket, and none of `/run/docker/plugins`, `/run/containerd/s` and
 //! `/etc/docker/key.json` unless they were there before.
 //!
-//! Every dockerd asks every plugin socket in `/run/docker/plugins`, so tests running at the same
-//! time see each other's volumes in a plain `docker volume ls`: each test filters by its own
-//! driver and uses volume names no other test uses.
+//! The tests run one at a time (a lock here, a test group in `.config/nextest.toml`), so that
+//! each knows which of those host paths it made. Every dockerd asks every plugin socket in
+//! `/run/docker/plugins` (a plain `docker volume ls` lists the volumes of any other plugin there),
+//! so each test still filters by its own driver and uses volume names no other test uses.
 //!
 //! Volume names given to `-v` have at least two characters: dockerd 20.10 takes `-v V:/data`
 //! (a one-character name) for an anonymous volume at the container path `/V:/data`.
@@ -60,6 +61,10 @@ fn unique() -> String {
 /// are empty, as `/run/containerd/s` (where dockerd's containerd puts its shims' sockets, even
 /// with a private exec root), and `/etc/docker/key.json` if dockerd made it during the test.
 struct HostGuard {
+    /// One test at a time in this process (nextest runs them one at a time across processes:
+    /// `.config/nextest.toml`), so "did not exist before" is true of this test alone. Dropped
+    /// after the clean-up (fields drop after `drop`).
+    _serial: std::sync::MutexGuard<'static, ()>,
     socket: PathBuf,
     /// Directories that did not exist before, deepest first: removed if empty.
     new_dirs: Vec<PathBuf>,
@@ -68,6 +73,8 @@ struct HostGuard {
 
 impl HostGuard {
     fn new(driver: &str) -> HostGuard {
+        static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         let new_dirs = [
             "/run/docker/plugins",
             "/run/docker",
@@ -80,6 +87,7 @@ impl HostGuard {
         .filter(|d| !d.exists())
         .collect();
         HostGuard {
+            _serial: serial,
             socket: Path::new(PLUGINS_DIR).join(format!("{driver}.sock")),
             new_dirs,
             key_existed: Path::new(KEY_JSON).exists(),
@@ -416,10 +424,7 @@ fn assert_host_clean(host: HostGuard) {
         assert!(!Path::new(KEY_JSON).exists(), "{KEY_JSON} is left");
     }
     for dir in new_dirs {
-        // Another test running at the same time may still use it.
-        if dir.exists() {
-            eprintln!("{} is still there (another test uses it?)", dir.display());
-        }
+        assert!(!dir.exists(), "{} is left", dir.display());
     }
 }
 
