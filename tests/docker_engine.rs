@@ -17,20 +17,19 @@
 //! Needs root and `dockerd` (Debian's docker.io, installed by `.ci/run`): without it the tests
 //! fail, they never skip.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::{
-    busybox_rootfs, isolator_command, processes_mentioning, require_root, Sandbox,
+    busybox_rootfs, isolator_command, mount_points_under, processes_mentioning, require_root,
+    DockerPluginProcess, Sandbox,
 };
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const READY: &str = "csi-isolator docker-plugin: ready";
 /// How long a daemon gets to become ready or to exit.
 const TIMEOUT: Duration = Duration::from_secs(30);
 /// Where dockerd looks for socket plugins.
@@ -108,68 +107,6 @@ impl Drop for HostGuard {
         for dir in &self.new_dirs {
             // remove_dir removes only an empty directory: another test's socket keeps it.
             let _ = std::fs::remove_dir(dir);
-        }
-    }
-}
-
-/// A running `csi-isolator docker-plugin` serving `driver`; killed by the sandbox if left.
-struct Plugin {
-    child: Child,
-    work: PathBuf,
-    log: PathBuf,
-}
-
-impl Plugin {
-    fn start(sb: &Sandbox, socket: &Path) -> Plugin {
-        let work = sb.join("work");
-        let log = sb.join("plugin.log");
-        let mut cmd = isolator_command(BIN, &work);
-        cmd.arg("docker-plugin")
-            .arg("--socket")
-            .arg(socket)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap());
-        let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let deadline = Instant::now() + TIMEOUT;
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line == READY => break,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "docker-plugin did not get ready ({e}); exit {:?}; log:\n{}",
-                    child.try_wait(),
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                ),
-            }
-        }
-        Plugin { child, work, log }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGTERM, then waits (bounded) for it and its managed plugin to exit.
-    fn stop(mut self, sb: &Sandbox) {
-        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).unwrap();
-        let status = wait_bounded(&mut self.child, "docker-plugin");
-        sb.untrack(self.child.id());
-        assert!(status.success(), "docker-plugin: {status}\n{}", self.log());
-        let deadline = Instant::now() + TIMEOUT;
-        while !processes_mentioning(&self.work).is_empty() {
-            assert!(Instant::now() < deadline, "the managed plugin did not exit");
-            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }
@@ -336,16 +273,6 @@ impl Engine {
     }
 }
 
-/// Mounts under `dir`.
-fn mounts_in(dir: &Path) -> Vec<PathBuf> {
-    ProcMountTable::new()
-        .mounts_under(dir)
-        .unwrap()
-        .into_iter()
-        .map(|m| m.mount_point)
-        .collect()
-}
-
 /// The names of the volumes the work dir records (`volume list --json`).
 fn recorded_volumes(work: &Path) -> Vec<String> {
     let out = isolator_command(BIN, work)
@@ -366,7 +293,7 @@ fn recorded_volumes(work: &Path) -> Vec<String> {
 struct Setup {
     sb: Sandbox,
     driver: String,
-    plugin: Plugin,
+    plugin: DockerPluginProcess,
     engine: Engine,
     image: String,
 }
@@ -377,7 +304,7 @@ fn setup(label: &str) -> (HostGuard, Setup) {
     let driver = format!("csi-isolator-test-{}", unique());
     let host = HostGuard::new(&driver);
     let sb = Sandbox::new(label);
-    let plugin = Plugin::start(&sb, &host.socket);
+    let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &host.socket, &[]);
     let engine = Engine::start(&sb);
     let image = engine.import_busybox(&sb);
     (
@@ -405,7 +332,9 @@ fn teardown(s: Setup) -> (Sandbox, PathBuf) {
     engine.ok(&["rmi", &image]);
     engine.stop(&sb);
     let work = plugin.work.clone();
-    plugin.stop(&sb);
+    let log = plugin.log();
+    let status = plugin.stop(&sb, Signal::SIGTERM);
+    assert!(status.success(), "docker-plugin: {status}\n{log}");
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
     let left = processes_mentioning(sb.path());
@@ -474,7 +403,7 @@ fn docker_creates_writes_reads_inspects_and_removes_a_volume() {
         "hi"
     );
     // Both containers are gone: Docker sent their Unmounts, the volume is unpublished.
-    let published = mounts_in(&s.plugin.work);
+    let published = mount_points_under(&s.plugin.work);
     assert!(published.is_empty(), "still mounted: {published:?}");
     assert_eq!(
         e.ok(&["volume", "ls", "-q", "--filter", &format!("driver={d}")]),
@@ -550,7 +479,7 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
         "first",
         "the refused write changed nothing"
     );
-    let published = mounts_in(&s.plugin.work);
+    let published = mount_points_under(&s.plugin.work);
     assert!(published.is_empty(), "still mounted: {published:?}");
 
     e.ok(&["volume", "rm", "implicit"]);

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::unprivileged::{as_nobody, Outcome};
-use csi_isolator_testing::{require_root, DockerPluginProcess, Sandbox};
+use csi_isolator_testing::{mount_points_under, require_root, DockerPluginProcess, Sandbox};
 use nix::errno::Errno;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -109,16 +109,6 @@ fn is_mounted(path: &Path) -> bool {
         .unwrap()
         .iter()
         .any(|m| m.mount_point == path)
-}
-
-/// Mounts under the work dir (the volumes' staging and target paths).
-fn mounts_in(work: &Path) -> Vec<PathBuf> {
-    ProcMountTable::new()
-        .mounts_under(work)
-        .unwrap()
-        .into_iter()
-        .map(|m| m.mount_point)
-        .collect()
 }
 
 const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
@@ -254,7 +244,11 @@ async fn a_volume_is_created_inspected_mounted_twice_unmounted_and_removed() {
         !is_mounted(&mountpoint),
         "unpublished after the last Unmount"
     );
-    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+    assert!(
+        mount_points_under(&p.work).is_empty(),
+        "{:?}",
+        mount_points_under(&p.work)
+    );
 
     p.ok("/VolumeDriver.Remove", json!({"Name": "data"})).await;
     p.ok("/VolumeDriver.Remove", json!({"Name": "other"})).await;
@@ -389,7 +383,11 @@ async fn a_failing_csi_publish_answers_its_error_and_leaves_nothing_mounted() {
             && e.contains("PERMISSION_DENIED: NodePublishVolume: injected fault"),
         "{e}"
     );
-    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+    assert!(
+        mount_points_under(&p.work).is_empty(),
+        "{:?}",
+        mount_points_under(&p.work)
+    );
     let got = p.ok("/VolumeDriver.Get", json!({"Name": "v"})).await;
     assert_eq!(got["Volume"]["Status"]["users"], json!([]), "{got}");
     assert_eq!(got["Volume"]["Mountpoint"], "");
@@ -442,7 +440,11 @@ async fn mounts_outlive_a_stopped_or_killed_plugin_and_the_next_one_serves_the_u
     p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
         .await;
     assert!(!is_mounted(&mountpoint));
-    assert!(mounts_in(&p.work).is_empty(), "{:?}", mounts_in(&p.work));
+    assert!(
+        mount_points_under(&p.work).is_empty(),
+        "{:?}",
+        mount_points_under(&p.work)
+    );
     p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
     assert!(p.stop(&sb, Signal::SIGTERM).success());
 }

@@ -66,6 +66,16 @@ pub fn plugin_bin() -> &'static str {
     })
 }
 
+/// The mount points under `dir`, from this process's mount table.
+pub fn mount_points_under(dir: &Path) -> Vec<PathBuf> {
+    ProcMountTable::new()
+        .mounts_under(dir)
+        .expect("read the mount table")
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect()
+}
+
 /// Pids a sandbox kills when dropped.
 type Registry = Arc<Mutex<Vec<u32>>>;
 
