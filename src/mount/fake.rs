@@ -25,8 +25,12 @@ use nix::errno::Errno;
 use nix::fcntl::{open, OFlag};
 use nix::sys::stat::Mode;
 
-use super::syscall::raw;
 use super::{Call, CallKind, MountError, MountFlags, MountInfo, MountTable, Propagation, Syscall};
+
+/// The raw number of a borrowed fd, for records and messages.
+fn raw(fd: BorrowedFd<'_>) -> RawFd {
+    fd.as_raw_fd()
+}
 
 type Matcher = Box<dyn Fn(&Call) -> bool + Send + Sync>;
 

@@ -2,7 +2,7 @@
 //! ([`super::LinuxSyscall`]) and by a recording double ([`super::FakeSyscall`]), and the typed [`Call`] record.
 
 use std::fmt;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{BorrowedFd, RawFd};
 use std::path::{Path, PathBuf};
 
 use super::MountError;
@@ -418,9 +418,4 @@ impl Call {
             | Call::BindMountToFd { .. } => None,
         }
     }
-}
-
-/// The raw number of a borrowed fd, for records and messages.
-pub(crate) fn raw(fd: BorrowedFd<'_>) -> RawFd {
-    fd.as_raw_fd()
 }
