@@ -6,8 +6,9 @@
 //! no plugin socket, and none of `/run/docker/plugins`, `/run/containerd/s` and
 //! `/etc/docker/key.json` unless they were there before.
 //!
-//! The tests run one at a time (a lock here, a test group in `.config/nextest.toml`), so that
-//! each knows which of those host paths it made. Every dockerd asks every plugin socket in
+//! The tests run one at a time on the machine (`csi_isolator_testing::engines::HostPaths` holds
+//! a lock; a test group in `.config/nextest.toml` keeps nextest from starting them together), so
+//! that each knows which of those host paths it made. Every dockerd asks every plugin socket in
 //! `/run/docker/plugins` (a plain `docker volume ls` lists the volumes of any other plugin there),
 //! so each test still filters by its own driver and uses volume names no other test uses.
 //!
@@ -17,261 +18,18 @@
 //! Needs root and `dockerd` (Debian's docker.io, installed by `.ci/run`): without it the tests
 //! fail, they never skip.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
 
-use csi_isolator_testing::{
-    busybox_rootfs, isolator_command, mount_points_under, processes_mentioning, require_root,
-    DockerPluginProcess, Sandbox,
+use csi_isolator_testing::engines::{
+    require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use csi_isolator_testing::{
+    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
+    Sandbox,
+};
+use nix::sys::signal::Signal;
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-/// How long a daemon gets to become ready or to exit.
-const TIMEOUT: Duration = Duration::from_secs(30);
-/// Where dockerd looks for socket plugins.
-const PLUGINS_DIR: &str = "/run/docker/plugins";
-/// What dockerd creates even with a private exec root.
-const KEY_JSON: &str = "/etc/docker/key.json";
-
-/// Panics, saying how to install it, unless `dockerd` runs.
-fn require_dockerd() {
-    let ok = Command::new("dockerd")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "`dockerd` is not installed: run .ci/run (it installs Debian's docker.io); this test does not skip"
-    );
-}
-
-fn unique() -> String {
-    format!("{}-{:08x}", std::process::id(), rand::random::<u32>())
-}
-
-/// What the test changes outside its sandbox, undone however the test ends: the plugin's socket
-/// in `/run/docker/plugins`, that directory (and `/run/docker`) if they did not exist before and
-/// are empty, as `/run/containerd/s` (where dockerd's containerd puts its shims' sockets, even
-/// with a private exec root), and `/etc/docker/key.json` if dockerd made it during the test.
-struct HostGuard {
-    /// One test at a time in this process (nextest runs them one at a time across processes:
-    /// `.config/nextest.toml`), so "did not exist before" is true of this test alone. Dropped
-    /// after the clean-up (fields drop after `drop`).
-    _serial: std::sync::MutexGuard<'static, ()>,
-    socket: PathBuf,
-    /// Directories that did not exist before, deepest first: removed if empty.
-    new_dirs: Vec<PathBuf>,
-    key_existed: bool,
-}
-
-impl HostGuard {
-    fn new(driver: &str) -> HostGuard {
-        static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-        let serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-        let new_dirs = [
-            "/run/docker/plugins",
-            "/run/docker",
-            "/run/containerd/s",
-            "/run/containerd",
-            "/etc/docker",
-        ]
-        .into_iter()
-        .map(PathBuf::from)
-        .filter(|d| !d.exists())
-        .collect();
-        HostGuard {
-            _serial: serial,
-            socket: Path::new(PLUGINS_DIR).join(format!("{driver}.sock")),
-            new_dirs,
-            key_existed: Path::new(KEY_JSON).exists(),
-        }
-    }
-}
-
-impl Drop for HostGuard {
-    fn drop(&mut self) {
-        match std::fs::remove_file(&self.socket) {
-            Ok(()) => eprintln!("removed the plugin socket {}", self.socket.display()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => eprintln!("remove {}: {e}", self.socket.display()),
-        }
-        if !self.key_existed {
-            let _ = std::fs::remove_file(KEY_JSON);
-        }
-        for dir in &self.new_dirs {
-            // remove_dir removes only an empty directory: another test's socket keeps it.
-            let _ = std::fs::remove_dir(dir);
-        }
-    }
-}
-
-fn wait_bounded(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + TIMEOUT;
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            return status;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what} did not exit within {TIMEOUT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// A private dockerd: data root, exec root, API socket and pid file in the sandbox, no bridge,
-/// no firewall rules, no forwarding.
-struct Engine {
-    child: Child,
-    host: String,
-    log: PathBuf,
-    config: PathBuf,
-}
-
-impl Engine {
-    fn start(sb: &Sandbox) -> Engine {
-        let log = sb.join("dockerd.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let err = out.try_clone().unwrap();
-        let host = format!("unix://{}", sb.join("docker.sock").display());
-        let mut cmd = Command::new("dockerd");
-        cmd.args([
-            "--iptables=false",
-            "--ip6tables=false",
-            "--bridge=none",
-            "--ip-forward=false",
-            "--ip-masq=false",
-            "--userland-proxy=false",
-        ])
-        .arg("--data-root")
-        .arg(sb.join("data"))
-        .arg("--exec-root")
-        .arg(sb.join("exec"))
-        .arg("--host")
-        .arg(&host)
-        .arg("--pidfile")
-        .arg(sb.join("docker.pid"))
-        .stdin(Stdio::null())
-        .stdout(out)
-        .stderr(err);
-        let child = sb.spawn(&mut cmd).expect("spawn dockerd");
-        let mut engine = Engine {
-            child,
-            host,
-            log,
-            config: sb.mkdir("docker-cli"),
-        };
-        let started = Instant::now();
-        loop {
-            if engine.docker(&["info"]).status.success() {
-                break;
-            }
-            if let Some(status) = engine.child.try_wait().unwrap() {
-                panic!("dockerd exited: {status}\n{}", engine.log());
-            }
-            assert!(
-                started.elapsed() < TIMEOUT,
-                "dockerd did not answer `docker info` within {TIMEOUT:?}\n{}",
-                engine.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        eprintln!("dockerd ready in {:?}", started.elapsed());
-        engine
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn command(&self) -> Command {
-        let mut c = Command::new("docker");
-        c.arg("-H")
-            .arg(&self.host)
-            .env("DOCKER_CONFIG", &self.config)
-            .stdin(Stdio::null());
-        c
-    }
-
-    fn docker(&self, args: &[&str]) -> Output {
-        self.command().args(args).output().expect("run docker")
-    }
-
-    /// A `docker` command that must succeed: its stdout, trimmed.
-    fn ok(&self, args: &[&str]) -> String {
-        let out = self.docker(args);
-        assert!(
-            out.status.success(),
-            "docker {args:?}: {}\nstdout: {}\nstderr: {}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-
-    /// A `docker` command that must fail: its stderr.
-    fn fails(&self, args: &[&str]) -> String {
-        let out = self.docker(args);
-        assert!(
-            !out.status.success(),
-            "docker {args:?} succeeded: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    }
-
-    /// Imports a busybox image (no registry is reachable): a rootfs holding the static busybox
-    /// and a few applets, as `tar | docker import`, under a unique name.
-    fn import_busybox(&self, sb: &Sandbox) -> String {
-        let rootfs = busybox_rootfs(sb, "rootfs");
-        let image = format!("csi-isolator-test/busybox:{}", unique());
-        let tar = Command::new("tar")
-            .arg("-C")
-            .arg(&rootfs)
-            .args(["-c", "."])
-            .output()
-            .expect("run tar");
-        assert!(tar.status.success(), "tar: {tar:?}");
-        let mut import = self
-            .command()
-            .args(["import", "--change", "ENV PATH=/bin", "-", &image])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("run docker import");
-        import.stdin.take().unwrap().write_all(&tar.stdout).unwrap();
-        let out = import.wait_with_output().unwrap();
-        assert!(out.status.success(), "docker import: {out:?}");
-        image
-    }
-
-    /// SIGTERM, then waits (bounded) for dockerd and its containerd to exit.
-    fn stop(mut self, sb: &Sandbox) {
-        let started = Instant::now();
-        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).unwrap();
-        let status = wait_bounded(&mut self.child, "dockerd");
-        sb.untrack(self.child.id());
-        assert!(status.success(), "dockerd: {status}\n{}", self.log());
-        // Its containerd names the exec root on its command line.
-        let exec = sb.join("exec");
-        while !processes_mentioning(&exec).is_empty() {
-            assert!(
-                started.elapsed() < TIMEOUT,
-                "dockerd's containerd did not exit"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!("dockerd stopped in {:?}", started.elapsed());
-    }
-}
 
 /// The names of the volumes the work dir records (`volume list --json`).
 fn recorded_volumes(work: &Path) -> Vec<String> {
@@ -289,23 +47,25 @@ fn recorded_volumes(work: &Path) -> Vec<String> {
         .collect()
 }
 
-/// Everything a test starts: the host guard first dropped last.
+/// Everything a test starts: the host paths are returned apart, to be dropped last.
 struct Setup {
     sb: Sandbox,
     driver: String,
     plugin: DockerPluginProcess,
-    engine: Engine,
+    engine: Dockerd,
     image: String,
 }
 
-fn setup(label: &str) -> (HostGuard, Setup) {
+fn setup(label: &str) -> (HostPaths, Setup) {
     require_root();
-    require_dockerd();
+    require_engine("dockerd", "docker.io");
     let driver = format!("csi-isolator-test-{}", unique());
-    let host = HostGuard::new(&driver);
+    let mut host = HostPaths::claim(DOCKER_HOST_PATHS);
+    let socket = Path::new(DOCKER_PLUGINS_DIR).join(format!("{driver}.sock"));
+    host.remove_at_end(&socket);
     let sb = Sandbox::new(label);
-    let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &host.socket, &[]);
-    let engine = Engine::start(&sb);
+    let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &socket, &[]);
+    let engine = Dockerd::start(&sb);
     let image = engine.import_busybox(&sb);
     (
         host,
@@ -340,21 +100,6 @@ fn teardown(s: Setup) -> (Sandbox, PathBuf) {
     let left = processes_mentioning(sb.path());
     assert!(left.is_empty(), "processes left: {left:?}");
     (sb, work)
-}
-
-/// After the host guard is gone: no plugin socket, and the host's directories as they were.
-fn assert_host_clean(host: HostGuard) {
-    let socket = host.socket.clone();
-    let key_existed = host.key_existed;
-    let new_dirs = host.new_dirs.clone();
-    drop(host);
-    assert!(!socket.exists(), "{} is left", socket.display());
-    if !key_existed {
-        assert!(!Path::new(KEY_JSON).exists(), "{KEY_JSON} is left");
-    }
-    for dir in new_dirs {
-        assert!(!dir.exists(), "{} is left", dir.display());
-    }
 }
 
 #[test]
@@ -421,7 +166,7 @@ fn docker_creates_writes_reads_inspects_and_removes_a_volume() {
     assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
     sb.assert_no_mounts_under();
     drop(sb);
-    assert_host_clean(host);
+    host.assert_restored();
 }
 
 #[test]
@@ -487,5 +232,5 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
     let (sb, work) = teardown(s);
     assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
     drop(sb);
-    assert_host_clean(host);
+    host.assert_restored();
 }

@@ -9,10 +9,12 @@
 //! - [`PluginProcess`]: a `csi-test-plugin` child on a socket in a sandbox, ready (Probe
 //!   answered) when returned; killed when dropped.
 //! - [`raw_clients`]: the generated Identity/Controller/Node clients on a socket.
+//! - [`engines`]: a private dockerd and Podman, and the guard for the host paths they make.
 //! - [`exposition`]: a strict reader of the Prometheus text format that `/metrics` answers.
 //!
 //! Helpers panic with a clear message on failure: they are for tests.
 
+pub mod engines;
 pub mod exposition;
 pub mod leaks;
 pub mod props;
