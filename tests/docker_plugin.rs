@@ -6,7 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::unprivileged::{as_nobody, Outcome};
@@ -546,4 +546,56 @@ async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
     assert!(!is_mounted(&mountpoint));
     p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
     assert!(p.stop(&sb, Signal::SIGTERM).success());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay_then_goes() {
+    require_root();
+    let sb = Sandbox::new("docker-delay");
+    let p = Plugin::start(&sb, &["--unpublish-delay=2"]);
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "data", "Opts": {"size": "16M"}}),
+    )
+    .await;
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": A}))
+        .await;
+    let target = PathBuf::from(mounted["Mountpoint"].as_str().unwrap());
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": A}))
+        .await;
+    assert!(is_mounted(&target), "published during the delay");
+    // The next container within the delay gets the same mount at once.
+    let again = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": B}))
+        .await;
+    assert_eq!(again["Mountpoint"], mounted["Mountpoint"]);
+    let left = Instant::now();
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": B}))
+        .await;
+    while is_mounted(&target) {
+        assert!(
+            left.elapsed() < Duration::from_secs(10),
+            "still published 10 s after the last Unmount (delay 2 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        left.elapsed() >= Duration::from_millis(1500),
+        "unpublished after {:?}, before the delay",
+        left.elapsed()
+    );
+    // A volume removed while it waits is unpublished and deleted at once.
+    p.ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": A}))
+        .await;
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": A}))
+        .await;
+    assert!(is_mounted(&target));
+    p.ok("/VolumeDriver.Remove", json!({"Name": "data"})).await;
+    assert!(!is_mounted(&target), "Remove unpublished it");
+    let missing = p.err("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    assert!(missing.contains("no such volume"), "{missing}");
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
 }

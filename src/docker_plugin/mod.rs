@@ -38,4 +38,6 @@ pub mod wire;
 
 pub use error::DockerError;
 pub use handlers::{Driver, Endpoint, Scope};
-pub use server::{run, Limits, PluginError, PluginOptions, Started, DEFAULT_SOCKET};
+pub use server::{
+    run, Limits, PluginError, PluginOptions, Started, DEFAULT_SOCKET, DEFAULT_UNPUBLISH_DELAY,
+};

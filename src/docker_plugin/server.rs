@@ -40,6 +40,12 @@ pub const DEFAULT_SOCKET: &str = "/run/docker/plugins/csi-isolator.sock";
 /// The largest request head read (hyper's buffer; its minimum is 8 KiB).
 const MAX_HEAD: usize = 16 * 1024;
 
+/// How long an unused volume stays published after its last `Unmount` under the last-use
+/// policy, by default ([`crate::provider::ProviderConfig::unpublish_delay`]): long enough for
+/// the next container of a restart loop or of a script's `docker run`s, short enough that an
+/// idle volume is soon free for another node.
+pub const DEFAULT_UNPUBLISH_DELAY: Duration = Duration::from_secs(10);
+
 /// What `docker-plugin` does.
 #[derive(Clone, Debug)]
 pub struct PluginOptions {
@@ -172,7 +178,16 @@ pub async fn run(
             let driver = Arc::new(Driver::new(provider.clone(), opts.scope));
             on_ready(&started);
             tracing::info!(socket = %opts.socket.display(), "csi-isolator docker-plugin ready");
+            let delay = opts.provider.unpublish_delay;
+            let settler = (!delay.is_zero()).then(|| {
+                let provider = provider.clone();
+                let period = (delay / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+                tokio::spawn(async move { provider.settle_every(period).await })
+            });
             accept_until(gate, driver, &opts, shutdown).await;
+            if let Some(settler) = settler {
+                settler.abort();
+            }
             provider.shutdown(opts.plugin_grace).await;
             Ok(())
         }

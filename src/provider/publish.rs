@@ -9,6 +9,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 
@@ -91,12 +92,20 @@ impl StorageProvider {
         };
         let mut rec = slot.record.lock().await;
         let removed = rec.users.remove(container_id);
-        if !removed && !self.needs_settling(&rec) {
+        if removed && rec.users.is_empty() && !self.config.unpublish_delay.is_zero() {
+            *slot.idle_since.lock().unwrap() = Some(Instant::now());
+        }
+        if !removed && !self.settle_due(&slot, &rec) {
             return Ok(());
         }
         // The removal becomes durable with the first unpublish intent (or on
-        // its own when the volume stays published).
-        let result = match self.settle_unused(&mut rec).await {
+        // its own when the volume stays published, or waits for the delay).
+        let settled = if self.settle_due(&slot, &rec) {
+            self.settle_unused(&mut rec).await
+        } else {
+            Ok(false)
+        };
+        let result = match settled {
             Ok(false) if removed => self.persist(&rec).await,
             Ok(_) => Ok(()),
             Err(e) => Err(e),
@@ -115,19 +124,45 @@ impl StorageProvider {
                     && rec.state != VolumeState::Created))
     }
 
-    /// Settles every unused volume that a failed release left mid-way
-    /// (skipping volumes with an operation in flight). Failures are logged.
+    /// Whether an unused volume is to be settled now: it needs it, and it is not waiting out
+    /// the unpublish delay since its last user left ([`idle_wait`]). An interrupted step is
+    /// never left waiting.
+    fn settle_due(&self, slot: &Slot, rec: &VolumeRecord) -> bool {
+        self.needs_settling(rec)
+            && !(rec.state.is_steady()
+                && idle_wait(
+                    *slot.idle_since.lock().unwrap(),
+                    self.config.unpublish_delay,
+                    Instant::now(),
+                )
+                .is_some())
+    }
+
+    /// Settles every unused volume that a failed release left mid-way, or whose unpublish
+    /// delay has passed (skipping volumes with an operation in flight). Failures are logged.
+    /// With an unpublish delay, call it periodically ([`StorageProvider::settle_every`]).
     pub async fn settle_idle(&self) {
         let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
         for slot in slots {
             let Ok(mut rec) = slot.record.try_lock() else {
                 continue;
             };
-            if self.needs_settling(&rec) {
+            if self.settle_due(&slot, &rec) {
                 if let Err(e) = self.settle_unused(&mut rec).await {
                     tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot settle an unused volume yet");
                 }
             }
+        }
+    }
+
+    /// Runs [`StorageProvider::settle_idle`] every `period`, for ever: the unpublish delay's
+    /// clock. Its owner aborts it (or drops it in a `select!`) at shutdown.
+    pub async fn settle_every(&self, period: Duration) {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            self.settle_idle().await;
         }
     }
 
@@ -310,6 +345,19 @@ impl StorageProvider {
     }
 }
 
+/// How much longer an unused volume waits before it is unpublished: its last user left at
+/// `idle_since` (`None`: not waiting, e.g. after a restart, or with no delay) and it waits
+/// `delay` in all. `None` when it waits no more.
+pub(crate) fn idle_wait(
+    idle_since: Option<Instant>,
+    delay: Duration,
+    now: Instant,
+) -> Option<Duration> {
+    let since = idle_since?;
+    let waited = now.saturating_duration_since(since);
+    (waited < delay).then(|| delay - waited)
+}
+
 /// What a mount check of a volume recorded as published means for its record: not mounted sends
 /// it back to NODE_READY (re-staged and re-published, both idempotent); an unreadable answer
 /// repairs nothing on a guess.
@@ -327,6 +375,35 @@ fn note_mount_check<E: std::error::Error + 'static>(
         }
         Err(e) => {
             tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot check the mount")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unused_volume_waits_out_the_delay_from_its_last_release_and_no_longer() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // (idle since, delay, now, still to wait)
+        let cases = [
+            (None, s(10), t0, None),
+            (Some(t0), Duration::ZERO, t0, None),
+            (Some(t0), s(10), t0, Some(s(10))),
+            (Some(t0), s(10), t0 + s(4), Some(s(6))),
+            (Some(t0), s(10), t0 + s(10), None),
+            (Some(t0), s(10), t0 + s(60), None),
+            // A clock read before the release (another thread's `now`) waits the whole delay.
+            (Some(t0 + s(1)), s(10), t0, Some(s(10))),
+        ];
+        for (since, delay, now, wait) in cases {
+            assert_eq!(
+                idle_wait(since, delay, now),
+                wait,
+                "{since:?} {delay:?} {now:?}"
+            );
         }
     }
 }

@@ -82,6 +82,13 @@ pub struct ProviderConfig {
     pub plugin: PluginSource,
     /// The unpublish policy.
     pub policy: UnpublishPolicy,
+    /// Under [`UnpublishPolicy::LastUse`], how long a volume whose last user left stays
+    /// published before [`StorageProvider::settle_idle`] unpublishes it: a user coming back
+    /// meanwhile (the next container of a restart loop, a `docker run` after another) finds it
+    /// published and costs no CSI call. Zero (the default) unpublishes at the last release.
+    /// The user's removal is durable at once; a process that stops during the delay leaves
+    /// the volume to the next start's recovery, which unpublishes it.
+    pub unpublish_delay: Duration,
     /// CSI client settings.
     pub client: ClientOptions,
     /// How long a managed plugin may take to answer Probe as ready.
@@ -115,6 +122,7 @@ impl ProviderConfig {
             work_dir: work_dir.into(),
             plugin,
             policy: UnpublishPolicy::LastUse,
+            unpublish_delay: Duration::ZERO,
             client: ClientOptions::default(),
             ready_timeout: Duration::from_secs(30),
             boot_id: None,
@@ -147,6 +155,9 @@ pub(crate) struct Slot {
     /// A copy of the record's users, readable without waiting for an
     /// operation in flight (updated whenever an operation ends).
     pub(crate) users: Mutex<std::collections::BTreeSet<String>>,
+    /// When its last user left, while the unpublish waits for
+    /// [`ProviderConfig::unpublish_delay`] (in memory: a restart settles it at once).
+    pub(crate) idle_since: Mutex<Option<std::time::Instant>>,
 }
 
 impl Slot {
@@ -381,6 +392,7 @@ impl StorageProvider {
         let slot = Arc::new(Slot {
             name: rec.name.clone(),
             users: Mutex::new(rec.users.clone()),
+            idle_since: Mutex::new(None),
             record: tokio::sync::Mutex::new(rec),
         });
         self.slots.lock().unwrap().insert(id, slot.clone());

@@ -8,6 +8,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tonic::{Request, Response, Status};
 
@@ -387,6 +388,15 @@ impl Bench {
 
     /// A provider (a fresh one each call: a restart) under `policy`.
     async fn provider(&self, policy: UnpublishPolicy) -> Arc<StorageProvider> {
+        self.provider_with(policy, Duration::ZERO).await
+    }
+
+    /// A provider under `policy` with an unpublish delay.
+    async fn provider_with(
+        &self,
+        policy: UnpublishPolicy,
+        unpublish_delay: Duration,
+    ) -> Arc<StorageProvider> {
         let mut config = ProviderConfig::new(
             "recorder.csi-isolator.io",
             "unit",
@@ -394,6 +404,7 @@ impl Bench {
             PluginSource::Endpoint(self.endpoint.clone()),
         );
         config.policy = policy;
+        config.unpublish_delay = unpublish_delay;
         config.boot_id = Some("boot-1".into());
         let table: Arc<dyn MountTable> = self.sys.clone();
         StorageProvider::start_with(config, self.sys.clone(), table)
@@ -458,6 +469,84 @@ async fn a_publish_walks_controller_stage_and_node_and_the_last_release_walks_ba
     assert!(!bench.sys.is_mount_root(&target).unwrap(), "unpublished");
     drop(provider);
     assert_eq!(state_on_disk(&bench, &id).await, VolumeState::Created);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_unpublish_delay_the_last_release_keeps_the_volume_published_until_it_passes() {
+    let bench = Bench::new().await;
+    let delay = Duration::from_millis(400);
+    let provider = bench.provider_with(UnpublishPolicy::LastUse, delay).await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let target = provider.publish(&id, "c1").await.unwrap();
+    bench.plugin.calls();
+
+    // The last user leaves: durable at once, but no call, and the volume stays published.
+    provider.release(&id, "c1").await.unwrap();
+    assert!(bench.plugin.calls().is_empty());
+    let rec = provider.volume(&id).await.unwrap();
+    assert_eq!(rec.state, VolumeState::Published);
+    assert!(rec.users.is_empty());
+    // A user within the delay finds it published: no call either.
+    assert_eq!(provider.publish(&id, "c2").await.unwrap(), target);
+    assert!(bench.plugin.calls().is_empty());
+    provider.release(&id, "c2").await.unwrap();
+    // The delay counts from the last release: a settle before it passes does nothing.
+    provider.settle_idle().await;
+    assert!(bench.plugin.calls().is_empty());
+    assert!(bench.sys.is_mount_root(&target).unwrap(), "still published");
+
+    tokio::time::sleep(delay + Duration::from_millis(100)).await;
+    provider.settle_idle().await;
+    assert_eq!(
+        bench.plugin.calls(),
+        [
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]
+    );
+    assert!(!bench.sys.is_mount_root(&target).unwrap(), "unpublished");
+    drop(provider);
+    assert_eq!(state_on_disk(&bench, &id).await, VolumeState::Created);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_waiting_out_its_unpublish_delay_is_unpublished_by_the_next_start() {
+    let bench = Bench::new().await;
+    let provider = bench
+        .provider_with(UnpublishPolicy::LastUse, Duration::from_secs(3600))
+        .await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let target = provider.publish(&id, "c1").await.unwrap();
+    provider.release(&id, "c1").await.unwrap();
+    bench.plugin.calls();
+    // The process stops during the delay; the next one does not wait for it.
+    drop(provider);
+    let restarted = bench
+        .provider_with(UnpublishPolicy::LastUse, Duration::from_secs(3600))
+        .await;
+    let calls = bench.plugin.calls();
+    assert!(
+        calls.ends_with(&[
+            "NodeUnpublishVolume",
+            "NodeUnstageVolume",
+            "ControllerUnpublishVolume"
+        ]),
+        "{calls:?}"
+    );
+    assert!(!bench.sys.is_mount_root(&target).unwrap(), "unpublished");
+    assert_eq!(
+        restarted.volume(&id).await.unwrap().state,
+        VolumeState::Created
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -609,6 +609,7 @@ pub fn busybox_rootfs(sb: &Sandbox, rel: &str) -> PathBuf {
     fs::copy(BUSYBOX, rootfs.join("bin/busybox")).expect("copy busybox");
     for applet in [
         "sh", "ls", "cat", "touch", "sleep", "mount", "echo", "pwd", "test", "[", "grep", "mkdir",
+        "true",
     ] {
         std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))
             .expect("applet symlink");
@@ -912,7 +913,9 @@ impl DockerPluginProcess {
     pub const READY: &'static str = "csi-isolator docker-plugin: ready";
 
     /// Starts `cli docker-plugin --socket socket args…` on `work`, its log (stderr, at info)
-    /// in the sandbox, and waits for its `ready` line (30 s at most).
+    /// in the sandbox, and waits for its `ready` line (30 s at most). Unless `args` set
+    /// `--unpublish-delay`, it is 0: a test sees a volume unpublished at its last `Unmount`
+    /// (the product's default keeps it published a few seconds longer).
     pub fn start(
         sb: &Sandbox,
         cli: &str,
@@ -924,10 +927,11 @@ impl DockerPluginProcess {
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let log = sb.join(format!("docker-plugin-{n}.log"));
         let mut cmd = isolator_command(cli, work);
-        cmd.arg("docker-plugin")
-            .arg("--socket")
-            .arg(socket)
-            .args(args)
+        cmd.arg("docker-plugin").arg("--socket").arg(socket);
+        if !args.iter().any(|a| a.starts_with("--unpublish-delay")) {
+            cmd.arg("--unpublish-delay=0");
+        }
+        cmd.args(args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(File::create(&log).expect("create the docker-plugin log"));

@@ -8,7 +8,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
-use csi_isolator::docker_plugin::{self, Limits, PluginOptions, Scope, Started, DEFAULT_SOCKET};
+use csi_isolator::docker_plugin::{
+    self, Limits, PluginOptions, Scope, Started, DEFAULT_SOCKET, DEFAULT_UNPUBLISH_DELAY,
+};
 
 use super::plugin_args::PluginArgs;
 
@@ -46,6 +48,11 @@ pub struct DockerPluginArgs {
     /// Seconds the engine waits for an answer (the call itself runs to its end).
     #[arg(long, value_name = "SECS", default_value_t = Limits::default().call_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     call_timeout: u64,
+    /// Under the last-use policy, seconds a volume stays published after its last container
+    /// left, so the next container (a restart, the next `docker run`) finds it published and
+    /// starts as fast as with Docker's local driver; then it is unpublished. 0: at once.
+    #[arg(long, value_name = "SECS", default_value_t = DEFAULT_UNPUBLISH_DELAY.as_secs())]
+    unpublish_delay: u64,
     /// Connections open at once on the socket; more are closed at once.
     #[arg(long, value_name = "N", default_value_t = Limits::default().max_connections as u32, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
@@ -54,7 +61,9 @@ pub struct DockerPluginArgs {
 /// Runs `docker-plugin` until SIGINT/SIGTERM.
 pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<ExitCode> {
     super::run::check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
-    let mut opts = PluginOptions::new(work_dir, args.plugin.config(work_dir)?);
+    let mut config = args.plugin.config(work_dir)?;
+    config.unpublish_delay = Duration::from_secs(args.unpublish_delay);
+    let mut opts = PluginOptions::new(work_dir, config);
     opts.socket = args.socket;
     opts.scope = args.scope;
     opts.limits = Limits {
