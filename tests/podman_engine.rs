@@ -249,3 +249,119 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     drop(sb);
     host_paths.assert_restored();
 }
+
+/// Writes `<dir>/csi-isolator.json`, one Podman hooks.d entry for both stages running
+/// `csi-isolator --work-dir <work> oci-hook --plugin-socket-dir <sockets> from-state` for
+/// containers carrying the volumes annotation (the state's status names the stage).
+fn write_hook(dir: &Path, work: &Path, sockets: &Path) {
+    let hook = serde_json::json!({
+        "version": "1.0.0",
+        "hook": {
+            "path": BIN,
+            "args": [
+                "csi-isolator", "--work-dir", work, "oci-hook",
+                "--plugin-socket-dir", sockets, "from-state",
+            ],
+        },
+        "when": {"annotations": {"^io\\.csi-isolator\\.volumes$": ".*"}},
+        "stages": ["createRuntime", "poststop"],
+    });
+    std::fs::write(
+        dir.join("csi-isolator.json"),
+        serde_json::to_vec_pretty(&hook).expect("hook JSON"),
+    )
+    .expect("write the hook");
+}
+
+#[test]
+fn podman_runs_oci_hook_from_hooks_dir_publishing_the_annotated_volume_and_releasing_it() {
+    require_root();
+    require_engine("podman", "podman");
+    let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
+    let sb = Sandbox::new("podman-hook");
+    let work = sb.join("hook/work");
+    let sockets = sb.join("hook/s");
+    let hooks = sb.mkdir("hooks.d");
+    write_hook(&hooks, &work, &sockets);
+    let podman = Podman::new(&sb, &[]).with_hooks_dir(&hooks);
+    let image = podman.import_busybox(&sb);
+    let run = |volumes: &str, script: &str| -> Output {
+        podman.command(&[
+            "run",
+            "--rm",
+            "--annotation",
+            &format!("io.csi-isolator.volumes={volumes}"),
+            &image,
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+    };
+    let volume = || -> serde_json::Value {
+        let volumes = status_volumes(&work);
+        assert_eq!(volumes.len(), 1, "{volumes:?}");
+        volumes[0].clone()
+    };
+
+    // createRuntime publishes the volume and mounts it at /data; poststop releases it.
+    let out = run(
+        "data:16M:/data",
+        "echo hi > /data/f && grep ' /data ' /proc/mounts",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains(" /data ext4 "), "{stdout}\n{stderr}");
+    let v = volume();
+    assert_eq!(v["name"], "data", "{v}");
+    assert_eq!(v["capacity_bytes"], 16 << 20, "{v}");
+    assert_eq!(
+        v["users"],
+        serde_json::json!([]),
+        "released at poststop: {v}"
+    );
+    assert_eq!(v["mounted"], false, "unpublished at poststop: {v}");
+    let left = mount_points_under(&work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+
+    // The same name is the same volume.
+    let out = run("data:16M:/data", "cat /data/f");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+
+    // A hook that fails fails the run, saying why; nothing is published or kept for it.
+    let out = run("data:16M:relative", "true");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!("podman run with a bad annotation: {stderr}");
+    assert!(!out.status.success(), "a bad annotation was accepted");
+    assert!(
+        stderr.contains("io.csi-isolator.volumes") && stderr.contains("relative"),
+        "{stderr}"
+    );
+    let v = volume();
+    assert_eq!(v["users"], serde_json::json!([]), "{v}");
+    assert_eq!(v["mounted"], false, "{v}");
+    let containers = podman.ok(&["ps", "-a", "-q"]);
+    assert_eq!(containers, "", "the failed container was removed");
+
+    podman.ok(&["rmi", &image]);
+    let out = isolator_command(BIN, &work)
+        .args(["volume", "destroy", "data"])
+        .output()
+        .expect("run volume destroy");
+    assert!(out.status.success(), "volume destroy: {out:?}");
+    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(
+        processes_mentioning(sb.path()).is_empty(),
+        "no hook, plugin, conmon or container left"
+    );
+    drop(podman);
+    drop(sb);
+    host_paths.assert_restored();
+}
