@@ -5,6 +5,10 @@
 //! ulimits, which root without CAP_SYS_RESOURCE needs here); the few files Podman makes at fixed
 //! host paths on its first run are removed when this test made them
 //! (`csi_isolator_testing::engines::HostPaths`, which runs engine tests one at a time).
+//!
+//! Also `csi-isolator oci-hook from-state` as a Podman OCI hook: one entry of a `hooks.d` of the
+//! test's (`podman --hooks-dir`) for createRuntime and poststop, matching the
+//! `io.csi-isolator.volumes` annotation, with a work dir of its own.
 
 use std::path::Path;
 use std::process::Output;
