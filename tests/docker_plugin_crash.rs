@@ -12,6 +12,10 @@
 //!   mounted, and holds what was written before; after the retried Unmount it
 //!   is unpublished with no user and nothing is mounted under the work dir.
 //!
+//! The same again for a Mount and an Unmount of an ID while a second ID holds the volume: it
+//! stays published and mounted for the second throughout, the first is a user after the retried
+//! Mount and is not after the retried Unmount.
+//!
 //! Crash points counted while the plugin starts (recovery's own writes) come
 //! first; a plugin that dies before it is ready is recovered from the same
 //! way. The loop over N ends when the call completes without a crash; the
@@ -39,6 +43,8 @@ const TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_POINTS: u32 = 40;
 /// The Mount ID (Docker sends 64 hex digits).
 const ID: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc";
+/// A second Mount ID, holding the volume while `ID` comes and goes.
+const OTHER: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
 
 /// A docker-plugin on the test's work dir and socket.
 struct Plugin {
@@ -216,6 +222,23 @@ fn recovered(sb: &Sandbox, what: &str, n: u32) -> (Plugin, bool) {
     (plugin, kept)
 }
 
+/// A plugin without the hook, after a crash of a call for [`ID`] while [`OTHER`] holds the
+/// volume: `OTHER` is still a user, `ID` may or may not be, and the volume is published and
+/// mounted.
+fn recovered_shared(sb: &Sandbox, call: &str, n: u32) -> Plugin {
+    let plugin = Plugin::start(sb, None).expect("a plugin without the hook starts");
+    let (users, mountpoint) = plugin.get();
+    assert!(
+        users.iter().any(|u| u == OTHER) && users.iter().all(|u| u == OTHER || u == ID),
+        "shared {call} crash point {n}: users after recovery {users:?}"
+    );
+    assert!(
+        is_mount_point(Path::new(&mountpoint)),
+        "shared {call} crash point {n}: {mountpoint:?} is not mounted"
+    );
+    plugin
+}
+
 /// Mount the ID (the volume ends published for it alone, holding `marker`), then Unmount it
 /// (nothing mounted, no user).
 fn mount_then_unmount(plugin: &Plugin, what: &str, n: u32) {
@@ -344,6 +367,66 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
         mount_points > 0 && survived > 0,
         "the hook never fired: is CSI_ISOLATOR_CRASH_AFTER_WRITE still read?"
     );
+
+    // The same with a second ID holding the volume throughout: Mount and Unmount of a user that
+    // is not the last (the volume stays published whatever happens).
+    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": OTHER}));
+    plugin.stop(&sb);
+    for (call, before, after) in [
+        ("/VolumeDriver.Mount", false, true),
+        ("/VolumeDriver.Unmount", true, false),
+    ] {
+        let mut survived = 0;
+        for n in 1..=MAX_POINTS {
+            assert!(n < MAX_POINTS, "shared {call} still crashed at point {n}");
+            if before {
+                let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+                plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": ID}));
+                plugin.stop(&sb);
+            }
+            let completed = match Plugin::start(&sb, Some(n)) {
+                None => false,
+                Some(mut armed) => match armed.post(call, &json!({"Name": "v", "ID": ID})) {
+                    Some((200, _)) => {
+                        kill_now(&sb, armed);
+                        true
+                    }
+                    Some((status, answer)) => {
+                        panic!("shared {call} at crash point {n}: {status} {answer}")
+                    }
+                    None => {
+                        let status = armed.wait(&sb);
+                        assert_eq!(status.signal(), Some(9), "shared {call} {n}: {status}");
+                        false
+                    }
+                },
+            };
+            let plugin = recovered_shared(&sb, call, n);
+            // The call again (a re-run, or Docker's Unmount of the ID it knows).
+            plugin.ok(call, json!({"Name": "v", "ID": ID}));
+            let (users, mountpoint) = plugin.get();
+            let want: Vec<&str> = if after { vec![ID, OTHER] } else { vec![OTHER] };
+            let mut users = users;
+            users.sort();
+            assert_eq!(users, want, "shared {call} crash point {n}");
+            assert!(is_mount_point(Path::new(&mountpoint)), "shared {call} {n}");
+            if after {
+                plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
+            }
+            plugin.stop(&sb);
+            if completed {
+                break;
+            }
+            survived += 1;
+        }
+        eprintln!("{call} beside another user: {survived} crash points survived");
+        assert!(survived > 0, "shared {call}: the hook never fired");
+    }
+    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": OTHER}));
+    assert_eq!(plugin.get(), (vec![], String::new()));
+    plugin.stop(&sb);
 
     // Removed: nothing left.
     let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
