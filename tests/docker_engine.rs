@@ -24,8 +24,8 @@ use csi_isolator_testing::engines::{
     require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
-    Sandbox,
+    isolator_command, mount_points_under, plugin_bin, processes_mentioning, require_root,
+    DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -47,6 +47,17 @@ fn recorded_volumes(work: &Path) -> Vec<String> {
         .collect()
 }
 
+/// `status --json` of a work dir: its volumes (state, users, mounted) as the work dir records them.
+fn status_volumes(work: &Path) -> Vec<serde_json::Value> {
+    let out = isolator_command(BIN, work)
+        .args(["status", "--json"])
+        .output()
+        .expect("run status");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("status --json ({e}): {out:?}"));
+    report["volumes"].as_array().expect("volumes").clone()
+}
+
 /// Everything a test starts: the host paths are returned apart, to be dropped last.
 struct Setup {
     sb: Sandbox,
@@ -56,27 +67,46 @@ struct Setup {
     image: String,
 }
 
-fn setup(label: &str) -> (HostPaths, Setup) {
+/// The engine lock and the test's sandbox.
+fn claim(label: &str) -> (HostPaths, Sandbox) {
     require_root();
     require_engine("dockerd", "docker.io");
+    let host = HostPaths::claim(DOCKER_HOST_PATHS);
+    (host, Sandbox::new(label))
+}
+
+/// Starts a docker-plugin on `work` under a unique driver name in [`DOCKER_PLUGINS_DIR`] (its
+/// socket removed at the end): the driver name and the process.
+fn start_driver(
+    host: &mut HostPaths,
+    sb: &Sandbox,
+    work: &Path,
+    args: &[&str],
+) -> (String, DockerPluginProcess) {
     let driver = format!("csi-isolator-test-{}", unique());
-    let mut host = HostPaths::claim(DOCKER_HOST_PATHS);
     let socket = Path::new(DOCKER_PLUGINS_DIR).join(format!("{driver}.sock"));
     host.remove_at_end(&socket);
-    let sb = Sandbox::new(label);
-    let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &socket, &[]);
+    let plugin = DockerPluginProcess::start(sb, BIN, work, &socket, args);
+    (driver, plugin)
+}
+
+/// dockerd and the image, beside a plugin already started.
+fn with_engine(sb: Sandbox, driver: String, plugin: DockerPluginProcess) -> Setup {
     let engine = Dockerd::start(&sb);
     let image = engine.import_busybox(&sb);
-    (
-        host,
-        Setup {
-            sb,
-            driver,
-            plugin,
-            engine,
-            image,
-        },
-    )
+    Setup {
+        sb,
+        driver,
+        plugin,
+        engine,
+        image,
+    }
+}
+
+fn setup(label: &str) -> (HostPaths, Setup) {
+    let (mut host, sb) = claim(label);
+    let (driver, plugin) = start_driver(&mut host, &sb, &sb.join("work"), &[]);
+    (host, with_engine(sb, driver, plugin))
 }
 
 /// Removes the image, stops dockerd then the plugin, and checks that nothing is left in the
@@ -231,6 +261,189 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
     assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    drop(sb);
+    host.assert_restored();
+}
+
+#[test]
+fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fails_the_run() {
+    let (mut host, sb) = claim("dkr-share");
+    let (driver, plugin) = start_driver(&mut host, &sb, &sb.join("work"), &[]);
+    // A second driver on the same dockerd whose bundled plugin fails every NodePublishVolume.
+    let fail_work = sb.join("failing/work");
+    let (failing, failing_plugin) = start_driver(
+        &mut host,
+        &sb,
+        &fail_work,
+        &["--plugin-arg=--fail=NodePublishVolume=INTERNAL"],
+    );
+    let s = with_engine(sb, driver, plugin);
+    let (d, e) = (&s.driver, &s.engine);
+
+    e.ok(&["volume", "create", "-d", d, "-o", "size=16M", "shared"]);
+    let start = |name: &str, script: &str| {
+        e.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "--network",
+            "none",
+            "-v",
+            "shared:/data",
+            &s.image,
+            "sh",
+            "-c",
+            script,
+        ])
+    };
+    start("first", "echo one > /data/one && exec sleep 600");
+    start("second", "exec sleep 600");
+    let users = |e: &Dockerd| -> Vec<serde_json::Value> {
+        let status: serde_json::Value = serde_json::from_str(&e.ok(&[
+            "volume",
+            "inspect",
+            "--format",
+            "{{json .Status}}",
+            "shared",
+        ]))
+        .expect("Status is JSON");
+        status["users"].as_array().expect("users").clone()
+    };
+    assert_eq!(users(e).len(), 2, "one Mount ID per container");
+    let published = mount_points_under(&s.plugin.work);
+    assert!(!published.is_empty(), "published while in use");
+
+    // The first one leaves: Docker unmounts its use, the second keeps the volume mounted.
+    e.ok(&["stop", "-t", "0", "first"]);
+    e.ok(&["rm", "first"]);
+    assert_eq!(users(e).len(), 1, "the first container's use ended");
+    assert_eq!(mount_points_under(&s.plugin.work), published);
+    assert_eq!(
+        e.ok(&[
+            "exec",
+            "second",
+            "sh",
+            "-c",
+            "echo two > /data/two && cat /data/one /data/two"
+        ]),
+        "one\ntwo",
+        "the second container still writes and reads"
+    );
+
+    // The last one leaves: unpublished.
+    e.ok(&["stop", "-t", "0", "second"]);
+    e.ok(&["rm", "second"]);
+    assert_eq!(users(e).len(), 0);
+    let left = mount_points_under(&s.plugin.work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+    e.ok(&["volume", "rm", "shared"]);
+
+    // A failing NodePublishVolume fails `docker run` with the CSI error.
+    e.ok(&[
+        "volume", "create", "-d", &failing, "-o", "size=16M", "broken",
+    ]);
+    let refused = e.fails(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        "broken:/data",
+        &s.image,
+        "true",
+    ]);
+    assert!(
+        refused.contains("VolumeDriver.Mount volume 'broken'")
+            && refused.contains("NodePublishVolume")
+            && refused.contains("INTERNAL")
+            && refused.contains("injected fault"),
+        "{refused}"
+    );
+    eprintln!("docker run with a failing publish: {refused}");
+    let left = mount_points_under(&fail_work);
+    assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
+    let log = failing_plugin.log();
+    assert!(
+        failing_plugin.stop(&s.sb, Signal::SIGTERM).success(),
+        "{log}"
+    );
+    // What the failing driver's work dir records: the volume, with no use and not published.
+    let volumes = status_volumes(&fail_work);
+    assert_eq!(volumes.len(), 1, "{volumes:?}");
+    assert_eq!(volumes[0]["name"], "broken", "{volumes:?}");
+    assert_eq!(volumes[0]["users"], serde_json::json!([]), "{volumes:?}");
+    assert_eq!(volumes[0]["mounted"], false, "{volumes:?}");
+    assert_ne!(volumes[0]["state"], "PUBLISHED", "{volumes:?}");
+    let out = isolator_command(BIN, &fail_work)
+        .args(["volume", "destroy", "broken"])
+        .output()
+        .expect("run volume destroy");
+    assert!(out.status.success(), "volume destroy: {out:?}");
+    assert_eq!(recorded_volumes(&fail_work), Vec::<String>::new());
+
+    let log = s.plugin.log();
+    let (sb, work) = teardown(s);
+    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    drop(sb);
+    host.assert_restored();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_with_docker_volume_rm()
+{
+    let (mut host, sb) = claim("dkr-endpoint");
+    let csi = PluginProcess::start(&sb, plugin_bin(), &["--backing", "loop"]).await;
+    let endpoint = csi.endpoint();
+    let (driver, plugin) = start_driver(
+        &mut host,
+        &sb,
+        &sb.join("work"),
+        &["--plugin-endpoint", &endpoint],
+    );
+    let s = with_engine(sb, driver, plugin);
+    let (d, e) = (&s.driver, &s.engine);
+
+    e.ok(&["volume", "create", "-d", d, "-o", "size=16M", "remote"]);
+    let listed = csi.listed().await;
+    assert_eq!(listed.len(), 1, "created in the plugin: {listed:?}");
+    assert_eq!(
+        listed[0].volume.as_ref().map(|v| v.capacity_bytes),
+        Some(16 << 20)
+    );
+    let run = |script: &str| {
+        e.ok(&[
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            "remote:/data",
+            &s.image,
+            "sh",
+            "-c",
+            script,
+        ])
+    };
+    run("echo far > /data/f");
+    assert_eq!(run("cat /data/f"), "far");
+    let left = mount_points_under(&s.plugin.work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+
+    e.ok(&["volume", "rm", "remote"]);
+    let listed = csi.listed().await;
+    assert!(listed.is_empty(), "deleted in the plugin: {listed:?}");
+
+    // The plugin goes first: teardown checks that no process names the sandbox.
+    let mut csi = csi;
+    csi.kill();
+    let log = s.plugin.log();
+    let (sb, work) = teardown(s);
+    assert_eq!(
+        status_volumes(&work),
+        Vec::<serde_json::Value>::new(),
+        "{log}"
+    );
     drop(sb);
     host.assert_restored();
 }

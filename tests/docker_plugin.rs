@@ -1,6 +1,7 @@
 //! `csi-isolator docker-plugin` at the protocol level: real HTTP/1.1
 //! requests from the test on the real Unix socket, the bundled CSI plugin,
-//! real mounts. (Real dockerd and podman come later: issue 12.)
+//! real mounts. Real engines: `docker_engine.rs`, `podman_engine.rs`; crash points:
+//! `docker_plugin_crash.rs`.
 
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};

@@ -5,13 +5,19 @@
 //! ulimits, which root without CAP_SYS_RESOURCE needs here); the few files Podman makes at fixed
 //! host paths on its first run are removed when this test made them
 //! (`csi_isolator_testing::engines::HostPaths`, which runs engine tests one at a time).
+//!
+//! Also `csi-isolator oci-hook from-state` as a Podman OCI hook: one entry of a `hooks.d` of the
+//! test's (`podman --hooks-dir`) for createRuntime and poststop, matching the
+//! `io.csi-isolator.volumes` annotation, with a work dir of its own.
 
+use std::path::Path;
 use std::process::Output;
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::engines::{require_engine, HostPaths, Podman, PODMAN_HOST_PATHS};
 use csi_isolator_testing::{
-    isolator_command, processes_mentioning, require_root, DockerPluginProcess, Sandbox,
+    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
+    Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -123,6 +129,241 @@ fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
     assert!(
         processes_mentioning(sb.path()).is_empty(),
         "no conmon or container left"
+    );
+    drop(podman);
+    drop(sb);
+    host_paths.assert_restored();
+}
+
+/// The volumes a work dir records (`status --json`), read after its plugin stopped.
+fn status_volumes(work: &Path) -> Vec<serde_json::Value> {
+    let out = isolator_command(BIN, work)
+        .args(["status", "--json"])
+        .output()
+        .expect("run status");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("status --json ({e}): {out:?}"));
+    report["volumes"].as_array().expect("volumes").clone()
+}
+
+#[test]
+fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fails_the_run() {
+    require_root();
+    require_engine("podman", "podman");
+    let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
+    let sb = Sandbox::new("podman-share");
+    let work = sb.join("work");
+    let socket = sb.join("plugin/csi-isolator.sock");
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &[]);
+    // A second driver whose bundled plugin fails every NodePublishVolume.
+    let fail_work = sb.join("failing/work");
+    let fail_socket = sb.join("failing/plugin/csi-isolator.sock");
+    let failing = DockerPluginProcess::start(
+        &sb,
+        BIN,
+        &fail_work,
+        &fail_socket,
+        &["--plugin-arg=--fail=NodePublishVolume=INTERNAL"],
+    );
+    let podman = Podman::new(&sb, &[(DRIVER, &socket), ("csifail", &fail_socket)]);
+    let image = podman.import_busybox(&sb);
+
+    podman.ok(&[
+        "volume", "create", "--driver", DRIVER, "-o", "size=16M", "shared",
+    ]);
+    let start = |name: &str, script: &str| {
+        podman.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "-v",
+            "shared:/data",
+            &image,
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+    };
+    start("first", "echo one > /data/one && exec sleep 600");
+    start("second", "exec sleep 600");
+    let published = mount_points_under(&work);
+    assert!(!published.is_empty(), "published while in use");
+
+    // The first one leaves: the second keeps the volume mounted, writable and readable.
+    podman.ok(&["stop", "-t", "0", "first"]);
+    podman.ok(&["rm", "first"]);
+    assert_eq!(mount_points_under(&work), published);
+    assert_eq!(
+        podman.ok(&[
+            "exec",
+            "second",
+            "/bin/sh",
+            "-c",
+            "echo two > /data/two && cat /data/one /data/two",
+        ]),
+        "one\ntwo",
+        "the second container still writes and reads"
+    );
+
+    // The last one leaves: unpublished.
+    podman.ok(&["stop", "-t", "0", "second"]);
+    podman.ok(&["rm", "second"]);
+    let left = mount_points_under(&work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+    podman.ok(&["volume", "rm", "shared"]);
+
+    // A failing NodePublishVolume fails `podman run` with the CSI error (the plugin answers
+    // non-200: Podman would take a 200 with an Err for a success).
+    podman.ok(&[
+        "volume", "create", "--driver", "csifail", "-o", "size=16M", "broken",
+    ]);
+    let refused = podman.fails(&["run", "--rm", "-v", "broken:/data", &image, "true"]);
+    eprintln!("podman run with a failing publish: {refused}");
+    assert!(
+        refused.contains("VolumeDriver.Mount volume 'broken'")
+            && refused.contains("NodePublishVolume")
+            && refused.contains("INTERNAL")
+            && refused.contains("injected fault"),
+        "{refused}"
+    );
+    let left = mount_points_under(&fail_work);
+    assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
+    // Remove is refused while a Mount ID uses the volume: the failed run left no use.
+    podman.ok(&["volume", "rm", "broken"]);
+    podman.ok(&["rmi", &image]);
+
+    let log = failing.log();
+    assert!(failing.stop(&sb, Signal::SIGTERM).success(), "{log}");
+    assert_eq!(
+        status_volumes(&fail_work),
+        Vec::<serde_json::Value>::new(),
+        "deleted after the failed run left no use"
+    );
+    let log = plugin.log();
+    assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
+    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(
+        processes_mentioning(sb.path()).is_empty(),
+        "no conmon or container left"
+    );
+    drop(podman);
+    drop(sb);
+    host_paths.assert_restored();
+}
+
+/// Writes `<dir>/csi-isolator.json`, one Podman hooks.d entry for both stages running
+/// `csi-isolator --work-dir <work> oci-hook --plugin-socket-dir <sockets> from-state` for
+/// containers carrying the volumes annotation (the state's status names the stage).
+fn write_hook(dir: &Path, work: &Path, sockets: &Path) {
+    let hook = serde_json::json!({
+        "version": "1.0.0",
+        "hook": {
+            "path": BIN,
+            "args": [
+                "csi-isolator", "--work-dir", work, "oci-hook",
+                "--plugin-socket-dir", sockets, "from-state",
+            ],
+        },
+        "when": {"annotations": {"^io\\.csi-isolator\\.volumes$": ".*"}},
+        "stages": ["createRuntime", "poststop"],
+    });
+    std::fs::write(
+        dir.join("csi-isolator.json"),
+        serde_json::to_vec_pretty(&hook).expect("hook JSON"),
+    )
+    .expect("write the hook");
+}
+
+#[test]
+fn podman_runs_oci_hook_from_hooks_dir_publishing_the_annotated_volume_and_releasing_it() {
+    require_root();
+    require_engine("podman", "podman");
+    let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
+    let sb = Sandbox::new("podman-hook");
+    let work = sb.join("hook/work");
+    let sockets = sb.join("hook/s");
+    let hooks = sb.mkdir("hooks.d");
+    write_hook(&hooks, &work, &sockets);
+    let podman = Podman::new(&sb, &[]).with_hooks_dir(&hooks);
+    let image = podman.import_busybox(&sb);
+    let run = |volumes: &str, script: &str| -> Output {
+        podman.command(&[
+            "run",
+            "--rm",
+            "--annotation",
+            &format!("io.csi-isolator.volumes={volumes}"),
+            &image,
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+    };
+    let volume = || -> serde_json::Value {
+        let volumes = status_volumes(&work);
+        assert_eq!(volumes.len(), 1, "{volumes:?}");
+        volumes[0].clone()
+    };
+
+    // createRuntime publishes the volume and mounts it at /data; poststop releases it.
+    let out = run(
+        "data:16M:/data",
+        "echo hi > /data/f && grep ' /data ' /proc/mounts",
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(stdout.contains(" /data ext4 "), "{stdout}\n{stderr}");
+    let v = volume();
+    assert_eq!(v["name"], "data", "{v}");
+    assert_eq!(v["capacity_bytes"], 16 << 20, "{v}");
+    assert_eq!(
+        v["users"],
+        serde_json::json!([]),
+        "released at poststop: {v}"
+    );
+    assert_eq!(v["mounted"], false, "unpublished at poststop: {v}");
+    let left = mount_points_under(&work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+
+    // The same name is the same volume.
+    let out = run("data:16M:/data", "cat /data/f");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n");
+
+    // A hook that fails fails the run, saying why; nothing is published or kept for it.
+    let out = run("data:16M:relative", "true");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!("podman run with a bad annotation: {stderr}");
+    assert!(!out.status.success(), "a bad annotation was accepted");
+    assert!(
+        stderr.contains("io.csi-isolator.volumes") && stderr.contains("relative"),
+        "{stderr}"
+    );
+    let v = volume();
+    assert_eq!(v["users"], serde_json::json!([]), "{v}");
+    assert_eq!(v["mounted"], false, "{v}");
+    let containers = podman.ok(&["ps", "-a", "-q"]);
+    assert_eq!(containers, "", "the failed container was removed");
+
+    podman.ok(&["rmi", &image]);
+    let out = isolator_command(BIN, &work)
+        .args(["volume", "destroy", "data"])
+        .output()
+        .expect("run volume destroy");
+    assert!(out.status.success(), "volume destroy: {out:?}");
+    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(
+        processes_mentioning(sb.path()).is_empty(),
+        "no hook, plugin, conmon or container left"
     );
     drop(podman);
     drop(sb);

@@ -194,6 +194,14 @@ pub enum HookError {
     /// The container id cannot be used as a path component (the error names the id and why).
     #[error(transparent)]
     InvalidContainerId(Box<crate::resource::ResourceError>),
+    /// The stage was to come from the state's status, which names none of the hook's stages.
+    #[error("container '{container}': the state's status '{status}' names no stage of the hook (creating: create-runtime, stopped: poststop): give the stage as the hook's last argument")]
+    UnknownStatus {
+        /// The container id.
+        container: String,
+        /// The state's `status`.
+        status: String,
+    },
     /// create-runtime needs the container's init pid.
     #[error("container '{container}': the state has no pid (create-runtime needs the container's init process)")]
     NoPid {
@@ -468,6 +476,25 @@ pub enum Stage {
     Poststop,
 }
 
+impl Stage {
+    /// The stage a runtime is in when it hands a hook `state`, for a hook registered for both
+    /// stages with the same arguments (a Podman or CRI-O `hooks.d` entry listing
+    /// `createRuntime` and `poststop`): `creating` is createRuntime (runc passes it to
+    /// prestart and createRuntime hooks), `stopped` is poststop (runc's own and the one
+    /// Podman runs itself after the container is deleted). Any other status is refused: a
+    /// hook guessing would publish for a stopped container or release a starting one.
+    pub fn from_state(state: &State) -> Result<Stage, HookError> {
+        match state.status.as_str() {
+            "creating" => Ok(Stage::CreateRuntime),
+            "stopped" => Ok(Stage::Poststop),
+            other => Err(HookError::UnknownStatus {
+                container: crate::shown::shown(&state.id).into_owned(),
+                status: crate::shown::shown(other).into_owned(),
+            }),
+        }
+    }
+}
+
 /// Runs the hook `stage` for the container `state` describes.
 pub async fn run(stage: Stage, opts: &HookOptions, state: &State) -> Result<(), HookError> {
     match stage {
@@ -502,6 +529,40 @@ fn annotations(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_stage_comes_from_the_state_status() {
+        let state = |status: &str| State {
+            oci_version: "1.0.2".into(),
+            id: "c1".into(),
+            status: status.into(),
+            pid: None,
+            bundle: PathBuf::from("/b"),
+            annotations: BTreeMap::new(),
+        };
+        let table: &[(&str, Option<Stage>)] = &[
+            ("creating", Some(Stage::CreateRuntime)),
+            ("stopped", Some(Stage::Poststop)),
+            ("created", None),
+            ("running", None),
+            ("", None),
+            ("Creating", None),
+        ];
+        for (status, want) in table {
+            match (Stage::from_state(&state(status)), want) {
+                (Ok(got), Some(want)) => assert_eq!(got, *want, "{status:?}"),
+                (Err(e), None) => assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "container 'c1': the state's status '{status}' names no stage of the hook \
+                         (creating: create-runtime, stopped: poststop): give the stage as the \
+                         hook's last argument"
+                    )
+                ),
+                (got, want) => panic!("{status:?}: {got:?}, want {want:?}"),
+            }
+        }
+    }
 
     #[test]
     fn container_ids_must_be_path_components() {

@@ -30,6 +30,9 @@ pub enum StageArg {
     CreateRuntime,
     /// poststop: release the container's volumes.
     Poststop,
+    /// The stage the state's status names (creating: create-runtime, stopped: poststop), for one
+    /// hooks.d entry registered for both stages (Podman, CRI-O).
+    FromState,
 }
 
 /// `oci-hook` options.
@@ -42,7 +45,13 @@ Examples (entries of an OCI bundle's config.json; runc passes the state on stdin
       \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\",
                \"--tenant-annotation\", \"io.kubernetes.pod.namespace\", \"create-runtime\"]}],
     \"poststop\": [{\"path\": \"/usr/bin/csi-isolator\",
-      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"poststop\"]}]}")]
+      \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"poststop\"]}]}
+A Podman hooks.d entry (one for both stages; the state's status says which):
+  {\"version\": \"1.0.0\",
+   \"hook\": {\"path\": \"/usr/bin/csi-isolator\",
+     \"args\": [\"csi-isolator\", \"--work-dir\", \"/var/lib/csi-hooks\", \"oci-hook\", \"from-state\"]},
+   \"when\": {\"annotations\": {\"^io\\\\.csi-isolator\\\\.volumes$\": \".*\"}},
+   \"stages\": [\"createRuntime\", \"poststop\"]}")]
 pub struct OciHookArgs {
     #[command(flatten)]
     plugin: PluginArgs,
@@ -72,23 +81,34 @@ pub struct OciHookArgs {
     /// driver's server and share), so allow only keys whoever sets annotations may choose.
     #[arg(long = "allow-parameter", value_name = "KEY", value_parser = text())]
     allowed_parameters: Vec<String>,
-    /// The hook: create-runtime or poststop.
+    /// The hook: create-runtime, poststop, or from-state (the state's status says which).
     #[arg(value_enum)]
     stage: StageArg,
 }
 
 /// Runs the hook on the state read from stdin.
 pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode> {
-    let (stage, name) = match args.stage {
-        StageArg::CreateRuntime => (Stage::CreateRuntime, "oci-hook create-runtime"),
-        StageArg::Poststop => (Stage::Poststop, "oci-hook poststop"),
+    let given = match args.stage {
+        StageArg::CreateRuntime => Some(Stage::CreateRuntime),
+        StageArg::Poststop => Some(Stage::Poststop),
+        StageArg::FromState => None,
     };
-    csi_isolator::workdir::require_utf8(work_dir).with_context(|| name.to_string())?;
+    let name = |stage: Option<Stage>| match stage {
+        Some(Stage::CreateRuntime) => "oci-hook create-runtime",
+        Some(Stage::Poststop) => "oci-hook poststop",
+        None => "oci-hook from-state",
+    };
+    csi_isolator::workdir::require_utf8(work_dir).with_context(|| name(given))?;
     let mut input = Vec::new();
     std::io::stdin()
         .read_to_end(&mut input)
-        .with_context(|| format!("{name}: read the container state from stdin"))?;
-    let state = State::parse(&input).with_context(|| name.to_string())?;
+        .with_context(|| format!("{}: read the container state from stdin", name(given)))?;
+    let state = State::parse(&input).with_context(|| name(given))?;
+    let stage = match given {
+        Some(stage) => stage,
+        None => Stage::from_state(&state).with_context(|| name(given))?,
+    };
+    let name = name(Some(stage));
     let plugin = args.plugin;
     // The anyhow error becomes the boxed error as it is: its context and causes stay its chain.
     let provider: ProviderFactory =
