@@ -68,6 +68,8 @@ impl Plugin {
         cmd.arg("docker-plugin")
             .arg("--socket")
             .arg(&socket)
+            // Unpublished at the last Unmount, so each round starts from CREATED.
+            .arg("--unpublish-delay=0")
             .env_remove(CRASH_AFTER_WRITE_ENV)
             .stdin(Stdio::null())
             .env("RUST_LOG", "info")
