@@ -32,6 +32,7 @@ use crate::shown::shown;
 
 use super::error::DockerError;
 use super::handlers::{Driver, Endpoint, Scope};
+use super::reconciler::{self, EngineOptions};
 use super::wire;
 
 /// Where Docker looks for a plugin named `csi-isolator`.
@@ -59,11 +60,14 @@ pub struct PluginOptions {
     pub drain: Duration,
     /// How long a managed plugin gets to exit after SIGTERM before SIGKILL.
     pub plugin_grace: Duration,
+    /// The engine whose containers say which uses are still held
+    /// (`--engine`); none: uses end only with `Unmount` or by hand.
+    pub engine: Option<EngineOptions>,
 }
 
 impl PluginOptions {
     /// Options with the default socket, local scope, root only, the default
-    /// limits, 30 s to drain calls and 5 s for the plugin to stop.
+    /// limits, 30 s to drain calls and 5 s for the plugin to stop, no engine.
     pub fn new(work_dir: impl Into<PathBuf>, provider: ProviderConfig) -> Self {
         PluginOptions {
             work_dir: work_dir.into(),
@@ -74,6 +78,7 @@ impl PluginOptions {
             limits: Limits::default(),
             drain: Duration::from_secs(30),
             plugin_grace: Duration::from_secs(5),
+            engine: None,
         }
     }
 }
@@ -170,9 +175,19 @@ pub async fn run(
                 metrics,
             );
             let driver = Arc::new(Driver::new(provider.clone(), opts.scope));
+            let (stop_rounds, stopped) = tokio::sync::watch::channel(false);
+            let rounds = opts
+                .engine
+                .clone()
+                .map(|engine| tokio::spawn(reconciler::run(provider.clone(), engine, stopped)));
             on_ready(&started);
             tracing::info!(socket = %opts.socket.display(), "csi-isolator docker-plugin ready");
             accept_until(gate, driver, &opts, shutdown).await;
+            // A round's releases run to their end; a listing in flight is dropped.
+            let _ = stop_rounds.send(true);
+            if let Some(rounds) = rounds {
+                let _ = rounds.await;
+            }
             provider.shutdown(opts.plugin_grace).await;
             Ok(())
         }
