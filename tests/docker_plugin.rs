@@ -913,3 +913,41 @@ async fn hostile_or_absent_engine_answers_release_nothing() {
     assert!(p.stop(&sb, Signal::SIGTERM).success());
     engine.stop();
 }
+
+#[test]
+fn a_bad_engine_endpoint_or_an_engine_flag_without_engine_is_refused_before_anything_starts() {
+    require_root();
+    let sb = Sandbox::new("docker-engine-flags");
+    let work = sb.join("work");
+    let socket = sb.join("d/csi-isolator.sock");
+    for (args, expected) in [
+        (
+            &["--engine", "tcp://127.0.0.1:2375"][..],
+            "expected unix:///ABSOLUTE/PATH",
+        ),
+        (
+            &["--engine", "/var/run/docker.sock"][..],
+            "expected unix:///",
+        ),
+        (&["--engine-interval", "5"][..], "--engine"),
+        (
+            &["--engine", "unix:///run/x.sock", "--engine-interval", "0"][..],
+            "--engine-interval",
+        ),
+    ] {
+        let out = csi_isolator_testing::isolator_command(BIN, &work)
+            .arg("docker-plugin")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(
+            !socket.exists() && !work.exists(),
+            "{args:?} made something"
+        );
+    }
+}
