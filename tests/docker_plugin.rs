@@ -951,3 +951,70 @@ fn a_bad_engine_endpoint_or_an_engine_flag_without_engine_is_refused_before_anyt
         );
     }
 }
+
+/// `csi-isolator volume ARGS` on the plugin's work dir (while no plugin runs): its stderr.
+fn volume_command(work: &Path, args: &[&str]) -> String {
+    let out = csi_isolator_testing::isolator_command(BIN, work)
+        .arg("volume")
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "volume {args:?}: {stderr}");
+    stderr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_mount_id_of_an_earlier_version_is_kept_by_the_engine_and_ended_by_unmount_and_a_use_is_released_by_hand(
+) {
+    require_root();
+    let sb = Sandbox::new("docker-users");
+    let socket = engine_dir(&sb).join("engine.sock");
+    let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
+    let endpoint = format!("unix://{}", socket.display());
+    let args = ["--engine", endpoint.as_str(), "--engine-interval", "1"];
+    let p = Plugin::start(&sb, &args);
+    p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
+    let work = p.work.clone();
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+
+    // An earlier version recorded the bare Mount ID (as `volume publish` records a container).
+    let mountpoint = PathBuf::from(
+        String::from_utf8(
+            csi_isolator_testing::isolator_command(BIN, &work)
+                .args(["volume", "publish", "v", "--container", A])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap()
+        .trim(),
+    );
+    assert!(is_mounted(&mountpoint));
+    let p = Plugin::start(&sb, &args);
+    let served = engine.served("none");
+    engine.wait_served("none", served + 3).await;
+    assert_eq!(
+        users_of(&p, "v").await,
+        [A],
+        "the engine says nothing holds v, but a bare ID is not docker-plugin's to release"
+    );
+    assert!(is_mounted(&mountpoint));
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(!is_mounted(&mountpoint), "Unmount ends the bare ID too");
+
+    // A use whose Unmount never came, released by hand while no plugin runs.
+    p.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": B}))
+        .await;
+    assert!(is_mounted(&mountpoint));
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    volume_command(
+        &work,
+        &["release", "v", "--container", &format!("docker-plugin/{B}")],
+    );
+    assert!(!is_mounted(&mountpoint));
+    volume_command(&work, &["destroy", "v"]);
+    assert!(mount_points_under(&work).is_empty());
+    engine.stop();
+}
