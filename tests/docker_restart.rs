@@ -3,7 +3,8 @@
 //!
 //! - the plugin SIGKILLed: the container keeps writing into its volume (the volume stays
 //!   published: its Mount ID is a durable use), and the plugin started again on the same work
-//!   dir and socket serves the `Unmount` of the later `docker stop`;
+//!   dir and socket (now with `--engine`, which keeps the use of the running container) serves
+//!   the `Unmount` of the later `docker stop`;
 //! - dockerd SIGKILLed and started again on the same directories: what Docker does with the
 //!   use (it restores its containers; whether it sends the `Unmount` is printed and checked),
 //!   and `docker-plugin --engine <dockerd's socket>` leaves no use of a container that is gone,
@@ -174,10 +175,32 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
         Some(9)
     );
     let second = grows(&mountpoint, first, "after the plugin's SIGKILL");
-    // The next plugin, on the same work dir and socket path (the killed one's socket is stale).
-    let plugin = DockerPluginProcess::start(&s.sb, BIN, &s.work, &s.socket, &[]);
-    grows(&mountpoint, second, "with the next plugin");
+    // The next plugin, on the same work dir and socket path (the killed one's socket is stale),
+    // asking dockerd every second: the running container holds the volume, so through several
+    // listings its use is kept.
+    let plugin = DockerPluginProcess::start(
+        &s.sb,
+        BIN,
+        &s.work,
+        &s.socket,
+        &[
+            "--engine",
+            &engine_endpoint(&s.sb),
+            "--engine-interval",
+            "1",
+        ],
+    );
+    let third = grows(&mountpoint, second, "with the next plugin");
+    std::thread::sleep(Duration::from_secs(3));
+    grows(&mountpoint, third, "through the engine's listings");
     assert_eq!(users(&s.engine, "killvol").len(), 1, "{}", plugin.log());
+    let log = plugin.log();
+    assert!(
+        log.contains("engine reconciliation: uses of volumes no live container holds")
+            && !log.contains("no listing this round")
+            && !log.contains("releasing a use"),
+        "{log}"
+    );
 
     // The later stop's Unmount reaches the new plugin: the volume is unpublished.
     let e = &s.engine;
