@@ -600,3 +600,474 @@ async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The test's stand-in for a container engine's API: `GET /containers/json?all=1` on a Unix
+/// socket, answered with whatever the test sets, each answer served recorded.
+struct FakeEngine {
+    socket: PathBuf,
+    answer: std::sync::Arc<std::sync::Mutex<EngineAnswer>>,
+    served: std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// What the fake engine answers.
+#[derive(Clone)]
+enum EngineAnswer {
+    /// A 200 with this body; the label names it in `served`.
+    Body(&'static str, Vec<u8>),
+    /// Raw bytes (a whole HTTP answer, or not).
+    Raw(&'static str, Vec<u8>),
+    /// Nothing: the connection is held open and never answered.
+    Silent,
+}
+
+impl EngineAnswer {
+    /// A listing of containers, each `(state, [volume names])`.
+    fn listing(label: &'static str, containers: &[(&str, &[&str])]) -> EngineAnswer {
+        let list: Vec<Value> = containers
+            .iter()
+            .enumerate()
+            .map(|(i, (state, volumes))| {
+                json!({
+                    "Id": format!("{i:064x}"),
+                    "State": state,
+                    "Mounts": volumes.iter().map(|v| json!({"Type": "volume", "Name": v, "Driver": "csi-isolator", "Source": "", "Destination": "/data"})).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        EngineAnswer::Body(label, Value::Array(list).to_string().into_bytes())
+    }
+
+    fn label(&self) -> &'static str {
+        match self {
+            EngineAnswer::Body(l, _) | EngineAnswer::Raw(l, _) => l,
+            EngineAnswer::Silent => "silent",
+        }
+    }
+}
+
+impl FakeEngine {
+    /// Serves `answer` on `socket` (made 0666 in a directory the test chose).
+    fn start(socket: &Path, answer: EngineAnswer) -> FakeEngine {
+        let _ = std::fs::remove_file(socket);
+        let listener = tokio::net::UnixListener::bind(socket).unwrap();
+        let answer = std::sync::Arc::new(std::sync::Mutex::new(answer));
+        let served = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (a, s) = (answer.clone(), served.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, _)) = listener.accept().await else {
+                    return;
+                };
+                let (a, s) = (a.clone(), s.clone());
+                tokio::spawn(async move {
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.ends_with(b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    assert!(
+                        head.starts_with(b"GET /containers/json?all=1 HTTP/1.1\r\n"),
+                        "{}",
+                        String::from_utf8_lossy(&head)
+                    );
+                    let answer = a.lock().unwrap().clone();
+                    s.lock().unwrap().push(answer.label());
+                    match answer {
+                        EngineAnswer::Body(_, body) => {
+                            let head = format!(
+                                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+                                body.len()
+                            );
+                            let _ = conn.write_all(head.as_bytes()).await;
+                            let _ = conn.write_all(&body).await;
+                        }
+                        EngineAnswer::Raw(_, bytes) => {
+                            let _ = conn.write_all(&bytes).await;
+                        }
+                        EngineAnswer::Silent => {
+                            tokio::time::sleep(Duration::from_secs(30)).await;
+                        }
+                    }
+                });
+            }
+        });
+        FakeEngine {
+            socket: socket.to_path_buf(),
+            answer,
+            served,
+            task,
+        }
+    }
+
+    fn set(&self, answer: EngineAnswer) {
+        *self.answer.lock().unwrap() = answer;
+    }
+
+    /// How many answers labelled `label` were served.
+    fn served(&self, label: &str) -> usize {
+        self.served
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| **l == label)
+            .count()
+    }
+
+    /// Waits (bounded) until `n` answers labelled `label` were served.
+    async fn wait_served(&self, label: &str, n: usize) {
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        while self.served(label) < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the plugin asked the engine {} times for '{label}', not {n}",
+                self.served(label)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn stop(self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The users `Get` shows for a volume.
+async fn users_of(p: &Plugin, name: &str) -> Vec<String> {
+    let got = p.ok("/VolumeDriver.Get", json!({"Name": name})).await;
+    got["Volume"]["Status"]["users"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// A directory every user may reach, for an engine socket.
+fn engine_dir(sb: &Sandbox) -> PathBuf {
+    let dir = sb.mkdir("engine");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_use_made_while_the_engine_lists_no_holder_survives_and_is_released_only_after_two_unheld_listings(
+) {
+    require_root();
+    let sb = Sandbox::new("docker-engine-rule");
+    let socket = engine_dir(&sb).join("engine.sock");
+    let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
+    let endpoint = format!("unix://{}", socket.display());
+    let p = Plugin::start(&sb, &["--engine", &endpoint, "--engine-interval", "2"]);
+    p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
+    p.ok("/VolumeDriver.Create", json!({"Name": "w"})).await;
+
+    // A Mount right after a listing that says nothing holds v (Docker's container was not
+    // created yet when the engine answered).
+    engine.wait_served("none", 1).await;
+    let before = engine.served("none");
+    engine.wait_served("none", before + 1).await;
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    let mountpoint = PathBuf::from(mounted["Mountpoint"].as_str().unwrap());
+    // The next listing still shows no holder: one unheld observation releases nothing.
+    let seen = engine.served("none");
+    engine.wait_served("none", seen + 1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(users_of(&p, "v").await, [A], "{}", p.log());
+    // Now the container shows (created, then running): v stays held however long.
+    engine.set(EngineAnswer::listing("created", &[("created", &["v"])]));
+    engine.wait_served("created", 1).await;
+    engine.set(EngineAnswer::listing(
+        "running",
+        &[("running", &["v"]), ("exited", &["w"])],
+    ));
+    engine.wait_served("running", 2).await;
+    assert_eq!(users_of(&p, "v").await, [A]);
+    assert!(is_mounted(&mountpoint));
+
+    // The container exits without an Unmount: two listings an interval apart release A.
+    engine.set(EngineAnswer::listing("exited", &[("exited", &["v"])]));
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while !users_of(&p, "v").await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "{}", p.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        engine.served("exited") >= 2,
+        "released after {} unheld listing(s)",
+        engine.served("exited")
+    );
+    assert!(
+        !is_mounted(&mountpoint),
+        "the last use's release unpublished it"
+    );
+    assert!(mount_points_under(&p.work).is_empty());
+    let log = p.log();
+    let released = log
+        .lines()
+        .find(|l| l.contains("engine reconciliation: releasing a use"))
+        .unwrap_or_else(|| panic!("no release logged: {log}"));
+    assert!(
+        released.contains("INFO") && released.contains(A) && released.contains("volume"),
+        "{released}"
+    );
+    // The volume itself stays; a new Mount works as before.
+    p.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": B}))
+        .await;
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": B}))
+        .await;
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    p.ok("/VolumeDriver.Remove", json!({"Name": "w"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    engine.stop();
+}
+
+/// Serves `GET /containers/json` as `nobody` on `socket` for `secs` seconds, answering that
+/// nothing holds anything: how many connections it accepted.
+fn serve_as_nobody(socket: &Path, secs: u64) -> u8 {
+    let socket = socket.to_path_buf();
+    let outcome = as_nobody(move || {
+        let errno = |e: std::io::Error| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO));
+        let listener = std::os::unix::net::UnixListener::bind(&socket).map_err(errno)?;
+        listener.set_nonblocking(true).map_err(errno)?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(secs);
+        let mut accepted = 0u8;
+        while std::time::Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    accepted = accepted.saturating_add(1);
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n[]",
+                    );
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        Ok(accepted.min(127))
+    });
+    match outcome {
+        Outcome::Ok(n) => n,
+        other => panic!("the engine as nobody failed: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_or_absent_engine_answers_release_nothing() {
+    require_root();
+    let sb = Sandbox::new("docker-engine-hostile");
+    let socket = engine_dir(&sb).join("engine.sock");
+    let endpoint = format!("unix://{}", socket.display());
+    // No engine yet: unreachable.
+    let p = Plugin::start(
+        &sb,
+        &[
+            "--engine",
+            &endpoint,
+            "--engine-interval",
+            "1",
+            "--engine-timeout",
+            "1",
+        ],
+    );
+    p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    let mountpoint = PathBuf::from(mounted["Mountpoint"].as_str().unwrap());
+    let kept = |p: &Plugin, what: &str| {
+        let log = p.log();
+        assert!(is_mounted(&mountpoint), "{what}: {log}");
+        log
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(users_of(&p, "v").await, [A]);
+    let log = kept(&p, "unreachable");
+    assert!(
+        log.contains(&format!("engine {endpoint}: connect"))
+            && log.contains("no listing this round, so nothing is released"),
+        "{log}"
+    );
+
+    let oversized = {
+        let mut body = b"[".to_vec();
+        body.resize(33 << 20, b' ');
+        body.push(b']');
+        body
+    };
+    let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
+    for (answer, step) in [
+        (
+            EngineAnswer::Body("garbage", b"[{\"State\":\"exited\",".to_vec()),
+            "parse the answer of GET /containers/json?all=1 as a list of containers",
+        ),
+        (
+            EngineAnswer::Body("oversized", oversized),
+            "read the answer of GET /containers/json?all=1: over 33554432 bytes",
+        ),
+        (
+            EngineAnswer::Silent,
+            "send GET /containers/json and read the answer's head: not done within 1 s",
+        ),
+        (
+            EngineAnswer::Raw(
+                "status",
+                b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 2\r\n\r\n[]".to_vec(),
+            ),
+            "GET /containers/json?all=1 answered 500",
+        ),
+    ] {
+        let label = answer.label();
+        engine.set(answer);
+        engine.wait_served(label, 3).await;
+        assert_eq!(users_of(&p, "v").await, [A], "{label}");
+        let log = kept(&p, label);
+        assert!(
+            log.contains(&format!("engine {endpoint}: {step}")),
+            "{label}: {log}"
+        );
+    }
+    engine.stop();
+
+    // An engine socket served by another user than root is not asked at all.
+    let accepted = tokio::task::spawn_blocking({
+        let socket = socket.clone();
+        move || serve_as_nobody(&socket, 4)
+    })
+    .await
+    .unwrap();
+    assert!(accepted >= 2, "the plugin tried {accepted} time(s)");
+    let _ = std::fs::remove_file(&socket);
+    assert_eq!(users_of(&p, "v").await, [A]);
+    let log = kept(&p, "nobody");
+    assert!(
+        log.contains(&format!(
+            "engine {endpoint}: its socket is served by uid 65534, not root"
+        )),
+        "{log}"
+    );
+
+    // The control: a root engine saying nothing holds v gets A released.
+    let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while !users_of(&p, "v").await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "{}", p.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(engine.served("none") >= 2);
+    assert!(!is_mounted(&mountpoint));
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    engine.stop();
+}
+
+#[test]
+fn a_bad_engine_endpoint_or_an_engine_flag_without_engine_is_refused_before_anything_starts() {
+    require_root();
+    let sb = Sandbox::new("docker-engine-flags");
+    let work = sb.join("work");
+    let socket = sb.join("d/csi-isolator.sock");
+    for (args, expected) in [
+        (
+            &["--engine", "tcp://127.0.0.1:2375"][..],
+            "expected unix:///ABSOLUTE/PATH",
+        ),
+        (
+            &["--engine", "/var/run/docker.sock"][..],
+            "expected unix:///",
+        ),
+        (&["--engine-interval", "5"][..], "--engine"),
+        (
+            &["--engine", "unix:///run/x.sock", "--engine-interval", "0"][..],
+            "--engine-interval",
+        ),
+    ] {
+        let out = csi_isolator_testing::isolator_command(BIN, &work)
+            .arg("docker-plugin")
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?}: {stderr}");
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+        assert!(
+            !socket.exists() && !work.exists(),
+            "{args:?} made something"
+        );
+    }
+}
+
+/// `csi-isolator volume ARGS` on the plugin's work dir (while no plugin runs): its stderr.
+fn volume_command(work: &Path, args: &[&str]) -> String {
+    let out = csi_isolator_testing::isolator_command(BIN, work)
+        .arg("volume")
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "volume {args:?}: {stderr}");
+    stderr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bare_mount_id_of_an_earlier_version_is_kept_by_the_engine_and_ended_by_unmount_and_a_use_is_released_by_hand(
+) {
+    require_root();
+    let sb = Sandbox::new("docker-users");
+    let socket = engine_dir(&sb).join("engine.sock");
+    let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
+    let endpoint = format!("unix://{}", socket.display());
+    let args = ["--engine", endpoint.as_str(), "--engine-interval", "1"];
+    let p = Plugin::start(&sb, &args);
+    p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
+    let work = p.work.clone();
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+
+    // An earlier version recorded the bare Mount ID (as `volume publish` records a container).
+    let mountpoint = PathBuf::from(
+        String::from_utf8(
+            csi_isolator_testing::isolator_command(BIN, &work)
+                .args(["volume", "publish", "v", "--container", A])
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap()
+        .trim(),
+    );
+    assert!(is_mounted(&mountpoint));
+    let p = Plugin::start(&sb, &args);
+    let served = engine.served("none");
+    engine.wait_served("none", served + 3).await;
+    assert_eq!(
+        users_of(&p, "v").await,
+        [A],
+        "the engine says nothing holds v, but a bare ID is not docker-plugin's to release"
+    );
+    assert!(is_mounted(&mountpoint));
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(!is_mounted(&mountpoint), "Unmount ends the bare ID too");
+
+    // A use whose Unmount never came, released by hand while no plugin runs.
+    p.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": B}))
+        .await;
+    assert!(is_mounted(&mountpoint));
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    volume_command(
+        &work,
+        &["release", "v", "--container", &format!("docker-plugin/{B}")],
+    );
+    assert!(!is_mounted(&mountpoint));
+    volume_command(&work, &["destroy", "v"]);
+    assert!(mount_points_under(&work).is_empty());
+    engine.stop();
+}

@@ -4,8 +4,8 @@
 //! |---|---|
 //! | `Create` | `create_volume` (same name and options: the same volume), or `import_volume` with `volume-id` |
 //! | `Remove` | `destroy_volume_with(id, false)`: unpublish, DeleteVolume; an imported volume is only forgotten; refused while in use, naming the Mount IDs |
-//! | `Mount` | `publish(id, ID)`: the Mount ID becomes a durable user |
-//! | `Unmount` | `release(id, ID)`: unpublished after the last user |
+//! | `Mount` | `publish(id, docker-plugin/ID)`: the Mount ID becomes a durable user ([`super::users`]) |
+//! | `Unmount` | `release(id, docker-plugin/ID)` (and the bare ID an earlier version recorded): unpublished after the last user |
 //! | `Path`, `Get`, `List` | the provider's records |
 //!
 //! Volume names are the provider's CreateVolume names (checked by
@@ -25,6 +25,7 @@ use crate::shown::shown;
 
 use super::error::DockerError;
 use super::opts::{self, Plan};
+use super::users;
 use super::wire::{self, Request};
 
 /// The endpoints of the protocol.
@@ -169,7 +170,7 @@ impl Driver {
                 let (rec, id) = self.user(call, &req).await?;
                 let mountpoint = self
                     .provider
-                    .publish(&rec.volume_id, &id)
+                    .publish(&rec.volume_id, &users::user_of(&id))
                     .await
                     .map_err(|source| provider_error(call, &req.name, source))?;
                 json(&wire::MountPoint {
@@ -179,8 +180,15 @@ impl Driver {
             }
             Endpoint::Unmount => {
                 let (rec, id) = self.user(call, &req).await?;
+                // A use recorded by an earlier version is the bare Mount ID.
+                if rec.users.contains(&id) {
+                    self.provider
+                        .release(&rec.volume_id, &id)
+                        .await
+                        .map_err(|source| provider_error(call, &req.name, source))?;
+                }
                 self.provider
-                    .release(&rec.volume_id, &id)
+                    .release(&rec.volume_id, &users::user_of(&id))
                     .await
                     .map_err(|source| provider_error(call, &req.name, source))?;
                 json(&wire::Done::default())
@@ -301,7 +309,11 @@ impl Driver {
                 plugin: self.provider.id().to_string(),
                 state: rec.state.as_str().to_string(),
                 capacity_bytes: rec.capacity_bytes,
-                users: rec.users.clone(),
+                users: rec
+                    .users
+                    .iter()
+                    .map(|u| users::shown_user(u).to_string())
+                    .collect(),
                 imported: rec.pre_provisioned,
             }),
         }

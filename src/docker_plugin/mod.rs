@@ -16,8 +16,14 @@
 //! - Each call runs in a task of its own: a caller that gives up, or the
 //!   call timeout, never cuts a publish or a create short.
 //! - A Mount ID is a durable user of the volume in the provider's
-//!   checkpoint, recorded before the publish: a plugin killed and started
-//!   again keeps the volume published for it and serves its `Unmount`.
+//!   checkpoint (`docker-plugin/<ID>`, [`users`]), recorded before the
+//!   publish: a plugin killed and started again keeps the volume published
+//!   for it and serves its `Unmount`.
+//! - With an engine (`--engine`), uses of volumes no live container holds
+//!   are released ([`reconciler`]; the rule in [`holders`], the engine's
+//!   answer bounded and checked in [`engine`]); only `docker-plugin`'s own
+//!   uses, never a container's. Without one, a use lasts until its
+//!   `Unmount` or `csi-isolator volume release`.
 //! - Answers are 200 with the endpoint's JSON, or (for every error) a
 //!   non-200 status with `{"Err": ...}` naming the endpoint, the volume
 //!   and the cause down to the CSI RPC ([`error`]).
@@ -27,17 +33,25 @@
 //!
 //! Files: `wire.rs` (the protocol's messages), `opts.rs` (`Create`'s
 //! options), `handlers.rs` (one handler per endpoint, onto the provider),
-//! `error.rs` (errors and their answers), `server.rs` (start-up, socket,
-//! HTTP, shutdown).
+//! `users.rs` (how a Mount ID is recorded), `error.rs` (errors and their
+//! answers), `server.rs` (start-up, socket, HTTP, shutdown), and the engine
+//! reconciliation: `holders.rs` (the decision, pure), `engine.rs` (the
+//! engine's listing), `reconciler.rs` (the rounds).
 
+pub mod engine;
 pub mod error;
 pub mod handlers;
+pub mod holders;
 pub mod opts;
+pub mod reconciler;
 pub mod server;
+pub mod users;
 pub mod wire;
 
+pub use engine::{Endpoint as EngineEndpoint, EngineLimits};
 pub use error::DockerError;
 pub use handlers::{Driver, Endpoint, Scope};
+pub use reconciler::EngineOptions;
 pub use server::{
     run, Limits, PluginError, PluginOptions, Started, DEFAULT_SOCKET, DEFAULT_UNPUBLISH_DELAY,
 };

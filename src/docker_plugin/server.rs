@@ -32,6 +32,7 @@ use crate::shown::shown;
 
 use super::error::DockerError;
 use super::handlers::{Driver, Endpoint, Scope};
+use super::reconciler::{self, EngineOptions};
 use super::wire;
 
 /// Where Docker looks for a plugin named `csi-isolator`.
@@ -65,11 +66,14 @@ pub struct PluginOptions {
     pub drain: Duration,
     /// How long a managed plugin gets to exit after SIGTERM before SIGKILL.
     pub plugin_grace: Duration,
+    /// The engine whose containers say which uses are still held
+    /// (`--engine`); none: uses end only with `Unmount` or by hand.
+    pub engine: Option<EngineOptions>,
 }
 
 impl PluginOptions {
     /// Options with the default socket, local scope, root only, the default
-    /// limits, 30 s to drain calls and 5 s for the plugin to stop.
+    /// limits, 30 s to drain calls and 5 s for the plugin to stop, no engine.
     pub fn new(work_dir: impl Into<PathBuf>, provider: ProviderConfig) -> Self {
         PluginOptions {
             work_dir: work_dir.into(),
@@ -80,6 +84,7 @@ impl PluginOptions {
             limits: Limits::default(),
             drain: Duration::from_secs(30),
             plugin_grace: Duration::from_secs(5),
+            engine: None,
         }
     }
 }
@@ -176,17 +181,23 @@ pub async fn run(
                 metrics,
             );
             let driver = Arc::new(Driver::new(provider.clone(), opts.scope));
+            let (stop_rounds, stopped) = tokio::sync::watch::channel(false);
+            let rounds = opts
+                .engine
+                .clone()
+                .map(|engine| tokio::spawn(reconciler::run(provider.clone(), engine, stopped)));
             on_ready(&started);
             tracing::info!(socket = %opts.socket.display(), "csi-isolator docker-plugin ready");
-            let delay = opts.provider.unpublish_delay;
-            let settler = (!delay.is_zero()).then(|| {
-                let provider = provider.clone();
-                let period = (delay / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
-                tokio::spawn(async move { provider.settle_every(period).await })
-            });
+            let settler = settle_idle_volumes(
+                provider.clone(),
+                opts.provider.unpublish_delay,
+                stop_rounds.subscribe(),
+            );
             accept_until(gate, driver, &opts, shutdown).await;
-            if let Some(settler) = settler {
-                settler.abort();
+            // A round's releases and a settle run to their end; a listing in flight is dropped.
+            let _ = stop_rounds.send(true);
+            for task in [rounds, settler].into_iter().flatten() {
+                let _ = task.await;
             }
             provider.shutdown(opts.plugin_grace).await;
             Ok(())
@@ -196,6 +207,29 @@ pub async fn run(
     drop(socket_guard);
     drop(lock);
     result
+}
+
+/// The unpublish delay's clock: settles the provider's idle volumes every quarter of the
+/// delay (0.1 to 1 s) until `stop`; none without a delay. A settle under way finishes.
+fn settle_idle_volumes(
+    provider: Arc<StorageProvider>,
+    delay: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    if delay.is_zero() {
+        return None;
+    }
+    let period = (delay / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => provider.settle_idle().await,
+                _ = stop.changed() => break,
+            }
+        }
+    }))
 }
 
 /// Serves connections until `shutdown`, then stops accepting and waits (up

@@ -140,7 +140,7 @@ impl StorageProvider {
 
     /// Settles every unused volume that a failed release left mid-way, or whose unpublish
     /// delay has passed (skipping volumes with an operation in flight). Failures are logged.
-    /// With an unpublish delay, call it periodically ([`StorageProvider::settle_every`]).
+    /// With an unpublish delay, call it periodically (docker-plugin does, every second).
     pub async fn settle_idle(&self) {
         let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
         for slot in slots {
@@ -152,17 +152,6 @@ impl StorageProvider {
                     tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot settle an unused volume yet");
                 }
             }
-        }
-    }
-
-    /// Runs [`StorageProvider::settle_idle`] every `period`, for ever: the unpublish delay's
-    /// clock. Its owner aborts it (or drops it in a `select!`) at shutdown.
-    pub async fn settle_every(&self, period: Duration) {
-        let mut tick = tokio::time::interval(period);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            self.settle_idle().await;
         }
     }
 

@@ -372,6 +372,49 @@ impl Dockerd {
         }
         eprintln!("dockerd stopped in {:?}", started.elapsed());
     }
+
+    /// After a SIGKILL of dockerd ([`Dockerd::signal_and_wait`]): waits (bounded) for its
+    /// containerd to die (it gets SIGKILL with its parent) and removes containerd's pid file
+    /// when that pid is gone or a zombie. A dead containerd whose parent no one reaps (this
+    /// machine's pid 1 does not) stays a zombie, which a restarted dockerd takes for a live
+    /// containerd and waits for until it fails ("timeout waiting for containerd to start").
+    /// The container shims live on; the next [`Dockerd::start`] on the same sandbox starts a
+    /// new containerd, which finds them.
+    pub fn forget_killed_containerd(sb: &Sandbox) {
+        let pid_file = sb.join("exec/containerd/containerd.pid");
+        let Ok(text) = std::fs::read_to_string(&pid_file) else {
+            return;
+        };
+        let Ok(pid) = text.trim().parse::<u32>() else {
+            return;
+        };
+        let dead = || match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            // The state follows the command name, which is in parentheses.
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .is_some_and(|(_, rest)| rest.trim_start().starts_with(['Z', 'X'])),
+            Err(_) => true,
+        };
+        let started = Instant::now();
+        while !dead() {
+            assert!(
+                started.elapsed() < ENGINE_TIMEOUT,
+                "dockerd's containerd (pid {pid}) outlived dockerd's SIGKILL"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::fs::remove_file(&pid_file).expect("remove containerd's pid file");
+    }
+
+    /// After a dockerd that was SIGKILLed has been started again and stopped: unmounts what
+    /// only the killed one had mounted and no one unmounted, its bind of the data root onto
+    /// itself (each dockerd makes one at start and removes its own at a clean stop).
+    pub fn unmount_killed_data_root(sb: &Sandbox) {
+        let data = sb.join("data");
+        while crate::mount_points_under(&data).contains(&data) {
+            nix::mount::umount(&data).expect("unmount the killed dockerd's data root bind");
+        }
+    }
 }
 
 /// A private Podman: its command with every state directory under the sandbox, but for its run

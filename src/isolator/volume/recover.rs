@@ -222,7 +222,9 @@ fn read_record(work_dir: &Path, e: &std::fs::DirEntry) -> Result<ContainerRecord
 /// `live`), and also when its container lives on but its checkpoint does not have the volume: a
 /// crash in an update after the new volume's use became durable and before the checkpoint recorded
 /// it (the update failed: the container keeps its old set), or after the checkpoint dropped a
-/// removed volume and before its use was released.
+/// removed volume and before its use was released. A user that is not a container id
+/// (`docker-plugin/<Mount ID>`: no container id holds a `/`) was not made by a containerizer and
+/// is never released here; `docker-plugin` and its engine reconciliation own it.
 fn stale_uses<'a>(
     volumes: &'a [VolumeUsers],
     recorded: &HashMap<String, HashSet<(String, String)>>,
@@ -232,6 +234,9 @@ fn stale_uses<'a>(
     for vol in volumes {
         let key = (vol.provider_id.clone(), vol.volume_id.clone());
         for user in &vol.users {
+            if crate::resource::validate_container_id(user).is_err() {
+                continue;
+            }
             let stale = match recorded.get(user) {
                 Some(uses) => !uses.contains(&key),
                 None => !live.contains(user),
@@ -337,6 +342,11 @@ mod tests {
                 vec![("q", "v1", "c1")],
             ),
             ("no users", vec![vol("p", "v9", &[])], vec![]),
+            (
+                "a use docker-plugin made is not a container's: it stays",
+                vec![vol("p", "v1", &["c1", "docker-plugin/0123abcd"])],
+                vec![],
+            ),
         ];
         for (case, volumes, released) in cases {
             assert_eq!(stale_uses(&volumes, &recorded, &live), released, "{case}");

@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use clap::Args;
 use csi_isolator::docker_plugin::{
-    self, Limits, PluginOptions, Scope, Started, DEFAULT_SOCKET, DEFAULT_UNPUBLISH_DELAY,
+    self, EngineEndpoint, EngineLimits, EngineOptions, Limits, PluginOptions, Scope, Started,
+    DEFAULT_SOCKET, DEFAULT_UNPUBLISH_DELAY,
 };
 
 use super::plugin_args::PluginArgs;
@@ -24,6 +25,9 @@ Examples:
   docker run --rm -v data:/data busybox sh -c 'date > /data/x'
   # Any CSI driver already serving a socket
   csi-isolator docker-plugin --plugin-endpoint unix:///run/csi/nfs.sock
+  # Release uses whose container is gone without an Unmount (Docker may skip
+  # it after its own restart), asking dockerd every 30 s
+  csi-isolator docker-plugin --engine unix:///var/run/docker.sock
 
 Create options (-o KEY=VALUE): size (64M, 1G), access-mode (a CSI access mode),
 fs-type, mount-flags (comma-separated), volume-id (import the plugin's volume of
@@ -34,7 +38,13 @@ Who may call: the socket is 0600 root; each connection is checked by the peer's
 credentials (SO_PEERCRED) and only root is served. Each Mount ID is a durable
 user of its volume: a plugin killed and restarted keeps the volume published
 and serves the later Unmount. On SIGTERM calls in flight finish and volumes in
-use stay published.")]
+use stay published.
+
+With --engine, the engine (its socket must be served by root) is asked which
+containers exist (GET /containers/json?all=1); every docker-plugin use of a
+volume that no live container mounts in two listings --engine-interval apart
+is released. Without it, a use lasts until Docker's Unmount or `csi-isolator
+volume release NAME --container docker-plugin/MOUNT_ID`.")]
 pub struct DockerPluginArgs {
     #[command(flatten)]
     plugin: PluginArgs,
@@ -56,6 +66,18 @@ pub struct DockerPluginArgs {
     /// Connections open at once on the socket; more are closed at once.
     #[arg(long, value_name = "N", default_value_t = Limits::default().max_connections as u32, value_parser = clap::value_parser!(u32).range(1..))]
     max_connections: u32,
+    /// The container engine's API socket (unix:///var/run/docker.sock, or
+    /// Podman's `podman system service` socket): uses of volumes that no
+    /// live container holds are released.
+    #[arg(long, value_name = "unix:///PATH")]
+    engine: Option<EngineEndpoint>,
+    /// Seconds between two listings of the engine's containers (a use is
+    /// released after two listings this far apart found its volume unheld).
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86400), requires = "engine")]
+    engine_interval: u64,
+    /// Seconds one listing may take (connect, ask, read the answer).
+    #[arg(long, value_name = "SECS", default_value_t = EngineLimits::default().timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..=600), requires = "engine")]
+    engine_timeout: u64,
 }
 
 /// Runs `docker-plugin` until SIGINT/SIGTERM.
@@ -71,6 +93,14 @@ pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<Exit
         max_connections: args.max_connections as usize,
         ..Limits::default()
     };
+    opts.engine = args.engine.map(|endpoint| EngineOptions {
+        interval: Duration::from_secs(args.engine_interval),
+        limits: EngineLimits {
+            timeout: Duration::from_secs(args.engine_timeout),
+            ..EngineLimits::default()
+        },
+        ..EngineOptions::new(endpoint)
+    });
     let shutdown = super::stop_signal()?;
     docker_plugin::run(opts, announce, shutdown).await?;
     Ok(ExitCode::SUCCESS)

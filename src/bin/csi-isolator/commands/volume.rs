@@ -92,7 +92,8 @@ enum Action {
         /// Volume id or name.
         #[arg(value_parser = text())]
         volume: String,
-        /// The container that used it.
+        /// The container that used it (`docker-plugin/MOUNT_ID` for a use
+        /// made by `docker-plugin`).
         #[arg(long, value_parser = text())]
         container: String,
     },
@@ -121,8 +122,14 @@ enum Action {
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
     // A container id is checked before anything starts, as `run` checks its own.
-    if let Action::Publish { container, .. } | Action::Release { container, .. } = &args.action {
-        validate_container_id(container)?;
+    // A release may also name a use `docker-plugin` made (its Mount ID, prefixed).
+    match &args.action {
+        Action::Release { container, .. }
+            if csi_isolator::docker_plugin::users::mount_id_of(container).is_some() => {}
+        Action::Publish { container, .. } | Action::Release { container, .. } => {
+            validate_container_id(container)?;
+        }
+        _ => {}
     }
     // One process drives a work dir's volumes at a time (run, serve, hooks):
     // wait for them briefly rather than racing their checkpoints.
