@@ -1,0 +1,494 @@
+//! `csi-isolator docker-plugin` serving a Docker Swarm service (issue 12): a single-node swarm
+//! whose task mounts a volume of the plugin's driver through `--mount
+//! type=volume,volume-driver=D`, the way every node of a cluster runs it (Docker 20.10 has no
+//! Swarm cluster volumes: a legacy socket plugin serves the tasks of its own node).
+//!
+//! Swarm makes bridges (`docker_gwbridge`, the ingress network's) with addresses in dockerd's
+//! network namespace, so the test never runs it in the host's (`../shared/ENGINES.md`): it makes
+//! a network namespace of its own (`ip netns add`), starts a private dockerd in it with
+//! `nsenter --net=…` ([`Dockerd::start_in_netns`]) and reaches it over its Unix socket, as it
+//! reaches the plugin's socket in `/run/docker/plugins` (sockets are files: the namespace does
+//! not hide them). After the swarm is left and dockerd stopped, the namespace is deleted
+//! however the test ends ([`NetNs`] is a drop guard), and the test checks that nothing is left
+//! and that the host's network is as it was: the same interfaces and addresses, the same
+//! `ip_forward`, the same firewall rules (`iptables-save`, `nft list ruleset`, when installed).
+//!
+//! Runs under the machine-wide engine-test lock (`HostPaths`) and in the `docker-engine` test
+//! group. Needs root, `dockerd`, `ip` (iproute2) and `nsenter`: without them it fails, it never
+//! skips.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use csi_isolator_testing::engines::{
+    require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
+    ENGINE_TIMEOUT,
+};
+use csi_isolator_testing::{
+    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
+    Sandbox,
+};
+use nix::sys::signal::Signal;
+
+const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
+
+/// Where `ip netns` keeps its namespaces (it makes the directory a shared mount point of its own
+/// the first time).
+const NETNS_DIR: &str = "/run/netns";
+
+/// Runs `program args`, which must succeed: its stdout.
+fn run_ok(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("run {program} {args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}\nstderr: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether `program` is on the PATH.
+fn installed(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// A network namespace of the test's, `/run/netns/<name>` with its loopback up, deleted when
+/// dropped (and `/run/netns` with it, unmounted, when `ip` made it for this namespace and no
+/// other namespace is in it).
+struct NetNs {
+    name: String,
+    made_dir: bool,
+    deleted: bool,
+}
+
+impl NetNs {
+    fn add(name: &str) -> NetNs {
+        let made_dir = !Path::new(NETNS_DIR).exists();
+        run_ok("ip", &["netns", "add", name]);
+        let ns = NetNs {
+            name: name.to_string(),
+            made_dir,
+            deleted: false,
+        };
+        run_ok("ip", &["-n", name, "link", "set", "lo", "up"]);
+        ns
+    }
+
+    fn path(&self) -> PathBuf {
+        Path::new(NETNS_DIR).join(&self.name)
+    }
+
+    /// Pids of the processes in this namespace.
+    fn processes(&self) -> Vec<u32> {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(ns) = std::fs::metadata(self.path()) else {
+            return Vec::new();
+        };
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir("/proc").expect("read /proc").flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(net) = std::fs::metadata(entry.path().join("ns/net")) else {
+                continue;
+            };
+            if net.dev() == ns.dev() && net.ino() == ns.ino() {
+                pids.push(pid);
+            }
+        }
+        pids
+    }
+
+    /// Deletes the namespace after checking that no process is left in it.
+    fn delete(mut self) {
+        let left = self.processes();
+        assert!(
+            left.is_empty(),
+            "processes left in netns {}: {left:?}",
+            self.name
+        );
+        self.remove();
+        let listed = run_ok("ip", &["netns", "list"]);
+        assert!(
+            !listed.split_whitespace().any(|n| n == self.name),
+            "netns {} still listed: {listed}",
+            self.name
+        );
+    }
+
+    fn remove(&mut self) {
+        if self.deleted {
+            return;
+        }
+        self.deleted = true;
+        let out = Command::new("ip")
+            .args(["netns", "delete", &self.name])
+            .output();
+        match out {
+            Ok(o) if o.status.success() => eprintln!("deleted netns {}", self.name),
+            Ok(o) => eprintln!(
+                "ip netns delete {}: {}",
+                self.name,
+                String::from_utf8_lossy(&o.stderr)
+            ),
+            Err(e) => eprintln!("ip netns delete {}: {e}", self.name),
+        }
+        let dir = Path::new(NETNS_DIR);
+        let empty = std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
+        if self.made_dir && empty {
+            if let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::empty()) {
+                eprintln!("umount {NETNS_DIR}: {e}");
+            }
+            if let Err(e) = std::fs::remove_dir(dir) {
+                eprintln!("rmdir {NETNS_DIR}: {e}");
+            }
+        }
+    }
+}
+
+impl Drop for NetNs {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}
+
+/// What the test must leave as it found it in the host's network namespace.
+#[derive(Debug, PartialEq, Eq)]
+struct HostNetwork {
+    /// `NAME KIND` of each interface.
+    links: Vec<String>,
+    /// `NAME FAMILY ADDRESS` of each address.
+    addresses: Vec<String>,
+    ip_forward: String,
+    /// `iptables-save` without its comments and packet counters, if installed.
+    iptables: Option<String>,
+    /// `nft list ruleset` without counters, if installed.
+    nft: Option<String>,
+}
+
+impl HostNetwork {
+    fn read() -> HostNetwork {
+        let links = run_ok("ip", &["-o", "-d", "link", "show"])
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                // `N: NAME: <FLAGS> … link/TYPE …`: the name and the link type.
+                let name = f.get(1).copied().unwrap_or("").trim_end_matches(':');
+                let kind = f.iter().find(|w| w.starts_with("link/")).unwrap_or(&"");
+                format!("{name} {kind}")
+            })
+            .collect();
+        let addresses = run_ok("ip", &["-o", "addr", "show"])
+            .lines()
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                f.get(1..4).unwrap_or_default().join(" ")
+            })
+            .collect();
+        let ip_forward = std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .expect("read ip_forward")
+            .trim()
+            .to_string();
+        let iptables = installed("iptables-save").then(|| {
+            run_ok("iptables-save", &[])
+                .lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(|l| match l.find(" [") {
+                    // `:CHAIN POLICY [packets:bytes]`
+                    Some(i) if l.starts_with(':') => &l[..i],
+                    _ => l,
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        });
+        let nft = installed("nft").then(|| {
+            run_ok("nft", &["list", "ruleset"])
+                .lines()
+                .map(|l| match l.find("counter packets") {
+                    Some(i) => &l[..i],
+                    None => l,
+                })
+                .collect::<Vec<_>>()
+                .join("\n")
+        });
+        HostNetwork {
+            links,
+            addresses,
+            ip_forward,
+            iptables,
+            nft,
+        }
+    }
+}
+
+/// Waits (bounded by [`ENGINE_TIMEOUT`]) until `check` gives a value; its error is what it
+/// saw instead, shown if the wait fails.
+fn wait_for<T>(
+    what: &str,
+    mut check: impl FnMut() -> Result<T, String>,
+    log: impl Fn() -> String,
+) -> T {
+    let started = Instant::now();
+    loop {
+        let seen = match check() {
+            Ok(value) => {
+                eprintln!("{what}: {:?}", started.elapsed());
+                return value;
+            }
+            Err(seen) => seen,
+        };
+        assert!(
+            started.elapsed() < ENGINE_TIMEOUT,
+            "{what}: not within {ENGINE_TIMEOUT:?}; last seen: {seen}\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The names of the volumes the work dir records (`volume list --json`).
+fn recorded_volumes(work: &Path) -> Vec<String> {
+    let out = isolator_command(BIN, work)
+        .args(["volume", "list", "--json"])
+        .output()
+        .expect("run volume list");
+    assert!(out.status.success(), "volume list: {out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
+    listed
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|v| v["name"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+#[test]
+fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_is_untouched() {
+    require_root();
+    require_engine("dockerd", "docker.io");
+    for tool in ["ip", "nsenter"] {
+        assert!(
+            installed(tool),
+            "`{tool}` is not installed (iproute2, util-linux): this test does not skip"
+        );
+    }
+    let id = unique();
+    let driver = format!("csi-isolator-test-{id}");
+    let mut host = HostPaths::claim(DOCKER_HOST_PATHS);
+    let network_before = HostNetwork::read();
+    let socket = Path::new(DOCKER_PLUGINS_DIR).join(format!("{driver}.sock"));
+    host.remove_at_end(&socket);
+    let netns = NetNs::add(&format!("csi-swarm-{id}"));
+    let sb = Sandbox::new("swarm");
+    let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &socket, &[]);
+    let e = Dockerd::start_in_netns(&sb, &netns.name);
+    let in_netns = netns.processes();
+    assert!(
+        in_netns.contains(&e.pid()),
+        "dockerd {} is not in netns {}: {in_netns:?}",
+        e.pid(),
+        netns.name
+    );
+    let image = e.import_busybox(&sb);
+    let logs = || format!("dockerd:\n{}\ndocker-plugin:\n{}", e.log(), plugin.log());
+
+    // Swarm places a task only on a node whose description lists its volume driver, and dockerd
+    // lists a socket plugin only once something made it look in /run/docker/plugins (moby#32380:
+    // the task stays Pending with "missing plugin"). `volume ls` asks every plugin there.
+    e.ok(&["volume", "ls"]);
+    let drivers = e.ok(&["info", "--format", "{{json .Plugins.Volume}}"]);
+    assert!(drivers.contains(&format!("\"{driver}\"")), "{drivers}");
+    e.ok(&[
+        "swarm",
+        "init",
+        "--advertise-addr",
+        "127.0.0.1",
+        "--listen-addr",
+        "127.0.0.1:2377",
+    ]);
+    assert_eq!(
+        e.ok(&["info", "--format", "{{.Swarm.LocalNodeState}}"]),
+        "active"
+    );
+    let described = e.ok(&[
+        "node",
+        "inspect",
+        "self",
+        "--format",
+        "{{json .Description.Engine.Plugins}}",
+    ]);
+    assert!(
+        described.contains(&format!("\"Type\":\"Volume\",\"Name\":\"{driver}\"")),
+        "the node does not offer the driver: {described}"
+    );
+
+    let service = format!("csi-swarm-{id}");
+    let volume = "swarmvol";
+    e.ok(&[
+        "service",
+        "create",
+        "--detach",
+        "--name",
+        &service,
+        "--no-resolve-image",
+        "--restart-condition",
+        "none",
+        "--stop-grace-period",
+        "1s",
+        "--mount",
+        &format!(
+            "type=volume,source={volume},target=/data,volume-driver={driver},volume-opt=size=16M"
+        ),
+        &image,
+        "sh",
+        "-c",
+        "echo from-swarm > /data/f; sleep 3600",
+    ]);
+    wait_for(
+        "the task runs",
+        || {
+            let states = e.ok(&[
+                "service",
+                "ps",
+                "--no-trunc",
+                "--format",
+                "{{.CurrentState}}|{{.Error}}",
+                &service,
+            ]);
+            let failed = states
+                .lines()
+                .find(|l| l.starts_with("Failed") || l.starts_with("Rejected"));
+            assert!(failed.is_none(), "the task failed: {states}\n{}", logs());
+            match states.lines().any(|l| l.starts_with("Running")) {
+                true => Ok(()),
+                false => Err(states),
+            }
+        },
+        logs,
+    );
+
+    // Docker made the volume through the plugin (its driver; the plugin's record, published for
+    // one Mount ID, 16 MiB).
+    assert_eq!(
+        e.ok(&["volume", "inspect", "--format", "{{.Driver}}", volume]),
+        driver
+    );
+    let status: serde_json::Value =
+        serde_json::from_str(&e.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]))
+            .expect("Status is JSON");
+    assert_eq!(status["capacity_bytes"], 16 << 20, "{status}");
+    assert_eq!(
+        status["users"].as_array().map(Vec::len),
+        Some(1),
+        "{status}"
+    );
+    assert_eq!(status["state"], "PUBLISHED", "{status}");
+
+    // The task wrote into the plugin's mount, and a plain container reads it back.
+    let mountpoint = e.ok(&["volume", "inspect", "--format", "{{.Mountpoint}}", volume]);
+    assert!(
+        Path::new(&mountpoint).starts_with(&plugin.work),
+        "mount point {mountpoint} is not under the plugin's work dir"
+    );
+    let written = wait_for(
+        "the task writes",
+        || match std::fs::read_to_string(Path::new(&mountpoint).join("f")) {
+            Ok(s) if !s.is_empty() => Ok(s),
+            Ok(_) => Err("an empty file".to_string()),
+            Err(e) => Err(e.to_string()),
+        },
+        logs,
+    );
+    assert_eq!(written, "from-swarm\n");
+    assert_eq!(
+        e.ok(&[
+            "run",
+            "--rm",
+            "--network",
+            "none",
+            "-v",
+            &format!("{volume}:/data"),
+            &image,
+            "cat",
+            "/data/f",
+        ]),
+        "from-swarm"
+    );
+
+    // Removing the service stops and removes its task's container: Docker sends its Unmount and
+    // the last use unpublishes the volume.
+    e.ok(&["service", "rm", &service]);
+    let label = format!("label=com.docker.swarm.service.name={service}");
+    wait_for(
+        "the task's container goes",
+        || match e.ok(&["ps", "-a", "--filter", &label]) {
+            ps if ps.lines().count() <= 1 => Ok(()),
+            ps => Err(ps),
+        },
+        logs,
+    );
+    wait_for(
+        "the volume is unpublished",
+        || match mount_points_under(&plugin.work) {
+            mounts if mounts.is_empty() => Ok(()),
+            mounts => Err(format!("{mounts:?}")),
+        },
+        logs,
+    );
+    e.ok(&["volume", "rm", volume]);
+    assert_eq!(
+        e.ok(&[
+            "volume",
+            "ls",
+            "-q",
+            "--filter",
+            &format!("driver={driver}")
+        ]),
+        ""
+    );
+    e.ok(&["swarm", "leave", "--force"]);
+    assert_eq!(
+        e.ok(&["info", "--format", "{{.Swarm.LocalNodeState}}"]),
+        "inactive"
+    );
+    e.ok(&["rmi", &image]);
+    e.stop(&sb);
+
+    let work = plugin.work.clone();
+    let log = plugin.log();
+    let status = plugin.stop(&sb, Signal::SIGTERM);
+    assert!(status.success(), "docker-plugin: {status}\n{log}");
+    // DeleteVolume ran: the work dir records no volume any more.
+    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+
+    netns.delete();
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    let left = processes_mentioning(sb.path());
+    assert!(left.is_empty(), "processes left: {left:?}");
+    drop(sb);
+    host.assert_restored();
+    assert!(
+        !Path::new(NETNS_DIR)
+            .join(format!("csi-swarm-{id}"))
+            .exists(),
+        "the netns file is left"
+    );
+    assert_eq!(
+        HostNetwork::read(),
+        network_before,
+        "the host's network namespace changed"
+    );
+}
