@@ -9,7 +9,8 @@
 //! `nsenter --net=…` ([`Dockerd::start_in_netns`]) and reaches it over its Unix socket, as it
 //! reaches the plugin's socket in `/run/docker/plugins` (sockets are files: the namespace does
 //! not hide them). After the swarm is left and dockerd stopped, the namespace is deleted
-//! however the test ends ([`NetNs`] is a drop guard), and the test checks that nothing is left
+//! however the test ends ([`NetNs`] is a drop guard; a failing test also removes its services
+//! and containers first, [`RemoveTasks`]), and the test checks that nothing is left
 //! and that the host's network is as it was: the same interfaces and addresses, the same
 //! `ip_forward`, the same firewall rules (`iptables-save`, `nft list ruleset`, when installed).
 //!
@@ -61,8 +62,8 @@ fn installed(program: &str) -> bool {
 }
 
 /// A network namespace of the test's, `/run/netns/<name>` with its loopback up, deleted when
-/// dropped (and `/run/netns` with it, unmounted, when `ip` made it for this namespace and no
-/// other namespace is in it).
+/// dropped after killing any process left in it (and `/run/netns` with it, unmounted, when `ip`
+/// made it for this namespace and no other namespace is in it).
 struct NetNs {
     name: String,
     made_dir: bool,
@@ -133,6 +134,12 @@ impl NetNs {
             return;
         }
         self.deleted = true;
+        // Only a failed test gets here with processes inside (a task's container outlives the
+        // dockerd and shims the sandbox kills): they are the test's, and they keep the namespace.
+        for pid in self.processes() {
+            eprintln!("netns {}: killing process {pid} left in it", self.name);
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
+        }
         let out = Command::new("ip")
             .args(["netns", "delete", &self.name])
             .output();
@@ -161,6 +168,35 @@ impl NetNs {
 impl Drop for NetNs {
     fn drop(&mut self) {
         self.remove();
+    }
+}
+
+/// When dropped while the test is failing, removes every service and container of the test's
+/// dockerd (the only ones it has): a task's container would outlive the dockerd, containerd and
+/// shims the sandbox kills, its processes in namespaces and a cgroup of their own. Dropped
+/// before dockerd is stopped.
+struct RemoveTasks<'a>(&'a Dockerd);
+
+impl Drop for RemoveTasks<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let ids = |args: &[&str]| -> Vec<String> {
+            let out = self.0.docker(args);
+            String::from_utf8_lossy(&out.stdout)
+                .split_whitespace()
+                .map(str::to_string)
+                .collect()
+        };
+        for service in ids(&["service", "ls", "-q"]) {
+            let out = self.0.docker(&["service", "rm", &service]);
+            eprintln!("docker service rm {service}: {}", out.status);
+        }
+        for container in ids(&["ps", "-aq"]) {
+            let out = self.0.docker(&["rm", "-f", &container]);
+            eprintln!("docker rm -f {container}: {}", out.status);
+        }
     }
 }
 
@@ -301,6 +337,7 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
         e.pid(),
         netns.name
     );
+    let reap = RemoveTasks(&e);
     let image = e.import_busybox(&sb);
     let logs = || format!("dockerd:\n{}\ndocker-plugin:\n{}", e.log(), plugin.log());
 
@@ -382,8 +419,14 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
     // Docker made the volume through the plugin (its driver; the plugin's record, published for
     // one Mount ID, 16 MiB).
     assert_eq!(
-        e.ok(&["volume", "inspect", "--format", "{{.Driver}}", volume]),
-        driver
+        e.ok(&[
+            "volume",
+            "inspect",
+            "--format",
+            "{{.Driver}} {{.Scope}}",
+            volume
+        ]),
+        format!("{driver} local")
     );
     let status: serde_json::Value =
         serde_json::from_str(&e.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]))
@@ -464,6 +507,7 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
         "inactive"
     );
     e.ok(&["rmi", &image]);
+    drop(reap);
     e.stop(&sb);
 
     let work = plugin.work.clone();
