@@ -5,18 +5,20 @@
 //!
 //! Swarm makes bridges (`docker_gwbridge`, the ingress network's) with addresses in dockerd's
 //! network namespace, so the test never runs it in the host's (`../shared/ENGINES.md`): it makes
-//! a network namespace of its own (`ip netns add`), starts a private dockerd in it with
-//! `nsenter --net=…` ([`Dockerd::start_in_netns`]) and reaches it over its Unix socket, as it
-//! reaches the plugin's socket in `/run/docker/plugins` (sockets are files: the namespace does
-//! not hide them). After the swarm is left and dockerd stopped, the namespace is deleted
-//! however the test ends ([`NetNs`] is a drop guard; a failing test also removes its services
-//! and containers first, [`RemoveTasks`]), and the test checks that nothing is left
-//! and that the host's network is as it was: the same interfaces and addresses, the same
-//! `ip_forward`, the same firewall rules (`iptables-save`, `nft list ruleset`, when installed).
+//! a network namespace of its own, pinned on a file in its sandbox (`unshare --net=FILE`; `ip
+//! netns add` would add mounts at `/run/netns` that other tests see in the host's mount table),
+//! starts a private dockerd in it with `nsenter --net=FILE` ([`Dockerd::start_in_netns`]) and
+//! reaches it over its Unix socket, as it reaches the plugin's socket in `/run/docker/plugins`
+//! (sockets are files: the namespace does not hide them). After the swarm is left and dockerd
+//! stopped, the namespace is deleted however the test ends ([`NetNs`] is a drop guard; a failing
+//! test also removes its services and containers first, [`RemoveTasks`]), and the test checks
+//! that nothing is left and that the host's network is as it was: the same interfaces and
+//! addresses, the same `ip_forward`, the same firewall rules (`iptables-save`, `nft list
+//! ruleset`, when installed).
 //!
 //! Runs under the machine-wide engine-test lock (`HostPaths`) and in the `docker-engine` test
-//! group. Needs root, `dockerd`, `ip` (iproute2) and `nsenter`: without them it fails, it never
-//! skips.
+//! group. Needs root, `dockerd`, `ip` (iproute2), `unshare` and `nsenter`: without them it fails,
+//! it never skips.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -33,10 +35,6 @@ use csi_isolator_testing::{
 use nix::sys::signal::Signal;
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-
-/// Where `ip netns` keeps its namespaces (it makes the directory a shared mount point of its own
-/// the first time).
-const NETNS_DIR: &str = "/run/netns";
 
 /// Runs `program args`, which must succeed: its stdout.
 fn run_ok(program: &str, args: &[&str]) -> String {
@@ -61,36 +59,35 @@ fn installed(program: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// A network namespace of the test's, `/run/netns/<name>` with its loopback up, deleted when
-/// dropped after killing any process left in it (and `/run/netns` with it, unmounted, when `ip`
-/// made it for this namespace and no other namespace is in it).
+/// A network namespace of the test's, pinned by a bind mount on a file in the sandbox (`unshare
+/// --net=FILE`), its loopback up; when dropped, every process left in it is killed and the file
+/// unmounted and removed. Not `ip netns add`: that mounts `/run/netns` and `/run/netns/NAME` in
+/// the host's mount table, which tests running alongside compare before and after.
 struct NetNs {
-    name: String,
-    made_dir: bool,
-    deleted: bool,
+    path: PathBuf,
+    pinned: bool,
 }
 
 impl NetNs {
-    fn add(name: &str) -> NetNs {
-        let made_dir = !Path::new(NETNS_DIR).exists();
-        run_ok("ip", &["netns", "add", name]);
+    fn add(path: &Path) -> NetNs {
+        std::fs::write(path, "").expect("create the netns file");
+        let p = path.to_str().expect("UTF-8 sandbox path");
+        run_ok("unshare", &[&format!("--net={p}"), "true"]);
         let ns = NetNs {
-            name: name.to_string(),
-            made_dir,
-            deleted: false,
+            path: path.to_path_buf(),
+            pinned: true,
         };
-        run_ok("ip", &["-n", name, "link", "set", "lo", "up"]);
+        run_ok(
+            "nsenter",
+            &[&format!("--net={p}"), "ip", "link", "set", "lo", "up"],
+        );
         ns
-    }
-
-    fn path(&self) -> PathBuf {
-        Path::new(NETNS_DIR).join(&self.name)
     }
 
     /// Pids of the processes in this namespace.
     fn processes(&self) -> Vec<u32> {
         use std::os::unix::fs::MetadataExt;
-        let Ok(ns) = std::fs::metadata(self.path()) else {
+        let Ok(ns) = std::fs::metadata(&self.path) else {
             return Vec::new();
         };
         let mut pids = Vec::new();
@@ -118,49 +115,36 @@ impl NetNs {
         assert!(
             left.is_empty(),
             "processes left in netns {}: {left:?}",
-            self.name
+            self.path.display()
         );
         self.remove();
-        let listed = run_ok("ip", &["netns", "list"]);
         assert!(
-            !listed.split_whitespace().any(|n| n == self.name),
-            "netns {} still listed: {listed}",
-            self.name
+            !self.path.exists(),
+            "netns file {} is left",
+            self.path.display()
         );
     }
 
     fn remove(&mut self) {
-        if self.deleted {
+        if !self.pinned {
             return;
         }
-        self.deleted = true;
-        // Only a failed test gets here with processes inside (a task's container outlives the
-        // dockerd and shims the sandbox kills): they are the test's, and they keep the namespace.
+        self.pinned = false;
+        // Only a failed test gets here with processes inside (dockerd and its containerd, when
+        // the test did not stop them): they are the test's.
         for pid in self.processes() {
-            eprintln!("netns {}: killing process {pid} left in it", self.name);
+            eprintln!(
+                "netns {}: killing process {pid} left in it",
+                self.path.display()
+            );
             let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGKILL);
         }
-        let out = Command::new("ip")
-            .args(["netns", "delete", &self.name])
-            .output();
-        match out {
-            Ok(o) if o.status.success() => eprintln!("deleted netns {}", self.name),
-            Ok(o) => eprintln!(
-                "ip netns delete {}: {}",
-                self.name,
-                String::from_utf8_lossy(&o.stderr)
-            ),
-            Err(e) => eprintln!("ip netns delete {}: {e}", self.name),
+        match nix::mount::umount2(&self.path, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) => eprintln!("deleted netns {}", self.path.display()),
+            Err(e) => eprintln!("umount netns {}: {e}", self.path.display()),
         }
-        let dir = Path::new(NETNS_DIR);
-        let empty = std::fs::read_dir(dir).is_ok_and(|mut d| d.next().is_none());
-        if self.made_dir && empty {
-            if let Err(e) = nix::mount::umount2(dir, nix::mount::MntFlags::empty()) {
-                eprintln!("umount {NETNS_DIR}: {e}");
-            }
-            if let Err(e) = std::fs::remove_dir(dir) {
-                eprintln!("rmdir {NETNS_DIR}: {e}");
-            }
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            eprintln!("remove {}: {e}", self.path.display());
         }
     }
 }
@@ -314,7 +298,7 @@ fn recorded_volumes(work: &Path) -> Vec<String> {
 fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_is_untouched() {
     require_root();
     require_engine("dockerd", "docker.io");
-    for tool in ["ip", "nsenter"] {
+    for tool in ["ip", "unshare", "nsenter"] {
         assert!(
             installed(tool),
             "`{tool}` is not installed (iproute2, util-linux): this test does not skip"
@@ -326,16 +310,16 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
     let network_before = HostNetwork::read();
     let socket = Path::new(DOCKER_PLUGINS_DIR).join(format!("{driver}.sock"));
     host.remove_at_end(&socket);
-    let netns = NetNs::add(&format!("csi-swarm-{id}"));
     let sb = Sandbox::new("swarm");
+    let netns = NetNs::add(&sb.join("netns"));
     let plugin = DockerPluginProcess::start(&sb, BIN, &sb.join("work"), &socket, &[]);
-    let e = Dockerd::start_in_netns(&sb, &netns.name);
+    let e = Dockerd::start_in_netns(&sb, &netns.path);
     let in_netns = netns.processes();
     assert!(
         in_netns.contains(&e.pid()),
         "dockerd {} is not in netns {}: {in_netns:?}",
         e.pid(),
-        netns.name
+        netns.path.display()
     );
     let reap = RemoveTasks(&e);
     let image = e.import_busybox(&sb);
@@ -524,12 +508,6 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
     assert!(left.is_empty(), "processes left: {left:?}");
     drop(sb);
     host.assert_restored();
-    assert!(
-        !Path::new(NETNS_DIR)
-            .join(format!("csi-swarm-{id}"))
-            .exists(),
-        "the netns file is left"
-    );
     assert_eq!(
         HostNetwork::read(),
         network_before,

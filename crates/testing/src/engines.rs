@@ -378,14 +378,17 @@ impl Dockerd {
         eprintln!("dockerd stopped in {:?}", started.elapsed());
     }
 
-    /// [`Dockerd::start`] inside the network namespace `/run/netns/<netns>` (made with `ip
-    /// netns add`), where Swarm may make its bridges (`../shared/ENGINES.md`). `nsenter` enters
-    /// only the network namespace and execs dockerd, so [`Dockerd::pid`] is dockerd's and the
-    /// daemon still sees the host's mounts, cgroups and `/run/docker/plugins`; `ip netns exec`
-    /// would remount `/sys` and hide the cgroup mounts dockerd needs.
-    pub fn start_in_netns(sb: &Sandbox, netns: &str) -> Dockerd {
+    /// [`Dockerd::start`] inside the network namespace pinned at `netns` (a file a namespace
+    /// is bind-mounted on, as `ip netns add` or `unshare --net=FILE` make), where Swarm may make
+    /// its bridges (`../shared/ENGINES.md`). `nsenter` enters only the network namespace and
+    /// execs dockerd, so [`Dockerd::pid`] is dockerd's and the daemon still sees the host's
+    /// mounts, cgroups and `/run/docker/plugins`; `ip netns exec` would remount `/sys` and hide
+    /// the cgroup mounts dockerd needs.
+    pub fn start_in_netns(sb: &Sandbox, netns: &Path) -> Dockerd {
         let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--net=/run/netns/{netns}")).arg("dockerd");
+        let mut net = std::ffi::OsString::from("--net=");
+        net.push(netns);
+        cmd.arg(net).arg("dockerd");
         Dockerd::launch(sb, cmd)
     }
 }
