@@ -27,6 +27,10 @@
 //! - Answers are 200 with the endpoint's JSON, or (for every error) a
 //!   non-200 status with `{"Err": ...}` naming the endpoint, the volume
 //!   and the cause down to the CSI RPC ([`error`]).
+//! - Once it accepts calls, and again when it begins to stop, it tells
+//!   systemd (`READY=1`, `STOPPING=1` to `$NOTIFY_SOCKET` when set:
+//!   [`crate::service::notify`]), so a `Type=notify` unit ordered before
+//!   `docker.service` holds dockerd back until the socket serves.
 //! - On SIGINT/SIGTERM: stop accepting, let calls in flight finish (up to
 //!   the drain time), stop the managed plugin, remove the socket and the
 //!   lock. Published volumes stay published for their users.

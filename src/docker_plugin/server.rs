@@ -27,6 +27,7 @@ use crate::provider::{ProviderConfig, ProviderError, StorageProvider};
 use crate::service::accept::Admitted;
 use crate::service::admission::{self, Admission, PeerSocket};
 use crate::service::metrics::{Refusal, ServiceMetrics};
+use crate::service::notify;
 use crate::service::socket::{self, SocketError};
 use crate::shown::shown;
 
@@ -187,6 +188,11 @@ pub async fn run(
                 .clone()
                 .map(|engine| tokio::spawn(reconciler::run(provider.clone(), engine, stopped)));
             on_ready(&started);
+            tell_systemd(&format!(
+                "{}\nSTATUS=serving on {}",
+                notify::READY,
+                opts.socket.display()
+            ));
             tracing::info!(socket = %opts.socket.display(), "csi-isolator docker-plugin ready");
             let settler = settle_idle_volumes(
                 provider.clone(),
@@ -252,6 +258,7 @@ async fn accept_until(
         }
     }
     drop(gate);
+    tell_systemd(notify::STOPPING);
     tracing::info!(
         in_flight = connections.len(),
         "shutting down: no new calls; waiting for calls in flight"
@@ -265,6 +272,14 @@ async fn accept_until(
             "calls still in flight after {:?}; stopping anyway (their operations are recorded: the next start finishes them)",
             opts.drain
         );
+    }
+}
+
+/// Tells systemd (a `Type=notify` unit) how the service is doing; a failure is only logged: the
+/// calls are served all the same, and systemd times out a start it was not told of.
+fn tell_systemd(state: &str) {
+    if let Err(e) = notify::notify(state) {
+        tracing::warn!(error = %Chain(&e), "could not notify systemd");
     }
 }
 

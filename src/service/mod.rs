@@ -44,8 +44,8 @@
 //! (the gRPC handlers), `error.rs` (the error seam), `convert.rs` (wire
 //! messages to and from library types), `metrics.rs` (what `/metrics`
 //! shows, with `prometheus-client`), `http.rs` (`/metrics` on hyper),
-//! `socket.rs` (the private socket), `daemon.rs` (start-up, serving,
-//! shutdown).
+//! `socket.rs` (the private socket), `notify.rs` (systemd's readiness
+//! notification), `daemon.rs` (start-up, serving, shutdown).
 
 /// The service protocol (`package csi_isolator.v1`), generated at build
 /// time from `proto/isolator.proto`.
@@ -61,6 +61,7 @@ pub mod daemon;
 pub mod error;
 pub mod http;
 pub mod metrics;
+pub mod notify;
 pub mod server;
 pub mod socket;
 

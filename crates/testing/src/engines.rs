@@ -240,6 +240,12 @@ impl Dockerd {
     /// kill, so a restarted daemon finds its containers and volumes) and waits until
     /// `docker info` answers.
     pub fn start(sb: &Sandbox) -> Dockerd {
+        Dockerd::launch(sb, Command::new("dockerd"))
+    }
+
+    /// Starts `cmd` (dockerd, or a program that execs it in its own process: `nsenter`) with
+    /// the private flags and directories, and waits until `docker info` answers.
+    fn launch(sb: &Sandbox, mut cmd: Command) -> Dockerd {
         let log = sb.join("dockerd.log");
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -248,7 +254,6 @@ impl Dockerd {
             .expect("open dockerd.log");
         let err = out.try_clone().expect("dup dockerd.log");
         let host = format!("unix://{}", sb.join("docker.sock").display());
-        let mut cmd = Command::new("dockerd");
         cmd.args([
             "--iptables=false",
             "--ip6tables=false",
@@ -414,6 +419,20 @@ impl Dockerd {
         while crate::mount_points_under(&data).contains(&data) {
             nix::mount::umount(&data).expect("unmount the killed dockerd's data root bind");
         }
+    }
+
+    /// [`Dockerd::start`] inside the network namespace pinned at `netns` (a file a namespace
+    /// is bind-mounted on, as `ip netns add` or `unshare --net=FILE` make), where Swarm may make
+    /// its bridges (`../shared/ENGINES.md`). `nsenter` enters only the network namespace and
+    /// execs dockerd, so [`Dockerd::pid`] is dockerd's and the daemon still sees the host's
+    /// mounts, cgroups and `/run/docker/plugins`; `ip netns exec` would remount `/sys` and hide
+    /// the cgroup mounts dockerd needs.
+    pub fn start_in_netns(sb: &Sandbox, netns: &Path) -> Dockerd {
+        let mut cmd = Command::new("nsenter");
+        let mut net = std::ffi::OsString::from("--net=");
+        net.push(netns);
+        cmd.arg(net).arg("dockerd");
+        Dockerd::launch(sb, cmd)
     }
 }
 

@@ -1,6 +1,7 @@
 //! `csi-isolator docker-plugin`: the Docker (and Podman) volume plugin
 //! protocol on a Unix socket (see `csi_isolator::docker_plugin`). Prints
-//! where it listens on stdout, then `ready`; serves until SIGINT or SIGTERM.
+//! where it listens on stdout, then `ready` (and tells systemd `READY=1` when
+//! `$NOTIFY_SOCKET` is set); serves until SIGINT or SIGTERM.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -38,7 +39,8 @@ Who may call: the socket is 0600 root; each connection is checked by the peer's
 credentials (SO_PEERCRED) and only root is served. Each Mount ID is a durable
 user of its volume: a plugin killed and restarted keeps the volume published
 and serves the later Unmount. On SIGTERM calls in flight finish and volumes in
-use stay published.
+use stay published. Under systemd (Type=notify) it sends READY=1 once its socket
+serves and STOPPING=1 at SIGTERM: contrib/systemd/csi-isolator-docker-plugin.service.
 
 With --engine, the engine (its socket must be served by root) is asked which
 containers exist (GET /containers/json?all=1); every docker-plugin use of a
