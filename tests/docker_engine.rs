@@ -24,39 +24,12 @@ use csi_isolator_testing::engines::{
     require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, plugin_bin, processes_mentioning, require_root,
-    DockerPluginProcess, PluginProcess, Sandbox,
+    isolator_command, mount_points_under, plugin_bin, processes_mentioning, recorded_volumes,
+    require_root, status_volumes, DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-
-/// The names of the volumes the work dir records (`volume list --json`).
-fn recorded_volumes(work: &Path) -> Vec<String> {
-    let out = isolator_command(BIN, work)
-        .args(["volume", "list", "--json"])
-        .output()
-        .expect("run volume list");
-    assert!(out.status.success(), "volume list: {out:?}");
-    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
-    listed
-        .as_array()
-        .expect("an array")
-        .iter()
-        .map(|v| v["name"].as_str().unwrap_or("").to_string())
-        .collect()
-}
-
-/// `status --json` of a work dir: its volumes (state, users, mounted) as the work dir records them.
-fn status_volumes(work: &Path) -> Vec<serde_json::Value> {
-    let out = isolator_command(BIN, work)
-        .args(["status", "--json"])
-        .output()
-        .expect("run status");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("status --json ({e}): {out:?}"));
-    report["volumes"].as_array().expect("volumes").clone()
-}
 
 /// Everything a test starts: the host paths are returned apart, to be dropped last.
 struct Setup {
@@ -193,7 +166,7 @@ fn docker_creates_writes_reads_inspects_and_removes_a_volume() {
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
     // DeleteVolume ran: the work dir records no volume any more.
-    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
     sb.assert_no_mounts_under();
     drop(sb);
     host.assert_restored();
@@ -260,7 +233,7 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
     e.ok(&["volume", "rm", "implicit"]);
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
-    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
     drop(sb);
     host.assert_restored();
 }
@@ -369,7 +342,7 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
         "{log}"
     );
     // What the failing driver's work dir records: the volume, with no use and not published.
-    let volumes = status_volumes(&fail_work);
+    let volumes = status_volumes(BIN, &fail_work);
     assert_eq!(volumes.len(), 1, "{volumes:?}");
     assert_eq!(volumes[0]["name"], "broken", "{volumes:?}");
     assert_eq!(volumes[0]["users"], serde_json::json!([]), "{volumes:?}");
@@ -380,11 +353,11 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
         .output()
         .expect("run volume destroy");
     assert!(out.status.success(), "volume destroy: {out:?}");
-    assert_eq!(recorded_volumes(&fail_work), Vec::<String>::new());
+    assert_eq!(recorded_volumes(BIN, &fail_work), Vec::<String>::new());
 
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
-    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
     drop(sb);
     host.assert_restored();
 }
@@ -440,7 +413,7 @@ async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_wit
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
     assert_eq!(
-        status_volumes(&work),
+        status_volumes(BIN, &work),
         Vec::<serde_json::Value>::new(),
         "{log}"
     );

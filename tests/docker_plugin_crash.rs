@@ -21,20 +21,15 @@
 //! way. The loop over N ends when the call completes without a crash; the
 //! number of points survived is printed.
 
-use std::io::{BufRead, Read, Write};
+use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
-    Sandbox,
-};
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use csi_isolator_testing::{mount_points_under, require_root, DockerPluginProcess, Sandbox};
+use nix::sys::signal::Signal;
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -47,78 +42,48 @@ const ID: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc
 const OTHER: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
 
 /// A docker-plugin on the test's work dir and socket.
-struct Plugin {
-    child: Child,
-    socket: PathBuf,
-    work: PathBuf,
-}
+struct Plugin(DockerPluginProcess);
 
 impl Plugin {
     /// Starts it, armed to die at crash point `crash_at` when given; `None` when it died
     /// before it printed its ready line (a crash point of its start-up).
     fn start(sb: &Sandbox, crash_at: Option<u32>) -> Option<Plugin> {
-        let work = sb.join("work");
-        let socket = sb.join("d/csi-isolator.sock");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(sb.join("docker-plugin.log"))
-            .expect("open docker-plugin.log");
-        let mut cmd = isolator_command(BIN, &work);
-        cmd.arg("docker-plugin")
-            .arg("--socket")
-            .arg(&socket)
-            // Unpublished at the last Unmount, so each round starts from CREATED.
-            .arg("--unpublish-delay=0")
-            .env_remove(CRASH_AFTER_WRITE_ENV)
-            .stdin(Stdio::null())
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(log);
-        if let Some(n) = crash_at {
-            cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
-        }
-        let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
-        let stdout = child.stdout.take().expect("piped stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Reads stdout to its end, so that the plugin never writes to a closed pipe.
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stdout)
-                .lines()
-                .map_while(Result::ok)
-            {
-                if line == DockerPluginProcess::READY {
-                    let _ = tx.send(());
-                }
-            }
-        });
-        // The sender is dropped at the end of stdout: the process exited before it was ready.
-        let ready = match rx.recv_timeout(TIMEOUT) {
-            Ok(()) => true,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => false,
-            Err(e) => panic!("docker-plugin did not get ready within {TIMEOUT:?}: {e}"),
-        };
-        let mut plugin = Plugin {
-            child,
-            socket,
-            work,
-        };
-        if ready {
-            return Some(plugin);
-        }
-        let status = plugin.wait(sb);
-        assert_eq!(
-            status.signal(),
-            Some(9),
-            "docker-plugin exited before it was ready, not at a crash point: {status}"
+        let n = crash_at.map(|n| n.to_string());
+        let envs: Vec<(&str, &str)> = n
+            .as_deref()
+            .map(|n| (CRASH_AFTER_WRITE_ENV, n))
+            .into_iter()
+            .collect();
+        // Unpublished at the last Unmount, so each round starts from CREATED.
+        let started = DockerPluginProcess::try_start(
+            sb,
+            BIN,
+            &sb.join("work"),
+            &sb.join("d/csi-isolator.sock"),
+            &["--unpublish-delay=0"],
+            &envs,
         );
-        None
+        match started {
+            Ok(plugin) => Some(Plugin(plugin)),
+            Err((status, log)) => {
+                assert_eq!(
+                    status.signal(),
+                    Some(9),
+                    "docker-plugin exited before it was ready, not at a crash point: {status}\n{log}"
+                );
+                None
+            }
+        }
+    }
+
+    fn work(&self) -> &Path {
+        &self.0.work
     }
 
     /// One POST: `Some((status, answer))`, or `None` when the connection closed without an
     /// answer (the process died).
     fn post(&self, endpoint: &str, body: &Value) -> Option<(u16, Value)> {
-        let mut s = UnixStream::connect(&self.socket).expect("connect to docker-plugin");
+        let mut s = UnixStream::connect(&self.0.socket).expect("connect to docker-plugin");
         s.set_read_timeout(Some(TIMEOUT)).expect("read timeout");
         let body = body.to_string();
         write!(
@@ -162,36 +127,16 @@ impl Plugin {
         (users, mountpoint.to_string())
     }
 
-    /// Waits (bounded) for its exit, and for its managed plugin's.
-    fn wait(&mut self, sb: &Sandbox) -> ExitStatus {
-        let deadline = Instant::now() + TIMEOUT;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("wait for docker-plugin") {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "docker-plugin did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        sb.untrack(self.child.id());
-        while !processes_mentioning(&self.work).is_empty() {
-            assert!(Instant::now() < deadline, "the managed plugin did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        status
-    }
-
     /// SIGTERM, and a clean exit.
-    fn stop(mut self, sb: &Sandbox) {
-        kill(Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).expect("SIGTERM");
-        let status = self.wait(sb);
+    fn stop(self, sb: &Sandbox) {
+        let status = self.0.stop(sb, Signal::SIGTERM);
         assert!(status.success(), "docker-plugin: {status}");
     }
 }
 
 /// SIGKILL for a plugin still armed (a clean stop could reach its crash point).
-fn kill_now(sb: &Sandbox, mut plugin: Plugin) {
-    kill(Pid::from_raw(plugin.child.id() as i32), Signal::SIGKILL).expect("SIGKILL");
-    plugin.wait(sb);
+fn kill_now(sb: &Sandbox, plugin: Plugin) {
+    plugin.0.stop(sb, Signal::SIGKILL);
 }
 
 fn is_mount_point(path: &Path) -> bool {
@@ -208,7 +153,7 @@ fn recovered(sb: &Sandbox, what: &str, n: u32) -> (Plugin, bool) {
         [id] if id == ID => true,
         other => panic!("{what} crash point {n}: users after recovery {other:?}"),
     };
-    let mounted = mount_points_under(&plugin.work);
+    let mounted = mount_points_under(plugin.work());
     if kept {
         assert!(
             is_mount_point(Path::new(&mountpoint)),
@@ -259,7 +204,7 @@ fn mount_then_unmount(plugin: &Plugin, what: &str, n: u32) {
         (vec![], String::new()),
         "{what} crash point {n}"
     );
-    let mounted = mount_points_under(&plugin.work);
+    let mounted = mount_points_under(plugin.work());
     assert!(mounted.is_empty(), "{what} crash point {n}: {mounted:?}");
 }
 
@@ -306,7 +251,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
             Some((status, answer)) => panic!("Mount at crash point {n}: {status} {answer}"),
             None => {}
         }
-        let status = armed.wait(&sb);
+        let status = armed.0.wait(&sb);
         assert_eq!(status.signal(), Some(9), "Mount crash point {n}: {status}");
         survived += 1;
         let (plugin, _) = recovered(&sb, "Mount", n);
@@ -344,7 +289,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
             Some((status, answer)) => panic!("Unmount at crash point {n}: {status} {answer}"),
             None => {}
         }
-        let status = armed.wait(&sb);
+        let status = armed.0.wait(&sb);
         assert_eq!(
             status.signal(),
             Some(9),
@@ -359,7 +304,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
             (vec![], String::new()),
             "Unmount crash point {n}"
         );
-        let mounted = mount_points_under(&plugin.work);
+        let mounted = mount_points_under(plugin.work());
         assert!(mounted.is_empty(), "Unmount crash point {n}: {mounted:?}");
         mount_then_unmount(&plugin, "Unmount", n);
         plugin.stop(&sb);
@@ -398,7 +343,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
                         panic!("shared {call} at crash point {n}: {status} {answer}")
                     }
                     None => {
-                        let status = armed.wait(&sb);
+                        let status = armed.0.wait(&sb);
                         assert_eq!(status.signal(), Some(9), "shared {call} {n}: {status}");
                         false
                     }

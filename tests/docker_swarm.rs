@@ -29,7 +29,7 @@ use csi_isolator_testing::engines::{
     ENGINE_TIMEOUT,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
+    mount_points_under, processes_mentioning, recorded_volumes, require_root, DockerPluginProcess,
     Sandbox,
 };
 use nix::sys::signal::Signal;
@@ -278,22 +278,6 @@ fn wait_for<T>(
     }
 }
 
-/// The names of the volumes the work dir records (`volume list --json`).
-fn recorded_volumes(work: &Path) -> Vec<String> {
-    let out = isolator_command(BIN, work)
-        .args(["volume", "list", "--json"])
-        .output()
-        .expect("run volume list");
-    assert!(out.status.success(), "volume list: {out:?}");
-    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
-    listed
-        .as_array()
-        .expect("an array")
-        .iter()
-        .map(|v| v["name"].as_str().unwrap_or("").to_string())
-        .collect()
-}
-
 #[test]
 fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_is_untouched() {
     require_root();
@@ -499,7 +483,7 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
     let status = plugin.stop(&sb, Signal::SIGTERM);
     assert!(status.success(), "docker-plugin: {status}\n{log}");
     // DeleteVolume ran: the work dir records no volume any more.
-    assert_eq!(recorded_volumes(&work), Vec::<String>::new(), "{log}");
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
 
     netns.delete();
     sb.assert_no_mounts_under();

@@ -491,6 +491,33 @@ pub fn isolator_command(bin: &str, work: &Path) -> Command {
     c
 }
 
+/// The names of the volumes a work dir records (`cli volume list --json`).
+pub fn recorded_volumes(cli: &str, work: &Path) -> Vec<String> {
+    let out = isolator_command(cli, work)
+        .args(["volume", "list", "--json"])
+        .output()
+        .expect("run volume list");
+    assert!(out.status.success(), "volume list: {out:?}");
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).expect("list --json");
+    listed
+        .as_array()
+        .expect("an array")
+        .iter()
+        .map(|v| v["name"].as_str().unwrap_or("").to_string())
+        .collect()
+}
+
+/// A work dir's volumes as `cli status --json` reports them (state, users, mounted).
+pub fn status_volumes(cli: &str, work: &Path) -> Vec<serde_json::Value> {
+    let out = isolator_command(cli, work)
+        .args(["status", "--json"])
+        .output()
+        .expect("run status");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("status --json ({e}): {out:?}"));
+    report["volumes"].as_array().expect("volumes").clone()
+}
+
 /// A tmpfs of its own for a test, so that its free space changes only with what the test does;
 /// unmounted (lazily) on drop, also when the test fails.
 pub struct Tmpfs {
@@ -923,6 +950,22 @@ impl DockerPluginProcess {
         socket: &Path,
         args: &[&str],
     ) -> DockerPluginProcess {
+        Self::try_start(sb, cli, work, socket, args, &[]).unwrap_or_else(|(status, log)| {
+            panic!("docker-plugin exited before it was ready: {status}; log:\n{log}")
+        })
+    }
+
+    /// [`DockerPluginProcess::start`] with `envs` set (and the crash-point hook
+    /// `CSI_ISOLATOR_CRASH_AFTER_WRITE` only when `envs` sets it): the exit status and the log
+    /// when the process exits before it is ready (a crash point of its start-up).
+    pub fn try_start(
+        sb: &Sandbox,
+        cli: &str,
+        work: &Path,
+        socket: &Path,
+        args: &[&str],
+        envs: &[(&str, &str)],
+    ) -> Result<DockerPluginProcess, (ExitStatus, String)> {
         static STARTED: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let log = sb.join(format!("docker-plugin-{n}.log"));
@@ -932,38 +975,44 @@ impl DockerPluginProcess {
             cmd.arg("--unpublish-delay=0");
         }
         cmd.args(args)
+            .env_remove(csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV)
+            .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(File::create(&log).expect("create the docker-plugin log"));
         let mut child = sb.spawn(&mut cmd).expect("spawn docker-plugin");
         let stdout = child.stdout.take().expect("piped stdout");
         let (tx, rx) = std::sync::mpsc::channel();
+        // Reads stdout to its end, so that the plugin never writes to a closed pipe; the
+        // sender goes with the end of stdout.
         std::thread::spawn(move || {
             use std::io::BufRead;
             for line in io::BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
+                if line == Self::READY {
+                    let _ = tx.send(());
                 }
             }
         });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            match rx.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(line) if line == Self::READY => break,
-                Ok(_) => {}
-                Err(e) => panic!(
-                    "docker-plugin did not get ready ({e}); exit {:?}; log:\n{}",
-                    child.try_wait(),
-                    fs::read_to_string(&log).unwrap_or_default()
-                ),
-            }
-        }
-        DockerPluginProcess {
+        let ready = match rx.recv_timeout(Duration::from_secs(30)) {
+            Ok(()) => true,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => false,
+            Err(e) => panic!(
+                "docker-plugin did not get ready ({e}); log:\n{}",
+                fs::read_to_string(&log).unwrap_or_default()
+            ),
+        };
+        let mut plugin = DockerPluginProcess {
             child,
             socket: socket.to_path_buf(),
             work: work.to_path_buf(),
             log,
+        };
+        if ready {
+            return Ok(plugin);
         }
+        let status = plugin.wait(sb);
+        Err((status, plugin.log()))
     }
 
     /// What it logged so far.
@@ -975,6 +1024,11 @@ impl DockerPluginProcess {
     pub fn stop(mut self, sb: &Sandbox, signal: nix::sys::signal::Signal) -> ExitStatus {
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         nix::sys::signal::kill(pid, signal).expect("signal docker-plugin");
+        self.wait(sb)
+    }
+
+    /// Waits (30 s at most) for its exit and for its managed plugin to go: its exit status.
+    pub fn wait(&mut self, sb: &Sandbox) -> ExitStatus {
         let deadline = Instant::now() + Duration::from_secs(30);
         let status = loop {
             if let Some(status) = self.child.try_wait().expect("wait for docker-plugin") {
