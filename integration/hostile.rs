@@ -21,7 +21,9 @@ use csi_isolator::isolator::ContainerConfig;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::VolumeState;
 use csi_isolator::resource::{Resource, VolumeMode};
-use csi_isolator_testing::{busybox_rootfs, host_mount_points, require_root, Sandbox};
+use csi_isolator_testing::{
+    busybox_rootfs, host_mount_points, in_other_tests_temp, require_root, Sandbox,
+};
 use nix::sys::signal::Signal;
 
 mod common;
@@ -105,8 +107,16 @@ fn identity(target: &Path) -> Identity {
 
 /// Mounts of the volume `id` in the mount namespace of `pid` that lie outside `allowed`. Copies of the
 /// provider's own mounts in the work dir `work` (a container without a rootfs starts with a copy of the
-/// host's table) are not.
-fn foreign_mounts(pid: u32, id: &Identity, work: &Path, allowed: &Path) -> Vec<PathBuf> {
+/// host's table) are not, nor are copies of other tests' mounts under the temp dir outside `sb`: a
+/// loop device that backed another test's volume when the copy was taken may back ours now, with
+/// the same device number and root.
+fn foreign_mounts(
+    sb: &Sandbox,
+    pid: u32,
+    id: &Identity,
+    work: &Path,
+    allowed: &Path,
+) -> Vec<PathBuf> {
     ProcMountTable::for_pid(pid)
         .mounts()
         .unwrap_or_else(|e| panic!("mountinfo of {pid}: {e}"))
@@ -114,6 +124,7 @@ fn foreign_mounts(pid: u32, id: &Identity, work: &Path, allowed: &Path) -> Vec<P
         .filter(|m| (m.major, m.minor, &m.root) == (id.0, id.1, &id.2))
         .map(|m| m.mount_point)
         .filter(|p| !p.starts_with(work) && !p.starts_with(allowed))
+        .filter(|p| !in_other_tests_temp(sb, p))
         .collect()
 }
 
@@ -211,7 +222,7 @@ async fn a_symlink_swapped_in_while_updating_a_running_container_never_moves_the
                 eprintln!("round {round}: add refused: {e}");
             }
         }
-        let foreign = foreign_mounts(pid, &ident, &work, &c1.sandbox);
+        let foreign = foreign_mounts(&sb, pid, &ident, &work, &c1.sandbox);
         assert!(
             foreign.is_empty(),
             "round {round}: mounts outside the sandbox: {foreign:?}"
@@ -237,7 +248,7 @@ async fn a_symlink_swapped_in_while_updating_a_running_container_never_moves_the
                 eprintln!("round {round}: remove refused: {e}");
             }
         }
-        let foreign = foreign_mounts(pid, &ident, &work, &c1.sandbox);
+        let foreign = foreign_mounts(&sb, pid, &ident, &work, &c1.sandbox);
         assert!(
             foreign.is_empty(),
             "round {round}: mounts outside the sandbox: {foreign:?}"
@@ -301,7 +312,7 @@ async fn a_symlink_swapped_in_while_launching_never_moves_the_mount_outside() {
             Ok(mut running) => {
                 launched += 1;
                 sb.track(running.pid());
-                let foreign = foreign_mounts(running.pid(), &ident, &work, &cfg.sandbox);
+                let foreign = foreign_mounts(&sb, running.pid(), &ident, &work, &cfg.sandbox);
                 assert!(
                     foreign.is_empty(),
                     "{id}: mounts outside the sandbox: {foreign:?}"

@@ -606,17 +606,25 @@ pub fn processes_mentioning(needle: impl AsRef<std::ffi::OsStr>) -> Vec<u32> {
     out
 }
 
+/// Whether `path` lies under the temp dir but outside `sb`: where tests of other targets, which
+/// may run at the same time, keep their sandboxes (and engines their run roots) and mount.
+pub fn in_other_tests_temp(sb: &Sandbox, path: &Path) -> bool {
+    static TMP: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let tmp =
+        TMP.get_or_init(|| fs::canonicalize(std::env::temp_dir()).expect("canonicalize temp dir"));
+    path.starts_with(tmp) && !path.starts_with(sb.path())
+}
+
 /// The host's mount points (this process's namespace), leaving out other tests' sandboxes under the
 /// temp dir: tests of other targets may run at the same time and mount there. Everything else,
 /// and `sb` itself, is kept, so a test can compare the table before and after.
 pub fn host_mount_points(sb: &Sandbox) -> Vec<PathBuf> {
-    let tmp = fs::canonicalize(std::env::temp_dir()).expect("canonicalize temp dir");
     let mut points: Vec<PathBuf> = ProcMountTable::new()
         .mounts()
         .expect("read host mount table")
         .into_iter()
         .map(|m| m.mount_point)
-        .filter(|p| !p.starts_with(&tmp) || p.starts_with(sb.path()))
+        .filter(|p| !in_other_tests_temp(sb, p))
         .collect();
     points.sort();
     points
