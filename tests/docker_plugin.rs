@@ -1071,3 +1071,88 @@ async fn a_bare_mount_id_of_an_earlier_version_is_kept_by_the_engine_and_ended_b
     assert!(mount_points_under(&work).is_empty());
     engine.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mount_its_caller_stopped_waiting_for_is_undone_when_it_finishes() {
+    require_root();
+    let sb = Sandbox::new("docker-late");
+    // Every NodePublishVolume takes 3 s; the engine is answered after 1 s.
+    let p = Plugin::start(
+        &sb,
+        &[
+            "--call-timeout=1",
+            "--plugin-arg=--delay=NodePublishVolume=3000",
+        ],
+    );
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "v", "Opts": {"size": "16M"}}),
+    )
+    .await;
+    let no_use_left = |what: &'static str| {
+        let p = &p;
+        async move {
+            let started = Instant::now();
+            loop {
+                // Get waits for the Mount under way; past the 1 s call timeout it answers 500.
+                let (status, got) = p.post("/VolumeDriver.Get", json!({"Name": "v"})).await;
+                if status == 200
+                    && got["Volume"]["Status"]["users"] == json!([])
+                    && mount_points_under(&p.work).is_empty()
+                {
+                    return;
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "{what}: the late Mount was not undone: {got}\n{}",
+                    p.log()
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+
+    // Answered at the call timeout, naming it and what to raise; undone once it ends.
+    let started = Instant::now();
+    let err = p
+        .err("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        err.contains("not done within 1 s") && err.contains("volume_plugin_timeout"),
+        "{err}"
+    );
+    no_use_left("after the call timeout").await;
+    assert!(p.log().contains("undone"), "{}", p.log());
+
+    // A caller that hangs up (as Podman does after its 5 s) gets the same.
+    let socket = p.socket.clone();
+    let body = json!({"Name": "v", "ID": B}).to_string();
+    let gone =
+        tokio::spawn(async move { request(&socket, "POST", "/VolumeDriver.Mount", &body).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gone.abort();
+    let _ = gone.await;
+    no_use_left("after the caller left").await;
+
+    // A Mount in time is kept.
+    let p2_args = ["--plugin-arg=--delay=NodePublishVolume=3000"];
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    let p = Plugin::start(&sb, &p2_args);
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": A}))
+        .await;
+    assert!(is_mounted(Path::new(
+        mounted["Mountpoint"].as_str().unwrap()
+    )));
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": A}))
+        .await;
+    p.ok("/VolumeDriver.Remove", json!({"Name": "v"})).await;
+    assert!(p.stop(&sb, Signal::SIGTERM).success());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

@@ -94,8 +94,13 @@ pub enum DockerError {
         /// The endpoint.
         call: &'static str,
     },
-    /// The call did not finish in time; it goes on in the background.
-    #[error("{call}: not done within {secs} s; it goes on in the background, so ask again later")]
+    /// The call did not finish in time; it goes on in the background (a Mount is then undone).
+    #[error(
+        "{call}: not done within {secs} s (--call-timeout); it goes on in the background, and a \
+         Mount is undone when it ends, as the engine takes this answer for a failure. Try again; \
+         for a slower driver raise --call-timeout, and Podman's volume_plugin_timeout (5 s by \
+         default) above it"
+    )]
     TimedOut {
         /// The endpoint.
         call: &'static str,

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::error_chain::Chain;
 use crate::provider::{StorageProvider, VolumeRecord, VolumeState};
 use crate::resource::validate_container_id;
 use crate::shown::shown;
@@ -132,6 +133,48 @@ impl Driver {
     /// A driver on `provider`.
     pub fn new(provider: Arc<StorageProvider>, scope: Scope) -> Driver {
         Driver { provider, scope }
+    }
+
+    /// Runs one call and hands its answer to `answer`. A `Mount` that made a new use but whose
+    /// answer nobody takes any more (the engine gave up, or the call timeout answered for it)
+    /// is undone: the engine took it for a failure and will send no `Unmount`, so the use
+    /// would hold the volume published for good.
+    pub async fn call_and_answer(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+        answer: tokio::sync::oneshot::Sender<Result<Vec<u8>, DockerError>>,
+    ) {
+        let new_use = match endpoint {
+            Endpoint::Mount => self.would_be_new_use(body).await,
+            _ => false,
+        };
+        let result = self.call(endpoint, body).await;
+        let done = result.is_ok();
+        if answer.send(result).is_err() && done && new_use {
+            match self.call(Endpoint::Unmount, body).await {
+                Ok(_) => tracing::warn!(
+                    body = %String::from_utf8_lossy(body),
+                    "a Mount finished after its caller gave up (or the call timeout answered): undone, since the engine took it for a failure"
+                ),
+                Err(e) => tracing::error!(
+                    error = %Chain(&e),
+                    "a Mount finished after its caller gave up, and undoing it failed: release the use by hand (volume release --container docker-plugin/ID)"
+                ),
+            }
+        }
+    }
+
+    /// Whether a `Mount` with this body would add a use (its Mount ID is no user yet); false
+    /// when the body or the volume is not valid (the call itself then fails).
+    async fn would_be_new_use(&self, body: &[u8]) -> bool {
+        let Ok(req) = serde_json::from_slice::<Request>(body) else {
+            return false;
+        };
+        match self.user(Endpoint::Mount.name(), &req).await {
+            Ok((rec, id)) => !rec.users.contains(&users::user_of(&id)) && !rec.users.contains(&id),
+            Err(_) => false,
+        }
     }
 
     /// Answers one call: the JSON body of a 200, or the error.

@@ -359,22 +359,30 @@ async fn read(req: Request<Incoming>, limits: Limits) -> Result<(Endpoint, Bytes
 }
 
 /// Runs the call in a task of its own, so that a caller that gives up (or
-/// the call timeout) never cuts a provider operation short.
+/// the call timeout) never cuts a provider operation short. The answer comes
+/// back over a oneshot: when this future is dropped (the caller went) or the
+/// timeout answers, the task finds nobody to take it, and undoes a Mount
+/// ([`Driver::call_and_answer`]). An answer sent just as the timeout fires
+/// is still taken.
 async fn call(
     endpoint: Endpoint,
     body: Bytes,
     driver: Arc<Driver>,
     limits: Limits,
 ) -> Result<Vec<u8>, DockerError> {
-    let task = tokio::spawn(async move { driver.call(endpoint, &body).await });
-    match tokio::time::timeout(limits.call_timeout, task).await {
+    let (answer, mut answered) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move { driver.call_and_answer(endpoint, &body, answer).await });
+    match tokio::time::timeout(limits.call_timeout, &mut answered).await {
         Ok(Ok(answer)) => answer,
         Ok(Err(_)) => Err(DockerError::Aborted {
             call: endpoint.name(),
         }),
-        Err(_) => Err(DockerError::TimedOut {
-            call: endpoint.name(),
-            secs: limits.call_timeout.as_secs(),
-        }),
+        Err(_) => {
+            answered.close();
+            answered.try_recv().unwrap_or(Err(DockerError::TimedOut {
+                call: endpoint.name(),
+                secs: limits.call_timeout.as_secs(),
+            }))
+        }
     }
 }
