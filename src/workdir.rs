@@ -120,6 +120,13 @@ pub const SERVE_SOCKET_DIR: Purpose = Purpose {
     flag: "--socket",
 };
 
+/// The directory of a container engine's API socket (docker-plugin's `--engine`): another
+/// user able to change it could put a socket of their choosing in the engine's place.
+pub const ENGINE_SOCKET_DIR: Purpose = Purpose {
+    what: "engine socket dir",
+    flag: "--engine",
+};
+
 /// What a path component is to the directory being checked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Role {

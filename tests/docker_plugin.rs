@@ -973,7 +973,16 @@ fn a_bad_engine_endpoint_or_an_engine_flag_without_engine_is_refused_before_anyt
     let sb = Sandbox::new("docker-engine-flags");
     let work = sb.join("work");
     let socket = sb.join("d/csi-isolator.sock");
+    // An engine socket where another user could put one of their choosing.
+    let theirs = sb.mkdir("nobody-owns");
+    nix::unistd::chown(&theirs, Some(nix::unistd::Uid::from_raw(65534)), None).unwrap();
+    let open_to_all = sb.mkdir("open-to-all");
+    std::fs::set_permissions(&open_to_all, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let in_theirs = format!("unix://{}/docker.sock", theirs.display());
+    let in_open = format!("unix://{}/docker.sock", open_to_all.display());
     for (args, expected) in [
+        (&["--engine", in_theirs.as_str()][..], "engine socket dir"),
+        (&["--engine", in_open.as_str()][..], "engine socket dir"),
         (
             &["--engine", "tcp://127.0.0.1:2375"][..],
             "expected unix:///ABSOLUTE/PATH",

@@ -136,6 +136,27 @@ fn the_units_exec_start_serves_notifies_ready_then_stopping_and_exits_cleanly() 
         "{answer}"
     );
 
+    // The managed plugin (the only other process naming the sandbox) does not get the
+    // readiness socket: it must not report for the service.
+    let plugins: Vec<u32> = processes_mentioning(sb.path())
+        .into_iter()
+        .filter(|&pid| pid != child.id())
+        .collect();
+    assert!(
+        !plugins.is_empty(),
+        "no managed plugin runs\n{}",
+        read_log()
+    );
+    for pid in plugins {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        assert!(
+            !environ
+                .split(|&b| b == 0)
+                .any(|var| var.starts_with(b"NOTIFY_SOCKET=")),
+            "the managed plugin {pid} inherited NOTIFY_SOCKET"
+        );
+    }
+
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).expect("SIGTERM");
     assert_eq!(notification(&notify), "STOPPING=1");
     let status = csi_isolator_testing::engines::wait_bounded(&mut child, "docker-plugin");

@@ -9,7 +9,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -158,6 +158,12 @@ pub async fn run(
 ) -> Result<(), PluginError> {
     crate::workdir::require_mount_privilege("csi-isolator docker-plugin")?;
     let mut opts = opts;
+    // The engine's answer releases uses: its socket must sit where only root can put one (the
+    // work dir's rule for its directory); each listing also checks that root serves it.
+    if let Some(engine) = &opts.engine {
+        let dir = engine.endpoint.path().parent().unwrap_or(Path::new("/"));
+        crate::workdir::safe_dir(dir, crate::workdir::ENGINE_SOCKET_DIR)?;
+    }
     opts.work_dir = crate::workdir::canonical(&opts.work_dir)?;
     opts.provider.work_dir = opts.work_dir.clone();
     let lock = crate::workdir::lock(&opts.work_dir, None).await?;

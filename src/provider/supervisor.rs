@@ -235,6 +235,9 @@ impl Inner {
         let mut cmd = Command::new(&self.command.program);
         cmd.args(&self.command.args)
             .env("CSI_ENDPOINT", endpoint_for(&self.socket))
+            // systemd's readiness socket is ours (docker-plugin under Type=notify): a plugin
+            // that speaks sd_notify must not report for us.
+            .env_remove("NOTIFY_SOCKET")
             .envs(self.command.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             // Its own process group: a terminal's Ctrl-C reaches us, not the
