@@ -184,6 +184,19 @@ const MAX_REMOVE_ENTRIES: usize = 4096;
 /// A hook failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HookError {
+    /// The state on stdin could not be read.
+    #[error("read the container state (stdin)")]
+    ReadState {
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The state on stdin is larger than any runtime sends.
+    #[error("the container state on stdin is over {limit} bytes: refused unread (a runtime's state is a few KiB, annotations included)")]
+    StateTooLarge {
+        /// The limit, bytes.
+        limit: u64,
+    },
     /// The state on stdin is not runtime-spec state JSON.
     #[error("parse the container state (stdin)")]
     ParseState {

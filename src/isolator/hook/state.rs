@@ -24,7 +24,27 @@ pub struct State {
     pub annotations: BTreeMap<String, String>,
 }
 
+/// The most bytes of state read from stdin: the runtime's, but its annotations come from
+/// whoever made the container; Kubernetes bounds them at 256 KiB in all.
+pub const MAX_STATE_BYTES: u64 = 4 << 20;
+
 impl State {
+    /// Reads the state from `input` (stdin), at most [`MAX_STATE_BYTES`], and parses it.
+    pub fn read_from(input: impl std::io::Read) -> Result<State, HookError> {
+        use std::io::Read;
+        let mut bytes = Vec::new();
+        input
+            .take(MAX_STATE_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|source| HookError::ReadState { source })?;
+        if bytes.len() as u64 > MAX_STATE_BYTES {
+            return Err(HookError::StateTooLarge {
+                limit: MAX_STATE_BYTES,
+            });
+        }
+        State::parse(&bytes)
+    }
+
     /// Parses state JSON.
     pub fn parse(bytes: &[u8]) -> Result<State, HookError> {
         serde_json::from_slice(bytes).map_err(|source| HookError::ParseState { source })
@@ -214,6 +234,20 @@ mod tests {
     use super::*;
     use crate::error_chain::FullMessage;
     use crate::isolator::hook::annotations;
+
+    #[test]
+    fn a_state_over_the_bound_is_refused_unread_and_one_within_it_is_parsed() {
+        let within = br#"{"ociVersion":"1.0.2","id":"c1","status":"creating","bundle":"/b"}"#;
+        assert_eq!(State::read_from(&within[..]).unwrap().id, "c1");
+        // An endless stream stops at the bound plus one byte.
+        let endless = std::io::repeat(b' ');
+        let err = State::read_from(endless).unwrap_err();
+        assert!(
+            matches!(err, HookError::StateTooLarge { limit } if limit == MAX_STATE_BYTES),
+            "{err}"
+        );
+        assert!(err.to_string().contains("refused unread"), "{err}");
+    }
 
     #[test]
     fn state_parses_runtime_spec_json() {

@@ -2,7 +2,6 @@
 //! `csi_isolator::isolator::hook`). The runtime writes the container state to stdin;
 //! the hook's options come from its `args` in the bundle's config.json.
 
-use std::io::Read;
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -99,11 +98,7 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
         None => "oci-hook from-state",
     };
     csi_isolator::workdir::require_utf8(work_dir).with_context(|| name(given))?;
-    let mut input = Vec::new();
-    std::io::stdin()
-        .read_to_end(&mut input)
-        .with_context(|| format!("{}: read the container state from stdin", name(given)))?;
-    let state = State::parse(&input).with_context(|| name(given))?;
+    let state = State::read_from(std::io::stdin().lock()).with_context(|| name(given))?;
     let stage = match given {
         Some(stage) => stage,
         None => Stage::from_state(&state).with_context(|| name(given))?,
