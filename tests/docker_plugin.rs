@@ -506,7 +506,12 @@ async fn only_root_may_use_the_socket() {
 async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
     require_root();
     let sb = Sandbox::new("docker-drain");
-    let p = Plugin::start(&sb, &["--plugin-arg=--delay=NodePublishVolume=1500"]);
+    let calls = sb.join("calls");
+    let log_calls = format!("--plugin-arg=--log-calls={}", calls.display());
+    let p = Plugin::start(
+        &sb,
+        &["--plugin-arg=--delay=NodePublishVolume=3000", &log_calls],
+    );
     p.ok(
         "/VolumeDriver.Create",
         json!({"Name": "v", "Opts": {"size": "8M"}}),
@@ -522,14 +527,32 @@ async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
         )
         .await
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The Mount is in flight once the plugin got its NodePublishVolume (logged before the delay).
+    let started = Instant::now();
+    while !std::fs::read_to_string(&calls)
+        .unwrap_or_default()
+        .contains("NodePublishVolume")
+    {
+        assert!(
+            started.elapsed() < TIMEOUT,
+            "the Mount never reached the plugin"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let pid = p.child.id();
     kill(Pid::from_raw(pid as i32), Signal::SIGTERM).unwrap();
     // No new calls once the signal is taken.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    let signalled = Instant::now();
+    while tokio::net::UnixStream::connect(&p.socket).await.is_ok() {
+        assert!(
+            signalled.elapsed() < TIMEOUT,
+            "new connections are still taken {TIMEOUT:?} after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert!(
-        tokio::net::UnixStream::connect(&p.socket).await.is_err(),
-        "a new connection is refused while draining"
+        !mount.is_finished(),
+        "the listener closed while the Mount was in flight"
     );
     let (status, text) = mount.await.unwrap();
     assert_eq!(status, 200, "the Mount in flight is answered: {text}");
@@ -553,7 +576,7 @@ async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
 async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay_then_goes() {
     require_root();
     let sb = Sandbox::new("docker-delay");
-    let p = Plugin::start(&sb, &["--unpublish-delay=2"]);
+    let p = Plugin::start(&sb, &["--unpublish-delay=5"]);
     p.ok(
         "/VolumeDriver.Create",
         json!({"Name": "data", "Opts": {"size": "16M"}}),
@@ -576,13 +599,13 @@ async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay
         .await;
     while is_mounted(&target) {
         assert!(
-            left.elapsed() < Duration::from_secs(10),
-            "still published 10 s after the last Unmount (delay 2 s)"
+            left.elapsed() < Duration::from_secs(20),
+            "still published 20 s after the last Unmount (delay 5 s)"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(
-        left.elapsed() >= Duration::from_millis(1500),
+        left.elapsed() >= Duration::from_secs(4),
         "unpublished after {:?}, before the delay",
         left.elapsed()
     );
@@ -749,9 +772,8 @@ async fn users_of(p: &Plugin, name: &str) -> Vec<String> {
 
 /// A directory every user may reach, for an engine socket.
 fn engine_dir(sb: &Sandbox) -> PathBuf {
-    let dir = sb.mkdir("engine");
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
-    dir
+    // Root's and closed to others: the plugin refuses an engine socket anyone else could plant.
+    sb.mkdir("engine")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -762,7 +784,9 @@ async fn a_use_made_while_the_engine_lists_no_holder_survives_and_is_released_on
     let socket = engine_dir(&sb).join("engine.sock");
     let engine = FakeEngine::start(&socket, EngineAnswer::listing("none", &[]));
     let endpoint = format!("unix://{}", socket.display());
-    let p = Plugin::start(&sb, &["--engine", &endpoint, "--engine-interval", "2"]);
+    // The interval is well above a Mount's time (tens of ms here): a listing taken while the
+    // Mount runs would otherwise be a first unheld observation of its use.
+    let p = Plugin::start(&sb, &["--engine", &endpoint, "--engine-interval", "3"]);
     p.ok("/VolumeDriver.Create", json!({"Name": "v"})).await;
     p.ok("/VolumeDriver.Create", json!({"Name": "w"})).await;
 
@@ -829,12 +853,18 @@ async fn a_use_made_while_the_engine_lists_no_holder_survives_and_is_released_on
 }
 
 /// Serves `GET /containers/json` as `nobody` on `socket` for `secs` seconds, answering that
-/// nothing holds anything: how many connections it accepted.
+/// nothing holds anything: how many connections it accepted. The socket is bound by root (in a
+/// directory only root may write) and listened on again by `nobody`: a connection carries the
+/// credentials of the last `listen`, so the plugin sees a socket served by `nobody`.
 fn serve_as_nobody(socket: &Path, secs: u64) -> u8 {
-    let socket = socket.to_path_buf();
+    use std::os::fd::AsRawFd;
+    let listener = std::os::unix::net::UnixListener::bind(socket).expect("bind the engine socket");
     let outcome = as_nobody(move || {
         let errno = |e: std::io::Error| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO));
-        let listener = std::os::unix::net::UnixListener::bind(&socket).map_err(errno)?;
+        // SAFETY: listen(2) on a socket this process owns.
+        if unsafe { libc::listen(listener.as_raw_fd(), 16) } != 0 {
+            return Err(Errno::last());
+        }
         listener.set_nonblocking(true).map_err(errno)?;
         let deadline = std::time::Instant::now() + Duration::from_secs(secs);
         let mut accepted = 0u8;

@@ -963,9 +963,10 @@ impl DockerPluginProcess {
         })
     }
 
-    /// [`DockerPluginProcess::start`] with `envs` set (and the crash-point hook
-    /// `CSI_ISOLATOR_CRASH_AFTER_WRITE` only when `envs` sets it): the exit status and the log
-    /// when the process exits before it is ready (a crash point of its start-up).
+    /// [`DockerPluginProcess::start`] with `envs` set (`RUST_LOG` among them overrides `info`;
+    /// the crash-point hook `CSI_ISOLATOR_CRASH_AFTER_WRITE` only when `envs` sets it): the exit
+    /// status and the log when the process exits before it is ready (a crash point of its
+    /// start-up).
     pub fn try_start(
         sb: &Sandbox,
         cli: &str,
@@ -984,8 +985,8 @@ impl DockerPluginProcess {
         }
         cmd.args(args)
             .env_remove(csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV)
-            .envs(envs.iter().copied())
             .env("RUST_LOG", "info")
+            .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(File::create(&log).expect("create the docker-plugin log"));
