@@ -201,6 +201,7 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
     // that would release an unheld use).
     let rounds_holding = |log: &str| {
         log.lines()
+            .map(without_ansi)
             .filter(|l| l.contains("engine reconciliation round") && l.contains("held=1"))
             .count()
     };
@@ -352,4 +353,24 @@ fn after_dockerd_is_killed_and_restarted_the_engine_reconciliation_leaves_no_use
     let sb = teardown(s, plugin);
     drop(sb);
     host.assert_restored();
+}
+
+/// A log line without its terminal colours (the fields' names are styled: `held=1` is not one
+/// run of text otherwise).
+fn without_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // CSI: ESC [ parameters, ended by a letter.
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
