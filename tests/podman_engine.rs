@@ -9,6 +9,11 @@
 //! Also `csi-isolator oci-hook from-state` as a Podman OCI hook: one entry of a `hooks.d` of the
 //! test's (`podman --hooks-dir`) for createRuntime and poststop, matching the
 //! `io.csi-isolator.volumes` annotation, with a work dir of its own.
+//!
+//! And `docker-plugin --engine` against Podman's Docker-compatible service
+//! (`podman system service` on the same directories, [`Podman::service`]): running containers
+//! keep their volume's use, and a use whose `Unmount` Podman lost (the plugin down when the last
+//! container exited, so the cleanup conmon runs could not reach it) is released.
 
 use std::path::Path;
 use std::process::Output;
