@@ -9,12 +9,20 @@
 //! Also `csi-isolator oci-hook from-state` as a Podman OCI hook: one entry of a `hooks.d` of the
 //! test's (`podman --hooks-dir`) for createRuntime and poststop, matching the
 //! `io.csi-isolator.volumes` annotation, with a work dir of its own.
+//!
+//! And `docker-plugin --engine` against Podman's Docker-compatible service
+//! (`podman system service` on the same directories, [`Podman::service`]): running containers
+//! keep their volume's use, and a use whose `Unmount` Podman lost (the plugin down when the last
+//! container exited, so the cleanup conmon runs could not reach it) is released.
 
 use std::path::Path;
 use std::process::Output;
+use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
-use csi_isolator_testing::engines::{require_engine, HostPaths, Podman, PODMAN_HOST_PATHS};
+use csi_isolator_testing::engines::{
+    require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
+};
 use csi_isolator_testing::{
     isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
     Sandbox,
@@ -24,6 +32,8 @@ use nix::sys::signal::Signal;
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
 /// The driver name Podman knows the plugin by (a key of `[engine.volume_plugins]`).
 const DRIVER: &str = "csitest";
+/// How long a test waits for a container or the plugin to get somewhere.
+const WAIT: Duration = Duration::from_secs(60);
 
 #[test]
 fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
@@ -368,4 +378,249 @@ fn podman_runs_oci_hook_from_hooks_dir_publishing_the_annotated_volume_and_relea
     drop(podman);
     drop(sb);
     host_paths.assert_restored();
+}
+
+/// Asks the Podman service on `socket` for `GET /containers/json?all=1` (HTTP/1.0: the
+/// connection closes after the answer): the answer's body, parsed.
+fn podman_listing(socket: &Path) -> serde_json::Value {
+    use std::io::{Read, Write};
+    let mut stream = std::os::unix::net::UnixStream::connect(socket).expect("connect the service");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("read timeout");
+    stream
+        .write_all(b"GET /containers/json?all=1 HTTP/1.0\r\nHost: d\r\n\r\n")
+        .expect("send the listing request");
+    let mut answer = String::new();
+    stream
+        .read_to_string(&mut answer)
+        .expect("read the listing");
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("listing ({e}): {body}"))
+}
+
+/// The Mount IDs the plugin records for `volume` (through `podman volume inspect`, which asks
+/// the plugin's `Get`).
+fn podman_users(podman: &Podman, volume: &str) -> Vec<String> {
+    let status: serde_json::Value = serde_json::from_str(&podman.ok(&[
+        "volume",
+        "inspect",
+        "--format",
+        "{{json .Status}}",
+        volume,
+    ]))
+    .expect("Status is JSON");
+    status["users"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no users in {status}"))
+        .iter()
+        .map(|u| u.as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// Waits (bounded) until `what()` holds.
+fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(started.elapsed() < WAIT, "{what}: not within {WAIT:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The size of `file`, 0 when absent.
+fn size_of(file: &Path) -> u64 {
+    std::fs::metadata(file).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Waits (bounded) until `file` grows past `than` bytes: its new size.
+fn grows(file: &Path, than: u64) -> u64 {
+    let mut now = 0;
+    eventually(
+        &format!("{} grows past {than} bytes", file.display()),
+        || {
+            now = size_of(file);
+            now > than
+        },
+    );
+    now
+}
+
+#[test]
+fn docker_plugin_engine_reconciliation_against_podmans_service_keeps_held_uses_and_releases_lost_ones(
+) {
+    require_root();
+    require_engine("podman", "podman");
+    let started = Instant::now();
+    let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
+    let sb = Sandbox::new("podman-reconcile");
+    let work = sb.join("work");
+    let socket = sb.join("plugin/csi-isolator.sock");
+    let podman = Podman::new(&sb, &[(DRIVER, &socket)]);
+    let api = sb.join("podman.sock");
+    let mut service = podman.service(&sb, &api);
+    let engine = format!("unix://{}", api.display());
+    let engine_args = ["--engine", &engine, "--engine-interval", "1"];
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &engine_args);
+    let image = podman.import_busybox(&sb);
+    podman.ok(&[
+        "volume", "create", "--driver", DRIVER, "-o", "size=16M", "held",
+    ]);
+    // Two writers on one volume, each ending when its stop file appears in the volume.
+    let start = |name: &str| {
+        podman.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "-v",
+            "held:/data",
+            &image,
+            "sh",
+            "-c",
+            &format!(
+                "while [ ! -e /data/stop-{name} ]; do date >> /data/log-{name}; sleep 0.2; done"
+            ),
+        ])
+    };
+    start("a");
+    start("b");
+    let mountpoint = std::path::PathBuf::from(podman.ok(&[
+        "volume",
+        "inspect",
+        "--format",
+        "{{.Mountpoint}}",
+        "held",
+    ]));
+    let log_a = mountpoint.join("log-a");
+    let log_b = mountpoint.join("log-b");
+    grows(&log_a, 0);
+    grows(&log_b, 0);
+    // Podman mounts a plugin's volume once, under one fixed pseudo Mount ID, and counts its
+    // containers itself.
+    let users = podman_users(&podman, "held");
+    assert_eq!(users.len(), 1, "{users:?}");
+
+    // Podman's answer has Docker's shape: the state names and the volume mounts the plugin
+    // reads.
+    let listing = podman_listing(&api);
+    eprintln!("podman's GET /containers/json?all=1: {listing}");
+    let containers = listing.as_array().expect("a list");
+    assert_eq!(containers.len(), 2, "{listing}");
+    for c in containers {
+        assert_eq!(c["State"], "running", "{c}");
+        let mounts = c["Mounts"].as_array().expect("Mounts");
+        assert!(
+            mounts
+                .iter()
+                .any(|m| m["Type"] == "volume" && m["Name"] == "held"),
+            "{c}"
+        );
+    }
+
+    // (a) Held: running containers keep the use through several listings.
+    let size = size_of(&log_a);
+    std::thread::sleep(Duration::from_millis(3500));
+    grows(&log_a, size);
+    assert_eq!(podman_users(&podman, "held"), users, "{}", plugin.log());
+    assert!(
+        !mount_points_under(&work).is_empty(),
+        "published while held"
+    );
+
+    // (c) One container exits: Podman counts it off without an Unmount, and the other, still
+    // running, keeps the use (the decision is per volume).
+    std::fs::write(mountpoint.join("stop-a"), "").expect("stop a");
+    let state = |name: &str| podman.ok(&["inspect", "--format", "{{.State.Status}}", name]);
+    eventually("a exits", || state("a") == "exited");
+    let size = size_of(&log_b);
+    std::thread::sleep(Duration::from_millis(3500));
+    grows(&log_b, size);
+    assert_eq!(podman_users(&podman, "held"), users, "{}", plugin.log());
+    assert!(
+        !mount_points_under(&work).is_empty(),
+        "published while b runs"
+    );
+    let log = plugin.log();
+    assert!(
+        !log.contains("no listing this round") && !log.contains("releasing a use"),
+        "{log}"
+    );
+
+    // (b) The Unmount is lost: the plugin dies, then the last container exits; the cleanup
+    // conmon runs (`podman container cleanup`) cannot reach the plugin.
+    let status = plugin.stop(&sb, Signal::SIGKILL);
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9)
+    );
+    std::fs::write(mountpoint.join("stop-b"), "").expect("stop b");
+    eventually("b exits", || state("b") == "exited");
+    let listing = podman_listing(&api);
+    eprintln!("podman's listing with both exited: {listing}");
+    // The plugin again, on the same work dir and socket: the use is durable, and Podman lists
+    // no live container with the volume, so after two listings the use is released and the
+    // volume unpublished.
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &engine_args);
+    let released = Instant::now();
+    eventually("the use is released", || {
+        podman_users(&podman, "held").is_empty()
+    });
+    eprintln!("released by the reconciliation in {:?}", released.elapsed());
+    let left = mount_points_under(&work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+    let log = plugin.log();
+    assert!(
+        log.contains("engine reconciliation: releasing a use") && log.contains(&users[0]),
+        "{log}"
+    );
+
+    // Podman still counts the volume as mounted (its cleanup failed), so the next container
+    // gets no Mount and finds the mount point gone; `podman volume unmount` resets Podman's
+    // count (its Unmount now has nothing to release), and the next run mounts it again.
+    let refused = podman.fails(&["run", "--rm", "-v", "held:/data", &image, "true"]);
+    assert!(refused.contains("no such file or directory"), "{refused}");
+    podman.ok(&["volume", "unmount", "held"]);
+    let out = podman.ok(&[
+        "run",
+        "--rm",
+        "-v",
+        "held:/data",
+        &image,
+        "sh",
+        "-c",
+        "test -s /data/log-b && echo ok",
+    ]);
+    assert_eq!(out, "ok");
+    assert_eq!(podman_users(&podman, "held"), Vec::<String>::new());
+
+    podman.ok(&["rm", "a", "b"]);
+    podman.ok(&["volume", "rm", "held"]);
+    podman.ok(&["rmi", &image]);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(service.id() as i32),
+        Signal::SIGTERM,
+    )
+    .expect("signal the podman service");
+    let status = wait_bounded(&mut service, "podman system service");
+    sb.untrack(service.id());
+    eprintln!("podman system service stopped: {status}");
+    let log = plugin.log();
+    assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
+    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    let left = processes_mentioning(sb.path());
+    assert!(
+        left.is_empty(),
+        "no service, conmon or container left: {left:?}"
+    );
+    assert!(!api.exists(), "the service removed its socket");
+    drop(podman);
+    drop(sb);
+    host_paths.assert_restored();
+    eprintln!("took {:?}", started.elapsed());
 }

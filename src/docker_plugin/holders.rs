@@ -210,6 +210,8 @@ mod tests {
             ("created", true),
             ("removing", true),
             ("configured", true),
+            // Podman's while a `podman stop` waits for its container's exit.
+            ("stopping", true),
             ("", true),
             ("something-new", true),
             ("exited", false),
@@ -261,6 +263,43 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    /// Podman 4.3's `GET /containers/json?all=1` (`podman system service`), trimmed to two
+    /// containers of one volume: Docker's shape, Docker's state names (a created container is
+    /// `created`, not libpod's `configured`), the driver under its `containers.conf` key.
+    const PODMAN_LISTING: &str = r#"[
+        {"AdjustCPUShares":false,"Command":"sh -c while true; do date >> /data/log; sleep 0.2; done",
+         "Config":null,"Created":1796339839,"Id":"6be8114f2f02","Image":"localhost/busybox:latest",
+         "ImageID":"sha256:754e9030e181","Labels":{},
+         "Mounts":[{"Destination":"/data","Driver":"csitest","Mode":"","Name":"held","Propagation":"rprivate",
+                    "RW":true,"Source":"/var/lib/csi-isolator/csi/p/default/mounts/vol-71a79b2e05db0708/target",
+                    "Type":"volume"}],
+         "Name":"","Names":["/a"],"NetworkSettings":{"Networks":null},"NetworkingConfig":null,"Platform":null,
+         "Ports":[],"State":"exited","Status":"Exited (0) 3 seconds ago"},
+        {"AdjustCPUShares":false,"Command":"sh","Config":null,"Created":1796339839,"Id":"763ae4adce5a",
+         "Image":"localhost/busybox:latest","ImageID":"sha256:754e9030e181","Labels":{},
+         "Mounts":[{"Destination":"/data","Driver":"csitest","Mode":"","Name":"held","Propagation":"rprivate",
+                    "RW":true,"Source":"/var/lib/csi-isolator/csi/p/default/mounts/vol-71a79b2e05db0708/target",
+                    "Type":"volume"}],
+         "Name":"","Names":["/b"],"NetworkSettings":{"Networks":null},"NetworkingConfig":null,"Platform":null,
+         "Ports":[],"State":"running","Status":"Up 2 seconds"}
+    ]"#;
+
+    #[test]
+    fn podmans_listing_holds_a_volume_while_one_of_its_containers_runs() {
+        let mut cs: Vec<Container> = serde_json::from_str(PODMAN_LISTING).unwrap();
+        assert_eq!(cs.len(), 2);
+        assert_eq!(cs[0].mounts[0].kind, "volume");
+        assert_eq!(cs[0].mounts[0].driver, "csitest");
+        let held: Vec<String> = held_volumes(&cs).into_iter().collect();
+        assert_eq!(
+            held,
+            ["held"],
+            "the running one holds what the exited one mounted"
+        );
+        cs[1].state = "exited".into();
+        assert!(held_volumes(&cs).is_empty(), "both exited");
     }
 
     /// One observation in a run of them: the containers listed at second

@@ -487,18 +487,7 @@ impl Podman {
 
     /// Runs `podman args` (bounded by [`ENGINE_TIMEOUT`]: it fails the test after).
     pub fn command(&self, args: &[&str]) -> Output {
-        let mut cmd = Command::new("podman");
-        cmd.env("CONTAINERS_CONF", &self.conf)
-            .arg("--root")
-            .arg(self.root.join("root"))
-            .arg("--runroot")
-            .arg(self.runroot.path())
-            .arg("--tmpdir")
-            .arg(self.root.join("tmp"))
-            .args(["--storage-driver", "vfs", "--events-backend", "file"]);
-        if let Some(dir) = &self.hooks_dir {
-            cmd.arg("--hooks-dir").arg(dir);
-        }
+        let mut cmd = self.podman();
         cmd.args(args).stdin(Stdio::null());
         let started = Instant::now();
         let out = cmd.output().expect("run podman");
@@ -531,5 +520,58 @@ impl Podman {
             &image,
         ]);
         image
+    }
+
+    /// `podman` with the global flags every command of this Podman gets (its state directories,
+    /// storage driver, events backend, `containers.conf`, hooks dir).
+    fn podman(&self) -> Command {
+        let mut cmd = Command::new("podman");
+        cmd.env("CONTAINERS_CONF", &self.conf)
+            .arg("--root")
+            .arg(self.root.join("root"))
+            .arg("--runroot")
+            .arg(self.runroot.path())
+            .arg("--tmpdir")
+            .arg(self.root.join("tmp"))
+            .args(["--storage-driver", "vfs", "--events-backend", "file"]);
+        if let Some(dir) = &self.hooks_dir {
+            cmd.arg("--hooks-dir").arg(dir);
+        }
+        cmd
+    }
+
+    /// Starts `podman system service --time=0 unix://<socket>` (the Docker-compatible API and
+    /// Podman's own) on this Podman's directories, so it sees the containers the commands make;
+    /// its log is `podman-service.log` in the sandbox. Returns once the socket accepts a
+    /// connection; the sandbox kills the service unless the test stops it (SIGTERM, then
+    /// [`wait_bounded`] and [`Sandbox::untrack`]).
+    pub fn service(&self, sb: &Sandbox, socket: &Path) -> Child {
+        let log = sb.join("podman-service.log");
+        let out = std::fs::File::create(&log).expect("create podman-service.log");
+        let err = out.try_clone().expect("dup podman-service.log");
+        let mut cmd = self.podman();
+        cmd.args(["system", "service", "--time=0"])
+            .arg(format!("unix://{}", socket.display()))
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err);
+        let mut child = sb.spawn(&mut cmd).expect("spawn podman system service");
+        let started = Instant::now();
+        while std::os::unix::net::UnixStream::connect(socket).is_err() {
+            if let Some(status) = child.try_wait().expect("wait for podman system service") {
+                panic!(
+                    "podman system service exited: {status}\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            assert!(
+                started.elapsed() < ENGINE_TIMEOUT,
+                "podman system service did not listen on {} within {ENGINE_TIMEOUT:?}",
+                socket.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("podman system service ready in {:?}", started.elapsed());
+        child
     }
 }
