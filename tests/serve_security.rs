@@ -571,9 +571,10 @@ async fn idle_metrics_connections_from_another_user_leave_serve_answering() {
         "serve holds {during} descriptors during the flood (before: {before}, bound {bound})"
     );
     // All 2,000, or (on a loaded machine, where connects wait on the full backlog) at least
-    // 1,200 in the flood's 8 s: well past the metrics listener's 32 slots either way.
+    // 1,100 in the flood's 8 s: more than serve's 1,024 descriptors, and well past the metrics
+    // listener's 32 slots, either way.
     assert!(
-        matches!(flooded, Outcome::Ok(n) if n == 1 || n >= 2 + 12),
+        matches!(flooded, Outcome::Ok(n) if n == 1 || n >= 2 + 11),
         "the flood opened too few connections to test anything: {flooded:?}"
     );
     assert!(scrape_took < Duration::from_secs(12), "{scrape_took:?}");
