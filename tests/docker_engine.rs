@@ -19,6 +19,7 @@
 //! fail, they never skip.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use csi_isolator_testing::engines::{
     require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
@@ -366,13 +367,25 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
 async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_with_docker_volume_rm()
 {
     let (mut host, sb) = claim("dkr-endpoint");
-    let csi = PluginProcess::start(&sb, plugin_bin(), &["--backing", "loop"]).await;
+    // Its first NodePublishVolume fails.
+    let csi = PluginProcess::start(
+        &sb,
+        plugin_bin(),
+        &[
+            "--backing",
+            "loop",
+            "--fail",
+            "NodePublishVolume=INTERNAL:1",
+        ],
+    )
+    .await;
     let endpoint = csi.endpoint();
+    // An unpublish delay as the product's default has (shorter, for the test's time).
     let (driver, plugin) = start_driver(
         &mut host,
         &sb,
         &sb.join("work"),
-        &["--plugin-endpoint", &endpoint],
+        &["--plugin-endpoint", &endpoint, "--unpublish-delay=5"],
     );
     let s = with_engine(sb, driver, plugin);
     let (d, e) = (&s.driver, &s.engine);
@@ -398,10 +411,71 @@ async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_wit
             script,
         ])
     };
-    run("echo far > /data/f");
-    assert_eq!(run("cat /data/f"), "far");
+    let published = |calls: &[String]| {
+        calls
+            .iter()
+            .filter(|c| c.starts_with("NodeStageVolume") || c.starts_with("NodePublishVolume"))
+            .count()
+    };
+
+    // The plugin's failure fails `docker run` with its text; nothing stays published or used.
+    let failed = e.fails(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        "remote:/data",
+        &s.image,
+        "true",
+    ]);
+    assert!(
+        failed.contains("NodePublishVolume") && failed.contains("INTERNAL"),
+        "{failed}"
+    );
     let left = mount_points_under(&s.plugin.work);
-    assert!(left.is_empty(), "still mounted: {left:?}");
+    assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
+    let status = e.ok(&[
+        "volume",
+        "inspect",
+        "--format",
+        "{{json .Status.users}}",
+        "remote",
+    ]);
+    assert_eq!(status, "[]", "a use left by the failed Mount");
+
+    // Published for the first run; the next run within the delay finds it published.
+    let before = published(&csi.calls());
+    run("echo far > /data/f");
+    let after_first = published(&csi.calls());
+    assert!(
+        after_first > before,
+        "the first run published: {:?}",
+        csi.calls()
+    );
+    assert_eq!(run("cat /data/f"), "far");
+    assert_eq!(
+        published(&csi.calls()),
+        after_first,
+        "the run within the delay staged or published again: {:?}",
+        csi.calls()
+    );
+    // Then, with no container, it is unpublished.
+    let idle = std::time::Instant::now();
+    while !mount_points_under(&s.plugin.work).is_empty() {
+        assert!(
+            idle.elapsed() < Duration::from_secs(30),
+            "still published 30 s after the last container (delay 5 s)"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        csi.calls()
+            .iter()
+            .any(|c| c.starts_with("NodeUnpublishVolume")),
+        "{:?}",
+        csi.calls()
+    );
 
     e.ok(&["volume", "rm", "remote"]);
     let listed = csi.listed().await;

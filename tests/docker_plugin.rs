@@ -576,7 +576,16 @@ async fn sigterm_lets_a_mount_in_flight_finish_and_keeps_it_published() {
 async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay_then_goes() {
     require_root();
     let sb = Sandbox::new("docker-delay");
-    let p = Plugin::start(&sb, &["--unpublish-delay=5"]);
+    let calls = sb.join("calls");
+    let log_calls = format!("--plugin-arg=--log-calls={}", calls.display());
+    let p = Plugin::start(&sb, &["--unpublish-delay=5", &log_calls]);
+    let node_calls = || {
+        std::fs::read_to_string(&calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("Node") && !l.starts_with("NodeGet"))
+            .count()
+    };
     p.ok(
         "/VolumeDriver.Create",
         json!({"Name": "data", "Opts": {"size": "16M"}}),
@@ -589,11 +598,18 @@ async fn after_the_last_unmount_a_volume_stays_published_for_the_unpublish_delay
     p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": A}))
         .await;
     assert!(is_mounted(&target), "published during the delay");
-    // The next container within the delay gets the same mount at once.
+    // The next container within the delay gets the same mount, with no call to the plugin.
+    let published = node_calls();
     let again = p
         .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": B}))
         .await;
     assert_eq!(again["Mountpoint"], mounted["Mountpoint"]);
+    assert_eq!(
+        node_calls(),
+        published,
+        "{:?}",
+        std::fs::read_to_string(&calls)
+    );
     let left = Instant::now();
     p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": B}))
         .await;

@@ -239,7 +239,7 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     );
     let left = mount_points_under(&fail_work);
     assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
-    // Remove is refused while a Mount ID uses the volume: the failed run left no use.
+    // The failed run left no use: Remove, which a use would refuse, deletes it.
     podman.ok(&["volume", "rm", "broken"]);
     podman.ok(&["rmi", &image]);
 
