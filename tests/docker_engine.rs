@@ -198,6 +198,40 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
         e.ok(&["volume", "inspect", "--format", "{{.Driver}}", "implicit"]),
         *d
     );
+    // `--mount` with the driver and its options: created with them (a 16 MiB ext4 volume).
+    let mount =
+        format!("type=volume,source=implicit2,target=/data,volume-driver={d},volume-opt=size=16M");
+    let df = e.ok(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "--mount",
+        &mount,
+        &s.image,
+        "sh",
+        "-c",
+        "df -k /data | tail -1",
+    ]);
+    let total_kib: u64 = df
+        .split_whitespace()
+        .nth(1)
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("df: {df}"));
+    assert!(
+        (8_000..=16_384).contains(&total_kib),
+        "the container sees the 16 MiB volume: {df}"
+    );
+    let status: serde_json::Value = serde_json::from_str(&e.ok(&[
+        "volume",
+        "inspect",
+        "--format",
+        "{{json .Status}}",
+        "implicit2",
+    ]))
+    .expect("Status is JSON");
+    assert_eq!(status["capacity_bytes"], 16 << 20, "{status}");
+    e.ok(&["volume", "rm", "implicit2"]);
 
     // Readonly: Docker does not tell the plugin; its bind into the container is read-only.
     let refused = e.fails(&[
