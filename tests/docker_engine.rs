@@ -21,12 +21,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use csi_isolator::csi::proto;
+use csi_isolator::csi::proto::volume_capability::access_mode::Mode as AccessMode;
 use csi_isolator_testing::engines::{
     require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, plugin_bin, processes_mentioning, recorded_volumes,
-    require_root, status_volumes, DockerPluginProcess, PluginProcess, Sandbox,
+    isolator_command, mount_capability, mount_points_under, plugin_bin, processes_mentioning,
+    raw_clients, recorded_volumes, require_root, status_volumes, DockerPluginProcess,
+    PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -514,6 +517,56 @@ async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_wit
     e.ok(&["volume", "rm", "remote"]);
     let listed = csi.listed().await;
     assert!(listed.is_empty(), "deleted in the plugin: {listed:?}");
+
+    // A volume the driver has already (made by its own tools) adopted with `volume-id`: used,
+    // then only forgotten by `docker volume rm`.
+    let mut raw = raw_clients(&csi.socket())
+        .await
+        .expect("connect to the plugin");
+    let made = raw
+        .controller
+        .create_volume(proto::CreateVolumeRequest {
+            name: "made-by-the-driver".into(),
+            capacity_range: Some(proto::CapacityRange {
+                required_bytes: 16 << 20,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_capability(AccessMode::SingleNodeWriter)],
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume in the plugin")
+        .into_inner()
+        .volume
+        .expect("a volume");
+    let adopt = format!("volume-id={}", made.volume_id);
+    e.ok(&["volume", "create", "-d", d, "-o", &adopt, "adopted"]);
+    e.ok(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        "adopted:/data",
+        &s.image,
+        "sh",
+        "-c",
+        "echo mine > /data/f && cat /data/f",
+    ]);
+    e.ok(&["volume", "rm", "adopted"]);
+    let listed = csi.listed().await;
+    assert_eq!(
+        listed.len(),
+        1,
+        "docker volume rm only forgets an import: {listed:?}"
+    );
+    raw.controller
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: made.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DeleteVolume in the plugin");
 
     // The plugin goes first: teardown checks that no process names the sandbox.
     let mut csi = csi;
