@@ -24,7 +24,8 @@ use std::time::Duration;
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode as AccessMode;
 use csi_isolator_testing::engines::{
-    require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
+    container_gone, require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS,
+    DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
     isolator_command, mount_capability, mount_points_under, plugin_bin, processes_mentioning,
@@ -310,6 +311,8 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
     };
     start("first", "echo one > /data/one && exec sleep 600");
     start("second", "exec sleep 600");
+    let first = e.track_container(&s.sb, "first");
+    let second = e.track_container(&s.sb, "second");
     let users = |e: &Dockerd| -> Vec<serde_json::Value> {
         let status: serde_json::Value = serde_json::from_str(&e.ok(&[
             "volume",
@@ -328,6 +331,7 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
     // The first one leaves: Docker unmounts its use, the second keeps the volume mounted.
     e.ok(&["stop", "-t", "0", "first"]);
     e.ok(&["rm", "first"]);
+    container_gone(&s.sb, first, "after docker stop and rm");
     assert_eq!(users(e).len(), 1, "the first container's use ended");
     assert_eq!(mount_points_under(&s.plugin.work), published);
     assert_eq!(
@@ -345,6 +349,7 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
     // The last one leaves: unpublished.
     e.ok(&["stop", "-t", "0", "second"]);
     e.ok(&["rm", "second"]);
+    container_gone(&s.sb, second, "after docker stop and rm");
     assert_eq!(users(e).len(), 0);
     let left = mount_points_under(&s.plugin.work);
     assert!(left.is_empty(), "still mounted: {left:?}");

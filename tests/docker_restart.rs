@@ -19,7 +19,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use csi_isolator_testing::engines::{
-    require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
+    container_gone, require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS,
+    DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
     mount_points_under, processes_mentioning, require_root, DockerPluginProcess, Sandbox,
@@ -158,6 +159,7 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
         "volume", "create", "-d", &s.driver, "-o", "size=16M", "killvol",
     ]);
     let container = start_writer(&s, "killvol");
+    let writer = s.engine.track_container(&s.sb, &container);
     let mountpoint = PathBuf::from(e.ok(&[
         "volume",
         "inspect",
@@ -226,6 +228,7 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
     let e = &s.engine;
     e.ok(&["stop", "-t", "1", &container]);
     e.ok(&["rm", &container]);
+    container_gone(&s.sb, writer, "after docker stop and rm");
     assert_eq!(users(e, "killvol"), Vec::<String>::new());
     let published = mount_points_under(&s.work);
     assert!(published.is_empty(), "still mounted: {published:?}");
@@ -267,6 +270,7 @@ fn after_dockerd_is_killed_and_restarted_the_engine_reconciliation_leaves_no_use
         "restartvol",
     ]);
     let container = start_writer(&s, "restartvol");
+    let writer = s.engine.track_container(&s.sb, &container);
     let mountpoint = PathBuf::from(e.ok(&[
         "volume",
         "inspect",
@@ -349,6 +353,11 @@ fn after_dockerd_is_killed_and_restarted_the_engine_reconciliation_leaves_no_use
 
     // The container's rm now has nothing to release; the volume is free to go.
     e.ok(&["rm", &container]);
+    container_gone(
+        &s.sb,
+        writer,
+        "after dockerd restored the container as exited",
+    );
     e.ok(&["volume", "rm", "restartvol"]);
     let sb = teardown(s, plugin);
     drop(sb);

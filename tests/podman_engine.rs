@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::engines::{
-    require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
+    container_gone, require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{
     isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
@@ -197,12 +197,15 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     };
     start("first", "echo one > /data/one && exec sleep 600");
     start("second", "exec sleep 600");
+    let first = podman.track_container(&sb, "first");
+    let second = podman.track_container(&sb, "second");
     let published = mount_points_under(&work);
     assert!(!published.is_empty(), "published while in use");
 
     // The first one leaves: the second keeps the volume mounted, writable and readable.
     podman.ok(&["stop", "-t", "0", "first"]);
     podman.ok(&["rm", "first"]);
+    container_gone(&sb, first, "after podman stop and rm");
     assert_eq!(mount_points_under(&work), published);
     assert_eq!(
         podman.ok(&[
@@ -219,6 +222,7 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     // The last one leaves: unpublished.
     podman.ok(&["stop", "-t", "0", "second"]);
     podman.ok(&["rm", "second"]);
+    container_gone(&sb, second, "after podman stop and rm");
     let left = mount_points_under(&work);
     assert!(left.is_empty(), "still mounted: {left:?}");
     podman.ok(&["volume", "rm", "shared"]);
@@ -488,6 +492,10 @@ fn docker_plugin_engine_reconciliation_against_podmans_service_keeps_held_uses_a
     };
     start("a");
     start("b");
+    let pids = [
+        podman.track_container(&sb, "a"),
+        podman.track_container(&sb, "b"),
+    ];
     let mountpoint = std::path::PathBuf::from(podman.ok(&[
         "volume",
         "inspect",
@@ -598,6 +606,9 @@ fn docker_plugin_engine_reconciliation_against_podmans_service_keeps_held_uses_a
     assert_eq!(podman_users(&podman, "held"), Vec::<String>::new());
 
     podman.ok(&["rm", "a", "b"]);
+    for pid in pids {
+        container_gone(&sb, pid, "after the writers exited");
+    }
     podman.ok(&["volume", "rm", "held"]);
     podman.ok(&["rmi", &image]);
     nix::sys::signal::kill(

@@ -223,6 +223,30 @@ pub fn busybox_tar(sb: &Sandbox) -> PathBuf {
     tar
 }
 
+/// Registers a container's pid (an engine's `inspect --format {{.State.Pid}}`) with the sandbox.
+fn track_pid(sb: &Sandbox, container: &str, inspected: &str) -> u32 {
+    let pid: u32 = inspected
+        .parse()
+        .unwrap_or_else(|_| panic!("container {container}: no pid in {inspected:?}"));
+    assert!(pid > 0, "container {container} is not running");
+    sb.track(pid);
+    pid
+}
+
+/// Waits (bounded) until a container's process `pid` is gone, then forgets it (see
+/// [`Dockerd::track_container`], [`Podman::track_container`]).
+pub fn container_gone(sb: &Sandbox, pid: u32, what: &str) {
+    let started = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(
+            started.elapsed() < ENGINE_TIMEOUT,
+            "{what}: the container's process {pid} still runs"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    sb.untrack(pid);
+}
+
 /// A private dockerd: data root, exec root, API socket and pid file in the sandbox, no bridge,
 /// no firewall rules, no forwarding. Start it under a [`HostPaths`] claimed with
 /// [`DOCKER_HOST_PATHS`].
@@ -434,6 +458,18 @@ impl Dockerd {
         cmd.arg(net).arg("dockerd");
         Dockerd::launch(sb, cmd)
     }
+
+    /// The host pid of a running container's first process, registered with the sandbox: a
+    /// container's processes do not name the sandbox, so without this a test that fails (or a
+    /// daemon that loses track of its container) would leave it running, holding its volume's
+    /// mount in its own namespace. [`container_gone`] forgets it once it has exited.
+    pub fn track_container(&self, sb: &Sandbox, container: &str) -> u32 {
+        track_pid(
+            sb,
+            container,
+            &self.ok(&["inspect", "--format", "{{.State.Pid}}", container]),
+        )
+    }
 }
 
 /// A private Podman: its command with every state directory under the sandbox, but for its run
@@ -573,5 +609,14 @@ impl Podman {
         }
         eprintln!("podman system service ready in {:?}", started.elapsed());
         child
+    }
+
+    /// [`Dockerd::track_container`] for a Podman container.
+    pub fn track_container(&self, sb: &Sandbox, container: &str) -> u32 {
+        track_pid(
+            sb,
+            container,
+            &self.ok(&["inspect", "--format", "{{.State.Pid}}", container]),
+        )
     }
 }
