@@ -146,8 +146,8 @@ fn teardown(s: Setup, plugin: DockerPluginProcess) -> Sandbox {
             .iter()
             .filter(|c| c.starts_with("DeleteVolume"))
             .count();
-        assert_eq!(
-            created, deleted,
+        assert!(
+            created > 0 && created == deleted,
             "volumes left in the CSI plugin: {calls:?}"
         );
         // It goes before the check that no process names the sandbox.
