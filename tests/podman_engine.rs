@@ -24,8 +24,8 @@ use csi_isolator_testing::engines::{
     container_gone, require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
-    Sandbox,
+    isolator_command, mount_points_under, plugin_bin, processes_mentioning, require_root,
+    DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -37,13 +37,47 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[test]
 fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
+    creates_mounts_shares_and_removes(false);
+}
+
+/// The same over `--plugin-endpoint`: a separately started `csi-test-plugin --backing loop`.
+#[test]
+fn podman_creates_mounts_shares_and_removes_a_csi_volume_of_a_plugin_at_an_endpoint() {
+    creates_mounts_shares_and_removes(true);
+}
+
+/// Podman creates a volume with its size, containers use it one after the other (the second
+/// read-only), and removes it; the docker-plugin's CSI plugin the bundled one, or with
+/// `endpoint` a separately started one over `--plugin-endpoint`.
+fn creates_mounts_shares_and_removes(endpoint: bool) {
     require_root();
     require_engine("podman", "podman");
     let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
-    let sb = Sandbox::new("podman-engine");
+    let sb = Sandbox::new(if endpoint {
+        "podman-engine-ep"
+    } else {
+        "podman-engine"
+    });
     let work = sb.join("work");
-    let socket = sb.join("plugin/csi-isolator.sock");
-    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &[]);
+    // The docker-plugin's socket: not in `plugin/`, the separate CSI plugin's directory.
+    let socket = sb.join("docker/csi-isolator.sock");
+    let csi = endpoint.then(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+            .block_on(PluginProcess::start(
+                &sb,
+                plugin_bin(),
+                &["--backing", "loop"],
+            ))
+    });
+    let csi_endpoint = csi.as_ref().map(PluginProcess::endpoint);
+    let args: Vec<&str> = match &csi_endpoint {
+        Some(e) => vec!["--plugin-endpoint", e],
+        None => Vec::new(),
+    };
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &args);
     let podman = Podman::new(&sb, &[(DRIVER, &socket)]);
     let image = podman.import_busybox(&sb);
     let table = ProcMountTable::new();
@@ -135,6 +169,18 @@ fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
         "deleted: {report}"
     );
     assert_eq!(mounted_under_work(), 0);
+    if let Some(mut csi) = csi {
+        // Created and deleted in the separate plugin, once (the malformed size never reached it).
+        let calls = csi.calls();
+        let count = |rpc: &str| calls.iter().filter(|c| c.starts_with(rpc)).count();
+        assert_eq!(count("CreateVolume "), 1, "{calls:?}");
+        assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
+        assert!(count("NodePublishVolume ") >= 2, "{calls:?}");
+        let staged = mount_points_under(csi.dir());
+        assert!(staged.is_empty(), "left mounted by the plugin: {staged:?}");
+        // It goes before the check that no process names the sandbox.
+        csi.kill();
+    }
     sb.assert_no_loop_devices();
     assert!(
         processes_mentioning(sb.path()).is_empty(),
