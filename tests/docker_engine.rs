@@ -290,6 +290,62 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
         &["--plugin-arg=--fail=NodePublishVolume=INTERNAL"],
     );
     let s = with_engine(sb, driver, plugin);
+    two_containers_share_a_volume(&s);
+    let e = &s.engine;
+
+    // A failing NodePublishVolume fails `docker run` with the CSI error.
+    e.ok(&[
+        "volume", "create", "-d", &failing, "-o", "size=16M", "broken",
+    ]);
+    let refused = e.fails(&[
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        "-v",
+        "broken:/data",
+        &s.image,
+        "true",
+    ]);
+    assert!(
+        refused.contains("VolumeDriver.Mount volume 'broken'")
+            && refused.contains("NodePublishVolume")
+            && refused.contains("INTERNAL")
+            && refused.contains("injected fault"),
+        "{refused}"
+    );
+    eprintln!("docker run with a failing publish: {refused}");
+    let left = mount_points_under(&fail_work);
+    assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
+    let log = failing_plugin.log();
+    assert!(
+        failing_plugin.stop(&s.sb, Signal::SIGTERM).success(),
+        "{log}"
+    );
+    // What the failing driver's work dir records: the volume, with no use and not published.
+    let volumes = status_volumes(BIN, &fail_work);
+    assert_eq!(volumes.len(), 1, "{volumes:?}");
+    assert_eq!(volumes[0]["name"], "broken", "{volumes:?}");
+    assert_eq!(volumes[0]["users"], serde_json::json!([]), "{volumes:?}");
+    assert_eq!(volumes[0]["mounted"], false, "{volumes:?}");
+    assert_ne!(volumes[0]["state"], "PUBLISHED", "{volumes:?}");
+    let out = isolator_command(BIN, &fail_work)
+        .args(["volume", "destroy", "broken"])
+        .output()
+        .expect("run volume destroy");
+    assert!(out.status.success(), "volume destroy: {out:?}");
+    assert_eq!(recorded_volumes(BIN, &fail_work), Vec::<String>::new());
+
+    let log = s.plugin.log();
+    let (sb, work) = teardown(s);
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
+    drop(sb);
+    host.assert_restored();
+}
+
+/// Two containers of `docker run -d` share a volume of `s`'s driver: one Mount ID each, the
+/// first leaving keeps it published for the second, the last unpublishes it; then it is removed.
+fn two_containers_share_a_volume(s: &Setup) {
     let (d, e) = (&s.driver, &s.engine);
 
     e.ok(&["volume", "create", "-d", d, "-o", "size=16M", "shared"]);
@@ -354,53 +410,48 @@ fn two_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_fai
     let left = mount_points_under(&s.plugin.work);
     assert!(left.is_empty(), "still mounted: {left:?}");
     e.ok(&["volume", "rm", "shared"]);
+}
 
-    // A failing NodePublishVolume fails `docker run` with the CSI error.
-    e.ok(&[
-        "volume", "create", "-d", &failing, "-o", "size=16M", "broken",
-    ]);
-    let refused = e.fails(&[
-        "run",
-        "--rm",
-        "--network",
-        "none",
-        "-v",
-        "broken:/data",
-        &s.image,
-        "true",
-    ]);
-    assert!(
-        refused.contains("VolumeDriver.Mount volume 'broken'")
-            && refused.contains("NodePublishVolume")
-            && refused.contains("INTERNAL")
-            && refused.contains("injected fault"),
-        "{refused}"
+/// The sharing half of the test above over `--plugin-endpoint`: a separately started
+/// `csi-test-plugin --backing loop` (its failing publish is in the endpoint test below).
+#[test]
+fn two_containers_share_a_volume_of_a_csi_plugin_at_an_endpoint_until_the_last_leaves() {
+    let (mut host, sb) = claim("dkr-share-ep");
+    let mut csi = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(PluginProcess::start(
+            &sb,
+            plugin_bin(),
+            &["--backing", "loop"],
+        ));
+    let endpoint = csi.endpoint();
+    let (driver, plugin) = start_driver(
+        &mut host,
+        &sb,
+        &sb.join("work"),
+        &["--plugin-endpoint", &endpoint],
     );
-    eprintln!("docker run with a failing publish: {refused}");
-    let left = mount_points_under(&fail_work);
-    assert!(left.is_empty(), "mounted after a failed publish: {left:?}");
-    let log = failing_plugin.log();
-    assert!(
-        failing_plugin.stop(&s.sb, Signal::SIGTERM).success(),
-        "{log}"
-    );
-    // What the failing driver's work dir records: the volume, with no use and not published.
-    let volumes = status_volumes(BIN, &fail_work);
-    assert_eq!(volumes.len(), 1, "{volumes:?}");
-    assert_eq!(volumes[0]["name"], "broken", "{volumes:?}");
-    assert_eq!(volumes[0]["users"], serde_json::json!([]), "{volumes:?}");
-    assert_eq!(volumes[0]["mounted"], false, "{volumes:?}");
-    assert_ne!(volumes[0]["state"], "PUBLISHED", "{volumes:?}");
-    let out = isolator_command(BIN, &fail_work)
-        .args(["volume", "destroy", "broken"])
-        .output()
-        .expect("run volume destroy");
-    assert!(out.status.success(), "volume destroy: {out:?}");
-    assert_eq!(recorded_volumes(BIN, &fail_work), Vec::<String>::new());
+    let s = with_engine(sb, driver, plugin);
+    two_containers_share_a_volume(&s);
+    // Published once in the plugin for both, deleted there by `docker volume rm`.
+    let calls = csi.calls();
+    let count = |rpc: &str| calls.iter().filter(|c| c.starts_with(rpc)).count();
+    assert_eq!(count("NodePublishVolume "), 1, "{calls:?}");
+    assert_eq!(count("NodeUnpublishVolume "), 1, "{calls:?}");
+    assert_eq!(count("CreateVolume "), 1, "{calls:?}");
+    assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
 
+    // The plugin goes first: teardown checks that no process names the sandbox.
+    csi.kill();
     let log = s.plugin.log();
     let (sb, work) = teardown(s);
-    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
+    assert_eq!(
+        status_volumes(BIN, &work),
+        Vec::<serde_json::Value>::new(),
+        "{log}"
+    );
     drop(sb);
     host.assert_restored();
 }

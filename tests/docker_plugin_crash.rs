@@ -28,7 +28,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator_testing::{mount_points_under, require_root, DockerPluginProcess, Sandbox};
+use csi_isolator_testing::{
+    mount_points_under, plugin_bin, require_root, DockerPluginProcess, PluginProcess, Sandbox,
+};
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
 
@@ -41,13 +43,48 @@ const ID: &str = "cccccccccccccccccccccccccccccccccccccccccccccccccccccccccccccc
 /// A second Mount ID, holding the volume while `ID` comes and goes.
 const OTHER: &str = "dddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddddd";
 
+/// The test's sandbox and the CSI plugin its docker-plugins use.
+struct Harness {
+    sb: Sandbox,
+    /// The separately started CSI plugin (over `--plugin-endpoint`), if any: it stays up
+    /// through every crash of the docker-plugins.
+    csi: Option<PluginProcess>,
+    /// The docker-plugin's arguments that name its CSI plugin (none for the bundled one).
+    args: Vec<String>,
+}
+
+impl Harness {
+    /// The sandbox, and with `endpoint` a separately started `csi-test-plugin --backing loop`.
+    fn new(label: &str, endpoint: bool) -> Harness {
+        require_root();
+        let sb = Sandbox::new(label);
+        let (csi, args) = if endpoint {
+            let csi = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime")
+                .block_on(PluginProcess::start(
+                    &sb,
+                    plugin_bin(),
+                    &["--backing", "loop"],
+                ));
+            let args = vec!["--plugin-endpoint".to_string(), csi.endpoint()];
+            (Some(csi), args)
+        } else {
+            (None, Vec::new())
+        };
+        Harness { sb, csi, args }
+    }
+}
+
 /// A docker-plugin on the test's work dir and socket.
 struct Plugin(DockerPluginProcess);
 
 impl Plugin {
     /// Starts it, armed to die at crash point `crash_at` when given; `None` when it died
     /// before it printed its ready line (a crash point of its start-up).
-    fn start(sb: &Sandbox, crash_at: Option<u32>) -> Option<Plugin> {
+    fn start(h: &Harness, crash_at: Option<u32>) -> Option<Plugin> {
+        let sb = &h.sb;
         let n = crash_at.map(|n| n.to_string());
         let envs: Vec<(&str, &str)> = n
             .as_deref()
@@ -55,12 +92,18 @@ impl Plugin {
             .into_iter()
             .collect();
         // Unpublished at the last Unmount, so each round starts from CREATED.
+        let args: Vec<&str> = h
+            .args
+            .iter()
+            .map(String::as_str)
+            .chain(["--unpublish-delay=0"])
+            .collect();
         let started = DockerPluginProcess::try_start(
             sb,
             BIN,
             &sb.join("work"),
             &sb.join("d/csi-isolator.sock"),
-            &["--unpublish-delay=0"],
+            &args,
             &envs,
         );
         match started {
@@ -145,8 +188,8 @@ fn is_mount_point(path: &Path) -> bool {
 
 /// A plugin without the hook, after a crash: the ID is a user exactly when the volume is
 /// published and mounted. Returns the plugin and whether the ID was kept.
-fn recovered(sb: &Sandbox, what: &str, n: u32) -> (Plugin, bool) {
-    let plugin = Plugin::start(sb, None).expect("a plugin without the hook starts");
+fn recovered(h: &Harness, what: &str, n: u32) -> (Plugin, bool) {
+    let plugin = Plugin::start(h, None).expect("a plugin without the hook starts");
     let (users, mountpoint) = plugin.get();
     let kept = match users.as_slice() {
         [] => false,
@@ -172,8 +215,8 @@ fn recovered(sb: &Sandbox, what: &str, n: u32) -> (Plugin, bool) {
 /// A plugin without the hook, after a crash of a call for [`ID`] while [`OTHER`] holds the
 /// volume: `OTHER` is still a user, `ID` may or may not be, and the volume is published and
 /// mounted.
-fn recovered_shared(sb: &Sandbox, call: &str, n: u32) -> Plugin {
-    let plugin = Plugin::start(sb, None).expect("a plugin without the hook starts");
+fn recovered_shared(h: &Harness, call: &str, n: u32) -> Plugin {
+    let plugin = Plugin::start(h, None).expect("a plugin without the hook starts");
     let (users, mountpoint) = plugin.get();
     assert!(
         users.iter().any(|u| u == OTHER) && users.iter().all(|u| u == OTHER || u == ID),
@@ -210,11 +253,21 @@ fn mount_then_unmount(plugin: &Plugin, what: &str, n: u32) {
 
 #[test]
 fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
-    require_root();
-    let sb = Sandbox::new("docker-crash");
+    crash_points(Harness::new("docker-crash", false));
+}
+
+/// The same over `--plugin-endpoint`: a separately started CSI plugin that survives every
+/// crash of the docker-plugins.
+#[test]
+fn docker_plugin_over_an_endpoint_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
+    crash_points(Harness::new("docker-crash-ep", true));
+}
+
+fn crash_points(h: Harness) {
+    let sb = &h.sb;
 
     // The volume, holding a marker.
-    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    let plugin = Plugin::start(&h, None).expect("start docker-plugin");
     plugin.ok(
         "/VolumeDriver.Create",
         json!({"Name": "v", "Opts": {"size": "8M"}}),
@@ -223,17 +276,17 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
     let mountpoint = PathBuf::from(answer["Mountpoint"].as_str().expect("a Mountpoint"));
     std::fs::write(mountpoint.join("marker"), b"kept").expect("write the marker");
     plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
-    plugin.stop(&sb);
+    plugin.stop(sb);
 
     // Mount: unpublished, no user, before each; published for the ID after the retry.
     let mut survived = 0;
     for n in 1..=MAX_POINTS {
         assert!(n < MAX_POINTS, "Mount still crashed at point {n}");
-        let Some(armed) = Plugin::start(&sb, Some(n)) else {
+        let Some(armed) = Plugin::start(&h, Some(n)) else {
             survived += 1;
-            let (plugin, _) = recovered(&sb, "Mount (start-up)", n);
+            let (plugin, _) = recovered(&h, "Mount (start-up)", n);
             mount_then_unmount(&plugin, "Mount (start-up)", n);
-            plugin.stop(&sb);
+            plugin.stop(sb);
             continue;
         };
         let mut armed = armed;
@@ -241,22 +294,22 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
             Some((200, _)) => {
                 // No crash point left: the call completed. The hook is still armed: check
                 // with a plugin without it.
-                kill_now(&sb, armed);
-                let (plugin, kept) = recovered(&sb, "Mount (completed)", n);
+                kill_now(sb, armed);
+                let (plugin, kept) = recovered(&h, "Mount (completed)", n);
                 assert!(kept, "Mount answered, then forgotten");
                 mount_then_unmount(&plugin, "Mount (completed)", n);
-                plugin.stop(&sb);
+                plugin.stop(sb);
                 break;
             }
             Some((status, answer)) => panic!("Mount at crash point {n}: {status} {answer}"),
             None => {}
         }
-        let status = armed.0.wait(&sb);
+        let status = armed.0.wait(sb);
         assert_eq!(status.signal(), Some(9), "Mount crash point {n}: {status}");
         survived += 1;
-        let (plugin, _) = recovered(&sb, "Mount", n);
+        let (plugin, _) = recovered(&h, "Mount", n);
         mount_then_unmount(&plugin, "Mount", n);
-        plugin.stop(&sb);
+        plugin.stop(sb);
     }
     eprintln!("Mount: {survived} crash points survived");
     let mount_points = survived;
@@ -265,38 +318,38 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
     survived = 0;
     for n in 1..=MAX_POINTS {
         assert!(n < MAX_POINTS, "Unmount still crashed at point {n}");
-        let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+        let plugin = Plugin::start(&h, None).expect("start docker-plugin");
         plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": ID}));
-        plugin.stop(&sb);
-        let Some(mut armed) = Plugin::start(&sb, Some(n)) else {
+        plugin.stop(sb);
+        let Some(mut armed) = Plugin::start(&h, Some(n)) else {
             survived += 1;
-            let (plugin, kept) = recovered(&sb, "Unmount (start-up)", n);
+            let (plugin, kept) = recovered(&h, "Unmount (start-up)", n);
             assert!(kept, "start-up crash point {n} dropped the use");
             plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
             mount_then_unmount(&plugin, "Unmount (start-up)", n);
-            plugin.stop(&sb);
+            plugin.stop(sb);
             continue;
         };
         match armed.post("/VolumeDriver.Unmount", &json!({"Name": "v", "ID": ID})) {
             Some((200, _)) => {
-                kill_now(&sb, armed);
-                let (plugin, kept) = recovered(&sb, "Unmount (completed)", n);
+                kill_now(sb, armed);
+                let (plugin, kept) = recovered(&h, "Unmount (completed)", n);
                 assert!(!kept, "Unmount answered, then the use came back");
                 mount_then_unmount(&plugin, "Unmount (completed)", n);
-                plugin.stop(&sb);
+                plugin.stop(sb);
                 break;
             }
             Some((status, answer)) => panic!("Unmount at crash point {n}: {status} {answer}"),
             None => {}
         }
-        let status = armed.0.wait(&sb);
+        let status = armed.0.wait(sb);
         assert_eq!(
             status.signal(),
             Some(9),
             "Unmount crash point {n}: {status}"
         );
         survived += 1;
-        let (plugin, _) = recovered(&sb, "Unmount", n);
+        let (plugin, _) = recovered(&h, "Unmount", n);
         // Docker sends the Unmount of the ID it knows again.
         plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
         assert_eq!(
@@ -307,7 +360,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
         let mounted = mount_points_under(plugin.work());
         assert!(mounted.is_empty(), "Unmount crash point {n}: {mounted:?}");
         mount_then_unmount(&plugin, "Unmount", n);
-        plugin.stop(&sb);
+        plugin.stop(sb);
     }
     eprintln!("Unmount: {survived} crash points survived");
     assert!(
@@ -317,9 +370,9 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
 
     // The same with a second ID holding the volume throughout: Mount and Unmount of a user that
     // is not the last (the volume stays published whatever happens).
-    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    let plugin = Plugin::start(&h, None).expect("start docker-plugin");
     plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": OTHER}));
-    plugin.stop(&sb);
+    plugin.stop(sb);
     for (call, before, after) in [
         ("/VolumeDriver.Mount", false, true),
         ("/VolumeDriver.Unmount", true, false),
@@ -328,28 +381,28 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
         for n in 1..=MAX_POINTS {
             assert!(n < MAX_POINTS, "shared {call} still crashed at point {n}");
             if before {
-                let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+                let plugin = Plugin::start(&h, None).expect("start docker-plugin");
                 plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": ID}));
-                plugin.stop(&sb);
+                plugin.stop(sb);
             }
-            let completed = match Plugin::start(&sb, Some(n)) {
+            let completed = match Plugin::start(&h, Some(n)) {
                 None => false,
                 Some(mut armed) => match armed.post(call, &json!({"Name": "v", "ID": ID})) {
                     Some((200, _)) => {
-                        kill_now(&sb, armed);
+                        kill_now(sb, armed);
                         true
                     }
                     Some((status, answer)) => {
                         panic!("shared {call} at crash point {n}: {status} {answer}")
                     }
                     None => {
-                        let status = armed.0.wait(&sb);
+                        let status = armed.0.wait(sb);
                         assert_eq!(status.signal(), Some(9), "shared {call} {n}: {status}");
                         false
                     }
                 },
             };
-            let plugin = recovered_shared(&sb, call, n);
+            let plugin = recovered_shared(&h, call, n);
             // The call again (a re-run, or Docker's Unmount of the ID it knows).
             plugin.ok(call, json!({"Name": "v", "ID": ID}));
             let (users, mountpoint) = plugin.get();
@@ -361,7 +414,7 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
             if after {
                 plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
             }
-            plugin.stop(&sb);
+            plugin.stop(sb);
             if completed {
                 break;
             }
@@ -370,17 +423,38 @@ fn docker_plugin_killed_at_every_crash_point_of_mount_and_unmount_recovers() {
         eprintln!("{call} beside another user: {survived} crash points survived");
         assert!(survived > 0, "shared {call}: the hook never fired");
     }
-    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    let plugin = Plugin::start(&h, None).expect("start docker-plugin");
     plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": OTHER}));
     assert_eq!(plugin.get(), (vec![], String::new()));
-    plugin.stop(&sb);
+    plugin.stop(sb);
 
     // Removed: nothing left.
-    let plugin = Plugin::start(&sb, None).expect("start docker-plugin");
+    let plugin = Plugin::start(&h, None).expect("start docker-plugin");
     plugin.ok("/VolumeDriver.Remove", json!({"Name": "v"}));
     let listed = plugin.ok("/VolumeDriver.List", json!({}));
     assert_eq!(listed["Volumes"], json!([]));
-    plugin.stop(&sb);
+    plugin.stop(sb);
+    if let Some(csi) = &h.csi {
+        // The same CSI plugin throughout, and nothing left in it.
+        let pid = csi.pid().expect("the CSI plugin runs");
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(
+            !stat.is_empty()
+                && !stat
+                    .rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z'),
+            "the CSI plugin did not stay up: {stat:?}"
+        );
+        let calls = csi.calls();
+        let count = |rpc: &str| calls.iter().filter(|c| c.starts_with(rpc)).count();
+        assert_eq!(count("CreateVolume "), 1, "{calls:?}");
+        assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
+    }
+    let Harness { sb, csi, .. } = h;
+    drop(csi);
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }

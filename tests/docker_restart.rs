@@ -23,7 +23,8 @@ use csi_isolator_testing::engines::{
     DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
-    mount_points_under, processes_mentioning, require_root, DockerPluginProcess, Sandbox,
+    mount_points_under, plugin_bin, processes_mentioning, require_root, DockerPluginProcess,
+    PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -38,11 +39,40 @@ struct Setup {
     work: PathBuf,
     engine: Dockerd,
     image: String,
+    /// The separately started CSI plugin, when the docker-plugin reaches it over
+    /// `--plugin-endpoint`.
+    csi: Option<PluginProcess>,
+    /// The docker-plugin's arguments that name its CSI plugin (none for the bundled one).
+    csi_args: Vec<String>,
 }
 
-/// The plugin (with `args`), then dockerd, then a busybox image. The plugin is returned apart:
-/// the tests stop and start it.
-fn setup(label: &str, args: &[&str]) -> (HostPaths, Setup, DockerPluginProcess) {
+/// How the docker-plugin gets its CSI plugin.
+#[derive(Clone, Copy, Debug)]
+enum Csi {
+    /// The bundled plugin, managed under its work dir.
+    Bundled,
+    /// A separately started `csi-test-plugin --backing loop`, over `--plugin-endpoint`: it
+    /// stays up while docker-plugins come and go.
+    Endpoint,
+}
+
+/// Starts `csi-test-plugin --backing loop` in the sandbox (outside any runtime: the tests are
+/// blocking).
+fn start_csi(sb: &Sandbox) -> PluginProcess {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(PluginProcess::start(
+            sb,
+            plugin_bin(),
+            &["--backing", "loop"],
+        ))
+}
+
+/// The CSI plugin as `csi` says, the docker-plugin (with `args`), then dockerd, then a busybox
+/// image. The docker-plugin is returned apart: the tests stop and start it.
+fn setup(label: &str, csi: Csi, args: &[&str]) -> (HostPaths, Setup, DockerPluginProcess) {
     require_root();
     require_engine("dockerd", "docker.io");
     let driver = format!("csi-isolator-test-{}", unique());
@@ -51,7 +81,20 @@ fn setup(label: &str, args: &[&str]) -> (HostPaths, Setup, DockerPluginProcess) 
     host.remove_at_end(&socket);
     let sb = Sandbox::new(label);
     let work = sb.join("work");
-    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, args);
+    let (csi, csi_args) = match csi {
+        Csi::Bundled => (None, Vec::new()),
+        Csi::Endpoint => {
+            let csi = start_csi(&sb);
+            let args = vec!["--plugin-endpoint".to_string(), csi.endpoint()];
+            (Some(csi), args)
+        }
+    };
+    let all: Vec<&str> = csi_args
+        .iter()
+        .map(String::as_str)
+        .chain(args.iter().copied())
+        .collect();
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &all);
     let engine = Dockerd::start(&sb);
     let image = engine.import_busybox(&sb);
     (
@@ -63,6 +106,8 @@ fn setup(label: &str, args: &[&str]) -> (HostPaths, Setup, DockerPluginProcess) 
             work,
             engine,
             image,
+            csi,
+            csi_args,
         },
         plugin,
     )
@@ -73,10 +118,15 @@ fn engine_endpoint(sb: &Sandbox) -> String {
     format!("unix://{}", sb.join("docker.sock").display())
 }
 
-/// Removes the image, stops dockerd then the plugin, and checks that nothing is left.
+/// Removes the image, stops dockerd then the plugin (and the separate CSI plugin, after it
+/// deleted every volume), and checks that nothing is left.
 fn teardown(s: Setup, plugin: DockerPluginProcess) -> Sandbox {
     let Setup {
-        sb, engine, image, ..
+        sb,
+        engine,
+        image,
+        csi,
+        ..
     } = s;
     assert_eq!(engine.ok(&["ps", "-aq"]), "", "containers left");
     engine.ok(&["rmi", &image]);
@@ -86,6 +136,23 @@ fn teardown(s: Setup, plugin: DockerPluginProcess) -> Sandbox {
     let log = plugin.log();
     let status = plugin.stop(&sb, Signal::SIGTERM);
     assert!(status.success(), "docker-plugin: {status}\n{log}");
+    if let Some(mut csi) = csi {
+        let calls = csi.calls();
+        let created = calls
+            .iter()
+            .filter(|c| c.starts_with("CreateVolume"))
+            .count();
+        let deleted = calls
+            .iter()
+            .filter(|c| c.starts_with("DeleteVolume"))
+            .count();
+        assert!(
+            created > 0 && created == deleted,
+            "volumes left in the CSI plugin: {calls:?}"
+        );
+        // It goes before the check that no process names the sandbox.
+        csi.kill();
+    }
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
     let left = processes_mentioning(sb.path());
@@ -153,7 +220,24 @@ fn start_writer(s: &Setup, volume: &str) -> String {
 
 #[test]
 fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmount() {
-    let (host, s, plugin) = setup("dkr-plugin-kill", &[]);
+    killed_plugin(Csi::Bundled);
+}
+
+/// The same over `--plugin-endpoint`: the CSI plugin stays up through the docker-plugin's
+/// SIGKILL, and the next docker-plugin, on the same endpoint, serves the `Unmount`.
+#[test]
+fn a_killed_plugin_over_an_endpoint_leaves_the_container_writing_and_the_next_one_serves_its_unmount(
+) {
+    killed_plugin(Csi::Endpoint);
+}
+
+fn killed_plugin(csi: Csi) {
+    let label = match csi {
+        Csi::Bundled => "dkr-plugin-kill",
+        Csi::Endpoint => "dkr-plugin-kill-ep",
+    };
+    let (host, s, plugin) = setup(label, csi, &[]);
+    let csi_pid = s.csi.as_ref().and_then(PluginProcess::pid);
     let e = &s.engine;
     e.ok(&[
         "volume", "create", "-d", &s.driver, "-o", "size=16M", "killvol",
@@ -181,17 +265,19 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
     // asking dockerd every second: the running container holds the volume, so through several
     // listings its use is kept.
     // Its rounds are logged at debug: the test counts them.
+    let engine = engine_endpoint(&s.sb);
+    let args: Vec<&str> = s
+        .csi_args
+        .iter()
+        .map(String::as_str)
+        .chain(["--engine", &engine, "--engine-interval", "1"])
+        .collect();
     let plugin = DockerPluginProcess::try_start(
         &s.sb,
         BIN,
         &s.work,
         &s.socket,
-        &[
-            "--engine",
-            &engine_endpoint(&s.sb),
-            "--engine-interval",
-            "1",
-        ],
+        &args,
         &[(
             "RUST_LOG",
             "info,csi_isolator::docker_plugin::reconciler=debug",
@@ -232,6 +318,22 @@ fn a_killed_plugin_leaves_the_container_writing_and_the_next_one_serves_its_unmo
     assert_eq!(users(e, "killvol"), Vec::<String>::new());
     let published = mount_points_under(&s.work);
     assert!(published.is_empty(), "still mounted: {published:?}");
+    if let Some(csi) = &s.csi {
+        // The same CSI plugin throughout, still running: it was asked to unpublish.
+        assert_eq!(csi.pid(), csi_pid, "the CSI plugin was restarted");
+        let pid = csi_pid.expect("the CSI plugin runs");
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        assert!(
+            stat.rsplit(')').next().is_some_and(|s| s.trim_start().starts_with('S')
+                || s.trim_start().starts_with('R')),
+            "the CSI plugin is not running: {stat:?}"
+        );
+        let calls = csi.calls();
+        assert!(
+            calls.iter().any(|c| c.starts_with("NodeUnpublishVolume")),
+            "{calls:?}"
+        );
+    }
     e.ok(&["volume", "rm", "killvol"]);
     let sb = teardown(s, plugin);
     drop(sb);
@@ -258,7 +360,7 @@ fn wait_state(engine: &Dockerd, container: &str, state: &str) {
 #[test]
 fn after_dockerd_is_killed_and_restarted_the_engine_reconciliation_leaves_no_use_of_a_gone_container(
 ) {
-    let (host, mut s, plugin) = setup("dkr-dockerd-kill", &[]);
+    let (host, mut s, plugin) = setup("dkr-dockerd-kill", Csi::Bundled, &[]);
     let e = &s.engine;
     e.ok(&[
         "volume",

@@ -24,8 +24,8 @@ use csi_isolator_testing::engines::{
     container_gone, require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
-    Sandbox,
+    isolator_command, mount_points_under, plugin_bin, processes_mentioning, require_root,
+    DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -37,13 +37,47 @@ const WAIT: Duration = Duration::from_secs(60);
 
 #[test]
 fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
+    creates_mounts_shares_and_removes(false);
+}
+
+/// The same over `--plugin-endpoint`: a separately started `csi-test-plugin --backing loop`.
+#[test]
+fn podman_creates_mounts_shares_and_removes_a_csi_volume_of_a_plugin_at_an_endpoint() {
+    creates_mounts_shares_and_removes(true);
+}
+
+/// Podman creates a volume with its size, containers use it one after the other (the second
+/// read-only), and removes it; the docker-plugin's CSI plugin the bundled one, or with
+/// `endpoint` a separately started one over `--plugin-endpoint`.
+fn creates_mounts_shares_and_removes(endpoint: bool) {
     require_root();
     require_engine("podman", "podman");
     let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
-    let sb = Sandbox::new("podman-engine");
+    let sb = Sandbox::new(if endpoint {
+        "podman-engine-ep"
+    } else {
+        "podman-engine"
+    });
     let work = sb.join("work");
-    let socket = sb.join("plugin/csi-isolator.sock");
-    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &[]);
+    // The docker-plugin's socket: not in `plugin/`, the separate CSI plugin's directory.
+    let socket = sb.join("docker/csi-isolator.sock");
+    let csi = endpoint.then(|| {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+            .block_on(PluginProcess::start(
+                &sb,
+                plugin_bin(),
+                &["--backing", "loop"],
+            ))
+    });
+    let csi_endpoint = csi.as_ref().map(PluginProcess::endpoint);
+    let args: Vec<&str> = match &csi_endpoint {
+        Some(e) => vec!["--plugin-endpoint", e],
+        None => Vec::new(),
+    };
+    let plugin = DockerPluginProcess::start(&sb, BIN, &work, &socket, &args);
     let podman = Podman::new(&sb, &[(DRIVER, &socket)]);
     let image = podman.import_busybox(&sb);
     let table = ProcMountTable::new();
@@ -135,6 +169,18 @@ fn podman_creates_mounts_shares_and_removes_a_csi_volume_through_the_plugin() {
         "deleted: {report}"
     );
     assert_eq!(mounted_under_work(), 0);
+    if let Some(mut csi) = csi {
+        // Created and deleted in the separate plugin, once (the malformed size never reached it).
+        let calls = csi.calls();
+        let count = |rpc: &str| calls.iter().filter(|c| c.starts_with(rpc)).count();
+        assert_eq!(count("CreateVolume "), 1, "{calls:?}");
+        assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
+        assert!(count("NodePublishVolume ") >= 2, "{calls:?}");
+        let staged = mount_points_under(csi.dir());
+        assert!(staged.is_empty(), "left mounted by the plugin: {staged:?}");
+        // It goes before the check that no process names the sandbox.
+        csi.kill();
+    }
     sb.assert_no_loop_devices();
     assert!(
         processes_mentioning(sb.path()).is_empty(),
@@ -178,54 +224,7 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     let podman = Podman::new(&sb, &[(DRIVER, &socket), ("csifail", &fail_socket)]);
     let image = podman.import_busybox(&sb);
 
-    podman.ok(&[
-        "volume", "create", "--driver", DRIVER, "-o", "size=16M", "shared",
-    ]);
-    let start = |name: &str, script: &str| {
-        podman.ok(&[
-            "run",
-            "-d",
-            "--name",
-            name,
-            "-v",
-            "shared:/data",
-            &image,
-            "/bin/sh",
-            "-c",
-            script,
-        ])
-    };
-    start("first", "echo one > /data/one && exec sleep 600");
-    start("second", "exec sleep 600");
-    let first = podman.track_container(&sb, "first");
-    let second = podman.track_container(&sb, "second");
-    let published = mount_points_under(&work);
-    assert!(!published.is_empty(), "published while in use");
-
-    // The first one leaves: the second keeps the volume mounted, writable and readable.
-    podman.ok(&["stop", "-t", "0", "first"]);
-    podman.ok(&["rm", "first"]);
-    container_gone(&sb, first, "after podman stop and rm");
-    assert_eq!(mount_points_under(&work), published);
-    assert_eq!(
-        podman.ok(&[
-            "exec",
-            "second",
-            "/bin/sh",
-            "-c",
-            "echo two > /data/two && cat /data/one /data/two",
-        ]),
-        "one\ntwo",
-        "the second container still writes and reads"
-    );
-
-    // The last one leaves: unpublished.
-    podman.ok(&["stop", "-t", "0", "second"]);
-    podman.ok(&["rm", "second"]);
-    container_gone(&sb, second, "after podman stop and rm");
-    let left = mount_points_under(&work);
-    assert!(left.is_empty(), "still mounted: {left:?}");
-    podman.ok(&["volume", "rm", "shared"]);
+    two_containers_share(&podman, &sb, &image, &work);
 
     // A failing NodePublishVolume fails `podman run` with the CSI error (the plugin answers
     // non-200: Podman would take a 200 with an Err for a success).
@@ -257,6 +256,111 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     let log = plugin.log();
     assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
     assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    assert!(
+        processes_mentioning(sb.path()).is_empty(),
+        "no conmon or container left"
+    );
+    drop(podman);
+    drop(sb);
+    host_paths.assert_restored();
+}
+
+/// Two containers of `podman run -d` share a volume of [`DRIVER`] (the docker-plugin on
+/// `work`): the first leaving keeps it published for the second, the last unpublishes it; then
+/// it is removed.
+fn two_containers_share(podman: &Podman, sb: &Sandbox, image: &str, work: &Path) {
+    podman.ok(&[
+        "volume", "create", "--driver", DRIVER, "-o", "size=16M", "shared",
+    ]);
+    let start = |name: &str, script: &str| {
+        podman.ok(&[
+            "run",
+            "-d",
+            "--name",
+            name,
+            "-v",
+            "shared:/data",
+            image,
+            "/bin/sh",
+            "-c",
+            script,
+        ])
+    };
+    start("first", "echo one > /data/one && exec sleep 600");
+    start("second", "exec sleep 600");
+    let first = podman.track_container(sb, "first");
+    let second = podman.track_container(sb, "second");
+    let published = mount_points_under(work);
+    assert!(!published.is_empty(), "published while in use");
+
+    // The first one leaves: the second keeps the volume mounted, writable and readable.
+    podman.ok(&["stop", "-t", "0", "first"]);
+    podman.ok(&["rm", "first"]);
+    container_gone(sb, first, "after podman stop and rm");
+    assert_eq!(mount_points_under(work), published);
+    assert_eq!(
+        podman.ok(&[
+            "exec",
+            "second",
+            "/bin/sh",
+            "-c",
+            "echo two > /data/two && cat /data/one /data/two",
+        ]),
+        "one\ntwo",
+        "the second container still writes and reads"
+    );
+
+    // The last one leaves: unpublished.
+    podman.ok(&["stop", "-t", "0", "second"]);
+    podman.ok(&["rm", "second"]);
+    container_gone(sb, second, "after podman stop and rm");
+    let left = mount_points_under(work);
+    assert!(left.is_empty(), "still mounted: {left:?}");
+    podman.ok(&["volume", "rm", "shared"]);
+}
+
+/// The sharing half of the test above over `--plugin-endpoint`: a separately started
+/// `csi-test-plugin --backing loop`.
+#[test]
+fn podman_containers_share_a_volume_of_a_plugin_at_an_endpoint_until_the_last_leaves() {
+    require_root();
+    require_engine("podman", "podman");
+    let host_paths = HostPaths::claim(PODMAN_HOST_PATHS);
+    let sb = Sandbox::new("podman-share-ep");
+    let work = sb.join("work");
+    // Not in `plugin/`, the separate CSI plugin's directory.
+    let socket = sb.join("docker/csi-isolator.sock");
+    let mut csi = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(PluginProcess::start(
+            &sb,
+            plugin_bin(),
+            &["--backing", "loop"],
+        ));
+    let endpoint = csi.endpoint();
+    let plugin =
+        DockerPluginProcess::start(&sb, BIN, &work, &socket, &["--plugin-endpoint", &endpoint]);
+    let podman = Podman::new(&sb, &[(DRIVER, &socket)]);
+    let image = podman.import_busybox(&sb);
+    two_containers_share(&podman, &sb, &image, &work);
+    podman.ok(&["rmi", &image]);
+    // Published once in the plugin for both, deleted there by `podman volume rm`.
+    let calls = csi.calls();
+    let count = |rpc: &str| calls.iter().filter(|c| c.starts_with(rpc)).count();
+    assert_eq!(count("NodePublishVolume "), 1, "{calls:?}");
+    assert_eq!(count("NodeUnpublishVolume "), 1, "{calls:?}");
+    assert_eq!(count("CreateVolume "), 1, "{calls:?}");
+    assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
+
+    let log = plugin.log();
+    assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
+    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    // It goes before the check that no process names the sandbox.
+    csi.kill();
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
     assert!(
