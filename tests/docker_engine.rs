@@ -417,15 +417,7 @@ fn two_containers_share_a_volume(s: &Setup) {
 #[test]
 fn two_containers_share_a_volume_of_a_csi_plugin_at_an_endpoint_until_the_last_leaves() {
     let (mut host, sb) = claim("dkr-share-ep");
-    let mut csi = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime")
-        .block_on(PluginProcess::start(
-            &sb,
-            plugin_bin(),
-            &["--backing", "loop"],
-        ));
+    let mut csi = PluginProcess::start_loop_blocking(&sb);
     let endpoint = csi.endpoint();
     let (driver, plugin) = start_driver(
         &mut host,

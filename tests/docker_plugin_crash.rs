@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator_testing::{
-    mount_points_under, plugin_bin, require_root, DockerPluginProcess, PluginProcess, Sandbox,
+    mount_points_under, require_root, DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 use serde_json::{json, Value};
@@ -59,15 +59,7 @@ impl Harness {
         require_root();
         let sb = Sandbox::new(label);
         let (csi, args) = if endpoint {
-            let csi = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("a runtime")
-                .block_on(PluginProcess::start(
-                    &sb,
-                    plugin_bin(),
-                    &["--backing", "loop"],
-                ));
+            let csi = PluginProcess::start_loop_blocking(&sb);
             let args = vec!["--plugin-endpoint".to_string(), csi.endpoint()];
             (Some(csi), args)
         } else {

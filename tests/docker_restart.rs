@@ -23,8 +23,8 @@ use csi_isolator_testing::engines::{
     DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
-    mount_points_under, plugin_bin, processes_mentioning, require_root, DockerPluginProcess,
-    PluginProcess, Sandbox,
+    mount_points_under, processes_mentioning, require_root, DockerPluginProcess, PluginProcess,
+    Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -59,15 +59,7 @@ enum Csi {
 /// Starts `csi-test-plugin --backing loop` in the sandbox (outside any runtime: the tests are
 /// blocking).
 fn start_csi(sb: &Sandbox) -> PluginProcess {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime")
-        .block_on(PluginProcess::start(
-            sb,
-            plugin_bin(),
-            &["--backing", "loop"],
-        ))
+    PluginProcess::start_loop_blocking(sb)
 }
 
 /// The CSI plugin as `csi` says, the docker-plugin (with `args`), then dockerd, then a busybox

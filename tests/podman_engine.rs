@@ -24,8 +24,8 @@ use csi_isolator_testing::engines::{
     container_gone, require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, plugin_bin, processes_mentioning, require_root,
-    DockerPluginProcess, PluginProcess, Sandbox,
+    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
+    PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -61,17 +61,7 @@ fn creates_mounts_shares_and_removes(endpoint: bool) {
     let work = sb.join("work");
     // The docker-plugin's socket: not in `plugin/`, the separate CSI plugin's directory.
     let socket = sb.join("docker/csi-isolator.sock");
-    let csi = endpoint.then(|| {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a runtime")
-            .block_on(PluginProcess::start(
-                &sb,
-                plugin_bin(),
-                &["--backing", "loop"],
-            ))
-    });
+    let csi = endpoint.then(|| PluginProcess::start_loop_blocking(&sb));
     let csi_endpoint = csi.as_ref().map(PluginProcess::endpoint);
     let args: Vec<&str> = match &csi_endpoint {
         Some(e) => vec!["--plugin-endpoint", e],
@@ -332,15 +322,7 @@ fn podman_containers_share_a_volume_of_a_plugin_at_an_endpoint_until_the_last_le
     let work = sb.join("work");
     // Not in `plugin/`, the separate CSI plugin's directory.
     let socket = sb.join("docker/csi-isolator.sock");
-    let mut csi = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime")
-        .block_on(PluginProcess::start(
-            &sb,
-            plugin_bin(),
-            &["--backing", "loop"],
-        ));
+    let mut csi = PluginProcess::start_loop_blocking(&sb);
     let endpoint = csi.endpoint();
     let plugin =
         DockerPluginProcess::start(&sb, BIN, &work, &socket, &["--plugin-endpoint", &endpoint]);

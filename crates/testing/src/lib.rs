@@ -310,6 +310,17 @@ impl PluginProcess {
         Self::start_named(sandbox, "plugin", bin, args).await
     }
 
+    /// `csi-test-plugin --backing loop` ([`plugin_bin`]) as [`PluginProcess::start`] makes it,
+    /// from a blocking test (no runtime of its own): the separately started plugin of the
+    /// engine tests' `--plugin-endpoint` variants.
+    pub fn start_loop_blocking(sandbox: &Sandbox) -> PluginProcess {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a runtime")
+            .block_on(Self::start(sandbox, plugin_bin(), &["--backing", "loop"]))
+    }
+
     /// Like [`PluginProcess::start`], with the plugin's files in `<sandbox>/<name>`, so that
     /// one sandbox can hold several plugins.
     pub async fn start_named(
