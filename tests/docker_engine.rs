@@ -24,7 +24,7 @@ use std::time::Duration;
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode as AccessMode;
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS,
+    container_gone, require_engine, unique, volume_users, Dockerd, HostPaths, DOCKER_HOST_PATHS,
     DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
@@ -124,9 +124,7 @@ fn docker_creates_writes_reads_inspects_and_removes_a_volume() {
         e.ok(&["volume", "inspect", "--format", "{{.Driver}}", "vol1"]),
         *d
     );
-    let status: serde_json::Value =
-        serde_json::from_str(&e.ok(&["volume", "inspect", "--format", "{{json .Status}}", "vol1"]))
-            .expect("Status is JSON");
+    let status = e.volume_status("vol1");
     assert_eq!(status["capacity_bytes"], 16 << 20, "{status}");
 
     e.ok(&[
@@ -226,14 +224,7 @@ fn docker_run_creates_a_volume_through_the_driver_and_a_readonly_mount_refuses_w
         (8_000..=16_384).contains(&total_kib),
         "the container sees the 16 MiB volume: {df}"
     );
-    let status: serde_json::Value = serde_json::from_str(&e.ok(&[
-        "volume",
-        "inspect",
-        "--format",
-        "{{json .Status}}",
-        "implicit2",
-    ]))
-    .expect("Status is JSON");
+    let status = e.volume_status("implicit2");
     assert_eq!(status["capacity_bytes"], 16 << 20, "{status}");
     e.ok(&["volume", "rm", "implicit2"]);
 
@@ -369,17 +360,7 @@ fn two_containers_share_a_volume(s: &Setup) {
     start("second", "exec sleep 600");
     let first = e.track_container(&s.sb, "first");
     let second = e.track_container(&s.sb, "second");
-    let users = |e: &Dockerd| -> Vec<serde_json::Value> {
-        let status: serde_json::Value = serde_json::from_str(&e.ok(&[
-            "volume",
-            "inspect",
-            "--format",
-            "{{json .Status}}",
-            "shared",
-        ]))
-        .expect("Status is JSON");
-        status["users"].as_array().expect("users").clone()
-    };
+    let users = |e: &Dockerd| volume_users(&e.volume_status("shared"));
     assert_eq!(users(e).len(), 2, "one Mount ID per container");
     let published = mount_points_under(&s.plugin.work);
     assert!(!published.is_empty(), "published while in use");

@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS,
+    container_gone, require_engine, unique, volume_users, Dockerd, HostPaths, DOCKER_HOST_PATHS,
     DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
@@ -178,25 +178,18 @@ fn grows(mountpoint: &Path, than: u64, what: &str) -> u64 {
 
 /// The Mount IDs the plugin records for `volume` (through `docker volume inspect`).
 fn users(engine: &Dockerd, volume: &str) -> Vec<String> {
-    let status: serde_json::Value = serde_json::from_str(&engine.ok(&[
-        "volume",
-        "inspect",
-        "--format",
-        "{{json .Status}}",
-        volume,
-    ]))
-    .expect("Status is JSON");
-    status["users"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no users in {status}"))
-        .iter()
-        .map(|u| u.as_str().unwrap_or_default().to_string())
-        .collect()
+    volume_users(&engine.volume_status(volume))
 }
 
-/// Starts the writer container on `volume`: its id.
-fn start_writer(s: &Setup, volume: &str) -> String {
-    s.engine.ok(&[
+/// Creates a 16 MiB `volume` of the driver and starts the writer container on it, tracked by
+/// the sandbox; once it writes, with one use of the volume: its id, its pid, the volume's
+/// mount point on the host and the log's size.
+fn start_writing(s: &Setup, volume: &str) -> (String, u32, PathBuf, u64) {
+    let e = &s.engine;
+    e.ok(&[
+        "volume", "create", "-d", &s.driver, "-o", "size=16M", volume,
+    ]);
+    let container = e.ok(&[
         "run",
         "-d",
         "--network",
@@ -207,7 +200,13 @@ fn start_writer(s: &Setup, volume: &str) -> String {
         "sh",
         "-c",
         WRITER,
-    ])
+    ]);
+    let writer = e.track_container(&s.sb, &container);
+    let mountpoint =
+        PathBuf::from(e.ok(&["volume", "inspect", "--format", "{{.Mountpoint}}", volume]));
+    let first = grows(&mountpoint, 0, "the container writes");
+    assert_eq!(users(e, volume).len(), 1);
+    (container, writer, mountpoint, first)
 }
 
 #[test]
@@ -230,21 +229,7 @@ fn killed_plugin(csi: Csi) {
     };
     let (host, s, plugin) = setup(label, csi, &[]);
     let csi_pid = s.csi.as_ref().and_then(PluginProcess::pid);
-    let e = &s.engine;
-    e.ok(&[
-        "volume", "create", "-d", &s.driver, "-o", "size=16M", "killvol",
-    ]);
-    let container = start_writer(&s, "killvol");
-    let writer = s.engine.track_container(&s.sb, &container);
-    let mountpoint = PathBuf::from(e.ok(&[
-        "volume",
-        "inspect",
-        "--format",
-        "{{.Mountpoint}}",
-        "killvol",
-    ]));
-    let first = grows(&mountpoint, 0, "the container writes");
-    assert_eq!(users(e, "killvol").len(), 1);
+    let (container, writer, mountpoint, first) = start_writing(&s, "killvol");
 
     // SIGKILL: nothing of the plugin runs, the container goes on writing into its volume.
     let status = plugin.stop(&s.sb, Signal::SIGKILL);
@@ -353,27 +338,7 @@ fn wait_state(engine: &Dockerd, container: &str, state: &str) {
 fn after_dockerd_is_killed_and_restarted_the_engine_reconciliation_leaves_no_use_of_a_gone_container(
 ) {
     let (host, mut s, plugin) = setup("dkr-dockerd-kill", Csi::Bundled, &[]);
-    let e = &s.engine;
-    e.ok(&[
-        "volume",
-        "create",
-        "-d",
-        &s.driver,
-        "-o",
-        "size=16M",
-        "restartvol",
-    ]);
-    let container = start_writer(&s, "restartvol");
-    let writer = s.engine.track_container(&s.sb, &container);
-    let mountpoint = PathBuf::from(e.ok(&[
-        "volume",
-        "inspect",
-        "--format",
-        "{{.Mountpoint}}",
-        "restartvol",
-    ]));
-    let first = grows(&mountpoint, 0, "the container writes");
-    assert_eq!(users(e, "restartvol").len(), 1);
+    let (container, writer, mountpoint, first) = start_writing(&s, "restartvol");
 
     // SIGKILL dockerd: its containerd and the container's shim live on, and so does the writer.
     let status = s.engine.signal_and_wait(&s.sb, Signal::SIGKILL);

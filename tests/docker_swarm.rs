@@ -396,9 +396,7 @@ fn a_swarm_service_task_writes_into_a_volume_of_the_driver_and_the_host_network_
         ]),
         format!("{driver} local")
     );
-    let status: serde_json::Value =
-        serde_json::from_str(&e.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]))
-            .expect("Status is JSON");
+    let status = e.volume_status(volume);
     assert_eq!(status["capacity_bytes"], 16 << 20, "{status}");
     assert_eq!(
         status["users"].as_array().map(Vec::len),

@@ -21,11 +21,12 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, wait_bounded, HostPaths, Podman, PODMAN_HOST_PATHS,
+    container_gone, require_engine, volume_users, wait_bounded, HostPaths, Podman,
+    PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{
-    isolator_command, mount_points_under, processes_mentioning, require_root, DockerPluginProcess,
-    PluginProcess, Sandbox,
+    isolator_command, mount_points_under, processes_mentioning, require_root, status_volumes,
+    DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -171,25 +172,19 @@ fn creates_mounts_shares_and_removes(endpoint: bool) {
         // It goes before the check that no process names the sandbox.
         csi.kill();
     }
+    finish(podman, sb, host_paths, "conmon or container");
+}
+
+/// The end of every test: no loop device and no process naming the sandbox (`what` says which
+/// could be left), then Podman's run root and the sandbox go and the host paths Podman made
+/// are restored.
+fn finish(podman: Podman, sb: Sandbox, host_paths: HostPaths, what: &str) {
     sb.assert_no_loop_devices();
-    assert!(
-        processes_mentioning(sb.path()).is_empty(),
-        "no conmon or container left"
-    );
+    let left = processes_mentioning(sb.path());
+    assert!(left.is_empty(), "no {what} left: {left:?}");
     drop(podman);
     drop(sb);
     host_paths.assert_restored();
-}
-
-/// The volumes a work dir records (`status --json`), read after its plugin stopped.
-fn status_volumes(work: &Path) -> Vec<serde_json::Value> {
-    let out = isolator_command(BIN, work)
-        .args(["status", "--json"])
-        .output()
-        .expect("run status");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("status --json ({e}): {out:?}"));
-    report["volumes"].as_array().expect("volumes").clone()
 }
 
 #[test]
@@ -239,22 +234,15 @@ fn podman_containers_share_a_volume_until_the_last_leaves_and_a_failing_publish_
     let log = failing.log();
     assert!(failing.stop(&sb, Signal::SIGTERM).success(), "{log}");
     assert_eq!(
-        status_volumes(&fail_work),
+        status_volumes(BIN, &fail_work),
         Vec::<serde_json::Value>::new(),
         "deleted after the failed run left no use"
     );
     let log = plugin.log();
     assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
-    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    assert_eq!(status_volumes(BIN, &work), Vec::<serde_json::Value>::new());
     sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
-    assert!(
-        processes_mentioning(sb.path()).is_empty(),
-        "no conmon or container left"
-    );
-    drop(podman);
-    drop(sb);
-    host_paths.assert_restored();
+    finish(podman, sb, host_paths, "conmon or container");
 }
 
 /// Two containers of `podman run -d` share a volume of [`DRIVER`] (the docker-plugin on
@@ -340,18 +328,11 @@ fn podman_containers_share_a_volume_of_a_plugin_at_an_endpoint_until_the_last_le
 
     let log = plugin.log();
     assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
-    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    assert_eq!(status_volumes(BIN, &work), Vec::<serde_json::Value>::new());
     // It goes before the check that no process names the sandbox.
     csi.kill();
     sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
-    assert!(
-        processes_mentioning(sb.path()).is_empty(),
-        "no conmon or container left"
-    );
-    drop(podman);
-    drop(sb);
-    host_paths.assert_restored();
+    finish(podman, sb, host_paths, "conmon or container");
 }
 
 /// Writes `<dir>/csi-isolator.json`, one Podman hooks.d entry for both stages running
@@ -402,7 +383,7 @@ fn podman_runs_oci_hook_from_hooks_dir_publishing_the_annotated_volume_and_relea
         ])
     };
     let volume = || -> serde_json::Value {
-        let volumes = status_volumes(&work);
+        let volumes = status_volumes(BIN, &work);
         assert_eq!(volumes.len(), 1, "{volumes:?}");
         volumes[0].clone()
     };
@@ -458,16 +439,9 @@ fn podman_runs_oci_hook_from_hooks_dir_publishing_the_annotated_volume_and_relea
         .output()
         .expect("run volume destroy");
     assert!(out.status.success(), "volume destroy: {out:?}");
-    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    assert_eq!(status_volumes(BIN, &work), Vec::<serde_json::Value>::new());
     sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
-    assert!(
-        processes_mentioning(sb.path()).is_empty(),
-        "no hook, plugin, conmon or container left"
-    );
-    drop(podman);
-    drop(sb);
-    host_paths.assert_restored();
+    finish(podman, sb, host_paths, "hook, plugin, conmon or container");
 }
 
 /// Asks the Podman service on `socket` for `GET /containers/json?all=1` (HTTP/1.0: the
@@ -496,20 +470,7 @@ fn podman_listing(socket: &Path) -> serde_json::Value {
 /// The Mount IDs the plugin records for `volume` (through `podman volume inspect`, which asks
 /// the plugin's `Get`).
 fn podman_users(podman: &Podman, volume: &str) -> Vec<String> {
-    let status: serde_json::Value = serde_json::from_str(&podman.ok(&[
-        "volume",
-        "inspect",
-        "--format",
-        "{{json .Status}}",
-        volume,
-    ]))
-    .expect("Status is JSON");
-    status["users"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no users in {status}"))
-        .iter()
-        .map(|u| u.as_str().unwrap_or_default().to_string())
-        .collect()
+    volume_users(&podman.volume_status(volume))
 }
 
 /// Waits (bounded) until `what()` holds.
@@ -707,17 +668,9 @@ fn docker_plugin_engine_reconciliation_against_podmans_service_keeps_held_uses_a
     eprintln!("podman system service stopped: {status}");
     let log = plugin.log();
     assert!(plugin.stop(&sb, Signal::SIGTERM).success(), "{log}");
-    assert_eq!(status_volumes(&work), Vec::<serde_json::Value>::new());
+    assert_eq!(status_volumes(BIN, &work), Vec::<serde_json::Value>::new());
     sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
-    let left = processes_mentioning(sb.path());
-    assert!(
-        left.is_empty(),
-        "no service, conmon or container left: {left:?}"
-    );
     assert!(!api.exists(), "the service removed its socket");
-    drop(podman);
-    drop(sb);
-    host_paths.assert_restored();
+    finish(podman, sb, host_paths, "service, conmon or container");
     eprintln!("took {:?}", started.elapsed());
 }

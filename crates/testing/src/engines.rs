@@ -247,6 +247,23 @@ pub fn container_gone(sb: &Sandbox, pid: u32, what: &str) {
     sb.untrack(pid);
 }
 
+/// A volume's `Status` (what the plugin's `Get` answered) from an engine's
+/// `volume inspect --format {{json .Status}}` output.
+fn parse_status(volume: &str, inspected: &str) -> serde_json::Value {
+    serde_json::from_str(inspected)
+        .unwrap_or_else(|e| panic!("volume {volume}: Status is not JSON ({e}): {inspected}"))
+}
+
+/// The Mount IDs in a volume's `Status` (its `users`).
+pub fn volume_users(status: &serde_json::Value) -> Vec<String> {
+    status["users"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no users in {status}"))
+        .iter()
+        .map(|u| u.as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
 /// A private dockerd: data root, exec root, API socket and pid file in the sandbox, no bridge,
 /// no firewall rules, no forwarding. Start it under a [`HostPaths`] claimed with
 /// [`DOCKER_HOST_PATHS`].
@@ -358,6 +375,14 @@ impl Dockerd {
     /// A `docker` command that must fail: its stderr.
     pub fn fails(&self, args: &[&str]) -> String {
         failed("docker", args, &self.docker(args))
+    }
+
+    /// `docker volume inspect`'s `Status` of `volume`: what the plugin's `Get` answered.
+    pub fn volume_status(&self, volume: &str) -> serde_json::Value {
+        parse_status(
+            volume,
+            &self.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]),
+        )
     }
 
     /// Imports a busybox image under a unique name (`ENV PATH=/bin`: an imported image has
@@ -542,6 +567,14 @@ impl Podman {
     /// `podman args`, which must fail: its stderr.
     pub fn fails(&self, args: &[&str]) -> String {
         failed("podman", args, &self.command(args))
+    }
+
+    /// `podman volume inspect`'s `Status` of `volume`: what the plugin's `Get` answered.
+    pub fn volume_status(&self, volume: &str) -> serde_json::Value {
+        parse_status(
+            volume,
+            &self.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]),
+        )
     }
 
     /// Imports a busybox image under a unique name and returns the name.
