@@ -34,8 +34,8 @@ use nix::sys::signal::Signal;
 
 use csi_isolator::docker_plugin::DEFAULT_UNPUBLISH_DELAY;
 use csi_isolator_testing::engines::{
-    require_engine, unique, Dockerd, HostPaths, Podman, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
-    PODMAN_HOST_PATHS,
+    require_engine, unique, Dockerd, EngineCli, HostPaths, Podman, DOCKER_HOST_PATHS,
+    DOCKER_PLUGINS_DIR, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{processes_mentioning, DockerPluginProcess, Sandbox};
 

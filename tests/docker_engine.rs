@@ -24,8 +24,8 @@ use std::time::Duration;
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode as AccessMode;
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, unique, volume_users, Dockerd, HostPaths, DOCKER_HOST_PATHS,
-    DOCKER_PLUGINS_DIR,
+    container_gone, require_engine, unique, volume_users, Dockerd, EngineCli, HostPaths,
+    DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
     isolator_command, mount_capability, mount_points_under, plugin_bin, processes_mentioning,
@@ -108,6 +108,22 @@ fn teardown(s: Setup) -> (Sandbox, PathBuf) {
     let left = processes_mentioning(sb.path());
     assert!(left.is_empty(), "processes left: {left:?}");
     (sb, work)
+}
+
+/// The end of a test over `--plugin-endpoint`: the separate plugin goes first (teardown checks
+/// that no process names the sandbox), then [`teardown`]; the work dir records no volume, and
+/// the host paths are restored.
+fn finish_over_endpoint(s: Setup, mut csi: PluginProcess, host: HostPaths) {
+    csi.kill();
+    let log = s.plugin.log();
+    let (sb, work) = teardown(s);
+    assert_eq!(
+        status_volumes(BIN, &work),
+        Vec::<serde_json::Value>::new(),
+        "{log}"
+    );
+    drop(sb);
+    host.assert_restored();
 }
 
 #[test]
@@ -398,7 +414,7 @@ fn two_containers_share_a_volume(s: &Setup) {
 #[test]
 fn two_containers_share_a_volume_of_a_csi_plugin_at_an_endpoint_until_the_last_leaves() {
     let (mut host, sb) = claim("dkr-share-ep");
-    let mut csi = PluginProcess::start_loop_blocking(&sb);
+    let csi = PluginProcess::start_loop_blocking(&sb);
     let endpoint = csi.endpoint();
     let (driver, plugin) = start_driver(
         &mut host,
@@ -416,17 +432,7 @@ fn two_containers_share_a_volume_of_a_csi_plugin_at_an_endpoint_until_the_last_l
     assert_eq!(count("CreateVolume "), 1, "{calls:?}");
     assert_eq!(count("DeleteVolume "), 1, "{calls:?}");
 
-    // The plugin goes first: teardown checks that no process names the sandbox.
-    csi.kill();
-    let log = s.plugin.log();
-    let (sb, work) = teardown(s);
-    assert_eq!(
-        status_volumes(BIN, &work),
-        Vec::<serde_json::Value>::new(),
-        "{log}"
-    );
-    drop(sb);
-    host.assert_restored();
+    finish_over_endpoint(s, csi, host);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -597,16 +603,5 @@ async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_wit
         .await
         .expect("DeleteVolume in the plugin");
 
-    // The plugin goes first: teardown checks that no process names the sandbox.
-    let mut csi = csi;
-    csi.kill();
-    let log = s.plugin.log();
-    let (sb, work) = teardown(s);
-    assert_eq!(
-        status_volumes(BIN, &work),
-        Vec::<serde_json::Value>::new(),
-        "{log}"
-    );
-    drop(sb);
-    host.assert_restored();
+    finish_over_endpoint(s, csi, host);
 }

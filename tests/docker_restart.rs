@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, unique, volume_users, Dockerd, HostPaths, DOCKER_HOST_PATHS,
-    DOCKER_PLUGINS_DIR,
+    container_gone, require_engine, unique, volume_users, Dockerd, EngineCli, HostPaths,
+    DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
 };
 use csi_isolator_testing::{
     mount_points_under, processes_mentioning, require_root, DockerPluginProcess, PluginProcess,

@@ -25,7 +25,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use csi_isolator_testing::engines::{
-    require_engine, unique, Dockerd, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
+    require_engine, unique, Dockerd, EngineCli, HostPaths, DOCKER_HOST_PATHS, DOCKER_PLUGINS_DIR,
     ENGINE_TIMEOUT,
 };
 use csi_isolator_testing::{

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator_testing::engines::{
-    container_gone, require_engine, volume_users, wait_bounded, HostPaths, Podman,
+    container_gone, require_engine, volume_users, wait_bounded, EngineCli, HostPaths, Podman,
     PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{

@@ -234,7 +234,7 @@ fn track_pid(sb: &Sandbox, container: &str, inspected: &str) -> u32 {
 }
 
 /// Waits (bounded) until a container's process `pid` is gone, then forgets it (see
-/// [`Dockerd::track_container`], [`Podman::track_container`]).
+/// [`EngineCli::track_container`]).
 pub fn container_gone(sb: &Sandbox, pid: u32, what: &str) {
     let started = Instant::now();
     while Path::new(&format!("/proc/{pid}")).exists() {
@@ -262,6 +262,81 @@ pub fn volume_users(status: &serde_json::Value) -> Vec<String> {
         .iter()
         .map(|u| u.as_str().unwrap_or_default().to_string())
         .collect()
+}
+
+/// What tests do with an engine's CLI, the same for [`Dockerd`] and [`Podman`]: commands that
+/// must succeed or fail, a volume's `Status`, an offline busybox image, a container's pid.
+pub trait EngineCli {
+    /// The CLI's name, for messages.
+    const PROGRAM: &'static str;
+    /// The name imported images get, before a unique tag.
+    const IMAGE: &'static str;
+
+    /// Runs the CLI with `args` against this engine.
+    fn run(&self, args: &[&str]) -> Output;
+
+    /// A command that must succeed: its stdout, trimmed.
+    fn ok(&self, args: &[&str]) -> String {
+        succeeded(Self::PROGRAM, args, &self.run(args))
+    }
+
+    /// A command that must fail: its stderr.
+    fn fails(&self, args: &[&str]) -> String {
+        failed(Self::PROGRAM, args, &self.run(args))
+    }
+
+    /// `volume inspect`'s `Status` of `volume`: what the plugin's `Get` answered.
+    fn volume_status(&self, volume: &str) -> serde_json::Value {
+        parse_status(
+            volume,
+            &self.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]),
+        )
+    }
+
+    /// Imports a busybox image under a unique name (`ENV PATH=/bin`: an imported image has
+    /// no PATH otherwise) and returns the name.
+    fn import_busybox(&self, sb: &Sandbox) -> String {
+        let tar = busybox_tar(sb);
+        let image = format!("{}:{}", Self::IMAGE, unique());
+        self.ok(&[
+            "import",
+            "--change",
+            "ENV PATH=/bin",
+            tar.to_str().expect("UTF-8 sandbox path"),
+            &image,
+        ]);
+        image
+    }
+
+    /// The host pid of a running container's first process, registered with the sandbox: a
+    /// container's processes do not name the sandbox, so without this a test that fails (or a
+    /// daemon that loses track of its container) would leave it running, holding its volume's
+    /// mount in its own namespace. [`container_gone`] forgets it once it has exited.
+    fn track_container(&self, sb: &Sandbox, container: &str) -> u32 {
+        track_pid(
+            sb,
+            container,
+            &self.ok(&["inspect", "--format", "{{.State.Pid}}", container]),
+        )
+    }
+}
+
+impl EngineCli for Dockerd {
+    const PROGRAM: &'static str = "docker";
+    const IMAGE: &'static str = "csi-isolator-test/busybox";
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.docker(args)
+    }
+}
+
+impl EngineCli for Podman {
+    const PROGRAM: &'static str = "podman";
+    const IMAGE: &'static str = "localhost/csi-isolator-busybox";
+
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args)
+    }
 }
 
 /// A private dockerd: data root, exec root, API socket and pid file in the sandbox, no bridge,
@@ -367,39 +442,6 @@ impl Dockerd {
         self.command().args(args).output().expect("run docker")
     }
 
-    /// A `docker` command that must succeed: its stdout, trimmed.
-    pub fn ok(&self, args: &[&str]) -> String {
-        succeeded("docker", args, &self.docker(args))
-    }
-
-    /// A `docker` command that must fail: its stderr.
-    pub fn fails(&self, args: &[&str]) -> String {
-        failed("docker", args, &self.docker(args))
-    }
-
-    /// `docker volume inspect`'s `Status` of `volume`: what the plugin's `Get` answered.
-    pub fn volume_status(&self, volume: &str) -> serde_json::Value {
-        parse_status(
-            volume,
-            &self.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]),
-        )
-    }
-
-    /// Imports a busybox image under a unique name (`ENV PATH=/bin`: an imported image has
-    /// no PATH otherwise) and returns the name.
-    pub fn import_busybox(&self, sb: &Sandbox) -> String {
-        let tar = busybox_tar(sb);
-        let image = format!("csi-isolator-test/busybox:{}", unique());
-        self.ok(&[
-            "import",
-            "--change",
-            "ENV PATH=/bin",
-            tar.to_str().expect("UTF-8 sandbox path"),
-            &image,
-        ]);
-        image
-    }
-
     /// Sends `signal` to dockerd and waits (bounded) for it to exit: its exit status. Its
     /// containerd and shims may outlive a SIGKILL; [`Dockerd::stop`] of a restarted daemon,
     /// or the sandbox, ends them.
@@ -483,18 +525,6 @@ impl Dockerd {
         cmd.arg(net).arg("dockerd");
         Dockerd::launch(sb, cmd)
     }
-
-    /// The host pid of a running container's first process, registered with the sandbox: a
-    /// container's processes do not name the sandbox, so without this a test that fails (or a
-    /// daemon that loses track of its container) would leave it running, holding its volume's
-    /// mount in its own namespace. [`container_gone`] forgets it once it has exited.
-    pub fn track_container(&self, sb: &Sandbox, container: &str) -> u32 {
-        track_pid(
-            sb,
-            container,
-            &self.ok(&["inspect", "--format", "{{.State.Pid}}", container]),
-        )
-    }
 }
 
 /// A private Podman: its command with every state directory under the sandbox, but for its run
@@ -559,38 +589,6 @@ impl Podman {
         out
     }
 
-    /// `podman args`, which must succeed: its stdout, trimmed.
-    pub fn ok(&self, args: &[&str]) -> String {
-        succeeded("podman", args, &self.command(args))
-    }
-
-    /// `podman args`, which must fail: its stderr.
-    pub fn fails(&self, args: &[&str]) -> String {
-        failed("podman", args, &self.command(args))
-    }
-
-    /// `podman volume inspect`'s `Status` of `volume`: what the plugin's `Get` answered.
-    pub fn volume_status(&self, volume: &str) -> serde_json::Value {
-        parse_status(
-            volume,
-            &self.ok(&["volume", "inspect", "--format", "{{json .Status}}", volume]),
-        )
-    }
-
-    /// Imports a busybox image under a unique name and returns the name.
-    pub fn import_busybox(&self, sb: &Sandbox) -> String {
-        let tar = busybox_tar(sb);
-        let image = format!("localhost/csi-isolator-busybox-{}", unique());
-        self.ok(&[
-            "import",
-            "--change",
-            "ENV PATH=/bin",
-            tar.to_str().expect("UTF-8 sandbox path"),
-            &image,
-        ]);
-        image
-    }
-
     /// `podman` with the global flags every command of this Podman gets (its state directories,
     /// storage driver, events backend, `containers.conf`, hooks dir).
     fn podman(&self) -> Command {
@@ -642,14 +640,5 @@ impl Podman {
         }
         eprintln!("podman system service ready in {:?}", started.elapsed());
         child
-    }
-
-    /// [`Dockerd::track_container`] for a Podman container.
-    pub fn track_container(&self, sb: &Sandbox, container: &str) -> u32 {
-        track_pid(
-            sb,
-            container,
-            &self.ok(&["inspect", "--format", "{{.State.Pid}}", container]),
-        )
     }
 }
