@@ -145,13 +145,9 @@ impl Driver {
         body: &[u8],
         answer: tokio::sync::oneshot::Sender<Result<Vec<u8>, DockerError>>,
     ) {
-        let new_use = match endpoint {
-            Endpoint::Mount => self.would_be_new_use(body).await,
-            _ => false,
-        };
-        let result = self.call(endpoint, body).await;
-        let done = result.is_ok();
-        if answer.send(result).is_err() && done && new_use {
+        let result = self.answer(endpoint, body).await;
+        let new_use = matches!(result, Ok((_, true)));
+        if answer.send(result.map(|(json, _)| json)).is_err() && new_use {
             match self.call(Endpoint::Unmount, body).await {
                 Ok(_) => tracing::warn!(
                     body = %String::from_utf8_lossy(body),
@@ -165,27 +161,24 @@ impl Driver {
         }
     }
 
-    /// Whether a `Mount` with this body would add a use (its Mount ID is no user yet); false
-    /// when the body or the volume is not valid (the call itself then fails).
-    async fn would_be_new_use(&self, body: &[u8]) -> bool {
-        let Ok(req) = serde_json::from_slice::<Request>(body) else {
-            return false;
-        };
-        match self.user(Endpoint::Mount.name(), &req).await {
-            Ok((rec, id)) => !rec.users.contains(&users::user_of(&id)) && !rec.users.contains(&id),
-            Err(_) => false,
-        }
-    }
-
     /// Answers one call: the JSON body of a 200, or the error.
     pub async fn call(&self, endpoint: Endpoint, body: &[u8]) -> Result<Vec<u8>, DockerError> {
+        self.answer(endpoint, body).await.map(|(json, _)| json)
+    }
+
+    /// [`Driver::call`], and whether it added a use (a `Mount` of an ID that was no user).
+    async fn answer(
+        &self,
+        endpoint: Endpoint,
+        body: &[u8],
+    ) -> Result<(Vec<u8>, bool), DockerError> {
         let call = endpoint.name();
         let req: Request = if endpoint.takes_body() {
             serde_json::from_slice(body).map_err(|source| DockerError::BadBody { call, source })?
         } else {
             Request::default()
         };
-        match endpoint {
+        let answered = match endpoint {
             Endpoint::Activate => json(&wire::Activated {
                 implements: vec!["VolumeDriver"],
             }),
@@ -211,15 +204,16 @@ impl Driver {
             }
             Endpoint::Mount => {
                 let (rec, id) = self.user(call, &req).await?;
-                let mountpoint = self
+                let (mountpoint, new_use) = self
                     .provider
-                    .publish(&rec.volume_id, &users::user_of(&id))
+                    .publish_use(&rec.volume_id, &users::user_of(&id))
                     .await
                     .map_err(|source| provider_error(call, &req.name, source))?;
-                json(&wire::MountPoint {
+                return json(&wire::MountPoint {
                     mountpoint: mountpoint.display().to_string(),
                     err: String::new(),
                 })
+                .map(|json| (json, new_use));
             }
             Endpoint::Unmount => {
                 let (rec, id) = self.user(call, &req).await?;
@@ -266,7 +260,8 @@ impl Driver {
                     err: String::new(),
                 })
             }
-        }
+        };
+        answered.map(|json| (json, false))
     }
 
     async fn create(&self, req: &Request) -> Result<(), DockerError> {
