@@ -95,12 +95,13 @@ impl StorageProvider {
         if removed && rec.users.is_empty() && !self.config.unpublish_delay.is_zero() {
             *slot.idle_since.lock().unwrap() = Some(Instant::now());
         }
-        if !removed && !self.settle_due(&slot, &rec) {
+        let due = self.settle_due(&slot, &rec);
+        if !removed && !due {
             return Ok(());
         }
         // The removal becomes durable with the first unpublish intent (or on
         // its own when the volume stays published, or waits for the delay).
-        let settled = if self.settle_due(&slot, &rec) {
+        let settled = if due {
             self.settle_unused(&mut rec).await
         } else {
             Ok(false)
