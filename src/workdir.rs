@@ -168,6 +168,9 @@ pub enum Problem {
     /// Not exactly the mode the directory must have.
     #[error("not mode {0:04o}")]
     ModeNot(u32),
+    /// Readable, writable or searchable by group or others (a file that must be root's alone).
+    #[error("open to group or others")]
+    NotPrivate,
 }
 
 /// OpenSSH StrictModes' rule for one path component owned by `owner` with
@@ -462,6 +465,132 @@ pub fn open_private_file(path: &Path, append: bool) -> Result<File, WorkDirError
         tracing::info!(path = %path.display(), from = format!("{mode:04o}"), to = "0600", "narrowed the mode of a file made by an older version");
     }
     Ok(file)
+}
+
+/// How closed a file read by [`read_root_file`] must be.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FileRule {
+    /// Owned by root, not writable by group or others (what it says steers root).
+    RootWritten,
+    /// Owned by root, no permission at all for group or others (it holds secrets).
+    RootOnly,
+}
+
+/// Why [`read_root_file`] refused a file.
+#[derive(Debug, thiserror::Error)]
+pub enum RootFileError {
+    /// The directory the file is in fails the work dir's rule.
+    #[error(transparent)]
+    Directory(Box<WorkDirError>),
+    /// The file is not what root alone made.
+    #[error("{problem} (owner uid {owner}, mode {mode:04o})")]
+    Unsafe {
+        /// Why.
+        problem: Problem,
+        /// Its owner (a symbolic link's own, never followed).
+        owner: u32,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// Over the size the caller allows.
+    #[error("over {max} bytes")]
+    TooLarge {
+        /// The limit.
+        max: u64,
+    },
+    /// Opening, checking or reading failed.
+    #[error("{step}")]
+    Io {
+        /// The step (`open`, `stat`, `read`).
+        step: &'static str,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl RootFileError {
+    /// The problem, when the file itself was refused (not its directory, size or an I/O step).
+    pub fn problem(&self) -> Option<Problem> {
+        match self {
+            RootFileError::Unsafe { problem, .. } => Some(*problem),
+            _ => None,
+        }
+    }
+}
+
+/// The permission rule of [`read_root_file`] for a file of `owner` and `mode` (`st_mode`), for
+/// a process of effective uid `euid`: [`strict_modes`] for a file root wrote, and with
+/// [`FileRule::RootOnly`] no bit at all for group or others.
+pub fn root_file_modes(rule: FileRule, owner: u32, mode: u32, euid: u32) -> Result<(), Problem> {
+    strict_modes(Role::Own, owner, mode, euid)?;
+    if rule == FileRule::RootOnly && mode & 0o077 != 0 {
+        return Err(Problem::NotPrivate);
+    }
+    Ok(())
+}
+
+/// Reads a file only root can have written (and, with [`FileRule::RootOnly`], only root can
+/// read), of at most `max` bytes: its directory must pass the work dir's rule ([`safe_dir`],
+/// for `purpose`); the file is opened without following a symbolic link (and without blocking
+/// on a FIFO), and judged on the open descriptor: a regular file of one name, by
+/// [`root_file_modes`]. Errors never hold the file's content.
+pub fn read_root_file(
+    path: &Path,
+    purpose: Purpose,
+    rule: FileRule,
+    max: u64,
+) -> Result<Vec<u8>, RootFileError> {
+    use std::io::Read;
+    let io = |step, source| RootFileError::Io { step, source };
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    let dir = safe_dir(dir.unwrap_or(Path::new(".")), purpose)
+        .map_err(|e| RootFileError::Directory(Box::new(e)))?;
+    let name = path.file_name().ok_or_else(|| {
+        io(
+            "open",
+            std::io::Error::new(ErrorKind::InvalidInput, "no file name"),
+        )
+    })?;
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(dir.join(name))
+        .map_err(|e| {
+            if e.raw_os_error() == Some(libc::ELOOP) {
+                let (owner, mode) = std::fs::symlink_metadata(dir.join(name))
+                    .map(|m| (m.uid(), m.mode() & 0o7777))
+                    .unwrap_or((0, 0o777));
+                RootFileError::Unsafe {
+                    problem: Problem::Symlink,
+                    owner,
+                    mode,
+                }
+            } else {
+                io("open", e)
+            }
+        })?;
+    let meta = file.metadata().map_err(|e| io("stat", e))?;
+    let refuse = |problem| RootFileError::Unsafe {
+        problem,
+        owner: meta.uid(),
+        mode: meta.mode() & 0o7777,
+    };
+    if !meta.is_file() {
+        return Err(refuse(Problem::NotARegularFile));
+    }
+    if meta.nlink() > 1 {
+        return Err(refuse(Problem::HardLinked));
+    }
+    root_file_modes(rule, meta.uid(), meta.mode(), euid()).map_err(refuse)?;
+    let mut bytes = Vec::new();
+    file.take(max.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(|e| io("read", e))?;
+    if bytes.len() as u64 > max {
+        return Err(RootFileError::TooLarge { max });
+    }
+    Ok(bytes)
 }
 
 fn euid() -> u32 {
@@ -832,6 +961,33 @@ fn replace_lock_file(path: &Path) -> Result<(), WorkDirError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn root_file_rules() {
+        use FileRule::*;
+        let file = libc::S_IFREG;
+        let cases = [
+            (RootOnly, 0, 0o600, Ok(())),
+            (RootOnly, 0, 0o400, Ok(())),
+            (RootOnly, 1000, 0o600, Err(Problem::NotRootOwned)),
+            (RootOnly, 0, 0o640, Err(Problem::NotPrivate)),
+            (RootOnly, 0, 0o604, Err(Problem::NotPrivate)),
+            (RootOnly, 0, 0o601, Err(Problem::NotPrivate)),
+            (RootOnly, 0, 0o620, Err(Problem::Writable)),
+            (RootWritten, 0, 0o644, Ok(())),
+            (RootWritten, 0, 0o664, Err(Problem::Writable)),
+            (RootWritten, 1000, 0o644, Err(Problem::NotRootOwned)),
+        ];
+        for (rule, owner, mode, want) in cases {
+            assert_eq!(
+                root_file_modes(rule, owner, file | mode, 0),
+                want,
+                "{rule:?} {owner} {mode:o}"
+            );
+        }
+        // Our own euid counts as root (an unprivileged plugin reads its own file).
+        assert_eq!(root_file_modes(RootOnly, 1000, file | 0o600, 1000), Ok(()));
+    }
 
     #[test]
     fn flock_holders_of_one_inode() {

@@ -23,6 +23,7 @@ pub mod error;
 pub mod metrics;
 pub mod options;
 pub mod retry;
+pub mod secrets;
 
 pub use caps::{
     Capabilities, ControllerCapabilities, ControllerRpc, NodeCapabilities, NodeRpc,
@@ -42,3 +43,4 @@ pub use metrics::{
 };
 pub use options::ClientOptions;
 pub use retry::RetryPolicy;
+pub use secrets::{Operation, Secrets, SecretsFile};

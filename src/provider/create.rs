@@ -42,6 +42,11 @@ pub struct CreateSpec {
     /// Disk profile, echoed into the resource.
     #[serde(default)]
     pub profile: Option<String>,
+    /// The volume's secrets file (an absolute path; [`crate::provider::secrets`]): recorded
+    /// with the volume, read at each call that carries secrets. For an import, the one given
+    /// to [`StorageProvider::import_volume_with_secrets`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets_file: Option<std::path::PathBuf>,
 }
 
 impl CreateSpec {
@@ -53,6 +58,7 @@ impl CreateSpec {
             capability: Capability::default(),
             parameters: BTreeMap::new(),
             profile: None,
+            secrets_file: None,
         }
     }
 }
@@ -159,6 +165,9 @@ impl StorageProvider {
             volume: spec.name.clone(),
             source,
         })?;
+        // A bad secrets file is refused before anything is written or sent.
+        self.secrets(spec.secrets_file.as_deref(), &spec.name, "CreateVolume")
+            .await?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         if let Some(rec) = self.find_by_name(&spec.name).await {
@@ -168,6 +177,11 @@ impl StorageProvider {
                     key: crate::shown::shown(key).into_owned(),
                 });
             }
+            crate::provider::secrets::same_file(
+                &spec.name,
+                rec.secrets_file.as_deref(),
+                spec.secrets_file.as_deref(),
+            )?;
             if rec.capability != spec.capability {
                 return Err(ProviderError::CapabilityDiffers {
                     volume: spec.name.clone(),
@@ -215,6 +229,9 @@ impl StorageProvider {
         &self,
         spec: &CreateSpec,
     ) -> Result<VolumeRecord, ProviderError> {
+        let secrets = self
+            .secrets(spec.secrets_file.as_deref(), &spec.name, "CreateVolume")
+            .await?;
         let answer = self
             .client
             .create_volume(proto::CreateVolumeRequest {
@@ -225,9 +242,11 @@ impl StorageProvider {
                 }),
                 volume_capabilities: vec![spec.capability.to_proto()],
                 parameters: spec.parameters.clone().into_iter().collect(),
+                secrets: secrets.to_request(),
                 ..Default::default()
             })
-            .await;
+            .await
+            .map_err(|e| e.redact(&secrets));
         let resp = match answer {
             Ok(resp) => resp,
             Err(source) => {
@@ -276,6 +295,7 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.profile = spec.profile.clone();
         rec.vendor = Some(self.vendor.clone());
+        rec.secrets_file = spec.secrets_file.clone();
         let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
@@ -412,12 +432,16 @@ impl StorageProvider {
     pub(crate) async fn finish_destroy(&self, rec: &mut VolumeRecord) -> Result<(), ProviderError> {
         self.drive(rec, VolumeState::Created).await?;
         if !rec.pre_provisioned || rec.delete_imported {
+            let secrets = self
+                .secrets(rec.secrets_file.as_deref(), &rec.volume_id, "DeleteVolume")
+                .await?;
             self.client
                 .delete_volume(proto::DeleteVolumeRequest {
                     volume_id: rec.volume_id.clone(),
-                    ..Default::default()
+                    secrets: secrets.to_request(),
                 })
                 .await
+                .map_err(|e| e.redact(&secrets))
                 .map_err(|source| ProviderError::Csi {
                     volume: rec.volume_id.clone(),
                     source,

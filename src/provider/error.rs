@@ -148,6 +148,28 @@ pub enum ProviderError {
         #[source]
         source: crate::provider::parameters::ParameterError,
     },
+    /// A volume's secrets file refused (the error names the file and what to fix, never the
+    /// content).
+    #[error("volume '{volume}': {rpc}")]
+    Secrets {
+        /// The volume id (or name, before it has an id).
+        volume: String,
+        /// The call the secrets were read for (`create` or import when checked up front).
+        rpc: &'static str,
+        /// What is wrong with the file.
+        #[source]
+        source: crate::provider::secrets::SecretsError,
+    },
+    /// A create of an existing name with another secrets file.
+    #[error("volume '{volume}' exists with secrets file {recorded}, not {asked}: give the file it has (rotate secrets by changing the file's content), or destroy it first, or use another name")]
+    SecretsFileDiffers {
+        /// The volume name.
+        volume: String,
+        /// The recorded file (`none` when it has none).
+        recorded: String,
+        /// The file asked for.
+        asked: String,
+    },
     /// A create of an existing name with another parameter set.
     #[error("volume '{volume}' exists with other CreateVolume parameters (first difference: key '{key}'): create it with the parameters it has (`volume list --json` shows them), or destroy it first, or use another name")]
     ParametersDiffer {

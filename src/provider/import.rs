@@ -109,9 +109,27 @@ impl StorageProvider {
     /// It is pre-provisioned: destroy forgets it and leaves it in the plugin
     /// unless asked to delete it. The same name and id again is the same
     /// import; a name or id already recorded otherwise is refused.
-    #[tracing::instrument(skip(self, spec), fields(name = %spec.name.escape_debug(), volume_id = %spec.volume_id.escape_debug()))]
     pub async fn import_volume(&self, spec: ImportSpec) -> Result<Resource, ProviderError> {
+        self.import_volume_with_secrets(spec, None).await
+    }
+
+    /// [`import_volume`](Self::import_volume) of a volume whose calls carry the secrets of
+    /// `secrets_file` ([`crate::provider::secrets`]): checked now, before anything is written,
+    /// recorded with the volume, read again at each call. The same import again must name the
+    /// same file.
+    #[tracing::instrument(skip(self, spec), fields(name = %spec.name.escape_debug(), volume_id = %spec.volume_id.escape_debug()))]
+    pub async fn import_volume_with_secrets(
+        &self,
+        spec: ImportSpec,
+        secrets_file: Option<std::path::PathBuf>,
+    ) -> Result<Resource, ProviderError> {
         validate_import(&spec)?;
+        self.secrets(
+            secrets_file.as_deref(),
+            &spec.name,
+            "ValidateVolumeCapabilities",
+        )
+        .await?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         let refuse = |clash: String| ProviderError::ImportRefused {
@@ -121,6 +139,11 @@ impl StorageProvider {
         };
         if let Some(rec) = self.find_by_name(&spec.name).await {
             if rec.volume_id == spec.volume_id && rec.pre_provisioned {
+                crate::provider::secrets::same_file(
+                    &spec.name,
+                    rec.secrets_file.as_deref(),
+                    secrets_file.as_deref(),
+                )?;
                 return Ok(self.resource_for(&rec));
             }
             return Err(refuse(format!(
@@ -139,6 +162,7 @@ impl StorageProvider {
         }
         let mut create = CreateSpec::new(&spec.name, spec.capacity_bytes);
         create.capability = spec.capability.clone();
+        create.secrets_file = secrets_file;
         let intent = CreateIntent {
             format: FORMAT_VERSION,
             spec: create,
@@ -146,7 +170,10 @@ impl StorageProvider {
         };
         self.begin_intent(&intent).await?;
         let rec = self
-            .finish_import(intent.import.as_ref().expect("set above"))
+            .finish_import(
+                intent.import.as_ref().expect("set above"),
+                intent.spec.secrets_file.as_deref(),
+            )
             .await?;
         Ok(self.resource_for(&rec))
     }
@@ -158,6 +185,7 @@ impl StorageProvider {
     pub(crate) async fn finish_import(
         &self,
         spec: &ImportSpec,
+        secrets_file: Option<&std::path::Path>,
     ) -> Result<VolumeRecord, ProviderError> {
         if self
             .client
@@ -215,6 +243,7 @@ impl StorageProvider {
         rec.readonly = rec.capability.is_reader_only();
         rec.volume_context = spec.volume_context.clone();
         rec.vendor = Some(self.vendor.clone());
+        rec.secrets_file = secrets_file.map(std::path::Path::to_path_buf);
         let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name.escape_debug(), "volume imported");
         Ok(rec)

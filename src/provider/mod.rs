@@ -22,6 +22,7 @@ pub mod parameters;
 pub mod profiles;
 mod publish;
 mod recover;
+pub mod secrets;
 pub mod state;
 pub mod status;
 pub mod storage;

@@ -20,8 +20,6 @@
 //! ([`crate::provider::parameters`]).
 
 use std::collections::BTreeMap;
-use std::io::Read;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -29,7 +27,7 @@ use serde::Deserialize;
 use crate::provider::parameters::{self, ParameterError};
 use crate::provider::state::Capability;
 use crate::resource::{Resource, SourceType};
-use crate::workdir::{self, Problem, Role};
+use crate::workdir::{self, Problem, RootFileError};
 
 /// The largest profiles file read, in bytes.
 pub const MAX_FILE_BYTES: u64 = 1 << 20;
@@ -242,66 +240,29 @@ fn profile_name_reason(e: ParameterError) -> String {
 /// rule, the file itself opened without following a symbolic link and
 /// judged by [`workdir::strict_modes`] on the open descriptor.
 pub fn load(path: &Path) -> Result<Profiles, ProfileError> {
-    let io = |step, source| ProfileError::Io {
-        path: path.to_path_buf(),
-        step,
-        source,
-    };
-    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
-    let dir =
-        workdir::safe_dir(dir.unwrap_or(Path::new(".")), DISK_PROFILES_DIR).map_err(|source| {
-            ProfileError::Directory {
-                path: path.to_path_buf(),
-                source: Box::new(source),
-            }
-        })?;
-    let name = path.file_name().ok_or_else(|| {
-        io(
-            "open",
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, "no file name"),
-        )
-    })?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(dir.join(name))
-        .map_err(|e| {
-            if e.raw_os_error() == Some(libc::ELOOP) {
-                ProfileError::Unsafe {
-                    path: path.to_path_buf(),
-                    problem: Problem::Symlink,
-                }
-            } else {
-                io("open", e)
-            }
-        })?;
-    let meta = file.metadata().map_err(|e| io("stat", e))?;
-    let unsafe_file = |problem| ProfileError::Unsafe {
-        path: path.to_path_buf(),
-        problem,
-    };
-    if !meta.is_file() {
-        return Err(unsafe_file(Problem::NotARegularFile));
-    }
-    if meta.nlink() > 1 {
-        return Err(unsafe_file(Problem::HardLinked));
-    }
-    workdir::strict_modes(
-        Role::Own,
-        meta.uid(),
-        meta.mode(),
-        nix::unistd::geteuid().as_raw(),
+    let path_buf = || path.to_path_buf();
+    let bytes = workdir::read_root_file(
+        path,
+        DISK_PROFILES_DIR,
+        workdir::FileRule::RootWritten,
+        MAX_FILE_BYTES,
     )
-    .map_err(unsafe_file)?;
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| io("read", e))?;
-    if bytes.len() as u64 > MAX_FILE_BYTES {
-        return Err(ProfileError::TooLarge {
-            path: path.to_path_buf(),
-        });
-    }
+    .map_err(|e| match e {
+        RootFileError::Directory(source) => ProfileError::Directory {
+            path: path_buf(),
+            source,
+        },
+        RootFileError::Unsafe { problem, .. } => ProfileError::Unsafe {
+            path: path_buf(),
+            problem,
+        },
+        RootFileError::TooLarge { .. } => ProfileError::TooLarge { path: path_buf() },
+        RootFileError::Io { step, source } => ProfileError::Io {
+            path: path_buf(),
+            step,
+            source,
+        },
+    })?;
     Profiles::parse(&bytes, path)
 }
 

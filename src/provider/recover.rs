@@ -183,7 +183,10 @@ impl StorageProvider {
     ) -> Result<VolumeRecord, ProviderError> {
         match &intent.import {
             None => self.finish_create(&intent.spec).await,
-            Some(import) => self.finish_import(import).await,
+            Some(import) => {
+                self.finish_import(import, intent.spec.secrets_file.as_deref())
+                    .await
+            }
         }
     }
 

@@ -457,6 +457,10 @@ pub struct VolumeRecord {
     /// Vendor (the plugin's name), echoed into its resource.
     #[serde(default)]
     pub vendor: Option<String>,
+    /// The volume's secrets file (an absolute path), read at each call that carries secrets
+    /// ([`crate::provider::secrets`]); the reference is recorded, never the content.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secrets_file: Option<std::path::PathBuf>,
 }
 
 impl VolumeRecord {
@@ -509,6 +513,7 @@ impl VolumeRecord {
             towards: None,
             profile: None,
             vendor: None,
+            secrets_file: None,
         }
     }
 }

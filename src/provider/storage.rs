@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::csi::proto;
-use crate::csi::{Client, ClientOptions};
+use crate::csi::{Client, ClientOptions, Secrets};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
@@ -564,9 +564,12 @@ impl StorageProvider {
 
     async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
         let id = rec.volume_id.clone();
-        let csi = |source| ProviderError::Csi {
+        let secrets = self
+            .secrets(rec.secrets_file.as_deref(), &id, step.rpc())
+            .await?;
+        let csi = |source: crate::csi::CsiError| ProviderError::Csi {
             volume: id.clone(),
-            source,
+            source: source.redact(&secrets),
         };
         let volume_context: HashMap<String, String> =
             rec.volume_context.clone().into_iter().collect();
@@ -586,7 +589,7 @@ impl StorageProvider {
                         volume_capability: Some(rec.capability.to_proto()),
                         readonly: rec.readonly,
                         volume_context,
-                        ..Default::default()
+                        secrets: secrets.to_request(),
                     })
                     .await
                     .map_err(csi)?;
@@ -603,7 +606,7 @@ impl StorageProvider {
                         staging_target_path: staging.to_string_lossy().into_owned(),
                         volume_capability: Some(rec.capability.to_proto()),
                         volume_context,
-                        ..Default::default()
+                        secrets: secrets.to_request(),
                     })
                     .await
                     .map_err(csi)?;
@@ -630,7 +633,7 @@ impl StorageProvider {
                         volume_capability: Some(rec.capability.to_proto()),
                         readonly: rec.readonly,
                         volume_context,
-                        ..Default::default()
+                        secrets: secrets.to_request(),
                     })
                     .await
                     .map_err(csi)?;
@@ -692,7 +695,7 @@ impl StorageProvider {
                     .controller_unpublish_volume(proto::ControllerUnpublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
                         node_id,
-                        ..Default::default()
+                        secrets: secrets.to_request(),
                     })
                     .await
                     .map_err(csi)?;
@@ -727,6 +730,28 @@ impl StorageProvider {
                 path,
                 std::io::Error::other(e),
             ))),
+        }
+    }
+
+    /// The secrets the RPC `rpc` carries for a volume whose secrets file is `file` (none
+    /// without one), read now ([`crate::provider::secrets::load`]): a rotated file is used from
+    /// the next call on. A file that cannot be used fails the call, naming it and the RPC.
+    pub(crate) async fn secrets(
+        &self,
+        file: Option<&Path>,
+        volume: &str,
+        rpc: &'static str,
+    ) -> Result<Secrets, ProviderError> {
+        let Some(path) = file.map(Path::to_path_buf) else {
+            return Ok(Secrets::default());
+        };
+        match blocking(move || crate::provider::secrets::load(&path)).await {
+            Ok(file) => Ok(file.for_rpc(rpc)),
+            Err(source) => Err(ProviderError::Secrets {
+                volume: volume.to_string(),
+                rpc,
+                source,
+            }),
         }
     }
 

@@ -169,9 +169,10 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::Parameters { .. }
         | ProviderError::UnknownProfile { .. }
         | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,
-        ProviderError::ParametersDiffer { .. } | ProviderError::CapabilityDiffers { .. } => {
-            Code::AlreadyExists
-        }
+        ProviderError::Secrets { .. } => Code::FailedPrecondition,
+        ProviderError::ParametersDiffer { .. }
+        | ProviderError::CapabilityDiffers { .. }
+        | ProviderError::SecretsFileDiffers { .. } => Code::AlreadyExists,
         ProviderError::InUse { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }

@@ -154,6 +154,7 @@ impl IsolatorService {
         let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
         spec.capability = capability(&req.access_mode)?;
         spec.parameters = req.parameters.into_iter().collect();
+        spec.secrets_file = secrets_file(&req.secrets_file);
         let resource = provider.create_volume(spec).await?;
         Ok(volume_answer(
             &provider,
@@ -184,7 +185,9 @@ impl IsolatorService {
             capability: capability(&req.access_mode)?,
             volume_context: req.volume_context.into_iter().collect(),
         };
-        let resource = provider.import_volume(spec).await?;
+        let resource = provider
+            .import_volume_with_secrets(spec, secrets_file(&req.secrets_file))
+            .await?;
         Ok(volume_answer(
             &provider,
             resource,
@@ -458,6 +461,12 @@ impl Isolator for IsolatorService {
         )
         .await
     }
+}
+
+/// A request's `secrets_file` (empty: none). The provider checks it (absolute, root's alone,
+/// the format) before anything is written.
+fn secrets_file(field: &str) -> Option<std::path::PathBuf> {
+    (!field.is_empty()).then(|| std::path::PathBuf::from(field))
 }
 
 #[cfg(test)]

@@ -755,7 +755,10 @@ impl proto::controller_server::Controller for PluginService {
                 &name,
                 LockKey::Create,
                 req,
-                Plugin::create_volume,
+                |p: &Plugin, req| {
+                    p.check_secrets("CreateVolume", &req.secrets)?;
+                    Plugin::create_volume(p, req)
+                },
             )
             .await?;
         Ok(self.inner.lie_in_create(response, required))
@@ -772,7 +775,10 @@ impl proto::controller_server::Controller for PluginService {
             &id,
             LockKey::Volume(id.clone()),
             req,
-            Plugin::delete_volume,
+            |p: &Plugin, req| {
+                p.check_secrets("DeleteVolume", &req.secrets)?;
+                Plugin::delete_volume(p, req)
+            },
         )
         .await
     }
@@ -789,7 +795,10 @@ impl proto::controller_server::Controller for PluginService {
                 &id,
                 LockKey::Volume(id.clone()),
                 req,
-                Plugin::controller_publish,
+                |p: &Plugin, req| {
+                    p.check_secrets("ControllerPublishVolume", &req.secrets)?;
+                    Plugin::controller_publish(p, req)
+                },
             )
             .await?;
         Ok(self.inner.lie_in_publish(response))
@@ -806,7 +815,10 @@ impl proto::controller_server::Controller for PluginService {
             &id,
             LockKey::Volume(id.clone()),
             req,
-            Plugin::controller_unpublish,
+            |p: &Plugin, req| {
+                p.check_secrets("ControllerUnpublishVolume", &req.secrets)?;
+                Plugin::controller_unpublish(p, req)
+            },
         )
         .await
     }
@@ -822,7 +834,10 @@ impl proto::controller_server::Controller for PluginService {
             &id,
             LockKey::None,
             req,
-            Plugin::validate_capabilities,
+            |p: &Plugin, req| {
+                p.check_secrets("ValidateVolumeCapabilities", &req.secrets)?;
+                Plugin::validate_capabilities(p, req)
+            },
         )
         .await
     }

@@ -90,6 +90,11 @@ pub struct PluginConfig {
     /// CreateVolume parameters that must be present (with this value, when one is given):
     /// a create without them is refused with INVALID_ARGUMENT naming the key.
     pub required_parameters: Vec<RequiredParameter>,
+    /// A secrets file (csi-isolator's format, `csi_isolator::csi::secrets`): every RPC that
+    /// carries secrets must carry exactly those of its operation (none for an operation the
+    /// file leaves out, and for ValidateVolumeCapabilities), or it is refused. Read again at
+    /// each such RPC, so a test can rotate it.
+    pub required_secrets: Option<PathBuf>,
 }
 
 /// One `--require-parameters` entry: a key, and the value it must have if one is given.
@@ -104,6 +109,34 @@ pub struct RequiredParameter {
 /// Prefix of the volume_context keys that echo the CreateVolume parameters the plugin got
 /// (`parameter.<key>` = value), so a test sees exactly what reached CreateVolume.
 pub const PARAMETER_ECHO_PREFIX: &str = "parameter.";
+
+/// What `--require-secrets` chooses a file's directory for.
+pub const REQUIRE_SECRETS_DIR: csi_isolator::workdir::Purpose = csi_isolator::workdir::Purpose {
+    what: "--require-secrets file's directory",
+    flag: "--require-secrets",
+};
+
+/// Reads a `--require-secrets` file under the rule csi-isolator applies to secrets files
+/// (root's alone, checked by fd, bounded) and parses it; the message names the file and never
+/// its content.
+pub fn load_required_secrets(path: &Path) -> Result<csi_isolator::csi::SecretsFile, String> {
+    use csi_isolator::workdir::{read_root_file, FileRule};
+    let bytes = read_root_file(
+        path,
+        REQUIRE_SECRETS_DIR,
+        FileRule::RootOnly,
+        csi_isolator::csi::secrets::MAX_FILE_BYTES,
+    )
+    .map_err(|e| {
+        format!(
+            "--require-secrets {}: {}",
+            path.display(),
+            csi_isolator::error_chain::full_message(&e)
+        )
+    })?;
+    csi_isolator::csi::SecretsFile::parse(&bytes)
+        .map_err(|e| format!("--require-secrets {}: {e}", path.display()))
+}
 
 /// Parses `--require-parameters KEY[=VALUE],...`.
 pub fn parse_required_parameters(text: &str) -> Result<Vec<RequiredParameter>, String> {
@@ -147,6 +180,7 @@ impl PluginConfig {
             faults_file: None,
             log_calls: None,
             required_parameters: Vec::new(),
+            required_secrets: None,
         }
     }
 
@@ -287,6 +321,25 @@ pub enum PluginError {
         /// Which precondition failed.
         reason: String,
     },
+    /// The request's secrets are not those `--require-secrets` expects for its RPC (keys
+    /// named, never values).
+    #[error("{rpc}: {mismatch} (--require-secrets expects those of operation '{operation}')")]
+    Secrets {
+        /// The RPC.
+        rpc: &'static str,
+        /// The operation whose secrets the RPC carries (`none`: an RPC that carries none).
+        operation: &'static str,
+        /// How they differ.
+        mismatch: csi_isolator::csi::secrets::Mismatch,
+    },
+    /// The `--require-secrets` file cannot be used any more.
+    #[error("{rpc}: {reason}")]
+    RequiredSecretsFile {
+        /// The RPC.
+        rpc: &'static str,
+        /// What is wrong (naming the file).
+        reason: String,
+    },
     /// A ListVolumes starting_token this plugin did not issue.
     #[error("ListVolumes: invalid starting_token {token:?}")]
     InvalidToken {
@@ -373,6 +426,28 @@ fn require(rpc: &'static str, field: &'static str, value: &str) -> Result<(), Pl
 }
 
 impl Plugin {
+    /// Refuses `got`, the secrets of an `rpc` request, unless they are exactly those the
+    /// `--require-secrets` file (read now) gives its operation; without the flag, anything goes.
+    pub(crate) fn check_secrets(
+        &self,
+        rpc: &'static str,
+        got: &std::collections::HashMap<String, String>,
+    ) -> Result<(), PluginError> {
+        let Some(path) = &self.config.required_secrets else {
+            return Ok(());
+        };
+        let expected = load_required_secrets(path)
+            .map_err(|reason| PluginError::RequiredSecretsFile { rpc, reason })?;
+        match expected.for_rpc(rpc).mismatch(got) {
+            None => Ok(()),
+            Some(mismatch) => Err(PluginError::Secrets {
+                rpc,
+                operation: csi_isolator::csi::Operation::of_rpc(rpc).map_or("none", |op| op.key()),
+                mismatch,
+            }),
+        }
+    }
+
     /// The record of a volume the request names, or NOT_FOUND.
     pub(crate) fn known_volume(
         &self,

@@ -26,6 +26,9 @@ Examples:
   # Refuse a CreateVolume without parameters server and share=/export (echoed as parameter.KEY)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
       --require-parameters server,share=/export
+  # Refuse calls whose secrets differ from those of FILE (root's alone, mode 0600)
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
+      --require-secrets /etc/csi-test/secrets.json
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -107,6 +110,15 @@ struct Args {
     /// it got in the volume context as `parameter.<KEY>`.
     #[arg(long, value_name = "KEY[=VALUE],...")]
     require_parameters: Option<String>,
+    /// Refuse every RPC that carries secrets unless it carries exactly those FILE gives its
+    /// operation (csi-isolator's secrets file format: create feeds CreateVolume and
+    /// DeleteVolume, controller_publish ControllerPublishVolume and ControllerUnpublishVolume,
+    /// node_stage NodeStageVolume, node_publish NodePublishVolume; ValidateVolumeCapabilities
+    /// must carry none): wrong values are UNAUTHENTICATED, missing or unexpected keys
+    /// INVALID_ARGUMENT, naming the key, never a value. FILE must be root's alone (mode 0600);
+    /// it is read again at each such RPC.
+    #[arg(long, value_name = "FILE")]
+    require_secrets: Option<PathBuf>,
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
@@ -147,6 +159,11 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     if let Some(text) = &args.require_parameters {
         config.required_parameters =
             csi_test_plugin::parse_required_parameters(text).map_err(anyhow::Error::msg)?;
+    }
+    if let Some(path) = args.require_secrets {
+        // Checked now, so a bad file fails the start rather than every call.
+        csi_test_plugin::load_required_secrets(&path).map_err(anyhow::Error::msg)?;
+        config.required_secrets = Some(path);
     }
     Ok(config)
 }

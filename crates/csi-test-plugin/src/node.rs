@@ -438,7 +438,10 @@ impl proto::node_server::Node for PluginService {
             &id,
             LockKey::Volume(id.clone()),
             req,
-            Plugin::node_stage,
+            |p: &Plugin, req: proto::NodeStageVolumeRequest| {
+                p.check_secrets("NodeStageVolume", &req.secrets)?;
+                Plugin::node_stage(p, req)
+            },
         )
         .await
     }
@@ -470,7 +473,10 @@ impl proto::node_server::Node for PluginService {
             &id,
             LockKey::Volume(id.clone()),
             req,
-            Plugin::node_publish,
+            |p: &Plugin, req: proto::NodePublishVolumeRequest| {
+                p.check_secrets("NodePublishVolume", &req.secrets)?;
+                Plugin::node_publish(p, req)
+            },
         )
         .await
     }

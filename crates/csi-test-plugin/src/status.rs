@@ -72,6 +72,11 @@ pub fn code_of(err: &PluginError) -> Code {
             ..
         } => Code::FailedPrecondition,
         PluginError::InvalidToken { .. } => Code::Aborted,
+        // Wrong credentials are UNAUTHENTICATED; missing or unexpected ones, a malformed
+        // request (CSI: secrets the SP requires are part of a valid request).
+        PluginError::Secrets { mismatch, .. } if mismatch.is_wrong_value() => Code::Unauthenticated,
+        PluginError::Secrets { .. } => Code::InvalidArgument,
+        PluginError::RequiredSecretsFile { .. } => Code::FailedPrecondition,
         PluginError::Unimplemented { .. } => Code::Unimplemented,
         PluginError::Store { .. }
         | PluginError::Backing { .. }
