@@ -1,0 +1,633 @@
+//! CSI secrets from a volume's secrets file, end to end against the bundled plugin in
+//! `--require-secrets` mode (it refuses any RPC whose secrets are not exactly those of its
+//! operation): each operation's secret reaches exactly its RPCs, a swapped mapping fails at the
+//! RPC it reaches, a rotated file is used at the next call, a restarted provider still sends
+//! them (the checkpoint holds the path), and bad files are refused by name before anything is
+//! written or sent. After each run the secret values are looked for, and must be absent, in
+//! every file under the work dir (checkpoints, the managed plugin's log at TRACE), in the
+//! plugin's call log, in this process's own logs at TRACE (tonic and h2 included), in
+//! `status --json` and in the metrics.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use csi_isolator::error_chain::full_message;
+use csi_isolator::provider::bundled::bundled_config;
+use csi_isolator::provider::{CreateSpec, ImportSpec, ProviderConfig, StorageProvider};
+use csi_isolator_testing::{isolator_command, plugin_bin, require_root, Sandbox};
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const MIB: u64 = 1024 * 1024;
+
+/// Everything this test process logs, at TRACE, every target (one subscriber per process).
+fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
+    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buf = Arc::new(Mutex::new(Vec::new()));
+        let sink = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || Sink(sink.clone()))
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        // The managed plugin inherits it: its log (under the work dir) is at TRACE too.
+        std::env::set_var("RUST_LOG", "trace");
+        buf
+    })
+}
+
+struct Sink(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Sink {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(data);
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn captured() -> String {
+    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
+}
+
+/// Secret values unique to this run, one per operation: `<op>-<tag>-<unique>`.
+struct Values {
+    unique: String,
+}
+
+impl Values {
+    fn new() -> Values {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        Values {
+            unique: format!("{}x{nanos}", std::process::id()),
+        }
+    }
+
+    fn of(&self, op: &str, tag: &str) -> String {
+        format!("SeCrEt-{op}-{tag}-{}", self.unique)
+    }
+
+    /// A secrets file's JSON: every operation its own value (under the key `token`), with
+    /// `tag`; `swap` exchanges the values of two operations.
+    fn file(&self, tag: &str, swap: Option<(&str, &str)>) -> String {
+        let mut ops: BTreeMap<&str, String> = [
+            "create",
+            "controller_publish",
+            "node_stage",
+            "node_publish",
+            "controller_expand",
+            "node_expand",
+        ]
+        .into_iter()
+        .map(|op| (op, self.of(op, tag)))
+        .collect();
+        if let Some((a, b)) = swap {
+            let (va, vb) = (ops[a].clone(), ops[b].clone());
+            ops.insert(a, vb);
+            ops.insert(b, va);
+        }
+        let json: serde_json::Map<String, serde_json::Value> = ops
+            .into_iter()
+            .map(|(op, v)| {
+                (
+                    op.to_string(),
+                    serde_json::json!({ "user": "csi", "token": v }),
+                )
+            })
+            .collect();
+        serde_json::Value::Object(json).to_string()
+    }
+
+    /// What every value of every tag holds, for the search.
+    fn needle(&self) -> String {
+        format!("-{}", self.unique)
+    }
+}
+
+/// Writes a secrets file root's alone (0600), replacing the content in place.
+fn write_secrets(path: &Path, text: &str) {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)
+        .unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+struct Setup {
+    sb: Sandbox,
+    work: PathBuf,
+    /// What the plugin requires.
+    plugin_file: PathBuf,
+    /// What the volume's calls carry.
+    volume_file: PathBuf,
+    calls: PathBuf,
+    values: Values,
+}
+
+impl Setup {
+    fn new(label: &str) -> Setup {
+        require_root();
+        logs();
+        let sb = Sandbox::new(label);
+        let work = sb.mkdir("work");
+        let dir = sb.mkdir("secrets");
+        let values = Values::new();
+        let plugin_file = dir.join("plugin.json");
+        let volume_file = dir.join("volume.json");
+        write_secrets(&plugin_file, &values.file("v1", None));
+        write_secrets(&volume_file, &values.file("v1", None));
+        let calls = sb.join("calls.log");
+        Setup {
+            sb,
+            work,
+            plugin_file,
+            volume_file,
+            calls,
+            values,
+        }
+    }
+
+    fn config(&self) -> ProviderConfig {
+        let args: Vec<String> = [
+            "--backing",
+            "dir",
+            "--require-secrets",
+            self.plugin_file.to_str().unwrap(),
+            "--log-calls",
+            self.calls.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut c = bundled_config(Path::new(plugin_bin()), &self.work, "default", &args);
+        c.ready_timeout = Duration::from_secs(10);
+        c.socket_dir = self.sb.join("s");
+        c
+    }
+
+    async fn start(&self) -> Arc<StorageProvider> {
+        let p = StorageProvider::start(self.config())
+            .await
+            .unwrap_or_else(|e| panic!("start the provider: {}", full_message(&e)));
+        if let Some(pid) = p.plugin_pid() {
+            self.sb.track(pid);
+        }
+        p
+    }
+
+    fn spec(&self, name: &str) -> CreateSpec {
+        let mut spec = CreateSpec::new(name, 4 * MIB);
+        spec.secrets_file = Some(self.volume_file.clone());
+        spec
+    }
+
+    /// The plugin's call log: `<RPC> <volume>` lines, readiness probes left out.
+    fn calls(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.calls)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                !l.starts_with("Probe") && !l.starts_with("Get") && !l.contains("GetCapabilities")
+            })
+            .map(|l| l.split(' ').next().unwrap().to_string())
+            .collect()
+    }
+
+    /// Fails if a secret value is in any file under the work dir (checkpoints, intents, the
+    /// managed plugin's log and data), in the call log, in this process's logs or in `status`.
+    fn assert_no_secret_anywhere(&self, also: &[(&str, &str)]) {
+        let needle = self.values.needle();
+        let mut files = Vec::new();
+        walk(&self.work, &mut files);
+        files.push(self.calls.clone());
+        let plugin_log = files.iter().find(|f| f.ends_with("plugin.log")).unwrap();
+        assert!(
+            std::fs::read_to_string(plugin_log)
+                .unwrap()
+                .contains("TRACE"),
+            "the plugin logged at TRACE (the search is not vacuous)"
+        );
+        for f in &files {
+            let bytes = std::fs::read(f).unwrap_or_default();
+            assert!(
+                !String::from_utf8_lossy(&bytes).contains(&needle),
+                "a secret value is in {}",
+                f.display()
+            );
+        }
+        let logs = captured();
+        assert!(
+            logs.contains("NodeStageVolume") || logs.contains("CreateVolume"),
+            "this process's logs hold the calls (the search is not vacuous)"
+        );
+        assert!(
+            !logs.contains(&needle),
+            "a secret value is in this process's logs"
+        );
+        let status = isolator_command(CLI, &self.work)
+            .args(["status", "--json"])
+            .output()
+            .unwrap();
+        let status = String::from_utf8_lossy(&status.stdout).into_owned();
+        assert!(status.contains("volume"), "status answered: {status}");
+        assert!(
+            !status.contains(&needle),
+            "a secret value is in status: {status}"
+        );
+        for (what, text) in also {
+            assert!(
+                !text.contains(&needle),
+                "a secret value is in {what}: {text}"
+            );
+        }
+    }
+}
+
+fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let Ok(t) = e.file_type() else { continue };
+        if t.is_dir() {
+            walk(&e.path(), out);
+        } else if t.is_file() {
+            out.push(e.path());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_operations_secrets_reach_exactly_its_rpcs_and_nowhere_else() {
+    let s = Setup::new("secrets-reach");
+    let p = s.start().await;
+    let id = p
+        .create_volume(s.spec("vault"))
+        .await
+        .unwrap_or_else(|e| panic!("create: {}", full_message(&e)))
+        .source_id()
+        .unwrap()
+        .to_string();
+    let recorded = p.volume(&id).await.unwrap();
+    assert_eq!(
+        recorded.secrets_file.as_deref(),
+        Some(s.volume_file.as_path())
+    );
+    let mp = p
+        .publish(&id, "c1")
+        .await
+        .unwrap_or_else(|e| panic!("publish: {}", full_message(&e)));
+    assert!(mp.exists());
+    let metrics = p.client().metrics().encode_prometheus("csi_isolator");
+    assert!(metrics.contains("NodeStageVolume"), "{metrics}");
+    let checkpoint = std::fs::read_to_string(p.layout().state_file(&id)).unwrap();
+    assert!(
+        checkpoint.contains(s.volume_file.to_str().unwrap()),
+        "the checkpoint holds the reference: {checkpoint}"
+    );
+    // While it is published (status reads the checkpoints and the mount table).
+    s.assert_no_secret_anywhere(&[("metrics", &metrics)]);
+    p.release(&id, "c1").await.unwrap();
+    p.destroy_volume(&id).await.unwrap();
+    // Every RPC that carries secrets was sent, and accepted: the plugin refuses any whose
+    // secrets are not exactly those of its operation.
+    let calls = s.calls();
+    for rpc in [
+        "CreateVolume",
+        "ControllerPublishVolume",
+        "NodeStageVolume",
+        "NodePublishVolume",
+        "NodeUnpublishVolume",
+        "NodeUnstageVolume",
+        "ControllerUnpublishVolume",
+        "DeleteVolume",
+    ] {
+        assert!(calls.iter().any(|c| c == rpc), "{rpc} not sent: {calls:?}");
+    }
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[]);
+    s.sb.assert_no_mounts_under();
+}
+
+/// Two operations' secrets swapped in the volume's file: the first RPC of either is refused
+/// (UNAUTHENTICATED naming the key, never a value), and nothing stays half-published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swapped_mapping_fails_at_the_rpc_it_reaches() {
+    let s = Setup::new("secrets-swap");
+    write_secrets(
+        &s.volume_file,
+        &s.values.file("v1", Some(("node_stage", "node_publish"))),
+    );
+    let p = s.start().await;
+    let id = p
+        .create_volume(s.spec("swapped"))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    let err = p.publish(&id, "c1").await.unwrap_err();
+    let msg = full_message(&err);
+    assert_eq!(err.csi_code(), Some(tonic::Code::Unauthenticated), "{msg}");
+    assert!(msg.contains("NodeStageVolume"), "{msg}");
+    assert!(msg.contains("secret 'token' has another value"), "{msg}");
+    assert!(!msg.contains(&s.values.needle()), "{msg}");
+    assert!(s.sb.mounts_under().is_empty(), "rolled back");
+    // The same file with create and controller_publish swapped: CreateVolume is refused,
+    // nothing is recorded.
+    write_secrets(
+        &s.volume_file,
+        &s.values.file("v1", Some(("create", "controller_publish"))),
+    );
+    let err = p.create_volume(s.spec("other")).await.unwrap_err();
+    let msg = full_message(&err);
+    assert_eq!(err.csi_code(), Some(tonic::Code::Unauthenticated), "{msg}");
+    assert!(msg.contains("CreateVolume"), "{msg}");
+    assert!(p.find_by_name("other").await.is_none());
+    // The first volume goes with its (right) controller_publish and create secrets.
+    write_secrets(&s.volume_file, &s.values.file("v1", None));
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[("an error", &msg)]);
+}
+
+/// The file changed after the publish: the release's calls carry the new secrets (the plugin
+/// expects only those now), so the file is read at each call, not kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_file_is_used_at_the_next_call() {
+    let s = Setup::new("secrets-rotate");
+    let p = s.start().await;
+    let id = p
+        .create_volume(s.spec("rotated"))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    p.publish(&id, "c1").await.unwrap();
+    // The plugin's secrets rotate first: the old ones the volume still sends are refused.
+    write_secrets(&s.plugin_file, &s.values.file("v2", None));
+    let err = p.release(&id, "c1").await.unwrap_err();
+    let msg = full_message(&err);
+    assert_eq!(err.csi_code(), Some(tonic::Code::Unauthenticated), "{msg}");
+    assert!(msg.contains("ControllerUnpublishVolume"), "{msg}");
+    // Then the volume's: the next call carries them.
+    write_secrets(&s.volume_file, &s.values.file("v2", None));
+    p.release(&id, "c1").await.unwrap();
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[("an error", &msg)]);
+    s.sb.assert_no_mounts_under();
+}
+
+/// A provider started again knows the volume's secrets file from its checkpoint: the
+/// unpublish and delete it sends carry their secrets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_provider_sends_the_secrets_of_the_recorded_file() {
+    let s = Setup::new("secrets-restart");
+    let p = s.start().await;
+    let id = p
+        .create_volume(s.spec("kept"))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    p.publish(&id, "c1").await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    drop(p);
+    let p = s.start().await;
+    assert_eq!(
+        p.volume(&id).await.unwrap().secrets_file.as_deref(),
+        Some(s.volume_file.as_path())
+    );
+    p.release(&id, "c1").await.unwrap();
+    p.destroy_volume(&id).await.unwrap();
+    let calls = s.calls();
+    assert!(calls.iter().any(|c| c == "DeleteVolume"), "{calls:?}");
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[]);
+    s.sb.assert_no_mounts_under();
+}
+
+/// An import records the file too; ValidateVolumeCapabilities carries none (the plugin
+/// refuses any there), the later calls carry theirs, DeleteVolume (`--delete`) included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_volume_carries_its_secrets_from_the_first_publish() {
+    use csi_isolator::csi::proto;
+    let s = Setup::new("secrets-import");
+    let p = s.start().await;
+    // A volume made in the plugin behind the provider's back (with the create secrets the
+    // plugin requires).
+    let socket = csi_isolator::csi::transport::socket_path(p.client().endpoint()).unwrap();
+    let mut raw = csi_isolator_testing::raw_clients(&socket).await.unwrap();
+    let create = serde_json::from_str::<serde_json::Value>(&s.values.file("v1", None)).unwrap()
+        ["create"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+        .collect();
+    let made = raw
+        .controller
+        .create_volume(proto::CreateVolumeRequest {
+            name: "made-elsewhere".into(),
+            volume_capabilities: vec![csi_isolator_testing::mount_capability(
+                proto::volume_capability::access_mode::Mode::SingleNodeWriter,
+            )],
+            secrets: create,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let spec = ImportSpec {
+        name: "imported".into(),
+        volume_id: made.volume_id.clone(),
+        capacity_bytes: 0,
+        capability: Default::default(),
+        volume_context: made.volume_context.into_iter().collect(),
+    };
+    p.import_volume_with_secrets(spec.clone(), Some(s.volume_file.clone()))
+        .await
+        .unwrap_or_else(|e| panic!("import: {}", full_message(&e)));
+    // The same import naming another file (or none) is refused.
+    let err = p.import_volume(spec).await.unwrap_err();
+    assert!(
+        full_message(&err).contains("exists with secrets file"),
+        "{err}"
+    );
+    let id = made.volume_id;
+    p.publish(&id, "c1")
+        .await
+        .unwrap_or_else(|e| panic!("publish: {}", full_message(&e)));
+    p.release(&id, "c1").await.unwrap();
+    p.destroy_volume_with(&id, true).await.unwrap();
+    let calls = s.calls();
+    for rpc in [
+        "ValidateVolumeCapabilities",
+        "NodeStageVolume",
+        "DeleteVolume",
+    ] {
+        assert!(calls.iter().any(|c| c == rpc), "{rpc} not sent: {calls:?}");
+    }
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[]);
+    s.sb.assert_no_mounts_under();
+}
+
+/// Files that are not root's alone, or not a secrets file, are refused naming the file and
+/// what is wrong (never the content), before an intent is written or CreateVolume sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_secrets_files_are_refused_by_name_before_anything_is_sent() {
+    let s = Setup::new("secrets-bad");
+    let p = s.start().await;
+    let dir = s.sb.mkdir("bad");
+    let good = s.values.file("v1", None);
+    let value = s.values.of("create", "v1");
+    let file = |name: &str, text: &str, mode: u32| {
+        let path = dir.join(name);
+        write_secrets(&path, text);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+        path
+    };
+    let open_dir = s.sb.mkdir("open-dir");
+    std::fs::set_permissions(&open_dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let in_open_dir = open_dir.join("s.json");
+    write_secrets(&in_open_dir, &good);
+    let cases: Vec<(PathBuf, &str)> = vec![
+        (file("world.json", &good, 0o644), "open to group or others"),
+        (file("group.json", &good, 0o640), "open to group or others"),
+        (file("gw.json", &good, 0o620), "writable by group or others"),
+        (
+            {
+                let link = dir.join("link.json");
+                std::os::unix::fs::symlink(&s.volume_file, &link).unwrap();
+                link
+            },
+            "a symbolic link",
+        ),
+        (
+            {
+                let f = file("nobody.json", &good, 0o600);
+                std::os::unix::fs::chown(&f, Some(65534), Some(65534)).unwrap();
+                f
+            },
+            "not owned by root",
+        ),
+        (
+            {
+                let f = file("linked.json", &good, 0o600);
+                std::fs::hard_link(&f, dir.join("linked-too.json")).unwrap();
+                f
+            },
+            "several hard links",
+        ),
+        (
+            file(
+                "big.json",
+                &format!("{good}{}", " ".repeat(65 * 1024)),
+                0o600,
+            ),
+            "over 65536 bytes",
+        ),
+        (
+            file(
+                "truncated.json",
+                &format!("{{\"create\": {{\"token\": \"{value}\""),
+                0o600,
+            ),
+            "not JSON",
+        ),
+        (
+            file(
+                "unknown.json",
+                &format!("{{\"node_unstage\": {{\"token\": \"{value}\"}}}}"),
+                0o600,
+            ),
+            "unknown operation 'node_unstage'",
+        ),
+        (
+            file(
+                "number.json",
+                &format!("{{\"node_stage\": {{\"token\": [\"{value}\"]}}}}"),
+                0o600,
+            ),
+            "the value of secret 'token' is not a string",
+        ),
+        (s.sb.mkdir("a-dir.json"), "not a regular file"),
+        (
+            {
+                let fifo = dir.join("fifo.json");
+                nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600))
+                    .unwrap();
+                fifo
+            },
+            "not a regular file",
+        ),
+        (dir.join("missing.json"), "open"),
+        (PathBuf::from("relative.json"), "not an absolute path"),
+        (in_open_dir, "secrets file's directory"),
+    ];
+    for (i, (path, want)) in cases.into_iter().enumerate() {
+        let name = format!("bad-{i}");
+        let mut spec = CreateSpec::new(&name, 4 * MIB);
+        spec.secrets_file = Some(path.clone());
+        let err = p.create_volume(spec).await.unwrap_err();
+        let msg = full_message(&err);
+        assert!(
+            msg.contains(&format!("secrets file {}", path.display())),
+            "{}: the file is not named: {msg}",
+            path.display()
+        );
+        assert!(msg.contains(want), "{}: {msg}", path.display());
+        assert!(!msg.contains(&s.values.needle()), "{msg}");
+        assert!(p.find_by_name(&name).await.is_none());
+        assert!(
+            !p.layout().create_intent(&name).exists(),
+            "{}: an intent was written",
+            path.display()
+        );
+    }
+    assert!(
+        !s.calls().iter().any(|c| c == "CreateVolume"),
+        "CreateVolume was sent: {:?}",
+        s.calls()
+    );
+    // A second create of a name with another file (here: none) is refused naming both.
+    let id = p
+        .create_volume(s.spec("good"))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    let err = p
+        .create_volume(CreateSpec::new("good", 4 * MIB))
+        .await
+        .unwrap_err();
+    assert!(
+        full_message(&err).contains(&format!(
+            "exists with secrets file {}, not none",
+            s.volume_file.display()
+        )),
+        "{err}"
+    );
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[]);
+}
