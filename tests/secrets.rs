@@ -631,3 +631,186 @@ async fn bad_secrets_files_are_refused_by_name_before_anything_is_sent() {
     p.shutdown(Duration::from_secs(5)).await;
     s.assert_no_secret_anywhere(&[]);
 }
+
+/// `csi-isolator serve` (a process of its own, logging at TRACE to a file) against a plugin in
+/// `--require-secrets` mode started apart: CreateVolume with `secrets_file`, Prepare publishes,
+/// then serve is SIGKILLed; the next serve's Recover cleans the container up and unpublishes
+/// with the secrets of the recorded file. A bad file is FAILED_PRECONDITION naming it. No
+/// value in serve's log, the plugin's log, the work dir, Status or `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_sends_secrets_across_a_crash_and_never_shows_them() {
+    use csi_isolator::service::proto::{
+        self, isolator_client::IsolatorClient, ContainerConfig, PrepareRequest, RecoverRequest,
+    };
+    use std::process::{Command, Stdio};
+    let s = Setup::new("secrets-serve");
+    let plugin = csi_isolator_testing::PluginProcess::start(
+        &s.sb,
+        plugin_bin(),
+        &[
+            "--backing",
+            "dir",
+            "--require-secrets",
+            s.plugin_file.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let socket = s.sb.join("isolator.sock");
+    let serve_log = s.sb.join("serve.log");
+    let start_serve = || {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&serve_log)
+            .unwrap();
+        let mut cmd = Command::new(CLI);
+        cmd.env("RUST_LOG", "trace")
+            .arg("--work-dir")
+            .arg(&s.work)
+            .args(["serve", "--metrics", "127.0.0.1:0", "--plugin-endpoint"])
+            .arg(plugin.endpoint())
+            .arg("--socket")
+            .arg(&socket)
+            .stdout(Stdio::piped())
+            .stderr(log);
+        let mut child = s.sb.spawn(&mut cmd).expect("spawn serve");
+        let lines = csi_isolator_testing::wait_for_serve_ready(&mut child, Duration::from_secs(30));
+        let metrics: std::net::SocketAddr = lines
+            .iter()
+            .find_map(|l| {
+                l.strip_prefix("csi-isolator serve: metrics on http://")?
+                    .strip_suffix("/metrics")
+            })
+            .expect("metrics address")
+            .parse()
+            .unwrap();
+        (child, metrics)
+    };
+    let client = || async {
+        let channel = csi_isolator::csi::transport::connect_unix(&socket)
+            .await
+            .unwrap();
+        IsolatorClient::new(channel)
+    };
+    let (mut serve, _) = start_serve();
+    let mut c = client().await;
+    let bad = s.sb.join("secrets/world.json");
+    write_secrets(&bad, &s.values.file("v1", None));
+    std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let refused = c
+        .create_volume(proto::CreateVolumeRequest {
+            name: "bad".into(),
+            capacity_bytes: 4 * MIB,
+            secrets_file: bad.to_string_lossy().into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+    assert!(
+        refused
+            .message()
+            .contains(&format!("secrets file {}", bad.display())),
+        "{refused}"
+    );
+    let created = c
+        .create_volume(proto::CreateVolumeRequest {
+            name: "vault".into(),
+            capacity_bytes: 4 * MIB,
+            container_path: "data".into(),
+            secrets_file: s.volume_file.to_string_lossy().into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume: {e}"))
+        .into_inner();
+    let sandbox = s.sb.mkdir("sandboxes/c1");
+    let info = c
+        .prepare(PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(ContainerConfig {
+                resources_json: format!("[{}]", created.resource_json),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("Prepare: {e}"))
+        .into_inner();
+    assert_eq!(info.mounts.len(), 1);
+    // Killed while the volume is published for c1.
+    serve.kill().unwrap();
+    serve.wait().unwrap();
+    s.sb.untrack(serve.id());
+    let (mut serve, metrics) = start_serve();
+    let mut c = client().await;
+    let r = c
+        .recover(RecoverRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("Recover: {e}"))
+        .into_inner();
+    assert_eq!(r.cleaned, vec!["c1".to_string()], "{r:?}");
+    let calls = plugin.calls();
+    assert!(
+        calls
+            .iter()
+            .any(|l| l.starts_with("ControllerUnpublishVolume")),
+        "the recovered release unpublished (with its secrets, or the plugin refuses): {calls:?}"
+    );
+    let status = format!("{:?}", c.status(proto::StatusRequest {}).await.unwrap());
+    assert!(status.contains(&created.volume_id), "{status}");
+    let scraped = {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut conn = tokio::net::TcpStream::connect(metrics).await.unwrap();
+        conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        conn.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    assert!(scraped.contains("ControllerUnpublishVolume"), "{scraped}");
+    c.destroy_volume(proto::DestroyVolumeRequest {
+        volume_id: created.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("DestroyVolume: {e}"));
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(serve.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(serve.wait().unwrap().success());
+    s.sb.untrack(serve.id());
+    let serve_log = std::fs::read_to_string(&serve_log).unwrap();
+    assert!(serve_log.contains("TRACE"), "serve logged at TRACE");
+    let plugin_log = plugin.stderr();
+    assert!(plugin_log.contains("TRACE"), "the plugin logged at TRACE");
+    let needle = s.values.needle();
+    for (what, text) in [
+        ("serve's log", &serve_log),
+        ("the plugin's log", &plugin_log),
+        ("Status", &status),
+        ("/metrics", &scraped),
+        ("a refusal", &refused.message().to_string()),
+    ] {
+        assert!(!text.contains(&needle), "a secret value is in {what}");
+    }
+    let mut files = Vec::new();
+    walk(&s.work, &mut files);
+    walk(plugin.dir(), &mut files);
+    assert!(
+        files.iter().any(|f| f.ends_with("stderr.log")),
+        "the plugin's log is searched: {files:?}"
+    );
+    for f in files {
+        let text = String::from_utf8_lossy(&std::fs::read(&f).unwrap_or_default()).into_owned();
+        assert!(
+            !text.contains(&needle),
+            "a secret value is in {}",
+            f.display()
+        );
+    }
+    s.sb.assert_no_mounts_under();
+}
