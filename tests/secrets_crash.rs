@@ -1,0 +1,201 @@
+//! `csi-isolator serve` killed (SIGKILL, by `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`) at every crash
+//! point of a volume's life with a secrets file (CreateVolume, Prepare, Cleanup,
+//! DestroyVolume), against a plugin in `--require-secrets` mode. After each crash a fresh serve
+//! recovers (its own start, then Recover) and finishes the volume's life; every call recovery
+//! re-issues (CreateVolume from the create intent, ControllerUnpublish, DeleteVolume) must
+//! carry the secrets of the recorded file, or the plugin refuses it. Then: no refusal in the
+//! plugin's log, no volume left in the plugin, nothing mounted. The loop ends when the life
+//! completes without a crash.
+
+use std::io::{BufRead, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+
+use csi_isolator::csi::transport::connect_unix;
+use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
+use csi_isolator::service::proto::isolator_client::IsolatorClient;
+use csi_isolator::service::proto::{
+    CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
+    RecoverRequest,
+};
+use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox, SERVE_READY};
+use tonic::transport::Channel;
+
+const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
+const MIB: u64 = 1024 * 1024;
+const MAX_POINTS: u32 = 40;
+
+struct Env {
+    sb: Sandbox,
+    work: PathBuf,
+    socket: PathBuf,
+    endpoint: String,
+    secrets: PathBuf,
+}
+
+/// Starts serve (armed with `crash`, if any); `None` when it died before it was ready.
+fn start_serve(env: &Env, crash: Option<u32>) -> Option<Child> {
+    let mut cmd = Command::new(CLI);
+    cmd.env_remove("RUST_LOG")
+        .arg("--work-dir")
+        .arg(&env.work)
+        .args(["serve", "--plugin-endpoint", &env.endpoint, "--socket"])
+        .arg(&env.socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(n) = crash {
+        cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
+    }
+    let mut child = env.sb.spawn(&mut cmd).expect("spawn serve");
+    let stdout = child.stdout.take().unwrap();
+    let ready = std::io::BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l == SERVE_READY);
+    if ready {
+        Some(child)
+    } else {
+        let _ = child.wait();
+        env.sb.untrack(child.id());
+        None
+    }
+}
+
+async fn client(env: &Env) -> IsolatorClient<Channel> {
+    IsolatorClient::new(connect_unix(&env.socket).await.expect("connect to serve"))
+}
+
+/// The volume's life: create, prepare for `container`, cleanup, destroy. Stops at the first
+/// failed call (a crash).
+async fn life(env: &Env, name: &str, container: &str) -> Result<(), tonic::Status> {
+    let mut c = client(env).await;
+    let created = c
+        .create_volume(CreateVolumeRequest {
+            name: name.into(),
+            capacity_bytes: 4 * MIB,
+            container_path: "data".into(),
+            secrets_file: env.secrets.to_string_lossy().into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let sandbox = env.sb.mkdir(format!("sandboxes/{container}"));
+    c.prepare(PrepareRequest {
+        container_id: container.into(),
+        config: Some(ContainerConfig {
+            resources_json: format!("[{}]", created.resource_json),
+            sandbox: sandbox.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await?;
+    c.cleanup(CleanupRequest {
+        container_id: container.into(),
+    })
+    .await?;
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: created.volume_id,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+fn stop(env: &Env, mut child: Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(child.wait().unwrap().success());
+    env.sb.untrack(child.id());
+}
+
+fn write_secrets(path: &Path, text: &str) {
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
+    require_root();
+    let sb = Sandbox::new("secrets-crash");
+    let dir = sb.mkdir("secrets");
+    let secrets = dir.join("volume.json");
+    write_secrets(
+        &secrets,
+        r#"{"create": {"t": "c-1"}, "controller_publish": {"t": "cp-2"},
+            "node_stage": {"t": "ns-3"}, "node_publish": {"t": "np-4"}}"#,
+    );
+    let plugin = PluginProcess::start(
+        &sb,
+        plugin_bin(),
+        &[
+            "--backing",
+            "dir",
+            "--require-secrets",
+            secrets.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let env = Env {
+        work: sb.join("work"),
+        socket: sb.join("isolator.sock"),
+        endpoint: plugin.endpoint(),
+        secrets,
+        sb,
+    };
+    let mut crashed = 0;
+    for n in 1..=MAX_POINTS {
+        let (name, container) = (format!("v{n}"), format!("c{n}"));
+        let armed = start_serve(&env, Some(n));
+        let completed = match armed {
+            Some(mut child) => {
+                let done = life(&env, &name, &container).await.is_ok();
+                if done {
+                    stop(&env, child);
+                } else {
+                    let status = child.wait().unwrap();
+                    env.sb.untrack(child.id());
+                    assert_eq!(
+                        std::os::unix::process::ExitStatusExt::signal(&status),
+                        Some(9),
+                        "crash point {n}: serve failed without crashing"
+                    );
+                }
+                done
+            }
+            None => false,
+        };
+        if completed {
+            println!("{crashed} crash points survived");
+            break;
+        }
+        crashed += 1;
+        // A fresh serve recovers, and the life is finished (the same name is the same
+        // volume; Cleanup of a container Recover cleaned is a no-op).
+        let child = start_serve(&env, None).expect("a serve without the hook starts");
+        let mut c = client(&env).await;
+        c.recover(RecoverRequest::default())
+            .await
+            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        life(&env, &name, &container)
+            .await
+            .unwrap_or_else(|e| panic!("crash point {n}: finishing the life: {e}"));
+        stop(&env, child);
+        assert!(
+            !plugin.stderr().contains("--require-secrets expects"),
+            "crash point {n}: a call without its secrets:\n{}",
+            plugin.stderr()
+        );
+        assert!(
+            plugin.listed().await.is_empty(),
+            "crash point {n}: a volume left"
+        );
+        env.sb.assert_no_mounts_under();
+        assert!(n < MAX_POINTS, "the life never completed");
+    }
+    assert!(crashed > 3, "only {crashed} crash points");
+}
