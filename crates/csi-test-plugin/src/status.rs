@@ -109,7 +109,25 @@ mod tests {
 
     #[test]
     fn maps_conditions_to_spec_codes() {
+        use csi_isolator::csi::secrets::Mismatch;
+        let secrets = |mismatch| PluginError::Secrets {
+            rpc: "NodeStageVolume",
+            operation: "node_stage",
+            mismatch,
+        };
         let cases = [
+            (
+                secrets(Mismatch::Differs("password".into())),
+                Code::Unauthenticated,
+            ),
+            (
+                secrets(Mismatch::Missing("password".into())),
+                Code::InvalidArgument,
+            ),
+            (
+                secrets(Mismatch::Unexpected("x".into())),
+                Code::InvalidArgument,
+            ),
             (
                 PluginError::MissingField {
                     rpc: "NodePublishVolume",

@@ -111,3 +111,34 @@ fn an_unknown_backing_is_refused_before_anything_is_made() {
     assert!(!Path::new(&work).exists(), "made nothing: {stderr}");
     assert!(!dir.path().join("csi.sock").exists());
 }
+
+#[test]
+fn a_require_secrets_file_others_can_read_is_refused_before_anything_is_made() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().expect("temporary dir");
+    let work = dir.path().join("data");
+    let secrets = dir.path().join("secrets.json");
+    std::fs::write(
+        &secrets,
+        r#"{"node_stage": {"password": "hunter2-never-shown"}}"#,
+    )
+    .unwrap();
+    std::fs::set_permissions(&secrets, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = Command::new(BIN)
+        .args(["--endpoint", &endpoint_for(&dir.path().join("csi.sock"))])
+        .arg("--work-dir")
+        .arg(&work)
+        .arg("--require-secrets")
+        .arg(&secrets)
+        .output()
+        .expect("run csi-test-plugin");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("--require-secrets {}", secrets.display()))
+            && stderr.contains("open to group or others"),
+        "names the file and the problem: {stderr}"
+    );
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    assert!(!Path::new(&work).exists(), "made nothing: {stderr}");
+}
