@@ -32,7 +32,9 @@
 //!   retried: the plugin answered, wrongly.
 //! - Cloning is cheap (one `Arc`); clones share the channel and the
 //!   [`Metrics`]. Calls on clones run in parallel.
-//! - Requests are never logged: they may carry secrets.
+//! - Requests are never logged: they may carry secrets. A plugin's message about a
+//!   call that carried secrets has their values replaced (`<redacted>`) before it is
+//!   logged or returned.
 
 use crate::error_chain::Chain;
 use std::future::Future;
@@ -56,6 +58,7 @@ use super::proto::{
     node_client::NodeClient,
 };
 use super::retry::RetryPolicy;
+use super::secrets::Secrets;
 use super::transport::socket_path;
 
 /// Backoff between dials while waiting for the socket: short, because a
@@ -331,13 +334,15 @@ impl Client {
         &self,
         request: proto::CreateVolumeRequest,
     ) -> Result<proto::CreateVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = (!request.name.is_empty()).then(|| VolumeRef::Name(request.name.clone()));
         let range = request.capacity_range.unwrap_or_default();
         let response = self
-            .call(
+            .call_with(
                 Rpc::CreateVolume,
                 volume.clone(),
                 request,
+                &secrets,
                 |ch, r| async move { ControllerClient::new(ch).create_volume(r).await },
             )
             .await?;
@@ -354,10 +359,15 @@ impl Client {
         &self,
         request: proto::DeleteVolumeRequest,
     ) -> Result<proto::DeleteVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(Rpc::DeleteVolume, volume, request, |ch, r| async move {
-            ControllerClient::new(ch).delete_volume(r).await
-        })
+        self.call_with(
+            Rpc::DeleteVolume,
+            volume,
+            request,
+            &secrets,
+            |ch, r| async move { ControllerClient::new(ch).delete_volume(r).await },
+        )
         .await
     }
 
@@ -366,11 +376,13 @@ impl Client {
         &self,
         request: proto::ControllerPublishVolumeRequest,
     ) -> Result<proto::ControllerPublishVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(
+        self.call_with(
             Rpc::ControllerPublishVolume,
             volume,
             request,
+            &secrets,
             |ch, r| async move { ControllerClient::new(ch).controller_publish_volume(r).await },
         )
         .await
@@ -381,11 +393,13 @@ impl Client {
         &self,
         request: proto::ControllerUnpublishVolumeRequest,
     ) -> Result<proto::ControllerUnpublishVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(
+        self.call_with(
             Rpc::ControllerUnpublishVolume,
             volume,
             request,
+            &secrets,
             |ch, r| async move {
                 ControllerClient::new(ch)
                     .controller_unpublish_volume(r)
@@ -400,11 +414,13 @@ impl Client {
         &self,
         request: proto::ValidateVolumeCapabilitiesRequest,
     ) -> Result<proto::ValidateVolumeCapabilitiesResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(
+        self.call_with(
             Rpc::ValidateVolumeCapabilities,
             volume,
             request,
+            &secrets,
             |ch, r| async move {
                 ControllerClient::new(ch)
                     .validate_volume_capabilities(r)
@@ -477,10 +493,15 @@ impl Client {
         &self,
         request: proto::NodeStageVolumeRequest,
     ) -> Result<proto::NodeStageVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(Rpc::NodeStageVolume, volume, request, |ch, r| async move {
-            NodeClient::new(ch).node_stage_volume(r).await
-        })
+        self.call_with(
+            Rpc::NodeStageVolume,
+            volume,
+            request,
+            &secrets,
+            |ch, r| async move { NodeClient::new(ch).node_stage_volume(r).await },
+        )
         .await
     }
 
@@ -504,11 +525,13 @@ impl Client {
         &self,
         request: proto::NodePublishVolumeRequest,
     ) -> Result<proto::NodePublishVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
         let volume = volume_id(&request.volume_id);
-        self.call(
+        self.call_with(
             Rpc::NodePublishVolume,
             volume,
             request,
+            &secrets,
             |ch, r| async move { NodeClient::new(ch).node_publish_volume(r).await },
         )
         .await
@@ -560,6 +583,33 @@ impl Client {
         F: Fn(Channel, tonic::Request<Req>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
     {
+        self.call_with(rpc, volume, request, &Secrets::default(), send)
+            .await
+    }
+
+    /// [`call`](Self::call) of a request carrying `secrets` (its `secrets` field): every value
+    /// of them is taken out of the plugin's messages before they are logged or returned, since
+    /// a plugin may echo what it got.
+    async fn call_with<Req, Resp, F, Fut>(
+        &self,
+        rpc: Rpc,
+        volume: Option<VolumeRef>,
+        request: Req,
+        secrets: &Secrets,
+        send: F,
+    ) -> Result<Resp, CsiError>
+    where
+        Req: Clone,
+        F: Fn(Channel, tonic::Request<Req>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, Status>>,
+    {
+        let redacted = |status: Status| {
+            if secrets.is_empty() {
+                status
+            } else {
+                Status::new(status.code(), secrets.redact(status.message()))
+            }
+        };
         let span = match &volume {
             Some(VolumeRef::Id(id)) => {
                 tracing::debug_span!("csi_call", rpc = rpc.name(), volume_id = %id)
@@ -601,7 +651,7 @@ impl Client {
                         let attempt_started = Instant::now();
                         let result =
                             tokio::time::timeout(deadline, send(self.channel(), req)).await;
-                        match result {
+                        match result.map(|r| r.map_err(redacted)) {
                             Ok(Ok(response)) => {
                                 tracing::debug!(attempts, elapsed = ?started.elapsed(), "csi call succeeded");
                                 guard.finish(Some(Code::Ok));

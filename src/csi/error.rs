@@ -164,18 +164,6 @@ impl fmt::Display for RpcFailure<'_> {
 }
 
 impl CsiError {
-    /// The error with every value of `secrets` (those the failed call carried) taken out of
-    /// the plugin's message: a plugin may echo what it got, and the message is logged and
-    /// shown.
-    pub fn redact(mut self, secrets: &super::Secrets) -> Self {
-        if let CsiError::Rpc { message, .. } = &mut self {
-            if !secrets.is_empty() {
-                *message = secrets.redact(message);
-            }
-        }
-        self
-    }
-
     /// The gRPC code of a failed call (`None` for connect and response
     /// errors that carry no status).
     pub fn code(&self) -> Option<Code> {

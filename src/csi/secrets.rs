@@ -100,6 +100,11 @@ impl std::fmt::Debug for Secrets {
 }
 
 impl Secrets {
+    /// The secrets a request carries (its `secrets` field), to redact the plugin's answers.
+    pub fn of_request(map: &HashMap<String, String>) -> Secrets {
+        Secrets(map.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+    }
+
     /// Whether there is none.
     pub fn is_empty(&self) -> bool {
         self.0.is_empty()

@@ -245,8 +245,7 @@ impl StorageProvider {
                 secrets: secrets.to_request(),
                 ..Default::default()
             })
-            .await
-            .map_err(|e| e.redact(&secrets));
+            .await;
         let resp = match answer {
             Ok(resp) => resp,
             Err(source) => {
@@ -441,7 +440,6 @@ impl StorageProvider {
                     secrets: secrets.to_request(),
                 })
                 .await
-                .map_err(|e| e.redact(&secrets))
                 .map_err(|source| ProviderError::Csi {
                     volume: rec.volume_id.clone(),
                     source,

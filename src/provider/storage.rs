@@ -567,9 +567,9 @@ impl StorageProvider {
         let secrets = self
             .secrets(rec.secrets_file.as_deref(), &id, step.rpc())
             .await?;
-        let csi = |source: crate::csi::CsiError| ProviderError::Csi {
+        let csi = |source| ProviderError::Csi {
             volume: id.clone(),
-            source: source.redact(&secrets),
+            source,
         };
         let volume_context: HashMap<String, String> =
             rec.volume_context.clone().into_iter().collect();

@@ -47,12 +47,27 @@ impl Recorder {
     }
 
     fn called(&self, rpc: &'static str) -> Result<(), Status> {
+        self.called_echoing(rpc, &Default::default())
+    }
+
+    /// [`called`](Self::called) for a request that carried `secrets`: a refusal echoes their
+    /// values, as a careless (or hostile) driver's message may.
+    fn called_echoing(
+        &self,
+        rpc: &'static str,
+        secrets: &std::collections::HashMap<String, String>,
+    ) -> Result<(), Status> {
         self.log.lock().unwrap().push(rpc);
         let mut fail = self.fail.lock().unwrap();
         if let Some((name, left)) = fail.as_mut() {
             if *name == rpc && *left > 0 {
                 *left -= 1;
-                return Err(Status::internal(format!("{rpc} refused by the test")));
+                let mut echoed: Vec<&str> = secrets.values().map(String::as_str).collect();
+                echoed.sort();
+                return Err(Status::internal(format!(
+                    "{rpc} refused by the test (got {})",
+                    echoed.join(", ")
+                )));
             }
         }
         Ok(())
@@ -263,8 +278,9 @@ impl proto::node_server::Node for Recorder {
         &self,
         request: Request<proto::NodeStageVolumeRequest>,
     ) -> Result<Response<proto::NodeStageVolumeResponse>, Status> {
-        self.called("NodeStageVolume")?;
-        self.mount(&request.into_inner().staging_target_path);
+        let request = request.into_inner();
+        self.called_echoing("NodeStageVolume", &request.secrets)?;
+        self.mount(&request.staging_target_path);
         Ok(Response::new(proto::NodeStageVolumeResponse {}))
     }
 
@@ -674,4 +690,31 @@ async fn a_restart_keeps_published_volumes_and_their_users_without_a_call() {
     assert!(bench.plugin.calls().ends_with(&["DeleteVolume"]));
     assert!(bench.plugin.volumes.lock().unwrap().is_empty());
     assert!(restarted.volume(&id).await.is_none());
+}
+
+/// A plugin whose refusal echoes the secrets it got: the error the provider returns (and logs)
+/// has their values redacted, and still says what the plugin said otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_that_echoes_secrets_is_shown_redacted() {
+    let bench = Bench::new().await;
+    let file = bench.work.parent().unwrap().join("secrets.json");
+    std::fs::write(
+        &file,
+        r#"{"node_stage": {"password": "hunter2-echoed", "user": "svc"}}"#,
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    let mut spec = CreateSpec::new("data", 1 << 20);
+    spec.secrets_file = Some(file);
+    let resource = provider.create_volume(spec).await.unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    *bench.plugin.fail.lock().unwrap() = Some(("NodeStageVolume", 1));
+    let err = provider.publish(&id, "c1").await.unwrap_err();
+    let text = crate::error_chain::full_message(&err);
+    assert!(
+        text.contains("NodeStageVolume refused by the test (got <redacted>, <redacted>)"),
+        "{text}"
+    );
+    assert!(!text.contains("hunter2") && !text.contains("svc"), "{text}");
 }
