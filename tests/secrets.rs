@@ -814,3 +814,46 @@ async fn serve_sends_secrets_across_a_crash_and_never_shows_them() {
     }
     s.sb.assert_no_mounts_under();
 }
+
+/// The volume's file removed while it is published: the release's node calls (which carry no
+/// secrets) still go, ControllerUnpublish fails naming the file, and the volume keeps its
+/// intent; with the file back, the next release finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_gone_fails_only_the_calls_that_carry_secrets() {
+    let s = Setup::new("secrets-gone");
+    let p = s.start().await;
+    let id = p
+        .create_volume(s.spec("gone"))
+        .await
+        .unwrap()
+        .source_id()
+        .unwrap()
+        .to_string();
+    p.publish(&id, "c1").await.unwrap();
+    let kept = std::fs::read_to_string(&s.volume_file).unwrap();
+    std::fs::remove_file(&s.volume_file).unwrap();
+    let err = p.release(&id, "c1").await.unwrap_err();
+    let msg = full_message(&err);
+    assert!(
+        msg.contains(&format!(
+            "ControllerUnpublishVolume: secrets file {}: open",
+            s.volume_file.display()
+        )),
+        "{msg}"
+    );
+    let calls = s.calls();
+    assert!(
+        calls.ends_with(&["NodeUnpublishVolume".into(), "NodeUnstageVolume".into()]),
+        "{calls:?}"
+    );
+    write_secrets(&s.volume_file, &kept);
+    p.release(&id, "c1").await.unwrap();
+    assert_eq!(
+        s.calls().last().map(String::as_str),
+        Some("ControllerUnpublishVolume")
+    );
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    s.assert_no_secret_anywhere(&[("an error", &msg)]);
+    s.sb.assert_no_mounts_under();
+}

@@ -166,7 +166,7 @@ impl StorageProvider {
             source,
         })?;
         // A bad secrets file is refused before anything is written or sent.
-        self.secrets(spec.secrets_file.as_deref(), &spec.name, "CreateVolume")
+        self.read_secrets(spec.secrets_file.as_deref(), &spec.name, "CreateVolume")
             .await?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;

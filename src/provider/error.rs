@@ -154,7 +154,7 @@ pub enum ProviderError {
     Secrets {
         /// The volume id (or name, before it has an id).
         volume: String,
-        /// The call the secrets were read for (`create` or import when checked up front).
+        /// The RPC the secrets were read for (`import` when an import checks the file up front).
         rpc: &'static str,
         /// What is wrong with the file.
         #[source]

@@ -124,12 +124,8 @@ impl StorageProvider {
         secrets_file: Option<std::path::PathBuf>,
     ) -> Result<Resource, ProviderError> {
         validate_import(&spec)?;
-        self.secrets(
-            secrets_file.as_deref(),
-            &spec.name,
-            "ValidateVolumeCapabilities",
-        )
-        .await?;
+        self.read_secrets(secrets_file.as_deref(), &spec.name, "import")
+            .await?;
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         let refuse = |clash: String| ProviderError::ImportRefused {

@@ -735,24 +735,44 @@ impl StorageProvider {
 
     /// The secrets the RPC `rpc` carries for a volume whose secrets file is `file` (none
     /// without one), read now ([`crate::provider::secrets::load`]): a rotated file is used from
-    /// the next call on. A file that cannot be used fails the call, naming it and the RPC.
+    /// the next call on. A file that cannot be used fails the call, naming it and the RPC; an
+    /// RPC that carries no secrets (NodeUnpublish, NodeUnstage) never reads it, so a file gone
+    /// bad does not stop those.
     pub(crate) async fn secrets(
         &self,
         file: Option<&Path>,
         volume: &str,
         rpc: &'static str,
     ) -> Result<Secrets, ProviderError> {
-        let Some(path) = file.map(Path::to_path_buf) else {
+        if crate::csi::Operation::of_rpc(rpc).is_none() {
             return Ok(Secrets::default());
-        };
-        match blocking(move || crate::provider::secrets::load(&path)).await {
-            Ok(file) => Ok(file.for_rpc(rpc)),
-            Err(source) => Err(ProviderError::Secrets {
-                volume: volume.to_string(),
-                rpc,
-                source,
-            }),
         }
+        Ok(self
+            .read_secrets(file, volume, rpc)
+            .await?
+            .map(|f| f.for_rpc(rpc))
+            .unwrap_or_default())
+    }
+
+    /// Reads and checks the secrets file `file` (none: `None`) for `what` (the RPC, or the
+    /// create or import it is checked for up front), naming it when it cannot be used.
+    pub(crate) async fn read_secrets(
+        &self,
+        file: Option<&Path>,
+        volume: &str,
+        what: &'static str,
+    ) -> Result<Option<crate::csi::SecretsFile>, ProviderError> {
+        let Some(path) = file.map(Path::to_path_buf) else {
+            return Ok(None);
+        };
+        blocking(move || crate::provider::secrets::load(&path))
+            .await
+            .map(Some)
+            .map_err(|source| ProviderError::Secrets {
+                volume: volume.to_string(),
+                rpc: what,
+                source,
+            })
     }
 
     pub(crate) fn name_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
