@@ -5,19 +5,21 @@
 //! re-issues (CreateVolume from the create intent, ControllerUnpublish, DeleteVolume) must
 //! carry the secrets of the recorded file, or the plugin refuses it. Then: no refusal in the
 //! plugin's log, no volume left in the plugin, nothing mounted. The loop ends when the life
-//! completes without a crash.
+//! completes without a crash. The same for an imported volume's life (ImportVolume with a
+//! secrets file, whose intent carries the file to recovery; DestroyVolume deleting it).
 
 use std::io::{BufRead, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
+use csi_isolator::csi::proto as csi;
 use csi_isolator::csi::transport::connect_unix;
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
-    CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
-    RecoverRequest,
+    CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
+    ImportVolumeRequest, PrepareRequest, RecoverRequest, StatusRequest,
 };
 use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox, SERVE_READY};
 use tonic::transport::Channel;
@@ -197,5 +199,172 @@ async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
         env.sb.assert_no_mounts_under();
         assert!(n < MAX_POINTS, "the life never completed");
     }
+    assert!(crashed > 3, "only {crashed} crash points");
+}
+
+/// An imported volume's life: import (with the secrets file), prepare, cleanup, destroy
+/// deleting it in the plugin.
+async fn import_life(
+    env: &Env,
+    name: &str,
+    container: &str,
+    volume_id: &str,
+) -> Result<(), tonic::Status> {
+    let mut c = client(env).await;
+    let imported = c
+        .import_volume(ImportVolumeRequest {
+            name: name.into(),
+            volume_id: volume_id.into(),
+            container_path: "data".into(),
+            secrets_file: env.secrets.to_string_lossy().into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let sandbox = env.sb.mkdir(format!("sandboxes/{container}"));
+    c.prepare(PrepareRequest {
+        container_id: container.into(),
+        config: Some(ContainerConfig {
+            resources_json: format!("[{}]", imported.resource_json),
+            sandbox: sandbox.to_string_lossy().into(),
+            ..Default::default()
+        }),
+    })
+    .await?;
+    c.cleanup(CleanupRequest {
+        container_id: container.into(),
+    })
+    .await?;
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: imported.volume_id,
+        delete_imported: true,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// The create secrets the plugin requires, for the test's own calls to it.
+fn create_secrets() -> std::collections::HashMap<String, String> {
+    [("t".to_string(), "c-1".to_string())].into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them() {
+    require_root();
+    let sb = Sandbox::new("secrets-crash-import");
+    let dir = sb.mkdir("secrets");
+    let secrets = dir.join("volume.json");
+    write_secrets(
+        &secrets,
+        r#"{"create": {"t": "c-1"}, "controller_publish": {"t": "cp-2"},
+            "node_stage": {"t": "ns-3"}, "node_publish": {"t": "np-4"}}"#,
+    );
+    let plugin = PluginProcess::start(
+        &sb,
+        plugin_bin(),
+        &[
+            "--backing",
+            "dir",
+            "--require-secrets",
+            secrets.to_str().unwrap(),
+        ],
+    )
+    .await;
+    let env = Env {
+        work: sb.join("work"),
+        socket: sb.join("isolator.sock"),
+        endpoint: plugin.endpoint(),
+        secrets,
+        sb,
+    };
+    let mut raw = csi_isolator_testing::raw_clients(&plugin.socket())
+        .await
+        .unwrap();
+    let mut crashed = 0;
+    for n in 1..=MAX_POINTS {
+        let (name, container) = (format!("i{n}"), format!("c{n}"));
+        // The volume exists in the plugin before csi-isolator hears of it.
+        let made = raw
+            .controller
+            .create_volume(csi::CreateVolumeRequest {
+                name: format!("made-{n}"),
+                volume_capabilities: vec![csi_isolator_testing::mount_capability(
+                    csi::volume_capability::access_mode::Mode::SingleNodeWriter,
+                )],
+                secrets: create_secrets(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let completed = match start_serve(&env, Some(n)) {
+            Some(mut child) => {
+                let done = import_life(&env, &name, &container, &made.volume_id)
+                    .await
+                    .is_ok();
+                if done {
+                    stop(&env, child);
+                } else {
+                    let status = child.wait().unwrap();
+                    env.sb.untrack(child.id());
+                    assert_eq!(
+                        std::os::unix::process::ExitStatusExt::signal(&status),
+                        Some(9),
+                        "crash point {n}: serve failed without crashing"
+                    );
+                }
+                done
+            }
+            None => false,
+        };
+        if completed {
+            println!("{crashed} crash points survived");
+            break;
+        }
+        crashed += 1;
+        // A fresh serve recovers (an import intent is finished at its start); whatever it
+        // holds is destroyed, deleting it in the plugin; a volume never recorded is deleted
+        // there directly.
+        let child = start_serve(&env, None).expect("a serve without the hook starts");
+        let mut c = client(&env).await;
+        c.recover(RecoverRequest::default())
+            .await
+            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        let status = c.status(StatusRequest {}).await.unwrap().into_inner();
+        for v in status.volumes {
+            c.destroy_volume(DestroyVolumeRequest {
+                volume_id: v.volume_id.clone(),
+                delete_imported: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("crash point {n}: destroy {}: {e}", v.volume_id));
+        }
+        stop(&env, child);
+        for left in plugin.listed().await {
+            let id = left.volume.unwrap().volume_id;
+            raw.controller
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: id,
+                    secrets: create_secrets(),
+                })
+                .await
+                .unwrap();
+        }
+        assert!(
+            !plugin.stderr().contains("--require-secrets expects"),
+            "crash point {n}: a call without its secrets:\n{}",
+            plugin.stderr()
+        );
+        env.sb.assert_no_mounts_under();
+        assert!(n < MAX_POINTS, "the life never completed");
+    }
+    assert!(
+        plugin.listed().await.is_empty(),
+        "a volume left in the plugin"
+    );
     assert!(crashed > 3, "only {crashed} crash points");
 }
