@@ -27,8 +27,8 @@ use crate::isolator::checkpoint_paths::{is_run_container, run_sandbox};
 use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::MountTable;
-use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{validate_container_id, Resource, VolumeArg, VolumeMode};
+use crate::provider::{MountSpec, ProviderConfig, ProviderError, StorageProvider};
+use crate::resource::{validate_container_id, Resource, VolumeMode};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
 /// What `run` does.
@@ -38,8 +38,8 @@ pub struct RunOptions {
     pub work_dir: PathBuf,
     /// The provider (bundled plugin or an endpoint).
     pub provider: ProviderConfig,
-    /// Volumes to create (if new) and mount.
-    pub volumes: Vec<VolumeArg>,
+    /// Volumes to create (if new) and mount (`--mount`, and `--volume` in its short form).
+    pub volumes: Vec<MountSpec>,
     /// Resources (Mesos JSON) to mount as given.
     pub resources: Vec<Resource>,
     /// A root filesystem to pivot into.
@@ -278,14 +278,13 @@ async fn prepare_and_supervise(
     for v in &opts.volumes {
         // A volume of that name already there is handed out as it is, with the
         // parameters it was created with (`volume create --param`).
-        let spec = CreateSpec::new(&v.name, v.size_bytes);
-        let res = step(stops, provider.use_or_create_volume(spec)).await??;
+        let res = step(stops, provider.volume_for_mount(v)).await??;
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
             VolumeMode::Rw
         };
-        resources.push(res.with_volume(&v.container_path, mode));
+        resources.push(res.with_volume(&v.target, mode));
     }
     mkdir(sandbox)?;
     let config = ContainerConfig {
@@ -429,7 +428,7 @@ fn check_host_targets(opts: &RunOptions) -> Result<(), RunError> {
     let from_volumes = opts
         .volumes
         .iter()
-        .map(|v| (format!("--volume {}", v.name), v.container_path.as_str()));
+        .map(|v| (format!("volume '{}'", v.source), v.target.as_str()));
     let from_resources = opts.resources.iter().filter_map(|r| {
         let path = r.container_path()?;
         Some((format!("--resources ({})", r.describe()), path))

@@ -353,3 +353,87 @@ fn errors_are_written_for_people() {
     );
     assert_nothing_left(&sb, &work);
 }
+
+#[test]
+fn the_long_mount_form_creates_with_its_options_and_refuses_what_differs() {
+    require_root();
+    let sb = Sandbox::new("cli-mount");
+    let work = sb.join("work");
+    let made = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=db,target=db,size=16M,fs-type=ext4",
+        "--mount",
+        "src=ref,dst=ref,size=8M,ro",
+        "--",
+        "sh",
+        "-c",
+        "echo kept > db/f; cat db/f; echo x > ref/f",
+    ]));
+    assert_ne!(made.status.code(), Some(0), "ref is read-only");
+    assert_eq!(text(&made.stdout), "kept\n", "{}", text(&made.stderr));
+    assert!(
+        text(&made.stderr).contains("Read-only file system"),
+        "{}",
+        text(&made.stderr)
+    );
+    let status = output(cli(&work).args(["volume", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let db = listed
+        .as_array()
+        .and_then(|vols| vols.iter().find(|v| v["name"] == "db"))
+        .unwrap_or_else(|| panic!("db listed: {listed}"));
+    assert_eq!(db["capability"]["fs_type"], "ext4", "{db}");
+
+    // The same volume by its short form, and by the long one without options: used as it is.
+    let again = output(cli(&work).args([
+        "run",
+        "--volume",
+        "db:16M:db",
+        "--mount",
+        "source=ref,target=ref,size=8M,readonly",
+        "--",
+        "cat",
+        "db/f",
+    ]));
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout), "kept\n");
+
+    // Other options than the volume has: refused before anything runs.
+    let other = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=db,target=db,size=16M,access-mode=MULTI_NODE_READER_ONLY",
+        "--",
+        "true",
+    ]));
+    assert!(!other.status.success());
+    assert!(
+        text(&other.stderr).contains(
+            "volume 'db' exists with capability SINGLE_NODE_WRITER fs_type=ext4, not MULTI_NODE_READER_ONLY fs_type=ext4"
+        ),
+        "{}",
+        text(&other.stderr)
+    );
+
+    for (entry, says) in [
+        (
+            "source=a,target=a,size=1M,colour=red",
+            "option 'colour': unknown key",
+        ),
+        ("source=a,target=a", "option 'size': is required"),
+        (
+            "source=a,target=a,size=1M,type=block",
+            "block volumes are not supported yet",
+        ),
+    ] {
+        let bad = output(cli(&work).args(["run", "--mount", entry, "--", "true"]));
+        assert_eq!(bad.status.code(), Some(2), "{entry}");
+        assert!(
+            text(&bad.stderr).contains(says),
+            "{entry}: {}",
+            text(&bad.stderr)
+        );
+    }
+    assert_nothing_left(&sb, &work);
+}

@@ -21,6 +21,7 @@ use crate::csi::proto;
 use crate::offload::blocking;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::mount_spec::MountSpec;
 use crate::provider::parameters;
 use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
@@ -187,14 +188,22 @@ impl StorageProvider {
         Ok(self.resource_for(&rec))
     }
 
-    /// The volume of this name as it is (whatever its parameters), or a
-    /// new one created from `spec`: `run --volume NAME:SIZE:PATH` uses a
-    /// volume made earlier by `volume create` with its parameters.
-    pub async fn use_or_create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
-        if let Some(rec) = self.find_by_name(&spec.name).await {
+    /// The volume a mount names, or a new one made from the mount's options: `run --mount`
+    /// (and `--volume NAME:SIZE:PATH`) uses a volume made earlier by `volume create` with its
+    /// parameters, and with its capability unless the mount asked for another one (refused then:
+    /// a volume is never used with other options than asked for).
+    pub async fn volume_for_mount(&self, mount: &MountSpec) -> Result<Resource, ProviderError> {
+        if let Some(rec) = self.find_by_name(&mount.source).await {
+            if let Some(asked) = mount.volume.differs_from(&rec.capability) {
+                return Err(ProviderError::CapabilityDiffers {
+                    volume: mount.source.clone(),
+                    recorded: rec.capability.describe(),
+                    asked: asked.describe(),
+                });
+            }
             return Ok(self.resource_for(&rec));
         }
-        self.create_volume(spec).await
+        self.create_volume(mount.create_spec(&mount.source)).await
     }
 
     /// Writes a create (or import) intent durably, before its first RPC.

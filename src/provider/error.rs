@@ -159,7 +159,7 @@ pub enum ProviderError {
     /// A create of an existing name with another volume capability (access mode, fs type or
     /// mount flags): CSI answers ALREADY_EXISTS to a CreateVolume whose capabilities the
     /// volume of that name does not have.
-    #[error("volume '{volume}' exists with capability {recorded}, not {asked}: create it with the capability it has (`volume list --json` shows it), or destroy it first, or use another name")]
+    #[error("volume '{volume}' exists with capability {recorded}, not {asked}: ask for the capability it has (`volume list --json` shows it), or destroy it first, or use another name")]
     CapabilityDiffers {
         /// The volume name.
         volume: String,
