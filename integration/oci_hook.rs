@@ -354,3 +354,21 @@ async fn the_mounts_annotation_takes_the_long_form_with_its_options() {
     );
     assert_container_gone(&sb, &bundle, &refused);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_root_process_user_writes_its_volume() {
+    require_tools();
+    let sb = Sandbox::new("hook-user");
+    let bundle = build_bundle(&sb);
+    let mut config = bundle
+        .runc
+        .config_for("id -u && id -g && echo mine > /data/f && stat -c '%u:%g' /data/f /data");
+    config["annotations"] = serde_json::json!({ VOLUMES_ANNOTATION: "data:16M:/data" });
+    config["process"]["user"] = serde_json::json!({"uid": 1234, "gid": 1235});
+    let id = format!("csi-hook-user-{}", std::process::id());
+    let r = runc_run(&sb, &bundle.runc, &id, &config, RUN_TIMEOUT);
+    let _ = r.guard.delete();
+    assert_ran(&r);
+    assert_eq!(r.stdout, "1234\n1235\n1234:1235\n0:1235\n");
+    assert_container_gone(&sb, &bundle, &r);
+}

@@ -50,6 +50,8 @@ pub struct RunOptions {
     pub argv: Vec<OsString>,
     /// How long the workload gets to exit after SIGTERM before SIGKILL.
     pub stop_grace: Duration,
+    /// The user the workload runs as (`UID[:GID]` or `NAME[:GROUP]`; `None`: root).
+    pub user: Option<String>,
 }
 
 /// `run` failed before or around the workload.
@@ -177,6 +179,10 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
             .map_err(|e| RunError::Usage(crate::error_chain::full_message(&e)))?;
     }
     check_host_targets(&opts)?;
+    if let Some(user) = &opts.user {
+        crate::isolator::ownership::resolve_user(user)
+            .map_err(|reason| RunError::Usage(format!("--user: {reason}")))?;
+    }
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     // The checkpoint records the rootfs as the kernel names it: a read-back
     // refuses a path that is not normal and absolute.
@@ -291,9 +297,14 @@ async fn prepare_and_supervise(
         resources,
         sandbox: sandbox.to_path_buf(),
         rootfs: opts.rootfs.clone(),
-        user: None,
+        user: opts.user.clone(),
     };
     let info = step(stops, isolator.prepare(container_id, config)).await??;
+    // Checked at the start; resolved again as prepare did, the same answer.
+    let user = match &opts.user {
+        Some(u) => Some(crate::isolator::ownership::resolve_user(u).map_err(RunError::Usage)?),
+        None => None,
+    };
     let spec = LaunchSpec {
         argv: opts.argv.clone(),
         env: Vec::new(),
@@ -301,6 +312,7 @@ async fn prepare_and_supervise(
         rootfs: opts.rootfs.clone(),
         mounts: info.mounts,
         pid_namespace: false,
+        user,
     };
     if *stops.borrow() > 0 {
         return Err(RunError::Stopped);

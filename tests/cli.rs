@@ -437,3 +437,114 @@ fn the_long_mount_form_creates_with_its_options_and_refuses_what_differs() {
     }
     assert_nothing_left(&sb, &work);
 }
+
+#[test]
+fn a_non_root_workload_writes_the_volumes_it_does_not_share() {
+    require_root();
+    let sb = Sandbox::new("cli-user");
+    let work = sb.join("work");
+    let script = "id -u; id -g; id -G; echo mine > data/f && stat -c '%u:%g' data/f; \
+                  ! touch ref/f 2>/dev/null && echo ref-refused";
+    let out = output(cli(&work).args([
+        "run",
+        "--user",
+        "4321:4322",
+        "--mount",
+        "source=data,target=data,size=8M",
+        "--volume",
+        "ref:8M:ref:ro",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "4321\n4322\n4322\n4321:4322\nref-refused\n",
+        "the workload's user, its one group, its file; the read-only volume untouched"
+    );
+
+    // The volume root was changed once: root's, the workload's group, group-writable, setgid.
+    // Published again for a look at its root, as a root workload sees it.
+    let root = output(cli(&work).args([
+        "run",
+        "--volume",
+        "data:8M:data",
+        "--volume",
+        "ref:8M:ref:ro",
+        "--",
+        "stat",
+        "-c",
+        "%u:%g %a",
+        "data",
+        "ref",
+    ]));
+    assert!(root.status.success(), "{}", text(&root.stderr));
+    assert_eq!(text(&root.stdout), "0:4322 2775\n0:0 755\n");
+
+    // Another user of the same (unshared) volume gets it for its group, and reads what was there.
+    let other = output(cli(&work).args([
+        "run",
+        "--user",
+        "5000:5001",
+        "--volume",
+        "data:8M:data",
+        "--",
+        "sh",
+        "-c",
+        "cat data/f && echo theirs > data/g && stat -c '%u:%g' data/g",
+    ]));
+    assert!(other.status.success(), "{}", text(&other.stderr));
+    assert_eq!(text(&other.stdout), "mine\n5000:5001\n");
+
+    for (user, says) in [
+        (
+            "no-such-user-here",
+            "--user: user 'no-such-user-here' is not in the host's user database",
+        ),
+        ("1000:", "expected UID[:GID] or NAME[:GROUP]"),
+    ] {
+        let bad =
+            output(cli(&work).args(["run", "--user", user, "--volume", "x:8M:x", "--", "true"]));
+        assert!(!bad.status.success(), "{user}");
+        assert!(
+            text(&bad.stderr).contains(says),
+            "{user}: {}",
+            text(&bad.stderr)
+        );
+    }
+    let listed = output(cli(&work).args(["volume", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert!(
+        !listed.as_array().unwrap().iter().any(|v| v["name"] == "x"),
+        "a bad user is refused before any volume is made: {listed}"
+    );
+
+    // A shared volume (`shared: {}`, Mesos' marker) is left as it is: its users would fight over it.
+    let created = output(cli(&work).args(["volume", "create", "common", "8M"]));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let mut res: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    res["disk"]["volume"] = serde_json::json!({"container_path": "common", "mode": "RW"});
+    res["shared"] = serde_json::json!({});
+    let file = sb.join("shared.json");
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&serde_json::json!([res])).unwrap(),
+    )
+    .unwrap();
+    let shared = output(
+        cli(&work)
+            .args(["run", "--user", "4321:4322", "--resources"])
+            .arg(&file)
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "stat -c '%u:%g %a' common; ! touch common/f 2>/dev/null",
+            ]),
+    );
+    assert!(shared.status.success(), "{}", text(&shared.stderr));
+    assert_eq!(text(&shared.stdout), "0:0 755\n");
+    assert_nothing_left(&sb, &work);
+}

@@ -88,6 +88,7 @@ pub async fn create_runtime(
         id,
         pid,
         rootfs: &rootfs,
+        user: bundle.user.clone(),
         tenant: &tenant,
         sys: &opts.sys,
     };
@@ -104,6 +105,7 @@ struct Request<'a> {
     id: &'a str,
     pid: u32,
     rootfs: &'a Path,
+    user: Option<String>,
     tenant: &'a Tenant,
     sys: &'a Arc<dyn Syscall>,
 }
@@ -223,7 +225,7 @@ async fn create_with_provider(
         resources,
         sandbox: sandbox.clone(),
         rootfs: Some(req.rootfs.to_path_buf()),
-        user: None,
+        user: req.user.clone(),
     };
     let launch = match isolator.prepare(id, config).await {
         Ok(launch) => launch,

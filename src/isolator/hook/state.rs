@@ -58,6 +58,9 @@ pub struct BundleConfig {
     pub rootfs: PathBuf,
     /// `annotations`.
     pub annotations: BTreeMap<String, String>,
+    /// `process.user` as `UID:GID`, when it is not root: volumes the container mounts
+    /// read-write and does not share are made writable for that group.
+    pub user: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -65,6 +68,22 @@ struct RawConfig {
     root: RawRoot,
     #[serde(default)]
     annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    process: Option<RawProcess>,
+}
+
+#[derive(Deserialize)]
+struct RawProcess {
+    #[serde(default)]
+    user: Option<RawUser>,
+}
+
+#[derive(Deserialize)]
+struct RawUser {
+    #[serde(default)]
+    uid: u32,
+    #[serde(default)]
+    gid: u32,
 }
 
 #[derive(Deserialize)]
@@ -87,9 +106,15 @@ impl BundleConfig {
                 path,
                 source,
             })?;
+        let user = raw
+            .process
+            .and_then(|p| p.user)
+            .filter(|u| u.uid != 0)
+            .map(|u| format!("{}:{}", u.uid, u.gid));
         Ok(BundleConfig {
             rootfs: bundle.join(raw.root.path),
             annotations: raw.annotations,
+            user,
         })
     }
 }
@@ -442,6 +467,14 @@ mod tests {
         let c = BundleConfig::read("c", dir.path()).unwrap();
         assert_eq!(c.rootfs, dir.path().join("rootfs"));
         assert_eq!(c.annotations["k"], "v");
+        assert_eq!(c.user, None);
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"root":{"path":"/r"},"process":{"user":{"uid":1000,"gid":50}}}"#,
+        )
+        .unwrap();
+        let c = BundleConfig::read("c", dir.path()).unwrap();
+        assert_eq!(c.user.as_deref(), Some("1000:50"));
         std::fs::write(dir.path().join("config.json"), r#"{"root":{}}"#).unwrap();
         let err = BundleConfig::read("c", dir.path())
             .unwrap_err()

@@ -54,6 +54,11 @@ pub struct RunArgs {
     /// A root filesystem to pivot into (absolute container paths land inside it).
     #[arg(long, value_name = "DIR")]
     rootfs: Option<PathBuf>,
+    /// Run the workload as this user: UID[:GID] or NAME[:GROUP] (names from the host's
+    /// databases; default: root). Volumes it mounts read-write and does not share are made
+    /// writable for its group.
+    #[arg(long, value_name = "UID[:GID]", value_parser = text())]
+    user: Option<String>,
     /// The container id (default: run-<random>).
     #[arg(long, value_parser = text())]
     container_id: Option<String>,
@@ -134,6 +139,7 @@ pub async fn run(work_dir: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
         container_id: args.container_id,
         argv: args.command,
         stop_grace: Duration::from_secs(args.stop_grace),
+        user: args.user,
     };
     let code = runner::run(opts).await?;
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(255)))
