@@ -548,3 +548,59 @@ fn a_non_root_workload_writes_the_volumes_it_does_not_share() {
     assert_eq!(text(&shared.stdout), "0:0 755\n");
     assert_nothing_left(&sb, &work);
 }
+
+#[test]
+fn a_volume_is_published_only_where_its_topology_reaches() {
+    require_root();
+    let sb = Sandbox::new("cli-topology");
+    let work = sb.join("work");
+    let zone = |z: &str| format!("--plugin-arg=--topology=topology.example.com/zone={z}");
+    let made = output(cli(&work).args([
+        "run",
+        &zone("a"),
+        "--volume",
+        "v:8M:v",
+        "--",
+        "sh",
+        "-c",
+        "echo here > v/f",
+    ]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let status = output(cli(&work).args(["status", "--json"]));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        report["volumes"][0]["accessible_topology"],
+        serde_json::json!([{"topology.example.com/zone": "a"}]),
+        "{report}"
+    );
+    let shown = output(cli(&work).args(["status"]));
+    assert!(
+        text(&shown.stdout).contains("reachable from: topology.example.com/zone=a"),
+        "{}",
+        text(&shown.stdout)
+    );
+
+    // The same node, now in another zone: refused before any RPC touches the volume.
+    let elsewhere =
+        output(cli(&work).args(["run", &zone("b"), "--volume", "v:8M:v", "--", "true"]));
+    assert!(!elsewhere.status.success());
+    assert!(
+        text(&elsewhere.stderr).contains(
+            "can be reached only from topology.example.com/zone=a (its CreateVolume answer), and this node is at topology.example.com/zone=b"
+        ),
+        "{}",
+        text(&elsewhere.stderr)
+    );
+    // Back in its zone, the data is there; a plugin without topology says nothing against it.
+    for plugin_arg in [zone("a"), "--plugin-arg=--name=csi-test".to_string()] {
+        let back =
+            output(cli(&work).args(["run", &plugin_arg, "--volume", "v:8M:v", "--", "cat", "v/f"]));
+        assert!(
+            back.status.success(),
+            "{plugin_arg}: {}",
+            text(&back.stderr)
+        );
+        assert_eq!(text(&back.stdout), "here\n");
+    }
+    assert_nothing_left(&sb, &work);
+}

@@ -26,6 +26,7 @@ use crate::provider::parameters;
 use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
+use crate::provider::topology;
 use crate::resource::Resource;
 
 /// What to create.
@@ -224,9 +225,11 @@ impl StorageProvider {
         &self,
         spec: &CreateSpec,
     ) -> Result<VolumeRecord, ProviderError> {
+        let accessibility_requirements = self.accessibility_requirements().await?;
         let answer = self
             .client
             .create_volume(proto::CreateVolumeRequest {
+                accessibility_requirements,
                 name: spec.name.clone(),
                 capacity_range: (spec.capacity_bytes > 0).then_some(proto::CapacityRange {
                     required_bytes: i64::try_from(spec.capacity_bytes).unwrap_or(i64::MAX),
@@ -277,7 +280,20 @@ impl StorageProvider {
                 });
             }
         }
+        let accessible_topology: Vec<topology::Segments> = volume
+            .accessible_topology
+            .into_iter()
+            .map(|t| t.segments.into_iter().collect())
+            .collect();
+        topology::check_answer(&accessible_topology).map_err(|what| {
+            ProviderError::PluginMisbehaved {
+                volume: volume.volume_id.clone(),
+                rpc: "CreateVolume",
+                what: format!("answered accessible_topology with {what}"),
+            }
+        })?;
         let mut rec = VolumeRecord::new(volume.volume_id, spec.capability.clone());
+        rec.accessible_topology = accessible_topology;
         rec.name = Some(spec.name.clone());
         rec.capacity_bytes = u64::try_from(volume.capacity_bytes).unwrap_or(0);
         rec.parameters = spec.parameters.clone();
@@ -288,6 +304,34 @@ impl StorageProvider {
         let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
+    }
+
+    /// What CreateVolume asks about topology: a volume reachable from this node (requisite and
+    /// preferred: this node's segments), when the plugin has VOLUME_ACCESSIBILITY_CONSTRAINTS
+    /// and its node says where it is.
+    async fn accessibility_requirements(
+        &self,
+    ) -> Result<Option<proto::TopologyRequirement>, ProviderError> {
+        use crate::csi::caps::PluginService;
+        let constrained = self
+            .client
+            .current_capabilities()
+            .plugin
+            .has(PluginService::VolumeAccessibilityConstraints);
+        if !constrained {
+            return Ok(None);
+        }
+        let node = self.node_info().await?;
+        if node.topology.is_empty() {
+            return Ok(None);
+        }
+        let here = proto::Topology {
+            segments: node.topology.clone().into_iter().collect(),
+        };
+        Ok(Some(proto::TopologyRequirement {
+            requisite: vec![here.clone()],
+            preferred: vec![here],
+        }))
     }
 
     /// The end of a create or an import: the volume's first checkpoint, then

@@ -139,6 +139,16 @@ pub enum ProviderError {
         /// What is wrong.
         what: String,
     },
+    /// A publish on a node the volume's topology does not cover.
+    #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
+    NotAccessible {
+        /// The volume id.
+        volume: String,
+        /// The volume's topologies, shown.
+        accessible: String,
+        /// This node's segments, shown.
+        node: String,
+    },
     /// CreateVolume parameters that are refused before anything is sent.
     #[error("volume '{volume}'")]
     Parameters {

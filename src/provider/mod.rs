@@ -30,6 +30,7 @@ pub mod storage;
 pub mod supervisor;
 #[cfg(test)]
 mod tests;
+pub mod topology;
 
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::{NotReadyCause, ProviderError};

@@ -178,6 +178,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::InUse { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
+        | ProviderError::NotAccessible { .. }
         | ProviderError::NoListVolumes { .. }
         | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
