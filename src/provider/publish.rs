@@ -19,6 +19,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
+use crate::provider::topology;
 
 impl StorageProvider {
     /// Publishes one volume for `container_id` and returns its host mount
@@ -47,6 +48,16 @@ impl StorageProvider {
             return Err(ProviderError::Destroying {
                 volume: volume_id.to_string(),
             });
+        }
+        if !rec.accessible_topology.is_empty() {
+            let node = self.node_info().await?;
+            if !topology::accessible_from(&rec.accessible_topology, &node.topology) {
+                return Err(ProviderError::NotAccessible {
+                    volume: volume_id.to_string(),
+                    accessible: topology::describe(&rec.accessible_topology),
+                    node: topology::describe(std::slice::from_ref(&node.topology)),
+                });
+            }
         }
         // The new user becomes durable with the first transition's intent,
         // before any RPC (or on its own when there is nothing to do).

@@ -425,6 +425,11 @@ pub struct VolumeRecord {
     /// The node id the volume was controller-published to.
     #[serde(default)]
     pub node_id: Option<String>,
+    /// Where the volume can be reached from, as CreateVolume answered (empty: anywhere, or
+    /// the plugin has no VOLUME_ACCESSIBILITY_CONSTRAINTS); a node none of these covers is
+    /// refused at publish.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<crate::provider::topology::Segments>,
     /// The boot id at the last node-side transition (a changed boot id means
     /// the node-side mounts are gone).
     #[serde(default)]
@@ -504,6 +509,7 @@ impl VolumeRecord {
             volume_context: BTreeMap::new(),
             publish_context: BTreeMap::new(),
             node_id: None,
+            accessible_topology: Vec::new(),
             boot_id: None,
             readonly: false,
             users: BTreeSet::new(),

@@ -95,6 +95,10 @@ pub struct PluginConfig {
     /// file leaves out, and for ValidateVolumeCapabilities), or it is refused. Read again at
     /// each such RPC, so a test can rotate it.
     pub required_secrets: Option<PathBuf>,
+    /// This node's topology segments (`--topology KEY=VALUE`): when set, the plugin offers
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS, NodeGetInfo reports them and its volumes are
+    /// reachable from them only.
+    pub topology: std::collections::BTreeMap<String, String>,
 }
 
 /// One `--require-parameters` entry: a key, and the value it must have if one is given.
@@ -181,6 +185,7 @@ impl PluginConfig {
             log_calls: None,
             required_parameters: Vec::new(),
             required_secrets: None,
+            topology: std::collections::BTreeMap::new(),
         }
     }
 
@@ -291,6 +296,14 @@ pub enum PluginError {
         requested: u64,
         /// Total capacity.
         total: u64,
+    },
+    /// CreateVolume's requisite topologies do not include where this plugin's volumes are.
+    #[error("CreateVolume: no requisite topology ({requisite}) covers this plugin's volumes, which are at {ours}")]
+    TopologyUnreachable {
+        /// The requisite topologies, shown.
+        requisite: String,
+        /// This plugin's segments, shown.
+        ours: String,
     },
     /// Not enough capacity left.
     #[error("CreateVolume: {requested} bytes requested, only {available} bytes left")]
