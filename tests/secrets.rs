@@ -857,3 +857,86 @@ async fn a_file_gone_fails_only_the_calls_that_carry_secrets() {
     s.assert_no_secret_anywhere(&[("an error", &msg)]);
     s.sb.assert_no_mounts_under();
 }
+
+/// `run --mount ...,secrets=FILE`, the one parser's key: the volume's calls carry the file's
+/// secrets (the plugin requires them), a run without the key uses the recorded file, another
+/// file is refused naming both, and a mount without secrets on a fresh volume fails at the
+/// first RPC that needs them, leaving nothing.
+#[test]
+fn run_mount_names_the_secrets_file() {
+    let s = Setup::new("secrets-run-mount");
+    let run = |mount: &str| {
+        isolator_command(CLI, &s.work)
+            .env("RUST_LOG", "trace")
+            .args([
+                "run",
+                "--plugin-arg=--backing=dir",
+                &format!("--plugin-arg=--require-secrets={}", s.plugin_file.display()),
+                "--mount",
+                mount,
+                "--",
+                "sh",
+                "-c",
+                "echo kept >> v/f; cat v/f",
+            ])
+            .output()
+            .unwrap()
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let with = format!(
+        "source=vault,target=v,size=4M,secrets={}",
+        s.volume_file.display()
+    );
+    let first = run(&with);
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert_eq!(text(&first.stdout), "kept\n");
+    assert!(
+        text(&first.stderr).contains("TRACE"),
+        "the search below is not vacuous"
+    );
+    let again = run("source=vault,target=v,size=4M");
+    assert!(
+        again.status.success(),
+        "the recorded file: {}",
+        text(&again.stderr)
+    );
+    assert_eq!(text(&again.stdout), "kept\nkept\n");
+    let other = s.sb.join("secrets/other.json");
+    write_secrets(&other, &s.values.file("v1", None));
+    let moved = run(&format!(
+        "source=vault,target=v,size=4M,secrets={}",
+        other.display()
+    ));
+    assert!(!moved.status.success());
+    assert!(
+        text(&moved.stderr).contains(&other.display().to_string()),
+        "names the file asked: {}",
+        text(&moved.stderr)
+    );
+    let bare = run("source=fresh,target=v,size=4M");
+    assert!(!bare.status.success(), "no secrets: refused by the plugin");
+    assert!(
+        text(&bare.stderr).contains("CreateVolume"),
+        "{}",
+        text(&bare.stderr)
+    );
+    for out in [&first, &again, &moved, &bare] {
+        assert!(
+            !text(&out.stderr).contains(&s.values.needle()),
+            "a secret value shown: {}",
+            text(&out.stderr)
+        );
+    }
+    let mut files = Vec::new();
+    walk(&s.work, &mut files);
+    let plugin_log = files.iter().find(|f| f.ends_with("plugin.log")).unwrap();
+    assert!(std::fs::read_to_string(plugin_log)
+        .unwrap()
+        .contains("TRACE"));
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap_or_default();
+        let found = String::from_utf8_lossy(&bytes).contains(&s.values.needle());
+        assert!(!found, "a secret value is in {}", f.display());
+    }
+    s.sb.assert_no_mounts_under();
+}

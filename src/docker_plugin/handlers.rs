@@ -277,12 +277,16 @@ impl Driver {
             })?;
         let created = match plan {
             Plan::Create(spec) => self.provider.create_volume(spec).await,
-            Plan::Import(spec) => match self.provider.find_by_name(&spec.name).await {
+            Plan::Import(spec, secrets) => match self.provider.find_by_name(&spec.name).await {
                 // The same import again is the same volume (an engine may repeat a Create).
                 Some(rec) if rec.volume_id == spec.volume_id && rec.pre_provisioned => {
                     return Ok(())
                 }
-                _ => self.provider.import_volume(spec).await,
+                _ => {
+                    self.provider
+                        .import_volume_with_secrets(spec, secrets)
+                        .await
+                }
             },
         };
         created

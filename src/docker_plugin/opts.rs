@@ -21,8 +21,8 @@ pub const VOLUME_ID: &str = "volume-id";
 pub enum Plan {
     /// A new volume (or the existing one of that name, with the same parameters).
     Create(CreateSpec),
-    /// A volume the plugin has already, recorded under the name.
-    Import(ImportSpec),
+    /// A volume the plugin has already, recorded under the name, with its secrets file.
+    Import(ImportSpec, Option<std::path::PathBuf>),
 }
 
 /// An option that cannot be used, named: the one parser's error ([`crate::provider::mount_spec`]).
@@ -70,17 +70,21 @@ pub fn plan(name: &str, opts: &BTreeMap<String, String>) -> Result<Plan, OptErro
         _ => refuse("*", e.to_string()),
     })?;
     Ok(match volume_id {
-        Some(volume_id) => Plan::Import(ImportSpec {
-            name: name.to_string(),
-            volume_id,
-            capacity_bytes,
-            capability,
-            volume_context: rest,
-        }),
+        Some(volume_id) => Plan::Import(
+            ImportSpec {
+                name: name.to_string(),
+                volume_id,
+                capacity_bytes,
+                capability,
+                volume_context: rest,
+            },
+            options.secrets,
+        ),
         None => {
             let mut spec = CreateSpec::new(name, capacity_bytes);
             spec.capability = capability;
             spec.parameters = rest;
+            spec.secrets_file = options.secrets;
             Plan::Create(spec)
         }
     })
@@ -125,7 +129,7 @@ mod tests {
             "no options: the plugin's default size"
         );
 
-        let Plan::Import(spec) = plan(
+        let Plan::Import(spec, _) = plan(
             "old",
             &opts(&[("volume-id", "nfs#a#b"), ("size", "1G"), ("share", "/x")]),
         )

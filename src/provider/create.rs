@@ -24,6 +24,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::mount_spec::MountSpec;
 use crate::provider::parameters;
 use crate::provider::profiles;
+use crate::provider::secrets;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
 use crate::provider::topology;
@@ -215,6 +216,9 @@ impl StorageProvider {
                     recorded: rec.capability.describe(),
                     asked: asked.describe(),
                 });
+            }
+            if let Some(asked) = &mount.volume.secrets {
+                secrets::same_file(&mount.source, rec.secrets_file.as_deref(), Some(asked))?;
             }
             return Ok(self.resource_for(&rec));
         }

@@ -266,12 +266,6 @@ impl VolumeOptions {
                 "block volumes are not supported yet (use type=mount)",
             ));
         }
-        if self.secrets.is_some() {
-            return Err(refuse(
-                Key::Secrets.name(),
-                "CSI secrets are not supported yet",
-            ));
-        }
         Ok(())
     }
 
@@ -439,6 +433,7 @@ impl MountSpec {
     pub fn create_spec(&self, name: &str) -> super::CreateSpec {
         let mut spec = super::CreateSpec::new(name, self.volume.size_bytes.unwrap_or(0));
         self.volume.apply(&mut spec.capability);
+        spec.secrets_file = self.volume.secrets.clone();
         spec
     }
 }
@@ -557,10 +552,6 @@ mod tests {
             (
                 "source=d,target=/d,size=1M,type=block",
                 "block volumes are not supported yet",
-            ),
-            (
-                "source=d,target=/d,size=1M,secrets=/etc/s.json",
-                "secrets are not supported yet",
             ),
             (
                 "source=d,target=/d,size=1M,propagation=rslave",

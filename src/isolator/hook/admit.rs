@@ -331,6 +331,32 @@ pub fn check_annotation_mount(m: &MountSpec) -> Result<(), String> {
     Ok(())
 }
 
+/// Refuses a mounts annotation entry naming a secrets file, unless the operator trusts whoever
+/// sets annotations ([`ALLOW_RAW_RESOURCES_FLAG`]): a pod author must not borrow the
+/// operator's credential files for volumes of its own.
+pub fn admit_mount_secrets(
+    container: &str,
+    policy: &HookPolicy,
+    mounts: &[MountSpec],
+) -> Result<(), HookError> {
+    if policy.allow_raw_resources {
+        return Ok(());
+    }
+    match mounts.iter().find(|m| m.volume.secrets.is_some()) {
+        Some(m) => Err(HookError::Annotation {
+            container: container.to_string(),
+            annotation: MOUNTS_ANNOTATION,
+            volume: m.source.clone(),
+            reason: format!(
+                "secrets refused: a secrets file is the operator's to name (a disk profile, \
+                 `csi-isolator volume create`), or pass {ALLOW_RAW_RESOURCES_FLAG} to trust \
+                 whoever sets annotations"
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Refuses a parameters annotation that sets a key the operator does not allow
 /// ([`ALLOW_PARAMETER_FLAG`]; every key with [`ALLOW_RAW_RESOURCES_FLAG`]).
 pub fn admit_parameters(
@@ -414,6 +440,27 @@ pub(super) fn admit_resources(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_secrets_file_needs_the_operators_trust_in_annotations() {
+        let mounts =
+            [MountSpec::parse("source=v,target=/v,size=1M,secrets=/etc/csi/s.json").unwrap()];
+        let err = admit_mount_secrets("c", &HookPolicy::default(), &mounts)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("annotation io.csi-isolator.mounts")
+                && err.contains("secrets refused: a secrets file is the operator's to name"),
+            "{err}"
+        );
+        let trusting = HookPolicy {
+            allow_raw_resources: true,
+            ..HookPolicy::default()
+        };
+        admit_mount_secrets("c", &trusting, &mounts).unwrap();
+        let plain = [MountSpec::parse("source=v,target=/v,size=1M").unwrap()];
+        admit_mount_secrets("c", &HookPolicy::default(), &plain).unwrap();
+    }
 
     #[test]
     fn parameter_keys_need_the_operators_leave() {

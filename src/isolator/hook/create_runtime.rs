@@ -22,6 +22,7 @@ pub async fn create_runtime(
     // Everything that needs no provider is judged before the work dir is touched.
     let tenant = opts.policy.tenant(id, &annotations)?;
     admit_parameters(id, &opts.policy, &wanted.parameters)?;
+    admit_mount_secrets(id, &opts.policy, &wanted.volumes)?;
     if tenant == Tenant::Single {
         tracing::info!(
             container = id,
@@ -185,6 +186,9 @@ async fn create_with_provider(
                 });
             }
             spec.capability = existing.capability.clone();
+            if v.volume.secrets.is_none() {
+                spec.secrets_file = existing.secrets_file.clone();
+            }
         }
         // Parameters the annotation gives must be the volume's; without any, a volume that
         // exists is used as it was created.
