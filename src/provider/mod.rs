@@ -35,6 +35,6 @@ pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };
 pub use manager::{Manager, PublishedVolume};
-pub use state::{Capability, VolumeRecord, VolumeState};
+pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};
