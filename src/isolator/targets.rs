@@ -60,6 +60,7 @@ pub fn volume_mounts(
             readonly: r.read_only(),
             volume_id: r.source_id().map(str::to_string),
             provider_id: r.provider_id().map(str::to_string),
+            block: r.disk_source().is_some_and(|s| s.kind == SourceType::Block),
         });
     }
     // Parents before children, so a volume nested in another lands on top.

@@ -52,6 +52,8 @@ pub fn resolve_host_path(resource: &Resource, work_dir: &Path) -> Result<PathBuf
     let root_field = match source.kind {
         SourceType::Mount => "disk.source.mount.root",
         SourceType::Path => "disk.source.path.root",
+        // A CSI block volume: its device file, published at `<mount.root>/<enc id>/target`.
+        SourceType::Block if source.id.is_some() => "disk.source.mount.root",
         SourceType::Block | SourceType::Raw => {
             return Err(ResourceError::NotMountable {
                 resource: resource.describe(),

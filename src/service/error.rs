@@ -125,9 +125,11 @@ pub fn launch_code(e: &LaunchError) -> Code {
         LaunchError::TargetMissingOnHost { .. }
         | LaunchError::TargetParentReadOnly { .. }
         | LaunchError::TargetNotADirectory { .. }
+        | LaunchError::TargetNotAFile { .. }
         | LaunchError::ResolveTarget { .. }
         | LaunchError::BadRootfs { .. } => Code::InvalidArgument,
         LaunchError::NotTheVolume { .. }
+        | LaunchError::SourceKindMismatch { .. }
         | LaunchError::VolumeStillMounted { .. }
         | LaunchError::RootMismatch { .. }
         | LaunchError::Reaped { .. } => Code::FailedPrecondition,
