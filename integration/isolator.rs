@@ -809,7 +809,8 @@ async fn a_target_of_another_kind_than_the_volume_is_refused() {
         .await
         .with_volume("disk", VolumeMode::Rw);
     let dir = agent.volume("d", "data", VolumeMode::Rw).await;
-    let cases: [(&str, &Resource, &dyn Fn(&Path), &str); 4] = [
+    type Plant<'a> = &'a dyn Fn(&Path);
+    let cases: [(&str, &Resource, Plant, &str); 4] = [
         (
             "c-dir",
             &block,
