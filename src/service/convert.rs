@@ -150,6 +150,16 @@ impl From<OciPrepared> for proto::OciLaunchInfo {
                 })
                 .collect(),
             docker_args: prepared.docker_args,
+            devices: prepared
+                .devices
+                .into_iter()
+                .map(|d| proto::OciDevice {
+                    path: d.path,
+                    major: d.major,
+                    minor: d.minor,
+                    access: d.access,
+                })
+                .collect(),
         }
     }
 }

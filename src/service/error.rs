@@ -151,6 +151,7 @@ pub fn oci_code(e: &OciError) -> Code {
         | OciError::DuplicateHostPath { .. }
         | OciError::NonUtf8Path { .. }
         | OciError::ResolveTarget { .. } => Code::InvalidArgument,
+        OciError::NotABlockDevice { .. } => Code::FailedPrecondition,
         _ => Code::Internal,
     }
 }
