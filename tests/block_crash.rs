@@ -241,5 +241,6 @@ async fn a_block_volumes_publish_and_unpublish_survive_a_crash_at_every_point() 
     eprintln!("block_crash: crash points survived: {}", n - 1);
     // Prepare's container record and publish intent, the steps' RPCs and results, and
     // Cleanup's: well above a handful.
-    assert!(n - 1 >= 6, "only {} crash points", n - 1);
+    let survived = n - 1;
+    assert!(survived >= 6, "only {survived} crash points");
 }
