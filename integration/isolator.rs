@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use csi_isolator::isolator::IsolatorError;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::{Capability, CreateSpec, PluginSource, ProviderConfig, VolumeState};
-use csi_isolator::resource::VolumeMode;
+use csi_isolator::resource::{Resource, VolumeMode};
 use csi_isolator_testing::{
     busybox_rootfs, host_mount_points, require_root, PluginProcess, Sandbox,
 };
@@ -745,4 +745,152 @@ fn capture_unmount_log() -> CapturedLog {
         .try_init()
         .expect("this test installs the process's log subscriber");
     log
+}
+
+/// A block volume of the bundled plugin (loop backing), end to end on the namespace launcher: its
+/// resource is a `BLOCK` disk whose host path is the published device file; a container opens the
+/// device file at its path, writes and reads it; a second container reads what the first wrote.
+#[tokio::test]
+async fn a_block_volume_is_a_device_file_a_container_writes_and_a_second_reads() {
+    require_root();
+    let sb = Sandbox::new("iso-block");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let res = block_volume(&agent, "b")
+        .await
+        .with_volume("disk", VolumeMode::Rw);
+    let source = res.disk_source().unwrap();
+    assert_eq!(source.kind, csi_isolator::resource::SourceType::Block);
+    let host = res.host_path(&agent.work).unwrap();
+    assert_eq!(host, agent.provider.mount_point(res.source_id().unwrap()));
+
+    let c1 = config(&sb, "c1", vec![res.clone()], None);
+    let info = agent.isolator.prepare("c1", c1.clone()).await.unwrap();
+    assert!(info.mounts[0].block, "{:?}", info.mounts[0]);
+    {
+        use std::os::unix::fs::FileTypeExt;
+        let published = fs::symlink_metadata(&host).unwrap();
+        assert!(published.file_type().is_block_device(), "{published:?}");
+    }
+    let write = "test -b disk && printf written-by-c1 | dd of=disk bs=512 seek=8 conv=notrunc,fsync 2>/dev/null \
+                 && dd if=disk bs=512 skip=8 count=1 2>/dev/null | head -c 13 > seen-by-c1";
+    assert!(run(&sb, spec(&c1, &info, write)).await.success());
+    assert_eq!(read(&c1.sandbox.join("seen-by-c1")), "written-by-c1");
+    // The sandbox's own file stays empty: the device was bound over it, privately.
+    assert_eq!(fs::metadata(c1.sandbox.join("disk")).unwrap().len(), 0);
+    agent.isolator.cleanup("c1").await.unwrap();
+
+    let c2 = config(&sb, "c2", vec![res.clone()], None);
+    let info = agent.isolator.prepare("c2", c2.clone()).await.unwrap();
+    let check = "dd if=disk bs=512 skip=8 count=1 2>/dev/null | head -c 13 > seen";
+    assert!(run(&sb, spec(&c2, &info, check)).await.success());
+    assert_eq!(read(&c2.sandbox.join("seen")), "written-by-c1");
+    agent.isolator.cleanup("c2").await.unwrap();
+    agent
+        .provider
+        .destroy_volume(res.source_id().unwrap())
+        .await
+        .unwrap();
+    agent.stop().await;
+    assert_clean(&sb, &before);
+    sb.assert_no_loop_devices();
+}
+
+/// The target's kind must match the volume's: a block volume's device file is not bound onto a
+/// directory, a FIFO or a device node in the container, nor a mount volume onto a file; each is
+/// refused by name before anything is mounted, and the volume is released at cleanup.
+#[tokio::test]
+async fn a_target_of_another_kind_than_the_volume_is_refused() {
+    require_root();
+    let sb = Sandbox::new("iso-block-kind");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let block = block_volume(&agent, "b")
+        .await
+        .with_volume("disk", VolumeMode::Rw);
+    let dir = agent.volume("d", "data", VolumeMode::Rw).await;
+    type Plant<'a> = &'a dyn Fn(&Path);
+    let cases: [(&str, &Resource, Plant, &str); 4] = [
+        (
+            "c-dir",
+            &block,
+            &|p| fs::create_dir(p.join("disk")).unwrap(),
+            "not a regular file",
+        ),
+        (
+            "c-fifo",
+            &block,
+            &|p| {
+                nix::unistd::mkfifo(
+                    &p.join("disk"),
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                )
+                .unwrap()
+            },
+            "not a regular file",
+        ),
+        (
+            "c-null",
+            &block,
+            &|p| {
+                nix::sys::stat::mknod(
+                    &p.join("disk"),
+                    nix::sys::stat::SFlag::S_IFCHR,
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                    nix::sys::stat::makedev(1, 3),
+                )
+                .unwrap()
+            },
+            "not a regular file",
+        ),
+        (
+            "c-file",
+            &dir,
+            &|p| fs::write(p.join("data"), b"").unwrap(),
+            "not a directory",
+        ),
+    ];
+    for (container, res, plant, words) in cases {
+        let cfg = config(&sb, container, vec![(*res).clone()], None);
+        plant(&cfg.sandbox);
+        let info = agent
+            .isolator
+            .prepare(container, cfg.clone())
+            .await
+            .unwrap();
+        let launch = spec(&cfg, &info, "true");
+        let err = tokio::task::spawn_blocking(move || {
+            csi_isolator::launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &launch)
+        })
+        .await
+        .unwrap()
+        .err()
+        .unwrap_or_else(|| panic!("{container}: launched"));
+        assert!(
+            err.full_message().contains(words),
+            "{container}: {}",
+            err.full_message()
+        );
+        agent.isolator.cleanup(container).await.unwrap();
+    }
+    for r in [&block, &dir] {
+        agent
+            .provider
+            .destroy_volume(r.source_id().unwrap())
+            .await
+            .unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+    sb.assert_no_loop_devices();
+}
+
+async fn block_volume(agent: &Agent, name: &str) -> csi_isolator::resource::Resource {
+    let mut spec = CreateSpec::new(name, 16 * MIB);
+    spec.capability.access_type = csi_isolator::provider::AccessType::Block;
+    agent
+        .provider
+        .create_volume(spec)
+        .await
+        .expect("create block volume")
 }

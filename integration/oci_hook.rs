@@ -372,3 +372,45 @@ async fn a_non_root_process_user_writes_its_volume() {
     assert_eq!(r.stdout, "1234\n1235\n1234:1235\n0:1235\n");
     assert_container_gone(&sb, &bundle, &r);
 }
+
+/// A block volume named by the hook's annotation is refused (the hook runs after runc set the
+/// device cgroup, so it could not let the container open the device), naming the volume and
+/// what to use instead; what was published for it is released and nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_volume_is_refused_by_the_hook_and_released() {
+    require_tools();
+    let sb = Sandbox::new("hook-block");
+    let bundle = build_bundle(&sb);
+    {
+        let mut config = bundled_config(Path::new(plugin_bin()), &bundle.work, "default", &[]);
+        config.socket_dir = sb.join("s");
+        config.ready_timeout = Duration::from_secs(10);
+        let provider = StorageProvider::start(config)
+            .await
+            .expect("start provider");
+        if let Some(pid) = provider.plugin_pid() {
+            sb.track(pid);
+        }
+        let mut spec = csi_isolator::provider::CreateSpec::new("blk", 16 << 20);
+        spec.capability.access_type = csi_isolator::provider::AccessType::Block;
+        provider
+            .create_volume(spec)
+            .await
+            .expect("create block volume");
+        provider.shutdown(Duration::from_secs(5)).await;
+    }
+    let r = run(&sb, &bundle, "block", "blk:16M:/disk", "echo started");
+    assert_ne!(r.code, Some(0), "runc must fail: {}", r.stderr);
+    assert!(!r.stdout.contains("started"));
+    assert!(
+        r.stderr.contains("is a block volume") && r.stderr.contains("PrepareOci"),
+        "{}",
+        r.stderr
+    );
+    assert_container_gone(&sb, &bundle, &r);
+    let (state, users, mounted) = volume_status(&sb, &bundle.work, "blk").await;
+    assert!(users.is_empty(), "users left: {users:?}");
+    assert_ne!(state, VolumeState::Published);
+    assert!(!mounted);
+    sb.assert_no_loop_devices();
+}

@@ -70,6 +70,7 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
         readonly,
         volume_id: Some(id.to_string()),
         provider_id: None,
+        block: false,
     }
 }
 
@@ -350,6 +351,7 @@ async fn csi_volume_is_bound_through_runc() {
             readonly: false,
             volume_id: Some(id.clone()),
             provider_id: Some(provider.id().to_string()),
+            block: false,
         }],
     };
     let sys = LinuxSyscall::new();
@@ -525,6 +527,7 @@ async fn serve_prepare_oci_binds_volumes_for_runc() {
             })
             .collect(),
         docker_args: info.docker_args.clone(),
+        devices: Vec::new(),
     };
     let script = format!(
         "echo abs > /data/hello && echo rel > {SANDBOX_IN_ROOTFS}/work/rel/hello && cat /data/hello"
@@ -573,6 +576,217 @@ async fn serve_prepare_oci_binds_volumes_for_runc() {
         .await
         .expect("DestroyVolume");
     }
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// The runtime-spec entries a prepared block volume gives runc, as a container sees them.
+fn block_script(write: bool) -> String {
+    let read = "dd if=/blockdev bs=512 skip=8 count=1 2>/dev/null | head -c 15";
+    if write {
+        format!(
+            "test -b /blockdev && printf written-by-runc | dd of=/blockdev bs=512 seek=8 conv=notrunc,fsync 2>/dev/null && {read}"
+        )
+    } else {
+        format!("test -b /blockdev && {read}")
+    }
+}
+
+/// A block volume through runc: no host bind, the device given by number (`linux.devices` and
+/// one `linux.resources.devices` rule); a container opens, writes and reads it at its path, a
+/// second container reads what the first wrote; a container without the entries cannot open
+/// the device even with the node in its sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_volume_is_a_device_through_runc() {
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    require_tools();
+    let sb = Sandbox::new("runc-block");
+    let bundle = build_bundle(&sb);
+    let work = sb.mkdir("work");
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
+    config.socket_dir = sb.join("s");
+    config.ready_timeout = Duration::from_secs(10);
+    let provider = StorageProvider::start(config)
+        .await
+        .expect("start provider");
+    let plugin_pid = provider.plugin_pid();
+    if let Some(pid) = plugin_pid {
+        sb.track(pid);
+    }
+    let mut spec = CreateSpec::new("b", 16 << 20);
+    spec.capability.access_type = csi_isolator::provider::AccessType::Block;
+    let res = provider.create_volume(spec).await.expect("create volume");
+    let id = res.source_id().expect("volume id").to_string();
+    let device = provider.publish(&id, "c1").await.expect("publish");
+    let meta = fs::metadata(&device).unwrap();
+    assert!(meta.file_type().is_block_device(), "{meta:?}");
+
+    let mut mount = volume(&device, "/blockdev", false, &id);
+    mount.block = true;
+    let launch = LaunchInfo {
+        mounts: vec![mount],
+    };
+    let sys = LinuxSyscall::new();
+    let prepared = oci::prepare(&sys, &bundle.sandbox, &launch).expect("prepare");
+    assert!(prepared.host_binds.is_empty() && prepared.mounts.is_empty());
+    assert_eq!(
+        prepared.devices,
+        [oci::OciDevice {
+            path: "/blockdev".into(),
+            major: nix::sys::stat::major(meta.rdev()),
+            minor: nix::sys::stat::minor(meta.rdev()),
+            access: "rw".into(),
+        }]
+    );
+    assert_eq!(
+        prepared.docker_args,
+        [
+            "--device".to_string(),
+            format!("{}:/blockdev:rw", device.display())
+        ]
+    );
+
+    let r = run(&sb, &bundle, "block-w", &prepared, &block_script(true));
+    assert_ran(&r);
+    assert_eq!(r.stdout, "written-by-runc");
+    assert_eq!(finish(&bundle, r), 0);
+    let r = run(&sb, &bundle, "block-r", &prepared, &block_script(false));
+    assert_ran(&r);
+    assert_eq!(r.stdout, "written-by-runc");
+    assert_eq!(finish(&bundle, r), 0);
+
+    // Without the entries, a node of the same device (made where the container can reach it) is
+    // refused by runc's default device rules: the entries are what lets a container in.
+    nix::sys::stat::mknod(
+        &bundle.sandbox.join("node"),
+        nix::sys::stat::SFlag::S_IFBLK,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        meta.rdev(),
+    )
+    .unwrap();
+    let denied = format!(
+        "dd if={SANDBOX_IN_ROOTFS}/node bs=512 count=1 of=/dev/null 2>&1 && echo opened || echo refused"
+    );
+    let r = run(&sb, &bundle, "block-none", &OciPrepared::default(), &denied);
+    assert_ran(&r);
+    // EPERM is the device cgroup's answer (nodev would be EACCES).
+    assert!(
+        r.stdout.contains("refused") && r.stdout.contains("Operation not permitted"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(finish(&bundle, r), 0);
+    fs::remove_file(bundle.sandbox.join("node")).unwrap();
+
+    provider.release(&id, "c1").await.expect("release");
+    provider.destroy_volume(&id).await.expect("destroy volume");
+    provider.shutdown(Duration::from_secs(5)).await;
+    if let Some(pid) = plugin_pid {
+        sb.untrack(pid);
+    }
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// A block volume through `serve`: CreateVolume with `access_type` "block" (an unknown one is
+/// refused), Status says "block", PrepareOci answers the device (no mount, no host bind) and
+/// runc's containers write and then read it; Cleanup releases it; nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_prepare_oci_gives_a_block_volume_as_a_device() {
+    require_tools();
+    let sb = Sandbox::new("runc-serve-block");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let create = |access_type: &str| proto::CreateVolumeRequest {
+        name: "blk".into(),
+        capacity_bytes: 16 << 20,
+        container_path: "/blockdev".into(),
+        access_type: access_type.into(),
+        ..Default::default()
+    };
+    let refused = c
+        .create_volume(create("raw"))
+        .await
+        .expect_err("unknown access type");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let v = c
+        .create_volume(create("block"))
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    assert!(
+        v.resource_json.contains(r#""type":"BLOCK""#),
+        "{}",
+        v.resource_json
+    );
+    let request = |id: &str| proto::PrepareRequest {
+        container_id: id.into(),
+        config: Some(proto::ContainerConfig {
+            resources_json: format!("[{}]", v.resource_json),
+            sandbox: bundle.sandbox.to_str().unwrap().into(),
+            rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+            ..Default::default()
+        }),
+    };
+    for (container, write) in [("c1", true), ("c2", false)] {
+        let info = c
+            .prepare_oci(request(container))
+            .await
+            .expect("PrepareOci")
+            .into_inner();
+        assert!(info.mounts.is_empty(), "{:?}", info.mounts);
+        assert_eq!(info.devices.len(), 1, "{:?}", info.devices);
+        assert_eq!(info.devices[0].path, "/blockdev");
+        assert_eq!(info.docker_args[0], "--device");
+        let prepared = OciPrepared {
+            devices: info
+                .devices
+                .iter()
+                .map(|d| oci::OciDevice {
+                    path: d.path.clone(),
+                    major: d.major,
+                    minor: d.minor,
+                    access: d.access.clone(),
+                })
+                .collect(),
+            ..OciPrepared::default()
+        };
+        let r = run(&sb, &bundle, container, &prepared, &block_script(write));
+        assert_ran(&r);
+        assert_eq!(r.stdout, "written-by-runc", "{container}: {}", r.stderr);
+        let out = r.guard.delete();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // runc made the node in the rootfs, which this bundle shares between its containers
+        // (an engine gives each container a fresh one): the next publish may attach another
+        // loop device, so the next container must get a node of its own numbers.
+        fs::remove_file(bundle.runc.rootfs.join("blockdev")).unwrap();
+        let st = c
+            .status(proto::StatusRequest {})
+            .await
+            .expect("Status")
+            .into_inner();
+        assert_eq!(st.volumes.len(), 1);
+        assert_eq!(st.volumes[0].access_type, "block");
+        assert_eq!(st.volumes[0].state, "PUBLISHED");
+        c.cleanup(proto::CleanupRequest {
+            container_id: container.into(),
+        })
+        .await
+        .expect("Cleanup");
+    }
+    c.destroy_volume(proto::DestroyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("DestroyVolume");
     drop(c);
     serve.stop(&sb);
     sb.assert_no_mounts_under();

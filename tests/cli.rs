@@ -422,10 +422,6 @@ fn the_long_mount_form_creates_with_its_options_and_refuses_what_differs() {
             "option 'colour': unknown key",
         ),
         ("source=a,target=a", "option 'size': is required"),
-        (
-            "source=a,target=a,size=1M,type=block",
-            "block volumes are not supported yet",
-        ),
     ] {
         let bad = output(cli(&work).args(["run", "--mount", entry, "--", "true"]));
         assert_eq!(bad.status.code(), Some(2), "{entry}");
@@ -602,5 +598,43 @@ fn a_volume_is_published_only_where_its_topology_reaches() {
         );
         assert_eq!(text(&back.stdout), "here\n");
     }
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn a_block_volume_by_the_long_form_is_a_device_file_the_workload_writes() {
+    require_root();
+    let sb = Sandbox::new("cli-block");
+    let work = sb.join("work");
+    let mount = "source=raw,target=disk,size=16M,type=block";
+    let write = output(cli(&work).args([
+        "run",
+        "--mount",
+        mount,
+        "--",
+        "sh",
+        "-c",
+        "test -b disk && printf block-data | dd of=disk conv=notrunc status=none && echo written",
+    ]));
+    assert!(write.status.success(), "{}", text(&write.stderr));
+    assert_eq!(text(&write.stdout), "written\n");
+    let read =
+        output(cli(&work).args(["run", "--mount", mount, "--", "sh", "-c", "head -c 10 disk"]));
+    assert!(read.status.success(), "{}", text(&read.stderr));
+    assert_eq!(text(&read.stdout), "block-data");
+    // The same name asked as a filesystem: refused, naming both.
+    let other = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=raw,target=disk,size=16M,type=mount",
+        "--",
+        "true",
+    ]));
+    assert!(!other.status.success());
+    assert!(
+        text(&other.stderr).contains("volume 'raw' exists with capability"),
+        "{}",
+        text(&other.stderr)
+    );
     assert_nothing_left(&sb, &work);
 }

@@ -1,4 +1,5 @@
-//! Conformance of the test plugin with the CSI spec, for mount volumes, in both backings.
+//! Conformance of the test plugin with the CSI spec, for mount volumes, in both backings, and
+//! for block volumes (served by the loop backing, refused by the dir backing).
 //!
 //! These are our own tests of the behaviours the official conformance suite (csi-sanity from
 //! kubernetes-csi/csi-test, `pkg/sanity/{identity,controller,node}.go`) checks, spec by spec,
@@ -14,7 +15,8 @@ use std::path::PathBuf;
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
 use csi_isolator_testing::{
-    mount_capability, raw_clients, require_root, PluginProcess, RawClients, Sandbox, Tmpfs,
+    block_capability, mount_capability, raw_clients, require_root, PluginProcess, RawClients,
+    Sandbox, Tmpfs,
 };
 use tonic::Code;
 
@@ -50,6 +52,10 @@ struct Suite {
     counter: u32,
     /// A tmpfs holding the plugin's work dir, unmounted by `cleanup`.
     tmpfs: Option<Tmpfs>,
+    /// The backing the plugin runs (`dir` or `loop`).
+    backing: String,
+    /// The capability the helpers create, publish and stage with (mount unless a spec says).
+    access: proto::VolumeCapability,
 }
 
 async fn suite(backing: &str) -> Suite {
@@ -82,6 +88,8 @@ async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
         volumes: Vec::new(),
         counter: 0,
         tmpfs,
+        backing: backing.to_string(),
+        access: cap(),
     }
 }
 
@@ -119,7 +127,7 @@ impl Suite {
     fn create_req(&self, name: &str, required: i64) -> proto::CreateVolumeRequest {
         proto::CreateVolumeRequest {
             name: name.into(),
-            volume_capabilities: vec![cap()],
+            volume_capabilities: vec![self.access.clone()],
             capacity_range: (required > 0).then_some(proto::CapacityRange {
                 required_bytes: required,
                 limit_bytes: 0,
@@ -161,7 +169,7 @@ impl Suite {
         let req = proto::ControllerPublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             node_id: node.into(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(self.access.clone()),
             volume_context: vol.volume_context.clone(),
             readonly: false,
             ..Default::default()
@@ -181,7 +189,7 @@ impl Suite {
         let req = proto::NodeStageVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(self.access.clone()),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
@@ -196,7 +204,7 @@ impl Suite {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
             target_path: target.display().to_string(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(self.access.clone()),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
@@ -364,6 +372,10 @@ both_backings!(
     node_volume_stats_fails_for_wrong_path,
     node_full_flow_works,
     node_full_flow_is_idempotent,
+    block_volumes_are_served_exactly_by_the_loop_backing,
+    block_and_mount_access_do_not_mix,
+    block_node_full_flow_places_the_device_at_a_target_file,
+    block_node_full_flow_is_idempotent,
 );
 
 // ---- Identity ----
@@ -1190,4 +1202,282 @@ async fn node_full_flow_works(s: Suite) {
 
 async fn node_full_flow_is_idempotent(s: Suite) {
     node_full_flow(s, 3).await;
+}
+
+// ---- Block volumes ----
+
+fn block() -> proto::VolumeCapability {
+    block_capability(Mode::SingleNodeWriter)
+}
+
+/// CreateVolume with block access: served by the loop backing, refused INVALID_ARGUMENT by the
+/// dir backing (it has no device to give); ValidateVolumeCapabilities and GetCapacity agree.
+async fn block_volumes_are_served_exactly_by_the_loop_backing(mut s: Suite) {
+    let name = s.unique("sanity-block");
+    let mut req = s.create_req(&name, SIZE);
+    req.volume_capabilities = vec![block()];
+    let capacity =
+        s.c.controller
+            .get_capacity(proto::GetCapacityRequest {
+                volume_capabilities: vec![block()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    if s.backing == "dir" {
+        assert_eq!(
+            code(s.c.controller.create_volume(req).await),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            capacity.available_capacity, 0,
+            "no room for what is not served"
+        );
+        let vol = s.create("sanity-block-validate").await;
+        let answer =
+            s.c.controller
+                .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+                    volume_id: vol.volume_id.clone(),
+                    volume_capabilities: vec![block()],
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+        assert!(answer.confirmed.is_none(), "{answer:?}");
+        assert!(answer.message.contains("block"), "{}", answer.message);
+    } else {
+        assert!(capacity.available_capacity > 0);
+        s.access = block();
+        let vol = s.must_create(req).await;
+        let answer =
+            s.c.controller
+                .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+                    volume_id: vol.volume_id.clone(),
+                    volume_capabilities: vec![block()],
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+        assert!(answer.confirmed.is_some(), "{answer:?}");
+    }
+    s.cleanup().await;
+}
+
+/// A volume is a raw device or a filesystem: CreateVolume mixing both is refused, a block
+/// volume is not validated, published or staged for mount access, nor a mount volume for
+/// block access, and a same-name CreateVolume with the other access type conflicts.
+async fn block_and_mount_access_do_not_mix(mut s: Suite) {
+    let name = s.unique("sanity-mixed");
+    let mut mixed = s.create_req(&name, SIZE);
+    mixed.volume_capabilities = vec![cap(), block()];
+    assert_eq!(
+        code(s.c.controller.create_volume(mixed).await),
+        Code::InvalidArgument
+    );
+    if s.backing == "dir" {
+        return s.cleanup().await;
+    }
+    let node = s.node_id().await;
+    let mount_vol = s.create("sanity-mount-side").await;
+    let mut again = s.create_req(
+        &format!("sanity-mount-side-{}-{}", std::process::id(), s.counter),
+        SIZE,
+    );
+    again.volume_capabilities = vec![block()];
+    assert_eq!(
+        code(s.c.controller.create_volume(again).await),
+        Code::AlreadyExists
+    );
+    s.access = block();
+    let block_vol = s.create("sanity-block-side").await;
+    for (vol, wrong) in [(&mount_vol, block()), (&block_vol, cap())] {
+        let answer =
+            s.c.controller
+                .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+                    volume_id: vol.volume_id.clone(),
+                    volume_capabilities: vec![wrong.clone()],
+                    ..Default::default()
+                })
+                .await
+                .unwrap()
+                .into_inner();
+        assert!(answer.confirmed.is_none(), "{answer:?}");
+        let publish = proto::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: node.clone(),
+            volume_capability: Some(wrong.clone()),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(s.c.controller.controller_publish_volume(publish).await),
+            Code::InvalidArgument
+        );
+    }
+    // Node calls: a block volume staged for mount access is refused, and nothing is made.
+    let ctx = s.controller_publish(&block_vol, &node).await;
+    let stage = proto::NodeStageVolumeRequest {
+        volume_id: block_vol.volume_id.clone(),
+        staging_target_path: s.staging.display().to_string(),
+        volume_capability: Some(cap()),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_stage_volume(stage).await),
+        Code::InvalidArgument
+    );
+    // Read-only block access is not something this plugin does: refused, not ignored.
+    s.node_stage(&block_vol, &ctx).await;
+    let publish = proto::NodePublishVolumeRequest {
+        volume_id: block_vol.volume_id.clone(),
+        staging_target_path: s.staging.display().to_string(),
+        target_path: s.target().display().to_string(),
+        volume_capability: Some(block()),
+        publish_context: ctx,
+        readonly: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.node.node_publish_volume(publish).await),
+        Code::InvalidArgument
+    );
+    assert!(!s.target().exists(), "nothing made at the target");
+    s.cleanup().await;
+}
+
+/// csi-sanity's node flow with block access: the plugin creates the target as a file and
+/// places the device there (a block device of the volume's size, which keeps what is written
+/// through it); stats say the size; NodeUnpublish removes the file.
+async fn block_node_full_flow(mut s: Suite, count: usize) {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::os::unix::fs::{FileTypeExt, MetadataExt};
+    if s.backing == "dir" {
+        // Nor staged or published for block access (a dir volume has no device).
+        let vol = s.create("sanity-dir-as-block").await;
+        let stage = proto::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: s.staging.display().to_string(),
+            volume_capability: Some(block()),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(s.c.node.node_stage_volume(stage).await),
+            Code::InvalidArgument
+        );
+        let publish = proto::NodePublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: s.staging.display().to_string(),
+            target_path: s.target().display().to_string(),
+            volume_capability: Some(block()),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(s.c.node.node_publish_volume(publish).await),
+            Code::InvalidArgument
+        );
+        assert!(!s.target().exists());
+        return s.cleanup().await;
+    }
+    s.access = block();
+    let node = s.node_id().await;
+    let vol = s.create("sanity-block-full").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    for _ in 0..count {
+        s.node_stage(&vol, &ctx).await;
+    }
+    for _ in 0..count {
+        s.node_publish(&vol, &ctx).await;
+    }
+    let target = s.target();
+    let meta = std::fs::metadata(&target).unwrap();
+    assert!(meta.file_type().is_block_device(), "{meta:?}");
+    // The device there is a loop device of this volume's image, of the volume's size.
+    let (major, minor) = (libc::major(meta.rdev()), libc::minor(meta.rdev()));
+    let sys = PathBuf::from(format!("/sys/dev/block/{major}:{minor}"));
+    let backing = std::fs::read_to_string(sys.join("loop/backing_file")).unwrap();
+    assert!(backing.contains(&vol.volume_id), "{backing}");
+    let sectors: u64 = std::fs::read_to_string(sys.join("size"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert_eq!(sectors * 512, vol.capacity_bytes as u64);
+    // A host path is no way into the device: the target is nodev, like every mount the plugin
+    // makes (containers get their own clone, or the device by number under their cgroup).
+    let opened = std::fs::OpenOptions::new().read(true).open(&target);
+    assert_eq!(opened.unwrap_err().raw_os_error(), Some(libc::EACCES));
+    // What is written to the device stays there (through the device's own node).
+    let node = loop_node(major, minor);
+    let mut dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&node)
+        .unwrap();
+    dev.seek(SeekFrom::Start(4096)).unwrap();
+    dev.write_all(b"written through the device").unwrap();
+    dev.sync_all().unwrap();
+    drop(dev);
+    let mut again = std::fs::File::open(&node).unwrap();
+    again.seek(SeekFrom::Start(4096)).unwrap();
+    let mut back = [0u8; 26];
+    again.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"written through the device");
+    drop(again);
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_path: target.display().to_string(),
+        ..Default::default()
+    };
+    let stats =
+        s.c.node
+            .node_get_volume_stats(req)
+            .await
+            .unwrap()
+            .into_inner();
+    assert_eq!(stats.usage.len(), 1, "{stats:?}");
+    assert_eq!(stats.usage[0].total, vol.capacity_bytes);
+    let mounts: Vec<_> = s
+        .sandbox
+        .mounts_under()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    assert_eq!(
+        mounts.iter().filter(|m| **m == target).count(),
+        1,
+        "{mounts:?}"
+    );
+    let unpublish = proto::NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    };
+    s.c.node.node_unpublish_volume(unpublish).await.unwrap();
+    assert!(!target.exists(), "NodeUnpublish removes the target file");
+    s.published(&vol.volume_id).targets.clear();
+    s.cleanup().await;
+}
+
+/// `/dev/loopN` of a loop device's numbers.
+fn loop_node(major: u32, minor: u32) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir("/dev")
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("loop"))
+        })
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.rdev() == libc::makedev(major, minor)))
+        .expect("the loop device's node in /dev")
+}
+
+async fn block_node_full_flow_places_the_device_at_a_target_file(s: Suite) {
+    block_node_full_flow(s, 1).await;
+}
+
+async fn block_node_full_flow_is_idempotent(s: Suite) {
+    block_node_full_flow(s, 3).await;
 }

@@ -432,12 +432,18 @@ fn disks_without_an_id_map_onto_their_root() {
 #[test]
 fn unmountable_and_unknown_sources_are_refused() {
     let wd = Path::new(WORK_DIR);
-    for (kind, variant) in [
-        ("BLOCK", true),
-        ("RAW", true),
-        ("UNKNOWN", false),
-        ("NFS", false),
-    ] {
+    // BLOCK with an id is a CSI block volume (its device file, like a MOUNT disk's mount point);
+    // without one it has no path.
+    let block: Resource = serde_json::from_value(json!({
+        "name": "disk", "type": "SCALAR", "scalar": {"value": 1},
+        "disk": {"source": {"type": "BLOCK", "id": "v", "mount": {"root": "/m"}}}
+    }))
+    .unwrap();
+    assert_eq!(
+        resolve_host_path(&block, wd).unwrap(),
+        Path::new("/m/v/target")
+    );
+    for (kind, variant) in [("RAW", true), ("UNKNOWN", false), ("NFS", false)] {
         let resource: Resource = serde_json::from_value(json!({
             "name": "disk", "type": "SCALAR", "scalar": {"value": 1},
             "disk": {"source": {"type": kind, "id": "v", "mount": {"root": "/m"}}}

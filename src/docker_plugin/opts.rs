@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 
 use crate::provider::mount_spec::{Key, OptionError, VolumeOptions};
-use crate::provider::{parameters, Capability, CreateSpec, ImportSpec};
+use crate::provider::{parameters, AccessType, Capability, CreateSpec, ImportSpec};
 use crate::shown::shown;
 
 /// Import the plugin's volume of this id instead of creating one.
@@ -56,7 +56,13 @@ pub fn plan(name: &str, opts: &BTreeMap<String, String>) -> Result<Plan, OptErro
             }
         }
     }
-    options.check_supported()?;
+    if options.access_type == Some(AccessType::Block) {
+        return Err(refuse(
+            "type",
+            "block volumes cannot be Docker volumes (the engine mounts a volume's directory; \
+             hand a block volume to a container with serve's PrepareOci, which gives `--device`)",
+        ));
+    }
     let mut capability = Capability::default();
     options.apply(&mut capability);
     let capacity_bytes = options.size_bytes.unwrap_or(0);
@@ -173,7 +179,7 @@ mod tests {
             ),
             (&[("target", "/x")], "target", "set per container"),
             (&[("type", "tape")], "type", "unknown type 'tape'"),
-            (&[("type", "block")], "type", "not supported yet"),
+            (&[("type", "block")], "type", "cannot be Docker volumes"),
         ] {
             let e = plan("v", &opts(pairs)).unwrap_err();
             assert_eq!(e.key, key, "{pairs:?}: {e}");

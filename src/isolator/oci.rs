@@ -25,6 +25,14 @@
 //!   with bounded EBUSY retries and a lazy detach as the last resort: the
 //!   mount table, not our bookkeeping, says what is left.
 //!
+//! - A block volume is not bound: its device file (opened by fd, it must be
+//!   a block device) is given to the runtime by number, as one runtime-spec
+//!   `linux.devices` entry at its destination and one `linux.resources.devices`
+//!   rule allowing exactly that device (`docker run --device`): the runtime
+//!   makes the node in the container and its device cgroup lets the container
+//!   open that device and no other. A host bind would carry nodev, which the
+//!   runtime's bind passes on, and the device could not be opened.
+//!
 //! The runtime is not started here, so nothing in the container can race
 //! the resolution; once it runs, its view of the binds is the runtime's.
 
@@ -66,6 +74,14 @@ pub enum OciError {
         container_path: String,
         /// What is wrong with it.
         reason: &'static str,
+    },
+    /// A block volume's host path is not a block device.
+    #[error("volume {volume}: {path} is not a block device, so it cannot be given as the block volume's device")]
+    NotABlockDevice {
+        /// The volume id (or `-`).
+        volume: String,
+        /// The host path.
+        path: PathBuf,
     },
     /// Two volumes ask for the same place in the container.
     #[error("volume {volume}: destination {destination} is already used by volume {other}")]
@@ -173,15 +189,51 @@ pub struct OciMount {
     pub options: Vec<String>,
 }
 
+/// One block volume's device for the runtime: a runtime-spec `linux.devices` entry, and the
+/// `linux.resources.devices` rule allowing it, made from the same numbers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OciDevice {
+    /// The absolute path of the device node inside the container.
+    pub path: String,
+    /// The device's major number.
+    pub major: u64,
+    /// The device's minor number.
+    pub minor: u64,
+    /// The device cgroup access: `rw` (a block volume is read-write).
+    pub access: String,
+}
+
+impl OciDevice {
+    /// The `linux.devices` entry (a block device, mode 0660, owned by root).
+    pub fn device_entry(&self) -> serde_json::Value {
+        serde_json::json!({
+            "path": self.path, "type": "b", "major": self.major, "minor": self.minor,
+            "fileMode": 0o660, "uid": 0, "gid": 0,
+        })
+    }
+
+    /// The `linux.resources.devices` rule allowing exactly this device.
+    pub fn cgroup_rule(&self) -> serde_json::Value {
+        serde_json::json!({
+            "allow": true, "type": "b", "major": self.major, "minor": self.minor,
+            "access": self.access,
+        })
+    }
+}
+
 /// What [`prepare`] made and what the runtime must be given.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OciPrepared {
     /// The binds made on the host, in the order they were made.
     pub host_binds: Vec<PathBuf>,
-    /// The runtime-spec `mounts` entries, one per volume, in order.
+    /// The runtime-spec `mounts` entries, one per (non-block) volume, in order.
     pub mounts: Vec<OciMount>,
-    /// `docker run` arguments: a `--mount` flag and its value per volume.
+    /// `docker run` arguments: a `--mount` flag and its value per volume (`--device` for a
+    /// block volume).
     pub docker_args: Vec<String>,
+    /// The block volumes' devices, in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<OciDevice>,
 }
 
 impl OciPrepared {
@@ -218,7 +270,56 @@ impl OciPrepared {
         for m in &self.mounts {
             list.push(serde_json::to_value(m).expect("an OciMount of strings serializes"));
         }
+        if self.devices.is_empty() {
+            return;
+        }
+        let linux = array_in(object, "linux", None);
+        let linux = linux
+            .as_object_mut()
+            .expect("linux was just made an object");
+        let devices = array_in(linux, "devices", Some(Vec::new()));
+        let devices = devices
+            .as_array_mut()
+            .expect("devices was just made an array");
+        devices.retain(|entry| {
+            let path = entry.get("path").and_then(|p| p.as_str()).map(Path::new);
+            !self
+                .devices
+                .iter()
+                .any(|d| Some(Path::new(&d.path)) == path)
+        });
+        devices.extend(self.devices.iter().map(OciDevice::device_entry));
+        let resources = array_in(linux, "resources", None);
+        let resources = resources
+            .as_object_mut()
+            .expect("resources was just made an object");
+        let rules = array_in(resources, "devices", Some(Vec::new()));
+        let rules = rules.as_array_mut().expect("rules were just made an array");
+        // After the runtime's own rules (a default deny first): the last match decides.
+        rules.extend(self.devices.iter().map(OciDevice::cgroup_rule));
     }
+}
+
+/// `object[key]`, made an array (`Some`) or an object (`None`) when missing or of another type.
+fn array_in<'a>(
+    object: &'a mut serde_json::Map<String, serde_json::Value>,
+    key: &str,
+    array: Option<Vec<serde_json::Value>>,
+) -> &'a mut serde_json::Value {
+    let fresh = || match &array {
+        Some(a) => serde_json::Value::Array(a.clone()),
+        None => serde_json::Value::Object(serde_json::Map::new()),
+    };
+    let value = object.entry(key).or_insert_with(fresh);
+    let right = if array.is_some() {
+        value.is_array()
+    } else {
+        value.is_object()
+    };
+    if !right {
+        *value = fresh();
+    }
+    value
 }
 
 /// A volume's checked placement: where it lands on the host and in the
@@ -344,6 +445,25 @@ pub fn prepare(
 
     let mut prepared = OciPrepared::default();
     for (m, p) in launch.mounts.iter().zip(&placements) {
+        if m.block {
+            match block_device(m, p) {
+                Ok(device) => {
+                    prepared.docker_args.push("--device".to_string());
+                    prepared.docker_args.push(format!(
+                        "{}:{}:{}",
+                        m.source.display(),
+                        p.destination,
+                        device.access
+                    ));
+                    prepared.devices.push(device);
+                    continue;
+                }
+                Err(e) => {
+                    rollback(sys, &prepared.host_binds);
+                    return Err(e);
+                }
+            }
+        }
         match bind_one(sys, &sandbox, m, p) {
             Ok(host) => {
                 prepared.host_binds.push(host.clone());
@@ -378,6 +498,33 @@ pub fn prepare(
         }
     }
     Ok(prepared)
+}
+
+/// A block volume's device, by number: its source opened by fd (no symlink followed) must be a
+/// block device. (A read-only block volume never gets here: `targets::volume_mounts` refuses it.)
+fn block_device(m: &VolumeMount, p: &Placement) -> Result<OciDevice, OciError> {
+    let stat_err = |source: io::Error| OciError::StatSource {
+        volume: p.volume.clone(),
+        path: m.source.clone(),
+        source,
+    };
+    let source = m.open_source().map_err(|e| stat_err(io::Error::other(e)))?;
+    let st = nix::sys::stat::fstat(&source)
+        .map_err(|errno| stat_err(io::Error::from_raw_os_error(errno as i32)))?;
+    let kind =
+        nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT;
+    if kind != nix::sys::stat::SFlag::S_IFBLK {
+        return Err(OciError::NotABlockDevice {
+            volume: p.volume.clone(),
+            path: m.source.clone(),
+        });
+    }
+    Ok(OciDevice {
+        path: p.destination.clone(),
+        major: nix::sys::stat::major(st.st_rdev),
+        minor: nix::sys::stat::minor(st.st_rdev),
+        access: "rw".to_string(),
+    })
 }
 
 /// Binds one volume at its target inside the sandbox; returns the host path
@@ -517,6 +664,7 @@ mod tests {
             readonly,
             volume_id: Some(id.to_string()),
             provider_id: None,
+            block: false,
         }
     }
 
@@ -976,6 +1124,54 @@ mod tests {
     }
 
     #[test]
+    fn apply_to_config_gives_a_block_volume_its_device_and_one_rule() {
+        let prepared = OciPrepared {
+            devices: vec![OciDevice {
+                path: "/dev/vol".into(),
+                major: 7,
+                minor: 3,
+                access: "rw".into(),
+            }],
+            ..OciPrepared::default()
+        };
+        let mut config = serde_json::json!({
+            "linux": {
+                "devices": [{"path": "/dev/vol/", "type": "c", "major": 1, "minor": 3},
+                            {"path": "/dev/other", "type": "c", "major": 1, "minor": 5}],
+                "resources": {"devices": [{"allow": false, "access": "rwm"}]},
+            },
+        });
+        prepared.apply_to_config(&mut config);
+        let devices = config["linux"]["devices"].as_array().unwrap();
+        assert_eq!(devices.len(), 2, "{devices:?}");
+        assert_eq!(devices[0]["path"], "/dev/other");
+        assert_eq!(
+            devices[1],
+            serde_json::json!({"path": "/dev/vol", "type": "b", "major": 7, "minor": 3,
+                               "fileMode": 0o660, "uid": 0, "gid": 0})
+        );
+        let rules = config["linux"]["resources"]["devices"].as_array().unwrap();
+        assert_eq!(
+            rules,
+            &[
+                serde_json::json!({"allow": false, "access": "rwm"}),
+                serde_json::json!({"allow": true, "type": "b", "major": 7, "minor": 3, "access": "rw"}),
+            ]
+        );
+        // A config without a linux object gets one.
+        let mut bare = serde_json::json!({"linux": "junk"});
+        prepared.apply_to_config(&mut bare);
+        assert_eq!(bare["linux"]["devices"].as_array().unwrap().len(), 1);
+        assert_eq!(
+            bare["linux"]["resources"]["devices"]
+                .as_array()
+                .unwrap()
+                .len(),
+            1
+        );
+    }
+
+    #[test]
     fn apply_to_config_replaces_same_destination_and_appends() {
         let prepared = OciPrepared {
             host_binds: vec![PathBuf::from("/s/data"), PathBuf::from("/s/b")],
@@ -994,6 +1190,7 @@ mod tests {
                 },
             ],
             docker_args: Vec::new(),
+            devices: Vec::new(),
         };
         let mut config = serde_json::json!({
             "ociVersion": "1.0.2",

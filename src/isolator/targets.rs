@@ -42,6 +42,14 @@ pub fn volume_mounts(
         };
         // An unknown mode is refused, never mounted read-write (or read-only) by guess.
         r.check_volume_mode().map_err(resource_err)?;
+        let block = r.disk_source().is_some_and(|s| s.kind == SourceType::Block);
+        if block && r.read_only() {
+            // Neither a read-only mount of a device file nor the container's copy stops writes to
+            // the device; the bundled plugin makes no read-only devices either.
+            return Err(bad(
+                "a block volume cannot be mounted read-only (mode RO): give it read-write",
+            ));
+        }
         let source = r.host_path(work_dir).map_err(resource_err)?;
         let source_root = source_root_of(r, &source);
         let (root, target) =
@@ -60,6 +68,7 @@ pub fn volume_mounts(
             readonly: r.read_only(),
             volume_id: r.source_id().map(str::to_string),
             provider_id: r.provider_id().map(str::to_string),
+            block,
         });
     }
     // Parents before children, so a volume nested in another lands on top.

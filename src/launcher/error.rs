@@ -180,6 +180,23 @@ pub enum LaunchError {
         /// What the target is.
         kind: &'static str,
     },
+    /// A block volume's target exists and is not a regular file (its device file is bound onto one).
+    #[error("mount {at}: the target is {kind}, not a regular file (where a block volume's device goes): refused")]
+    TargetNotAFile {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// What the target is.
+        kind: &'static str,
+    },
+    /// The volume's host path is not of the volume's kind: a block volume's is not a block device, or
+    /// another volume's is a device (which a container must never be handed by a bind).
+    #[error("mount {at}: {what}: refused")]
+    SourceKindMismatch {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// What is wrong.
+        what: &'static str,
+    },
     /// Binding the rootfs onto itself (pivot_root needs a mount point) failed.
     #[error("bind rootfs {rootfs} onto itself")]
     BindRootfs {
@@ -423,6 +440,8 @@ impl LaunchError {
             | LaunchError::BadRootfs { .. }
             | LaunchError::VolumeStillMounted { .. }
             | LaunchError::TargetNotADirectory { .. }
+            | LaunchError::TargetNotAFile { .. }
+            | LaunchError::SourceKindMismatch { .. }
             | LaunchError::Reaped { .. } => None,
         }
     }
@@ -468,6 +487,7 @@ mod tests {
             readonly: false,
             volume_id: id.map(str::to_string),
             provider_id: None,
+            block: false,
         }
     }
 

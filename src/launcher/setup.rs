@@ -88,12 +88,18 @@ pub fn clone_source(
     };
     // The source first: a missing or symlinked one fails before anything is created.
     let source = mount.open_source().map_err(clone_err)?;
-    let source_is_dir = nix::sys::stat::fstat(&source)
+    let source_kind = nix::sys::stat::fstat(&source)
         .map(|st| {
             nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT
-                == nix::sys::stat::SFlag::S_IFDIR
         })
-        .unwrap_or(true);
+        .unwrap_or(nix::sys::stat::SFlag::S_IFDIR);
+    if let Some(what) = source_refusal(mount.block, source_kind) {
+        return Err(LaunchError::SourceKindMismatch {
+            at: Box::new(at.clone()),
+            what,
+        });
+    }
+    let source_is_dir = source_kind == nix::sys::stat::SFlag::S_IFDIR;
     let tree = match sys.open_tree_clone_fd(source.as_fd(), true) {
         Ok(tree) => tree,
         Err(e) if e.errno() == Some(Errno::ENOSYS) => {
@@ -201,13 +207,57 @@ pub(crate) fn resolve_target(
     })?;
     let kind =
         nix::sys::stat::SFlag::from_bits_truncate(st.st_mode) & nix::sys::stat::SFlag::S_IFMT;
-    if source_is_dir && kind != nix::sys::stat::SFlag::S_IFDIR {
-        return Err(LaunchError::TargetNotADirectory {
+    match target_refusal(source_is_dir, mount.block, kind) {
+        Some(TargetRefusal::NotADirectory) => Err(LaunchError::TargetNotADirectory {
             at: Box::new(at.clone()),
             kind: file_kind(kind),
-        });
+        }),
+        Some(TargetRefusal::NotAFile) => Err(LaunchError::TargetNotAFile {
+            at: Box::new(at.clone()),
+            kind: file_kind(kind),
+        }),
+        None => Ok(fd),
     }
-    Ok(fd)
+}
+
+/// Why a target is refused: the target's kind must match the volume's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TargetRefusal {
+    /// A directory volume's target is not a directory.
+    NotADirectory,
+    /// A block volume's target is not a regular file.
+    NotAFile,
+}
+
+/// The rule "the target's kind must match the volume's": a directory volume goes on a directory, a
+/// block volume's device file on a regular file (never on a FIFO, a socket, a device node or a
+/// directory); another file source (a file in a persistent volume) on anything but a directory, as
+/// a bind allows.
+fn target_refusal(
+    source_is_dir: bool,
+    block: bool,
+    target: nix::sys::stat::SFlag,
+) -> Option<TargetRefusal> {
+    use nix::sys::stat::SFlag;
+    if block {
+        return (target != SFlag::S_IFREG).then_some(TargetRefusal::NotAFile);
+    }
+    (source_is_dir && target != SFlag::S_IFDIR).then_some(TargetRefusal::NotADirectory)
+}
+
+/// The source's kind against the volume's: a block volume's host path must be a block device, and
+/// no other volume's may be a device of either kind (the container's copy has nodev cleared, so a
+/// device node in a volume would otherwise reach a host device).
+fn source_refusal(block: bool, source: nix::sys::stat::SFlag) -> Option<&'static str> {
+    use nix::sys::stat::SFlag;
+    match (block, source) {
+        (true, SFlag::S_IFBLK) => None,
+        (true, _) => Some("the block volume's published path is not a block device"),
+        (false, SFlag::S_IFBLK | SFlag::S_IFCHR) => {
+            Some("the volume's path is a device, but the volume is not a block volume")
+        }
+        (false, _) => None,
+    }
 }
 
 /// What a non-directory is, for error messages.
@@ -527,6 +577,52 @@ fn fork_exec(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_target_kind_must_match_the_volume_kind() {
+        use nix::sys::stat::SFlag;
+        let kinds = [
+            SFlag::S_IFDIR,
+            SFlag::S_IFREG,
+            SFlag::S_IFBLK,
+            SFlag::S_IFCHR,
+            SFlag::S_IFIFO,
+            SFlag::S_IFSOCK,
+        ];
+        for kind in kinds {
+            // A block volume goes on a regular file only.
+            let block = target_refusal(false, true, kind);
+            assert_eq!(block.is_none(), kind == SFlag::S_IFREG, "{kind:?}");
+            if kind != SFlag::S_IFREG {
+                assert_eq!(block, Some(TargetRefusal::NotAFile));
+            }
+            // A directory volume on a directory only.
+            let dir = target_refusal(true, false, kind);
+            assert_eq!(dir.is_none(), kind == SFlag::S_IFDIR, "{kind:?}");
+            // Another file source: as a bind allows.
+            assert_eq!(target_refusal(false, false, kind), None);
+        }
+    }
+
+    #[test]
+    fn only_a_block_volume_hands_a_device_to_a_container() {
+        use nix::sys::stat::SFlag;
+        assert_eq!(source_refusal(true, SFlag::S_IFBLK), None);
+        for other in [
+            SFlag::S_IFDIR,
+            SFlag::S_IFREG,
+            SFlag::S_IFCHR,
+            SFlag::S_IFIFO,
+        ] {
+            assert!(source_refusal(true, other).is_some(), "{other:?}");
+        }
+        for device in [SFlag::S_IFBLK, SFlag::S_IFCHR] {
+            assert!(source_refusal(false, device).is_some(), "{device:?}");
+        }
+        for fine in [SFlag::S_IFDIR, SFlag::S_IFREG] {
+            assert_eq!(source_refusal(false, fine), None);
+        }
+    }
     use super::*;
     use crate::error_chain::FullMessage;
 
@@ -544,6 +640,7 @@ mod tests {
                 readonly: false,
                 volume_id: Some("vol-1".to_string()),
                 provider_id: None,
+                block: false,
             }],
             ..LaunchSpec::default()
         }
@@ -585,6 +682,7 @@ mod tests {
             readonly,
             volume_id: Some(id.to_string()),
             provider_id: None,
+            block: false,
         }
     }
 

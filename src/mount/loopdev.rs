@@ -136,6 +136,17 @@ fn ioctl(fd: BorrowedFd<'_>, request: libc::c_ulong, arg: libc::c_ulong) -> Resu
 /// LOOP_CTL_GET_FREE, then LOOP_CONFIGURE (fallback LOOP_SET_FD + LOOP_SET_STATUS64) with LO_FLAGS_AUTOCLEAR,
 /// retrying if another process grabbed the same free device (EBUSY).
 pub fn attach(file: &Path, readonly: bool) -> Result<LoopDevice, MountError> {
+    attach_with(file, readonly, LO_FLAGS_AUTOCLEAR)
+}
+
+/// As [`attach`], but without `LO_FLAGS_AUTOCLEAR`: the device stays attached after its last close,
+/// until [`detach`]. For a device used as a raw block device (a bind of its node does not hold it
+/// open, and every open and close by its user would otherwise free it).
+pub fn attach_kept(file: &Path, readonly: bool) -> Result<LoopDevice, MountError> {
+    attach_with(file, readonly, 0)
+}
+
+fn attach_with(file: &Path, readonly: bool, autoclear: u32) -> Result<LoopDevice, MountError> {
     let access = if readonly {
         OFlag::O_RDONLY
     } else {
@@ -150,7 +161,7 @@ pub fn attach(file: &Path, readonly: bool) -> Result<LoopDevice, MountError> {
         Mode::empty(),
     )
     .map_err(loop_err("open", control_path))?;
-    let mut flags = LO_FLAGS_AUTOCLEAR;
+    let mut flags = autoclear;
     if readonly {
         flags |= LO_FLAGS_READ_ONLY;
     }

@@ -69,6 +69,10 @@ pub struct VolumeMount {
     /// The resource provider id, if any.
     #[serde(default)]
     pub provider_id: Option<String>,
+    /// A block volume (`disk.source.type` `BLOCK`): `source` is its device file, bound onto a
+    /// regular file at the target.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block: bool,
 }
 
 impl PartialEq for VolumeMount {
@@ -81,6 +85,7 @@ impl PartialEq for VolumeMount {
             && self.readonly == other.readonly
             && self.volume_id == other.volume_id
             && self.provider_id == other.provider_id
+            && self.block == other.block
     }
 }
 

@@ -40,6 +40,6 @@ pub use import::{
 };
 pub use manager::{Manager, PublishedVolume};
 pub use mount_spec::{MountSpec, VolumeOptions};
-pub use state::{Capability, VolumeRecord, VolumeState};
+pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};

@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use super::state::Capability;
+use super::state::{AccessType, Capability};
 use crate::shown::shown;
 
 /// One option key, as users write it.
@@ -88,16 +88,6 @@ impl Key {
             Key::Size | Key::Type | Key::FsType | Key::MountFlags | Key::AccessMode | Key::Secrets
         )
     }
-}
-
-/// A CSI access type: a filesystem, or a raw block device.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum AccessType {
-    /// A mounted filesystem (`type=mount`, the default).
-    #[default]
-    Mount,
-    /// A raw block device (`type=block`).
-    Block,
 }
 
 /// How mounts made later under one side of a container's volume mount reach the other.
@@ -178,6 +168,7 @@ impl VolumeOptions {
                 self.size_bytes = Some(bytes);
             }
             Key::Type => {
+                // Spelled out here (not AccessType::parse): an empty value is refused above.
                 self.access_type = Some(match value {
                     "mount" => AccessType::Mount,
                     "block" => AccessType::Block,
@@ -257,20 +248,11 @@ impl VolumeOptions {
         Ok(())
     }
 
-    /// Refuses what this release cannot do yet, by name (one place, so a key is either honoured
-    /// end to end or refused).
-    pub fn check_supported(&self) -> Result<(), OptionError> {
-        if self.access_type == Some(AccessType::Block) {
-            return Err(refuse(
-                Key::Type.name(),
-                "block volumes are not supported yet (use type=mount)",
-            ));
-        }
-        Ok(())
-    }
-
     /// Puts what was asked into a new volume's capability (what was not asked stays as it is).
     pub fn apply(&self, capability: &mut Capability) {
+        if let Some(access_type) = self.access_type {
+            capability.access_type = access_type;
+        }
         if let Some(mode) = &self.access_mode {
             capability.access_mode = mode.clone();
         }
@@ -404,7 +386,8 @@ impl MountSpec {
         Ok(spec)
     }
 
-    /// The rules across keys, and what is not supported yet.
+    /// The rules across keys, and what is not supported yet (one place, so a key is either
+    /// honoured end to end or refused).
     fn check(&self) -> Result<(), OptionError> {
         if self.propagation != PropagationMode::Private {
             return Err(refuse(
@@ -412,7 +395,7 @@ impl MountSpec {
                 "rslave and rshared are not supported yet (use private)",
             ));
         }
-        self.volume.check_supported()
+        Ok(())
     }
 
     /// A short `--volume NAME:SIZE:CONTAINER_PATH[:ro]` as a mount.
@@ -548,16 +531,10 @@ mod tests {
 
     #[test]
     fn what_is_not_supported_yet_is_refused_not_ignored() {
-        for (entry, says) in [
-            (
-                "source=d,target=/d,size=1M,type=block",
-                "block volumes are not supported yet",
-            ),
-            (
-                "source=d,target=/d,size=1M,propagation=rslave",
-                "not supported yet",
-            ),
-        ] {
+        for (entry, says) in [(
+            "source=d,target=/d,size=1M,propagation=rslave",
+            "not supported yet",
+        )] {
             let err = MountSpec::parse(entry).unwrap_err().to_string();
             assert!(err.contains(says), "{entry}: {err}");
         }

@@ -301,6 +301,56 @@ pub struct Capability {
     /// Mount flags for the mount access type.
     #[serde(default)]
     pub mount_flags: Vec<String>,
+    /// CSI access type: a filesystem (`mount`, the default, also for checkpoints written
+    /// before block volumes) or a raw block device (`block`).
+    #[serde(default, skip_serializing_if = "AccessType::is_mount")]
+    pub access_type: AccessType,
+}
+
+/// How a volume is presented: a mounted filesystem or a raw block device.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessType {
+    /// A filesystem, published at a directory.
+    #[default]
+    Mount,
+    /// A block device, published at a device file.
+    Block,
+}
+
+impl AccessType {
+    /// The spelling used in checkpoints, `serve`'s messages and `--mount type=`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AccessType::Mount => "mount",
+            AccessType::Block => "block",
+        }
+    }
+
+    /// Reads a spelling of [`AccessType::as_str`]; the empty string is `mount` (the
+    /// default of `serve`'s messages).
+    pub fn parse(name: &str) -> Result<AccessType, UnknownAccessType> {
+        match name {
+            "" | "mount" => Ok(AccessType::Mount),
+            "block" => Ok(AccessType::Block),
+            other => Err(UnknownAccessType {
+                name: crate::shown::shown(other).to_string(),
+            }),
+        }
+    }
+
+    /// Whether this is the default, `mount` (checkpoints leave it out).
+    pub fn is_mount(&self) -> bool {
+        *self == AccessType::Mount
+    }
+}
+
+/// An access type name that is neither `mount` nor `block`.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("unknown access type '{name}' (expected mount or block)")]
+pub struct UnknownAccessType {
+    /// The name as given, escaped for showing.
+    pub name: String,
 }
 
 impl Default for Capability {
@@ -309,6 +359,7 @@ impl Default for Capability {
             access_mode: "SINGLE_NODE_WRITER".into(),
             fs_type: String::new(),
             mount_flags: Vec::new(),
+            access_type: AccessType::Mount,
         }
     }
 }
@@ -342,6 +393,9 @@ impl Capability {
     /// (shown escaped: they come from users and profiles files).
     pub fn describe(&self) -> String {
         let mut text = crate::shown::shown(&self.access_mode).into_owned();
+        if self.access_type == AccessType::Block {
+            text.push_str(" access_type=block");
+        }
         if !self.fs_type.is_empty() {
             text.push_str(&format!(" fs_type={}", crate::shown::shown(&self.fs_type)));
         }
@@ -380,18 +434,22 @@ impl Capability {
         )
     }
 
-    /// The capability as the CSI message (mount access type).
+    /// The capability as the CSI message (its access type: mount with the fs type and
+    /// flags, or block).
     pub fn to_proto(&self) -> proto::VolumeCapability {
-        use proto::volume_capability::{AccessMode, AccessType, MountVolume};
+        use proto::volume_capability::{AccessMode, BlockVolume, MountVolume};
         proto::VolumeCapability {
             access_mode: Some(AccessMode {
                 mode: self.mode().map(|m| m as i32).unwrap_or_default(),
             }),
-            access_type: Some(AccessType::Mount(MountVolume {
-                fs_type: self.fs_type.clone(),
-                mount_flags: self.mount_flags.clone(),
-                ..Default::default()
-            })),
+            access_type: Some(match self.access_type {
+                AccessType::Mount => proto::volume_capability::AccessType::Mount(MountVolume {
+                    fs_type: self.fs_type.clone(),
+                    mount_flags: self.mount_flags.clone(),
+                    ..Default::default()
+                }),
+                AccessType::Block => proto::volume_capability::AccessType::Block(BlockVolume {}),
+            }),
         }
     }
 }
@@ -678,5 +736,47 @@ mod tests {
             c.describe(),
             "SINGLE_NODE_WRITER fs_type=xfs mount_flags=noatime,a\\u{1b}b"
         );
+    }
+
+    #[test]
+    fn the_access_type_defaults_to_mount_and_block_is_checkpointed_and_sent() {
+        use proto::volume_capability::AccessType as Wire;
+        // A capability checkpointed before block volumes existed loads as mount.
+        let old: Capability = serde_json::from_str(r#"{"access_mode":"SINGLE_NODE_WRITER"}"#)
+            .expect("old capability");
+        assert_eq!(old.access_type, AccessType::Mount);
+        assert!(matches!(old.to_proto().access_type, Some(Wire::Mount(_))));
+        let json = serde_json::to_string(&old).unwrap();
+        assert!(!json.contains("access_type"), "mount is left out: {json}");
+
+        let block = Capability {
+            access_type: AccessType::Block,
+            ..Capability::default()
+        };
+        let json = serde_json::to_string(&block).unwrap();
+        assert!(json.contains(r#""access_type":"block""#), "{json}");
+        assert_eq!(serde_json::from_str::<Capability>(&json).unwrap(), block);
+        assert!(matches!(block.to_proto().access_type, Some(Wire::Block(_))));
+        assert_eq!(block.describe(), "SINGLE_NODE_WRITER access_type=block");
+        assert_ne!(block, old, "a create with another access type differs");
+    }
+
+    #[test]
+    fn access_type_names() {
+        for (name, want) in [
+            ("", Some(AccessType::Mount)),
+            ("mount", Some(AccessType::Mount)),
+            ("block", Some(AccessType::Block)),
+            ("Block", None),
+            ("raw", None),
+            ("\u{1b}", None),
+        ] {
+            let got = AccessType::parse(name);
+            assert_eq!(got.as_ref().ok().copied(), want, "{name:?}");
+            if let Err(e) = got {
+                assert!(!e.to_string().contains('\u{1b}'), "{e}");
+            }
+        }
+        assert_eq!(AccessType::Block.as_str(), "block");
     }
 }

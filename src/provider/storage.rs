@@ -29,11 +29,11 @@ use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
 use crate::provider::next_step::{next_step, resume_point, Next, StepCaps};
-use crate::provider::state::{Step, VolumeRecord, VolumeState};
+use crate::provider::state::{AccessType, Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
 use crate::provider::topology;
 use crate::resource::Layout;
-use crate::resource::{validate_path_component, Resource};
+use crate::resource::{validate_path_component, Resource, SourceType};
 
 /// When a volume that nobody uses any more is unpublished.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -365,9 +365,10 @@ impl StorageProvider {
 
     /// The resource that hands a volume out: `disk.source.id` = the volume
     /// id, `disk.source.mount.root` = `./csi/<type>/<name>/mounts`,
-    /// metadata = its volume_context, with profile and vendor.
+    /// metadata = its volume_context, with profile and vendor; of type
+    /// `BLOCK` (Mesos' block disk) for a block volume, `MOUNT` otherwise.
     pub fn resource_for(&self, rec: &VolumeRecord) -> Resource {
-        Resource::csi_volume(
+        let mut resource = Resource::csi_volume(
             &self.config.provider_id,
             &rec.volume_id,
             &self.layout.relative_mount_root(),
@@ -375,7 +376,13 @@ impl StorageProvider {
             rec.profile.as_deref(),
             rec.vendor.as_deref(),
             rec.volume_context.clone(),
-        )
+        );
+        if rec.capability.access_type == AccessType::Block {
+            if let Some(source) = resource.disk.as_mut().and_then(|d| d.source.as_mut()) {
+                source.kind = SourceType::Block;
+            }
+        }
+        resource
     }
 
     /// Stops a managed plugin (SIGTERM, then SIGKILL after `grace`).
@@ -668,16 +675,15 @@ impl StorageProvider {
                     .await
                     .map_err(csi)?;
                 // The plugin creates the target (the CO only its parent): an
-                // answer of success with no target is not to be trusted.
+                // answer of success with no target, or with a target of
+                // another kind than the volume's, is not to be trusted.
                 let made = target.clone();
-                if !blocking(move || made.exists()).await {
+                let found = blocking(move || std::fs::symlink_metadata(&made).ok()).await;
+                if let Some(wrong) = target_mismatch(rec.capability.access_type, found.as_ref()) {
                     return Err(ProviderError::PluginMisbehaved {
                         volume: rec.volume_id.clone(),
                         rpc: step.rpc(),
-                        what: format!(
-                            "reported success but created no target at {}",
-                            target.display()
-                        ),
+                        what: format!("reported success but {wrong} at {}", target.display()),
                     });
                 }
                 self.harden(&rec.volume_id, &target, "target").await?;
@@ -892,4 +898,66 @@ pub fn current_boot_id() -> String {
     std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default()
+}
+
+/// What is wrong with what NodePublishVolume left at the target, if anything: the
+/// target must exist and be of the volume's kind, a directory for a mount volume, a
+/// block device for a block volume (CSI: the plugin places the mounted directory, or
+/// the block device, at the target). Symlinks are not followed.
+pub(crate) fn target_mismatch(
+    access: AccessType,
+    found: Option<&std::fs::Metadata>,
+) -> Option<&'static str> {
+    use std::os::unix::fs::FileTypeExt;
+    let Some(found) = found else {
+        return Some("created no target");
+    };
+    let kind = found.file_type();
+    match access {
+        AccessType::Mount if !kind.is_dir() => Some("the target is not a directory"),
+        AccessType::Block if !kind.is_block_device() => Some("the target is not a block device"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_published_target_must_be_of_the_volumes_kind() {
+        use std::os::unix::fs::FileTypeExt;
+        let dir = std::fs::symlink_metadata("/").unwrap();
+        let file = std::fs::symlink_metadata("/proc/self/status").unwrap();
+        let chr = std::fs::symlink_metadata("/dev/null").unwrap();
+        let blk = std::fs::read_dir("/dev")
+            .unwrap()
+            .filter_map(|e| e.ok()?.path().symlink_metadata().ok())
+            .find(|m| m.file_type().is_block_device());
+        let link = std::fs::symlink_metadata("/proc/self/exe").unwrap();
+        use AccessType::{Block, Mount};
+        let cases: Vec<(AccessType, Option<&std::fs::Metadata>, bool)> = vec![
+            (Mount, Some(&dir), true),
+            (Mount, Some(&file), false),
+            (Mount, Some(&chr), false),
+            (Mount, Some(&link), false),
+            (Mount, None, false),
+            (Block, Some(&dir), false),
+            (Block, Some(&file), false),
+            (Block, Some(&chr), false),
+            (Block, Some(&link), false),
+            (Block, None, false),
+        ];
+        for (access, found, fine) in cases {
+            assert_eq!(
+                target_mismatch(access, found).is_none(),
+                fine,
+                "{access:?} {found:?}"
+            );
+        }
+        if let Some(blk) = blk {
+            assert_eq!(target_mismatch(Block, Some(&blk)), None);
+            assert!(target_mismatch(Mount, Some(&blk)).is_some());
+        }
+    }
 }

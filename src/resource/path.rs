@@ -16,8 +16,10 @@
 //!   `<work dir>/volumes/roles/<role>/<persistence id>`. The role is written
 //!   with `/` as ` ` (refined roles); it and the persistence id are validated,
 //!   not encoded, so the paths stay the ones Mesos uses.
-//! - `BLOCK` and `RAW` disks, unknown source types and non-disk resources
-//!   have no mount point.
+//! - `BLOCK` with `disk.source.id` (a CSI block volume): its device file,
+//!   `<mount.root>/<encoded id>/target`, resolved like a `MOUNT` disk's.
+//! - `BLOCK` without an id and `RAW` disks, unknown source types and non-disk
+//!   resources have no mount point.
 //! - The result is checked to lie beneath its root (or to be the root).
 //!
 //! Everything here is lexical: no file system access, so a symlink planted
@@ -52,6 +54,8 @@ pub fn resolve_host_path(resource: &Resource, work_dir: &Path) -> Result<PathBuf
     let root_field = match source.kind {
         SourceType::Mount => "disk.source.mount.root",
         SourceType::Path => "disk.source.path.root",
+        // A CSI block volume: its device file, published at `<mount.root>/<enc id>/target`.
+        SourceType::Block if source.id.is_some() => "disk.source.mount.root",
         SourceType::Block | SourceType::Raw => {
             return Err(ResourceError::NotMountable {
                 resource: resource.describe(),
@@ -311,7 +315,22 @@ mod tests {
                 json!({"type": "MOUNT", "id": "", "mount": {"root": "/a"}}),
                 Err("disk.source.id"),
             ),
-            (json!({"type": "BLOCK", "id": "v"}), Err("disk.source.type")),
+            (
+                json!({"type": "BLOCK", "id": "v"}),
+                Err("disk.source.mount.root"),
+            ),
+            (
+                json!({"type": "BLOCK", "mount": {"root": "/a"}}),
+                Err("disk.source.type"),
+            ),
+            (
+                json!({"type": "BLOCK", "id": "v", "mount": {"root": "./csi/t/n/mounts"}}),
+                Ok("/var/lib/agent/csi/t/n/mounts/v/target"),
+            ),
+            (
+                json!({"type": "BLOCK", "id": "v", "path": {"root": "/a"}}),
+                Err("disk.source.mount.root"),
+            ),
             (json!({"type": "RAW"}), Err("disk.source.type")),
             (json!({"type": "UNKNOWN"}), Err("disk.source.type")),
             (json!({"type": "TAPE"}), Err("disk.source.type")),

@@ -334,7 +334,8 @@ pub struct DiskSource {
     /// The root of a `PATH` disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<SourceRoot>,
-    /// The root of a `MOUNT` disk.
+    /// The root of a `MOUNT` disk, and of a `BLOCK` disk published by a CSI plugin (the
+    /// directory holding each volume's `<enc id>/target`, a device file for a block volume).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount: Option<SourceRoot>,
     /// The vendor of the CSI plugin that owns the volume.
@@ -355,11 +356,11 @@ pub struct DiskSource {
 }
 
 impl DiskSource {
-    /// The root field for this source's type: `mount` for `MOUNT`, `path`
-    /// otherwise.
+    /// The root field for this source's type: `mount` for `MOUNT` and `BLOCK`,
+    /// `path` otherwise.
     pub fn root(&self) -> Option<&str> {
         let root = match self.kind {
-            SourceType::Mount => self.mount.as_ref(),
+            SourceType::Mount | SourceType::Block => self.mount.as_ref(),
             _ => self.path.as_ref(),
         };
         root.and_then(|r| r.root.as_deref())

@@ -85,6 +85,7 @@ impl From<&VolumeMount> for proto::VolumeMount {
                 .as_deref()
                 .map(path_string)
                 .unwrap_or_default(),
+            block: m.block,
         }
     }
 }
@@ -117,6 +118,7 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
             readonly: m.readonly,
             volume_id: Some(m.volume_id).filter(|s| !s.is_empty()),
             provider_id: Some(m.provider_id).filter(|s| !s.is_empty()),
+            block: m.block,
         })
     }
 }
@@ -148,6 +150,16 @@ impl From<OciPrepared> for proto::OciLaunchInfo {
                 })
                 .collect(),
             docker_args: prepared.docker_args,
+            devices: prepared
+                .devices
+                .into_iter()
+                .map(|d| proto::OciDevice {
+                    path: d.path,
+                    major: d.major,
+                    minor: d.minor,
+                    access: d.access,
+                })
+                .collect(),
         }
     }
 }
@@ -213,6 +225,7 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 capacity_enforced: v.capacity_enforced,
                 parameters: v.parameters.into_iter().collect(),
                 imported: v.imported,
+                access_type: v.access_type.as_str().to_string(),
             })
             .collect(),
         containers: containers
@@ -245,6 +258,7 @@ mod tests {
             readonly: true,
             volume_id: Some("v".into()),
             provider_id: None,
+            block: false,
         };
         let wire = proto::VolumeMount::from(&m);
         assert_eq!(wire.provider_id, "");

@@ -128,9 +128,11 @@ pub fn launch_code(e: &LaunchError) -> Code {
         LaunchError::TargetMissingOnHost { .. }
         | LaunchError::TargetParentReadOnly { .. }
         | LaunchError::TargetNotADirectory { .. }
+        | LaunchError::TargetNotAFile { .. }
         | LaunchError::ResolveTarget { .. }
         | LaunchError::BadRootfs { .. } => Code::InvalidArgument,
         LaunchError::NotTheVolume { .. }
+        | LaunchError::SourceKindMismatch { .. }
         | LaunchError::VolumeStillMounted { .. }
         | LaunchError::RootMismatch { .. }
         | LaunchError::Reaped { .. } => Code::FailedPrecondition,
@@ -152,6 +154,7 @@ pub fn oci_code(e: &OciError) -> Code {
         | OciError::DuplicateHostPath { .. }
         | OciError::NonUtf8Path { .. }
         | OciError::ResolveTarget { .. } => Code::InvalidArgument,
+        OciError::NotABlockDevice { .. } => Code::FailedPrecondition,
         _ => Code::Internal,
     }
 }

@@ -152,7 +152,7 @@ impl IsolatorService {
             return Err(invalid("name", "is empty"));
         }
         let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
-        spec.capability = capability(&req.access_mode)?;
+        spec.capability = capability(&req.access_mode, &req.access_type)?;
         spec.parameters = req.parameters.into_iter().collect();
         spec.secrets_file = secrets_file(&req.secrets_file);
         let resource = provider.create_volume(spec).await?;
@@ -182,7 +182,7 @@ impl IsolatorService {
             name: req.name,
             volume_id: req.volume_id,
             capacity_bytes: req.capacity_bytes,
-            capability: capability(&req.access_mode)?,
+            capability: capability(&req.access_mode, &req.access_type)?,
             volume_context: req.volume_context.into_iter().collect(),
         };
         let resource = provider
@@ -315,14 +315,16 @@ fn container_id(id: &str) -> Result<(), ServiceError> {
         .map_err(|e| invalid("container_id", crate::error_chain::full_message(&e)))
 }
 
-/// The capability of a request's access mode (empty: the default).
-fn capability(access_mode: &str) -> Result<Capability, ServiceError> {
+/// The capability of a request's access mode and access type (empty: the defaults).
+fn capability(access_mode: &str, access_type: &str) -> Result<Capability, ServiceError> {
     let mut capability = Capability::default();
     if !access_mode.is_empty() {
         capability
             .set_access_mode(access_mode)
             .map_err(|e| invalid("access_mode", e.to_string()))?;
     }
+    capability.access_type = crate::provider::AccessType::parse(access_type)
+        .map_err(|e| invalid("access_type", e.to_string()))?;
     Ok(capability)
 }
 

@@ -8,6 +8,13 @@
 //!   further use mounts that same loop device again, which shares the one superblock (two
 //!   ext4 instances of one image through two loop devices would corrupt it).
 //!   The loop device is detached when the volume's last mount goes away.
+//! - A block volume (created for CSI's block access type; loop backing only) is the sparse raw
+//!   image `<volume dir>/image.raw`, without a filesystem. Staging attaches it to a loop device
+//!   (kept attached after its last close: a bind of its node holds nothing open) and binds the
+//!   device node onto the file `<staging>/device`; publishing makes the target a file and binds
+//!   that (or, without staging, the device itself) onto it. The device is detached when no bind
+//!   of it is left. A bind of a device node shows in the mount table as the filesystem holding the
+//!   node (devtmpfs) with the node's path as its root, which is how such mounts are told apart.
 //!
 //! Whether a path holds "this volume" is read from the kernel's mount table: a dir volume's
 //! mount is one of the filesystem holding the data directory (the device of the mount that
@@ -112,6 +119,12 @@ pub enum BackingError {
         /// What covers it.
         what: String,
     },
+    /// A block volume asked of the dir backing, or read-only, which this plugin does not serve.
+    #[error("{what} is not served by this backing")]
+    BlockNotServed {
+        /// What was asked.
+        what: &'static str,
+    },
     /// A mount-layer call failed.
     #[error("{step} {path}")]
     Mount {
@@ -159,7 +172,25 @@ enum Identity {
     },
     /// (major, minor) of the loop devices backed by the image.
     Loop { devices: Vec<(u32, u32)> },
+    /// Binds of a block volume's loop device nodes: the mount holding each node (as the mount
+    /// table shows it) and the node's path inside it.
+    Block { nodes: Vec<(u32, u32, PathBuf)> },
 }
+
+/// The mount through which `path` (canonical) is reached: the deepest mount point above it, the
+/// topmost mount (last in table order) there; with `path`'s place inside that filesystem.
+fn containing(mounts: &[MountInfo], path: &Path) -> Option<(u32, u32, PathBuf)> {
+    let (_, m) = mounts
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| path.starts_with(&m.mount_point))
+        .max_by_key(|(i, m)| (m.mount_point.components().count(), *i))?;
+    let inside = path.strip_prefix(&m.mount_point).unwrap_or(Path::new(""));
+    Some((m.major, m.minor, m.root.join(inside)))
+}
+
+/// The file in a block volume's staging directory its device is bound onto.
+pub const STAGED_DEVICE: &str = "device";
 
 fn describe(m: &MountInfo) -> String {
     format!("{} {} from {}", m.fs_type, m.root.display(), m.source)
@@ -235,14 +266,54 @@ impl Backing {
         vol_dir.join("data")
     }
 
+    fn raw_image(vol_dir: &Path) -> PathBuf {
+        vol_dir.join("image.raw")
+    }
+
     fn image(vol_dir: &Path) -> PathBuf {
+        if Self::is_block(vol_dir) {
+            return Self::raw_image(vol_dir);
+        }
         vol_dir.join("image.ext4")
     }
 
+    /// Whether the volume in `vol_dir` is a block volume (a raw image, no filesystem).
+    pub fn is_block(vol_dir: &Path) -> bool {
+        fs::symlink_metadata(Self::raw_image(vol_dir)).is_ok()
+    }
+
+    /// Where a volume staged at `staging` shows: the staging directory itself, or for a block
+    /// volume the device file in it.
+    pub fn staged_path(vol_dir: &Path, staging: &Path) -> PathBuf {
+        if Self::is_block(vol_dir) {
+            staging.join(STAGED_DEVICE)
+        } else {
+            staging.to_path_buf()
+        }
+    }
+
     /// Creates the volume's storage in `vol_dir` (replacing leftovers of an interrupted
-    /// create).
-    pub fn provision(&self, vol_dir: &Path, capacity: u64) -> Result<(), BackingError> {
+    /// create): for a `block` volume a raw image (loop backing only), otherwise the backing's
+    /// filesystem.
+    pub fn provision(
+        &self,
+        vol_dir: &Path,
+        capacity: u64,
+        block: bool,
+    ) -> Result<(), BackingError> {
+        if block && self.kind != BackingKind::Loop {
+            return Err(BackingError::BlockNotServed {
+                what: "block access",
+            });
+        }
         private_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
+        if block {
+            let image = Self::raw_image(vol_dir);
+            let file = fs::File::create(&image).map_err(io_step("create image", &image))?;
+            file.set_len(capacity)
+                .map_err(io_step("size image", &image))?;
+            return Ok(());
+        }
         match self.kind {
             BackingKind::Dir => {
                 // The volume's root as containers see it: its mode stays the usual one (0755 under
@@ -297,23 +368,20 @@ impl Backing {
                 let data = Self::data_dir(vol_dir);
                 let data =
                     fs::canonicalize(&data).map_err(io_step("resolve data directory", &data))?;
-                // The mount the data directory is reached through: the deepest mount point
-                // above it, the topmost one (last in table order) at that point.
-                let containing = mounts
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, m)| data.starts_with(&m.mount_point))
-                    .max_by_key(|(i, m)| (m.mount_point.components().count(), *i))
-                    .map(|(_, m)| m)
+                let (major, minor, root) = containing(mounts, &data)
                     .ok_or_else(|| BackingError::NoContainingMount { path: data.clone() })?;
-                let inside = data
-                    .strip_prefix(&containing.mount_point)
-                    .unwrap_or(Path::new(""));
-                Ok(Identity::Dir {
-                    major: containing.major,
-                    minor: containing.minor,
-                    root: containing.root.join(inside),
-                })
+                Ok(Identity::Dir { major, minor, root })
+            }
+            BackingKind::Loop if Self::is_block(vol_dir) => {
+                let mut nodes = Vec::new();
+                for dev in self.loop_devices(vol_dir)? {
+                    match fs::canonicalize(&dev) {
+                        Ok(node) => nodes.extend(containing(mounts, &node)),
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                        Err(e) => return Err(io_step("resolve loop device", &dev)(e).into()),
+                    }
+                }
+                Ok(Identity::Block { nodes })
             }
             BackingKind::Loop => {
                 let mut devices = Vec::new();
@@ -343,6 +411,9 @@ impl Backing {
                 (m.major, m.minor) == (*major, *minor) && m.root == *root
             }
             Identity::Loop { devices } => devices.contains(&(m.major, m.minor)),
+            Identity::Block { nodes } => nodes.iter().any(|(major, minor, root)| {
+                (m.major, m.minor) == (*major, *minor) && m.root == *root
+            }),
         }
     }
 
@@ -444,6 +515,31 @@ impl Backing {
         }
     }
 
+    /// Makes a block volume's device appear at `file` (an existing file): a bind of the node of
+    /// its loop device, attached first if it is not yet. On failure nothing stays attached
+    /// that no bind uses.
+    fn attach_device_at(&self, vol_dir: &Path, file: &Path) -> Result<(), BackingError> {
+        let device = match self.loop_devices(vol_dir)?.into_iter().next() {
+            Some(device) => device,
+            None => {
+                let image = Self::raw_image(vol_dir);
+                // Dropped at once: kept attached without an opener.
+                loopdev::attach_kept(&image, false)
+                    .map_err(mount_err("attach loop device to", &image))?
+                    .path
+            }
+        };
+        let bound = self
+            .sys
+            .bind_mount(&device, file, false)
+            .map_err(mount_err("bind loop device onto", file))
+            .and_then(|()| self.harden_or_unmount(file));
+        if bound.is_err() {
+            let _ = self.release_if_unused(vol_dir);
+        }
+        bound
+    }
+
     /// Makes the volume appear at `path` (an existing directory): a bind of the data
     /// directory, or of an existing mount of the image, or a fresh loop attach + ext4 mount.
     fn attach_at(&self, vol_dir: &Path, path: &Path) -> Result<(), BackingError> {
@@ -490,6 +586,21 @@ impl Backing {
         readonly: bool,
     ) -> Result<(), BackingError> {
         private_dir(staging).map_err(io_step("create staging directory", staging))?;
+        if Self::is_block(vol_dir) {
+            if readonly {
+                return Err(BackingError::BlockNotServed {
+                    what: "read-only block access",
+                });
+            }
+            let file = staging.join(STAGED_DEVICE);
+            let created =
+                create_file(&file).map_err(io_step("create staged device file", &file))?;
+            let attached = self.attach_device_at(vol_dir, &file);
+            if attached.is_err() && created {
+                let _ = fs::remove_file(&file);
+            }
+            return attached;
+        }
         self.attach_at(vol_dir, staging)?;
         if readonly {
             if let Err(e) = self.sys.remount_bind_readonly(staging) {
@@ -513,13 +624,17 @@ impl Backing {
     /// NodeUnstage: unmount the volume's mounts stacked at `staging`; detach the loop device
     /// when nothing of the volume stays mounted.
     pub fn unstage(&self, vol_dir: &Path, staging: &Path) -> Result<(), BackingError> {
-        self.unmount_volume_at(vol_dir, staging)?;
+        let staged = Self::staged_path(vol_dir, staging);
+        if self.unmount_volume_at(vol_dir, &staged)? && staged != staging {
+            remove_entry(&staged, "remove staged device file")?;
+        }
         self.release_if_unused(vol_dir)
     }
 
-    /// NodePublish: create `target` (a directory), then bind `staging` onto it (or, without
-    /// staging, attach the volume itself); read-only as a read-only bind. On failure
-    /// nothing stays mounted and a target directory this call created is removed.
+    /// NodePublish: create `target` (a directory; a file for a block volume), then bind
+    /// `staging` onto it (or, without staging, attach the volume itself); read-only as a
+    /// read-only bind. On failure nothing stays mounted and a target this call created is
+    /// removed.
     pub fn publish(
         &self,
         vol_dir: &Path,
@@ -527,21 +642,33 @@ impl Backing {
         target: &Path,
         readonly: bool,
     ) -> Result<(), BackingError> {
-        let created = match fs::DirBuilder::new().mode(PRIVATE_DIR_MODE).create(target) {
-            Ok(()) => true,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
-            Err(e) => return Err(io_step("create target directory", target)(e).into()),
+        let block = Self::is_block(vol_dir);
+        if block && readonly {
+            return Err(BackingError::BlockNotServed {
+                what: "read-only block access",
+            });
+        }
+        let created = if block {
+            create_file(target).map_err(io_step("create target file", target))?
+        } else {
+            match fs::DirBuilder::new().mode(PRIVATE_DIR_MODE).create(target) {
+                Ok(()) => true,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => false,
+                Err(e) => return Err(io_step("create target directory", target)(e).into()),
+            }
         };
         let result = (|| {
             match staging {
                 Some(staging) => {
+                    let staging = Self::staged_path(vol_dir, staging);
                     self.sys
-                        .bind_mount(staging, target, false)
+                        .bind_mount(&staging, target, false)
                         .map_err(mount_err("bind staging path onto", target))?;
                     // A bind keeps the staging mount's flags; set them anyway, for a staging mount
                     // made before they were.
                     self.harden_or_unmount(target)?;
                 }
+                None if block => self.attach_device_at(vol_dir, target)?,
                 None => self.attach_at(vol_dir, target)?,
             }
             if readonly {
@@ -554,7 +681,7 @@ impl Backing {
         })();
         if result.is_err() {
             if created {
-                let _ = fs::remove_dir(target);
+                let _ = remove_entry(target, "remove target");
             }
             let _ = self.release_if_unused(vol_dir);
         }
@@ -566,11 +693,7 @@ impl Backing {
     /// the volume stays mounted.
     pub fn unpublish(&self, vol_dir: &Path, target: &Path) -> Result<(), BackingError> {
         if self.unmount_volume_at(vol_dir, target)? {
-            match fs::remove_dir(target) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(io_step("remove target directory", target)(e).into()),
-            }
+            remove_entry(target, "remove target")?;
         }
         self.release_if_unused(vol_dir)
     }
@@ -665,6 +788,37 @@ impl Backing {
             }
             std::thread::sleep(UNMOUNT_PAUSE);
         }
+    }
+}
+
+/// Creates `path` as an empty 0600 file unless something is there; whether this call made it.
+fn create_file(path: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes a target or staged device file left with nothing mounted on it: a directory, or (a
+/// block volume's) a file; gone already is fine.
+fn remove_entry(path: &Path, step: &'static str) -> Result<(), BackingError> {
+    let removed = match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_dir() => fs::remove_dir(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) => Err(e),
+    };
+    match removed {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_step(step, path)(e).into()),
     }
 }
 

@@ -31,12 +31,14 @@ const TOKEN_PREFIX: &str = "after:";
 const MOUNT_FLAGS: [&str; 2] = ["ro", "rw"];
 
 /// Checks one volume capability: an access mode is set and known, the access type is
-/// `mount` (block is not supported), the fs type is one this backing can provide, and every
-/// mount flag is one the plugin applies ([`MOUNT_FLAGS`]; others are refused, never ignored).
+/// `mount` or, on the loop backing, `block` ([`serves_block`]), the fs type is one this
+/// backing can provide, and every mount flag is one the plugin applies ([`MOUNT_FLAGS`];
+/// others are refused, never ignored).
 pub(super) fn check_capability(
     rpc: &'static str,
     field: &'static str,
     cap: &proto::VolumeCapability,
+    kind: BackingKind,
 ) -> Result<(), PluginError> {
     let invalid = |reason: &str| PluginError::InvalidField {
         rpc,
@@ -79,13 +81,72 @@ pub(super) fn check_capability(
             }
             Ok(())
         }
-        Some(AccessType::Block(_)) => Err(invalid("block access is not supported, only mount")),
+        Some(AccessType::Block(_)) if serves_block(kind) => Ok(()),
+        Some(AccessType::Block(_)) => Err(invalid(&format!(
+            "block access is not served by the {} backing (only by loop)",
+            kind.as_str()
+        ))),
         None => Err(invalid("access_type is required")),
     }
 }
 
+/// Whether a backing serves CSI's block access type: the loop backing does (a raw image on a
+/// loop device); a dir volume is a directory and has no device to give.
+pub(super) fn serves_block(kind: BackingKind) -> bool {
+    kind == BackingKind::Loop
+}
+
+/// Whether a capability asks for block access.
+pub(super) fn is_block(cap: &proto::VolumeCapability) -> bool {
+    matches!(cap.access_type, Some(AccessType::Block(_)))
+}
+
+/// The one access type a CreateVolume's capabilities agree on (`true`: block): a volume is
+/// either a raw device or a filesystem, so capabilities mixing both are refused.
+pub(super) fn created_as_block(
+    rpc: &'static str,
+    caps: &[proto::VolumeCapability],
+) -> Result<bool, PluginError> {
+    let block = caps.iter().any(is_block);
+    if block && !caps.iter().all(is_block) {
+        return Err(PluginError::InvalidField {
+            rpc,
+            field: "volume_capabilities",
+            reason: "mixes block and mount access types (a volume is one or the other)".into(),
+        });
+    }
+    Ok(block)
+}
+
+/// A capability's access type against the volume's (`block`: created for block access): a
+/// block volume has no filesystem to mount, a mount volume no device to give.
+pub(super) fn check_volume_access(
+    rpc: &'static str,
+    field: &'static str,
+    cap: &proto::VolumeCapability,
+    volume_id: &str,
+    block: bool,
+) -> Result<(), PluginError> {
+    if is_block(cap) == block {
+        return Ok(());
+    }
+    let (is, asked) = if block {
+        ("block", "mount")
+    } else {
+        ("mount", "block")
+    };
+    Err(PluginError::InvalidField {
+        rpc,
+        field,
+        reason: format!(
+            "volume {volume_id} was created for {is} access; {asked} access is refused"
+        ),
+    })
+}
+
 /// The comparable form of a checked capability.
 pub(super) fn capability_record(cap: &proto::VolumeCapability) -> CapabilityRecord {
+    let block = is_block(cap);
     let (fs_type, mut mount_flags) = match &cap.access_type {
         Some(AccessType::Mount(mount)) => (mount.fs_type.clone(), mount.mount_flags.clone()),
         _ => (String::new(), Vec::new()),
@@ -94,12 +155,13 @@ pub(super) fn capability_record(cap: &proto::VolumeCapability) -> CapabilityReco
     mount_flags.dedup();
     CapabilityRecord {
         access_mode: cap.access_mode.as_ref().map_or(0, |m| m.mode),
-        fs_type: if fs_type.is_empty() {
+        fs_type: if fs_type.is_empty() && !block {
             "ext4".to_string()
         } else {
             fs_type
         },
         mount_flags,
+        block,
     }
 }
 
@@ -219,8 +281,9 @@ impl Plugin {
             });
         }
         for cap in &req.volume_capabilities {
-            check_capability(RPC, "volume_capabilities", cap)?;
+            check_capability(RPC, "volume_capabilities", cap, self.backing.kind())?;
         }
+        let block = created_as_block(RPC, &req.volume_capabilities)?;
         if req.volume_content_source.is_some() {
             return Err(PluginError::InvalidField {
                 rpc: RPC,
@@ -252,7 +315,8 @@ impl Plugin {
             if let Some(existing) = self.store.get(&found.id) {
                 let fits = existing.capacity_bytes >= required
                     && (limit == 0 || existing.capacity_bytes <= limit);
-                if !fits || existing.parameters != parameters {
+                let same_access = Backing::is_block(&self.store.volume_dir(&existing.id)) == block;
+                if !fits || existing.parameters != parameters || !same_access {
                     return Err(PluginError::NameConflict {
                         name: req.name,
                         volume_id: existing.id,
@@ -328,8 +392,8 @@ impl Plugin {
             published: BTreeMap::new(),
         };
         self.faults.stall(RPC);
-        self.provision(RPC, &record)?;
-        tracing::info!(volume_id = %id, name = %record.name, size, "volume created");
+        self.provision(RPC, &record, block)?;
+        tracing::info!(volume_id = %id, name = %record.name, size, block, "volume created");
         Ok(proto::CreateVolumeResponse {
             volume: Some(self.with_topology(to_volume(&record))),
         })
@@ -384,10 +448,11 @@ impl Plugin {
         &self,
         rpc: &'static str,
         record: &super::store::VolumeRecord,
+        block: bool,
     ) -> Result<(), PluginError> {
         let dir = self.store.volume_dir(&record.id);
         self.backing
-            .provision(&dir, record.capacity_bytes)
+            .provision(&dir, record.capacity_bytes, block)
             .map_err(|source| PluginError::Backing {
                 rpc,
                 volume_id: record.id.clone(),
@@ -467,8 +532,10 @@ impl Plugin {
                 rpc: RPC,
                 field: "volume_capability",
             })?;
-        check_capability(RPC, "volume_capability", cap)?;
+        check_capability(RPC, "volume_capability", cap, self.backing.kind())?;
         let mut record = self.known_volume(RPC, &req.volume_id)?;
+        let block = Backing::is_block(&self.store.volume_dir(&record.id));
+        check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
         if req.node_id != self.config.node_id {
             return Err(PluginError::NodeNotFound {
                 rpc: RPC,
@@ -550,10 +617,14 @@ impl Plugin {
             });
         }
         let record = self.known_volume(RPC, &req.volume_id)?;
-        let unsupported = req
-            .volume_capabilities
-            .iter()
-            .find_map(|cap| check_capability(RPC, "volume_capabilities", cap).err());
+        let block = Backing::is_block(&self.store.volume_dir(&record.id));
+        let unsupported = req.volume_capabilities.iter().find_map(|cap| {
+            check_capability(RPC, "volume_capabilities", cap, self.backing.kind())
+                .and_then(|()| {
+                    check_volume_access(RPC, "volume_capabilities", cap, &record.id, block)
+                })
+                .err()
+        });
         if let Some(reason) = unsupported {
             return Ok(proto::ValidateVolumeCapabilitiesResponse {
                 confirmed: None,
@@ -677,10 +748,9 @@ impl Plugin {
     ) -> Result<proto::GetCapacityResponse, PluginError> {
         const RPC: &str = "GetCapacity";
         self.controller_enabled(RPC)?;
-        let supported = req
-            .volume_capabilities
-            .iter()
-            .all(|cap| check_capability(RPC, "volume_capabilities", cap).is_ok());
+        let supported = req.volume_capabilities.iter().all(|cap| {
+            check_capability(RPC, "volume_capabilities", cap, self.backing.kind()).is_ok()
+        });
         let available = if supported { self.room(None).bytes } else { 0 };
         let available = i64::try_from(available).unwrap_or(i64::MAX);
         Ok(proto::GetCapacityResponse {

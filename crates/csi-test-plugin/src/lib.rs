@@ -1,9 +1,13 @@
 //! `csi-test-plugin`: a real CSI v1 plugin (Identity, Controller and Node services on a
-//! Unix socket) for mount volumes, used by the tests and embedded by `csi-isolator run`.
+//! Unix socket) for mount volumes and (loop backing) block volumes, used by the tests and
+//! embedded by `csi-isolator run`.
 //!
 //! Contract:
 //! - Volumes are backed by a directory ([`BackingKind::Dir`]) or by an ext4 image on a loop
-//!   device ([`BackingKind::Loop`]); their metadata lives under the work dir ([`store`]),
+//!   device ([`BackingKind::Loop`]); a block volume (CSI's block access type) by a raw image on a
+//!   loop device (loop backing only; the dir backing refuses block access INVALID_ARGUMENT, and
+//!   ValidateVolumeCapabilities and GetCapacity say the same); their metadata lives under the work
+//!   dir ([`store`]),
 //!   written atomically, so a restarted plugin knows its volumes.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.

@@ -14,24 +14,48 @@ use std::path::PathBuf;
 
 use tonic::{Request, Response, Status};
 
-use super::backing::MountState;
-use super::controller::{capability_record, check_capability, publish_context, wants_readonly};
+use super::backing::{Backing, MountState};
+use super::controller::{
+    capability_record, check_capability, check_volume_access, is_block, publish_context,
+    wants_readonly,
+};
 use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
 use super::{require, LockKey, Plugin, PluginError, PluginService};
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::node_service_capability::rpc::Type as Cap;
 
-/// Checks the request's capability and returns its comparable form.
+/// Checks the request's capability against the backing and returns its comparable form.
 fn require_capability(
     rpc: &'static str,
     cap: Option<&proto::VolumeCapability>,
+    kind: super::BackingKind,
 ) -> Result<CapabilityRecord, PluginError> {
     let cap = cap.ok_or(PluginError::MissingField {
         rpc,
         field: "volume_capability",
     })?;
-    check_capability(rpc, "volume_capability", cap)?;
+    check_capability(rpc, "volume_capability", cap, kind)?;
     Ok(capability_record(cap))
+}
+
+/// A node call's capability against the volume: the same access type as the volume's, and not
+/// read-only for a block volume (this plugin does not make a device read-only).
+fn check_node_access(
+    rpc: &'static str,
+    cap: &proto::VolumeCapability,
+    volume_id: &str,
+    block: bool,
+    readonly: bool,
+) -> Result<(), PluginError> {
+    check_volume_access(rpc, "volume_capability", cap, volume_id, block)?;
+    if block && readonly {
+        return Err(PluginError::InvalidField {
+            rpc,
+            field: "readonly",
+            reason: "read-only block access is not supported by this plugin".into(),
+        });
+    }
+    Ok(())
 }
 
 impl Plugin {
@@ -50,7 +74,12 @@ impl Plugin {
     /// The volume a node RPC works on. A node-only plugin (no controller service) has no
     /// CreateVolume, so it adopts any volume id it is handed, as a node plugin for
     /// pre-provisioned storage would.
-    fn node_volume(&self, rpc: &'static str, volume_id: &str) -> Result<VolumeRecord, PluginError> {
+    fn node_volume(
+        &self,
+        rpc: &'static str,
+        volume_id: &str,
+        cap: Option<&proto::VolumeCapability>,
+    ) -> Result<VolumeRecord, PluginError> {
         if let Some(record) = self.store.get(volume_id) {
             return Ok(record);
         }
@@ -71,7 +100,7 @@ impl Plugin {
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
         };
-        self.provision(rpc, &record)?;
+        self.provision(rpc, &record, cap.is_some_and(is_block))?;
         tracing::info!(volume_id, "node-only plugin adopted volume");
         Ok(record)
     }
@@ -151,14 +180,18 @@ impl Plugin {
         }
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "staging_target_path", &req.staging_target_path)?;
-        let cap = require_capability(RPC, req.volume_capability.as_ref())?;
-        let mut record = self.node_volume(RPC, &req.volume_id)?;
+        let wire_cap = req.volume_capability.as_ref();
+        let cap = require_capability(RPC, wire_cap, self.backing.kind())?;
+        let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         let dir = self.store.volume_dir(&record.id);
         let staging = PathBuf::from(&req.staging_target_path);
         let readonly = wants_readonly(&cap);
+        let block = Backing::is_block(&dir);
+        check_node_access(RPC, wire_cap.expect("checked"), &record.id, block, readonly)?;
         let err = || Self::backing_err(RPC, &req.volume_id);
-        match self.backing.mount_state(&dir, &staging).map_err(err())? {
+        let staged = Backing::staged_path(&dir, &staging);
+        match self.backing.mount_state(&dir, &staged).map_err(err())? {
             MountState::Volume { readonly: mounted } => {
                 self.check_existing_use(
                     RPC,
@@ -204,7 +237,8 @@ impl Plugin {
         let dir = self.store.volume_dir(&record.id);
         let staging = PathBuf::from(&req.staging_target_path);
         let err = || Self::backing_err(RPC, &req.volume_id);
-        match self.backing.mount_state(&dir, &staging).map_err(err())? {
+        let staged = Backing::staged_path(&dir, &staging);
+        match self.backing.mount_state(&dir, &staged).map_err(err())? {
             MountState::NotMounted => {}
             MountState::Other(what) => {
                 return Err(PluginError::FailedPrecondition {
@@ -217,7 +251,7 @@ impl Plugin {
                 })
             }
             MountState::Volume { .. } => {
-                let canonical = std::fs::canonicalize(&staging).unwrap_or_else(|_| staging.clone());
+                let canonical = std::fs::canonicalize(&staged).unwrap_or_else(|_| staged.clone());
                 let targets = record.published.keys().map(PathBuf::from);
                 if let Some(other) = self
                     .backing
@@ -248,23 +282,27 @@ impl Plugin {
         const RPC: &str = "NodePublishVolume";
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "target_path", &req.target_path)?;
-        let cap = require_capability(RPC, req.volume_capability.as_ref())?;
+        let wire_cap = req.volume_capability.as_ref();
+        let cap = require_capability(RPC, wire_cap, self.backing.kind())?;
         if self.config.stage {
             require(RPC, "staging_target_path", &req.staging_target_path)?;
         }
-        let mut record = self.node_volume(RPC, &req.volume_id)?;
+        let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         let dir = self.store.volume_dir(&record.id);
         let err = || Self::backing_err(RPC, &req.volume_id);
         // Read-only when asked by the flag or the `ro` mount flag; a bind of a read-only
         // staging mount is read-only too.
         let mut readonly = req.readonly || wants_readonly(&cap);
+        let block = Backing::is_block(&dir);
+        check_node_access(RPC, wire_cap.expect("checked"), &record.id, block, readonly)?;
         let staging = self
             .config
             .stage
             .then(|| PathBuf::from(&req.staging_target_path));
         if let Some(staging) = &staging {
-            match self.backing.mount_state(&dir, staging).map_err(err())? {
+            let staged = Backing::staged_path(&dir, staging);
+            match self.backing.mount_state(&dir, &staged).map_err(err())? {
                 MountState::Volume {
                     readonly: staged_ro,
                 } => readonly |= staged_ro,
@@ -361,6 +399,18 @@ impl Plugin {
                 rpc: RPC,
                 volume_id: record.id,
                 path,
+            });
+        }
+        if Backing::is_block(&dir) {
+            // A device has no filesystem to ask: its size is the volume's (the spec's block
+            // usage: total bytes, the rest unknown).
+            return Ok(proto::NodeGetVolumeStatsResponse {
+                usage: vec![proto::VolumeUsage {
+                    total: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
+                    unit: proto::volume_usage::Unit::Bytes as i32,
+                    ..Default::default()
+                }],
+                ..Default::default()
             });
         }
         let st = nix::sys::statvfs::statvfs(&path).map_err(|errno| PluginError::Backing {

@@ -129,6 +129,9 @@ pub struct CapabilityRecord {
     pub fs_type: String,
     /// The mount flags, sorted and deduplicated.
     pub mount_flags: Vec<String>,
+    /// Block access (the fs type and mount flags are then empty).
+    #[serde(default)]
+    pub block: bool,
 }
 
 /// A controller publish of the volume to one node.
@@ -430,6 +433,7 @@ mod tests {
             access_mode: 1,
             fs_type: "ext4".into(),
             mount_flags: vec!["ro".into()],
+            block: false,
         }
     }
 

@@ -134,7 +134,8 @@ pub fn check_resource_json(bytes: &[u8]) -> JsonChecked {
 /// type`, `plugin name` (missing fields are empty, bytes that are not UTF-8
 /// become U+FFFD). Flags, from bit 0:
 /// - bits 0-1: the source: `MOUNT`, `PATH`, none (the default disk), or
-///   the type named by the `plugin type` field (`BLOCK`, `RAW`, unknown);
+///   the type named by the `plugin type` field (`BLOCK`, which resolves like
+///   `MOUNT` when it has an id, `RAW`, unknown);
 /// - bit 2: the disk root is `<root>/<root field>` (absolute) instead of
 ///   `./<root field>` (relative, so joined to the work dir `root`);
 /// - bit 3: the disk root is the root field verbatim (anything goes);
@@ -598,8 +599,10 @@ pub fn check_resolved(resource: &Resource, work_dir: &Path) -> Option<PathBuf> {
             true,
         ),
         Some(source) => {
+            // A BLOCK disk resolves only as a CSI block volume: with its id, like MOUNT.
             assert!(
-                matches!(source.kind, SourceType::Mount | SourceType::Path),
+                matches!(source.kind, SourceType::Mount | SourceType::Path)
+                    || (source.kind == SourceType::Block && source.id.is_some()),
                 "source type {} resolved: {}",
                 source.kind,
                 input()

@@ -239,8 +239,19 @@ async fn create_with_provider(
         }
     };
     let mut attached: Vec<OwnedFd> = Vec::new();
-    let mut failure = None;
+    let mut failure = launch
+        .mounts
+        .iter()
+        .find(|m| m.block)
+        .map(|m| HookError::BlockVolume {
+            container: id.to_string(),
+            volume: m.volume_id.clone().unwrap_or_else(|| "-".into()),
+            container_path: m.container_path.clone(),
+        });
     for m in &launch.mounts {
+        if failure.is_some() {
+            break;
+        }
         // The namespace thread is joined: off the runtime's workers.
         let (sys, container, pid) = (req.sys.clone(), id.to_string(), req.pid);
         let (rootfs, mount) = (req.rootfs.to_path_buf(), m.clone());

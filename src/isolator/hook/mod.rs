@@ -406,6 +406,18 @@ pub enum HookError {
     /// The isolator failed (publish, targets, checkpoint, cleanup); its message names container and volume.
     #[error(transparent)]
     Isolator(Box<IsolatorError>),
+    /// A block volume named for a container the hook serves: the hook runs after the runtime
+    /// set up the container's device cgroup and cannot add the device's rule, so the container
+    /// could not open it.
+    #[error("container '{container}': volume {volume} at {container_path} is a block volume, which the OCI hook cannot give a container (its runtime's device rules are set before the hook runs): use serve's PrepareOci, whose answer carries the device for the runtime's config")]
+    BlockVolume {
+        /// The container id.
+        container: String,
+        /// The volume id (or source).
+        volume: String,
+        /// The container path.
+        container_path: String,
+    },
     /// A volume could not be mounted into the container.
     #[error("container '{container}': mount volume {volume} at {container_path}")]
     Mount {
