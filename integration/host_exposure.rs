@@ -457,6 +457,7 @@ fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
             readonly: false,
             volume_id: Some("v".into()),
             provider_id: None,
+            propagation: Default::default(),
         }],
     };
     let sys = LinuxSyscall::new();

@@ -51,6 +51,7 @@ fn volume(
         readonly,
         volume_id: Some(id.to_string()),
         provider_id: None,
+        propagation: Default::default(),
     }
 }
 

@@ -70,6 +70,7 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
         readonly,
         volume_id: Some(id.to_string()),
         provider_id: None,
+        propagation: Default::default(),
     }
 }
 
@@ -350,6 +351,7 @@ async fn csi_volume_is_bound_through_runc() {
             readonly: false,
             volume_id: Some(id.clone()),
             provider_id: Some(provider.id().to_string()),
+            propagation: Default::default(),
         }],
     };
     let sys = LinuxSyscall::new();

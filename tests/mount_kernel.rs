@@ -887,6 +887,7 @@ fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
         readonly: false,
         volume_id: Some("pv1".into()),
         provider_id: None,
+        propagation: Default::default(),
     };
     let at = csi_isolator::launcher::VolumeRef::new(&m, &sb.path);
     let tree = csi_isolator::launcher::clone_source(&sys, &m, &at)

@@ -517,6 +517,7 @@ mod tests {
             readonly,
             volume_id: Some(id.to_string()),
             provider_id: None,
+            propagation: Default::default(),
         }
     }
 

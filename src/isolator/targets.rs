@@ -8,8 +8,8 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::ContainerConfig;
-use crate::mount::{TargetRoot, VolumeMount};
-use crate::resource::{Resource, SourceType};
+use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
+use crate::resource::{PropagationMode, Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk
 /// resource with a `disk.volume.container_path`.
@@ -42,6 +42,12 @@ pub fn volume_mounts(
         };
         // An unknown mode is refused, never mounted read-write (or read-only) by guess.
         r.check_volume_mode().map_err(resource_err)?;
+        let propagation = propagation_of(r).map_err(resource_err)?;
+        if propagation != VolumePropagation::Private && r.source_id().is_none() {
+            return Err(bad(
+                "rslave and rshared propagation need a CSI volume (disk.source.id): a disk without one has no mount point of its own to share",
+            ));
+        }
         let source = r.host_path(work_dir).map_err(resource_err)?;
         let source_root = source_root_of(r, &source);
         let (root, target) =
@@ -60,11 +66,24 @@ pub fn volume_mounts(
             readonly: r.read_only(),
             volume_id: r.source_id().map(str::to_string),
             provider_id: r.provider_id().map(str::to_string),
+            propagation,
         });
     }
     // Parents before children, so a volume nested in another lands on top.
     out.sort_by_key(|m| m.target.components().count());
     Ok(out)
+}
+
+/// A resource's `disk.volume.mount_propagation` as the mount applies it: Mesos' names onto the
+/// kernel's (absent is private; an unknown mode is refused by the resource).
+pub fn propagation_of(r: &Resource) -> Result<VolumePropagation, crate::resource::ResourceError> {
+    Ok(match r.mount_propagation()? {
+        None => VolumePropagation::Private,
+        Some(PropagationMode::HostToContainer) => VolumePropagation::Rslave,
+        Some(PropagationMode::Bidirectional) => VolumePropagation::Rshared,
+        // `mount_propagation` lets only the two above through.
+        Some(PropagationMode::Unknown | PropagationMode::Other(_)) => VolumePropagation::Private,
+    })
 }
 
 /// What an agent disk's host path is: a directory, something else, or nothing.

@@ -455,6 +455,7 @@ mod tests {
             readonly: false,
             volume_id: id.map(str::to_string),
             provider_id: None,
+            propagation: Default::default(),
         }
     }
 

@@ -544,6 +544,7 @@ mod tests {
                 readonly: false,
                 volume_id: Some("vol-1".to_string()),
                 provider_id: None,
+                propagation: Default::default(),
             }],
             ..LaunchSpec::default()
         }
@@ -585,6 +586,7 @@ mod tests {
             readonly,
             volume_id: Some(id.to_string()),
             provider_id: None,
+            propagation: Default::default(),
         }
     }
 

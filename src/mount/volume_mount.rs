@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{open_beneath_no_symlinks, MountError};
+use super::{open_beneath_no_symlinks, MountError, Propagation, Syscall};
 
 /// Where a container's sandbox appears inside its rootfs (Mesos' path, so
 /// tasks moving over find it where they expect).
@@ -37,6 +37,67 @@ pub enum TargetRoot {
     /// (absolute `container_path` without a rootfs). The target must
     /// already exist: nothing is created on the host.
     Host,
+}
+
+/// How mount events flow between a volume's host mount point and a container's copy of it (the
+/// per-use choice of Docker's `bind-propagation` and Kubernetes' `mountPropagation`).
+///
+/// Applying anything but [`Private`](Self::Private) needs the host mount point in a shared peer
+/// group: whoever applies the mount first makes it shared ([`VolumeMount::share_host_mount_point`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumePropagation {
+    /// No events in or out (the default; checkpoints written before this field load as it).
+    #[default]
+    Private,
+    /// Mounts made later under the host mount point (a FUSE or nested mount of the driver) reach the
+    /// container; none flow back (Mesos' `HOST_TO_CONTAINER`).
+    Rslave,
+    /// Both ways: mounts the container makes under its copy appear under the host mount point too
+    /// (Mesos' `BIDIRECTIONAL`). They are swept at unpublish.
+    Rshared,
+}
+
+impl VolumePropagation {
+    /// The name used in options and messages (`private`, `rslave`, `rshared`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumePropagation::Private => "private",
+            VolumePropagation::Rslave => "rslave",
+            VolumePropagation::Rshared => "rshared",
+        }
+    }
+
+    /// Parses [`as_str`](Self::as_str)'s names.
+    pub fn parse(name: &str) -> Option<VolumePropagation> {
+        [
+            VolumePropagation::Private,
+            VolumePropagation::Rslave,
+            VolumePropagation::Rshared,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == name)
+    }
+
+    /// The propagation type the container's copy is given, recursively, once attached.
+    pub fn kernel(self) -> Propagation {
+        match self {
+            VolumePropagation::Private => Propagation::Private,
+            VolumePropagation::Rslave => Propagation::Slave,
+            VolumePropagation::Rshared => Propagation::Shared,
+        }
+    }
+
+    /// Whether the host mount point must be in a shared peer group first.
+    pub fn needs_shared_host(self) -> bool {
+        self != VolumePropagation::Private
+    }
+}
+
+impl std::fmt::Display for VolumePropagation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// One bind mount of a volume into a container.
@@ -69,6 +130,13 @@ pub struct VolumeMount {
     /// The resource provider id, if any.
     #[serde(default)]
     pub provider_id: Option<String>,
+    /// How mount events flow between the host mount point and the container's copy.
+    #[serde(default, skip_serializing_if = "is_private")]
+    pub propagation: VolumePropagation,
+}
+
+fn is_private(p: &VolumePropagation) -> bool {
+    *p == VolumePropagation::Private
 }
 
 impl PartialEq for VolumeMount {
@@ -81,6 +149,7 @@ impl PartialEq for VolumeMount {
             && self.readonly == other.readonly
             && self.volume_id == other.volume_id
             && self.provider_id == other.provider_id
+            && self.propagation == other.propagation
     }
 }
 
@@ -110,6 +179,49 @@ impl VolumeMount {
     pub fn open_source(&self) -> Result<OwnedFd, MountError> {
         let (anchor, rest) = self.source_parts()?;
         open_beneath_no_symlinks(anchor, rest)
+    }
+
+    /// The host mount point whose peer group the container's copy joins (rshared) or follows (rslave):
+    /// the trusted directory `source` lies in, or `source` itself.
+    pub fn host_mount_point(&self) -> &Path {
+        self.source_root.as_deref().unwrap_or(&self.source)
+    }
+
+    /// Makes the volume's host mount point ([`host_mount_point`](Self::host_mount_point)) a shared
+    /// mount (its own peer group, unless it already is in one; not recursive), so that a container's
+    /// copy can be its peer or its slave. A no-op for [`VolumePropagation::Private`]. The path is
+    /// opened without following a symlink and must be the root of a mount, or this is
+    /// [`MountError::NotAMountPoint`]: the mount that merely holds it (the work dir's file system) is
+    /// never changed.
+    pub fn share_host_mount_point(&self, sys: &dyn Syscall) -> Result<(), MountError> {
+        if !self.propagation.needs_shared_host() {
+            return Ok(());
+        }
+        let path = self.host_mount_point();
+        let not_a_mount = || MountError::NotAMountPoint {
+            path: path.to_path_buf(),
+        };
+        let fd = nix::fcntl::open(
+            path,
+            nix::fcntl::OFlag::O_PATH
+                | nix::fcntl::OFlag::O_NOFOLLOW
+                | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|_| not_a_mount())?;
+        let is_root = match super::mountinfo::fd_mount_root(std::os::fd::AsFd::as_fd(&fd)) {
+            Ok(Some(answer)) => answer,
+            Ok(None) => super::MountTable::is_mount_point(&super::ProcMountTable::new(), path)?,
+            Err(_) => false,
+        };
+        if !is_root {
+            return Err(not_a_mount());
+        }
+        sys.set_propagation(
+            &super::proc_fd_path(std::os::fd::AsFd::as_fd(&fd)),
+            Propagation::Shared,
+            false,
+        )
     }
 
     /// The target as the workload sees it, inside the container: with a

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::isolator::oci::OciPrepared;
 use crate::isolator::{ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo};
-use crate::mount::{TargetRoot, VolumeMount};
+use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
 use crate::provider::status::StatusReport;
 use crate::resource::{parse_resources, Resource};
 use crate::service::error::ServiceError;
@@ -85,6 +85,7 @@ impl From<&VolumeMount> for proto::VolumeMount {
                 .as_deref()
                 .map(path_string)
                 .unwrap_or_default(),
+            propagation: m.propagation.as_str().to_string(),
         }
     }
 }
@@ -106,6 +107,16 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
                 ))
             }
         };
+        let propagation = if m.propagation.is_empty() {
+            VolumePropagation::Private
+        } else {
+            VolumePropagation::parse(&m.propagation).ok_or_else(|| {
+                format!(
+                    "mount of {:?}: unknown propagation {:?} (expected private, rslave or rshared)",
+                    m.container_path, m.propagation
+                )
+            })?
+        };
         Ok(VolumeMount {
             source: PathBuf::from(m.source),
             source_root: Some(m.source_root)
@@ -117,6 +128,7 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
             readonly: m.readonly,
             volume_id: Some(m.volume_id).filter(|s| !s.is_empty()),
             provider_id: Some(m.provider_id).filter(|s| !s.is_empty()),
+            propagation,
         })
     }
 }
@@ -245,6 +257,7 @@ mod tests {
             readonly: true,
             volume_id: Some("v".into()),
             provider_id: None,
+            propagation: Default::default(),
         };
         let wire = proto::VolumeMount::from(&m);
         assert_eq!(wire.provider_id, "");

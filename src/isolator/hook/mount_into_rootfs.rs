@@ -212,6 +212,7 @@ mod tests {
             readonly: false,
             volume_id: Some("vol-1".to_string()),
             provider_id: None,
+            propagation: Default::default(),
         }
     }
 

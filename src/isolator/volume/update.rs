@@ -270,6 +270,7 @@ mod tests {
             readonly,
             volume_id: Some(volume.to_string()),
             provider_id: Some("p".to_string()),
+            propagation: Default::default(),
         }
     }
 
