@@ -25,6 +25,15 @@
 //!   with bounded EBUSY retries and a lazy detach as the last resort: the
 //!   mount table, not our bookkeeping, says what is left.
 //!
+//! - Propagation ([`VolumePropagation`]): the runtime-spec entry carries `rprivate`, `rslave` or
+//!   `rshared` and the `docker run --mount` value `bind-propagation=` (left out for private, Docker's
+//!   default). For rslave and rshared the volume's host mount point is made shared first and the host
+//!   bind stays its peer. runc applies the option to its copy after making the container's `/`
+//!   `rootfsPropagation` (default `rslave`): rslave works with that default; rshared needs the
+//!   runtime's `rootfsPropagation` to be `shared` or `rshared` (Docker sets `rshared` itself when a
+//!   mount asks for it), otherwise runc's copy is a slave and a mount made inside never reaches the
+//!   host.
+//!
 //! The runtime is not started here, so nothing in the container can race
 //! the resolution; once it runs, its view of the binds is the runtime's.
 
@@ -43,7 +52,7 @@ use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
     MountFlags, MountTable, Syscall,
 };
-use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::mount::{VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
 
 /// Every way the OCI path can fail; each names the step, the volume and the
 /// path it failed on.
@@ -110,6 +119,16 @@ pub enum OciError {
         /// The mount module's error (boxed: it is large).
         source: Box<MountError>,
     },
+    /// Making the volume's host mount point shared (for rslave or rshared propagation) failed.
+    #[error("volume {volume}: share host mount point for {propagation} propagation")]
+    ShareHostMountPoint {
+        /// The volume id.
+        volume: String,
+        /// The propagation asked for.
+        propagation: &'static str,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
+    },
     /// Cloning the source tree (`open_tree`) or binding it by path failed.
     #[error("volume {volume}: bind source {path}")]
     BindSource {
@@ -169,7 +188,7 @@ pub struct OciMount {
     pub kind: String,
     /// The host path bound (the bind made in the sandbox).
     pub source: String,
-    /// Mount options: `rbind`, `rprivate`, `ro` or `rw`.
+    /// Mount options: `rbind`, the propagation (`rprivate`, `rslave` or `rshared`), `ro` or `rw`.
     pub options: Vec<String>,
 }
 
@@ -288,8 +307,13 @@ fn csv_field(field: &str) -> String {
     }
 }
 
-/// The `--mount` value for one bind.
-fn docker_mount_value(source: &str, destination: &str, readonly: bool) -> String {
+/// The `--mount` value for one bind (Docker's `bind-propagation` is `rprivate` unless told).
+fn docker_mount_value(
+    source: &str,
+    destination: &str,
+    readonly: bool,
+    propagation: VolumePropagation,
+) -> String {
     let mut fields = vec![
         "type=bind".to_string(),
         csv_field(&format!("source={source}")),
@@ -298,7 +322,20 @@ fn docker_mount_value(source: &str, destination: &str, readonly: bool) -> String
     if readonly {
         fields.push("readonly".to_string());
     }
+    if propagation != VolumePropagation::Private {
+        fields.push(format!("bind-propagation={propagation}"));
+    }
     fields.join(",")
+}
+
+/// The runtime-spec option for a bind's propagation: `rprivate`, `rslave` or `rshared` (runc applies it
+/// to the container's copy after its bind; see the module doc for what rshared asks of the rootfs).
+fn propagation_option(propagation: VolumePropagation) -> &'static str {
+    match propagation {
+        VolumePropagation::Private => "rprivate",
+        VolumePropagation::Rslave => "rslave",
+        VolumePropagation::Rshared => "rshared",
+    }
 }
 
 /// Binds every volume of `launch` into `sandbox` and returns what the runtime
@@ -360,14 +397,17 @@ pub fn prepare(
                     source: source.to_string(),
                     options: vec![
                         "rbind".to_string(),
-                        "rprivate".to_string(),
+                        propagation_option(m.propagation).to_string(),
                         if m.readonly { "ro" } else { "rw" }.to_string(),
                     ],
                 });
                 prepared.docker_args.push("--mount".to_string());
-                prepared
-                    .docker_args
-                    .push(docker_mount_value(source, &p.destination, m.readonly));
+                prepared.docker_args.push(docker_mount_value(
+                    source,
+                    &p.destination,
+                    m.readonly,
+                    m.propagation,
+                ));
                 tracing::debug!(volume_id = %p.volume, host = %host.display(), destination = %p.destination, "volume bound into sandbox");
             }
             Err(e) => {
@@ -399,6 +439,14 @@ fn bind_one(
         path: m.source.clone(),
         source,
     };
+    // rslave and rshared: the host bind must be a peer of the volume's host mount point, so the
+    // runtime's copy of it can follow (or join) that peer group.
+    m.share_host_mount_point(sys)
+        .map_err(|source| OciError::ShareHostMountPoint {
+            volume: p.volume.clone(),
+            propagation: m.propagation.as_str(),
+            source: Box::new(source),
+        })?;
     let source = m.open_source().map_err(|e| stat_err(io::Error::other(e)))?;
     let is_dir = nix::sys::stat::fstat(&source)
         .map_err(|errno| stat_err(io::Error::from_raw_os_error(errno as i32)))

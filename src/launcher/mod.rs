@@ -60,7 +60,7 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, StillMounted, VolumeRef};
 pub use process::Launched;
-pub use setup::{clone_source, DetachedTree};
+pub use setup::{clone_source, set_propagation, share_host, DetachedTree};
 
 use crate::mount::{Syscall, VolumeMount};
 

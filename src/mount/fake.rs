@@ -70,6 +70,8 @@ struct State {
     next_group: u32,
     rules: Vec<FailRule>,
     trees: HashMap<RawFd, Tree>,
+    /// Where each detached tree was attached (its fd then names that mount's root).
+    attached: HashMap<RawFd, PathBuf>,
 }
 
 /// A recording double: see the module doc.
@@ -425,6 +427,22 @@ impl Syscall for FakeSyscall {
         if let Some(errno) = self.record(&mut s, call) {
             return Err(err(errno));
         }
+        // A /proc/self/fd path names what its fd holds: an attached tree's mount, or the fd's path.
+        let resolved;
+        let target = match target
+            .strip_prefix("/proc/self/fd")
+            .ok()
+            .and_then(|n| n.to_str()?.parse::<RawFd>().ok())
+        {
+            Some(fd) => {
+                resolved = match s.attached.get(&fd) {
+                    Some(at) => at.clone(),
+                    None => std::fs::read_link(target).unwrap_or_else(|_| target.to_path_buf()),
+                };
+                resolved.as_path()
+            }
+            None => target,
+        };
         if s.topmost(target).is_none() {
             return Err(err(Errno::EINVAL));
         }
@@ -669,6 +687,7 @@ impl Syscall for FakeSyscall {
             .remove(&from_raw)
             .ok_or_else(|| err(Errno::EINVAL))?;
         let target = super::fd::fd_path(to).map_err(|_| err(Errno::EBADF))?;
+        s.attached.insert(from_raw, target.clone());
         s.bind(&tree.source, &target, tree.recursive, tree.readonly);
         if let Some(m) = s.topmost(&target) {
             apply_flags(m, tree.set, tree.clear);
