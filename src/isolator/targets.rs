@@ -284,6 +284,71 @@ mod tests {
     }
 
     #[test]
+    fn mount_propagation_maps_mesos_names_and_refuses_the_rest() {
+        use crate::resource::VolumeMode;
+        let config = ContainerConfig {
+            resources: vec![],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: None,
+            user: None,
+        };
+        let csi = || {
+            Resource::csi_volume(
+                "p1",
+                "vol-1",
+                "./csi/t/n/mounts",
+                8,
+                None,
+                None,
+                [("k", "v")],
+            )
+            .with_volume("data", VolumeMode::Rw)
+        };
+        let cases = [
+            (None, Ok(VolumePropagation::Private)),
+            (
+                Some(PropagationMode::HostToContainer),
+                Ok(VolumePropagation::Rslave),
+            ),
+            (
+                Some(PropagationMode::Bidirectional),
+                Ok(VolumePropagation::Rshared),
+            ),
+            (Some(PropagationMode::Unknown), Err("UNKNOWN")),
+            (Some(PropagationMode::Other("rslave".into())), Err("rslave")),
+        ];
+        for (mode, want) in cases {
+            let r = match &mode {
+                Some(m) => csi().with_mount_propagation(m.clone()),
+                None => csi(),
+            };
+            let got = volume_mounts("c1", &config, &[r], Path::new("/work"));
+            match (got, want) {
+                (Ok(m), Ok(p)) => assert_eq!(m[0].propagation, p, "{mode:?}"),
+                (Err(e), Err(value)) => {
+                    let text = e.full_message();
+                    assert!(
+                        text.contains("disk.volume.mount_propagation.mode") && text.contains(value),
+                        "{text}"
+                    );
+                }
+                (got, want) => panic!("{mode:?}: {got:?}, want {want:?}"),
+            }
+        }
+        // A disk with no CSI volume of its own (the agent's default disk) has no mount point to share.
+        let plain = Resource::scalar("disk", 8.0)
+            .with_persistence("pv1", None)
+            .with_volume("data", VolumeMode::Rw)
+            .with_mount_propagation(PropagationMode::HostToContainer);
+        let err = volume_mounts("c1", &config, &[plain], Path::new("/work")).unwrap_err();
+        assert!(
+            err.full_message().contains("need a CSI volume"),
+            "{}",
+            err.full_message()
+        );
+    }
+
+    #[test]
     fn an_unknown_volume_mode_is_refused_not_guessed() {
         use crate::resource::VolumeMode;
         let volume = |mode: &str| {

@@ -235,3 +235,62 @@ impl VolumeMount {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mount_checkpointed_before_propagation_existed_loads_private_and_private_is_not_written() {
+        let old = r#"{"source":"/w/t","root":"sandbox","target":"data","container_path":"data","readonly":false}"#;
+        let m: VolumeMount = serde_json::from_str(old).unwrap();
+        assert_eq!(m.propagation, VolumePropagation::Private);
+        assert_eq!(
+            serde_json::to_string(&m).unwrap().contains("propagation"),
+            false
+        );
+        let shared = VolumeMount {
+            propagation: VolumePropagation::Rshared,
+            ..m
+        };
+        let text = serde_json::to_string(&shared).unwrap();
+        assert!(text.contains(r#""propagation":"rshared""#), "{text}");
+        assert_eq!(serde_json::from_str::<VolumeMount>(&text).unwrap(), shared);
+        for p in [
+            VolumePropagation::Private,
+            VolumePropagation::Rslave,
+            VolumePropagation::Rshared,
+        ] {
+            assert_eq!(VolumePropagation::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(VolumePropagation::parse("slave"), None);
+    }
+
+    #[test]
+    fn only_a_mount_root_is_shared_and_private_asks_nothing() {
+        let fake = crate::mount::FakeSyscall::new();
+        let dir = tempfile::tempdir().unwrap();
+        let m = VolumeMount {
+            source: dir.path().to_path_buf(),
+            source_root: None,
+            root: TargetRoot::Sandbox,
+            target: PathBuf::from("data"),
+            container_path: "data".into(),
+            readonly: false,
+            volume_id: Some("v".into()),
+            provider_id: None,
+            propagation: VolumePropagation::Private,
+        };
+        m.share_host_mount_point(&fake).unwrap();
+        assert!(fake.calls().is_empty());
+        // A plain directory (not a mount root) is refused by name, and nothing is changed.
+        let slave = VolumeMount {
+            propagation: VolumePropagation::Rslave,
+            ..m
+        };
+        let err = slave.share_host_mount_point(&fake).unwrap_err();
+        assert!(matches!(err, MountError::NotAMountPoint { .. }), "{err}");
+        assert!(err.to_string().contains("not a mount point"), "{err}");
+        assert!(fake.calls().is_empty());
+    }
+}

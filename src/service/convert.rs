@@ -276,6 +276,31 @@ mod tests {
             ..Default::default()
         };
         assert!(VolumeMount::try_from(bad).is_err());
+        // Propagation crosses the wire by name; empty is private; anything else is refused.
+        for p in [VolumePropagation::Rslave, VolumePropagation::Rshared] {
+            let with = VolumeMount {
+                propagation: p,
+                ..m.clone()
+            };
+            let wire = proto::VolumeMount::from(&with);
+            assert_eq!(wire.propagation, p.as_str());
+            assert_eq!(VolumeMount::try_from(wire).unwrap(), with);
+        }
+        let empty = proto::VolumeMount {
+            propagation: String::new(),
+            ..proto::VolumeMount::from(&m)
+        };
+        assert_eq!(
+            VolumeMount::try_from(empty).unwrap().propagation,
+            VolumePropagation::Private
+        );
+        let unknown = proto::VolumeMount {
+            propagation: "slave".into(),
+            ..proto::VolumeMount::from(&m)
+        };
+        assert!(VolumeMount::try_from(unknown)
+            .unwrap_err()
+            .contains("unknown propagation"));
     }
 
     #[test]
