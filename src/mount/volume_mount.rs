@@ -245,10 +245,7 @@ mod tests {
         let old = r#"{"source":"/w/t","root":"sandbox","target":"data","container_path":"data","readonly":false}"#;
         let m: VolumeMount = serde_json::from_str(old).unwrap();
         assert_eq!(m.propagation, VolumePropagation::Private);
-        assert_eq!(
-            serde_json::to_string(&m).unwrap().contains("propagation"),
-            false
-        );
+        assert!(!serde_json::to_string(&m).unwrap().contains("propagation"));
         let shared = VolumeMount {
             propagation: VolumePropagation::Rshared,
             ..m
