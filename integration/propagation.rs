@@ -198,6 +198,7 @@ async fn a_mount_an_rshared_container_makes_under_its_volume_reaches_the_host_an
         };
         let script = format!(
             "{mount} -t tmpfs tmpfs data/inner && echo from-the-container > data/inner/m && \
+             mkdir -p elsewhere && {mount} -t tmpfs tmpfs elsewhere && \
              cat data/driver/marker > seen-driver && touch data/ready && \
              while [ ! -e data/done ]; do sleep 0.05; done"
         );
@@ -211,7 +212,8 @@ async fn a_mount_an_rshared_container_makes_under_its_volume_reaches_the_host_an
             is_mount_point(&mp.join("driver")),
             "the pivot took the driver's mount"
         );
-        // Nothing the container mounted landed anywhere but beneath the volume's mount point.
+        // Nothing the container mounted landed anywhere but beneath the volume's mount point (its
+        // tmpfs beside the volume, in its sandbox, stayed in its namespace).
         // (Other tests' mounts come and go meanwhile: only this sandbox's are compared.)
         let added: Vec<PathBuf> = mount_table()
             .into_iter()
