@@ -691,3 +691,117 @@ async fn a_later_host_mount_reaches_an_rslave_volume_through_runc_and_not_a_priv
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// serve carries a resource's `disk.volume.mount_propagation` through: Prepare's mounts name it
+/// (`VolumeMount.propagation`, field 9), PrepareOci's entries carry `rshared` and Docker's
+/// `bind-propagation=rshared`, and an unknown mode is refused as the caller's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_carries_mount_propagation_to_prepare_and_prepare_oci() {
+    require_tools();
+    let sb = Sandbox::new("runc-serve-prop");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let mut resources = Vec::new();
+    for (name, path, mode) in [
+        ("slave", "/slave", "HOST_TO_CONTAINER"),
+        ("shared", "/shared", "BIDIRECTIONAL"),
+        ("plain", "/plain", ""),
+    ] {
+        let v = c
+            .create_volume(proto::CreateVolumeRequest {
+                name: name.into(),
+                capacity_bytes: 16 << 20,
+                container_path: path.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume")
+            .into_inner();
+        let mut r: serde_json::Value = serde_json::from_str(&v.resource_json).unwrap();
+        if !mode.is_empty() {
+            r["disk"]["volume"]["mount_propagation"] = serde_json::json!({ "mode": mode });
+        }
+        resources.push(r);
+    }
+    let request =
+        |id: &str, resources: &[serde_json::Value], sandbox: &Path| proto::PrepareRequest {
+            container_id: id.into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: serde_json::to_string(resources).unwrap(),
+                sandbox: sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        };
+    let ns_sandbox = sb.mkdir("ns-sandbox");
+    let info = c
+        .prepare(request("ns", &resources, &ns_sandbox))
+        .await
+        .expect("Prepare")
+        .into_inner();
+    let got: Vec<(&str, &str)> = info
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.propagation.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("/slave", "rslave"),
+            ("/shared", "rshared"),
+            ("/plain", "private")
+        ]
+    );
+    let oci = c
+        .prepare_oci(request("oci", &resources, &bundle.sandbox))
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    let options: Vec<&str> = oci.mounts.iter().map(|m| m.options[1].as_str()).collect();
+    assert_eq!(options, ["rslave", "rshared", "rprivate"]);
+    assert!(
+        oci.docker_args[3].ends_with(",bind-propagation=rshared"),
+        "{:?}",
+        oci.docker_args
+    );
+
+    let mut bad = resources[0].clone();
+    bad["disk"]["volume"]["mount_propagation"]["mode"] = "SLAVE".into();
+    let err = c
+        .prepare(request("bad", &[bad], &sb.mkdir("bad-sandbox")))
+        .await
+        .expect_err("an unknown propagation");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("mount_propagation"),
+        "{}",
+        err.message()
+    );
+
+    for id in ["ns", "oci"] {
+        c.cleanup(proto::CleanupRequest {
+            container_id: id.into(),
+        })
+        .await
+        .expect("Cleanup");
+    }
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    for v in &st.volumes {
+        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+        c.destroy_volume(proto::DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
