@@ -70,7 +70,7 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, StillMounted, VolumeRef};
 pub use process::Launched;
-pub use setup::{clone_source, set_propagation, share_host, DetachedTree};
+pub use setup::{clone_source, set_propagation, set_propagation_of, share_host, DetachedTree};
 
 use crate::mount::{Syscall, VolumeMount};
 

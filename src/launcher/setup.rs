@@ -166,6 +166,27 @@ pub fn share_host(
         })
 }
 
+/// [`set_propagation`] through the attached tree's fd (`mount_setattr`, no path: from a thread in
+/// another namespace, `/proc/self` may name nothing), by its `/proc/self/fd` path before Linux 5.12.
+pub fn set_propagation_of(
+    sys: &dyn Syscall,
+    tree: BorrowedFd<'_>,
+    propagation: VolumePropagation,
+    at: &VolumeRef,
+) -> Result<(), LaunchError> {
+    match sys.set_propagation_by_fd(tree, propagation.kernel(), true) {
+        Ok(()) => Ok(()),
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => {
+            set_propagation(sys, &mount::proc_fd_path(tree), propagation, at)
+        }
+        Err(source) => Err(LaunchError::SetPropagation {
+            at: Box::new(at.clone()),
+            propagation: propagation.as_str(),
+            source,
+        }),
+    }
+}
+
 /// Gives the attached copy rooted at `top` (a path naming the new mount's root, `/proc/self/fd/N`) its
 /// propagation, recursively, in the namespace it was attached in: private (no events either way, even
 /// when the host mount point is shared), slave (events from the host's peer group only) or shared (left
@@ -304,7 +325,7 @@ pub(crate) fn attach(
             if !set.is_empty() || !clear.is_empty() {
                 sys.remount_bind_with(&top, set, clear).map_err(ro_err)?;
             }
-            set_propagation(sys, &top, clone.propagation, at)?;
+            set_propagation_of(sys, tree.as_fd(), clone.propagation, at)?;
         }
         None => {
             sys.bind_mount_to_fd(&mount::proc_fd_path(clone.source.as_fd()), target, true)
@@ -737,15 +758,18 @@ mod tests {
             [
                 CallKind::SetReadonlyByFd,
                 CallKind::MoveMountToFd,
-                CallKind::SetPropagation
+                CallKind::SetPropagationByFd
             ]
         );
         // Private by default, on the copy and its submounts: no host event reaches it, even from a
         // shared host mount point.
         assert!(matches!(
             &calls[4],
-            Call::SetPropagation { target, propagation: crate::mount::Propagation::Private, recursive: true }
-                if target.starts_with("/proc/self/fd")
+            Call::SetPropagationByFd {
+                propagation: crate::mount::Propagation::Private,
+                recursive: true,
+                ..
+            }
         ));
 
         // Without open_tree: the resolved fd is bound (never the path string), then one remount sets
@@ -779,7 +803,7 @@ mod tests {
         assert!(
             matches!(
                 fake.calls().last(),
-                Some(Call::SetPropagation {
+                Some(Call::SetPropagationByFd {
                     propagation: crate::mount::Propagation::Slave,
                     recursive: true,
                     ..

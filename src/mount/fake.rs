@@ -695,6 +695,62 @@ impl Syscall for FakeSyscall {
         Ok(())
     }
 
+    fn set_propagation_by_fd(
+        &self,
+        mount: BorrowedFd<'_>,
+        propagation: Propagation,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let fd = raw(mount);
+        let target = {
+            let mut s = self.lock();
+            let call = Call::SetPropagationByFd {
+                fd,
+                propagation,
+                recursive,
+            };
+            if let Some(errno) = self.record(&mut s, call) {
+                return Err(MountError::Propagation {
+                    target: PathBuf::from(format!("fd {fd}")),
+                    propagation: propagation.as_str(),
+                    errno,
+                });
+            }
+            s.attached.get(&fd).cloned()
+        };
+        // The table change of set_propagation, on the mount the fd names (not recorded twice).
+        let target = match target {
+            Some(t) => t,
+            None => super::fd::fd_path(mount).map_err(|_| MountError::Propagation {
+                target: PathBuf::from(format!("fd {fd}")),
+                propagation: propagation.as_str(),
+                errno: Errno::EBADF,
+            })?,
+        };
+        let mut s = self.lock();
+        if s.topmost(&target).is_none() {
+            return Err(MountError::Propagation {
+                target,
+                propagation: propagation.as_str(),
+                errno: Errno::EINVAL,
+            });
+        }
+        s.next_group += 1;
+        let group = s.next_group;
+        let top_id = s.topmost(&target).map(|m| m.mount_id);
+        for m in s.table.iter_mut() {
+            let hit = if recursive {
+                m.mount_point.starts_with(&target)
+            } else {
+                Some(m.mount_id) == top_id
+            };
+            if hit {
+                set_propagation_fields(m, propagation, group);
+            }
+        }
+        Ok(())
+    }
+
     fn set_readonly_by_fd(&self, mount: BorrowedFd<'_>, recursive: bool) -> Result<(), MountError> {
         let mut s = self.lock();
         let fd = raw(mount);

@@ -172,7 +172,7 @@ fn attach_in_rootfs(
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
             .map_err(RootfsMountError::Attach)?;
         // In the container's namespace, where the copy now lives (see VolumePropagation).
-        crate::launcher::set_propagation(sys, &mount::proc_fd_path(tree.as_fd()), propagation, &at)
+        crate::launcher::set_propagation_of(sys, tree.as_fd(), propagation, &at)
             .map_err(|e| RootfsMountError::Propagation(Box::new(e)))
     })?;
     tracing::debug!(
