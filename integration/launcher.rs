@@ -52,6 +52,7 @@ fn volume(
         volume_id: Some(id.to_string()),
         provider_id: None,
         block: false,
+        propagation: Default::default(),
     }
 }
 

@@ -414,3 +414,83 @@ async fn a_block_volume_is_refused_by_the_hook_and_released() {
     assert!(!mounted);
     sb.assert_no_loop_devices();
 }
+
+/// rslave through the OCI hook: a raw resource (the operator allows them) names a CSI volume with
+/// `mount_propagation` `HOST_TO_CONTAINER`; the hook shares its host mount point, attaches its copy in
+/// the container's namespace and makes it a slave there; a tmpfs the host mounts under the volume
+/// while the container runs is seen inside, and poststop's release leaves nothing mounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_host_mount_reaches_an_rslave_volume_through_the_hook() {
+    use csi_isolator::isolator::hook::RESOURCES_ANNOTATION;
+    use csi_isolator::provider::CreateSpec;
+    use csi_isolator::resource::{PropagationMode, VolumeMode};
+    require_tools();
+    let sb = Sandbox::new("hook-rslave");
+    let mut runc = RuncBundle::new(&sb, "bundle");
+    let work = sb.join("work");
+    set_oci_hooks(
+        &mut runc,
+        Path::new(BIN),
+        &work,
+        &sb.join("s"),
+        &["--allow-raw-resources"],
+    );
+    let before = host_mount_points(&sb);
+    // The volume is made first, by a provider on the hook's work dir; the hook publishes it.
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
+    config.socket_dir = sb.join("s");
+    config.ready_timeout = Duration::from_secs(10);
+    let provider = StorageProvider::start(config)
+        .await
+        .expect("start provider");
+    if let Some(pid) = provider.plugin_pid() {
+        sb.track(pid);
+    }
+    let res = provider
+        .create_volume(CreateSpec::new("v", 16 << 20))
+        .await
+        .expect("create volume")
+        .with_volume("/data", VolumeMode::Rw)
+        .with_mount_propagation(PropagationMode::HostToContainer);
+    let mount_point = provider.mount_point(res.source_id().unwrap());
+    provider.shutdown(Duration::from_secs(5)).await;
+
+    let mut config = runc.config_for(
+        "touch /data/ready; while [ ! -e /data/go ]; do sleep 0.05; done; cat /data/sub/marker",
+    );
+    config["annotations"] =
+        serde_json::json!({ RESOURCES_ANNOTATION: serde_json::to_string(&vec![res]).unwrap() });
+    let id = format!("csi-hook-rslave-{}", std::process::id());
+    let nested = mount_point.join("sub");
+    let r = std::thread::scope(|scope| {
+        let running = scope.spawn(|| runc_run(&sb, &runc, &id, &config, RUN_TIMEOUT));
+        let deadline = std::time::Instant::now() + RUN_TIMEOUT;
+        while !mount_point.join("ready").exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the container never started"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        fs::create_dir(&nested).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &nested,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=1M"),
+        )
+        .unwrap();
+        fs::write(nested.join("marker"), "from-the-host").unwrap();
+        fs::write(mount_point.join("go"), "").unwrap();
+        running.join().unwrap()
+    });
+    let _ = r.guard.delete();
+    assert_ran(&r);
+    assert_eq!(r.stdout, "from-the-host");
+    // poststop released the volume: its mount point, and the host's mount beneath it, are gone.
+    assert!(!ProcMountTable::new().is_mount_point(&nested).unwrap());
+    assert!(!ProcMountTable::new().is_mount_point(&mount_point).unwrap());
+    assert_eq!(host_mount_points(&sb), before, "host mount table");
+    sb.assert_no_mounts_under();
+}

@@ -16,7 +16,7 @@ use std::time::Duration;
 use csi_isolator::isolator::oci::{self, OciPrepared};
 use csi_isolator::isolator::LaunchInfo;
 use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
-use csi_isolator::mount::{TargetRoot, VolumeMount, SANDBOX_IN_ROOTFS};
+use csi_isolator::mount::{TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, StorageProvider};
 use csi_isolator::service::proto;
@@ -71,6 +71,7 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
         volume_id: Some(id.to_string()),
         provider_id: None,
         block: false,
+        propagation: Default::default(),
     }
 }
 
@@ -352,6 +353,7 @@ async fn csi_volume_is_bound_through_runc() {
             volume_id: Some(id.clone()),
             provider_id: Some(provider.id().to_string()),
             block: false,
+            propagation: Default::default(),
         }],
     };
     let sys = LinuxSyscall::new();
@@ -562,6 +564,231 @@ async fn serve_prepare_oci_binds_volumes_for_runc() {
     .await
     .expect("Cleanup");
     assert!(table.mounts_under(&bundle.sandbox).unwrap().is_empty());
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    for v in &st.volumes {
+        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+        c.destroy_volume(proto::DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// rslave through runc: the OCI entry carries `rslave` (Docker's value `bind-propagation=rslave`), the
+/// host bind stays a peer of the (now shared) volume mount point, and runc's copy, under its default
+/// rootfsPropagation, follows it: a tmpfs mounted on the host under the volume while the container
+/// runs is seen inside; beside it, a private volume sees nothing of the same kind of mount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_host_mount_reaches_an_rslave_volume_through_runc_and_not_a_private_one() {
+    require_tools();
+    let sb = Sandbox::new("runc-rslave");
+    let bundle = build_bundle(&sb);
+    let work = sb.mkdir("work");
+    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
+    config.socket_dir = sb.join("s");
+    config.ready_timeout = Duration::from_secs(10);
+    let provider = StorageProvider::start(config)
+        .await
+        .expect("start provider");
+    let plugin_pid = provider.plugin_pid();
+    if let Some(pid) = plugin_pid {
+        sb.track(pid);
+    }
+    let mut mounts = Vec::new();
+    let mut points = Vec::new();
+    for (name, propagation) in [
+        ("slave", VolumePropagation::Rslave),
+        ("private", VolumePropagation::Private),
+    ] {
+        let res = provider
+            .create_volume(CreateSpec::new(name, 16 << 20))
+            .await
+            .expect("create volume");
+        let id = res.source_id().expect("volume id").to_string();
+        let mount_point = provider.publish(&id, "c1").await.expect("publish");
+        fs::create_dir(mount_point.join("sub")).unwrap();
+        mounts.push(VolumeMount {
+            propagation,
+            provider_id: Some(provider.id().to_string()),
+            ..volume(&mount_point, &format!("/{name}"), false, &id)
+        });
+        points.push((id, mount_point));
+    }
+    let sys = LinuxSyscall::new();
+    let prepared = oci::prepare(&sys, &bundle.sandbox, &LaunchInfo { mounts }).expect("prepare");
+    assert_eq!(prepared.mounts[0].options, ["rbind", "rslave", "rw"]);
+    assert_eq!(prepared.mounts[1].options, ["rbind", "rprivate", "rw"]);
+    assert!(
+        prepared.docker_args[1].ends_with(",bind-propagation=rslave"),
+        "{:?}",
+        prepared.docker_args
+    );
+    assert!(!prepared.docker_args[3].contains("bind-propagation"));
+
+    let (slave_mp, private_mp) = (points[0].1.clone(), points[1].1.clone());
+    let nested: Vec<PathBuf> = vec![slave_mp.join("sub"), private_mp.join("sub")];
+    let r = std::thread::scope(|scope| {
+        let running = scope.spawn(|| {
+            run(
+                &sb,
+                &bundle,
+                "rslave",
+                &prepared,
+                "touch /slave/ready; while [ ! -e /slave/go ]; do sleep 0.05; done; \
+                 cat /slave/sub/marker; echo; cat /private/sub/marker; echo end",
+            )
+        });
+        let deadline = std::time::Instant::now() + RUN_TIMEOUT;
+        while !slave_mp.join("ready").exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the container never started"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The container runs: these mounts are "later" ones.
+        for at in &nested {
+            nix::mount::mount(
+                Some("tmpfs"),
+                at,
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("size=1M"),
+            )
+            .unwrap();
+            fs::write(at.join("marker"), "from-the-host").unwrap();
+        }
+        fs::write(slave_mp.join("go"), "").unwrap();
+        running.join().unwrap()
+    });
+    for at in &nested {
+        nix::mount::umount2(at, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    }
+    assert_ran(&r);
+    assert_eq!(
+        r.stdout, "from-the-host\nend\n",
+        "rslave sees the host's later mount, private does not; stderr: {}",
+        r.stderr
+    );
+    assert_eq!(finish(&bundle, r), 2);
+    let table = ProcMountTable::new();
+    for (id, mount_point) in &points {
+        provider.release(id, "c1").await.expect("release");
+        assert!(!table.is_mount_point(mount_point).unwrap());
+        provider.destroy_volume(id).await.expect("destroy volume");
+    }
+    provider.shutdown(Duration::from_secs(5)).await;
+    if let Some(pid) = plugin_pid {
+        sb.untrack(pid);
+    }
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// serve carries a resource's `disk.volume.mount_propagation` through: Prepare's mounts name it
+/// (`VolumeMount.propagation`, field 9), PrepareOci's entries carry `rshared` and Docker's
+/// `bind-propagation=rshared`, and an unknown mode is refused as the caller's error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_carries_mount_propagation_to_prepare_and_prepare_oci() {
+    require_tools();
+    let sb = Sandbox::new("runc-serve-prop");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let mut resources = Vec::new();
+    for (name, path, mode) in [
+        ("slave", "/slave", "HOST_TO_CONTAINER"),
+        ("shared", "/shared", "BIDIRECTIONAL"),
+        ("plain", "/plain", ""),
+    ] {
+        let v = c
+            .create_volume(proto::CreateVolumeRequest {
+                name: name.into(),
+                capacity_bytes: 16 << 20,
+                container_path: path.into(),
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume")
+            .into_inner();
+        let mut r: serde_json::Value = serde_json::from_str(&v.resource_json).unwrap();
+        if !mode.is_empty() {
+            r["disk"]["volume"]["mount_propagation"] = serde_json::json!({ "mode": mode });
+        }
+        resources.push(r);
+    }
+    let request =
+        |id: &str, resources: &[serde_json::Value], sandbox: &Path| proto::PrepareRequest {
+            container_id: id.into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: serde_json::to_string(resources).unwrap(),
+                sandbox: sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        };
+    let ns_sandbox = sb.mkdir("ns-sandbox");
+    let info = c
+        .prepare(request("ns", &resources, &ns_sandbox))
+        .await
+        .expect("Prepare")
+        .into_inner();
+    let got: Vec<(&str, &str)> = info
+        .mounts
+        .iter()
+        .map(|m| (m.container_path.as_str(), m.propagation.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("/slave", "rslave"),
+            ("/shared", "rshared"),
+            ("/plain", "private")
+        ]
+    );
+    let oci = c
+        .prepare_oci(request("oci", &resources, &bundle.sandbox))
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    let options: Vec<&str> = oci.mounts.iter().map(|m| m.options[1].as_str()).collect();
+    assert_eq!(options, ["rslave", "rshared", "rprivate"]);
+    assert!(
+        oci.docker_args[3].ends_with(",bind-propagation=rshared"),
+        "{:?}",
+        oci.docker_args
+    );
+
+    let mut bad = resources[0].clone();
+    bad["disk"]["volume"]["mount_propagation"]["mode"] = "SLAVE".into();
+    let err = c
+        .prepare(request("bad", &[bad], &sb.mkdir("bad-sandbox")))
+        .await
+        .expect_err("an unknown propagation");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    assert!(
+        err.message().contains("mount_propagation"),
+        "{}",
+        err.message()
+    );
+
+    for id in ["ns", "oci"] {
+        c.cleanup(proto::CleanupRequest {
+            container_id: id.into(),
+        })
+        .await
+        .expect("Cleanup");
+    }
     let st = c
         .status(proto::StatusRequest {})
         .await

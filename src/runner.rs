@@ -28,7 +28,7 @@ use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::MountTable;
 use crate::provider::{MountSpec, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{validate_container_id, Resource, VolumeMode};
+use crate::resource::{validate_container_id, Resource};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
 /// What `run` does.
@@ -285,12 +285,7 @@ async fn prepare_and_supervise(
         // A volume of that name already there is handed out as it is, with the
         // parameters it was created with (`volume create --param`).
         let res = step(stops, provider.volume_for_mount(v)).await??;
-        let mode = if v.readonly {
-            VolumeMode::Ro
-        } else {
-            VolumeMode::Rw
-        };
-        resources.push(res.with_volume(&v.target, mode));
+        resources.push(v.use_of(res));
     }
     mkdir(sandbox)?;
     let config = ContainerConfig {

@@ -32,6 +32,14 @@
 //!   makes the node in the container and its device cgroup lets the container
 //!   open that device and no other. A host bind would carry nodev, which the
 //!   runtime's bind passes on, and the device could not be opened.
+//! - Propagation ([`VolumePropagation`]): the runtime-spec entry carries `rprivate`, `rslave` or
+//!   `rshared` and the `docker run --mount` value `bind-propagation=` (left out for private, Docker's
+//!   default). For rslave and rshared the volume's host mount point is made shared first and the host
+//!   bind stays its peer. runc applies the option to its copy after making the container's `/`
+//!   `rootfsPropagation` (default `rslave`): rslave works with that default; rshared needs the
+//!   runtime's `rootfsPropagation` to be `shared` or `rshared` (Docker sets `rshared` itself when a
+//!   mount asks for it), otherwise runc's copy is a slave and a mount made inside never reaches the
+//!   host.
 //!
 //! The runtime is not started here, so nothing in the container can race
 //! the resolution; once it runs, its view of the binds is the runtime's.
@@ -51,7 +59,7 @@ use crate::mount::{
     create_in_root, fd_path, unmount_all_under, unmount_no_symlinks_with_retry, MountError,
     MountFlags, MountTable, Syscall,
 };
-use crate::mount::{VolumeMount, SANDBOX_IN_ROOTFS};
+use crate::mount::{VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
 
 /// Every way the OCI path can fail; each names the step, the volume and the
 /// path it failed on.
@@ -126,6 +134,16 @@ pub enum OciError {
         /// The mount module's error (boxed: it is large).
         source: Box<MountError>,
     },
+    /// Making the volume's host mount point shared (for rslave or rshared propagation) failed.
+    #[error("volume {volume}: share host mount point for {propagation} propagation")]
+    ShareHostMountPoint {
+        /// The volume id.
+        volume: String,
+        /// The propagation asked for.
+        propagation: &'static str,
+        /// The mount module's error (boxed: it is large).
+        source: Box<MountError>,
+    },
     /// Cloning the source tree (`open_tree`) or binding it by path failed.
     #[error("volume {volume}: bind source {path}")]
     BindSource {
@@ -185,7 +203,7 @@ pub struct OciMount {
     pub kind: String,
     /// The host path bound (the bind made in the sandbox).
     pub source: String,
-    /// Mount options: `rbind`, `rprivate`, `ro` or `rw`.
+    /// Mount options: `rbind`, the propagation (`rprivate`, `rslave` or `rshared`), `ro` or `rw`.
     pub options: Vec<String>,
 }
 
@@ -389,8 +407,13 @@ fn csv_field(field: &str) -> String {
     }
 }
 
-/// The `--mount` value for one bind.
-fn docker_mount_value(source: &str, destination: &str, readonly: bool) -> String {
+/// The `--mount` value for one bind (Docker's `bind-propagation` is `rprivate` unless told).
+fn docker_mount_value(
+    source: &str,
+    destination: &str,
+    readonly: bool,
+    propagation: VolumePropagation,
+) -> String {
     let mut fields = vec![
         "type=bind".to_string(),
         csv_field(&format!("source={source}")),
@@ -399,7 +422,20 @@ fn docker_mount_value(source: &str, destination: &str, readonly: bool) -> String
     if readonly {
         fields.push("readonly".to_string());
     }
+    if propagation != VolumePropagation::Private {
+        fields.push(format!("bind-propagation={propagation}"));
+    }
     fields.join(",")
+}
+
+/// The runtime-spec option for a bind's propagation: `rprivate`, `rslave` or `rshared` (runc applies it
+/// to the container's copy after its bind; see the module doc for what rshared asks of the rootfs).
+fn propagation_option(propagation: VolumePropagation) -> &'static str {
+    match propagation {
+        VolumePropagation::Private => "rprivate",
+        VolumePropagation::Rslave => "rslave",
+        VolumePropagation::Rshared => "rshared",
+    }
 }
 
 /// Binds every volume of `launch` into `sandbox` and returns what the runtime
@@ -480,14 +516,17 @@ pub fn prepare(
                     source: source.to_string(),
                     options: vec![
                         "rbind".to_string(),
-                        "rprivate".to_string(),
+                        propagation_option(m.propagation).to_string(),
                         if m.readonly { "ro" } else { "rw" }.to_string(),
                     ],
                 });
                 prepared.docker_args.push("--mount".to_string());
-                prepared
-                    .docker_args
-                    .push(docker_mount_value(source, &p.destination, m.readonly));
+                prepared.docker_args.push(docker_mount_value(
+                    source,
+                    &p.destination,
+                    m.readonly,
+                    m.propagation,
+                ));
                 tracing::debug!(volume_id = %p.volume, host = %host.display(), destination = %p.destination, "volume bound into sandbox");
             }
             Err(e) => {
@@ -546,6 +585,14 @@ fn bind_one(
         path: m.source.clone(),
         source,
     };
+    // rslave and rshared: the host bind must be a peer of the volume's host mount point, so the
+    // runtime's copy of it can follow (or join) that peer group.
+    m.share_host_mount_point(sys)
+        .map_err(|source| OciError::ShareHostMountPoint {
+            volume: p.volume.clone(),
+            propagation: m.propagation.as_str(),
+            source: Box::new(source),
+        })?;
     let source = m.open_source().map_err(|e| stat_err(io::Error::other(e)))?;
     let is_dir = nix::sys::stat::fstat(&source)
         .map_err(|errno| stat_err(io::Error::from_raw_os_error(errno as i32)))
@@ -665,6 +712,7 @@ mod tests {
             volume_id: Some(id.to_string()),
             provider_id: None,
             block: false,
+            propagation: Default::default(),
         }
     }
 

@@ -8,8 +8,8 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::ContainerConfig;
-use crate::mount::{TargetRoot, VolumeMount};
-use crate::resource::{Resource, SourceType};
+use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
+use crate::resource::{PropagationMode, Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk
 /// resource with a `disk.volume.container_path`.
@@ -50,6 +50,12 @@ pub fn volume_mounts(
                 "a block volume cannot be mounted read-only (mode RO): give it read-write",
             ));
         }
+        let propagation = propagation_of(r).map_err(resource_err)?;
+        if propagation != VolumePropagation::Private && r.source_id().is_none() {
+            return Err(bad(
+                "rslave and rshared propagation need a CSI volume (disk.source.id): a disk without one has no mount point of its own to share",
+            ));
+        }
         let source = r.host_path(work_dir).map_err(resource_err)?;
         let source_root = source_root_of(r, &source);
         let (root, target) =
@@ -69,11 +75,24 @@ pub fn volume_mounts(
             volume_id: r.source_id().map(str::to_string),
             provider_id: r.provider_id().map(str::to_string),
             block,
+            propagation,
         });
     }
     // Parents before children, so a volume nested in another lands on top.
     out.sort_by_key(|m| m.target.components().count());
     Ok(out)
+}
+
+/// A resource's `disk.volume.mount_propagation` as the mount applies it: Mesos' names onto the
+/// kernel's (absent is private; an unknown mode is refused by the resource).
+pub fn propagation_of(r: &Resource) -> Result<VolumePropagation, crate::resource::ResourceError> {
+    Ok(match r.mount_propagation()? {
+        None => VolumePropagation::Private,
+        Some(PropagationMode::HostToContainer) => VolumePropagation::Rslave,
+        Some(PropagationMode::Bidirectional) => VolumePropagation::Rshared,
+        // `mount_propagation` lets only the two above through.
+        Some(PropagationMode::Unknown | PropagationMode::Other(_)) => VolumePropagation::Private,
+    })
 }
 
 /// What an agent disk's host path is: a directory, something else, or nothing.
@@ -271,6 +290,71 @@ mod tests {
         ] {
             assert!(target_of(bad, true).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn mount_propagation_maps_mesos_names_and_refuses_the_rest() {
+        use crate::resource::VolumeMode;
+        let config = ContainerConfig {
+            resources: vec![],
+            sandbox: PathBuf::from("/sandbox"),
+            rootfs: None,
+            user: None,
+        };
+        let csi = || {
+            Resource::csi_volume(
+                "p1",
+                "vol-1",
+                "./csi/t/n/mounts",
+                8,
+                None,
+                None,
+                [("k", "v")],
+            )
+            .with_volume("data", VolumeMode::Rw)
+        };
+        let cases = [
+            (None, Ok(VolumePropagation::Private)),
+            (
+                Some(PropagationMode::HostToContainer),
+                Ok(VolumePropagation::Rslave),
+            ),
+            (
+                Some(PropagationMode::Bidirectional),
+                Ok(VolumePropagation::Rshared),
+            ),
+            (Some(PropagationMode::Unknown), Err("UNKNOWN")),
+            (Some(PropagationMode::Other("rslave".into())), Err("rslave")),
+        ];
+        for (mode, want) in cases {
+            let r = match &mode {
+                Some(m) => csi().with_mount_propagation(m.clone()),
+                None => csi(),
+            };
+            let got = volume_mounts("c1", &config, &[r], Path::new("/work"));
+            match (got, want) {
+                (Ok(m), Ok(p)) => assert_eq!(m[0].propagation, p, "{mode:?}"),
+                (Err(e), Err(value)) => {
+                    let text = e.full_message();
+                    assert!(
+                        text.contains("disk.volume.mount_propagation.mode") && text.contains(value),
+                        "{text}"
+                    );
+                }
+                (got, want) => panic!("{mode:?}: {got:?}, want {want:?}"),
+            }
+        }
+        // A disk with no CSI volume of its own (the agent's default disk) has no mount point to share.
+        let plain = Resource::scalar("disk", 8.0)
+            .with_persistence("pv1", None)
+            .with_volume("data", VolumeMode::Rw)
+            .with_mount_propagation(PropagationMode::HostToContainer);
+        let err = volume_mounts("c1", &config, &[plain], Path::new("/work")).unwrap_err();
+        assert!(
+            err.full_message().contains("need a CSI volume"),
+            "{}",
+            err.full_message()
+        );
     }
 
     #[test]

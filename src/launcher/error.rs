@@ -118,6 +118,24 @@ pub enum LaunchError {
         /// The mount error.
         source: MountError,
     },
+    /// Making the volume's host mount point shared (for rslave or rshared propagation) failed.
+    #[error("mount {at}: share the volume's host mount point")]
+    ShareHostMountPoint {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The mount error.
+        source: MountError,
+    },
+    /// Giving the attached copy its propagation failed.
+    #[error("mount {at}: make the container's copy {propagation}")]
+    SetPropagation {
+        /// The mount.
+        at: Box<VolumeRef>,
+        /// The propagation asked for.
+        propagation: &'static str,
+        /// The mount error.
+        source: MountError,
+    },
     /// Resolving (and creating) the target inside its root failed.
     #[error("mount {at}: resolve target")]
     ResolveTarget {
@@ -418,6 +436,8 @@ impl LaunchError {
             LaunchError::MakeRootSlave { source }
             | LaunchError::CloneSource { source, .. }
             | LaunchError::SetReadonly { source, .. }
+            | LaunchError::ShareHostMountPoint { source, .. }
+            | LaunchError::SetPropagation { source, .. }
             | LaunchError::ResolveTarget { source, .. }
             | LaunchError::TargetParentReadOnly { source, .. }
             | LaunchError::Attach { source, .. }
@@ -488,6 +508,7 @@ mod tests {
             volume_id: id.map(str::to_string),
             provider_id: None,
             block: false,
+            propagation: Default::default(),
         }
     }
 

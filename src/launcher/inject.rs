@@ -23,7 +23,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use super::setup::{attach, clone_source, resolve_target, Resolve};
+use super::setup::{attach, clone_source, resolve_target, share_host, Resolve};
 use super::{LaunchError, StillMounted, VolumeRef};
 use crate::mount::{
     self, ns, MountError, MountTable, ProcMountTable, Syscall, TargetRoot, UnmountOutcome,
@@ -86,6 +86,7 @@ pub fn mount_into(
             TargetRoot::Rootfs | TargetRoot::Host => container_root.clone(),
         },
     );
+    share_host(sys, mount, &at)?;
     let clone = clone_source(sys, mount, &at)?;
     let is_dir = clone.source_is_dir();
 

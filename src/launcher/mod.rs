@@ -6,7 +6,9 @@
 //! [`launch`] returns only once the workload has exec'd with every mount of [`LaunchSpec::mounts`] in place,
 //! or with the error of the first step that failed, naming the step and the volume or path. On failure no
 //! mount is left anywhere: everything was made in a mount namespace that dies with the failed attempt, and
-//! the host's mount table is never changed (`/` is made recursively slave before the first mount). Targets
+//! the host's mount table is never changed (`/` is made recursively slave before the first mount), except
+//! that a volume asked with rslave or rshared propagation has its host mount point made shared first
+//! (idempotent; see [`share_host`]). Targets
 //! are resolved by fd inside their root (sandbox, rootfs, or `/` for host targets, which must exist), so a
 //! symlink in the container's filesystem cannot send a mount out of it. stdin, stdout and stderr are
 //! inherited. The workload's cwd is the sandbox (at [`SANDBOX_IN_ROOTFS`] with a rootfs). Its environment
@@ -24,11 +26,19 @@
 //! So [`launch`] starts a dedicated thread, and that thread does the whole setup in ordinary Rust:
 //! 1. `unshare(CLONE_NEWNS)`: mount namespaces (and, implied, `CLONE_FS` root/cwd) are per task, so only this
 //!    thread moves into the new namespace; the tokio workers never notice.
-//! 2. `/` made recursively slave: host mount events still flow in, none flow out.
+//!    Before it, in the host's namespace, the host mount point of each rslave or rshared volume is made
+//!    shared ([`share_host`]), so that this namespace's copy of it is a peer.
+//! 2. The rshared volumes cloned (detached trees that are still peers of their host mount point), then
+//!    `/` made recursively slave: host mount events still flow in, none flow out, except through the
+//!    rshared clones, which `/`'s change does not reach.
 //! 3. Sandbox volumes: each source cloned as a detached tree (`open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)`),
 //!    made read-only on the detached tree (`mount_setattr`) if asked, the target resolved (and created) by
-//!    fd inside the host sandbox, then `move_mount` onto that fd. Sources are cloned before targets are
-//!    created, so a missing source fails before anything is touched.
+//!    fd inside the host sandbox, then `move_mount` onto that fd, then the copy's propagation set
+//!    recursively (private, slave, or left shared). With a rootfs, the sandbox volumes from the first
+//!    rshared one on wait for step 4 and are attached under the rootfs's sandbox bind instead: the old
+//!    root that step 6 detaches (an unmount that propagates) must hold no peer of a host mount point.
+//!    Sources are cloned before targets are created, so a missing source fails before anything is
+//!    touched.
 //! 4. With a rootfs: the rootfs bound onto itself (pivot_root needs a mount point), the sandbox bound
 //!    recursively, carrying its volumes, at [`SANDBOX_IN_ROOTFS`] resolved by fd inside the rootfs; then the
 //!    rootfs volumes, resolved inside the rootfs. Without one, host volumes, whose targets must exist.
@@ -60,7 +70,7 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, StillMounted, VolumeRef};
 pub use process::Launched;
-pub use setup::{clone_source, DetachedTree};
+pub use setup::{clone_source, set_propagation, set_propagation_of, share_host, DetachedTree};
 
 use crate::mount::{Syscall, VolumeMount};
 

@@ -13,7 +13,7 @@ use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
 use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
     self, ns, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
-    SANDBOX_IN_ROOTFS,
+    VolumePropagation, SANDBOX_IN_ROOTFS,
 };
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.
@@ -50,12 +50,19 @@ pub struct DetachedTree {
     readonly_pending: bool,
     /// The host-only flags (nosuid, nodev) are still to be cleared on the attached mount.
     clear_pending: bool,
+    /// The propagation the attached copy is given.
+    propagation: VolumePropagation,
 }
 
 impl DetachedTree {
     /// Whether the source is a directory (the target must then be one).
     pub fn source_is_dir(&self) -> bool {
         self.source_is_dir
+    }
+
+    /// The propagation the attached copy is to be given ([`set_propagation`] does it).
+    pub fn propagation(&self) -> VolumePropagation {
+        self.propagation
     }
 
     /// The detached tree, complete (host-only flags cleared, read-only if asked), for a caller that
@@ -109,6 +116,7 @@ pub fn clone_source(
                 source_is_dir,
                 readonly_pending: mount.readonly,
                 clear_pending: true,
+                propagation: mount.propagation,
             });
         }
         Err(e) => return Err(clone_err(e)),
@@ -144,7 +152,63 @@ pub fn clone_source(
         source_is_dir,
         readonly_pending,
         clear_pending,
+        propagation: mount.propagation,
     })
+}
+
+/// Before a volume asked with rslave or rshared propagation is cloned for a container, in the host's
+/// mount namespace: its host mount point is made shared ([`VolumeMount::share_host_mount_point`]), so
+/// that a clone joins its peer group (and can stay a peer, or be made its slave). Nothing for private.
+pub fn share_host(
+    sys: &dyn Syscall,
+    mount: &VolumeMount,
+    at: &VolumeRef,
+) -> Result<(), LaunchError> {
+    mount
+        .share_host_mount_point(sys)
+        .map_err(|source| LaunchError::ShareHostMountPoint {
+            at: Box::new(at.clone()),
+            source,
+        })
+}
+
+/// [`set_propagation`] through the attached tree's fd (`mount_setattr`, no path: from a thread in
+/// another namespace, `/proc/self` may name nothing), by its `/proc/self/fd` path before Linux 5.12.
+pub fn set_propagation_of(
+    sys: &dyn Syscall,
+    tree: BorrowedFd<'_>,
+    propagation: VolumePropagation,
+    at: &VolumeRef,
+) -> Result<(), LaunchError> {
+    match sys.set_propagation_by_fd(tree, propagation.kernel(), true) {
+        Ok(()) => Ok(()),
+        Err(e) if e.errno() == Some(Errno::ENOSYS) => {
+            set_propagation(sys, &mount::proc_fd_path(tree), propagation, at)
+        }
+        Err(source) => Err(LaunchError::SetPropagation {
+            at: Box::new(at.clone()),
+            propagation: propagation.as_str(),
+            source,
+        }),
+    }
+}
+
+/// Gives the attached copy rooted at `top` (a path naming the new mount's root, `/proc/self/fd/N`) its
+/// propagation, recursively, in the namespace it was attached in: private (no events either way, even
+/// when the host mount point is shared), slave (events from the host's peer group only) or shared (left
+/// in the host's peer group: both ways).
+pub fn set_propagation(
+    sys: &dyn Syscall,
+    top: &Path,
+    propagation: VolumePropagation,
+    at: &VolumeRef,
+) -> Result<(), LaunchError> {
+    sys.set_propagation(top, propagation.kernel(), true)
+        .map_err(|source| LaunchError::SetPropagation {
+            at: Box::new(at.clone()),
+            propagation: propagation.as_str(),
+            source,
+        })
 }
 
 /// The canonical rootfs: symlinks resolved once; the host's own root is refused (a container "rootfs" that
@@ -306,36 +370,38 @@ pub(crate) fn attach(
         Some(tree) => {
             sys.move_mount_to_fd(tree.as_fd(), target)
                 .map_err(attach_err)?;
+            // The tree fd now names the attached mount's root.
+            let top = mount::proc_fd_path(tree.as_fd());
             if !set.is_empty() || !clear.is_empty() {
-                // The tree fd now names the attached mount's root.
-                sys.remount_bind_with(&mount::proc_fd_path(tree.as_fd()), set, clear)
-                    .map_err(ro_err)?;
+                sys.remount_bind_with(&top, set, clear).map_err(ro_err)?;
             }
+            set_propagation_of(sys, tree.as_fd(), clone.propagation, at)?;
         }
         None => {
             sys.bind_mount_to_fd(&mount::proc_fd_path(clone.source.as_fd()), target, true)
                 .map_err(attach_err)?;
-            if !set.is_empty() || !clear.is_empty() {
-                // The target fd still names the covered directory; its path now leads to the new mount.
-                let path = mount::fd_path(target).map_err(ro_err)?;
-                let top = open_dir(&path)
-                    .or_else(|_| {
-                        nix::fcntl::open(
-                            &path,
-                            OFlag::O_PATH | OFlag::O_CLOEXEC,
-                            nix::sys::stat::Mode::empty(),
-                        )
-                        .map_err(|errno| MountError::Resolve {
-                            step: "open",
-                            root: path.clone(),
-                            path: PathBuf::new(),
-                            errno,
-                        })
+            // The target fd still names the covered directory; its path now leads to the new mount.
+            let path = mount::fd_path(target).map_err(ro_err)?;
+            let top_fd = open_dir(&path)
+                .or_else(|_| {
+                    nix::fcntl::open(
+                        &path,
+                        OFlag::O_PATH | OFlag::O_CLOEXEC,
+                        nix::sys::stat::Mode::empty(),
+                    )
+                    .map_err(|errno| MountError::Resolve {
+                        step: "open",
+                        root: path.clone(),
+                        path: PathBuf::new(),
+                        errno,
                     })
-                    .map_err(ro_err)?;
-                sys.remount_bind_with(&mount::proc_fd_path(top.as_fd()), set, clear)
-                    .map_err(ro_err)?;
+                })
+                .map_err(ro_err)?;
+            let top = mount::proc_fd_path(top_fd.as_fd());
+            if !set.is_empty() || !clear.is_empty() {
+                sys.remount_bind_with(&top, set, clear).map_err(ro_err)?;
             }
+            set_propagation(sys, &top, clone.propagation, at)?;
         }
     }
     Ok(())
@@ -347,9 +413,13 @@ fn apply(
     mount: &VolumeMount,
     root: &Path,
     how: Resolve,
+    cloned: Option<DetachedTree>,
 ) -> Result<(), LaunchError> {
     let at = VolumeRef::new(mount, root);
-    let clone = clone_source(sys, mount, &at)?;
+    let clone = match cloned {
+        Some(clone) => clone,
+        None => clone_source(sys, mount, &at)?,
+    };
     let target = resolve_target(mount, clone.source_is_dir(), root, how, &at)?;
     attach(sys, clone, target.as_fd(), &at)?;
     tracing::debug!(
@@ -372,6 +442,16 @@ fn bind_tree(
     let tree = sys.open_tree_clone(source, true)?;
     sys.move_mount_to_fd(tree.as_fd(), target)?;
     Ok(tree)
+}
+
+/// The root `m`'s target is resolved in, for messages before it is (check_roots has refused a
+/// mismatch).
+fn target_root<'a>(spec: &'a LaunchSpec, m: &VolumeMount) -> &'a Path {
+    match (m.root, &spec.rootfs) {
+        (TargetRoot::Sandbox, _) => &spec.sandbox,
+        (_, Some(rootfs)) => rootfs,
+        (_, None) => Path::new("/"),
+    }
 }
 
 /// Checks that every mount's root fits the container before anything is touched.
@@ -398,18 +478,54 @@ pub(super) fn build_and_fork(
     spec: &LaunchSpec,
     plan: &ExecPlan,
 ) -> Result<Launched, LaunchError> {
+    // Still in the host's namespace: a volume asked with rslave or rshared needs its host mount point
+    // shared, so that the new namespace's copy of it is a peer (see the module doc of `super`).
+    for m in spec.mounts.iter() {
+        let root = target_root(spec, m);
+        share_host(sys, m, &VolumeRef::new(m, root))?;
+    }
     ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "mount namespace",
         errno,
     })?;
+    // rshared copies must stay peers of the host mount point: they are cloned now, while this
+    // namespace's copy of it is still a peer; once `/` is slave, a clone would only be a slave.
+    let mut early: Vec<Option<DetachedTree>> = Vec::with_capacity(spec.mounts.len());
+    for m in &spec.mounts {
+        early.push(if m.propagation == VolumePropagation::Rshared {
+            let root = target_root(spec, m);
+            Some(clone_source(sys, m, &VolumeRef::new(m, root))?)
+        } else {
+            None
+        });
+    }
     // From here on nothing we mount propagates back to the host; host mounts still propagate in.
     sys.set_propagation(Path::new("/"), Propagation::Slave, true)
         .map_err(|source| LaunchError::MakeRootSlave { source })?;
 
     // Sandbox volumes go onto the host sandbox first, so that the recursive bind of the sandbox into the
-    // rootfs below carries them along.
-    for m in spec.mounts.iter().filter(|m| m.root == TargetRoot::Sandbox) {
-        apply(sys, m, &spec.sandbox, Resolve::Create)?;
+    // rootfs below carries them along (a slave's copy is a slave of the same master). With a rootfs,
+    // from the first rshared one on they are attached after that bind, under the rootfs's sandbox: the
+    // old root, detached at the pivot with umount propagation, must hold no peer of a host mount point
+    // (its unmount would reach the host's mounts under the volume).
+    let sandbox_mounts: Vec<usize> = (0..spec.mounts.len())
+        .filter(|&i| spec.mounts[i].root == TargetRoot::Sandbox)
+        .collect();
+    let late_from = match &spec.rootfs {
+        Some(_) => sandbox_mounts
+            .iter()
+            .position(|&i| spec.mounts[i].propagation == VolumePropagation::Rshared)
+            .unwrap_or(sandbox_mounts.len()),
+        None => sandbox_mounts.len(),
+    };
+    for &i in &sandbox_mounts[..late_from] {
+        apply(
+            sys,
+            &spec.mounts[i],
+            &spec.sandbox,
+            Resolve::Create,
+            early[i].take(),
+        )?;
     }
 
     let mut cwd: Option<OwnedFd> = None;
@@ -433,12 +549,28 @@ pub(super) fn build_and_fork(
             rootfs: rootfs.clone(),
             source: Box::new(source),
         })?;
+        // The rest of the sandbox volumes, resolved inside the sandbox as bound in the rootfs.
+        let in_rootfs = mount::proc_fd_path(sandbox_tree.as_fd());
+        for &i in &sandbox_mounts[late_from..] {
+            apply(
+                sys,
+                &spec.mounts[i],
+                &in_rootfs,
+                Resolve::Create,
+                early[i].take(),
+            )?;
+        }
         cwd = Some(sandbox_tree);
     }
-    for m in spec.mounts.iter().filter(|m| m.root != TargetRoot::Sandbox) {
+    for (i, m) in spec.mounts.iter().enumerate() {
         match (m.root, &spec.rootfs) {
-            (TargetRoot::Rootfs, Some(rootfs)) => apply(sys, m, rootfs, Resolve::Create)?,
-            (TargetRoot::Host, None) => apply(sys, m, Path::new("/"), Resolve::Existing)?,
+            (TargetRoot::Sandbox, _) => {}
+            (TargetRoot::Rootfs, Some(rootfs)) => {
+                apply(sys, m, rootfs, Resolve::Create, early[i].take())?
+            }
+            (TargetRoot::Host, None) => {
+                apply(sys, m, Path::new("/"), Resolve::Existing, early[i].take())?
+            }
             // Refused up front by check_roots; refuse again rather than guess.
             _ => check_roots(spec)?,
         }
@@ -641,6 +773,7 @@ mod tests {
                 volume_id: Some("vol-1".to_string()),
                 provider_id: None,
                 block: false,
+                propagation: Default::default(),
             }],
             ..LaunchSpec::default()
         }
@@ -683,6 +816,7 @@ mod tests {
             volume_id: Some(id.to_string()),
             provider_id: None,
             block: false,
+            propagation: Default::default(),
         }
     }
 
@@ -719,8 +853,22 @@ mod tests {
         let kinds: Vec<CallKind> = calls.iter().map(Call::kind).collect();
         assert_eq!(
             kinds[2..],
-            [CallKind::SetReadonlyByFd, CallKind::MoveMountToFd]
+            [
+                CallKind::SetReadonlyByFd,
+                CallKind::MoveMountToFd,
+                CallKind::SetPropagationByFd
+            ]
         );
+        // Private by default, on the copy and its submounts: no host event reaches it, even from a
+        // shared host mount point.
+        assert!(matches!(
+            &calls[4],
+            Call::SetPropagationByFd {
+                propagation: crate::mount::Propagation::Private,
+                recursive: true,
+                ..
+            }
+        ));
 
         // Without open_tree: the resolved fd is bound (never the path string), then one remount sets
         // read-only and clears nosuid,nodev.
@@ -739,7 +887,29 @@ mod tests {
             Call::RemountBindWith { set, clear, .. }
                 if set == MountFlags::READONLY && clear == MountFlags::HOST_ONLY
         ));
-        assert_eq!(calls.len(), 3);
+        assert_eq!(calls[3].kind(), CallKind::SetPropagation);
+        assert_eq!(calls.len(), 4);
+
+        // rslave: the copy is made a slave (recursively) once attached, on either path.
+        let slave = VolumeMount {
+            propagation: VolumePropagation::Rslave,
+            ..m.clone()
+        };
+        let fake = FakeSyscall::new();
+        let clone = clone_source(&fake, &slave, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        assert!(
+            matches!(
+                fake.calls().last(),
+                Some(Call::SetPropagationByFd {
+                    propagation: crate::mount::Propagation::Slave,
+                    recursive: true,
+                    ..
+                })
+            ),
+            "{:?}",
+            fake.calls()
+        );
     }
 
     #[test]

@@ -56,6 +56,13 @@ pub enum MountError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// A volume asked with rslave or rshared propagation whose host mount point is not a mount (not
+    /// published, or a directory that is no volume): its events could not reach the container.
+    #[error("share host mount point {path}: it is not a mount point; rslave and rshared propagation need a published CSI volume")]
+    NotAMountPoint {
+        /// The host path that should have been the volume's mount point.
+        path: PathBuf,
+    },
     /// `umount2` failed.
     #[error("unmount {target}: {errno}")]
     Unmount {
@@ -265,6 +272,7 @@ impl MountError {
             | MountError::Loop { errno, .. } => Some(*errno),
             MountError::NotMounted { .. } => Some(Errno::EINVAL),
             MountError::Escape { .. } => Some(Errno::EXDEV),
+            MountError::NotAMountPoint { .. } => Some(Errno::EINVAL),
             MountError::SymlinkBeneath { .. } => Some(Errno::ELOOP),
             MountError::ReadMountInfo { source, .. } | MountError::LoopSysfs { source, .. } => {
                 source.raw_os_error().map(Errno::from_raw)

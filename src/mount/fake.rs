@@ -70,6 +70,8 @@ struct State {
     next_group: u32,
     rules: Vec<FailRule>,
     trees: HashMap<RawFd, Tree>,
+    /// Where each detached tree was attached (its fd then names that mount's root).
+    attached: HashMap<RawFd, PathBuf>,
 }
 
 /// A recording double: see the module doc.
@@ -425,6 +427,22 @@ impl Syscall for FakeSyscall {
         if let Some(errno) = self.record(&mut s, call) {
             return Err(err(errno));
         }
+        // A /proc/self/fd path names what its fd holds: an attached tree's mount, or the fd's path.
+        let resolved;
+        let target = match target
+            .strip_prefix("/proc/self/fd")
+            .ok()
+            .and_then(|n| n.to_str()?.parse::<RawFd>().ok())
+        {
+            Some(fd) => {
+                resolved = match s.attached.get(&fd) {
+                    Some(at) => at.clone(),
+                    None => std::fs::read_link(target).unwrap_or_else(|_| target.to_path_buf()),
+                };
+                resolved.as_path()
+            }
+            None => target,
+        };
         if s.topmost(target).is_none() {
             return Err(err(Errno::EINVAL));
         }
@@ -669,9 +687,66 @@ impl Syscall for FakeSyscall {
             .remove(&from_raw)
             .ok_or_else(|| err(Errno::EINVAL))?;
         let target = super::fd::fd_path(to).map_err(|_| err(Errno::EBADF))?;
+        s.attached.insert(from_raw, target.clone());
         s.bind(&tree.source, &target, tree.recursive, tree.readonly);
         if let Some(m) = s.topmost(&target) {
             apply_flags(m, tree.set, tree.clear);
+        }
+        Ok(())
+    }
+
+    fn set_propagation_by_fd(
+        &self,
+        mount: BorrowedFd<'_>,
+        propagation: Propagation,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let fd = raw(mount);
+        let target = {
+            let mut s = self.lock();
+            let call = Call::SetPropagationByFd {
+                fd,
+                propagation,
+                recursive,
+            };
+            if let Some(errno) = self.record(&mut s, call) {
+                return Err(MountError::Propagation {
+                    target: PathBuf::from(format!("fd {fd}")),
+                    propagation: propagation.as_str(),
+                    errno,
+                });
+            }
+            s.attached.get(&fd).cloned()
+        };
+        // The table change of set_propagation, on the mount the fd names (not recorded twice).
+        let target = match target {
+            Some(t) => t,
+            None => super::fd::fd_path(mount).map_err(|_| MountError::Propagation {
+                target: PathBuf::from(format!("fd {fd}")),
+                propagation: propagation.as_str(),
+                errno: Errno::EBADF,
+            })?,
+        };
+        let mut s = self.lock();
+        if s.topmost(&target).is_none() {
+            return Err(MountError::Propagation {
+                target,
+                propagation: propagation.as_str(),
+                errno: Errno::EINVAL,
+            });
+        }
+        s.next_group += 1;
+        let group = s.next_group;
+        let top_id = s.topmost(&target).map(|m| m.mount_id);
+        for m in s.table.iter_mut() {
+            let hit = if recursive {
+                m.mount_point.starts_with(&target)
+            } else {
+                Some(m.mount_id) == top_id
+            };
+            if hit {
+                set_propagation_fields(m, propagation, group);
+            }
         }
         Ok(())
     }

@@ -430,6 +430,29 @@ impl Syscall for LinuxSyscall {
         })
     }
 
+    fn set_propagation_by_fd(
+        &self,
+        mount: BorrowedFd<'_>,
+        propagation: Propagation,
+        recursive: bool,
+    ) -> Result<(), MountError> {
+        let bits = match propagation {
+            Propagation::Private => MsFlags::MS_PRIVATE,
+            Propagation::Slave => MsFlags::MS_SLAVE,
+            Propagation::Shared => MsFlags::MS_SHARED,
+            Propagation::Unbindable => MsFlags::MS_UNBINDABLE,
+        };
+        let attr = MountAttr {
+            propagation: bits.bits(),
+            ..MountAttr::default()
+        };
+        mount_setattr(mount, &attr, recursive).map_err(|errno| MountError::Propagation {
+            target: fd_path(mount).unwrap_or_else(|_| proc_fd_path(mount)),
+            propagation: propagation.as_str(),
+            errno,
+        })
+    }
+
     fn remount_bind_with(
         &self,
         target: &Path,

@@ -143,6 +143,16 @@ pub trait Syscall: Send + Sync + fmt::Debug {
         propagation: Propagation,
         recursive: bool,
     ) -> Result<(), MountError>;
+    /// mount_setattr(fd, "", AT_EMPTY_PATH | (AT_RECURSIVE if recursive), { propagation }) on a mount fd
+    /// (an attached tree's fd): [`set_propagation`](Self::set_propagation) without a path, so it works
+    /// from a thread inside another mount namespace whose `/proc` is not this process's. ENOSYS before
+    /// Linux 5.12 (callers then use `set_propagation` on `/proc/self/fd/N`).
+    fn set_propagation_by_fd(
+        &self,
+        mount: BorrowedFd<'_>,
+        propagation: Propagation,
+        recursive: bool,
+    ) -> Result<(), MountError>;
     /// umount2(target, MNT_DETACH if detach). EINVAL on a path that is not a mount point maps to
     /// MountError::NotMounted so callers can treat it as done.
     fn unmount(&self, target: &Path, detach: bool) -> Result<(), MountError>;
@@ -257,6 +267,15 @@ pub enum Call {
         /// MS_REC
         recursive: bool,
     },
+    /// [`Syscall::set_propagation_by_fd`]
+    SetPropagationByFd {
+        /// the mount's fd number
+        fd: RawFd,
+        /// propagation type
+        propagation: Propagation,
+        /// AT_RECURSIVE
+        recursive: bool,
+    },
     /// [`Syscall::unmount`]
     Unmount {
         /// target
@@ -351,6 +370,8 @@ pub enum CallKind {
     MountFilesystem,
     /// [`Call::SetPropagation`]
     SetPropagation,
+    /// [`Call::SetPropagationByFd`]
+    SetPropagationByFd,
     /// [`Call::Unmount`]
     Unmount,
     /// [`Call::EnterMountNamespace`]
@@ -383,6 +404,7 @@ impl Call {
             Call::RemountBindReadonly { .. } => CallKind::RemountBindReadonly,
             Call::MountFilesystem { .. } => CallKind::MountFilesystem,
             Call::SetPropagation { .. } => CallKind::SetPropagation,
+            Call::SetPropagationByFd { .. } => CallKind::SetPropagationByFd,
             Call::Unmount { .. } => CallKind::Unmount,
             Call::EnterMountNamespace { .. } => CallKind::EnterMountNamespace,
             Call::OpenTreeClone { .. } => CallKind::OpenTreeClone,
@@ -414,6 +436,7 @@ impl Call {
             Call::EnterMountNamespace { .. }
             | Call::MoveMountToFd { .. }
             | Call::SetReadonlyByFd { .. }
+            | Call::SetPropagationByFd { .. }
             | Call::ChangeMountFlags { .. }
             | Call::BindMountToFd { .. } => None,
         }

@@ -98,13 +98,46 @@ pub fn unmount_all_under(
     table: &dyn MountTable,
     prefix: &Path,
 ) -> Result<usize, MountError> {
+    sweep(sys, table, prefix, true)
+}
+
+/// [`unmount_all_under`] of the mounts strictly beneath `prefix`, leaving the mount at `prefix` itself:
+/// what was mounted under a volume's host mount point (a container's mounts, propagated back through
+/// rshared propagation), before the plugin unmounts the volume itself.
+pub fn unmount_all_beneath(
+    sys: &dyn Syscall,
+    table: &dyn MountTable,
+    prefix: &Path,
+) -> Result<usize, MountError> {
+    sweep(sys, table, prefix, false)
+}
+
+/// The mounts at (if `with_prefix`) or below `prefix`, from the table, deepest first.
+fn found_under(
+    table: &dyn MountTable,
+    prefix: &Path,
+    with_prefix: bool,
+) -> Result<Vec<super::MountInfo>, MountError> {
+    let mut mounts = table.mounts_under(prefix)?;
+    if !with_prefix {
+        mounts.retain(|m| m.mount_point != prefix);
+    }
+    Ok(mounts)
+}
+
+fn sweep(
+    sys: &dyn Syscall,
+    table: &dyn MountTable,
+    prefix: &Path,
+    with_prefix: bool,
+) -> Result<usize, MountError> {
     let mut count = 0;
     let mut first_error = None;
     // A mount that is not where the table said (renamed away, or swapped for a symlink by whoever
     // can write the tree) is looked for again in a fresh table; what is still there after the last
     // round is an error, never a silent success.
     for _round in 0..SWEEP_ROUNDS {
-        let mounts = table.mounts_under(prefix)?;
+        let mounts = found_under(table, prefix, with_prefix)?;
         if mounts.is_empty() {
             return Ok(count);
         }
@@ -125,7 +158,7 @@ pub fn unmount_all_under(
             }
         }
     }
-    let left = table.mounts_under(prefix)?;
+    let left = found_under(table, prefix, with_prefix)?;
     if left.is_empty() {
         return Ok(count);
     }

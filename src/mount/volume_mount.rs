@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{open_beneath_no_symlinks, MountError};
+use super::{open_beneath_no_symlinks, MountError, Propagation, Syscall};
 
 /// Where a container's sandbox appears inside its rootfs (Mesos' path, so
 /// tasks moving over find it where they expect).
@@ -37,6 +37,67 @@ pub enum TargetRoot {
     /// (absolute `container_path` without a rootfs). The target must
     /// already exist: nothing is created on the host.
     Host,
+}
+
+/// How mount events flow between a volume's host mount point and a container's copy of it (the
+/// per-use choice of Docker's `bind-propagation` and Kubernetes' `mountPropagation`).
+///
+/// Applying anything but [`Private`](Self::Private) needs the host mount point in a shared peer
+/// group: whoever applies the mount first makes it shared ([`VolumeMount::share_host_mount_point`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VolumePropagation {
+    /// No events in or out (the default; checkpoints written before this field load as it).
+    #[default]
+    Private,
+    /// Mounts made later under the host mount point (a FUSE or nested mount of the driver) reach the
+    /// container; none flow back (Mesos' `HOST_TO_CONTAINER`).
+    Rslave,
+    /// Both ways: mounts the container makes under its copy appear under the host mount point too
+    /// (Mesos' `BIDIRECTIONAL`). They are swept at unpublish.
+    Rshared,
+}
+
+impl VolumePropagation {
+    /// The name used in options and messages (`private`, `rslave`, `rshared`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VolumePropagation::Private => "private",
+            VolumePropagation::Rslave => "rslave",
+            VolumePropagation::Rshared => "rshared",
+        }
+    }
+
+    /// Parses [`as_str`](Self::as_str)'s names.
+    pub fn parse(name: &str) -> Option<VolumePropagation> {
+        [
+            VolumePropagation::Private,
+            VolumePropagation::Rslave,
+            VolumePropagation::Rshared,
+        ]
+        .into_iter()
+        .find(|p| p.as_str() == name)
+    }
+
+    /// The propagation type the container's copy is given, recursively, once attached.
+    pub fn kernel(self) -> Propagation {
+        match self {
+            VolumePropagation::Private => Propagation::Private,
+            VolumePropagation::Rslave => Propagation::Slave,
+            VolumePropagation::Rshared => Propagation::Shared,
+        }
+    }
+
+    /// Whether the host mount point must be in a shared peer group first.
+    pub fn needs_shared_host(self) -> bool {
+        self != VolumePropagation::Private
+    }
+}
+
+impl std::fmt::Display for VolumePropagation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// One bind mount of a volume into a container.
@@ -73,6 +134,13 @@ pub struct VolumeMount {
     /// regular file at the target.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub block: bool,
+    /// How mount events flow between the host mount point and the container's copy.
+    #[serde(default, skip_serializing_if = "is_private")]
+    pub propagation: VolumePropagation,
+}
+
+fn is_private(p: &VolumePropagation) -> bool {
+    *p == VolumePropagation::Private
 }
 
 impl PartialEq for VolumeMount {
@@ -86,6 +154,7 @@ impl PartialEq for VolumeMount {
             && self.volume_id == other.volume_id
             && self.provider_id == other.provider_id
             && self.block == other.block
+            && self.propagation == other.propagation
     }
 }
 
@@ -117,6 +186,49 @@ impl VolumeMount {
         open_beneath_no_symlinks(anchor, rest)
     }
 
+    /// The host mount point whose peer group the container's copy joins (rshared) or follows (rslave):
+    /// the trusted directory `source` lies in, or `source` itself.
+    pub fn host_mount_point(&self) -> &Path {
+        self.source_root.as_deref().unwrap_or(&self.source)
+    }
+
+    /// Makes the volume's host mount point ([`host_mount_point`](Self::host_mount_point)) a shared
+    /// mount (its own peer group, unless it already is in one; not recursive), so that a container's
+    /// copy can be its peer or its slave. A no-op for [`VolumePropagation::Private`]. The path is
+    /// opened without following a symlink and must be the root of a mount, or this is
+    /// [`MountError::NotAMountPoint`]: the mount that merely holds it (the work dir's file system) is
+    /// never changed.
+    pub fn share_host_mount_point(&self, sys: &dyn Syscall) -> Result<(), MountError> {
+        if !self.propagation.needs_shared_host() {
+            return Ok(());
+        }
+        let path = self.host_mount_point();
+        let not_a_mount = || MountError::NotAMountPoint {
+            path: path.to_path_buf(),
+        };
+        let fd = nix::fcntl::open(
+            path,
+            nix::fcntl::OFlag::O_PATH
+                | nix::fcntl::OFlag::O_NOFOLLOW
+                | nix::fcntl::OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|_| not_a_mount())?;
+        let is_root = match super::mountinfo::fd_mount_root(std::os::fd::AsFd::as_fd(&fd)) {
+            Ok(Some(answer)) => answer,
+            Ok(None) => super::MountTable::is_mount_point(&super::ProcMountTable::new(), path)?,
+            Err(_) => false,
+        };
+        if !is_root {
+            return Err(not_a_mount());
+        }
+        sys.set_propagation(
+            &super::proc_fd_path(std::os::fd::AsFd::as_fd(&fd)),
+            Propagation::Shared,
+            false,
+        )
+    }
+
     /// The target as the workload sees it, inside the container: with a
     /// rootfs the sandbox is at [`SANDBOX_IN_ROOTFS`], without one it is
     /// the host sandbox path.
@@ -126,5 +238,62 @@ impl VolumeMount {
             TargetRoot::Sandbox => sandbox.join(&self.target),
             TargetRoot::Rootfs | TargetRoot::Host => Path::new("/").join(&self.target),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mount_checkpointed_before_propagation_existed_loads_private_and_private_is_not_written() {
+        let old = r#"{"source":"/w/t","root":"sandbox","target":"data","container_path":"data","readonly":false}"#;
+        let m: VolumeMount = serde_json::from_str(old).unwrap();
+        assert_eq!(m.propagation, VolumePropagation::Private);
+        assert!(!serde_json::to_string(&m).unwrap().contains("propagation"));
+        let shared = VolumeMount {
+            propagation: VolumePropagation::Rshared,
+            ..m
+        };
+        let text = serde_json::to_string(&shared).unwrap();
+        assert!(text.contains(r#""propagation":"rshared""#), "{text}");
+        assert_eq!(serde_json::from_str::<VolumeMount>(&text).unwrap(), shared);
+        for p in [
+            VolumePropagation::Private,
+            VolumePropagation::Rslave,
+            VolumePropagation::Rshared,
+        ] {
+            assert_eq!(VolumePropagation::parse(p.as_str()), Some(p));
+        }
+        assert_eq!(VolumePropagation::parse("slave"), None);
+    }
+
+    #[test]
+    fn only_a_mount_root_is_shared_and_private_asks_nothing() {
+        let fake = crate::mount::FakeSyscall::new();
+        let dir = tempfile::tempdir().unwrap();
+        let m = VolumeMount {
+            source: dir.path().to_path_buf(),
+            source_root: None,
+            root: TargetRoot::Sandbox,
+            target: PathBuf::from("data"),
+            container_path: "data".into(),
+            readonly: false,
+            volume_id: Some("v".into()),
+            provider_id: None,
+            block: false,
+            propagation: VolumePropagation::Private,
+        };
+        m.share_host_mount_point(&fake).unwrap();
+        assert!(fake.calls().is_empty());
+        // A plain directory (not a mount root) is refused by name, and nothing is changed.
+        let slave = VolumeMount {
+            propagation: VolumePropagation::Rslave,
+            ..m
+        };
+        let err = slave.share_host_mount_point(&fake).unwrap_err();
+        assert!(matches!(err, MountError::NotAMountPoint { .. }), "{err}");
+        assert!(err.to_string().contains("not a mount point"), "{err}");
+        assert!(fake.calls().is_empty());
     }
 }

@@ -13,6 +13,8 @@
 use std::path::PathBuf;
 
 use super::state::{AccessType, Capability};
+use crate::mount::VolumePropagation;
+use crate::resource::{PropagationMode, Resource, VolumeMode};
 use crate::shown::shown;
 
 /// One option key, as users write it.
@@ -88,18 +90,6 @@ impl Key {
             Key::Size | Key::Type | Key::FsType | Key::MountFlags | Key::AccessMode | Key::Secrets
         )
     }
-}
-
-/// How mounts made later under one side of a container's volume mount reach the other.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum PropagationMode {
-    /// Neither way (`private`, the default).
-    #[default]
-    Private,
-    /// From the host into the container (`rslave`).
-    Rslave,
-    /// Both ways (`rshared`).
-    Rshared,
 }
 
 /// An option that cannot be used, named.
@@ -283,7 +273,7 @@ pub struct MountSpec {
     /// Mounted read-only in the container.
     pub readonly: bool,
     /// Propagation of the container's mount.
-    pub propagation: PropagationMode,
+    pub propagation: VolumePropagation,
     /// What the mount asks of the volume.
     pub volume: VolumeOptions,
 }
@@ -350,9 +340,9 @@ impl MountSpec {
                 }
                 Key::Propagation => {
                     propagation = Some(match text(value)?.as_str() {
-                        "private" | "rprivate" => PropagationMode::Private,
-                        "rslave" => PropagationMode::Rslave,
-                        "rshared" => PropagationMode::Rshared,
+                        "private" | "rprivate" => VolumePropagation::Private,
+                        "rslave" => VolumePropagation::Rslave,
+                        "rshared" => VolumePropagation::Rshared,
                         other => {
                             return Err(refuse(
                                 written,
@@ -382,20 +372,7 @@ impl MountSpec {
         if spec.volume.size_bytes.is_none() {
             return Err(missing(Key::Size));
         }
-        spec.check()?;
         Ok(spec)
-    }
-
-    /// The rules across keys, and what is not supported yet (one place, so a key is either
-    /// honoured end to end or refused).
-    fn check(&self) -> Result<(), OptionError> {
-        if self.propagation != PropagationMode::Private {
-            return Err(refuse(
-                Key::Propagation.name(),
-                "rslave and rshared are not supported yet (use private)",
-            ));
-        }
-        Ok(())
     }
 
     /// A short `--volume NAME:SIZE:CONTAINER_PATH[:ro]` as a mount.
@@ -404,11 +381,31 @@ impl MountSpec {
             source: arg.name.clone(),
             target: arg.container_path.clone(),
             readonly: arg.readonly,
-            propagation: PropagationMode::Private,
+            propagation: VolumePropagation::Private,
             volume: VolumeOptions {
                 size_bytes: Some(arg.size_bytes),
                 ..VolumeOptions::default()
             },
+        }
+    }
+
+    /// The volume's resource as this mount uses it: at its target, read-only or not, with its
+    /// propagation (Mesos' `disk.volume.mount_propagation`; left out for private).
+    pub fn use_of(&self, resource: Resource) -> Resource {
+        let mode = if self.readonly {
+            VolumeMode::Ro
+        } else {
+            VolumeMode::Rw
+        };
+        let resource = resource.with_volume(&self.target, mode);
+        match self.propagation {
+            VolumePropagation::Private => resource,
+            VolumePropagation::Rslave => {
+                resource.with_mount_propagation(PropagationMode::HostToContainer)
+            }
+            VolumePropagation::Rshared => {
+                resource.with_mount_propagation(PropagationMode::Bidirectional)
+            }
         }
     }
 
@@ -442,7 +439,7 @@ mod tests {
         assert_eq!(m.source, "db");
         assert_eq!(m.target, "/var/lib/db");
         assert!(m.readonly);
-        assert_eq!(m.propagation, PropagationMode::Private);
+        assert_eq!(m.propagation, VolumePropagation::Private);
         assert_eq!(m.volume.size_bytes, Some(1 << 30));
         assert_eq!(m.volume.fs_type.as_deref(), Some("ext4"));
         assert_eq!(
@@ -530,15 +527,21 @@ mod tests {
     }
 
     #[test]
-    fn what_is_not_supported_yet_is_refused_not_ignored() {
-        for (entry, says) in [(
-            "source=d,target=/d,size=1M,propagation=rslave",
-            "not supported yet",
-        )] {
-            let err = MountSpec::parse(entry).unwrap_err().to_string();
-            assert!(err.contains(says), "{entry}: {err}");
-        }
-        assert!(MountSpec::parse("source=d,target=/d,size=1M,propagation=private").is_ok());
+    fn propagation_goes_into_the_resource_as_mesos_writes_it() {
+        let res = |entry: &str| {
+            let m = MountSpec::parse(entry).unwrap();
+            let r = m.use_of(Resource::scalar("disk", 1.0));
+            serde_json::to_value(&r).unwrap()["disk"]["volume"].clone()
+        };
+        let private = res("source=d,target=/d,size=1M,propagation=private");
+        assert_eq!(private["container_path"], "/d");
+        assert_eq!(private["mode"], "RW");
+        assert!(private.get("mount_propagation").is_none(), "{private}");
+        let slave = res("source=d,target=/d,size=1M,propagation=rslave,readonly");
+        assert_eq!(slave["mode"], "RO");
+        assert_eq!(slave["mount_propagation"]["mode"], "HOST_TO_CONTAINER");
+        let shared = res("source=d,target=/d,size=1M,propagation=rshared");
+        assert_eq!(shared["mount_propagation"]["mode"], "BIDIRECTIONAL");
     }
 
     #[test]

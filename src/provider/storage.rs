@@ -689,6 +689,7 @@ impl StorageProvider {
                 self.harden(&rec.volume_id, &target, "target").await?;
             }
             Step::NodeUnpublish => {
+                self.sweep_beneath(&rec.volume_id, &target).await?;
                 let result = self
                     .client
                     .node_unpublish_volume(proto::NodeUnpublishVolumeRequest {
@@ -809,6 +810,27 @@ impl StorageProvider {
                 rpc: what,
                 source,
             })
+    }
+
+    /// Unmounts whatever is mounted beneath the volume's host mount point `target` (not `target`
+    /// itself), deepest first, before NodeUnpublishVolume: mounts a container made under its copy of a
+    /// volume used with rshared propagation land there too, outlive the container (a namespace's end
+    /// does not propagate its unmounts), and would make the plugin's unmount fail busy. At unpublish no
+    /// container uses the volume any more.
+    async fn sweep_beneath(&self, volume: &str, target: &Path) -> Result<(), ProviderError> {
+        let (sys, table, at) = (self.sys.clone(), self.table.clone(), target.to_path_buf());
+        match blocking(move || crate::mount::unmount_all_beneath(&*sys, &*table, &at)).await {
+            Ok(0) => Ok(()),
+            Ok(count) => {
+                tracing::info!(volume_id = volume, target = %target.display(), count, "unmounted mounts left beneath the volume's mount point");
+                Ok(())
+            }
+            Err(e) => Err(ProviderError::Io(IoStep::new(
+                "unmount what is mounted beneath the volume's mount point",
+                target,
+                std::io::Error::other(e),
+            ))),
+        }
     }
 
     pub(crate) fn name_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {

@@ -37,9 +37,9 @@ pub use error::ResourceError;
 pub use layout::{Layout, CSI_DIR, MAX_SOCKET_PATH, SHORT_SOCKET_DIR, STATE_FILE};
 pub use path::resolve_host_path;
 pub use types::{
-    parse_resources, DiskInfo, DiskSource, Label, Labels, Marker, Persistence, Range, Ranges,
-    ReservationInfo, ReservationType, Resource, ResourceProviderId, Scalar, Set, SourceRoot,
-    SourceType, ValueType, Volume, VolumeMode, BYTES_PER_MB,
+    parse_resources, DiskInfo, DiskSource, Label, Labels, Marker, MountPropagation, Persistence,
+    PropagationMode, Range, Ranges, ReservationInfo, ReservationType, Resource, ResourceProviderId,
+    Scalar, Set, SourceRoot, SourceType, ValueType, Volume, VolumeMode, BYTES_PER_MB,
 };
 pub use volume_arg::{parse_size, VolumeArg};
 

@@ -106,6 +106,18 @@ string_enum! {
 }
 
 string_enum! {
+    /// `mesos.MountPropagation.Mode`.
+    PropagationMode {
+        /// Unset (`UNKNOWN = 0` in the protobuf): refused where used, never guessed.
+        Unknown => "UNKNOWN",
+        /// Host mounts under the volume reach the container (rslave).
+        HostToContainer => "HOST_TO_CONTAINER",
+        /// Both ways (rshared).
+        Bidirectional => "BIDIRECTIONAL",
+    }
+}
+
+string_enum! {
     /// `mesos.Resource.DiskInfo.Source.Type`.
     SourceType {
         /// Unset (`UNKNOWN = 0` in the protobuf); not resolvable.
@@ -309,7 +321,22 @@ pub struct Volume {
     /// `RW` or `RO`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mode: Option<VolumeMode>,
+    /// How mount events flow between the host and the container (`mesos.MountPropagation`,
+    /// placed here, beside the mode: absent means private).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount_propagation: Option<MountPropagation>,
     /// Fields this crate does not model (`host_path`, `image`, `source`).
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+/// `mesos.MountPropagation`: `{"mode": "HOST_TO_CONTAINER"}`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct MountPropagation {
+    /// The mode; absent means private.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<PropagationMode>,
+    /// Fields this crate does not model.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
 }
@@ -534,9 +561,50 @@ impl Resource {
         self.disk.get_or_insert_with(DiskInfo::default).volume = Some(Volume {
             container_path: Some(container_path.to_owned()),
             mode: Some(mode),
+            mount_propagation: None,
             extra: Map::new(),
         });
         self
+    }
+
+    /// Sets `disk.volume.mount_propagation.mode` (the volume must have been given with
+    /// [`with_volume`](Self::with_volume) first; otherwise it gets an empty `disk.volume`).
+    pub fn with_mount_propagation(mut self, mode: PropagationMode) -> Resource {
+        let disk = self.disk.get_or_insert_with(DiskInfo::default);
+        let volume = disk.volume.get_or_insert_with(|| Volume {
+            container_path: None,
+            mode: None,
+            mount_propagation: None,
+            extra: Map::new(),
+        });
+        volume.mount_propagation = Some(MountPropagation {
+            mode: Some(mode),
+            extra: Map::new(),
+        });
+        self
+    }
+
+    /// `disk.volume.mount_propagation.mode`: `None` when absent (private). A mode this crate does
+    /// not know, or `UNKNOWN`, is refused naming the resource, never taken for one it knows.
+    pub fn mount_propagation(&self) -> Result<Option<PropagationMode>, ResourceError> {
+        let mode = self
+            .disk
+            .as_ref()
+            .and_then(|d| d.volume.as_ref())
+            .and_then(|v| v.mount_propagation.as_ref())
+            .and_then(|p| p.mode.as_ref());
+        match mode {
+            None => Ok(None),
+            Some(m @ (PropagationMode::HostToContainer | PropagationMode::Bidirectional)) => {
+                Ok(Some(m.clone()))
+            }
+            Some(other) => Err(ResourceError::InvalidField {
+                resource: self.describe(),
+                field: "disk.volume.mount_propagation.mode".to_owned(),
+                value: other.as_str().to_owned(),
+                reason: "unknown mount propagation (expected HOST_TO_CONTAINER or BIDIRECTIONAL; leave it out for private)".to_owned(),
+            }),
+        }
     }
 
     /// Marks the resource shared (`shared: {}`).

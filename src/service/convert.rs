@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::isolator::oci::OciPrepared;
 use crate::isolator::{ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo};
-use crate::mount::{TargetRoot, VolumeMount};
+use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
 use crate::provider::status::StatusReport;
 use crate::resource::{parse_resources, Resource};
 use crate::service::error::ServiceError;
@@ -86,6 +86,7 @@ impl From<&VolumeMount> for proto::VolumeMount {
                 .map(path_string)
                 .unwrap_or_default(),
             block: m.block,
+            propagation: m.propagation.as_str().to_string(),
         }
     }
 }
@@ -107,6 +108,16 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
                 ))
             }
         };
+        let propagation = if m.propagation.is_empty() {
+            VolumePropagation::Private
+        } else {
+            VolumePropagation::parse(&m.propagation).ok_or_else(|| {
+                format!(
+                    "mount of {:?}: unknown propagation {:?} (expected private, rslave or rshared)",
+                    m.container_path, m.propagation
+                )
+            })?
+        };
         Ok(VolumeMount {
             source: PathBuf::from(m.source),
             source_root: Some(m.source_root)
@@ -119,6 +130,7 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
             volume_id: Some(m.volume_id).filter(|s| !s.is_empty()),
             provider_id: Some(m.provider_id).filter(|s| !s.is_empty()),
             block: m.block,
+            propagation,
         })
     }
 }
@@ -259,6 +271,7 @@ mod tests {
             volume_id: Some("v".into()),
             provider_id: None,
             block: false,
+            propagation: Default::default(),
         };
         let wire = proto::VolumeMount::from(&m);
         assert_eq!(wire.provider_id, "");
@@ -277,6 +290,31 @@ mod tests {
             ..Default::default()
         };
         assert!(VolumeMount::try_from(bad).is_err());
+        // Propagation crosses the wire by name; empty is private; anything else is refused.
+        for p in [VolumePropagation::Rslave, VolumePropagation::Rshared] {
+            let with = VolumeMount {
+                propagation: p,
+                ..m.clone()
+            };
+            let wire = proto::VolumeMount::from(&with);
+            assert_eq!(wire.propagation, p.as_str());
+            assert_eq!(VolumeMount::try_from(wire).unwrap(), with);
+        }
+        let empty = proto::VolumeMount {
+            propagation: String::new(),
+            ..proto::VolumeMount::from(&m)
+        };
+        assert_eq!(
+            VolumeMount::try_from(empty).unwrap().propagation,
+            VolumePropagation::Private
+        );
+        let unknown = proto::VolumeMount {
+            propagation: "slave".into(),
+            ..proto::VolumeMount::from(&m)
+        };
+        assert!(VolumeMount::try_from(unknown)
+            .unwrap_err()
+            .contains("unknown propagation"));
     }
 
     #[test]

@@ -331,10 +331,11 @@ pub fn check_annotation_mount(m: &MountSpec) -> Result<(), String> {
     Ok(())
 }
 
-/// Refuses a mounts annotation entry naming a secrets file, unless the operator trusts whoever
-/// sets annotations ([`ALLOW_RAW_RESOURCES_FLAG`]): a pod author must not borrow the
-/// operator's credential files for volumes of its own.
-pub fn admit_mount_secrets(
+/// Refuses what a mounts annotation entry may ask only when the operator trusts whoever sets
+/// annotations ([`ALLOW_RAW_RESOURCES_FLAG`]): a secrets file (a pod author must not borrow the
+/// operator's credential files for volumes of its own) and rshared propagation (the container's
+/// mounts would reach the host; Kubernetes keeps Bidirectional to privileged containers).
+pub fn admit_annotation_mounts(
     container: &str,
     policy: &HookPolicy,
     mounts: &[MountSpec],
@@ -342,19 +343,25 @@ pub fn admit_mount_secrets(
     if policy.allow_raw_resources {
         return Ok(());
     }
-    match mounts.iter().find(|m| m.volume.secrets.is_some()) {
-        Some(m) => Err(HookError::Annotation {
-            container: container.to_string(),
-            annotation: MOUNTS_ANNOTATION,
-            volume: m.source.clone(),
-            reason: format!(
-                "secrets refused: a secrets file is the operator's to name (a disk profile, \
-                 `csi-isolator volume create`), or pass {ALLOW_RAW_RESOURCES_FLAG} to trust \
-                 whoever sets annotations"
-            ),
-        }),
-        None => Ok(()),
+    let refused = |m: &MountSpec, what: &str| HookError::Annotation {
+        container: container.to_string(),
+        annotation: MOUNTS_ANNOTATION,
+        volume: m.source.clone(),
+        reason: format!(
+            "{what} refused: the operator's to ask (a disk profile, `csi-isolator volume \
+             create`, `run --mount`), or pass {ALLOW_RAW_RESOURCES_FLAG} to trust whoever sets \
+             annotations"
+        ),
+    };
+    for m in mounts {
+        if m.volume.secrets.is_some() {
+            return Err(refused(m, "secrets"));
+        }
+        if m.propagation == crate::mount::VolumePropagation::Rshared {
+            return Err(refused(m, "propagation rshared"));
+        }
     }
+    Ok(())
 }
 
 /// Refuses a parameters annotation that sets a key the operator does not allow
@@ -445,21 +452,28 @@ mod tests {
     fn a_secrets_file_needs_the_operators_trust_in_annotations() {
         let mounts =
             [MountSpec::parse("source=v,target=/v,size=1M,secrets=/etc/csi/s.json").unwrap()];
-        let err = admit_mount_secrets("c", &HookPolicy::default(), &mounts)
+        let err = admit_annotation_mounts("c", &HookPolicy::default(), &mounts)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("annotation io.csi-isolator.mounts")
-                && err.contains("secrets refused: a secrets file is the operator's to name"),
+                && err.contains("secrets refused: the operator's to ask"),
             "{err}"
         );
+        let shared = [MountSpec::parse("source=v,target=/v,size=1M,propagation=rshared").unwrap()];
+        let err = admit_annotation_mounts("c", &HookPolicy::default(), &shared)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("propagation rshared refused"), "{err}");
+        let slave = [MountSpec::parse("source=v,target=/v,size=1M,propagation=rslave").unwrap()];
+        admit_annotation_mounts("c", &HookPolicy::default(), &slave).unwrap();
         let trusting = HookPolicy {
             allow_raw_resources: true,
             ..HookPolicy::default()
         };
-        admit_mount_secrets("c", &trusting, &mounts).unwrap();
+        admit_annotation_mounts("c", &trusting, &mounts).unwrap();
         let plain = [MountSpec::parse("source=v,target=/v,size=1M").unwrap()];
-        admit_mount_secrets("c", &HookPolicy::default(), &plain).unwrap();
+        admit_annotation_mounts("c", &HookPolicy::default(), &plain).unwrap();
     }
 
     #[test]

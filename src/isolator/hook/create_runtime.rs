@@ -22,7 +22,7 @@ pub async fn create_runtime(
     // Everything that needs no provider is judged before the work dir is touched.
     let tenant = opts.policy.tenant(id, &annotations)?;
     admit_parameters(id, &opts.policy, &wanted.parameters)?;
-    admit_mount_secrets(id, &opts.policy, &wanted.volumes)?;
+    admit_annotation_mounts(id, &opts.policy, &wanted.volumes)?;
     if tenant == Tenant::Single {
         tracing::info!(
             container = id,
@@ -207,15 +207,10 @@ async fn create_with_provider(
                 source: Box::new(source),
             })?;
         tracing::info!(volume = %v.source, tenant = %req.tenant, volume_id = res.source_id().unwrap_or("-"), "volume for the container");
-        let mode = if v.readonly {
-            VolumeMode::Ro
-        } else {
-            VolumeMode::Rw
-        };
         if let Some(vid) = res.source_id() {
             names.insert(vid.to_string(), format!("'{}' of {}", v.source, req.tenant));
         }
-        resources.push(res.with_volume(&v.target, mode));
+        resources.push(v.use_of(res));
     }
 
     let sandbox = container_dir(req.work_dir, id);

@@ -141,7 +141,7 @@ use serde::Deserialize;
 use crate::isolator::{checkpoint_paths, ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::mount::{self, ns, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount};
 use crate::provider::{MountSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
-use crate::resource::{parse_resources, Resource, VolumeArg, VolumeMode};
+use crate::resource::{parse_resources, Resource, VolumeArg};
 use crate::workdir::WorkDirLock;
 
 /// The annotation naming volumes by `NAME:SIZE:CONTAINER_PATH[:ro]`, comma-separated.

@@ -61,6 +61,9 @@ pub enum RootfsMountError {
     /// `move_mount` of the tree onto the target failed.
     #[error("attach")]
     Attach(#[source] crate::mount::MountError),
+    /// The attached copy could not be given its propagation.
+    #[error("set propagation")]
+    Propagation(#[source] Box<crate::launcher::LaunchError>),
     /// Detaching an attached tree failed.
     #[error("unmount")]
     Unmount(#[source] crate::mount::MountError),
@@ -130,8 +133,11 @@ fn attach_in_rootfs(
     // launcher's clone sequence: opened beneath its trusted root by fd (no symlink inside a volume is
     // followed), cloned, host-only flags cleared on the container's copy, read-only if asked.
     let at = crate::launcher::VolumeRef::new(mount, rootfs);
+    crate::launcher::share_host(sys, mount, &at)
+        .map_err(|e| RootfsMountError::CloneSource(Box::new(e)))?;
     let clone = crate::launcher::clone_source(sys, mount, &at)
         .map_err(|e| RootfsMountError::CloneSource(Box::new(e)))?;
+    let propagation = clone.propagation();
     let tree = clone
         .into_complete_tree()
         .ok_or(RootfsMountError::NoMountApi)?;
@@ -164,7 +170,10 @@ fn attach_in_rootfs(
     .map_err(RootfsMountError::ResolveTarget)?;
     in_namespace(sys, ns_fd.as_fd(), |sys| {
         sys.move_mount_to_fd(tree.as_fd(), target.as_fd())
-            .map_err(RootfsMountError::Attach)
+            .map_err(RootfsMountError::Attach)?;
+        // In the container's namespace, where the copy now lives (see VolumePropagation).
+        crate::launcher::set_propagation_of(sys, tree.as_fd(), propagation, &at)
+            .map_err(|e| RootfsMountError::Propagation(Box::new(e)))
     })?;
     tracing::debug!(
         volume_id = mount.volume_id.as_deref().unwrap_or("-"),
@@ -213,6 +222,7 @@ mod tests {
             volume_id: Some("vol-1".to_string()),
             provider_id: None,
             block: false,
+            propagation: Default::default(),
         }
     }
 

@@ -344,6 +344,7 @@ async fn update_mounts_through_the_seam_and_records_what_is_mounted() {
             CallKind::SetReadonlyByFd,
             CallKind::EnterMountNamespace,
             CallKind::MoveMountToFd,
+            CallKind::SetPropagationByFd,
         ]
     );
     assert!(

@@ -271,6 +271,7 @@ mod tests {
             volume_id: Some(volume.to_string()),
             provider_id: Some("p".to_string()),
             block: false,
+            propagation: Default::default(),
         }
     }
 
