@@ -40,7 +40,8 @@ pub struct RunArgs {
     )]
     volumes: Vec<VolumeArg>,
     /// A volume, in the long form Docker users know (repeatable):
-    /// source=NAME,target=PATH,size=SIZE[,readonly][,fs-type=T][,mount-flags=a:b][,access-mode=MODE].
+    /// source=NAME,target=PATH,size=SIZE[,readonly][,type=mount|block][,fs-type=T]
+    /// [,mount-flags=a:b][,access-mode=MODE][,propagation=private|rslave|rshared][,secrets=FILE].
     /// Created if new, with these options; a volume that exists must have them.
     #[arg(
         long = "mount",
