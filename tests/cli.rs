@@ -638,3 +638,70 @@ fn a_block_volume_by_the_long_form_is_a_device_file_the_workload_writes() {
     );
     assert_nothing_left(&sb, &work);
 }
+
+/// `run --mount ...,propagation=rslave`: a tmpfs the host mounts under the volume's mount point
+/// while the workload runs reaches it; with the default (private) it does not. The provider
+/// sweeps the tmpfs at unpublish.
+#[test]
+fn a_host_mount_made_later_under_the_volume_reaches_an_rslave_run_only() {
+    require_root();
+    let sb = Sandbox::new("cli-rslave");
+    let work = sb.join("work");
+    for (name, propagation, tries, seen) in [
+        ("slave", "rslave", 200, true),
+        ("private", "private", 40, false),
+    ] {
+        let script = format!(
+            "i=0; while [ ! -e {name}/sub/marker ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; \
+             cat {name}/sub/marker 2>/dev/null || echo unseen"
+        );
+        let mount = format!("source={name},target={name},size=8M,propagation={propagation}");
+        let child = cli(&work)
+            .args(["run", "--mount", &mount, "--", "sh", "-c", &script])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The volume's host mount point, once published for the workload (bounded wait).
+        let started = Instant::now();
+        let mount_point = loop {
+            assert!(
+                started.elapsed() < Duration::from_secs(20),
+                "{name} never published"
+            );
+            let status = output(cli(&work).args(["status", "--json"]));
+            let report: serde_json::Value =
+                serde_json::from_slice(&status.stdout).unwrap_or_default();
+            let found = report["volumes"].as_array().and_then(|vols| {
+                vols.iter()
+                    .find(|v| {
+                        v["name"] == name
+                            && v["mounted"] == true
+                            && v["users"].as_array().is_some_and(|u| !u.is_empty())
+                    })
+                    .and_then(|v| v["mount_point"].as_str().map(std::path::PathBuf::from))
+            });
+            if let Some(p) = found {
+                break p;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let sub = mount_point.join("sub");
+        std::fs::create_dir_all(&sub).unwrap();
+        nix::mount::mount(
+            Some("tmpfs"),
+            &sub,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        std::fs::write(sub.join("marker"), "from-the-host\n").unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{name}: {}", text(&out.stderr));
+        let want = if seen { "from-the-host\n" } else { "unseen\n" };
+        assert_eq!(text(&out.stdout), want, "{name}");
+        let _ = nix::mount::umount2(&sub, nix::mount::MntFlags::MNT_DETACH);
+    }
+    assert_nothing_left(&sb, &work);
+}
