@@ -103,6 +103,21 @@ pub enum ProviderError {
         /// The containers using it.
         users: Vec<String>,
     },
+    /// The volume's access mode refuses the use (see `provider::access`): nothing was recorded
+    /// or sent.
+    #[error(
+        "volume '{volume}' (access mode {mode}) cannot be used by container '{container}': {why}"
+    )]
+    AccessModeRefused {
+        /// The volume id.
+        volume: String,
+        /// Its access mode.
+        mode: String,
+        /// The container asking, shown.
+        container: String,
+        /// Why, naming the holder and what to do.
+        why: String,
+    },
     /// The volume is being destroyed; it cannot be published.
     #[error("volume '{volume}' is being destroyed")]
     Destroying {

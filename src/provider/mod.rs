@@ -8,9 +8,10 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing); `tests.rs`, the machine driven without root against an in-process
+//! `manager.rs` (routing), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`, the machine driven without root against an in-process
 //! CSI plugin that records its calls.
 
+pub mod access;
 pub mod bundled;
 pub mod checkpoint;
 mod create;
@@ -29,6 +30,7 @@ pub mod supervisor;
 #[cfg(test)]
 mod tests;
 
+pub use access::Access;
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::{NotReadyCause, ProviderError};
 pub use import::{

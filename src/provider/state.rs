@@ -435,6 +435,11 @@ pub struct VolumeRecord {
     /// Containers using the volume; it is never unpublished while non-empty.
     #[serde(default)]
     pub users: BTreeSet<String>,
+    /// The users that only read it (a subset of `users`); every other user writes. Empty in
+    /// checkpoints of earlier versions, whose users therefore all count as writing. The
+    /// access-mode rule (`provider::access`) reads it.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub readers: BTreeSet<String>,
     /// A volume that existed in the plugin before and was declared by id:
     /// published and unpublished, never created or deleted by us.
     #[serde(default)]
@@ -460,6 +465,19 @@ pub struct VolumeRecord {
 }
 
 impl VolumeRecord {
+    /// Every user and whether it writes, in name order.
+    pub fn uses(&self) -> impl Iterator<Item = (&str, bool)> {
+        self.users
+            .iter()
+            .map(|u| (u.as_str(), !self.readers.contains(u)))
+    }
+
+    /// Ends `container`'s use; whether it was a user.
+    pub fn remove_user(&mut self, container: &str) -> bool {
+        self.readers.remove(container);
+        self.users.remove(container)
+    }
+
     /// Whether the volume rests at `goal`: there, with no operation under way. Driving it to
     /// `goal` then does nothing (no RPC, no write).
     pub fn rests_at(&self, goal: VolumeState) -> bool {
@@ -503,6 +521,7 @@ impl VolumeRecord {
             boot_id: None,
             readonly: false,
             users: BTreeSet::new(),
+            readers: BTreeSet::new(),
             pre_provisioned: false,
             destroying: false,
             delete_imported: false,

@@ -173,6 +173,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
             Code::AlreadyExists
         }
         ProviderError::InUse { .. }
+        | ProviderError::AccessModeRefused { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
         | ProviderError::NoListVolumes { .. }

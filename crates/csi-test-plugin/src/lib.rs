@@ -23,6 +23,7 @@ mod controller;
 pub mod faults;
 mod identity;
 mod locks;
+pub mod mount_options;
 mod node;
 pub mod status;
 pub mod store;
