@@ -50,6 +50,9 @@ struct Suite {
     counter: u32,
     /// A tmpfs holding the plugin's work dir, unmounted by `cleanup`.
     tmpfs: Option<Tmpfs>,
+    /// The access mode of the capability every call carries (SINGLE_NODE_WRITER unless a
+    /// spec says otherwise).
+    mode: Mode,
 }
 
 async fn suite(backing: &str) -> Suite {
@@ -82,6 +85,7 @@ async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
         volumes: Vec::new(),
         counter: 0,
         tmpfs,
+        mode: Mode::SingleNodeWriter,
     }
 }
 
@@ -119,7 +123,7 @@ impl Suite {
     fn create_req(&self, name: &str, required: i64) -> proto::CreateVolumeRequest {
         proto::CreateVolumeRequest {
             name: name.into(),
-            volume_capabilities: vec![cap()],
+            volume_capabilities: vec![mount_capability(self.mode)],
             capacity_range: (required > 0).then_some(proto::CapacityRange {
                 required_bytes: required,
                 limit_bytes: 0,
@@ -161,7 +165,7 @@ impl Suite {
         let req = proto::ControllerPublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             node_id: node.into(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(mount_capability(self.mode)),
             volume_context: vol.volume_context.clone(),
             readonly: false,
             ..Default::default()
@@ -181,7 +185,7 @@ impl Suite {
         let req = proto::NodeStageVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(mount_capability(self.mode)),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
@@ -192,20 +196,32 @@ impl Suite {
 
     async fn node_publish(&mut self, vol: &proto::Volume, ctx: &HashMap<String, String>) {
         let target = self.target();
+        self.node_publish_at(vol, ctx, target).await.unwrap();
+    }
+
+    /// NodePublishVolume at `target` (a path in the suite's target directory, which the plugin
+    /// creates), recorded for cleanup when it succeeds.
+    async fn node_publish_at(
+        &mut self,
+        vol: &proto::Volume,
+        ctx: &HashMap<String, String>,
+        target: PathBuf,
+    ) -> Result<(), tonic::Status> {
         let req = proto::NodePublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
             target_path: target.display().to_string(),
-            volume_capability: Some(cap()),
+            volume_capability: Some(mount_capability(self.mode)),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
         };
-        self.c.node.node_publish_volume(req).await.unwrap();
+        self.c.node.node_publish_volume(req).await?;
         let published = self.published(&vol.volume_id);
         if !published.targets.contains(&target) {
             published.targets.push(target);
         }
+        Ok(())
     }
 
     /// The suite's AfterEach: undo everything in CO order, then check nothing is left.
@@ -364,6 +380,8 @@ both_backings!(
     node_volume_stats_fails_for_wrong_path,
     node_full_flow_works,
     node_full_flow_is_idempotent,
+    single_node_multi_writer_publishes_at_two_targets,
+    single_node_single_writer_refuses_a_second_target,
 );
 
 // ---- Identity ----
@@ -439,6 +457,7 @@ async fn controller_get_capabilities_returns_known_capabilities(mut s: Suite) {
         Type::ListVolumes,
         Type::GetCapacity,
         Type::ListVolumesPublishedNodes,
+        Type::SingleNodeMultiWriter,
     ] {
         assert!(seen.contains(&want), "{want:?} missing");
     }
@@ -896,6 +915,7 @@ async fn node_get_capabilities_returns_known_capabilities(mut s: Suite) {
     }
     assert!(seen.contains(&Type::StageUnstageVolume));
     assert!(seen.contains(&Type::GetVolumeStats));
+    assert!(seen.contains(&Type::SingleNodeMultiWriter));
     s.cleanup().await;
 }
 
@@ -1190,4 +1210,62 @@ async fn node_full_flow_works(s: Suite) {
 
 async fn node_full_flow_is_idempotent(s: Suite) {
     node_full_flow(s, 3).await;
+}
+
+// ---- SINGLE_NODE_MULTI_WRITER (the node capability, and the two access modes it allows) ----
+
+/// csi-sanity's SINGLE_NODE_MULTI_WRITER spec: a volume of that mode published at two target
+/// paths of one node, each a mount of the volume, each seeing what the other writes.
+async fn single_node_multi_writer_publishes_at_two_targets(mut s: Suite) {
+    s.mode = Mode::SingleNodeMultiWriter;
+    let node = s.node_id().await;
+    let vol = s.create("sanity-snmw").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    let (first, second) = (s.target_parent.join("a"), s.target_parent.join("b"));
+    for target in [&first, &second] {
+        s.node_publish_at(&vol, &ctx, target.clone()).await.unwrap();
+    }
+    let mounts: Vec<_> = s
+        .sandbox
+        .mounts_under()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    for target in [&first, &second] {
+        assert_eq!(
+            mounts.iter().filter(|m| *m == target).count(),
+            1,
+            "{mounts:?}"
+        );
+    }
+    std::fs::write(first.join("from-a"), b"shared").unwrap();
+    assert_eq!(std::fs::read(second.join("from-a")).unwrap(), b"shared");
+    s.cleanup().await;
+}
+
+/// csi-sanity's SINGLE_NODE_SINGLE_WRITER spec: published at one target, a second target path
+/// is FAILED_PRECONDITION (the CO exceeded the volume's capability) and nothing is made there;
+/// the first publish is repeatable.
+async fn single_node_single_writer_refuses_a_second_target(mut s: Suite) {
+    s.mode = Mode::SingleNodeSingleWriter;
+    let node = s.node_id().await;
+    let vol = s.create("sanity-snsw").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    let (first, second) = (s.target_parent.join("a"), s.target_parent.join("b"));
+    s.node_publish_at(&vol, &ctx, first.clone()).await.unwrap();
+    let status = s
+        .node_publish_at(&vol, &ctx, second.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains("SINGLE_NODE_SINGLE_WRITER"),
+        "{}",
+        status.message()
+    );
+    assert!(!second.exists(), "nothing made at the second target");
+    s.node_publish_at(&vol, &ctx, first).await.unwrap();
+    s.cleanup().await;
 }
