@@ -321,7 +321,64 @@ pub struct UnknownAccessMode {
     pub name: String,
 }
 
+/// An fs type or mount flags refused by [`Capability::set_mount`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what}")]
+pub struct InvalidMount {
+    /// `fs_type` or `mount_flags`.
+    pub field: &'static str,
+    /// What is wrong, the value shown escaped.
+    pub what: String,
+}
+
+/// Most mount flags a capability carries.
+pub const MAX_MOUNT_FLAGS: usize = 32;
+/// Longest mount flag, and fs type, in bytes.
+pub const MAX_MOUNT_FLAG_BYTES: usize = 256;
+
 impl Capability {
+    /// Sets the fs type (empty: the plugin's default) and mount flags a user named: the one
+    /// check of their form, for `serve` (and whoever parses them): a type of letters, digits,
+    /// `.` and `_`; at most [`MAX_MOUNT_FLAGS`] flags of at most [`MAX_MOUNT_FLAG_BYTES`] bytes,
+    /// none empty or holding a control character. What a flag means is the plugin's to say (it
+    /// must refuse what it does not apply). On refusal the capability is left as it was.
+    pub fn set_mount(&mut self, fs_type: &str, mount_flags: &[String]) -> Result<(), InvalidMount> {
+        use crate::shown::shown;
+        let fs_ok = fs_type.len() <= MAX_MOUNT_FLAG_BYTES
+            && fs_type
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_');
+        if !fs_ok {
+            return Err(InvalidMount {
+                field: "fs_type",
+                what: format!("'{}' is not a filesystem type name", shown(fs_type)),
+            });
+        }
+        if mount_flags.len() > MAX_MOUNT_FLAGS {
+            return Err(InvalidMount {
+                field: "mount_flags",
+                what: format!(
+                    "{} flags, over the limit of {MAX_MOUNT_FLAGS}",
+                    mount_flags.len()
+                ),
+            });
+        }
+        if let Some(bad) = mount_flags.iter().find(|f| {
+            f.is_empty() || f.len() > MAX_MOUNT_FLAG_BYTES || f.chars().any(char::is_control)
+        }) {
+            return Err(InvalidMount {
+                field: "mount_flags",
+                what: format!(
+                    "flag '{}' is empty, over {MAX_MOUNT_FLAG_BYTES} bytes or holds a control character",
+                    shown(bad)
+                ),
+            });
+        }
+        self.fs_type = fs_type.to_string();
+        self.mount_flags = mount_flags.to_vec();
+        Ok(())
+    }
+
     /// Sets the access mode to one a user named (CSI's names, such as `SINGLE_NODE_WRITER`):
     /// the one check of a mode name, for the command line, `serve` and disk profiles alike.
     pub fn set_access_mode(&mut self, name: &str) -> Result<(), UnknownAccessMode> {
@@ -673,6 +730,49 @@ mod tests {
                 "{text}"
             );
             assert!(!text.contains('\u{1b}'), "shown escaped: {text}");
+        }
+    }
+
+    #[test]
+    fn fs_type_and_mount_flags_are_checked_in_one_place() {
+        let flags = |names: &[&str]| names.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut c = Capability::default();
+        c.set_mount("ext4", &flags(&["noatime", "vers=4.2"]))
+            .unwrap();
+        assert_eq!(c.fs_type, "ext4");
+        assert_eq!(c.mount_flags, ["noatime", "vers=4.2"]);
+        c.set_mount("", &[]).unwrap();
+        assert_eq!(c, Capability::default());
+        let too_many = vec!["noatime".to_string(); MAX_MOUNT_FLAGS + 1];
+        let long = "x".repeat(MAX_MOUNT_FLAG_BYTES + 1);
+        for (fs_type, bad, field, words) in [
+            (
+                "ext4 -o x",
+                flags(&[]),
+                "fs_type",
+                "'ext4 -o x' is not a filesystem type name",
+            ),
+            (
+                "../x",
+                flags(&[]),
+                "fs_type",
+                "is not a filesystem type name",
+            ),
+            ("ext4", flags(&[""]), "mount_flags", "flag '' is empty"),
+            ("ext4", flags(&["a\nb"]), "mount_flags", "flag 'a\\nb'"),
+            ("ext4", vec![long], "mount_flags", "over 256 bytes"),
+            (
+                "ext4",
+                too_many,
+                "mount_flags",
+                "33 flags, over the limit of 32",
+            ),
+        ] {
+            let mut c = Capability::default();
+            let err = c.set_mount(fs_type, &bad).unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.to_string().contains(words), "{err}");
+            assert_eq!(c, Capability::default(), "left as it was");
         }
     }
 

@@ -34,6 +34,8 @@ pub struct VolumeStatus {
     pub parameters: BTreeMap<String, String>,
     /// Whether it was imported (pre-provisioned): destroy leaves it in the plugin.
     pub imported: bool,
+    /// The capability it is published with (access mode, fs type, mount flags).
+    pub capability: crate::provider::state::Capability,
     /// Its mount point (the NodePublish target).
     pub mount_point: PathBuf,
     /// Whether the mount table has a mount at the mount point.
@@ -113,6 +115,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 users: rec.users,
                 parameters: rec.parameters,
                 imported: rec.pre_provisioned,
+                capability: rec.capability,
                 mount_point: target,
                 mounted: is_mounted,
                 staged,

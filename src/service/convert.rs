@@ -213,6 +213,9 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 capacity_enforced: v.capacity_enforced,
                 parameters: v.parameters.into_iter().collect(),
                 imported: v.imported,
+                access_mode: v.capability.access_mode,
+                fs_type: v.capability.fs_type,
+                mount_flags: v.capability.mount_flags,
             })
             .collect(),
         containers: containers

@@ -152,7 +152,7 @@ impl IsolatorService {
             return Err(invalid("name", "is empty"));
         }
         let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
-        spec.capability = capability(&req.access_mode)?;
+        spec.capability = capability(&req.access_mode, &req.fs_type, &req.mount_flags)?;
         spec.parameters = req.parameters.into_iter().collect();
         let resource = provider.create_volume(spec).await?;
         Ok(volume_answer(
@@ -181,7 +181,7 @@ impl IsolatorService {
             name: req.name,
             volume_id: req.volume_id,
             capacity_bytes: req.capacity_bytes,
-            capability: capability(&req.access_mode)?,
+            capability: capability(&req.access_mode, &req.fs_type, &req.mount_flags)?,
             volume_context: req.volume_context.into_iter().collect(),
         };
         let resource = provider.import_volume(spec).await?;
@@ -312,14 +312,21 @@ fn container_id(id: &str) -> Result<(), ServiceError> {
         .map_err(|e| invalid("container_id", crate::error_chain::full_message(&e)))
 }
 
-/// The capability of a request's access mode (empty: the default).
-fn capability(access_mode: &str) -> Result<Capability, ServiceError> {
+/// The capability of a request's access mode (empty: the default), fs type and mount flags.
+fn capability(
+    access_mode: &str,
+    fs_type: &str,
+    mount_flags: &[String],
+) -> Result<Capability, ServiceError> {
     let mut capability = Capability::default();
     if !access_mode.is_empty() {
         capability
             .set_access_mode(access_mode)
             .map_err(|e| invalid("access_mode", e.to_string()))?;
     }
+    capability
+        .set_mount(fs_type, mount_flags)
+        .map_err(|e| invalid(e.field, e.to_string()))?;
     Ok(capability)
 }
 
