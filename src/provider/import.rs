@@ -137,6 +137,7 @@ impl StorageProvider {
                     .unwrap_or_default()
             )));
         }
+        self.check_mode_offered(&spec.name, &spec.capability)?;
         let mut create = CreateSpec::new(&spec.name, spec.capacity_bytes);
         create.capability = spec.capability.clone();
         let intent = CreateIntent {

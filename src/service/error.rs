@@ -174,6 +174,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         }
         ProviderError::InUse { .. }
         | ProviderError::AccessModeRefused { .. }
+        | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
         | ProviderError::NoListVolumes { .. }
