@@ -17,6 +17,7 @@
 //! (`ReadWriteOncePod`). A use recorded before uses were told apart counts as writing.
 
 use crate::csi::proto::volume_capability::access_mode::Mode;
+use crate::provider::state::is_reader_only_mode;
 
 /// How a use reaches the volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,9 +91,7 @@ pub fn admit<'a>(
 ) -> Result<(), Refusal> {
     let mut others = others.into_iter().filter(|(c, _)| *c != container);
     match mode {
-        Some(Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly) if access.writes() => {
-            Err(Refusal::ReaderOnly)
-        }
+        Some(m) if is_reader_only_mode(m) && access.writes() => Err(Refusal::ReaderOnly),
         Some(Mode::SingleNodeSingleWriter) => match others.next() {
             Some((holder, _)) => Err(Refusal::SecondUse {
                 holder: holder.to_string(),

@@ -313,6 +313,12 @@ impl Default for Capability {
     }
 }
 
+/// Whether a CSI access mode only allows reading (the one list of them).
+pub fn is_reader_only_mode(mode: proto::volume_capability::access_mode::Mode) -> bool {
+    use proto::volume_capability::access_mode::Mode;
+    matches!(mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
+}
+
 /// An access mode name the CSI spec does not define.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("unknown CSI access mode '{name}' (expected one of {})", Capability::access_mode_names().join(", "))]
@@ -430,11 +436,7 @@ impl Capability {
 
     /// Whether the access mode only allows reading.
     pub fn is_reader_only(&self) -> bool {
-        use proto::volume_capability::access_mode::Mode;
-        matches!(
-            self.mode(),
-            Some(Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
-        )
+        self.mode().is_some_and(is_reader_only_mode)
     }
 
     /// The capability as the CSI message (mount access type).
