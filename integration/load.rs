@@ -449,6 +449,7 @@ async fn launch_op(ctx: Arc<Ctx>, plan: LaunchPlan) -> Result<Done, String> {
         rootfs: config.rootfs.clone(),
         mounts: info.mounts.clone(),
         pid_namespace: false,
+        user: None,
     };
     let exec_start = Instant::now();
     let process = tokio::task::spawn_blocking(move || {

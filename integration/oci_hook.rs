@@ -10,7 +10,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use csi_isolator::isolator::hook::{HOOK_DIR, VOLUMES_ANNOTATION};
+use csi_isolator::isolator::hook::{HOOK_DIR, MOUNTS_ANNOTATION, VOLUMES_ANNOTATION};
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::state::VolumeState;
@@ -54,8 +54,20 @@ fn build_bundle(sb: &Sandbox) -> Bundle {
 /// Writes config.json with `script` as the process and `volumes` as the volume annotation, then runs the
 /// container to completion (`runc run`, which destroys it and runs poststop at the end).
 fn run(sb: &Sandbox, bundle: &Bundle, name: &str, volumes: &str, script: &str) -> RuncRun {
+    let annotations = serde_json::json!({ VOLUMES_ANNOTATION: volumes });
+    run_annotated(sb, bundle, name, annotations, script)
+}
+
+/// [`run`] with the annotations given.
+fn run_annotated(
+    sb: &Sandbox,
+    bundle: &Bundle,
+    name: &str,
+    annotations: serde_json::Value,
+    script: &str,
+) -> RuncRun {
     let mut config = bundle.runc.config_for(script);
-    config["annotations"] = serde_json::json!({ VOLUMES_ANNOTATION: volumes });
+    config["annotations"] = annotations;
     let id = format!("csi-hook-{name}-{}", std::process::id());
     let r = runc_run(sb, &bundle.runc, &id, &config, RUN_TIMEOUT);
     // The forced delete runs right away, before the test looks at what is left (the guard's own
@@ -292,4 +304,71 @@ async fn symlink_in_rootfs_keeps_the_mount_inside_it() {
     );
     assert_ran(&r2);
     assert_eq!(r2.stdout, "mine\n");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mounts_annotation_takes_the_long_form_with_its_options() {
+    require_tools();
+    let sb = Sandbox::new("hook-mounts");
+    let bundle = build_bundle(&sb);
+    let annotations = serde_json::json!({
+        MOUNTS_ANNOTATION: "source=data,target=/data,size=16M,fs-type=ext4; \
+                            source=ref,target=/ref,size=8M,readonly",
+    });
+    let r = run_annotated(
+        &sb,
+        &bundle,
+        "long",
+        annotations,
+        "echo hi > /data/f && cat /data/f && grep -E ' /(data|ref) ' /proc/mounts \
+         && ! echo x > /ref/f",
+    );
+    assert_ran(&r);
+    assert!(r.stdout.starts_with("hi\n"), "{}", r.stdout);
+    let ref_line = r
+        .stdout
+        .lines()
+        .find(|l| l.contains(" /ref "))
+        .unwrap_or_else(|| panic!("/ref mounted: {}", r.stdout));
+    assert!(
+        ref_line.contains(" ro,") || ref_line.contains(" ro "),
+        "{ref_line}"
+    );
+    assert_container_gone(&sb, &bundle, &r);
+    let (_, users, mounted) = volume_status(&sb, &bundle.work, "data").await;
+    assert!(users.is_empty() && !mounted, "{users:?} {mounted}");
+
+    // A flag only the operator may set, from an annotation: the container does not start.
+    let refused = run_annotated(
+        &sb,
+        &bundle,
+        "suid",
+        serde_json::json!({ MOUNTS_ANNOTATION: "source=s,target=/s,size=8M,mount-flags=suid" }),
+        "true",
+    );
+    assert_ne!(refused.code, Some(0));
+    assert!(
+        refused.stderr.contains("mount flag 'suid' refused"),
+        "{}",
+        refused.stderr
+    );
+    assert_container_gone(&sb, &bundle, &refused);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_root_process_user_writes_its_volume() {
+    require_tools();
+    let sb = Sandbox::new("hook-user");
+    let bundle = build_bundle(&sb);
+    let mut config = bundle
+        .runc
+        .config_for("id -u && id -g && echo mine > /data/f && stat -c '%u:%g' /data/f /data");
+    config["annotations"] = serde_json::json!({ VOLUMES_ANNOTATION: "data:16M:/data" });
+    config["process"]["user"] = serde_json::json!({"uid": 1234, "gid": 1235});
+    let id = format!("csi-hook-user-{}", std::process::id());
+    let r = runc_run(&sb, &bundle.runc, &id, &config, RUN_TIMEOUT);
+    let _ = r.guard.delete();
+    assert_ran(&r);
+    assert_eq!(r.stdout, "1234\n1235\n1234:1235\n0:1235\n");
+    assert_container_gone(&sb, &bundle, &r);
 }

@@ -27,8 +27,8 @@ use crate::isolator::checkpoint_paths::{is_run_container, run_sandbox};
 use crate::isolator::{ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::launcher::{self, LaunchError, LaunchSpec};
 use crate::mount::MountTable;
-use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider};
-use crate::resource::{validate_container_id, Resource, VolumeArg, VolumeMode};
+use crate::provider::{MountSpec, ProviderConfig, ProviderError, StorageProvider};
+use crate::resource::{validate_container_id, Resource, VolumeMode};
 use crate::workdir::{self, require_mount_privilege, WorkDirError};
 
 /// What `run` does.
@@ -38,8 +38,8 @@ pub struct RunOptions {
     pub work_dir: PathBuf,
     /// The provider (bundled plugin or an endpoint).
     pub provider: ProviderConfig,
-    /// Volumes to create (if new) and mount.
-    pub volumes: Vec<VolumeArg>,
+    /// Volumes to create (if new) and mount (`--mount`, and `--volume` in its short form).
+    pub volumes: Vec<MountSpec>,
     /// Resources (Mesos JSON) to mount as given.
     pub resources: Vec<Resource>,
     /// A root filesystem to pivot into.
@@ -50,6 +50,8 @@ pub struct RunOptions {
     pub argv: Vec<OsString>,
     /// How long the workload gets to exit after SIGTERM before SIGKILL.
     pub stop_grace: Duration,
+    /// The user the workload runs as (`UID[:GID]` or `NAME[:GROUP]`; `None`: root).
+    pub user: Option<String>,
 }
 
 /// `run` failed before or around the workload.
@@ -177,6 +179,10 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
             .map_err(|e| RunError::Usage(crate::error_chain::full_message(&e)))?;
     }
     check_host_targets(&opts)?;
+    if let Some(user) = &opts.user {
+        crate::isolator::ownership::resolve_user(user)
+            .map_err(|reason| RunError::Usage(format!("--user: {reason}")))?;
+    }
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     // The checkpoint records the rootfs as the kernel names it: a read-back
     // refuses a path that is not normal and absolute.
@@ -278,23 +284,27 @@ async fn prepare_and_supervise(
     for v in &opts.volumes {
         // A volume of that name already there is handed out as it is, with the
         // parameters it was created with (`volume create --param`).
-        let spec = CreateSpec::new(&v.name, v.size_bytes);
-        let res = step(stops, provider.use_or_create_volume(spec)).await??;
+        let res = step(stops, provider.volume_for_mount(v)).await??;
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
             VolumeMode::Rw
         };
-        resources.push(res.with_volume(&v.container_path, mode));
+        resources.push(res.with_volume(&v.target, mode));
     }
     mkdir(sandbox)?;
     let config = ContainerConfig {
         resources,
         sandbox: sandbox.to_path_buf(),
         rootfs: opts.rootfs.clone(),
-        user: None,
+        user: opts.user.clone(),
     };
     let info = step(stops, isolator.prepare(container_id, config)).await??;
+    // Checked at the start; resolved again as prepare did, the same answer.
+    let user = match &opts.user {
+        Some(u) => Some(crate::isolator::ownership::resolve_user(u).map_err(RunError::Usage)?),
+        None => None,
+    };
     let spec = LaunchSpec {
         argv: opts.argv.clone(),
         env: Vec::new(),
@@ -302,6 +312,7 @@ async fn prepare_and_supervise(
         rootfs: opts.rootfs.clone(),
         mounts: info.mounts,
         pid_namespace: false,
+        user,
     };
     if *stops.borrow() > 0 {
         return Err(RunError::Stopped);
@@ -429,7 +440,7 @@ fn check_host_targets(opts: &RunOptions) -> Result<(), RunError> {
     let from_volumes = opts
         .volumes
         .iter()
-        .map(|v| (format!("--volume {}", v.name), v.container_path.as_str()));
+        .map(|v| (format!("volume '{}'", v.source), v.target.as_str()));
     let from_resources = opts.resources.iter().filter_map(|r| {
         let path = r.container_path()?;
         Some((format!("--resources ({})", r.describe()), path))

@@ -353,3 +353,254 @@ fn errors_are_written_for_people() {
     );
     assert_nothing_left(&sb, &work);
 }
+
+#[test]
+fn the_long_mount_form_creates_with_its_options_and_refuses_what_differs() {
+    require_root();
+    let sb = Sandbox::new("cli-mount");
+    let work = sb.join("work");
+    let made = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=db,target=db,size=16M,fs-type=ext4",
+        "--mount",
+        "src=ref,dst=ref,size=8M,ro",
+        "--",
+        "sh",
+        "-c",
+        "echo kept > db/f; cat db/f; echo x > ref/f",
+    ]));
+    assert_ne!(made.status.code(), Some(0), "ref is read-only");
+    assert_eq!(text(&made.stdout), "kept\n", "{}", text(&made.stderr));
+    assert!(
+        text(&made.stderr).contains("Read-only file system"),
+        "{}",
+        text(&made.stderr)
+    );
+    let status = output(cli(&work).args(["volume", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    let db = listed
+        .as_array()
+        .and_then(|vols| vols.iter().find(|v| v["name"] == "db"))
+        .unwrap_or_else(|| panic!("db listed: {listed}"));
+    assert_eq!(db["capability"]["fs_type"], "ext4", "{db}");
+
+    // The same volume by its short form, and by the long one without options: used as it is.
+    let again = output(cli(&work).args([
+        "run",
+        "--volume",
+        "db:16M:db",
+        "--mount",
+        "source=ref,target=ref,size=8M,readonly",
+        "--",
+        "cat",
+        "db/f",
+    ]));
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout), "kept\n");
+
+    // Other options than the volume has: refused before anything runs.
+    let other = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=db,target=db,size=16M,access-mode=MULTI_NODE_READER_ONLY",
+        "--",
+        "true",
+    ]));
+    assert!(!other.status.success());
+    assert!(
+        text(&other.stderr).contains(
+            "volume 'db' exists with capability SINGLE_NODE_WRITER fs_type=ext4, not MULTI_NODE_READER_ONLY fs_type=ext4"
+        ),
+        "{}",
+        text(&other.stderr)
+    );
+
+    for (entry, says) in [
+        (
+            "source=a,target=a,size=1M,colour=red",
+            "option 'colour': unknown key",
+        ),
+        ("source=a,target=a", "option 'size': is required"),
+        (
+            "source=a,target=a,size=1M,type=block",
+            "block volumes are not supported yet",
+        ),
+    ] {
+        let bad = output(cli(&work).args(["run", "--mount", entry, "--", "true"]));
+        assert_eq!(bad.status.code(), Some(2), "{entry}");
+        assert!(
+            text(&bad.stderr).contains(says),
+            "{entry}: {}",
+            text(&bad.stderr)
+        );
+    }
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn a_non_root_workload_writes_the_volumes_it_does_not_share() {
+    require_root();
+    let sb = Sandbox::new("cli-user");
+    let work = sb.join("work");
+    let script = "id -u; id -g; id -G; echo mine > data/f && stat -c '%u:%g' data/f; \
+                  ! touch ref/f 2>/dev/null && echo ref-refused";
+    let out = output(cli(&work).args([
+        "run",
+        "--user",
+        "4321:4322",
+        "--mount",
+        "source=data,target=data,size=8M",
+        "--volume",
+        "ref:8M:ref:ro",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        text(&out.stdout),
+        "4321\n4322\n4322\n4321:4322\nref-refused\n",
+        "the workload's user, its one group, its file; the read-only volume untouched"
+    );
+
+    // The volume root was changed once: root's, the workload's group, group-writable, setgid.
+    // Published again for a look at its root, as a root workload sees it.
+    let root = output(cli(&work).args([
+        "run",
+        "--volume",
+        "data:8M:data",
+        "--volume",
+        "ref:8M:ref:ro",
+        "--",
+        "stat",
+        "-c",
+        "%u:%g %a",
+        "data",
+        "ref",
+    ]));
+    assert!(root.status.success(), "{}", text(&root.stderr));
+    assert_eq!(text(&root.stdout), "0:4322 2775\n0:0 755\n");
+
+    // Another user of the same (unshared) volume gets it for its group, and reads what was there.
+    let other = output(cli(&work).args([
+        "run",
+        "--user",
+        "5000:5001",
+        "--volume",
+        "data:8M:data",
+        "--",
+        "sh",
+        "-c",
+        "cat data/f && echo theirs > data/g && stat -c '%u:%g' data/g",
+    ]));
+    assert!(other.status.success(), "{}", text(&other.stderr));
+    assert_eq!(text(&other.stdout), "mine\n5000:5001\n");
+
+    for (user, says) in [
+        (
+            "no-such-user-here",
+            "--user: user 'no-such-user-here' is not in the host's user database",
+        ),
+        ("1000:", "expected UID[:GID] or NAME[:GROUP]"),
+    ] {
+        let bad =
+            output(cli(&work).args(["run", "--user", user, "--volume", "x:8M:x", "--", "true"]));
+        assert!(!bad.status.success(), "{user}");
+        assert!(
+            text(&bad.stderr).contains(says),
+            "{user}: {}",
+            text(&bad.stderr)
+        );
+    }
+    let listed = output(cli(&work).args(["volume", "list", "--json"]));
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    assert!(
+        !listed.as_array().unwrap().iter().any(|v| v["name"] == "x"),
+        "a bad user is refused before any volume is made: {listed}"
+    );
+
+    // A shared volume (`shared: {}`, Mesos' marker) is left as it is: its users would fight over it.
+    let created = output(cli(&work).args(["volume", "create", "common", "8M"]));
+    assert!(created.status.success(), "{}", text(&created.stderr));
+    let mut res: serde_json::Value = serde_json::from_slice(&created.stdout).unwrap();
+    res["disk"]["volume"] = serde_json::json!({"container_path": "common", "mode": "RW"});
+    res["shared"] = serde_json::json!({});
+    let file = sb.join("shared.json");
+    std::fs::write(
+        &file,
+        serde_json::to_vec(&serde_json::json!([res])).unwrap(),
+    )
+    .unwrap();
+    let shared = output(
+        cli(&work)
+            .args(["run", "--user", "4321:4322", "--resources"])
+            .arg(&file)
+            .args([
+                "--",
+                "sh",
+                "-c",
+                "stat -c '%u:%g %a' common; ! touch common/f 2>/dev/null",
+            ]),
+    );
+    assert!(shared.status.success(), "{}", text(&shared.stderr));
+    assert_eq!(text(&shared.stdout), "0:0 755\n");
+    assert_nothing_left(&sb, &work);
+}
+
+#[test]
+fn a_volume_is_published_only_where_its_topology_reaches() {
+    require_root();
+    let sb = Sandbox::new("cli-topology");
+    let work = sb.join("work");
+    let zone = |z: &str| format!("--plugin-arg=--topology=topology.example.com/zone={z}");
+    let made = output(cli(&work).args([
+        "run",
+        &zone("a"),
+        "--volume",
+        "v:8M:v",
+        "--",
+        "sh",
+        "-c",
+        "echo here > v/f",
+    ]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let status = output(cli(&work).args(["status", "--json"]));
+    let report: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        report["volumes"][0]["accessible_topology"],
+        serde_json::json!([{"topology.example.com/zone": "a"}]),
+        "{report}"
+    );
+    let shown = output(cli(&work).args(["status"]));
+    assert!(
+        text(&shown.stdout).contains("reachable from: topology.example.com/zone=a"),
+        "{}",
+        text(&shown.stdout)
+    );
+
+    // The same node, now in another zone: refused before any RPC touches the volume.
+    let elsewhere =
+        output(cli(&work).args(["run", &zone("b"), "--volume", "v:8M:v", "--", "true"]));
+    assert!(!elsewhere.status.success());
+    assert!(
+        text(&elsewhere.stderr).contains(
+            "can be reached only from topology.example.com/zone=a (its CreateVolume answer), and this node is at topology.example.com/zone=b"
+        ),
+        "{}",
+        text(&elsewhere.stderr)
+    );
+    // Back in its zone, the data is there; a plugin without topology says nothing against it.
+    for plugin_arg in [zone("a"), "--plugin-arg=--name=csi-test".to_string()] {
+        let back =
+            output(cli(&work).args(["run", &plugin_arg, "--volume", "v:8M:v", "--", "cat", "v/f"]));
+        assert!(
+            back.status.success(),
+            "{plugin_arg}: {}",
+            text(&back.stderr)
+        );
+        assert_eq!(text(&back.stdout), "here\n");
+    }
+    assert_nothing_left(&sb, &work);
+}

@@ -82,7 +82,7 @@ fn an_absolute_container_path_missing_on_the_host_is_refused_and_not_created() {
         case.refused(
             &["run", "--volume", &volume, "--", "true"],
             &[
-                "--volume data",
+                "volume 'data'",
                 &format!("container path {target} does not exist on the host"),
                 "use a relative path such as",
                 "lands in the sandbox",
@@ -103,7 +103,7 @@ fn an_absolute_container_path_that_is_a_host_file_is_refused() {
     case.refused(
         &["run", "--volume", &volume, "--", "true"],
         &[
-            "--volume data",
+            "volume 'data'",
             "is not a directory on the host",
             "--rootfs",
         ],

@@ -90,6 +90,7 @@ pub fn spec(cfg: &ContainerConfig, info: &LaunchInfo, script: &str) -> LaunchSpe
         rootfs: cfg.rootfs.clone(),
         mounts: info.mounts.clone(),
         pid_namespace: false,
+        user: None,
     }
 }
 

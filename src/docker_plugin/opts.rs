@@ -10,23 +10,12 @@
 
 use std::collections::BTreeMap;
 
+use crate::provider::mount_spec::{Key, OptionError, VolumeOptions};
 use crate::provider::{parameters, Capability, CreateSpec, ImportSpec};
 use crate::shown::shown;
 
-/// Capacity, with a unit (`64M`, `1G`).
-pub const SIZE: &str = "size";
-/// A CSI access mode name (`SINGLE_NODE_WRITER`, ...).
-pub const ACCESS_MODE: &str = "access-mode";
-/// The filesystem type asked of the plugin.
-pub const FS_TYPE: &str = "fs-type";
-/// Mount flags asked of the plugin, comma-separated.
-pub const MOUNT_FLAGS: &str = "mount-flags";
 /// Import the plugin's volume of this id instead of creating one.
 pub const VOLUME_ID: &str = "volume-id";
-
-/// Our own option keys, in the order the docs give them.
-pub const OURS: [&str; 5] = [SIZE, ACCESS_MODE, FS_TYPE, MOUNT_FLAGS, VOLUME_ID];
-
 /// What a `Create` asks for.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Plan {
@@ -36,15 +25,8 @@ pub enum Plan {
     Import(ImportSpec),
 }
 
-/// An option that cannot be used, named.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("option '{key}': {reason}")]
-pub struct OptError {
-    /// The key, escaped and shortened.
-    pub key: String,
-    /// What is wrong.
-    pub reason: String,
-}
+/// An option that cannot be used, named: the one parser's error ([`crate::provider::mount_spec`]).
+pub type OptError = OptionError;
 
 fn refuse(key: &str, reason: impl Into<String>) -> OptError {
     OptError {
@@ -55,66 +37,29 @@ fn refuse(key: &str, reason: impl Into<String>) -> OptError {
 
 /// The plan of `Create {Name: name, Opts: opts}`.
 pub fn plan(name: &str, opts: &BTreeMap<String, String>) -> Result<Plan, OptError> {
-    let mut capability = Capability::default();
-    let mut capacity_bytes = 0;
+    let mut options = VolumeOptions::default();
     let mut rest = BTreeMap::new();
     let mut volume_id = None;
     for (key, value) in opts {
-        let ours = OURS.contains(&key.as_str());
-        if ours && value.is_empty() {
-            return Err(refuse(key, "empty value"));
-        }
-        match key.as_str() {
-            SIZE => {
-                capacity_bytes = crate::resource::parse_size(value)
-                    .filter(|b| *b > 0)
-                    .ok_or_else(|| {
-                        refuse(
-                            key,
-                            format!(
-                                "invalid size '{}': give a size above 0 with a unit (examples: 64M, 1G)",
-                                shown(value)
-                            ),
-                        )
-                    })?;
+        match (Key::from_name(key), key.as_str()) {
+            (Some(k), _) if k.is_volume_option() => options.set(k, key, value)?,
+            (Some(_), _) => {
+                return Err(refuse(
+                    key,
+                    "is set per container by the engine (`docker run --mount ...,readonly`), not on the volume",
+                ))
             }
-            ACCESS_MODE => capability
-                .set_access_mode(value)
-                .map_err(|e| refuse(key, e.to_string()))?,
-            FS_TYPE => {
-                if !value
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_')
-                {
-                    return Err(refuse(
-                        key,
-                        format!("'{}' is not a filesystem type name", shown(value)),
-                    ));
-                }
-                capability.fs_type = value.clone();
-            }
-            MOUNT_FLAGS => {
-                let flags: Vec<String> = value.split(',').map(str::to_string).collect();
-                if let Some(bad) = flags
-                    .iter()
-                    .find(|f| f.is_empty() || f.chars().any(char::is_control))
-                {
-                    return Err(refuse(
-                        key,
-                        format!(
-                            "flag '{}' is empty or holds a control character",
-                            shown(bad)
-                        ),
-                    ));
-                }
-                capability.mount_flags = flags;
-            }
-            VOLUME_ID => volume_id = Some(value.clone()),
+            (None, VOLUME_ID) if value.is_empty() => return Err(refuse(key, "empty value")),
+            (None, VOLUME_ID) => volume_id = Some(value.clone()),
             _ => {
                 rest.insert(key.clone(), value.clone());
             }
         }
     }
+    options.check_supported()?;
+    let mut capability = Capability::default();
+    options.apply(&mut capability);
+    let capacity_bytes = options.size_bytes.unwrap_or(0);
     parameters::check(&rest).map_err(|e| match &e {
         parameters::ParameterError::BadKey { key, .. }
         | parameters::ParameterError::BadValue { key }
@@ -217,6 +162,14 @@ mod tests {
                 "secret",
             ),
             (&[("k", "a\nb")], "k", "control character"),
+            (
+                &[("readonly", "true")],
+                "readonly",
+                "set per container by the engine",
+            ),
+            (&[("target", "/x")], "target", "set per container"),
+            (&[("type", "tape")], "type", "unknown type 'tape'"),
+            (&[("type", "block")], "type", "not supported yet"),
         ] {
             let e = plan("v", &opts(pairs)).unwrap_err();
             assert_eq!(e.key, key, "{pairs:?}: {e}");

@@ -85,6 +85,27 @@ pub enum IsolatorError {
         #[source]
         source: Box<ProviderError>,
     },
+    /// The container's user cannot be resolved.
+    #[error("container '{container}': {reason}")]
+    BadUser {
+        /// The container id.
+        container: String,
+        /// What is wrong with the user (names it).
+        reason: String,
+    },
+    /// A volume root could not be made writable for the workload's group.
+    #[error("container '{container}': volume {volume}: make it writable for group {gid}")]
+    Ownership {
+        /// The container id.
+        container: String,
+        /// The volume (its id or path).
+        volume: String,
+        /// The workload's group.
+        gid: u32,
+        /// The step that failed.
+        #[source]
+        source: crate::io_step::IoStep,
+    },
     /// The isolator's checkpoint could not be written or removed.
     #[error("container '{container}': checkpoint {path}")]
     Checkpoint {

@@ -21,7 +21,9 @@ pub struct ContainerConfig {
     /// The root filesystem to pivot into, if any (host path).
     #[serde(default)]
     pub rootfs: Option<PathBuf>,
-    /// The user the workload runs as (informational for now).
+    /// The user the workload runs as (`UID[:GID]` or `NAME[:GROUP]`; `None`: root): volumes it
+    /// mounts read-write and does not share are made writable for its group
+    /// ([`crate::isolator::ownership`]).
     #[serde(default)]
     pub user: Option<String>,
 }

@@ -21,6 +21,7 @@ pub mod error;
 pub mod hook;
 pub mod launch_info;
 pub mod oci;
+pub mod ownership;
 pub mod process_check;
 pub mod publisher;
 pub mod record;

@@ -279,6 +279,18 @@ pub enum LaunchError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// The child could not take the workload's user and group.
+    #[error("run the workload as uid {uid} gid {gid} ({call}): {errno}")]
+    ChildUser {
+        /// The user id asked for.
+        uid: u32,
+        /// The group id asked for.
+        gid: u32,
+        /// The call that failed.
+        call: &'static str,
+        /// The kernel's answer.
+        errno: Errno,
+    },
     /// The child's exec failed (for every PATH candidate).
     #[error("exec {program:?}: {errno}")]
     Exec {
@@ -380,6 +392,7 @@ impl LaunchError {
             | LaunchError::ChildSignals { errno }
             | LaunchError::ChildMountProc { errno, .. }
             | LaunchError::ChildChdir { errno, .. }
+            | LaunchError::ChildUser { errno, .. }
             | LaunchError::Exec { errno, .. }
             | LaunchError::UnknownChildStep { errno, .. }
             | LaunchError::Wait { errno, .. }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use nix::errno::Errno;
 
-use super::LaunchError;
+use super::{Credentials, LaunchError};
 use crate::mount::ns;
 
 /// The PATH used when the workload's environment has none (the usual root PATH).
@@ -28,6 +28,7 @@ const STEP_SIGNALS: u32 = 1;
 const STEP_PROC: u32 = 2;
 const STEP_CHDIR: u32 = 3;
 const STEP_EXEC: u32 = 4;
+const STEP_USER: u32 = 5;
 
 /// Size of one status record: step (u32), errno (i32), detail (u32), native endian.
 pub const REPORT_LEN: usize = 12;
@@ -47,14 +48,17 @@ pub struct ExecPlan {
     argv: Vec<CString>,
     envp: Vec<CString>,
     candidates: Vec<CString>,
+    user: Option<Credentials>,
 }
 
 impl ExecPlan {
-    /// Builds the plan: `env` entries are added to (and override) `inherited`.
+    /// Builds the plan: `env` entries are added to (and override) `inherited`; the workload
+    /// runs as `user` when given.
     pub fn new(
         argv: &[OsString],
         inherited: impl IntoIterator<Item = (OsString, OsString)>,
         env: &[(OsString, OsString)],
+        user: Option<Credentials>,
     ) -> Result<ExecPlan, LaunchError> {
         let program = argv.first().ok_or(LaunchError::EmptyCommand)?.clone();
         if program.is_empty() {
@@ -89,6 +93,7 @@ impl ExecPlan {
             argv,
             envp,
             candidates,
+            user,
         })
     }
 
@@ -225,6 +230,25 @@ pub fn run_child(plan: &ChildPlan<'_>) -> ! {
     if let Err(errno) = ns::fchdir_raw(plan.cwd.as_fd()) {
         fail(plan, STEP_CHDIR, errno, 0);
     }
+    // Last, once nothing else needs root: the workload's user and its one group. Raw syscalls
+    // (this process has one thread; libc's wrappers would signal threads it no longer has).
+    // Dropping to a non-zero uid clears every capability; the parent-death signal, were one
+    // set, would be cleared too (none is).
+    if let Some(user) = plan.exec.user {
+        let groups = [user.gid as libc::gid_t];
+        // SAFETY: setgroups(size, const gid_t *list): `groups` is a live one-element array.
+        if unsafe { libc::syscall(libc::SYS_setgroups, 1 as libc::size_t, groups.as_ptr()) } < 0 {
+            fail(plan, STEP_USER, Errno::last(), 0);
+        }
+        // SAFETY: setresgid/setresuid take three ids by value and touch no memory.
+        if unsafe { libc::syscall(libc::SYS_setresgid, user.gid, user.gid, user.gid) } < 0 {
+            fail(plan, STEP_USER, Errno::last(), 1);
+        }
+        // SAFETY: as above.
+        if unsafe { libc::syscall(libc::SYS_setresuid, user.uid, user.uid, user.uid) } < 0 {
+            fail(plan, STEP_USER, Errno::last(), 2);
+        }
+    }
     let mut last = Errno::ENOENT;
     let mut denied = false;
     for candidate in &plan.exec.candidates {
@@ -274,6 +298,16 @@ pub fn decode_report(
             program: exec.program.clone(),
             errno,
         },
+        STEP_USER => LaunchError::ChildUser {
+            uid: exec.user.map(|u| u.uid).unwrap_or_default(),
+            gid: exec.user.map(|u| u.gid).unwrap_or_default(),
+            call: match u32::from_ne_bytes(word(8)) {
+                0 => "setgroups",
+                1 => "setresgid",
+                _ => "setresuid",
+            },
+            errno,
+        },
         step => LaunchError::UnknownChildStep { step, errno },
     }
 }
@@ -307,6 +341,7 @@ mod tests {
             &[os("prog"), os("arg")],
             vec![(os("A"), os("1")), (os("PATH"), os("/x"))],
             &[(os("A"), os("2")), (os("B"), os("3"))],
+            None,
         )
         .expect("plan");
         let env: Vec<String> = plan
@@ -320,29 +355,29 @@ mod tests {
 
     #[test]
     fn default_path_without_one() {
-        let plan = ExecPlan::new(&[os("sh")], Vec::new(), &[]).expect("plan");
+        let plan = ExecPlan::new(&[os("sh")], Vec::new(), &[], None).expect("plan");
         assert_eq!(plan.candidates.len(), DEFAULT_PATH.split(':').count());
     }
 
     #[test]
     fn bad_inputs_are_refused() {
         assert!(matches!(
-            ExecPlan::new(&[], Vec::new(), &[]),
+            ExecPlan::new(&[], Vec::new(), &[], None),
             Err(LaunchError::EmptyCommand)
         ));
         assert!(matches!(
-            ExecPlan::new(&[os("a\0b")], Vec::new(), &[]),
+            ExecPlan::new(&[os("a\0b")], Vec::new(), &[], None),
             Err(LaunchError::NulByte { .. })
         ));
         assert!(matches!(
-            ExecPlan::new(&[os("a")], Vec::new(), &[(os("K=V"), os("x"))]),
+            ExecPlan::new(&[os("a")], Vec::new(), &[(os("K=V"), os("x"))], None),
             Err(LaunchError::InvalidEnvName { .. })
         ));
     }
 
     #[test]
     fn reports_round_trip() {
-        let plan = ExecPlan::new(&[os("prog")], Vec::new(), &[]).expect("plan");
+        let plan = ExecPlan::new(&[os("prog")], Vec::new(), &[], None).expect("plan");
         let mut record = [0u8; REPORT_LEN];
         record[0..4].copy_from_slice(&STEP_EXEC.to_ne_bytes());
         record[4..8].copy_from_slice(&(libc::EACCES).to_ne_bytes());

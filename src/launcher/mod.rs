@@ -84,6 +84,17 @@ pub struct LaunchSpec {
     pub mounts: Vec<VolumeMount>,
     /// Also run the workload as pid 1 of a new pid namespace, with a fresh `/proc`.
     pub pid_namespace: bool,
+    /// The user and group the workload runs as (its only group; `None`: as the launcher, root).
+    pub user: Option<Credentials>,
+}
+
+/// A user id and the one group id a workload runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credentials {
+    /// The user id.
+    pub uid: u32,
+    /// The group id (the only group: supplementary groups are dropped).
+    pub gid: u32,
 }
 
 /// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place,
@@ -92,7 +103,7 @@ pub struct LaunchSpec {
 #[tracing::instrument(skip(sys, spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
 pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchError> {
     // Everything the forked child will need, built here, long before the fork.
-    let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env)?;
+    let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env, spec.user)?;
     setup::check_roots(spec)?;
     // A rootfs given through a symlink is resolved once, here: every later step (the self-bind, the sandbox
     // bind, the targets, pivot_root) then works on the same directory, whatever the link says meanwhile.

@@ -21,10 +21,12 @@ use crate::csi::proto;
 use crate::offload::blocking;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
+use crate::provider::mount_spec::MountSpec;
 use crate::provider::parameters;
 use crate::provider::profiles;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
+use crate::provider::topology;
 use crate::resource::Resource;
 
 /// What to create.
@@ -188,14 +190,22 @@ impl StorageProvider {
         Ok(self.resource_for(&rec))
     }
 
-    /// The volume of this name as it is (whatever its parameters), or a
-    /// new one created from `spec`: `run --volume NAME:SIZE:PATH` uses a
-    /// volume made earlier by `volume create` with its parameters.
-    pub async fn use_or_create_volume(&self, spec: CreateSpec) -> Result<Resource, ProviderError> {
-        if let Some(rec) = self.find_by_name(&spec.name).await {
+    /// The volume a mount names, or a new one made from the mount's options: `run --mount`
+    /// (and `--volume NAME:SIZE:PATH`) uses a volume made earlier by `volume create` with its
+    /// parameters, and with its capability unless the mount asked for another one (refused then:
+    /// a volume is never used with other options than asked for).
+    pub async fn volume_for_mount(&self, mount: &MountSpec) -> Result<Resource, ProviderError> {
+        if let Some(rec) = self.find_by_name(&mount.source).await {
+            if let Some(asked) = mount.volume.differs_from(&rec.capability) {
+                return Err(ProviderError::CapabilityDiffers {
+                    volume: mount.source.clone(),
+                    recorded: rec.capability.describe(),
+                    asked: asked.describe(),
+                });
+            }
             return Ok(self.resource_for(&rec));
         }
-        self.create_volume(spec).await
+        self.create_volume(mount.create_spec(&mount.source)).await
     }
 
     /// Refuses an access mode the CSI spec lets a CO use only when the plugin offers a
@@ -246,9 +256,11 @@ impl StorageProvider {
         &self,
         spec: &CreateSpec,
     ) -> Result<VolumeRecord, ProviderError> {
+        let accessibility_requirements = self.accessibility_requirements().await?;
         let answer = self
             .client
             .create_volume(proto::CreateVolumeRequest {
+                accessibility_requirements,
                 name: spec.name.clone(),
                 capacity_range: (spec.capacity_bytes > 0).then_some(proto::CapacityRange {
                     required_bytes: i64::try_from(spec.capacity_bytes).unwrap_or(i64::MAX),
@@ -299,7 +311,20 @@ impl StorageProvider {
                 });
             }
         }
+        let accessible_topology: Vec<topology::Segments> = volume
+            .accessible_topology
+            .into_iter()
+            .map(|t| t.segments.into_iter().collect())
+            .collect();
+        topology::check_answer(&accessible_topology).map_err(|what| {
+            ProviderError::PluginMisbehaved {
+                volume: volume.volume_id.clone(),
+                rpc: "CreateVolume",
+                what: format!("answered accessible_topology with {what}"),
+            }
+        })?;
         let mut rec = VolumeRecord::new(volume.volume_id, spec.capability.clone());
+        rec.accessible_topology = accessible_topology;
         rec.name = Some(spec.name.clone());
         rec.capacity_bytes = u64::try_from(volume.capacity_bytes).unwrap_or(0);
         rec.parameters = spec.parameters.clone();
@@ -310,6 +335,34 @@ impl StorageProvider {
         let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)
+    }
+
+    /// What CreateVolume asks about topology: a volume reachable from this node (requisite and
+    /// preferred: this node's segments), when the plugin has VOLUME_ACCESSIBILITY_CONSTRAINTS
+    /// and its node says where it is.
+    async fn accessibility_requirements(
+        &self,
+    ) -> Result<Option<proto::TopologyRequirement>, ProviderError> {
+        use crate::csi::caps::PluginService;
+        let constrained = self
+            .client
+            .current_capabilities()
+            .plugin
+            .has(PluginService::VolumeAccessibilityConstraints);
+        if !constrained {
+            return Ok(None);
+        }
+        let node = self.node_info().await?;
+        if node.topology.is_empty() {
+            return Ok(None);
+        }
+        let here = proto::Topology {
+            segments: node.topology.clone().into_iter().collect(),
+        };
+        Ok(Some(proto::TopologyRequirement {
+            requisite: vec![here.clone()],
+            preferred: vec![here],
+        }))
     }
 
     /// The end of a create or an import: the volume's first checkpoint, then

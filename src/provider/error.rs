@@ -166,6 +166,16 @@ pub enum ProviderError {
         /// What is wrong.
         what: String,
     },
+    /// A publish on a node the volume's topology does not cover.
+    #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
+    NotAccessible {
+        /// The volume id.
+        volume: String,
+        /// The volume's topologies, shown.
+        accessible: String,
+        /// This node's segments, shown.
+        node: String,
+    },
     /// CreateVolume parameters that are refused before anything is sent.
     #[error("volume '{volume}'")]
     Parameters {
@@ -186,7 +196,7 @@ pub enum ProviderError {
     /// A create of an existing name with another volume capability (access mode, fs type or
     /// mount flags): CSI answers ALREADY_EXISTS to a CreateVolume whose capabilities the
     /// volume of that name does not have.
-    #[error("volume '{volume}' exists with capability {recorded}, not {asked}: create it with the capability it has (`volume list --json` shows it), or destroy it first, or use another name")]
+    #[error("volume '{volume}' exists with capability {recorded}, not {asked}: ask for the capability it has (`volume list --json` shows it), or destroy it first, or use another name")]
     CapabilityDiffers {
         /// The volume name.
         volume: String,

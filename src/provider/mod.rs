@@ -8,7 +8,9 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`, the machine driven without root against an in-process
+//! `manager.rs` (routing), `mount_spec.rs` (the one parser of a volume's options, for every
+//! front end), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`,
+//! the machine driven without root against an in-process
 //! CSI plugin that records its calls.
 
 pub mod access;
@@ -18,6 +20,7 @@ mod create;
 pub mod error;
 mod import;
 pub mod manager;
+pub mod mount_spec;
 mod next_step;
 pub mod parameters;
 pub mod profiles;
@@ -29,6 +32,7 @@ pub mod storage;
 pub mod supervisor;
 #[cfg(test)]
 mod tests;
+pub mod topology;
 
 pub use access::Access;
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
@@ -37,6 +41,7 @@ pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };
 pub use manager::{Manager, PublishedVolume};
+pub use mount_spec::{MountSpec, VolumeOptions};
 pub use state::{Capability, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};

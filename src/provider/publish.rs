@@ -20,6 +20,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
+use crate::provider::topology;
 
 impl StorageProvider {
     /// Publishes one volume for `container_id` and returns its host mount
@@ -64,6 +65,16 @@ impl StorageProvider {
             return Err(ProviderError::Destroying {
                 volume: volume_id.to_string(),
             });
+        }
+        if !rec.accessible_topology.is_empty() {
+            let node = self.node_info().await?;
+            if !topology::accessible_from(&rec.accessible_topology, &node.topology) {
+                return Err(ProviderError::NotAccessible {
+                    volume: volume_id.to_string(),
+                    accessible: topology::describe(&rec.accessible_topology),
+                    node: topology::describe(std::slice::from_ref(&node.topology)),
+                });
+            }
         }
         let access = access.unwrap_or(if rec.capability.is_reader_only() {
             Access::Read

@@ -337,20 +337,22 @@ pub struct InvalidMount {
     pub what: String,
 }
 
-/// Most mount flags a capability carries.
-pub const MAX_MOUNT_FLAGS: usize = 32;
-/// Longest mount flag, and fs type, in bytes.
+/// Most mount flags a capability carries (the `--mount` parser's bound too).
+pub const MAX_MOUNT_FLAGS: usize = 64;
+/// Longest mount flag, in bytes.
 pub const MAX_MOUNT_FLAG_BYTES: usize = 256;
+/// Longest fs type, in bytes.
+pub const MAX_FS_TYPE_BYTES: usize = 32;
 
 impl Capability {
     /// Sets the fs type (empty: the plugin's default) and mount flags a user named: the one
-    /// check of their form, for `serve` (and whoever parses them): a type of letters, digits,
-    /// `.` and `_`; at most [`MAX_MOUNT_FLAGS`] flags of at most [`MAX_MOUNT_FLAG_BYTES`] bytes,
+    /// check of their form, for `serve` (and whoever parses them): a type of at most
+    /// [`MAX_FS_TYPE_BYTES`] letters, digits, `.` and `_`; at most [`MAX_MOUNT_FLAGS`] flags of at most [`MAX_MOUNT_FLAG_BYTES`] bytes,
     /// none empty or holding a control character. What a flag means is the plugin's to say (it
     /// must refuse what it does not apply). On refusal the capability is left as it was.
     pub fn set_mount(&mut self, fs_type: &str, mount_flags: &[String]) -> Result<(), InvalidMount> {
         use crate::shown::shown;
-        let fs_ok = fs_type.len() <= MAX_MOUNT_FLAG_BYTES
+        let fs_ok = fs_type.len() <= MAX_FS_TYPE_BYTES
             && fs_type
                 .chars()
                 .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_');
@@ -484,6 +486,11 @@ pub struct VolumeRecord {
     /// The node id the volume was controller-published to.
     #[serde(default)]
     pub node_id: Option<String>,
+    /// Where the volume can be reached from, as CreateVolume answered (empty: anywhere, or
+    /// the plugin has no VOLUME_ACCESSIBILITY_CONSTRAINTS); a node none of these covers is
+    /// refused at publish.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<crate::provider::topology::Segments>,
     /// The boot id at the last node-side transition (a changed boot id means
     /// the node-side mounts are gone).
     #[serde(default)]
@@ -577,6 +584,7 @@ impl VolumeRecord {
             volume_context: BTreeMap::new(),
             publish_context: BTreeMap::new(),
             node_id: None,
+            accessible_topology: Vec::new(),
             boot_id: None,
             readonly: false,
             users: BTreeSet::new(),
@@ -747,7 +755,14 @@ mod tests {
         assert_eq!(c, Capability::default());
         let too_many = vec!["noatime".to_string(); MAX_MOUNT_FLAGS + 1];
         let long = "x".repeat(MAX_MOUNT_FLAG_BYTES + 1);
+        let long_type = "x".repeat(MAX_FS_TYPE_BYTES + 1);
         for (fs_type, bad, field, words) in [
+            (
+                long_type.as_str(),
+                flags(&[]),
+                "fs_type",
+                "is not a filesystem type name",
+            ),
             (
                 "ext4 -o x",
                 flags(&[]),
@@ -767,7 +782,7 @@ mod tests {
                 "ext4",
                 too_many,
                 "mount_flags",
-                "33 flags, over the limit of 32",
+                "65 flags, over the limit of 64",
             ),
         ] {
             let mut c = Capability::default();

@@ -34,6 +34,9 @@ pub struct VolumeStatus {
     pub parameters: BTreeMap<String, String>,
     /// Whether it was imported (pre-provisioned): destroy leaves it in the plugin.
     pub imported: bool,
+    /// Where it can be reached from, as CreateVolume answered (empty: anywhere).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub accessible_topology: Vec<crate::provider::topology::Segments>,
     /// The capability it is published with (access mode, fs type, mount flags).
     pub capability: crate::provider::state::Capability,
     /// Its mount point (the NodePublish target).
@@ -115,6 +118,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 users: rec.users,
                 parameters: rec.parameters,
                 imported: rec.pre_provisioned,
+                accessible_topology: rec.accessible_topology,
                 capability: rec.capability,
                 mount_point: target,
                 mounted: is_mounted,

@@ -31,6 +31,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::next_step::{next_step, resume_point, Next, StepCaps};
 use crate::provider::state::{Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
+use crate::provider::topology;
 use crate::resource::Layout;
 use crate::resource::{validate_path_component, Resource};
 
@@ -172,6 +173,15 @@ impl Slot {
     }
 }
 
+/// What NodeGetInfo said of this node.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NodeInfo {
+    /// The node id ControllerPublish names.
+    pub node_id: String,
+    /// The node's topology segments (empty: the plugin said none).
+    pub topology: topology::Segments,
+}
+
 /// The storage local resource provider (see the module doc).
 #[derive(Debug)]
 pub struct StorageProvider {
@@ -181,7 +191,7 @@ pub struct StorageProvider {
     pub(crate) client: Client,
     pub(crate) supervisor: Option<Supervisor>,
     pub(crate) boot_id: String,
-    pub(crate) node_id: tokio::sync::OnceCell<String>,
+    pub(crate) node_info: tokio::sync::OnceCell<NodeInfo>,
     pub(crate) vendor: String,
     pub(crate) slots: Mutex<BTreeMap<String, Arc<Slot>>>,
     pub(crate) name_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -277,7 +287,7 @@ impl StorageProvider {
             client,
             supervisor,
             boot_id: config.boot_id.clone().unwrap_or_else(current_boot_id),
-            node_id: tokio::sync::OnceCell::new(),
+            node_info: tokio::sync::OnceCell::new(),
             vendor,
             slots: Mutex::new(BTreeMap::new()),
             name_locks: Mutex::new(HashMap::new()),
@@ -425,19 +435,39 @@ impl StorageProvider {
 
     /// The node id from NodeGetInfo, asked once.
     pub(crate) async fn node_id(&self) -> Result<String, ProviderError> {
-        self.node_id
+        self.node_info().await.map(|n| n.node_id.clone())
+    }
+
+    /// NodeGetInfo's answer, asked once: the node id, and the node's topology (checked, see
+    /// [`topology::check_answer`]).
+    pub(crate) async fn node_info(&self) -> Result<&NodeInfo, ProviderError> {
+        self.node_info
             .get_or_try_init(|| async {
-                self.client
+                let answer = self
+                    .client
                     .node_get_info(proto::NodeGetInfoRequest {})
                     .await
-                    .map(|r| r.node_id)
                     .map_err(|source| ProviderError::Plugin {
                         plugin: self.plugin.clone(),
                         source,
-                    })
+                    })?;
+                let segments: topology::Segments = answer
+                    .accessible_topology
+                    .map(|t| t.segments.into_iter().collect())
+                    .unwrap_or_default();
+                topology::check_answer(std::slice::from_ref(&segments)).map_err(|what| {
+                    ProviderError::PluginMisbehaved {
+                        volume: "-".into(),
+                        rpc: "NodeGetInfo",
+                        what: format!("answered accessible_topology with {what}"),
+                    }
+                })?;
+                Ok(NodeInfo {
+                    node_id: answer.node_id,
+                    topology: segments,
+                })
             })
             .await
-            .cloned()
     }
 
     /// What the plugin serving now offers for choosing steps (rediscovered

@@ -101,6 +101,7 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         IsolatorError::InvalidContainerId(_)
         | IsolatorError::Resource { .. }
         | IsolatorError::BadTarget { .. }
+        | IsolatorError::BadUser { .. }
         | IsolatorError::UnsafeConfigPath { .. } => Code::InvalidArgument,
         IsolatorError::UnknownContainer { .. } => Code::NotFound,
         IsolatorError::AlreadyPrepared { .. } => Code::AlreadyExists,
@@ -113,7 +114,9 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         IsolatorError::Provider { source, .. } => provider_code(source),
         IsolatorError::Namespace { source, .. } => launch_code(source),
         IsolatorError::Oci { source, .. } => oci_code(source),
-        IsolatorError::Checkpoint { .. } | IsolatorError::Unmount { .. } => Code::Internal,
+        IsolatorError::Checkpoint { .. }
+        | IsolatorError::Unmount { .. }
+        | IsolatorError::Ownership { .. } => Code::Internal,
     }
 }
 
@@ -177,6 +180,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
+        | ProviderError::NotAccessible { .. }
         | ProviderError::NoListVolumes { .. }
         | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }

@@ -291,6 +291,7 @@ impl Plugin {
         }
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         check_required_parameters(&self.config.required_parameters, &parameters)?;
+        self.check_requisite(req.accessibility_requirements.as_ref())?;
 
         if let Some(found) = self.store.find_by_name(&req.name) {
             // A DeleteVolume of it may be running (it holds only the volume's lock): wait for
@@ -310,7 +311,7 @@ impl Plugin {
                     });
                 }
                 return Ok(proto::CreateVolumeResponse {
-                    volume: Some(to_volume(&existing)),
+                    volume: Some(self.with_topology(to_volume(&existing))),
                 });
             }
         }
@@ -384,7 +385,50 @@ impl Plugin {
         self.provision(RPC, &record)?;
         tracing::info!(volume_id = %id, name = %record.name, size, "volume created");
         Ok(proto::CreateVolumeResponse {
-            volume: Some(to_volume(&record)),
+            volume: Some(self.with_topology(to_volume(&record))),
+        })
+    }
+
+    /// This plugin's segments as a CSI topology, when it has any.
+    pub(super) fn topology(&self) -> Option<proto::Topology> {
+        (!self.config.topology.is_empty()).then(|| proto::Topology {
+            segments: self.config.topology.clone().into_iter().collect(),
+        })
+    }
+
+    /// A volume as CreateVolume answers it: reachable from this plugin's segments.
+    fn with_topology(&self, mut volume: proto::Volume) -> proto::Volume {
+        volume.accessible_topology = self.topology().into_iter().collect();
+        volume
+    }
+
+    /// Refuses a CreateVolume whose requisite topologies all lie elsewhere (a requisite
+    /// topology covers this plugin when each of its segments is one of ours).
+    fn check_requisite(
+        &self,
+        requirements: Option<&proto::TopologyRequirement>,
+    ) -> Result<(), PluginError> {
+        let Some(requisite) = requirements.map(|r| &r.requisite).filter(|r| !r.is_empty()) else {
+            return Ok(());
+        };
+        let ours = &self.config.topology;
+        if requisite_covered(requisite, ours) {
+            return Ok(());
+        }
+        let show = |m: &std::collections::HashMap<String, String>| {
+            let mut pairs: Vec<_> = m.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            pairs.sort();
+            pairs.join(",")
+        };
+        Err(PluginError::TopologyUnreachable {
+            requisite: requisite
+                .iter()
+                .map(|t| show(&t.segments))
+                .collect::<Vec<_>>()
+                .join(" | ")
+                .escape_debug()
+                .to_string(),
+            ours: show(&ours.clone().into_iter().collect()),
         })
     }
 
@@ -986,9 +1030,48 @@ impl proto::controller_server::Controller for PluginService {
     }
 }
 
+/// Whether one of the requisite topologies has only segments this plugin has.
+fn requisite_covered(requisite: &[proto::Topology], ours: &BTreeMap<String, String>) -> bool {
+    requisite
+        .iter()
+        .any(|t| t.segments.iter().all(|(k, v)| ours.get(k) == Some(v)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_requisite_topology_is_covered_when_all_its_segments_are_ours() {
+        let topo = |pairs: &[(&str, &str)]| proto::Topology {
+            segments: pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        let ours: BTreeMap<String, String> = [
+            ("zone".to_string(), "a".to_string()),
+            ("rack".to_string(), "1".to_string()),
+        ]
+        .into();
+        assert!(requisite_covered(&[topo(&[("zone", "a")])], &ours));
+        assert!(requisite_covered(
+            &[
+                topo(&[("zone", "b")]),
+                topo(&[("zone", "a"), ("rack", "1")])
+            ],
+            &ours
+        ));
+        assert!(!requisite_covered(&[topo(&[("zone", "b")])], &ours));
+        assert!(!requisite_covered(
+            &[topo(&[("zone", "a"), ("rack", "2")])],
+            &ours
+        ));
+        assert!(
+            !requisite_covered(&[], &ours),
+            "no requisite: nothing covered (the caller skips)"
+        );
+    }
 
     #[test]
     fn required_parameters_are_checked_by_key_and_value() {

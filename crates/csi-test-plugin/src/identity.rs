@@ -36,6 +36,15 @@ impl Plugin {
                 )),
             });
         }
+        if !self.config.topology.is_empty() {
+            capabilities.push(proto::PluginCapability {
+                r#type: Some(proto::plugin_capability::Type::Service(
+                    proto::plugin_capability::Service {
+                        r#type: ServiceType::VolumeAccessibilityConstraints as i32,
+                    },
+                )),
+            });
+        }
         Ok(proto::GetPluginCapabilitiesResponse { capabilities })
     }
 

@@ -94,6 +94,10 @@ pub struct PluginConfig {
     /// CreateVolume parameters that must be present (with this value, when one is given):
     /// a create without them is refused with INVALID_ARGUMENT naming the key.
     pub required_parameters: Vec<RequiredParameter>,
+    /// This node's topology segments (`--topology KEY=VALUE`): when set, the plugin offers
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS, NodeGetInfo reports them and its volumes are
+    /// reachable from them only.
+    pub topology: std::collections::BTreeMap<String, String>,
 }
 
 /// One `--require-parameters` entry: a key, and the value it must have if one is given.
@@ -151,6 +155,7 @@ impl PluginConfig {
             faults_file: None,
             log_calls: None,
             required_parameters: Vec::new(),
+            topology: std::collections::BTreeMap::new(),
         }
     }
 
@@ -261,6 +266,14 @@ pub enum PluginError {
         requested: u64,
         /// Total capacity.
         total: u64,
+    },
+    /// CreateVolume's requisite topologies do not include where this plugin's volumes are.
+    #[error("CreateVolume: no requisite topology ({requisite}) covers this plugin's volumes, which are at {ours}")]
+    TopologyUnreachable {
+        /// The requisite topologies, shown.
+        requisite: String,
+        /// This plugin's segments, shown.
+        ours: String,
     },
     /// Not enough capacity left.
     #[error("CreateVolume: {requested} bytes requested, only {available} bytes left")]

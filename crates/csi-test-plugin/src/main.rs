@@ -107,6 +107,11 @@ struct Args {
     /// it got in the volume context as `parameter.<KEY>`.
     #[arg(long, value_name = "KEY[=VALUE],...")]
     require_parameters: Option<String>,
+    /// A topology segment of this node (repeatable): the plugin then offers
+    /// VOLUME_ACCESSIBILITY_CONSTRAINTS, NodeGetInfo reports the segments, and CreateVolume
+    /// refuses requisite topologies that do not cover them (RESOURCE_EXHAUSTED).
+    #[arg(long, value_name = "KEY=VALUE")]
+    topology: Vec<String>,
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
@@ -127,6 +132,18 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.controller = !args.no_controller;
     config.controller_publish = !args.no_controller_publish;
     config.stage = !args.no_stage;
+    for segment in &args.topology {
+        let (key, value) = segment
+            .split_once('=')
+            .filter(|(k, v)| !k.is_empty() && !v.is_empty())
+            .ok_or_else(|| {
+                anyhow::anyhow!(
+                    "invalid --topology '{}': give KEY=VALUE",
+                    segment.escape_debug()
+                )
+            })?;
+        config.topology.insert(key.to_string(), value.to_string());
+    }
     for spec in &args.fail {
         config.faults.push(faults::parse_fail(spec)?);
     }

@@ -490,6 +490,7 @@ impl Plugin {
     ) -> Result<proto::NodeGetInfoResponse, PluginError> {
         Ok(proto::NodeGetInfoResponse {
             node_id: self.config.node_id.clone(),
+            accessible_topology: self.topology(),
             ..Default::default()
         })
     }

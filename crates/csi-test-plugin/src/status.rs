@@ -62,9 +62,9 @@ pub fn code_of(err: &PluginError) -> Code {
         | PluginError::PublishConflict { .. }
         | PluginError::PathConflict { .. } => Code::AlreadyExists,
         PluginError::CapacityOutOfRange { .. } => Code::OutOfRange,
-        PluginError::CapacityExhausted { .. } | PluginError::FilesystemFull { .. } => {
-            Code::ResourceExhausted
-        }
+        PluginError::CapacityExhausted { .. }
+        | PluginError::FilesystemFull { .. }
+        | PluginError::TopologyUnreachable { .. } => Code::ResourceExhausted,
         PluginError::FailedPrecondition { .. } => Code::FailedPrecondition,
         // In use, or covered by someone else's mount: the caller must act first.
         PluginError::Backing {

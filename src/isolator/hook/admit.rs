@@ -301,6 +301,36 @@ impl Default for HookPolicy {
     }
 }
 
+/// The mount flags an annotation may ask of a plugin: those that only take rights away from the
+/// container (a flag such as `suid`, `dev` or one a plugin passes to its filesystem is the
+/// operator's to set, in a profile or with `volume create`).
+pub const ANNOTATION_MOUNT_FLAGS: [&str; 9] = [
+    "ro",
+    "noatime",
+    "nodiratime",
+    "relatime",
+    "nodev",
+    "nosuid",
+    "noexec",
+    "sync",
+    "dirsync",
+];
+
+/// What a mounts annotation entry may not ask, though `run --mount` may: any mount flag that is
+/// not one of [`ANNOTATION_MOUNT_FLAGS`].
+pub fn check_annotation_mount(m: &MountSpec) -> Result<(), String> {
+    for flag in m.volume.mount_flags.iter().flatten() {
+        if !ANNOTATION_MOUNT_FLAGS.contains(&flag.as_str()) {
+            return Err(format!(
+                "mount flag '{}' refused: annotations may ask only for {} (other flags are the operator's: a disk profile or `csi-isolator volume create`)",
+                crate::shown::shown(flag),
+                ANNOTATION_MOUNT_FLAGS.join(", ")
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Refuses a parameters annotation that sets a key the operator does not allow
 /// ([`ALLOW_PARAMETER_FLAG`]; every key with [`ALLOW_RAW_RESOURCES_FLAG`]).
 pub fn admit_parameters(
@@ -356,7 +386,7 @@ impl HookPolicy {
 
 /// A volume of the volumes annotation, with the name the provider is asked for.
 pub(super) struct Wanted<'a> {
-    pub(super) arg: &'a VolumeArg,
+    pub(super) arg: &'a MountSpec,
     pub(super) scoped: String,
 }
 

@@ -32,14 +32,15 @@ pub async fn create_runtime(
         .volumes
         .iter()
         .map(|arg| {
-            let scoped = tenant
-                .scoped_name(&arg.name)
-                .map_err(|reason| HookError::VolumeName {
-                    container: id.to_string(),
-                    volume: arg.name.clone(),
-                    tenant: tenant.clone(),
-                    reason,
-                })?;
+            let scoped =
+                tenant
+                    .scoped_name(&arg.source)
+                    .map_err(|reason| HookError::VolumeName {
+                        container: id.to_string(),
+                        volume: arg.source.clone(),
+                        tenant: tenant.clone(),
+                        reason,
+                    })?;
             Ok(Wanted { arg, scoped })
         })
         .collect::<Result<Vec<_>, HookError>>()?;
@@ -87,6 +88,7 @@ pub async fn create_runtime(
         id,
         pid,
         rootfs: &rootfs,
+        user: bundle.user.clone(),
         tenant: &tenant,
         sys: &opts.sys,
     };
@@ -103,6 +105,7 @@ struct Request<'a> {
     id: &'a str,
     pid: u32,
     rootfs: &'a Path,
+    user: Option<String>,
     tenant: &'a Tenant,
     sys: &'a Arc<dyn Syscall>,
 }
@@ -143,7 +146,7 @@ async fn create_with_provider(
             .iter()
             .any(|r| r.name.as_deref() == Some(w.scoped.as_str()));
         if !exists && seen.insert(w.scoped.as_str()) {
-            new.push((w.arg.name.as_str(), w.arg.size_bytes));
+            new.push((w.arg.source.as_str(), w.arg.volume.size_bytes.unwrap_or(0)));
         }
     }
     let used = Usage::of_tenant(req.tenant, &records);
@@ -162,16 +165,30 @@ async fn create_with_provider(
     let mut names: BTreeMap<String, String> = BTreeMap::new();
     for w in named {
         let v = w.arg;
-        let mut spec = CreateSpec::new(&w.scoped, v.size_bytes);
+        let mut spec = v.create_spec(&w.scoped);
         let existing = records
             .iter()
             .find(|r| r.name.as_deref() == Some(w.scoped.as_str()));
         if let Some(existing) = existing {
+            // A volume that exists is used with its capability, never with other options than
+            // the annotation asked for.
+            if let Some(asked) = v.volume.differs_from(&existing.capability) {
+                return Err(HookError::CreateVolume {
+                    container: id.to_string(),
+                    volume: v.source.clone(),
+                    tenant: req.tenant.clone(),
+                    source: Box::new(ProviderError::CapabilityDiffers {
+                        volume: v.source.clone(),
+                        recorded: existing.capability.describe(),
+                        asked: asked.describe(),
+                    }),
+                });
+            }
             spec.capability = existing.capability.clone();
         }
         // Parameters the annotation gives must be the volume's; without any, a volume that
         // exists is used as it was created.
-        match (wanted.parameters.get(&v.name), existing) {
+        match (wanted.parameters.get(&v.source), existing) {
             (Some(set), _) => spec.parameters = set.clone(),
             (None, Some(existing)) => spec.parameters = existing.parameters.clone(),
             (None, None) => {}
@@ -181,20 +198,20 @@ async fn create_with_provider(
             .await
             .map_err(|source| HookError::CreateVolume {
                 container: id.to_string(),
-                volume: v.name.clone(),
+                volume: v.source.clone(),
                 tenant: req.tenant.clone(),
                 source: Box::new(source),
             })?;
-        tracing::info!(volume = %v.name, tenant = %req.tenant, volume_id = res.source_id().unwrap_or("-"), "volume for the container");
+        tracing::info!(volume = %v.source, tenant = %req.tenant, volume_id = res.source_id().unwrap_or("-"), "volume for the container");
         let mode = if v.readonly {
             VolumeMode::Ro
         } else {
             VolumeMode::Rw
         };
         if let Some(vid) = res.source_id() {
-            names.insert(vid.to_string(), format!("'{}' of {}", v.name, req.tenant));
+            names.insert(vid.to_string(), format!("'{}' of {}", v.source, req.tenant));
         }
-        resources.push(res.with_volume(&v.container_path, mode));
+        resources.push(res.with_volume(&v.target, mode));
     }
 
     let sandbox = container_dir(req.work_dir, id);
@@ -208,7 +225,7 @@ async fn create_with_provider(
         resources,
         sandbox: sandbox.clone(),
         rootfs: Some(req.rootfs.to_path_buf()),
-        user: None,
+        user: req.user.clone(),
     };
     let launch = match isolator.prepare(id, config).await {
         Ok(launch) => launch,

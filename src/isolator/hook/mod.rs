@@ -10,6 +10,11 @@
 //!   - [`VOLUMES_ANNOTATION`] `io.csi-isolator.volumes`: comma-separated `NAME:SIZE:CONTAINER_PATH[:ro]`,
 //!     the syntax of `run --volume` ([`VolumeArg`]): the volume is created on the provider if the
 //!     container's tenant has no volume of that name (the same name is the same volume next time).
+//!   - [`MOUNTS_ANNOTATION`] `io.csi-isolator.mounts`: `;`-separated entries of the long form of
+//!     `run --mount` ([`MountSpec`]: `source=NAME,target=/PATH,size=SIZE[,readonly][,fs-type=T]
+//!     [,mount-flags=a:b][,access-mode=MODE]`), the same keys and checks; a volume that exists must
+//!     have the options given. Mount flags from annotations are limited to those that only take
+//!     rights away ([`ANNOTATION_MOUNT_FLAGS`]).
 //!   - [`RESOURCES_ANNOTATION`] `io.csi-isolator.resources`: a Mesos Resource JSON list naming volumes
 //!     the provider already has (see "Who may name what").
 //!   - [`PARAMETERS_ANNOTATION`] `io.csi-isolator.parameters`: CreateVolume parameters for volumes of
@@ -135,12 +140,15 @@ use serde::Deserialize;
 
 use crate::isolator::{checkpoint_paths, ContainerConfig, IsolatorError, VolumeIsolator};
 use crate::mount::{self, ns, MountTable, ProcMountTable, Syscall, TargetRoot, VolumeMount};
-use crate::provider::{CreateSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
+use crate::provider::{MountSpec, ProviderConfig, ProviderError, StorageProvider, MAX_NAME_BYTES};
 use crate::resource::{parse_resources, Resource, VolumeArg, VolumeMode};
 use crate::workdir::WorkDirLock;
 
 /// The annotation naming volumes by `NAME:SIZE:CONTAINER_PATH[:ro]`, comma-separated.
 pub const VOLUMES_ANNOTATION: &str = "io.csi-isolator.volumes";
+/// The annotation naming volumes in the long form of `run --mount`
+/// (`source=NAME,target=/PATH,size=SIZE[,KEY=VALUE...]`), `;`-separated.
+pub const MOUNTS_ANNOTATION: &str = "io.csi-isolator.mounts";
 /// The annotation carrying a Mesos Resource JSON list of volumes.
 pub const RESOURCES_ANNOTATION: &str = "io.csi-isolator.resources";
 /// The annotation carrying CreateVolume parameters per volume of [`VOLUMES_ANNOTATION`]: a JSON

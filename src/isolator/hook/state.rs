@@ -58,6 +58,9 @@ pub struct BundleConfig {
     pub rootfs: PathBuf,
     /// `annotations`.
     pub annotations: BTreeMap<String, String>,
+    /// `process.user` as `UID:GID`, when it is not root: volumes the container mounts
+    /// read-write and does not share are made writable for that group.
+    pub user: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -65,6 +68,22 @@ struct RawConfig {
     root: RawRoot,
     #[serde(default)]
     annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    process: Option<RawProcess>,
+}
+
+#[derive(Deserialize)]
+struct RawProcess {
+    #[serde(default)]
+    user: Option<RawUser>,
+}
+
+#[derive(Deserialize)]
+struct RawUser {
+    #[serde(default)]
+    uid: u32,
+    #[serde(default)]
+    gid: u32,
 }
 
 #[derive(Deserialize)]
@@ -87,9 +106,15 @@ impl BundleConfig {
                 path,
                 source,
             })?;
+        let user = raw
+            .process
+            .and_then(|p| p.user)
+            .filter(|u| u.uid != 0)
+            .map(|u| format!("{}:{}", u.uid, u.gid));
         Ok(BundleConfig {
             rootfs: bundle.join(raw.root.path),
             annotations: raw.annotations,
+            user,
         })
     }
 }
@@ -97,8 +122,8 @@ impl BundleConfig {
 /// The volumes a container's annotations name.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct HookVolumes {
-    /// From [`VOLUMES_ANNOTATION`]: created by name if new.
-    pub volumes: Vec<VolumeArg>,
+    /// From [`VOLUMES_ANNOTATION`] and [`MOUNTS_ANNOTATION`]: created by name if new.
+    pub volumes: Vec<MountSpec>,
     /// From [`RESOURCES_ANNOTATION`]: mounted as given.
     pub resources: Vec<Resource>,
     /// From [`PARAMETERS_ANNOTATION`]: CreateVolume parameters by volume name (as written).
@@ -137,6 +162,7 @@ impl HookVolumes {
         };
         for key in [
             VOLUMES_ANNOTATION,
+            MOUNTS_ANNOTATION,
             RESOURCES_ANNOTATION,
             PARAMETERS_ANNOTATION,
         ] {
@@ -153,6 +179,19 @@ impl HookVolumes {
                 ));
             }
         }
+        let absolute = |annotation, entry: &str, m: &MountSpec| {
+            if m.target.starts_with('/') {
+                return Ok(());
+            }
+            Err(bad(
+                annotation,
+                entry,
+                format!(
+                    "container path '{}' must be absolute (it lands inside the rootfs)",
+                    m.target
+                ),
+            ))
+        };
         if let Some(value) = annotations.get(VOLUMES_ANNOTATION) {
             for entry in value.split(',').map(str::trim).filter(|e| !e.is_empty()) {
                 let v: VolumeArg = entry.parse().map_err(|reason: String| {
@@ -161,17 +200,19 @@ impl HookVolumes {
                     let reason = reason.strip_prefix(&prefix).unwrap_or(&reason).to_string();
                     bad(VOLUMES_ANNOTATION, entry, reason)
                 })?;
-                if !v.container_path.starts_with('/') {
-                    return Err(bad(
-                        VOLUMES_ANNOTATION,
-                        entry,
-                        format!(
-                            "container path '{}' must be absolute (it lands inside the rootfs)",
-                            v.container_path
-                        ),
-                    ));
-                }
-                out.volumes.push(v);
+                let m = MountSpec::from_volume_arg(&v);
+                absolute(VOLUMES_ANNOTATION, entry, &m)?;
+                out.volumes.push(m);
+            }
+        }
+        if let Some(value) = annotations.get(MOUNTS_ANNOTATION) {
+            for entry in value.split(';').map(str::trim).filter(|e| !e.is_empty()) {
+                let m = MountSpec::parse(entry)
+                    .map_err(|e| bad(MOUNTS_ANNOTATION, entry, e.to_string()))?;
+                admit::check_annotation_mount(&m)
+                    .map_err(|reason| bad(MOUNTS_ANNOTATION, entry, reason))?;
+                absolute(MOUNTS_ANNOTATION, entry, &m)?;
+                out.volumes.push(m);
             }
         }
         if let Some(value) = annotations.get(RESOURCES_ANNOTATION) {
@@ -204,11 +245,11 @@ impl HookVolumes {
                     )
                 })?;
             for (name, set) in &sets {
-                if !out.volumes.iter().any(|v| &v.name == name) {
+                if !out.volumes.iter().any(|v| &v.source == name) {
                     return Err(bad(
                         PARAMETERS_ANNOTATION,
                         &crate::shown::shown(name),
-                        format!("names no volume of {VOLUMES_ANNOTATION}"),
+                        format!("names no volume of {VOLUMES_ANNOTATION} or {MOUNTS_ANNOTATION}"),
                     ));
                 }
                 crate::provider::parameters::check(set).map_err(|e| {
@@ -220,7 +261,7 @@ impl HookVolumes {
         let entries = out.volumes.len() + out.resources.len();
         if entries > MAX_ANNOTATION_ENTRIES {
             return Err(too_large(
-                "io.csi-isolator.volumes and io.csi-isolator.resources",
+                "io.csi-isolator.volumes, io.csi-isolator.mounts and io.csi-isolator.resources",
                 format!(
                     "{entries} volumes named, over the hook's limit of {MAX_ANNOTATION_ENTRIES} per container"
                 ),
@@ -331,8 +372,27 @@ mod tests {
         )
         .unwrap();
         assert_eq!(ok.volumes.len(), 2);
-        assert_eq!(ok.volumes[0].container_path, "/data");
+        assert_eq!(ok.volumes[0].target, "/data");
         assert!(ok.volumes[1].readonly);
+        let long = HookVolumes::from_annotations(
+            "c",
+            &annotations(&[
+                (VOLUMES_ANNOTATION, "data:64M:/data"),
+                (
+                    MOUNTS_ANNOTATION,
+                    "source=db,target=/db,size=1G,mount-flags=noatime:nodev:nosuid; \
+                     source=ref,target=/ref,size=1M,readonly,access-mode=SINGLE_NODE_READER_ONLY;",
+                ),
+            ]),
+        )
+        .unwrap();
+        let named: Vec<_> = long.volumes.iter().map(|v| v.source.as_str()).collect();
+        assert_eq!(named, ["data", "db", "ref"], "both forms, in order");
+        assert_eq!(
+            long.volumes[1].create_spec("db").capability.mount_flags,
+            ["noatime", "nodev", "nosuid"]
+        );
+        assert!(long.volumes[2].readonly);
         assert!(ok.resources.is_empty());
         assert!(
             HookVolumes::from_annotations("c", &annotations(&[("other", "x")]))
@@ -352,6 +412,27 @@ mod tests {
                 "volume 'data:1M:rel': container path 'rel' must be absolute",
             ),
             (VOLUMES_ANNOTATION, "data:1M:/x:rx", "unknown mode 'rx'"),
+            (
+                MOUNTS_ANNOTATION,
+                "source=a,target=/a,size=1M;source=b,target=rel,size=1M",
+                "annotation io.csi-isolator.mounts: volume 'source=b,target=rel,size=1M': \
+                 container path 'rel' must be absolute",
+            ),
+            (
+                MOUNTS_ANNOTATION,
+                "source=a,target=/a,size=1M,colour=red",
+                "option 'colour': unknown key",
+            ),
+            (
+                MOUNTS_ANNOTATION,
+                "source=a,target=/a,size=1M,mount-flags=nosuid:suid",
+                "mount flag 'suid' refused: annotations may ask only for ro, noatime",
+            ),
+            (
+                MOUNTS_ANNOTATION,
+                "source=a,target=/a,size=1M,mount-flags=context=system_u",
+                "mount flag 'context=system_u' refused",
+            ),
             (
                 RESOURCES_ANNOTATION,
                 "{not json",
@@ -386,6 +467,14 @@ mod tests {
         let c = BundleConfig::read("c", dir.path()).unwrap();
         assert_eq!(c.rootfs, dir.path().join("rootfs"));
         assert_eq!(c.annotations["k"], "v");
+        assert_eq!(c.user, None);
+        std::fs::write(
+            dir.path().join("config.json"),
+            r#"{"root":{"path":"/r"},"process":{"user":{"uid":1000,"gid":50}}}"#,
+        )
+        .unwrap();
+        let c = BundleConfig::read("c", dir.path()).unwrap();
+        assert_eq!(c.user.as_deref(), Some("1000:50"));
         std::fs::write(dir.path().join("config.json"), r#"{"root":{}}"#).unwrap();
         let err = BundleConfig::read("c", dir.path())
             .unwrap_err()

@@ -32,6 +32,7 @@ use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
+use crate::isolator::ownership;
 use crate::isolator::process_check::{self, ProcProcesses, Processes};
 use crate::isolator::publisher::{Publisher, VolumeUsers};
 use crate::isolator::targets::{check_agent_disks, host_path_kind, volume_mounts};

@@ -22,6 +22,15 @@ impl VolumeIsolator {
             });
         }
         let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
+        let user = config
+            .user
+            .as_deref()
+            .map(ownership::resolve_user)
+            .transpose()
+            .map_err(|reason| IsolatorError::BadUser {
+                container: container_id.to_string(),
+                reason,
+            })?;
         // The checks that look at the host's files (a stat per agent disk; the config's paths
         // made canonical), each step one trip to the blocking pool.
         let (id, work_dir, resources) = (
@@ -50,9 +59,61 @@ impl VolumeIsolator {
                 source: Box::new(source),
             });
         }
+        let grants = self.groups_to_grant(&rec, user);
         *slot = Some(rec);
+        drop(slot);
+        if !grants.is_empty() {
+            let id = container_id.to_string();
+            if let Err(e) = blocking(move || grant_groups(&id, &grants)).await {
+                let _ = self.cleanup(container_id).await;
+                return Err(e);
+            }
+        }
         Ok(LaunchInfo { mounts })
     }
+
+    /// The volume roots of the container to make writable for its user's group
+    /// ([`ownership::group_to_grant`]), with that group.
+    fn groups_to_grant(
+        &self,
+        rec: &ContainerRecord,
+        user: Option<crate::launcher::Credentials>,
+    ) -> Vec<(VolumeMount, u32)> {
+        let shared: HashSet<PathBuf> = rec
+            .config
+            .resources
+            .iter()
+            .filter(|r| r.is_shared())
+            .filter_map(|r| r.host_path(&self.work_dir).ok())
+            .collect();
+        rec.mounts
+            .iter()
+            .filter_map(|m| {
+                ownership::group_to_grant(user, m.readonly, shared.contains(&m.source))
+                    .map(|gid| (m.clone(), gid))
+            })
+            .collect()
+    }
+}
+
+/// Applies [`ownership::grant_group`] to each volume root, naming the volume that failed.
+fn grant_groups(container: &str, grants: &[(VolumeMount, u32)]) -> Result<(), IsolatorError> {
+    for (mount, gid) in grants {
+        let changed =
+            ownership::grant_group(mount, *gid).map_err(|source| IsolatorError::Ownership {
+                container: container.to_string(),
+                volume: mount
+                    .volume_id
+                    .clone()
+                    .unwrap_or_else(|| mount.source.display().to_string()),
+                gid: *gid,
+                source,
+            })?;
+        if changed {
+            tracing::info!(container, volume = ?mount.volume_id, gid, "volume root made writable for the workload's group");
+        }
+    }
+    Ok(())
 }
 
 /// Refuses a configuration whose sandbox or rootfs a checkpoint could not

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::Args;
+use csi_isolator::provider::MountSpec;
 use csi_isolator::resource::parse_resources;
 use csi_isolator::resource::VolumeArg;
 use csi_isolator::runner::{self, RunOptions};
@@ -21,6 +22,8 @@ Examples:
   csi-isolator --work-dir /var/lib/csi-demo run --volume data:64M:data -- sh -c 'date >> data/log; cat data/log'
   # Read-only, at an absolute path inside a root filesystem
   csi-isolator run --rootfs /srv/rootfs --volume ref:1G:/ref:ro -- /bin/ls /ref
+  # The long form: options of the volume and of its mount
+  csi-isolator run --mount source=db,target=db,size=256M,mount-flags=noatime:nodev -- ./server
   # ext4 volumes on loop devices from the bundled plugin
   csi-isolator run --plugin-arg=--backing=loop --volume db:256M:db -- ./server
   # Mesos Resource JSON, against a CSI plugin that is already running
@@ -36,12 +39,26 @@ pub struct RunArgs {
         value_parser = Utf8(|s: &str| s.parse::<VolumeArg>())
     )]
     volumes: Vec<VolumeArg>,
+    /// A volume, in the long form Docker users know (repeatable):
+    /// source=NAME,target=PATH,size=SIZE[,readonly][,fs-type=T][,mount-flags=a:b][,access-mode=MODE].
+    /// Created if new, with these options; a volume that exists must have them.
+    #[arg(
+        long = "mount",
+        value_name = "source=NAME,target=PATH,size=SIZE[,KEY=VALUE...]",
+        value_parser = Utf8(|s: &str| s.parse::<MountSpec>())
+    )]
+    mounts: Vec<MountSpec>,
     /// Mesos Resource JSON (a list) of volumes to mount, instead of or besides --volume.
     #[arg(long, value_name = "FILE.json")]
     resources: Option<PathBuf>,
     /// A root filesystem to pivot into (absolute container paths land inside it).
     #[arg(long, value_name = "DIR")]
     rootfs: Option<PathBuf>,
+    /// Run the workload as this user: UID[:GID] or NAME[:GROUP] (names from the host's
+    /// databases; default: root). Volumes it mounts read-write and does not share are made
+    /// writable for its group.
+    #[arg(long, value_name = "UID[:GID]", value_parser = text())]
+    user: Option<String>,
     /// The container id (default: run-<random>).
     #[arg(long, value_parser = text())]
     container_id: Option<String>,
@@ -111,12 +128,18 @@ pub async fn run(work_dir: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
     let opts = RunOptions {
         work_dir: work_dir.to_path_buf(),
         provider: args.plugin.config(work_dir)?,
-        volumes: args.volumes,
+        volumes: args
+            .volumes
+            .iter()
+            .map(MountSpec::from_volume_arg)
+            .chain(args.mounts)
+            .collect(),
         resources,
         rootfs: args.rootfs,
         container_id: args.container_id,
         argv: args.command,
         stop_grace: Duration::from_secs(args.stop_grace),
+        user: args.user,
     };
     let code = runner::run(opts).await?;
     Ok(ExitCode::from(u8::try_from(code).unwrap_or(255)))

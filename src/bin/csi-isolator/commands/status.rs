@@ -59,6 +59,12 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
             if let Some(size) = size_line(v.capacity_bytes, v.capacity_enforced) {
                 println!("    size: {size}");
             }
+            if !v.accessible_topology.is_empty() {
+                println!(
+                    "    reachable from: {}",
+                    csi_isolator::provider::topology::describe(&v.accessible_topology)
+                );
+            }
             if let Some(d) = &v.disagreement {
                 println!("    ! {}", escaped(d));
             }
