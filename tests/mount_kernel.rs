@@ -145,6 +145,7 @@ fn readonly_remount_keeps_locked_flags() {
         nodev: true,
         noexec: true,
         readonly: false,
+        noatime: false,
     };
     sys.mount_filesystem(dev, &dst, "tmpfs", flags, "size=1m")
         .unwrap();

@@ -56,6 +56,9 @@ struct Suite {
     backing: String,
     /// The capability the helpers create, publish and stage with (mount unless a spec says).
     access: proto::VolumeCapability,
+    /// The access mode of the capability the helpers carry (SINGLE_NODE_WRITER unless a
+    /// spec says otherwise).
+    mode: Mode,
 }
 
 async fn suite(backing: &str) -> Suite {
@@ -90,6 +93,7 @@ async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
         tmpfs,
         backing: backing.to_string(),
         access: cap(),
+        mode: Mode::SingleNodeWriter,
     }
 }
 
@@ -124,10 +128,19 @@ impl Suite {
         info.node_id
     }
 
+    /// The capability the helpers carry: the suite's access type with its access mode.
+    fn capability(&self) -> proto::VolumeCapability {
+        let mut cap = self.access.clone();
+        cap.access_mode = Some(proto::volume_capability::AccessMode {
+            mode: self.mode as i32,
+        });
+        cap
+    }
+
     fn create_req(&self, name: &str, required: i64) -> proto::CreateVolumeRequest {
         proto::CreateVolumeRequest {
             name: name.into(),
-            volume_capabilities: vec![self.access.clone()],
+            volume_capabilities: vec![self.capability()],
             capacity_range: (required > 0).then_some(proto::CapacityRange {
                 required_bytes: required,
                 limit_bytes: 0,
@@ -169,7 +182,7 @@ impl Suite {
         let req = proto::ControllerPublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             node_id: node.into(),
-            volume_capability: Some(self.access.clone()),
+            volume_capability: Some(self.capability()),
             volume_context: vol.volume_context.clone(),
             readonly: false,
             ..Default::default()
@@ -189,7 +202,7 @@ impl Suite {
         let req = proto::NodeStageVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
-            volume_capability: Some(self.access.clone()),
+            volume_capability: Some(self.capability()),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
@@ -200,20 +213,32 @@ impl Suite {
 
     async fn node_publish(&mut self, vol: &proto::Volume, ctx: &HashMap<String, String>) {
         let target = self.target();
+        self.node_publish_at(vol, ctx, target).await.unwrap();
+    }
+
+    /// NodePublishVolume at `target` (a path in the suite's target directory, which the plugin
+    /// creates), recorded for cleanup when it succeeds.
+    async fn node_publish_at(
+        &mut self,
+        vol: &proto::Volume,
+        ctx: &HashMap<String, String>,
+        target: PathBuf,
+    ) -> Result<(), tonic::Status> {
         let req = proto::NodePublishVolumeRequest {
             volume_id: vol.volume_id.clone(),
             staging_target_path: self.staging.display().to_string(),
             target_path: target.display().to_string(),
-            volume_capability: Some(self.access.clone()),
+            volume_capability: Some(self.capability()),
             volume_context: vol.volume_context.clone(),
             publish_context: ctx.clone(),
             ..Default::default()
         };
-        self.c.node.node_publish_volume(req).await.unwrap();
+        self.c.node.node_publish_volume(req).await?;
         let published = self.published(&vol.volume_id);
         if !published.targets.contains(&target) {
             published.targets.push(target);
         }
+        Ok(())
     }
 
     /// The suite's AfterEach: undo everything in CO order, then check nothing is left.
@@ -376,6 +401,8 @@ both_backings!(
     block_and_mount_access_do_not_mix,
     block_node_full_flow_places_the_device_at_a_target_file,
     block_node_full_flow_is_idempotent,
+    single_node_multi_writer_publishes_at_two_targets,
+    single_node_single_writer_refuses_a_second_target,
 );
 
 // ---- Identity ----
@@ -451,6 +478,7 @@ async fn controller_get_capabilities_returns_known_capabilities(mut s: Suite) {
         Type::ListVolumes,
         Type::GetCapacity,
         Type::ListVolumesPublishedNodes,
+        Type::SingleNodeMultiWriter,
     ] {
         assert!(seen.contains(&want), "{want:?} missing");
     }
@@ -908,6 +936,7 @@ async fn node_get_capabilities_returns_known_capabilities(mut s: Suite) {
     }
     assert!(seen.contains(&Type::StageUnstageVolume));
     assert!(seen.contains(&Type::GetVolumeStats));
+    assert!(seen.contains(&Type::SingleNodeMultiWriter));
     s.cleanup().await;
 }
 
@@ -1480,4 +1509,62 @@ async fn block_node_full_flow_places_the_device_at_a_target_file(s: Suite) {
 
 async fn block_node_full_flow_is_idempotent(s: Suite) {
     block_node_full_flow(s, 3).await;
+}
+
+// ---- SINGLE_NODE_MULTI_WRITER (the node capability, and the two access modes it allows) ----
+
+/// csi-sanity's SINGLE_NODE_MULTI_WRITER spec: a volume of that mode published at two target
+/// paths of one node, each a mount of the volume, each seeing what the other writes.
+async fn single_node_multi_writer_publishes_at_two_targets(mut s: Suite) {
+    s.mode = Mode::SingleNodeMultiWriter;
+    let node = s.node_id().await;
+    let vol = s.create("sanity-snmw").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    let (first, second) = (s.target_parent.join("a"), s.target_parent.join("b"));
+    for target in [&first, &second] {
+        s.node_publish_at(&vol, &ctx, target.clone()).await.unwrap();
+    }
+    let mounts: Vec<_> = s
+        .sandbox
+        .mounts_under()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    for target in [&first, &second] {
+        assert_eq!(
+            mounts.iter().filter(|m| *m == target).count(),
+            1,
+            "{mounts:?}"
+        );
+    }
+    std::fs::write(first.join("from-a"), b"shared").unwrap();
+    assert_eq!(std::fs::read(second.join("from-a")).unwrap(), b"shared");
+    s.cleanup().await;
+}
+
+/// csi-sanity's SINGLE_NODE_SINGLE_WRITER spec: published at one target, a second target path
+/// is FAILED_PRECONDITION (the CO exceeded the volume's capability) and nothing is made there;
+/// the first publish is repeatable.
+async fn single_node_single_writer_refuses_a_second_target(mut s: Suite) {
+    s.mode = Mode::SingleNodeSingleWriter;
+    let node = s.node_id().await;
+    let vol = s.create("sanity-snsw").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    let (first, second) = (s.target_parent.join("a"), s.target_parent.join("b"));
+    s.node_publish_at(&vol, &ctx, first.clone()).await.unwrap();
+    let status = s
+        .node_publish_at(&vol, &ctx, second.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(
+        status.message().contains("SINGLE_NODE_SINGLE_WRITER"),
+        "{}",
+        status.message()
+    );
+    assert!(!second.exists(), "nothing made at the second target");
+    s.node_publish_at(&vol, &ctx, first).await.unwrap();
+    s.cleanup().await;
 }

@@ -249,6 +249,7 @@ both_backings!(
     a_foreign_mount_is_never_taken_for_the_volume,
     repeated_calls_with_another_capability_are_refused,
     mount_flags_are_applied_or_refused,
+    fs_type_is_made_at_create_and_required_after,
 );
 
 /// A mount capability with access `mode` and `flags`.
@@ -1196,68 +1197,241 @@ async fn repeated_calls_with_another_capability_are_refused(backing: &'static st
     env.finish();
 }
 
-/// Mount flags are never silently ignored: `ro` makes the mount read-only, unsupported
-/// flags are INVALID_ARGUMENT naming the flag.
+/// Mount flags are never silently ignored: `ro`, `noatime`, `noexec`, `nosuid` and `nodev` are
+/// applied on the staging and target mounts (seen in the mount table, and `noexec` refusing a
+/// program); a flag that would weaken the host or that the plugin does not know, `ro` beside
+/// `rw`, and `rw` beside readonly=true are INVALID_ARGUMENT naming the flag, with nothing made.
 async fn mount_flags_are_applied_or_refused(backing: &'static str) {
     let mut env = setup(backing, &[]).await;
-    let create = proto::CreateVolumeRequest {
-        name: "flags".into(),
-        volume_capabilities: vec![capability(Mode::SingleNodeWriter, &["nosuid"])],
-        ..Default::default()
-    };
-    let status = env.c.controller.create_volume(create).await.unwrap_err();
-    assert_eq!(status.code(), Code::InvalidArgument);
-    assert!(
-        status.message().contains("\"nosuid\""),
-        "{}",
-        status.message()
-    );
+    for (flag, words) in [
+        ("suid", "would weaken"),
+        ("dev", "would weaken"),
+        ("nolock,vers=4.2", "is not supported"),
+    ] {
+        let create = proto::CreateVolumeRequest {
+            name: "flags".into(),
+            volume_capabilities: vec![capability(Mode::SingleNodeWriter, &[flag])],
+            ..Default::default()
+        };
+        let status = env.c.controller.create_volume(create).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{flag}");
+        let message = status.message();
+        assert!(
+            message.contains(&format!("{flag:?}")) && message.contains(words),
+            "{message}"
+        );
+    }
     let id = env.create("flags", 16 * MIB).await.unwrap().volume_id;
     let ctx = env.cpublish(&id, false).await.unwrap();
     let staging = env.staging("flags");
-    env.stage(&id, &staging, &ctx).await.unwrap();
+    let stage = proto::NodeStageVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter, &["noatime", "noexec"])),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    env.c.node.node_stage_volume(stage).await.unwrap();
+    let staged = env.mounts_at(&staging);
+    assert_eq!(staged.len(), 1, "{staged:?}");
+    for flag in ["noatime", "noexec", "nosuid", "nodev"] {
+        assert!(
+            staged[0].mount_options.iter().any(|o| o == flag),
+            "{flag} at staging: {:?}",
+            staged[0].mount_options
+        );
+    }
     let target = env.target("flags");
-    let publish = |flags: &[&str]| proto::NodePublishVolumeRequest {
+    let publish = |target: &Path, flags: &[&str], readonly: bool| proto::NodePublishVolumeRequest {
         volume_id: id.clone(),
         staging_target_path: staging.display().to_string(),
         target_path: target.display().to_string(),
         volume_capability: Some(capability(Mode::SingleNodeWriter, flags)),
         publish_context: ctx.clone(),
+        readonly,
         ..Default::default()
     };
+    for (flags, readonly, words) in [
+        (&["ro", "rw"][..], false, "contradict each other"),
+        (&["rw"], true, "contradicts readonly=true"),
+        (&["exec"], false, "\"exec\" would weaken"),
+        (&["nodiratime"], false, "\"nodiratime\" is not supported"),
+    ] {
+        let status = env
+            .c
+            .node
+            .node_publish_volume(publish(&target, flags, readonly))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{flags:?}");
+        assert!(status.message().contains(words), "{}", status.message());
+        assert!(!target.exists(), "nothing made for {flags:?}");
+    }
+    let all = ["noatime", "noexec", "nosuid", "nodev"];
+    for _ in 0..2 {
+        env.c
+            .node
+            .node_publish_volume(publish(&target, &all, false))
+            .await
+            .unwrap();
+    }
+    let mounts = env.mounts_at(&target);
+    assert_eq!(mounts.len(), 1, "{mounts:?}");
+    for flag in all {
+        assert!(
+            mounts[0].mount_options.iter().any(|o| o == flag),
+            "{flag} at the target: {:?}",
+            mounts[0].mount_options
+        );
+    }
+    assert!(!mounts[0].is_readonly());
+    // noexec is the kernel's, not a word in a table: a program there does not run.
+    let program = target.join("run.sh");
+    std::fs::write(&program, b"#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(
+        &program,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let err = std::process::Command::new(&program).status().unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    // The same target with other flags is another capability: refused, the mount kept.
+    assert_eq!(
+        code(
+            env.c
+                .node
+                .node_publish_volume(publish(&target, &["noatime"], false))
+                .await
+        ),
+        Code::AlreadyExists
+    );
+    let ro = env.target("ro");
+    for _ in 0..2 {
+        env.c
+            .node
+            .node_publish_volume(publish(&ro, &["ro"], false))
+            .await
+            .unwrap();
+    }
+    let mounts = env.mounts_at(&ro);
+    assert_eq!(mounts.len(), 1);
+    assert!(mounts[0].is_readonly(), "the ro mount flag was applied");
+    write_fails_with_erofs(&ro.join("f"));
+    env.unpublish(&id, &ro).await.unwrap();
+    env.unpublish(&id, &target).await.unwrap();
+    env.unstage(&id, &staging).await.unwrap();
+    env.cunpublish(&id).await.unwrap();
+    env.delete(&id).await.unwrap();
+    env.finish();
+}
+
+/// A capability with access `mode`, fs type `fs_type` and no flags.
+fn fs_capability(fs_type: &str) -> proto::VolumeCapability {
+    let mut cap = mount_capability(Mode::SingleNodeWriter);
+    if let Some(proto::volume_capability::AccessType::Mount(m)) = &mut cap.access_type {
+        m.fs_type = fs_type.to_string();
+    }
+    cap
+}
+
+/// The fs type is the loop backing's mkfs at CreateVolume (ext4 by default), recorded in the
+/// volume's context and required of every later capability that names one; a type the backing
+/// cannot make is INVALID_ARGUMENT naming it, and the dir backing makes none.
+async fn fs_type_is_made_at_create_and_required_after(backing: &'static str) {
+    let mut env = setup(backing, &[]).await;
+    let create = |name: &str, fs_type: &str| proto::CreateVolumeRequest {
+        name: name.into(),
+        capacity_range: Some(proto::CapacityRange {
+            required_bytes: 16 * MIB,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![fs_capability(fs_type)],
+        ..Default::default()
+    };
+    let refused = if backing == "dir" { "ext4" } else { "ntfs" };
     let status = env
         .c
-        .node
-        .node_publish_volume(publish(&["noatime"]))
+        .controller
+        .create_volume(create("bad", refused))
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::InvalidArgument);
     assert!(
-        status.message().contains("\"noatime\""),
+        status.message().contains(&format!("fs_type {refused:?}")),
+        "{}",
+        status.message()
+    );
+    if backing == "dir" {
+        env.finish();
+        return;
+    }
+    let vol = env
+        .c
+        .controller
+        .create_volume(create("e3", "ext3"))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(
+        vol.volume_context.get("fs_type").map(String::as_str),
+        Some("ext3")
+    );
+    // The same name with another filesystem is another volume.
+    assert_eq!(
+        code(env.c.controller.create_volume(create("e3", "ext4")).await),
+        Code::AlreadyExists
+    );
+    let id = vol.volume_id;
+    let validate = |fs_type: &str| proto::ValidateVolumeCapabilitiesRequest {
+        volume_id: id.clone(),
+        volume_capabilities: vec![fs_capability(fs_type)],
+        ..Default::default()
+    };
+    let answer = |r: proto::ValidateVolumeCapabilitiesResponse| (r.confirmed.is_some(), r.message);
+    let (confirmed, message) = answer(
+        env.c
+            .controller
+            .validate_volume_capabilities(validate("ext4"))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert!(!confirmed && message.contains("\"ext3\""), "{message}");
+    let (confirmed, _) = answer(
+        env.c
+            .controller
+            .validate_volume_capabilities(validate("ext3"))
+            .await
+            .unwrap()
+            .into_inner(),
+    );
+    assert!(confirmed);
+    let ctx = env.cpublish(&id, false).await.unwrap();
+    let staging = env.staging("e3");
+    // A stage naming no fs type gets the volume's.
+    env.stage(&id, &staging, &ctx).await.unwrap();
+    let staged = env.mounts_at(&staging);
+    assert_eq!(staged.len(), 1);
+    assert_eq!(staged[0].fs_type, "ext3");
+    let target = env.target("e3");
+    let publish = proto::NodePublishVolumeRequest {
+        volume_id: id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(fs_capability("ext4")),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    let status = env.c.node.node_publish_volume(publish).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(
+        status.message().contains("\"ext4\"") && status.message().contains("\"ext3\""),
         "{}",
         status.message()
     );
     assert!(!target.exists());
-    assert_eq!(
-        code(env.c.node.node_publish_volume(publish(&["ro", "rw"])).await),
-        Code::InvalidArgument
-    );
-    env.c
-        .node
-        .node_publish_volume(publish(&["ro"]))
-        .await
-        .unwrap();
-    env.c
-        .node
-        .node_publish_volume(publish(&["ro"]))
-        .await
-        .unwrap();
-    let mounts = env.mounts_at(&target);
-    assert_eq!(mounts.len(), 1);
-    assert!(mounts[0].is_readonly(), "the ro mount flag was applied");
-    write_fails_with_erofs(&target.join("f"));
-    std::fs::write(staging.join("f"), b"rw").unwrap();
-    env.unpublish(&id, &target).await.unwrap();
     env.unstage(&id, &staging).await.unwrap();
     env.cunpublish(&id).await.unwrap();
     env.delete(&id).await.unwrap();

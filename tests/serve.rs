@@ -1473,3 +1473,139 @@ async fn prepare_oci_and_update_create_profile_disks_and_refuse_unknown_disks() 
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// Serve's CreateVolume passes fs_type and mount_flags to the plugin: a real container's own
+/// mount table (`/proc/<pid>/mountinfo`, its namespace) shows its volume as ext3 with noexec
+/// and noatime, and Status reports the capability. A form the service refuses (an fs type that
+/// is no name) and a flag the plugin refuses are INVALID_ARGUMENT naming them, nothing
+/// recorded; a second container of a SINGLE_NODE_SINGLE_WRITER volume is FAILED_PRECONDITION
+/// naming the volume, the mode and the holder, before anything is mounted for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_passes_fs_type_and_mount_flags_and_the_container_sees_them() {
+    require_root();
+    let sb = Sandbox::new("serve-flags");
+    let work = sb.join("work");
+    let mut serve = Serve::start(&sb, &work, &sb.join("isolator.sock"), false);
+    let mut c = serve.client().await;
+    let request = |name: &str, fs_type: &str, flags: &[&str]| CreateVolumeRequest {
+        name: name.into(),
+        capacity_bytes: 16 * MIB,
+        access_mode: "SINGLE_NODE_SINGLE_WRITER".into(),
+        container_path: "data".into(),
+        fs_type: fs_type.into(),
+        mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+        ..Default::default()
+    };
+    for (fs_type, flags, words) in [
+        (
+            "ext4 -o x",
+            &[][..],
+            "'ext4 -o x' is not a filesystem type name",
+        ),
+        ("ext3", &["suid"], "\"suid\" would weaken"),
+        ("ntfs", &[], "fs_type \"ntfs\" is not supported"),
+    ] {
+        let status = c
+            .create_volume(request("refused", fs_type, flags))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(words), "{}", status.message());
+    }
+    // A block volume has neither (CSI's block capability carries none): refused, not dropped.
+    for (fs_type, flags, words) in [
+        ("ext4", &[][..], "'ext4' asked for a block volume"),
+        (
+            "",
+            &["noatime"][..],
+            "asked for a block volume, which is not mounted",
+        ),
+    ] {
+        let status = c
+            .create_volume(CreateVolumeRequest {
+                access_type: "block".into(),
+                ..request("refused-block", fs_type, flags)
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains(words), "{}", status.message());
+    }
+    let created = c
+        .create_volume(request("flagged", "ext3", &["noexec", "noatime"]))
+        .await
+        .unwrap()
+        .into_inner();
+    let s = status(&mut c).await;
+    assert_eq!(s.volumes.len(), 1, "only the created volume: {s:?}");
+    let v = &s.volumes[0];
+    assert_eq!(
+        (
+            v.access_mode.as_str(),
+            v.fs_type.as_str(),
+            v.mount_flags.clone()
+        ),
+        (
+            "SINGLE_NODE_SINGLE_WRITER",
+            "ext3",
+            vec!["noexec".to_string(), "noatime".to_string()]
+        )
+    );
+
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c1", list(&[&created])).await;
+    let table = ProcMountTable::for_pid(sleeper.pid()).mounts().unwrap();
+    let data = sandbox.join("data");
+    let seen = table
+        .iter()
+        .rev()
+        .find(|m| m.mount_point == data)
+        .unwrap_or_else(|| panic!("no mount at {} in the container: {table:?}", data.display()));
+    assert_eq!(seen.fs_type, "ext3", "{seen:?}");
+    for flag in ["noexec", "noatime"] {
+        assert!(
+            seen.mount_options.iter().any(|o| o == flag),
+            "{flag} in the container: {seen:?}"
+        );
+    }
+    assert!(!seen.is_readonly());
+
+    let other = sb.mkdir("sandboxes/c2");
+    let status = c
+        .prepare(PrepareRequest {
+            container_id: "c2".into(),
+            config: Some(ContainerConfig {
+                resources_json: list(&[&created]),
+                sandbox: other.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    for words in [
+        format!("volume '{}'", created.volume_id),
+        "access mode SINGLE_NODE_SINGLE_WRITER".to_string(),
+        "container 'c1' uses it already".to_string(),
+    ] {
+        assert!(status.message().contains(&words), "{}", status.message());
+    }
+    assert!(!mounted_in(std::process::id(), &other.join("data")));
+
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: created.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    drop(c);
+    let status = serve.terminate(&sb);
+    assert!(status.success(), "serve exited with {status:?}");
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

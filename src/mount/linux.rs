@@ -32,6 +32,10 @@ pub const MOUNT_ATTR_NOSUID: u64 = 0x0000_0002;
 pub const MOUNT_ATTR_NODEV: u64 = 0x0000_0004;
 /// mount_setattr(2): disallow program execution.
 pub const MOUNT_ATTR_NOEXEC: u64 = 0x0000_0008;
+/// mount_setattr(2): do not update access times.
+pub const MOUNT_ATTR_NOATIME: u64 = 0x0000_0010;
+/// mount_setattr(2): the mask of the access-time setting (cleared whenever it is changed).
+pub const MOUNT_ATTR_ATIME_MASK: u64 = 0x0000_0070;
 
 /// The MOUNT_ATTR_* bits of `flags`.
 fn mount_attr_bits(flags: MountFlags) -> u64 {
@@ -40,6 +44,7 @@ fn mount_attr_bits(flags: MountFlags) -> u64 {
         (flags.nosuid, MOUNT_ATTR_NOSUID),
         (flags.nodev, MOUNT_ATTR_NODEV),
         (flags.noexec, MOUNT_ATTR_NOEXEC),
+        (flags.noatime, MOUNT_ATTR_NOATIME),
     ]
     .into_iter()
     .filter(|(on, _)| *on)
@@ -189,6 +194,7 @@ impl Syscall for LinuxSyscall {
         ms.set(MsFlags::MS_NOSUID, flags.nosuid);
         ms.set(MsFlags::MS_NODEV, flags.nodev);
         ms.set(MsFlags::MS_NOEXEC, flags.noexec);
+        ms.set(MsFlags::MS_NOATIME, flags.noatime);
         let data = if data.is_empty() { None } else { Some(data) };
         mount(Some(device), target, Some(fstype), ms, data).map_err(|errno| {
             MountError::MountFilesystem {
@@ -418,9 +424,16 @@ impl Syscall for LinuxSyscall {
         clear: MountFlags,
         recursive: bool,
     ) -> Result<(), MountError> {
+        // The access-time setting is one field: changing it clears the whole mask (a cleared
+        // noatime goes back to relatime, the kernel's default).
+        let atime = if set.noatime || clear.noatime {
+            MOUNT_ATTR_ATIME_MASK
+        } else {
+            0
+        };
         let attr = MountAttr {
             attr_set: mount_attr_bits(set),
-            attr_clr: mount_attr_bits(clear),
+            attr_clr: (mount_attr_bits(clear) & !MOUNT_ATTR_NOATIME) | atime,
             ..MountAttr::default()
         };
         mount_setattr(mount, &attr, recursive).map_err(|errno| MountError::ChangeFlags {
@@ -465,9 +478,14 @@ impl Syscall for LinuxSyscall {
             ms.set(MsFlags::MS_NOSUID, f.nosuid);
             ms.set(MsFlags::MS_NODEV, f.nodev);
             ms.set(MsFlags::MS_NOEXEC, f.noexec);
+            ms.set(MsFlags::MS_NOATIME, f.noatime);
             ms
         };
-        let flags = (kept_flags_of(target, true)? | to_ms(set)) - to_ms(clear);
+        let mut flags = (kept_flags_of(target, true)? | to_ms(set)) - to_ms(clear);
+        if set.noatime {
+            // One access-time setting at a time: noatime replaces relatime.
+            flags -= MsFlags::MS_RELATIME;
+        }
         mount(
             None::<&str>,
             target,

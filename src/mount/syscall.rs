@@ -50,6 +50,8 @@ pub struct MountFlags {
     pub nodev: bool,
     /// MS_NOEXEC
     pub noexec: bool,
+    /// MS_NOATIME (access times not updated; a volume's `noatime` mount flag)
+    pub noatime: bool,
 }
 
 impl MountFlags {
@@ -61,6 +63,7 @@ impl MountFlags {
         nosuid: true,
         nodev: true,
         noexec: false,
+        noatime: false,
     };
 
     /// Read-only, nothing else.
@@ -69,6 +72,7 @@ impl MountFlags {
         nosuid: false,
         nodev: false,
         noexec: false,
+        noatime: false,
     };
 
     /// No flag at all.
@@ -77,6 +81,7 @@ impl MountFlags {
         nosuid: false,
         nodev: false,
         noexec: false,
+        noatime: false,
     };
 
     /// Both sets of flags.
@@ -86,6 +91,7 @@ impl MountFlags {
             nosuid: self.nosuid || other.nosuid,
             nodev: self.nodev || other.nodev,
             noexec: self.noexec || other.noexec,
+            noatime: self.noatime || other.noatime,
         }
     }
 
@@ -94,13 +100,14 @@ impl MountFlags {
         self == MountFlags::NONE
     }
 
-    /// The flags as mount options (`ro,nosuid,nodev,noexec`), for records and messages.
+    /// The flags as mount options (`ro,nosuid,nodev,noexec,noatime`), for records and messages.
     pub fn names(self) -> Vec<&'static str> {
         [
             (self.readonly, "ro"),
             (self.nosuid, "nosuid"),
             (self.nodev, "nodev"),
             (self.noexec, "noexec"),
+            (self.noatime, "noatime"),
         ]
         .into_iter()
         .filter(|(on, _)| *on)

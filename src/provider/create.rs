@@ -194,6 +194,7 @@ impl StorageProvider {
             }
             return Ok(self.resource_for(&rec));
         }
+        self.check_mode_offered(&spec.name, &spec.capability)?;
         let intent = CreateIntent {
             format: FORMAT_VERSION,
             spec,
@@ -223,6 +224,36 @@ impl StorageProvider {
             return Ok(self.resource_for(&rec));
         }
         self.create_volume(mount.create_spec(&mount.source)).await
+    }
+
+    /// Refuses an access mode the CSI spec lets a CO use only when the plugin offers a
+    /// capability it does not: SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER need the
+    /// node's SINGLE_NODE_MULTI_WRITER. Checked before anything is written or sent.
+    pub(crate) fn check_mode_offered(
+        &self,
+        volume: &str,
+        capability: &Capability,
+    ) -> Result<(), ProviderError> {
+        use crate::csi::caps::NodeRpc;
+        use proto::volume_capability::access_mode::Mode;
+        let needs = matches!(
+            capability.mode(),
+            Some(Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter)
+        );
+        if needs
+            && !self
+                .client
+                .current_capabilities()
+                .node
+                .has(NodeRpc::SingleNodeMultiWriter)
+        {
+            return Err(ProviderError::AccessModeUnsupported {
+                volume: crate::shown::shown(volume).into_owned(),
+                mode: crate::shown::shown(&capability.access_mode).into_owned(),
+                plugin: self.plugin().to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// Writes a create (or import) intent durably, before its first RPC.
@@ -406,6 +437,7 @@ impl StorageProvider {
         if let Some(rec) = self.volume(volume_id).await {
             return Ok(self.resource_for(&rec));
         }
+        self.check_mode_offered(volume_id, &capability)?;
         if self
             .client
             .current_capabilities()

@@ -103,6 +103,33 @@ pub enum ProviderError {
         /// The containers using it.
         users: Vec<String>,
     },
+    /// The volume's access mode refuses the use (see `provider::access`): nothing was recorded
+    /// or sent.
+    #[error(
+        "volume '{volume}' (access mode {mode}) cannot be used by container '{container}': {why}"
+    )]
+    AccessModeRefused {
+        /// The volume id.
+        volume: String,
+        /// Its access mode.
+        mode: String,
+        /// The container asking, shown.
+        container: String,
+        /// Why, naming the holder and what to do.
+        why: String,
+    },
+    /// An access mode CSI lets a CO use only with a plugin capability the plugin lacks
+    /// (SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER need the node's
+    /// SINGLE_NODE_MULTI_WRITER): refused before anything is written or sent.
+    #[error("volume '{volume}': access mode {mode} needs the SINGLE_NODE_MULTI_WRITER capability, which plugin {plugin} does not offer: use SINGLE_NODE_WRITER, or a plugin that offers it")]
+    AccessModeUnsupported {
+        /// The volume name (or id).
+        volume: String,
+        /// The access mode asked for.
+        mode: String,
+        /// `<type>/<name>` of the plugin.
+        plugin: String,
+    },
     /// The volume is being destroyed; it cannot be published.
     #[error("volume '{volume}' is being destroyed")]
     Destroying {

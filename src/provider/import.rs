@@ -156,6 +156,7 @@ impl StorageProvider {
                     .unwrap_or_default()
             )));
         }
+        self.check_mode_offered(&spec.name, &spec.capability)?;
         let mut create = CreateSpec::new(&spec.name, spec.capacity_bytes);
         create.capability = spec.capability.clone();
         create.secrets_file = secrets_file;

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
+use crate::provider::access::Access;
 use crate::provider::error::ProviderError;
 use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;
@@ -87,7 +88,9 @@ impl Manager {
     }
 
     /// Publishes a container's provider resources (ensure-all per provider).
-    /// On failure nothing published here stays in use by the container.
+    /// On failure nothing published here stays in use by the container. A volume is used
+    /// for writing when any of its resources binds it read-write (`disk.volume.mode`), for
+    /// reading otherwise; its access mode decides whether that use is admitted.
     pub async fn publish(
         &self,
         container_id: &str,
@@ -96,11 +99,22 @@ impl Manager {
         let routes = self.route(resources)?;
         let results = join_all(routes.iter().map(|(pid, vols)| async move {
             let provider = &self.providers[pid];
-            let mut ids: Vec<String> = vols.iter().map(|(_, id)| id.clone()).collect();
-            ids.sort();
-            ids.dedup();
+            // A volume the container binds read-write anywhere is a writing use.
+            let mut access: BTreeMap<&str, Access> = BTreeMap::new();
+            for (i, id) in vols {
+                let this = Access::from_readonly(resources[*i].read_only());
+                let seen = access.entry(id.as_str()).or_insert(this);
+                if this.writes() {
+                    *seen = Access::Write;
+                }
+            }
+            let ids: Vec<String> = access.keys().map(|id| id.to_string()).collect();
+            let uses: Vec<(String, Option<Access>)> = access
+                .iter()
+                .map(|(id, a)| (id.to_string(), Some(*a)))
+                .collect();
             provider
-                .publish_for_container(container_id, &ids)
+                .publish_uses(container_id, &uses)
                 .await
                 .map(|published| {
                     let added: Vec<String> = ids

@@ -9,9 +9,11 @@
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
 //! `manager.rs` (routing), `mount_spec.rs` (the one parser of a volume's options, for every
-//! front end); `tests.rs`, the machine driven without root against an in-process
+//! front end), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`,
+//! the machine driven without root against an in-process
 //! CSI plugin that records its calls.
 
+pub mod access;
 pub mod bundled;
 pub mod checkpoint;
 mod create;
@@ -33,6 +35,7 @@ pub mod supervisor;
 mod tests;
 pub mod topology;
 
+pub use access::Access;
 pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
 pub use error::{NotReadyCause, ProviderError};
 pub use import::{

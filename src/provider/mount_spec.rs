@@ -111,11 +111,6 @@ fn refuse(key: &str, reason: impl Into<String>) -> OptionError {
 
 /// Longest secrets file path accepted.
 const MAX_PATH_BYTES: usize = 4096;
-/// Most mount flags accepted, and the longest one.
-const MAX_FLAGS: usize = 64;
-const MAX_FLAG_BYTES: usize = 256;
-/// Longest fs type name accepted.
-const MAX_FS_TYPE_BYTES: usize = 32;
 
 /// The options of a volume a mount asks for; `None` where the user said nothing (a volume that
 /// exists is used as it is then, and a new one gets the plugin's or the CSI default).
@@ -170,41 +165,22 @@ impl VolumeOptions {
                     }
                 });
             }
+            // The form of both is Capability::set_mount's (the one copy of the rule, shared
+            // with `serve`); whether the volume is a block one is checked with the whole entry.
             Key::FsType => {
-                if value.len() > MAX_FS_TYPE_BYTES
-                    || !value
-                        .chars()
-                        .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_')
-                {
-                    return Err(refuse(
-                        written,
-                        format!(
-                            "'{}' is not a filesystem type name (letters, digits, '.' and '_', at most {MAX_FS_TYPE_BYTES})",
-                            shown(value)
-                        ),
-                    ));
-                }
+                Capability::default()
+                    .set_mount(value, &[])
+                    .map_err(|e| refuse(written, e.to_string()))?;
                 self.fs_type = Some(value.to_string());
             }
             Key::MountFlags => {
                 let flags: Vec<String> = value.split([':', ',']).map(str::to_string).collect();
-                if flags.len() > MAX_FLAGS {
-                    return Err(refuse(
+                Capability::default().set_mount("", &flags).map_err(|e| {
+                    refuse(
                         written,
-                        format!("{} flags, more than {MAX_FLAGS}", flags.len()),
-                    ));
-                }
-                if let Some(bad) = flags.iter().find(|f| {
-                    f.is_empty() || f.len() > MAX_FLAG_BYTES || f.chars().any(char::is_control)
-                }) {
-                    return Err(refuse(
-                        written,
-                        format!(
-                            "flag '{}' is empty, longer than {MAX_FLAG_BYTES} bytes or holds a control character (separate flags with ':', e.g. noatime:nodev)",
-                            shown(bad)
-                        ),
-                    ));
-                }
+                        format!("{e} (separate flags with ':', e.g. noatime:nodev)"),
+                    )
+                })?;
                 self.mount_flags = Some(flags);
             }
             Key::AccessMode => {
@@ -235,6 +211,22 @@ impl VolumeOptions {
                 ))
             }
         }
+        Ok(())
+    }
+
+    /// A block volume has no fs type and no mount flags (CSI's block capability has none):
+    /// `type=block` with `fs-type=` or `mount-flags=` is refused, naming the key.
+    pub fn check_access_type(&self) -> Result<(), OptionError> {
+        let mut capability = Capability {
+            access_type: self.access_type.unwrap_or_default(),
+            ..Capability::default()
+        };
+        capability
+            .set_mount(self.fs_type.as_deref().unwrap_or_default(), &[])
+            .map_err(|e| refuse(Key::FsType.name(), e.to_string()))?;
+        capability
+            .set_mount("", self.mount_flags.as_deref().unwrap_or_default())
+            .map_err(|e| refuse(Key::MountFlags.name(), e.to_string()))?;
         Ok(())
     }
 
@@ -372,6 +364,7 @@ impl MountSpec {
         if spec.volume.size_bytes.is_none() {
             return Err(missing(Key::Size));
         }
+        spec.volume.check_access_type()?;
         Ok(spec)
     }
 
@@ -505,6 +498,18 @@ mod tests {
             (
                 "source=d,target=/d,size=1M,access-mode=ANY",
                 "unknown CSI access mode 'ANY'",
+            ),
+            (
+                "source=d,target=/d,size=1M,type=block,fs-type=ext4",
+                "option 'fs-type': 'ext4' asked for a block volume, which has no filesystem",
+            ),
+            (
+                "source=d,target=/d,size=1M,mount-flags=noatime,type=block",
+                "option 'mount-flags': asked for a block volume",
+            ),
+            (
+                "source=d,target=/d,size=1M,mount-flags=a::b",
+                "(separate flags with ':', e.g. noatime:nodev)",
             ),
             (
                 "source=d,target=/d,size=1M,propagation=up",

@@ -15,6 +15,7 @@ use futures::future::join_all;
 
 use crate::error_chain::Chain;
 use crate::offload::blocking;
+use crate::provider::access::{self, Access};
 use crate::provider::error::ProviderError;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
 use crate::provider::state::{VolumeRecord, VolumeState};
@@ -36,11 +37,27 @@ impl StorageProvider {
     }
 
     /// [`publish`](Self::publish), also saying whether the container became
-    /// a user now (rollbacks must only undo uses they added).
+    /// a user now (rollbacks must only undo uses they added). The use's access is what the
+    /// volume allows ([`publish_use_as`](Self::publish_use_as) with `None`).
     pub(crate) async fn publish_use(
         &self,
         volume_id: &str,
         container_id: &str,
+    ) -> Result<(PathBuf, bool), ProviderError> {
+        self.publish_use_as(volume_id, container_id, None).await
+    }
+
+    /// Publishes one volume for `container_id`, whose use reads or writes as `access` says
+    /// (`None`, for a caller that cannot tell, such as Docker's Mount: reading for a volume of a
+    /// reader-only access mode, writing otherwise). A new use, or a reading use that now
+    /// writes, is first checked against the volume's access mode ([`access::admit`]) and
+    /// refused before anything is recorded or sent. Also says whether the container became a
+    /// user now (rollbacks must only undo uses they added).
+    pub async fn publish_use_as(
+        &self,
+        volume_id: &str,
+        container_id: &str,
+        access: Option<Access>,
     ) -> Result<(PathBuf, bool), ProviderError> {
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
@@ -59,11 +76,36 @@ impl StorageProvider {
                 });
             }
         }
+        let access = access.unwrap_or(if rec.capability.is_reader_only() {
+            Access::Read
+        } else {
+            Access::Write
+        });
+        let was_user = rec.users.contains(container_id);
+        let was_reader = rec.readers.contains(container_id);
+        // A use that wrote keeps writing (a container's other binds of the volume may).
+        let reads = !access.writes() && (!was_user || was_reader);
+        if !was_user || (was_reader && !reads) {
+            let asked = if reads { Access::Read } else { Access::Write };
+            access::admit(rec.capability.mode(), rec.uses(), container_id, asked).map_err(
+                |refusal| ProviderError::AccessModeRefused {
+                    volume: volume_id.to_string(),
+                    mode: crate::shown::shown(&rec.capability.access_mode).into_owned(),
+                    container: crate::shown::shown(container_id).into_owned(),
+                    why: refusal.explain(),
+                },
+            )?;
+        }
         // The new user becomes durable with the first transition's intent,
         // before any RPC (or on its own when there is nothing to do).
         let added = rec.users.insert(container_id.to_string());
+        let reader_changed = if reads {
+            rec.readers.insert(container_id.to_string())
+        } else {
+            rec.readers.remove(container_id)
+        };
         let outcome = match self.ensure_published(&mut rec).await {
-            Ok(false) if added => self.persist(&rec).await,
+            Ok(false) if added || reader_changed => self.persist(&rec).await,
             Ok(_) => Ok(()),
             Err(e) => Err(e),
         };
@@ -73,7 +115,7 @@ impl StorageProvider {
                 if added {
                     // Leave nothing half-done: drop the use we just added and,
                     // when it was the only one, take the volume back down.
-                    rec.users.remove(container_id);
+                    rec.remove_user(container_id);
                     let undo = match self.settle_unused(&mut rec).await {
                         Ok(false) => self.persist(&rec).await,
                         Ok(true) => Ok(()),
@@ -82,6 +124,9 @@ impl StorageProvider {
                     if let Err(undo) = undo {
                         tracing::error!(volume_id, error = %Chain(&undo), "rollback after failed publish failed");
                     }
+                } else if reader_changed && was_reader {
+                    // The use goes back to reading; persisted with the next change.
+                    rec.readers.insert(container_id.to_string());
                 }
                 Err(e)
             }
@@ -102,7 +147,7 @@ impl StorageProvider {
             Err(e) => return Err(e),
         };
         let mut rec = slot.record.lock().await;
-        let removed = rec.users.remove(container_id);
+        let removed = rec.remove_user(container_id);
         if removed && rec.users.is_empty() && !self.config.unpublish_delay.is_zero() {
             *slot.idle_since.lock().unwrap() = Some(Instant::now());
         }
@@ -176,10 +221,22 @@ impl StorageProvider {
         container_id: &str,
         volume_ids: &[String],
     ) -> Result<Vec<(PathBuf, bool)>, ProviderError> {
+        let uses: Vec<(String, Option<Access>)> =
+            volume_ids.iter().map(|id| (id.clone(), None)).collect();
+        self.publish_uses(container_id, &uses).await
+    }
+
+    /// [`publish_for_container`](Self::publish_for_container), each volume with the access of
+    /// the container's use ([`publish_use_as`](Self::publish_use_as)).
+    pub async fn publish_uses(
+        &self,
+        container_id: &str,
+        uses: &[(String, Option<Access>)],
+    ) -> Result<Vec<(PathBuf, bool)>, ProviderError> {
+        let volume_ids: Vec<String> = uses.iter().map(|(id, _)| id.clone()).collect();
         let results = join_all(
-            volume_ids
-                .iter()
-                .map(|id| self.publish_use(id, container_id)),
+            uses.iter()
+                .map(|(id, access)| self.publish_use_as(id, container_id, *access)),
         )
         .await;
         if let Some(pos) = results.iter().position(|r| r.is_err()) {

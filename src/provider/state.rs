@@ -364,6 +364,12 @@ impl Default for Capability {
     }
 }
 
+/// Whether a CSI access mode only allows reading (the one list of them).
+pub fn is_reader_only_mode(mode: proto::volume_capability::access_mode::Mode) -> bool {
+    use proto::volume_capability::access_mode::Mode;
+    matches!(mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
+}
+
 /// An access mode name the CSI spec does not define.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("unknown CSI access mode '{name}' (expected one of {})", Capability::access_mode_names().join(", "))]
@@ -372,7 +378,89 @@ pub struct UnknownAccessMode {
     pub name: String,
 }
 
+/// An fs type or mount flags refused by [`Capability::set_mount`].
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{what}")]
+pub struct InvalidMount {
+    /// `fs_type` or `mount_flags`.
+    pub field: &'static str,
+    /// What is wrong, the value shown escaped.
+    pub what: String,
+}
+
+/// Most mount flags a capability carries (the `--mount` parser's bound too).
+pub const MAX_MOUNT_FLAGS: usize = 64;
+/// Longest mount flag, in bytes.
+pub const MAX_MOUNT_FLAG_BYTES: usize = 256;
+/// Longest fs type, in bytes.
+pub const MAX_FS_TYPE_BYTES: usize = 32;
+
 impl Capability {
+    /// Sets the fs type (empty: the plugin's default) and mount flags a user named: the one
+    /// check of their form, for `serve` (and whoever parses them): a type of at most
+    /// [`MAX_FS_TYPE_BYTES`] letters, digits, `.` and `_`; at most [`MAX_MOUNT_FLAGS`] flags of at most [`MAX_MOUNT_FLAG_BYTES`] bytes,
+    /// none empty or holding a control character. What a flag means is the plugin's to say (it
+    /// must refuse what it does not apply). On refusal the capability is left as it was.
+    ///
+    /// A block capability (access type set before) has neither: CSI's block capability carries
+    /// no fs type and no mount flags, so asking for them is refused, never dropped.
+    pub fn set_mount(&mut self, fs_type: &str, mount_flags: &[String]) -> Result<(), InvalidMount> {
+        use crate::shown::shown;
+        if self.access_type == AccessType::Block {
+            if !fs_type.is_empty() {
+                return Err(InvalidMount {
+                    field: "fs_type",
+                    what: format!(
+                        "'{}' asked for a block volume, which has no filesystem (CSI's block capability has no fs type)",
+                        shown(fs_type)
+                    ),
+                });
+            }
+            if !mount_flags.is_empty() {
+                return Err(InvalidMount {
+                    field: "mount_flags",
+                    what: "asked for a block volume, which is not mounted (CSI's block capability has no mount flags)".into(),
+                });
+            }
+        }
+        let fs_ok = fs_type.len() <= MAX_FS_TYPE_BYTES
+            && fs_type
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '_');
+        if !fs_ok {
+            return Err(InvalidMount {
+                field: "fs_type",
+                what: format!(
+                    "'{}' is not a filesystem type name (letters, digits, '.' and '_', at most {MAX_FS_TYPE_BYTES})",
+                    shown(fs_type)
+                ),
+            });
+        }
+        if mount_flags.len() > MAX_MOUNT_FLAGS {
+            return Err(InvalidMount {
+                field: "mount_flags",
+                what: format!(
+                    "{} flags, over the limit of {MAX_MOUNT_FLAGS}",
+                    mount_flags.len()
+                ),
+            });
+        }
+        if let Some(bad) = mount_flags.iter().find(|f| {
+            f.is_empty() || f.len() > MAX_MOUNT_FLAG_BYTES || f.chars().any(char::is_control)
+        }) {
+            return Err(InvalidMount {
+                field: "mount_flags",
+                what: format!(
+                    "flag '{}' is empty, over {MAX_MOUNT_FLAG_BYTES} bytes or holds a control character",
+                    shown(bad)
+                ),
+            });
+        }
+        self.fs_type = fs_type.to_string();
+        self.mount_flags = mount_flags.to_vec();
+        Ok(())
+    }
+
     /// Sets the access mode to one a user named (CSI's names, such as `SINGLE_NODE_WRITER`):
     /// the one check of a mode name, for the command line, `serve` and disk profiles alike.
     pub fn set_access_mode(&mut self, name: &str) -> Result<(), UnknownAccessMode> {
@@ -427,11 +515,7 @@ impl Capability {
 
     /// Whether the access mode only allows reading.
     pub fn is_reader_only(&self) -> bool {
-        use proto::volume_capability::access_mode::Mode;
-        matches!(
-            self.mode(),
-            Some(Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly)
-        )
+        self.mode().is_some_and(is_reader_only_mode)
     }
 
     /// The capability as the CSI message (its access type: mount with the fs type and
@@ -498,6 +582,11 @@ pub struct VolumeRecord {
     /// Containers using the volume; it is never unpublished while non-empty.
     #[serde(default)]
     pub users: BTreeSet<String>,
+    /// The users that only read it (a subset of `users`); every other user writes. Empty in
+    /// checkpoints of earlier versions, whose users therefore all count as writing. The
+    /// access-mode rule (`provider::access`) reads it.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub readers: BTreeSet<String>,
     /// A volume that existed in the plugin before and was declared by id:
     /// published and unpublished, never created or deleted by us.
     #[serde(default)]
@@ -527,6 +616,19 @@ pub struct VolumeRecord {
 }
 
 impl VolumeRecord {
+    /// Every user and whether it writes, in name order.
+    pub fn uses(&self) -> impl Iterator<Item = (&str, bool)> {
+        self.users
+            .iter()
+            .map(|u| (u.as_str(), !self.readers.contains(u)))
+    }
+
+    /// Ends `container`'s use; whether it was a user.
+    pub fn remove_user(&mut self, container: &str) -> bool {
+        self.readers.remove(container);
+        self.users.remove(container)
+    }
+
     /// Whether the volume rests at `goal`: there, with no operation under way. Driving it to
     /// `goal` then does nothing (no RPC, no write).
     pub fn rests_at(&self, goal: VolumeState) -> bool {
@@ -571,6 +673,7 @@ impl VolumeRecord {
             boot_id: None,
             readonly: false,
             users: BTreeSet::new(),
+            readers: BTreeSet::new(),
             pre_provisioned: false,
             destroying: false,
             delete_imported: false,
@@ -724,6 +827,74 @@ mod tests {
             );
             assert!(!text.contains('\u{1b}'), "shown escaped: {text}");
         }
+    }
+
+    #[test]
+    fn fs_type_and_mount_flags_are_checked_in_one_place() {
+        let flags = |names: &[&str]| names.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let mut c = Capability::default();
+        c.set_mount("ext4", &flags(&["noatime", "vers=4.2"]))
+            .unwrap();
+        assert_eq!(c.fs_type, "ext4");
+        assert_eq!(c.mount_flags, ["noatime", "vers=4.2"]);
+        c.set_mount("", &[]).unwrap();
+        assert_eq!(c, Capability::default());
+        let too_many = vec!["noatime".to_string(); MAX_MOUNT_FLAGS + 1];
+        let long = "x".repeat(MAX_MOUNT_FLAG_BYTES + 1);
+        let long_type = "x".repeat(MAX_FS_TYPE_BYTES + 1);
+        for (fs_type, bad, field, words) in [
+            (
+                long_type.as_str(),
+                flags(&[]),
+                "fs_type",
+                "is not a filesystem type name",
+            ),
+            (
+                "ext4 -o x",
+                flags(&[]),
+                "fs_type",
+                "'ext4 -o x' is not a filesystem type name",
+            ),
+            (
+                "../x",
+                flags(&[]),
+                "fs_type",
+                "is not a filesystem type name",
+            ),
+            ("ext4", flags(&[""]), "mount_flags", "flag '' is empty"),
+            ("ext4", flags(&["a\nb"]), "mount_flags", "flag 'a\\nb'"),
+            ("ext4", vec![long], "mount_flags", "over 256 bytes"),
+            (
+                "ext4",
+                too_many,
+                "mount_flags",
+                "65 flags, over the limit of 64",
+            ),
+        ] {
+            let mut c = Capability::default();
+            let err = c.set_mount(fs_type, &bad).unwrap_err();
+            assert_eq!(err.field, field, "{err}");
+            assert!(err.to_string().contains(words), "{err}");
+            assert_eq!(c, Capability::default(), "left as it was");
+        }
+    }
+
+    #[test]
+    fn a_block_capability_has_no_fs_type_and_no_mount_flags() {
+        let block = Capability {
+            access_type: AccessType::Block,
+            ..Capability::default()
+        };
+        let mut c = block.clone();
+        c.set_mount("", &[]).unwrap();
+        assert_eq!(c, block);
+        let err = c.set_mount("ext4", &[]).unwrap_err();
+        assert_eq!(err.field, "fs_type", "{err}");
+        assert!(err.to_string().contains("has no filesystem"), "{err}");
+        let err = c.set_mount("", &["noatime".to_string()]).unwrap_err();
+        assert_eq!(err.field, "mount_flags", "{err}");
+        assert!(err.to_string().contains("no mount flags"), "{err}");
+        assert_eq!(c, block, "left as it was");
     }
 
     #[test]

@@ -37,8 +37,9 @@ pub struct VolumeStatus {
     /// Where it can be reached from, as CreateVolume answered (empty: anywhere).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub accessible_topology: Vec<crate::provider::topology::Segments>,
-    /// `mount`, or `block` for a block volume (its mount point is then a device file).
-    pub access_type: crate::provider::AccessType,
+    /// The capability it is published with: access type (`mount`, or `block` for a block volume,
+    /// whose mount point is then a device file), access mode, fs type, mount flags.
+    pub capability: crate::provider::state::Capability,
     /// Its mount point (the NodePublish target).
     pub mount_point: PathBuf,
     /// Whether the mount table has a mount at the mount point.
@@ -119,7 +120,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 parameters: rec.parameters,
                 imported: rec.pre_provisioned,
                 accessible_topology: rec.accessible_topology,
-                access_type: rec.capability.access_type,
+                capability: rec.capability,
                 mount_point: target,
                 mounted: is_mounted,
                 staged,

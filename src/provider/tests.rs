@@ -17,7 +17,8 @@ use crate::csi::proto::controller_service_capability::rpc::Type as ControllerCap
 use crate::csi::proto::node_service_capability::rpc::Type as NodeCap;
 use crate::mount::{FakeSyscall, MountTable, Syscall};
 use crate::provider::{
-    CreateSpec, PluginSource, ProviderConfig, StorageProvider, UnpublishPolicy, VolumeState,
+    CreateSpec, PluginSource, ProviderConfig, ProviderError, StorageProvider, UnpublishPolicy,
+    VolumeState,
 };
 
 /// What the recorder was asked, in order (the RPC names of the CSI spec).
@@ -717,4 +718,35 @@ async fn a_refusal_that_echoes_secrets_is_shown_redacted() {
         "{text}"
     );
     assert!(!text.contains("hunter2") && !text.contains("svc"), "{text}");
+}
+
+/// SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER need the node's SINGLE_NODE_MULTI_WRITER,
+/// which this plugin does not offer: refused naming the mode and the plugin, before any intent is
+/// written or CreateVolume sent; the other modes are sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_node_multi_writer_modes_need_the_plugins_capability() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    for mode in ["SINGLE_NODE_SINGLE_WRITER", "SINGLE_NODE_MULTI_WRITER"] {
+        let mut spec = CreateSpec::new("data", 1 << 20);
+        spec.capability.set_access_mode(mode).unwrap();
+        let err = provider.create_volume(spec).await.unwrap_err();
+        assert!(
+            matches!(err, ProviderError::AccessModeUnsupported { .. }),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains(mode) && text.contains("recorder.csi-isolator.io/unit"),
+            "{text}"
+        );
+        assert!(bench.plugin.calls().is_empty(), "nothing sent for {mode}");
+        assert!(provider.find_by_name("data").await.is_none());
+    }
+    let mut spec = CreateSpec::new("data", 1 << 20);
+    spec.capability
+        .set_access_mode("MULTI_NODE_SINGLE_WRITER")
+        .unwrap();
+    provider.create_volume(spec).await.unwrap();
+    assert_eq!(bench.plugin.calls(), ["CreateVolume"]);
 }

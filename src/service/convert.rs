@@ -237,7 +237,10 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 capacity_enforced: v.capacity_enforced,
                 parameters: v.parameters.into_iter().collect(),
                 imported: v.imported,
-                access_type: v.access_type.as_str().to_string(),
+                access_type: v.capability.access_type.as_str().to_string(),
+                access_mode: v.capability.access_mode,
+                fs_type: v.capability.fs_type,
+                mount_flags: v.capability.mount_flags,
             })
             .collect(),
         containers: containers

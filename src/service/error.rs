@@ -180,6 +180,8 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::CapabilityDiffers { .. }
         | ProviderError::SecretsFileDiffers { .. } => Code::AlreadyExists,
         ProviderError::InUse { .. }
+        | ProviderError::AccessModeRefused { .. }
+        | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
         | ProviderError::NotAccessible { .. }

@@ -152,7 +152,12 @@ impl IsolatorService {
             return Err(invalid("name", "is empty"));
         }
         let mut spec = CreateSpec::new(&req.name, req.capacity_bytes);
-        spec.capability = capability(&req.access_mode, &req.access_type)?;
+        spec.capability = capability(
+            &req.access_mode,
+            &req.access_type,
+            &req.fs_type,
+            &req.mount_flags,
+        )?;
         spec.parameters = req.parameters.into_iter().collect();
         spec.secrets_file = secrets_file(&req.secrets_file);
         let resource = provider.create_volume(spec).await?;
@@ -182,7 +187,12 @@ impl IsolatorService {
             name: req.name,
             volume_id: req.volume_id,
             capacity_bytes: req.capacity_bytes,
-            capability: capability(&req.access_mode, &req.access_type)?,
+            capability: capability(
+                &req.access_mode,
+                &req.access_type,
+                &req.fs_type,
+                &req.mount_flags,
+            )?,
             volume_context: req.volume_context.into_iter().collect(),
         };
         let resource = provider
@@ -315,8 +325,14 @@ fn container_id(id: &str) -> Result<(), ServiceError> {
         .map_err(|e| invalid("container_id", crate::error_chain::full_message(&e)))
 }
 
-/// The capability of a request's access mode and access type (empty: the defaults).
-fn capability(access_mode: &str, access_type: &str) -> Result<Capability, ServiceError> {
+/// The capability of a request's access mode (empty: the default), access type (empty:
+/// mount), fs type and mount flags (a block volume has neither).
+fn capability(
+    access_mode: &str,
+    access_type: &str,
+    fs_type: &str,
+    mount_flags: &[String],
+) -> Result<Capability, ServiceError> {
     let mut capability = Capability::default();
     if !access_mode.is_empty() {
         capability
@@ -325,6 +341,9 @@ fn capability(access_mode: &str, access_type: &str) -> Result<Capability, Servic
     }
     capability.access_type = crate::provider::AccessType::parse(access_type)
         .map_err(|e| invalid("access_type", e.to_string()))?;
+    capability
+        .set_mount(fs_type, mount_flags)
+        .map_err(|e| invalid(e.field, e.to_string()))?;
     Ok(capability)
 }
 

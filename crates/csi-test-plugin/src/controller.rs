@@ -10,6 +10,7 @@ use tonic::{Request, Response, Status};
 
 use super::backing::{Backing, BackingKind};
 use super::faults::LieMode;
+use super::mount_options;
 use super::store::{CapabilityRecord, ControllerPublication};
 use super::{
     require, volume_key, LockKey, Plugin, PluginError, PluginService, PARAMETER_ECHO_PREFIX,
@@ -26,14 +27,10 @@ const MAX_NAME_LEN: usize = 128;
 /// Prefix of the ListVolumes tokens this plugin issues.
 const TOKEN_PREFIX: &str = "after:";
 
-/// Mount flags the plugin applies: `ro` (the volume read-only where it is staged or
-/// published) and `rw` (the default, stated).
-const MOUNT_FLAGS: [&str; 2] = ["ro", "rw"];
-
 /// Checks one volume capability: an access mode is set and known, the access type is
-/// `mount` or, on the loop backing, `block` ([`serves_block`]), the fs type is one this
-/// backing can provide, and every mount flag is one the plugin applies ([`MOUNT_FLAGS`];
-/// others are refused, never ignored).
+/// `mount` or, on the loop backing, `block` ([`serves_block`]); for mount, the fs type is one
+/// the backing `kind` can provide, and every mount flag is one the plugin applies (see
+/// [`mount_options`]; others are refused, never ignored). CSI's block capability has neither.
 pub(super) fn check_capability(
     rpc: &'static str,
     field: &'static str,
@@ -49,37 +46,14 @@ pub(super) fn check_capability(
         .access_mode
         .as_ref()
         .ok_or_else(|| invalid("access_mode is required"))?;
-    match Mode::try_from(mode.mode) {
+    let reader_only = match Mode::try_from(mode.mode) {
         Ok(Mode::Unknown) | Err(_) => return Err(invalid("access_mode.mode is unknown")),
-        Ok(_) => {}
-    }
+        Ok(mode) => matches!(mode, Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly),
+    };
     match &cap.access_type {
         Some(AccessType::Mount(mount)) => {
-            if !matches!(mount.fs_type.as_str(), "" | "ext4") {
-                return Err(invalid(&format!(
-                    "fs_type {:?} is not supported (only ext4)",
-                    mount.fs_type
-                )));
-            }
-            if let Some(flag) = mount
-                .mount_flags
-                .iter()
-                .find(|f| !MOUNT_FLAGS.contains(&f.as_str()))
-            {
-                return Err(invalid(&format!(
-                    "mount flag {flag:?} is not supported (supported: {})",
-                    MOUNT_FLAGS.join(", ")
-                )));
-            }
-            if MOUNT_FLAGS
-                .iter()
-                .all(|f| mount.mount_flags.iter().any(|m| m == f))
-            {
-                return Err(invalid(
-                    "mount flags \"ro\" and \"rw\" contradict each other",
-                ));
-            }
-            Ok(())
+            mount_options::check_fs_type(&mount.fs_type, kind).map_err(|r| invalid(&r))?;
+            mount_options::check_flags(&mount.mount_flags, reader_only).map_err(|r| invalid(&r))
         }
         Some(AccessType::Block(_)) if serves_block(kind) => Ok(()),
         Some(AccessType::Block(_)) => Err(invalid(&format!(
@@ -140,6 +114,53 @@ pub(super) fn check_volume_access(
         field,
         reason: format!(
             "volume {volume_id} was created for {is} access; {asked} access is refused"
+        ),
+    })
+}
+
+/// The fs type a capability asks for (empty: none).
+pub(super) fn asked_fs_type(cap: &proto::VolumeCapability) -> &str {
+    match &cap.access_type {
+        Some(AccessType::Mount(mount)) => &mount.fs_type,
+        _ => "",
+    }
+}
+
+/// The `volume_context` key recording a loop volume's fs type (made at CreateVolume).
+pub const FS_TYPE_KEY: &str = "fs_type";
+
+/// The fs type of a volume: recorded at CreateVolume for the loop backing (ext4 for volumes
+/// made before it was recorded); none for the dir backing.
+pub(super) fn volume_fs_type(record: &super::store::VolumeRecord, kind: BackingKind) -> String {
+    match kind {
+        BackingKind::Dir => String::new(),
+        BackingKind::Loop => record
+            .volume_context
+            .get(FS_TYPE_KEY)
+            .cloned()
+            .unwrap_or_else(|| mount_options::DEFAULT_FS_TYPE.to_string()),
+    }
+}
+
+/// A capability's fs type, when it asks for one, must be the volume's.
+pub(super) fn check_volume_fs_type(
+    rpc: &'static str,
+    field: &'static str,
+    record: &super::store::VolumeRecord,
+    cap: &proto::VolumeCapability,
+    kind: BackingKind,
+) -> Result<(), PluginError> {
+    let asked = asked_fs_type(cap);
+    let has = volume_fs_type(record, kind);
+    if asked.is_empty() || asked == has {
+        return Ok(());
+    }
+    Err(PluginError::InvalidField {
+        rpc,
+        field,
+        reason: format!(
+            "fs_type {asked:?} asked, but volume {} was made with {has:?}",
+            record.id
         ),
     })
 }
@@ -284,6 +305,33 @@ impl Plugin {
             check_capability(RPC, "volume_capabilities", cap, self.backing.kind())?;
         }
         let block = created_as_block(RPC, &req.volume_capabilities)?;
+        // One filesystem per volume: the capabilities that name one must agree.
+        let mut asked: Vec<&str> = req
+            .volume_capabilities
+            .iter()
+            .map(asked_fs_type)
+            .filter(|t| !t.is_empty())
+            .collect();
+        asked.dedup();
+        if asked.len() > 1 {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "volume_capabilities",
+                reason: format!("fs types {asked:?} differ: a volume has one filesystem"),
+            });
+        }
+        let fs_type = match self.backing.kind() {
+            BackingKind::Dir => None,
+            // A block volume is a raw image: no filesystem.
+            BackingKind::Loop if block => None,
+            BackingKind::Loop => Some(
+                asked
+                    .first()
+                    .copied()
+                    .unwrap_or(mount_options::DEFAULT_FS_TYPE)
+                    .to_string(),
+            ),
+        };
         if req.volume_content_source.is_some() {
             return Err(PluginError::InvalidField {
                 rpc: RPC,
@@ -316,7 +364,10 @@ impl Plugin {
                 let fits = existing.capacity_bytes >= required
                     && (limit == 0 || existing.capacity_bytes <= limit);
                 let same_access = Backing::is_block(&self.store.volume_dir(&existing.id)) == block;
-                if !fits || existing.parameters != parameters || !same_access {
+                let same_fs = fs_type
+                    .as_ref()
+                    .is_none_or(|t| *t == volume_fs_type(&existing, self.backing.kind()));
+                if !fits || !same_fs || existing.parameters != parameters || !same_access {
                     return Err(PluginError::NameConflict {
                         name: req.name,
                         volume_id: existing.id,
@@ -380,6 +431,9 @@ impl Plugin {
                 .iter()
                 .map(|(k, v)| (format!("{PARAMETER_ECHO_PREFIX}{k}"), v.clone())),
         );
+        if let Some(fs_type) = fs_type {
+            volume_context.insert(FS_TYPE_KEY.to_string(), fs_type);
+        }
         let record = super::store::VolumeRecord {
             version: super::store::RECORD_VERSION,
             id: id.clone(),
@@ -451,8 +505,9 @@ impl Plugin {
         block: bool,
     ) -> Result<(), PluginError> {
         let dir = self.store.volume_dir(&record.id);
+        let fs_type = volume_fs_type(record, self.backing.kind());
         self.backing
-            .provision(&dir, record.capacity_bytes, block)
+            .provision(&dir, record.capacity_bytes, &fs_type, block)
             .map_err(|source| PluginError::Backing {
                 rpc,
                 volume_id: record.id.clone(),
@@ -536,6 +591,7 @@ impl Plugin {
         let mut record = self.known_volume(RPC, &req.volume_id)?;
         let block = Backing::is_block(&self.store.volume_dir(&record.id));
         check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
+        check_volume_fs_type(RPC, "volume_capability", &record, cap, self.backing.kind())?;
         if req.node_id != self.config.node_id {
             return Err(PluginError::NodeNotFound {
                 rpc: RPC,
@@ -622,6 +678,15 @@ impl Plugin {
             check_capability(RPC, "volume_capabilities", cap, self.backing.kind())
                 .and_then(|()| {
                     check_volume_access(RPC, "volume_capabilities", cap, &record.id, block)
+                })
+                .and_then(|()| {
+                    check_volume_fs_type(
+                        RPC,
+                        "volume_capabilities",
+                        &record,
+                        cap,
+                        self.backing.kind(),
+                    )
                 })
                 .err()
         });
@@ -774,6 +839,8 @@ impl Plugin {
                 Cap::ListVolumes,
                 Cap::GetCapacity,
                 Cap::ListVolumesPublishedNodes,
+                // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+                Cap::SingleNodeMultiWriter,
             ]);
         }
         Ok(proto::ControllerGetCapabilitiesResponse {

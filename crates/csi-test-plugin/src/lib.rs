@@ -3,12 +3,15 @@
 //! embedded by `csi-isolator run`.
 //!
 //! Contract:
-//! - Volumes are backed by a directory ([`BackingKind::Dir`]) or by an ext4 image on a loop
-//!   device ([`BackingKind::Loop`]); a block volume (CSI's block access type) by a raw image on a
-//!   loop device (loop backing only; the dir backing refuses block access INVALID_ARGUMENT, and
-//!   ValidateVolumeCapabilities and GetCapacity say the same); their metadata lives under the work
-//!   dir ([`store`]),
-//!   written atomically, so a restarted plugin knows its volumes.
+//! - Volumes are backed by a directory ([`BackingKind::Dir`]) or by an ext4 (or ext3, ext2,
+//!   xfs: the capability's fs type) image on a loop device ([`BackingKind::Loop`]); a block
+//!   volume (CSI's block access type) by a raw image on a loop device (loop backing only; the
+//!   dir backing refuses block access INVALID_ARGUMENT, and ValidateVolumeCapabilities and
+//!   GetCapacity say the same); their metadata lives under the work dir ([`store`]), written
+//!   atomically, so a restarted plugin knows its volumes. Mount flags are applied or refused by
+//!   name, never ignored ([`mount_options`]); SINGLE_NODE_MULTI_WRITER is offered (node and
+//!   controller), and a SINGLE_NODE_SINGLE_WRITER volume is published at one target path at a
+//!   time.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
 //! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
@@ -27,6 +30,7 @@ mod controller;
 pub mod faults;
 mod identity;
 mod locks;
+pub mod mount_options;
 mod node;
 pub mod status;
 pub mod store;

@@ -14,21 +14,23 @@ use std::path::PathBuf;
 
 use tonic::{Request, Response, Status};
 
-use super::backing::{Backing, MountState};
+use super::backing::{Backing, BackingKind, MountState};
 use super::controller::{
-    capability_record, check_capability, check_volume_access, is_block, publish_context,
-    wants_readonly,
+    asked_fs_type, capability_record, check_capability, check_volume_access, check_volume_fs_type,
+    is_block, publish_context, volume_fs_type, wants_readonly, FS_TYPE_KEY,
 };
+use super::mount_options;
 use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
 use super::{require, LockKey, Plugin, PluginError, PluginService};
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::node_service_capability::rpc::Type as Cap;
+use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
 
 /// Checks the request's capability against the backing and returns its comparable form.
 fn require_capability(
     rpc: &'static str,
     cap: Option<&proto::VolumeCapability>,
-    kind: super::BackingKind,
+    kind: BackingKind,
 ) -> Result<CapabilityRecord, PluginError> {
     let cap = cap.ok_or(PluginError::MissingField {
         rpc,
@@ -81,6 +83,9 @@ impl Plugin {
         cap: Option<&proto::VolumeCapability>,
     ) -> Result<VolumeRecord, PluginError> {
         if let Some(record) = self.store.get(volume_id) {
+            if let Some(cap) = cap {
+                check_volume_fs_type(rpc, "volume_capability", &record, cap, self.backing.kind())?;
+            }
             return Ok(record);
         }
         if self.config.controller {
@@ -95,7 +100,21 @@ impl Plugin {
             name: volume_id.to_string(),
             capacity_bytes: self.backing.size_for(0),
             parameters: BTreeMap::new(),
-            volume_context: BTreeMap::new(),
+            // The fs type its first node call asks for (the loop backing's default without).
+            volume_context: match self.backing.kind() {
+                BackingKind::Dir => BTreeMap::new(),
+                // A block volume is a raw image: no filesystem.
+                BackingKind::Loop if cap.is_some_and(is_block) => BTreeMap::new(),
+                BackingKind::Loop => {
+                    let asked = cap.map(asked_fs_type).unwrap_or_default();
+                    let fs_type = if asked.is_empty() {
+                        mount_options::DEFAULT_FS_TYPE
+                    } else {
+                        asked
+                    };
+                    BTreeMap::from([(FS_TYPE_KEY.to_string(), fs_type.to_string())])
+                }
+            },
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
@@ -144,6 +163,33 @@ impl Plugin {
         }
     }
 
+    /// SINGLE_NODE_SINGLE_WRITER: one workload, so one target path. A publish at another
+    /// target path while one published with that mode stands (or with that mode while another
+    /// stands) is FAILED_PRECONDITION: the CO exceeded the volume's capability.
+    fn check_single_workload(
+        &self,
+        rpc: &'static str,
+        record: &VolumeRecord,
+        target: &str,
+        cap: &CapabilityRecord,
+    ) -> Result<(), PluginError> {
+        let single = |c: &CapabilityRecord| c.access_mode == Mode::SingleNodeSingleWriter as i32;
+        let other = record
+            .published
+            .iter()
+            .find(|(path, existing)| *path != target && (single(cap) || single(existing)));
+        match other {
+            Some((path, _)) => Err(PluginError::FailedPrecondition {
+                rpc,
+                volume_id: record.id.clone(),
+                reason: format!(
+                    "published at {path} already, and SINGLE_NODE_SINGLE_WRITER allows one target path"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// With PUBLISH_UNPUBLISH_VOLUME on, the volume must be controller-published to this
     /// node and the request must carry the publish_context that call returned.
     fn check_publish_context(
@@ -189,6 +235,8 @@ impl Plugin {
         let readonly = wants_readonly(&cap);
         let block = Backing::is_block(&dir);
         check_node_access(RPC, wire_cap.expect("checked"), &record.id, block, readonly)?;
+        let flags = mount_options::mount_flags(&cap.mount_flags);
+        let fs_type = volume_fs_type(&record, self.backing.kind());
         let err = || Self::backing_err(RPC, &req.volume_id);
         let staged = Backing::staged_path(&dir, &staging);
         match self.backing.mount_state(&dir, &staged).map_err(err())? {
@@ -213,7 +261,7 @@ impl Plugin {
             MountState::NotMounted => {
                 self.faults.stall(RPC);
                 self.backing
-                    .stage(&dir, &staging, readonly)
+                    .stage(&dir, &staging, &fs_type, flags)
                     .map_err(err())?;
                 record.staged.insert(req.staging_target_path.clone(), cap);
                 self.save(RPC, &record)?;
@@ -289,6 +337,14 @@ impl Plugin {
         }
         let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
+        if req.readonly && cap.mount_flags.iter().any(|f| f == "rw") {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "volume_capability",
+                reason: "mount flag \"rw\" contradicts readonly=true".into(),
+            });
+        }
+        self.check_single_workload(RPC, &record, &req.target_path, &cap)?;
         let dir = self.store.volume_dir(&record.id);
         let err = || Self::backing_err(RPC, &req.volume_id);
         // Read-only when asked by the flag or the `ro` mount flag; a bind of a read-only
@@ -296,6 +352,7 @@ impl Plugin {
         let mut readonly = req.readonly || wants_readonly(&cap);
         let block = Backing::is_block(&dir);
         check_node_access(RPC, wire_cap.expect("checked"), &record.id, block, readonly)?;
+        let fs_type = volume_fs_type(&record, self.backing.kind());
         let staging = self
             .config
             .stage
@@ -337,8 +394,12 @@ impl Plugin {
             }),
             MountState::NotMounted => {
                 self.faults.stall(RPC);
+                let flags = csi_isolator::mount::MountFlags {
+                    readonly,
+                    ..mount_options::mount_flags(&cap.mount_flags)
+                };
                 self.backing
-                    .publish(&dir, staging.as_deref(), &target, readonly)
+                    .publish(&dir, staging.as_deref(), &target, &fs_type, flags)
                     .map_err(err())?;
                 record.published.insert(req.target_path.clone(), cap);
                 self.save(RPC, &record)?;
@@ -452,6 +513,8 @@ impl Plugin {
             caps.push(Cap::StageUnstageVolume);
         }
         caps.push(Cap::GetVolumeStats);
+        // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
+        caps.push(Cap::SingleNodeMultiWriter);
         Ok(proto::NodeGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
