@@ -241,6 +241,13 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 access_mode: v.capability.access_mode,
                 fs_type: v.capability.fs_type,
                 mount_flags: v.capability.mount_flags,
+                accessible_topology: v
+                    .accessible_topology
+                    .into_iter()
+                    .map(|t| proto::TopologySegments {
+                        segments: t.into_iter().collect(),
+                    })
+                    .collect(),
             })
             .collect(),
         containers: containers
@@ -261,6 +268,38 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_volumes_topology_reaches_status() {
+        use crate::provider::status::VolumeStatus;
+        let zone: crate::provider::topology::Segments =
+            [("topology.example.com/zone".to_string(), "a".to_string())].into();
+        let v = VolumeStatus {
+            plugin: "csi/default".into(),
+            volume_id: "v".into(),
+            name: Some("data".into()),
+            state: crate::provider::VolumeState::Created,
+            users: Default::default(),
+            capacity_bytes: 0,
+            capacity_enforced: None,
+            parameters: Default::default(),
+            imported: false,
+            accessible_topology: vec![zone.clone()],
+            capability: Default::default(),
+            mount_point: PathBuf::from("/w/m"),
+            mounted: false,
+            staged: false,
+            disagreement: None,
+        };
+        let report = StatusReport {
+            volumes: vec![v],
+            ..Default::default()
+        };
+        let answer = status(report, &[]);
+        let topology = &answer.volumes[0].accessible_topology;
+        assert_eq!(topology.len(), 1);
+        assert_eq!(topology[0].segments, zone.into_iter().collect());
+    }
 
     #[test]
     fn mounts_round_trip() {
