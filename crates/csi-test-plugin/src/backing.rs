@@ -297,7 +297,7 @@ impl Backing {
     /// Creates the volume's storage in `vol_dir` (replacing leftovers of an interrupted
     /// create): for a `block` volume a raw image (loop backing only, no filesystem), otherwise
     /// the backing's filesystem; a loop volume's image gets a filesystem of `fs_type` (checked
-    /// by the caller against [`mount_options::fs_types`](crate::mount_options::fs_types)).
+    /// by the caller against [`fs_types`]).
     pub fn provision(
         &self,
         vol_dir: &Path,
@@ -331,7 +331,7 @@ impl Backing {
                 file.set_len(capacity)
                     .map_err(io_step("size image", &image))?;
                 drop(file);
-                let program = crate::mount_options::mkfs_program(fs_type);
+                let program = mkfs_program(fs_type);
                 let mut mkfs = Command::new(&program);
                 if fs_type.starts_with("ext") {
                     // Lazy inode-table and journal init and no discard: the image is a new sparse
@@ -876,9 +876,88 @@ pub use csi_isolator::workdir::{
 /// How long [`Backing::wait_loop_rundown`] waits for detached loop devices to run down.
 const LOOP_RUNDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The fs type a loop volume gets when none is asked for.
+pub const DEFAULT_FS_TYPE: &str = "ext4";
+
+/// The fs types the loop backing can make: the ext family (mke2fs, which e2fsprogs installs
+/// with mkfs.ext4) and xfs when `mkfs.xfs` is installed. The dir backing makes none (its
+/// volumes are directories): it accepts an empty fs type only.
+pub fn fs_types(kind: BackingKind) -> Vec<&'static str> {
+    match kind {
+        BackingKind::Dir => Vec::new(),
+        BackingKind::Loop => {
+            let mut types = vec!["ext4", "ext3", "ext2"];
+            // Looked up once: CreateVolume and every node call check the type.
+            static XFS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            if *XFS.get_or_init(|| mkfs_found("xfs")) {
+                types.push("xfs");
+            }
+            types
+        }
+    }
+}
+
+/// The mkfs program for `fs_type`.
+pub fn mkfs_program(fs_type: &str) -> String {
+    format!("mkfs.{fs_type}")
+}
+
+fn mkfs_found(fs_type: &str) -> bool {
+    let program = mkfs_program(fs_type);
+    std::env::var_os("PATH")
+        .map(|path| {
+            std::env::split_paths(&path)
+                .chain(["/usr/sbin".into(), "/sbin".into()])
+                .any(|dir| Path::new(&dir).join(&program).is_file())
+        })
+        .unwrap_or(false)
+}
+
+/// Checks an fs type against what the backing `kind` makes; the reason names the type.
+pub fn check_fs_type(fs_type: &str, kind: BackingKind) -> Result<(), String> {
+    if fs_type.is_empty() {
+        return Ok(());
+    }
+    let types = fs_types(kind);
+    if types.contains(&fs_type) {
+        return Ok(());
+    }
+    Err(match kind {
+        BackingKind::Dir => format!(
+            "fs_type {fs_type:?} is not supported by the dir backing (its volumes are directories: leave fs_type empty, or use --backing=loop)"
+        ),
+        BackingKind::Loop => format!(
+            "fs_type {fs_type:?} is not supported (supported here: {})",
+            types.join(", ")
+        ),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fs_types_follow_the_backing() {
+        assert_eq!(check_fs_type("", BackingKind::Dir), Ok(()));
+        let err = check_fs_type("ext4", BackingKind::Dir).unwrap_err();
+        assert!(
+            err.contains("\"ext4\"") && err.contains("dir backing"),
+            "{err}"
+        );
+        for ok in ["", "ext4", "ext3", "ext2"] {
+            assert_eq!(check_fs_type(ok, BackingKind::Loop), Ok(()), "{ok}");
+        }
+        let err = check_fs_type("ntfs", BackingKind::Loop).unwrap_err();
+        assert!(
+            err.contains("\"ntfs\"") && err.contains("supported here: ext4, ext3, ext2"),
+            "{err}"
+        );
+        assert_eq!(
+            fs_types(BackingKind::Loop).contains(&"xfs"),
+            mkfs_found("xfs")
+        );
+    }
 
     #[test]
     fn splits_device_numbers() {

@@ -52,7 +52,7 @@ pub(super) fn check_capability(
     };
     match &cap.access_type {
         Some(AccessType::Mount(mount)) => {
-            mount_options::check_fs_type(&mount.fs_type, kind).map_err(|r| invalid(&r))?;
+            super::backing::check_fs_type(&mount.fs_type, kind).map_err(|r| invalid(&r))?;
             mount_options::check_flags(&mount.mount_flags, reader_only).map_err(|r| invalid(&r))
         }
         Some(AccessType::Block(_)) if serves_block(kind) => Ok(()),
@@ -138,7 +138,7 @@ pub(super) fn volume_fs_type(record: &super::store::VolumeRecord, kind: BackingK
             .volume_context
             .get(FS_TYPE_KEY)
             .cloned()
-            .unwrap_or_else(|| mount_options::DEFAULT_FS_TYPE.to_string()),
+            .unwrap_or_else(|| super::backing::DEFAULT_FS_TYPE.to_string()),
     }
 }
 
@@ -328,7 +328,7 @@ impl Plugin {
                 asked
                     .first()
                     .copied()
-                    .unwrap_or(mount_options::DEFAULT_FS_TYPE)
+                    .unwrap_or(super::backing::DEFAULT_FS_TYPE)
                     .to_string(),
             ),
         };

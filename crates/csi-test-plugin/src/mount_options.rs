@@ -1,7 +1,7 @@
-//! The fs types and mount flags of a `mount` volume capability, and what the plugin makes of
-//! them. Nothing asked is ignored: a flag is applied on every mount of the volume the plugin
-//! makes (staging and target), or the request is refused naming it; an fs type is made at
-//! CreateVolume (the loop backing's mkfs) and required to match after, or refused naming it.
+//! The mount flags of a `mount` volume capability, and what the plugin makes of them (its fs
+//! types are the backing's: [`crate::backing::check_fs_type`]). Nothing asked is ignored: a
+//! flag is applied on every mount of the volume the plugin makes (staging and target), or the
+//! request is refused naming it.
 //!
 //! Flags applied: `ro` (read-only), `rw` (the default, stated), `noatime`, `nodev`, `nosuid`,
 //! `noexec`. Every mount of volume data here carries nosuid,nodev anyway (a host path to data a
@@ -10,11 +10,7 @@
 //! read-only request or a reader-only access mode, and anything else unknown (including
 //! comma-joined lists such as `nolock,vers=4.2`) are refused.
 
-use std::path::Path;
-
 use csi_isolator::mount::MountFlags;
-
-use super::backing::BackingKind;
 
 /// The mount flags the plugin applies.
 pub const APPLIED_FLAGS: [&str; 6] = ["ro", "rw", "noatime", "nodev", "nosuid", "noexec"];
@@ -23,61 +19,6 @@ pub const APPLIED_FLAGS: [&str; 6] = ["ro", "rw", "noatime", "nodev", "nosuid", 
 const WEAKENING_FLAGS: [&str; 8] = [
     "suid", "dev", "exec", "remount", "bind", "rbind", "move", "defaults",
 ];
-
-/// The fs type a loop volume gets when none is asked for.
-pub const DEFAULT_FS_TYPE: &str = "ext4";
-
-/// The fs types the loop backing can make: the ext family (mke2fs, which e2fsprogs installs
-/// with mkfs.ext4) and xfs when `mkfs.xfs` is installed. The dir backing makes none (its
-/// volumes are directories): it accepts an empty fs type only.
-pub fn fs_types(kind: BackingKind) -> Vec<&'static str> {
-    match kind {
-        BackingKind::Dir => Vec::new(),
-        BackingKind::Loop => {
-            let mut types = vec!["ext4", "ext3", "ext2"];
-            if mkfs_found("xfs") {
-                types.push("xfs");
-            }
-            types
-        }
-    }
-}
-
-/// The mkfs program for `fs_type`.
-pub fn mkfs_program(fs_type: &str) -> String {
-    format!("mkfs.{fs_type}")
-}
-
-fn mkfs_found(fs_type: &str) -> bool {
-    let program = mkfs_program(fs_type);
-    std::env::var_os("PATH")
-        .map(|path| {
-            std::env::split_paths(&path)
-                .chain(["/usr/sbin".into(), "/sbin".into()])
-                .any(|dir| Path::new(&dir).join(&program).is_file())
-        })
-        .unwrap_or(false)
-}
-
-/// Checks an fs type against what the backing `kind` makes; the reason names the type.
-pub fn check_fs_type(fs_type: &str, kind: BackingKind) -> Result<(), String> {
-    if fs_type.is_empty() {
-        return Ok(());
-    }
-    let types = fs_types(kind);
-    if types.contains(&fs_type) {
-        return Ok(());
-    }
-    Err(match kind {
-        BackingKind::Dir => format!(
-            "fs_type {fs_type:?} is not supported by the dir backing (its volumes are directories: leave fs_type empty, or use --backing=loop)"
-        ),
-        BackingKind::Loop => format!(
-            "fs_type {fs_type:?} is not supported (supported here: {})",
-            types.join(", ")
-        ),
-    })
-}
 
 /// Checks mount flags; the reason names the first flag refused. `reader_only`: the access mode
 /// only allows reading, so `rw` contradicts it.
@@ -165,27 +106,5 @@ mod tests {
         let f = mount_flags(&flags(&["ro", "noatime", "noexec"]));
         assert!(f.readonly && f.noatime && f.noexec && f.nosuid && f.nodev);
         assert_eq!(mount_flags(&[]), MountFlags::HOST_ONLY);
-    }
-
-    #[test]
-    fn fs_types_follow_the_backing() {
-        assert_eq!(check_fs_type("", BackingKind::Dir), Ok(()));
-        let err = check_fs_type("ext4", BackingKind::Dir).unwrap_err();
-        assert!(
-            err.contains("\"ext4\"") && err.contains("dir backing"),
-            "{err}"
-        );
-        for ok in ["", "ext4", "ext3", "ext2"] {
-            assert_eq!(check_fs_type(ok, BackingKind::Loop), Ok(()), "{ok}");
-        }
-        let err = check_fs_type("ntfs", BackingKind::Loop).unwrap_err();
-        assert!(
-            err.contains("\"ntfs\"") && err.contains("supported here: ext4, ext3, ext2"),
-            "{err}"
-        );
-        assert_eq!(
-            fs_types(BackingKind::Loop).contains(&"xfs"),
-            mkfs_found("xfs")
-        );
     }
 }

@@ -108,7 +108,7 @@ impl Plugin {
                 BackingKind::Loop => {
                     let asked = cap.map(asked_fs_type).unwrap_or_default();
                     let fs_type = if asked.is_empty() {
-                        mount_options::DEFAULT_FS_TYPE
+                        super::backing::DEFAULT_FS_TYPE
                     } else {
                         asked
                     };
