@@ -179,9 +179,11 @@ pub async fn run(mut opts: RunOptions) -> Result<i32, RunError> {
             .map_err(|e| RunError::Usage(crate::error_chain::full_message(&e)))?;
     }
     check_host_targets(&opts)?;
+    // Resolved once, before anything is made; prepare and the launch read the numbers.
     if let Some(user) = &opts.user {
-        crate::isolator::ownership::resolve_user(user)
+        let c = crate::isolator::ownership::resolve_user(user)
             .map_err(|reason| RunError::Usage(format!("--user: {reason}")))?;
+        opts.user = Some(format!("{}:{}", c.uid, c.gid));
     }
     opts.work_dir = workdir::canonical(&opts.work_dir)?;
     // The checkpoint records the rootfs as the kernel names it: a read-back
@@ -295,7 +297,7 @@ async fn prepare_and_supervise(
         user: opts.user.clone(),
     };
     let info = step(stops, isolator.prepare(container_id, config)).await??;
-    // Checked at the start; resolved again as prepare did, the same answer.
+    // Numbers since the start (no lookup): the same answer prepare had.
     let user = match &opts.user {
         Some(u) => Some(crate::isolator::ownership::resolve_user(u).map_err(RunError::Usage)?),
         None => None,

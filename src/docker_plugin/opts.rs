@@ -148,6 +148,31 @@ mod tests {
     }
 
     #[test]
+    fn a_secrets_file_reaches_the_create_and_the_import() {
+        let Plan::Create(spec) = plan("v", &opts(&[("secrets", "/etc/csi/v.json")])).unwrap()
+        else {
+            panic!("a create")
+        };
+        assert_eq!(
+            spec.secrets_file.as_deref(),
+            Some(std::path::Path::new("/etc/csi/v.json"))
+        );
+        let Plan::Import(_, secrets) = plan(
+            "old",
+            &opts(&[("volume-id", "x"), ("secrets", "/etc/csi/old.json")]),
+        )
+        .unwrap() else {
+            panic!("an import")
+        };
+        assert_eq!(
+            secrets.as_deref(),
+            Some(std::path::Path::new("/etc/csi/old.json"))
+        );
+        let e = plan("v", &opts(&[("secrets", "relative.json")])).unwrap_err();
+        assert!(e.to_string().contains("not an absolute path"), "{e}");
+    }
+
+    #[test]
     fn bad_options_are_refused_by_name() {
         for (pairs, key, says) in [
             (&[("size", "big")][..], "size", "invalid size 'big'"),

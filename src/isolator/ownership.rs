@@ -40,6 +40,8 @@ pub fn resolve_user(text: &str) -> Result<Credentials, String> {
         found.map_err(|errno| format!("user '{}': look it up: {errno}", crate::shown::shown(user)))
     };
     let (uid, primary) = match user.parse::<u32>() {
+        // Both numbers given: nothing to look up.
+        Ok(uid) if group.is_some_and(|g| g.parse::<u32>().is_ok()) => (uid, 0),
         Ok(uid) => {
             let known = entry(nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid)))?;
             (uid, known.map(|u| u.gid.as_raw()).unwrap_or(uid))

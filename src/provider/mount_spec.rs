@@ -346,10 +346,7 @@ impl MountSpec {
                         }
                     })
                 }
-                Key::MountFlags => {
-                    // Within a `--mount` entry, a `,` ends the value: flags are `:`-separated.
-                    volume.set(key, written, &text(value)?)?
-                }
+                // Within a `--mount` entry a `,` ends the value: mount flags are `:`-separated.
                 _ => volume.set(key, written, &text(value)?)?,
             }
         }
