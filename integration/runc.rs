@@ -75,6 +75,38 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
     }
 }
 
+/// The bundled plugin's provider on `work`, its plugin process tracked by the sandbox.
+async fn start_provider(
+    sb: &Sandbox,
+    work: &Path,
+) -> (std::sync::Arc<StorageProvider>, Option<u32>) {
+    let mut config = bundled_config(Path::new(plugin_bin()), work, "default", &[]);
+    config.socket_dir = sb.join("s");
+    config.ready_timeout = Duration::from_secs(10);
+    let provider = StorageProvider::start(config)
+        .await
+        .expect("start provider");
+    let plugin_pid = provider.plugin_pid();
+    if let Some(pid) = plugin_pid {
+        sb.track(pid);
+    }
+    (provider, plugin_pid)
+}
+
+/// Stops what [`start_provider`] started, then checks that no mount or loop device is left.
+async fn stop_provider(
+    sb: &Sandbox,
+    provider: std::sync::Arc<StorageProvider>,
+    plugin_pid: Option<u32>,
+) {
+    provider.shutdown(Duration::from_secs(5)).await;
+    if let Some(pid) = plugin_pid {
+        sb.untrack(pid);
+    }
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
 /// Writes config.json with `script` as the process and `prepared`'s mounts,
 /// then runs the container to completion with `runc run` (no terminal).
 fn run(sb: &Sandbox, bundle: &Bundle, name: &str, prepared: &OciPrepared, script: &str) -> RuncRun {
@@ -323,16 +355,7 @@ async fn csi_volume_is_bound_through_runc() {
     let sb = Sandbox::new("runc-csi");
     let bundle = build_bundle(&sb);
     let work = sb.mkdir("work");
-    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
-    config.socket_dir = sb.join("s");
-    config.ready_timeout = Duration::from_secs(10);
-    let provider = StorageProvider::start(config)
-        .await
-        .expect("start provider");
-    let plugin_pid = provider.plugin_pid();
-    if let Some(pid) = plugin_pid {
-        sb.track(pid);
-    }
+    let (provider, plugin_pid) = start_provider(&sb, &work).await;
     let res = provider
         .create_volume(CreateSpec::new("v", 16 << 20))
         .await
@@ -388,12 +411,7 @@ async fn csi_volume_is_bound_through_runc() {
     provider.release(&id, "c1").await.expect("release");
     assert!(!table.is_mount_point(&mount_point).unwrap());
     provider.destroy_volume(&id).await.expect("destroy volume");
-    provider.shutdown(Duration::from_secs(5)).await;
-    if let Some(pid) = plugin_pid {
-        sb.untrack(pid);
-    }
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    stop_provider(&sb, provider, plugin_pid).await;
 }
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -594,16 +612,7 @@ async fn a_later_host_mount_reaches_an_rslave_volume_through_runc_and_not_a_priv
     let sb = Sandbox::new("runc-rslave");
     let bundle = build_bundle(&sb);
     let work = sb.mkdir("work");
-    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
-    config.socket_dir = sb.join("s");
-    config.ready_timeout = Duration::from_secs(10);
-    let provider = StorageProvider::start(config)
-        .await
-        .expect("start provider");
-    let plugin_pid = provider.plugin_pid();
-    if let Some(pid) = plugin_pid {
-        sb.track(pid);
-    }
+    let (provider, plugin_pid) = start_provider(&sb, &work).await;
     let mut mounts = Vec::new();
     let mut points = Vec::new();
     for (name, propagation) in [
@@ -687,12 +696,7 @@ async fn a_later_host_mount_reaches_an_rslave_volume_through_runc_and_not_a_priv
         assert!(!table.is_mount_point(mount_point).unwrap());
         provider.destroy_volume(id).await.expect("destroy volume");
     }
-    provider.shutdown(Duration::from_secs(5)).await;
-    if let Some(pid) = plugin_pid {
-        sb.untrack(pid);
-    }
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    stop_provider(&sb, provider, plugin_pid).await;
 }
 
 /// serve carries a resource's `disk.volume.mount_propagation` through: Prepare's mounts name it
@@ -832,16 +836,7 @@ async fn block_volume_is_a_device_through_runc() {
     let sb = Sandbox::new("runc-block");
     let bundle = build_bundle(&sb);
     let work = sb.mkdir("work");
-    let mut config = bundled_config(Path::new(plugin_bin()), &work, "default", &[]);
-    config.socket_dir = sb.join("s");
-    config.ready_timeout = Duration::from_secs(10);
-    let provider = StorageProvider::start(config)
-        .await
-        .expect("start provider");
-    let plugin_pid = provider.plugin_pid();
-    if let Some(pid) = plugin_pid {
-        sb.track(pid);
-    }
+    let (provider, plugin_pid) = start_provider(&sb, &work).await;
     let mut spec = CreateSpec::new("b", 16 << 20);
     spec.capability.access_type = csi_isolator::provider::AccessType::Block;
     let res = provider.create_volume(spec).await.expect("create volume");
@@ -909,12 +904,7 @@ async fn block_volume_is_a_device_through_runc() {
 
     provider.release(&id, "c1").await.expect("release");
     provider.destroy_volume(&id).await.expect("destroy volume");
-    provider.shutdown(Duration::from_secs(5)).await;
-    if let Some(pid) = plugin_pid {
-        sb.untrack(pid);
-    }
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    stop_provider(&sb, provider, plugin_pid).await;
 }
 
 /// A block volume through `serve`: CreateVolume with `access_type` "block" (an unknown one is
