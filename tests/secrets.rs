@@ -187,6 +187,16 @@ impl Setup {
         p
     }
 
+    /// Creates `name` with the volume's secrets file; its id.
+    async fn create(&self, p: &StorageProvider, name: &str) -> String {
+        p.create_volume(self.spec(name))
+            .await
+            .unwrap_or_else(|e| panic!("create {name}: {}", full_message(&e)))
+            .source_id()
+            .unwrap()
+            .to_string()
+    }
+
     fn spec(&self, name: &str) -> CreateSpec {
         let mut spec = CreateSpec::new(name, 4 * MIB);
         spec.secrets_file = Some(self.volume_file.clone());
@@ -331,13 +341,7 @@ async fn a_swapped_mapping_fails_at_the_rpc_it_reaches() {
         &s.values.file("v1", Some(("node_stage", "node_publish"))),
     );
     let p = s.start().await;
-    let id = p
-        .create_volume(s.spec("swapped"))
-        .await
-        .unwrap()
-        .source_id()
-        .unwrap()
-        .to_string();
+    let id = s.create(&p, "swapped").await;
     let err = p.publish(&id, "c1").await.unwrap_err();
     let msg = full_message(&err);
     assert_eq!(err.csi_code(), Some(tonic::Code::Unauthenticated), "{msg}");
@@ -369,13 +373,7 @@ async fn a_swapped_mapping_fails_at_the_rpc_it_reaches() {
 async fn a_rotated_file_is_used_at_the_next_call() {
     let s = Setup::new("secrets-rotate");
     let p = s.start().await;
-    let id = p
-        .create_volume(s.spec("rotated"))
-        .await
-        .unwrap()
-        .source_id()
-        .unwrap()
-        .to_string();
+    let id = s.create(&p, "rotated").await;
     p.publish(&id, "c1").await.unwrap();
     // The plugin's secrets rotate first: the old ones the volume still sends are refused.
     write_secrets(&s.plugin_file, &s.values.file("v2", None));
@@ -398,13 +396,7 @@ async fn a_rotated_file_is_used_at_the_next_call() {
 async fn a_restarted_provider_sends_the_secrets_of_the_recorded_file() {
     let s = Setup::new("secrets-restart");
     let p = s.start().await;
-    let id = p
-        .create_volume(s.spec("kept"))
-        .await
-        .unwrap()
-        .source_id()
-        .unwrap()
-        .to_string();
+    let id = s.create(&p, "kept").await;
     p.publish(&id, "c1").await.unwrap();
     p.shutdown(Duration::from_secs(5)).await;
     drop(p);
@@ -609,13 +601,7 @@ async fn bad_secrets_files_are_refused_by_name_before_anything_is_sent() {
         s.calls()
     );
     // A second create of a name with another file (here: none) is refused naming both.
-    let id = p
-        .create_volume(s.spec("good"))
-        .await
-        .unwrap()
-        .source_id()
-        .unwrap()
-        .to_string();
+    let id = s.create(&p, "good").await;
     let err = p
         .create_volume(CreateSpec::new("good", 4 * MIB))
         .await
@@ -822,13 +808,7 @@ async fn serve_sends_secrets_across_a_crash_and_never_shows_them() {
 async fn a_file_gone_fails_only_the_calls_that_carry_secrets() {
     let s = Setup::new("secrets-gone");
     let p = s.start().await;
-    let id = p
-        .create_volume(s.spec("gone"))
-        .await
-        .unwrap()
-        .source_id()
-        .unwrap()
-        .to_string();
+    let id = s.create(&p, "gone").await;
     p.publish(&id, "c1").await.unwrap();
     let kept = std::fs::read_to_string(&s.volume_file).unwrap();
     std::fs::remove_file(&s.volume_file).unwrap();
