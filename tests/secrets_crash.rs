@@ -120,10 +120,10 @@ fn write_secrets(path: &Path, text: &str) {
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
+/// A sandbox `label` with a secrets file, and the bundled plugin (dir backing) requiring it.
+async fn start_plugin(label: &str) -> (PluginProcess, Env) {
     require_root();
-    let sb = Sandbox::new("secrets-crash");
+    let sb = Sandbox::new(label);
     let dir = sb.mkdir("secrets");
     let secrets = dir.join("volume.json");
     write_secrets(
@@ -149,6 +149,12 @@ async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
         secrets,
         sb,
     };
+    (plugin, env)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
+    let (plugin, env) = start_plugin("secrets-crash").await;
     let mut crashed = 0;
     for n in 1..=MAX_POINTS {
         let (name, container) = (format!("v{n}"), format!("c{n}"));
@@ -251,33 +257,7 @@ fn create_secrets() -> std::collections::HashMap<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them() {
-    require_root();
-    let sb = Sandbox::new("secrets-crash-import");
-    let dir = sb.mkdir("secrets");
-    let secrets = dir.join("volume.json");
-    write_secrets(
-        &secrets,
-        r#"{"create": {"t": "c-1"}, "controller_publish": {"t": "cp-2"},
-            "node_stage": {"t": "ns-3"}, "node_publish": {"t": "np-4"}}"#,
-    );
-    let plugin = PluginProcess::start(
-        &sb,
-        plugin_bin(),
-        &[
-            "--backing",
-            "dir",
-            "--require-secrets",
-            secrets.to_str().unwrap(),
-        ],
-    )
-    .await;
-    let env = Env {
-        work: sb.join("work"),
-        socket: sb.join("isolator.sock"),
-        endpoint: plugin.endpoint(),
-        secrets,
-        sb,
-    };
+    let (plugin, env) = start_plugin("secrets-crash-import").await;
     let mut raw = csi_isolator_testing::raw_clients(&plugin.socket())
         .await
         .unwrap();
