@@ -338,6 +338,23 @@ async fn the_mounts_annotation_takes_the_long_form_with_its_options() {
     let (_, users, mounted) = volume_status(&sb, &bundle.work, "data").await;
     assert!(users.is_empty() && !mounted, "{users:?} {mounted}");
 
+    // The same volume asked with another capability: refused, naming both; nothing started.
+    let other = run_annotated(
+        &sb,
+        &bundle,
+        "remode",
+        serde_json::json!({ MOUNTS_ANNOTATION: "source=data,target=/data,size=16M,fs-type=ext3" }),
+        "echo started",
+    );
+    assert_ne!(other.code, Some(0));
+    assert!(!other.stdout.contains("started"));
+    assert!(
+        other.stderr.contains("exists with capability SINGLE_NODE_WRITER fs_type=ext4, not SINGLE_NODE_WRITER fs_type=ext3"),
+        "{}",
+        other.stderr
+    );
+    assert_container_gone(&sb, &bundle, &other);
+
     // A flag only the operator may set, from an annotation: the container does not start.
     let refused = run_annotated(
         &sb,

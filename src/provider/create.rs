@@ -24,7 +24,6 @@ use crate::provider::error::ProviderError;
 use crate::provider::mount_spec::MountSpec;
 use crate::provider::parameters;
 use crate::provider::profiles;
-use crate::provider::secrets;
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
 use crate::provider::topology;
@@ -211,16 +210,7 @@ impl StorageProvider {
     /// a volume is never used with other options than asked for).
     pub async fn volume_for_mount(&self, mount: &MountSpec) -> Result<Resource, ProviderError> {
         if let Some(rec) = self.find_by_name(&mount.source).await {
-            if let Some(asked) = mount.volume.differs_from(&rec.capability) {
-                return Err(ProviderError::CapabilityDiffers {
-                    volume: mount.source.clone(),
-                    recorded: rec.capability.describe(),
-                    asked: asked.describe(),
-                });
-            }
-            if let Some(asked) = &mount.volume.secrets {
-                secrets::same_file(&mount.source, rec.secrets_file.as_deref(), Some(asked))?;
-            }
+            mount.check_against(&rec)?;
             return Ok(self.resource_for(&rec));
         }
         self.create_volume(mount.create_spec(&mount.source)).await

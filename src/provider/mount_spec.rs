@@ -399,6 +399,23 @@ impl MountSpec {
         }
     }
 
+    /// Refuses this mount of the recorded volume `rec` when it asks for another capability or
+    /// another secrets file than the volume has (what it leaves out is the volume's): the one
+    /// check of `run --mount` and the hook's mounts annotation against a volume that exists.
+    pub fn check_against(&self, rec: &super::VolumeRecord) -> Result<(), super::ProviderError> {
+        if let Some(asked) = self.volume.differs_from(&rec.capability) {
+            return Err(super::ProviderError::CapabilityDiffers {
+                volume: self.source.clone(),
+                recorded: rec.capability.describe(),
+                asked: asked.describe(),
+            });
+        }
+        if let Some(asked) = &self.volume.secrets {
+            super::secrets::same_file(&self.source, rec.secrets_file.as_deref(), Some(asked))?;
+        }
+        Ok(())
+    }
+
     /// What to create when no volume of this name exists yet.
     pub fn create_spec(&self, name: &str) -> super::CreateSpec {
         let mut spec = super::CreateSpec::new(name, self.volume.size_bytes.unwrap_or(0));

@@ -173,18 +173,13 @@ async fn create_with_provider(
         if let Some(existing) = existing {
             // A volume that exists is used with its capability, never with other options than
             // the annotation asked for.
-            if let Some(asked) = v.volume.differs_from(&existing.capability) {
-                return Err(HookError::CreateVolume {
+            v.check_against(existing)
+                .map_err(|source| HookError::CreateVolume {
                     container: id.to_string(),
                     volume: v.source.clone(),
                     tenant: req.tenant.clone(),
-                    source: Box::new(ProviderError::CapabilityDiffers {
-                        volume: v.source.clone(),
-                        recorded: existing.capability.describe(),
-                        asked: asked.describe(),
-                    }),
-                });
-            }
+                    source: Box::new(source),
+                })?;
             spec.capability = existing.capability.clone();
             if v.volume.secrets.is_none() {
                 spec.secrets_file = existing.secrets_file.clone();
