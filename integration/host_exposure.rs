@@ -459,6 +459,7 @@ fn the_oci_host_bind_and_a_runc_container_given_it_see_nosuid_nodev() {
             provider_id: None,
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }],
     };
     let sys = LinuxSyscall::new();

@@ -53,6 +53,7 @@ fn volume(
         provider_id: None,
         block: false,
         propagation: Default::default(),
+        hardening: Default::default(),
     }
 }
 

@@ -15,8 +15,10 @@ use std::time::Duration;
 
 use csi_isolator::isolator::oci::{self, OciPrepared};
 use csi_isolator::isolator::LaunchInfo;
+use csi_isolator::mount::{
+    Hardening, TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS,
+};
 use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
-use csi_isolator::mount::{TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{CreateSpec, StorageProvider};
 use csi_isolator::service::proto;
@@ -72,6 +74,7 @@ fn volume(source: &Path, container_path: &str, readonly: bool, id: &str) -> Volu
         provider_id: None,
         block: false,
         propagation: Default::default(),
+        hardening: Default::default(),
     }
 }
 
@@ -247,6 +250,102 @@ fn readonly_volume_refuses_writes_inside_and_on_the_host() {
 }
 
 #[test]
+fn a_volumes_hardening_flags_reach_the_runc_container_through_its_ro_remount() {
+    require_tools();
+    let sb = Sandbox::new("runc-hardening");
+    let bundle = build_bundle(&sb);
+    let hard = sb.mkdir("hard");
+    let plain = sb.mkdir("plain");
+    let launch = LaunchInfo {
+        mounts: vec![
+            VolumeMount {
+                hardening: Hardening::of_mount_flags(&["nosuid", "noexec"]),
+                ..volume(&hard, "/hard", true, "vol-hard")
+            },
+            volume(&plain, "/plain", true, "vol-plain"),
+        ],
+    };
+    let sys = LinuxSyscall::new();
+    let prepared = oci::prepare(&sys, &bundle.sandbox, &launch).expect("prepare");
+    // runc remounts a read-only bind with the flags its options name, and only those: the asked
+    // flags travel in the options, and are on the host bind too.
+    assert_eq!(
+        prepared.mounts[0].options,
+        ["rbind", "rprivate", "ro", "nosuid", "noexec"]
+    );
+    let host = ProcMountTable::new()
+        .find(&bundle.sandbox.join("hard"))
+        .unwrap()
+        .unwrap();
+    for flag in ["nosuid", "nodev", "noexec"] {
+        assert!(host.mount_options.iter().any(|o| o == flag), "{host:?}");
+    }
+    let r = run(
+        &sb,
+        &bundle,
+        "hardening",
+        &prepared,
+        "awk '$5 == \"/hard\" || $5 == \"/plain\" { print $5, $6 }' /proc/self/mountinfo",
+    );
+    assert_ran(&r);
+    let options = |target: &str| options_in(&r.stdout, target);
+    let hard_opts = options("/hard");
+    for flag in ["ro", "nosuid", "noexec"] {
+        assert!(hard_opts.iter().any(|o| o == flag), "{}", r.stdout);
+    }
+    assert!(options("/plain").iter().any(|o| o == "ro"), "{}", r.stdout);
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Docker's `--mount` cannot name the flags: the hardened volume is given to it without
+    // `readonly`, which Docker hands runc as a plain recursive bind (options `rbind`, `rprivate`).
+    // That copy keeps every flag of the read-only host bind.
+    assert!(
+        !prepared.docker_args[1].contains("readonly"),
+        "{:?}",
+        prepared.docker_args
+    );
+    assert!(
+        prepared.docker_args[3].contains("readonly"),
+        "{:?}",
+        prepared.docker_args
+    );
+    let mut as_docker = prepared.clone();
+    as_docker.mounts[0].options = vec!["rbind".into(), "rprivate".into()];
+    let r = run(
+        &sb,
+        &bundle,
+        "hardening-docker",
+        &as_docker,
+        "awk '$5 == \"/hard\" { print $5, $6 }' /proc/self/mountinfo; touch /hard/x; echo rc=$?",
+    );
+    assert_ran(&r);
+    let hard_opts = options_in(&r.stdout, "/hard");
+    for flag in ["ro", "nosuid", "nodev", "noexec"] {
+        assert!(hard_opts.iter().any(|o| o == flag), "{}", r.stdout);
+    }
+    assert!(r.stdout.contains("rc=1"), "{}", r.stdout);
+    assert_eq!(finish(&bundle, r), 2);
+    sb.assert_no_mounts_under();
+}
+
+/// The per-mount options of `target` in an awk listing of `$5, $6` of a mount table.
+fn options_in(listing: &str, target: &str) -> Vec<String> {
+    let line = listing
+        .lines()
+        .find(|l| l.starts_with(&format!("{target} ")))
+        .unwrap_or_else(|| panic!("{target} mounted in the container: {listing}"));
+    line[target.len() + 1..]
+        .split(',')
+        .map(str::to_string)
+        .collect()
+}
+
+#[test]
 fn symlink_planted_in_sandbox_keeps_the_bind_inside() {
     require_tools();
     let sb = Sandbox::new("runc-link");
@@ -377,6 +476,7 @@ async fn csi_volume_is_bound_through_runc() {
             provider_id: Some(provider.id().to_string()),
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }],
     };
     let sys = LinuxSyscall::new();

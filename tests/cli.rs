@@ -434,6 +434,63 @@ fn the_long_mount_form_creates_with_its_options_and_refuses_what_differs() {
     assert_nothing_left(&sb, &work);
 }
 
+/// The per-mount options of the workload's mount at `target` (relative to its sandbox), read from
+/// its own mount table.
+const MOUNT_OPTIONS_OF: &str = "awk -v t=\"/$1\" 'substr($5, length($5) - length(t) + 1) == t { print $6 }' /proc/self/mountinfo";
+
+#[test]
+fn a_volumes_hardening_flags_stay_on_the_containers_copy_and_no_others() {
+    require_root();
+    let sb = Sandbox::new("cli-hardening");
+    let work = sb.join("work");
+    let run = output(cli(&work).args([
+        "run",
+        "--mount",
+        "source=hard,target=hard,size=8M,mount-flags=nosuid:nodev:noexec",
+        "--mount",
+        "source=plain,target=plain,size=8M",
+        "--mount",
+        "source=roh,target=roh,size=8M,ro,mount-flags=nosuid",
+        "--",
+        "sh",
+        "-c",
+        &format!(
+            "f() {{ {MOUNT_OPTIONS_OF}; }}; echo \"hard $(f hard)\"; echo \"plain $(f plain)\"; echo \"roh $(f roh)\""
+        ),
+    ]));
+    assert!(run.status.success(), "{}", text(&run.stderr));
+    let out = text(&run.stdout);
+    let options = |name: &str| -> Vec<String> {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("{name} in {out}"));
+        line.split_whitespace()
+            .nth(1)
+            .unwrap_or_else(|| panic!("{name} has no mount in the container: {out}"))
+            .split(',')
+            .map(str::to_string)
+            .collect()
+    };
+    // What the volume asks is on the container's copy ...
+    for flag in ["nosuid", "nodev", "noexec"] {
+        assert!(options("hard").contains(&flag.to_string()), "{out}");
+    }
+    // ... kept through a read-only copy's remount ...
+    let roh = options("roh");
+    assert!(
+        roh.contains(&"ro".to_string()) && roh.contains(&"nosuid".to_string()),
+        "{out}"
+    );
+    assert!(!roh.contains(&"nodev".to_string()), "{out}");
+    // ... and a volume that asks nothing gets none of the host mount point's nosuid,nodev.
+    let plain = options("plain");
+    for flag in ["nosuid", "nodev", "noexec"] {
+        assert!(!plain.contains(&flag.to_string()), "{out}");
+    }
+    assert_nothing_left(&sb, &work);
+}
+
 #[test]
 fn a_non_root_workload_writes_the_volumes_it_does_not_share() {
     require_root();

@@ -890,6 +890,7 @@ fn clearing_flags_on_a_clone_leaves_the_host_mount_hardened() {
         provider_id: None,
         block: false,
         propagation: Default::default(),
+        hardening: Default::default(),
     };
     let at = csi_isolator::launcher::VolumeRef::new(&m, &sb.path);
     let tree = csi_isolator::launcher::clone_source(&sys, &m, &at)

@@ -203,7 +203,8 @@ pub struct OciMount {
     pub kind: String,
     /// The host path bound (the bind made in the sandbox).
     pub source: String,
-    /// Mount options: `rbind`, the propagation (`rprivate`, `rslave` or `rshared`), `ro` or `rw`.
+    /// Mount options: `rbind`, the propagation (`rprivate`, `rslave` or `rshared`), `ro` or `rw`, then the
+    /// hardening flags the volume asks for (`nosuid`, `nodev`, `noexec`).
     pub options: Vec<String>,
 }
 
@@ -408,10 +409,16 @@ fn csv_field(field: &str) -> String {
 }
 
 /// The `--mount` value for one bind (Docker's `bind-propagation` is `rprivate` unless told).
+///
+/// Docker's `--mount` cannot name nosuid, nodev or noexec, and its `readonly` makes runc remount the bind
+/// with only the flags its options name, which would drop a volume's hardening flags. So a read-only
+/// volume with hardening flags is given without `readonly`: the host bind is read-only already, and
+/// runc's plain recursive bind copies it with every flag it has (read-only included).
 fn docker_mount_value(
     source: &str,
     destination: &str,
     readonly: bool,
+    hardened: bool,
     propagation: VolumePropagation,
 ) -> String {
     let mut fields = vec![
@@ -419,7 +426,7 @@ fn docker_mount_value(
         csv_field(&format!("source={source}")),
         csv_field(&format!("target={destination}")),
     ];
-    if readonly {
+    if readonly && !hardened {
         fields.push("readonly".to_string());
     }
     if propagation != VolumePropagation::Private {
@@ -514,17 +521,23 @@ pub fn prepare(
                     destination: p.destination.clone(),
                     kind: "bind".to_string(),
                     source: source.to_string(),
-                    options: vec![
-                        "rbind".to_string(),
-                        propagation_option(m.propagation).to_string(),
-                        if m.readonly { "ro" } else { "rw" }.to_string(),
-                    ],
+                    options: [
+                        "rbind",
+                        propagation_option(m.propagation),
+                        if m.readonly { "ro" } else { "rw" },
+                    ]
+                    .into_iter()
+                    // The runtime's remount of the bind keeps only what the options name.
+                    .chain(m.hardening.flags().names())
+                    .map(str::to_string)
+                    .collect(),
                 });
                 prepared.docker_args.push("--mount".to_string());
                 prepared.docker_args.push(docker_mount_value(
                     source,
                     &p.destination,
                     m.readonly,
+                    !m.hardening.is_empty(),
                     m.propagation,
                 ));
                 tracing::debug!(volume_id = %p.volume, host = %host.display(), destination = %p.destination, "volume bound into sandbox");
@@ -610,11 +623,13 @@ fn bind_one(
     let host = fd_path(target.as_fd()).map_err(resolve_err)?;
     // The bind is a host path: it carries nosuid,nodev whatever the source's mount has (and read-only when
     // asked); a runtime given it binds those along.
+    // And the hardening flags the volume asks for (noexec among them), whatever the plugin's mount has.
     let flags = if m.readonly {
         MountFlags::HOST_ONLY.union(MountFlags::READONLY)
     } else {
         MountFlags::HOST_ONLY
-    };
+    }
+    .union(m.hardening.flags());
     let flags_err = |source: MountError| OciError::SetReadonly {
         volume: p.volume.clone(),
         path: host.clone(),
@@ -713,6 +728,7 @@ mod tests {
             provider_id: None,
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }
     }
 

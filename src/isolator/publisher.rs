@@ -8,6 +8,7 @@
 
 use futures::future::BoxFuture;
 
+use crate::mount::Hardening;
 use crate::provider::{Manager, ProviderError};
 use crate::resource::Resource;
 
@@ -49,6 +50,13 @@ pub trait Publisher: Send + Sync + std::fmt::Debug {
         provider_id: &'a str,
         volume_id: &'a str,
     ) -> BoxFuture<'a, Option<String>>;
+    /// The hardening mount flags the volume's capability asks for, which a container's copy of it
+    /// carries (none for a volume or provider it does not know: publishing then says what is wrong).
+    fn hardening<'a>(
+        &'a self,
+        provider_id: &'a str,
+        volume_id: &'a str,
+    ) -> BoxFuture<'a, Hardening>;
     /// Every volume of every provider, with its users.
     fn users(&self) -> BoxFuture<'_, Vec<VolumeUsers>>;
     /// Ends `container`'s use of one volume.
@@ -100,6 +108,23 @@ impl Publisher for Manager {
                 Some("published read-only".to_string())
             } else {
                 None
+            }
+        })
+    }
+
+    fn hardening<'a>(
+        &'a self,
+        provider_id: &'a str,
+        volume_id: &'a str,
+    ) -> BoxFuture<'a, Hardening> {
+        Box::pin(async move {
+            match self.get(provider_id) {
+                Some(provider) => provider
+                    .volume(volume_id)
+                    .await
+                    .map(|rec| Hardening::of_mount_flags(&rec.capability.mount_flags))
+                    .unwrap_or_default(),
+                None => Hardening::default(),
             }
         })
     }

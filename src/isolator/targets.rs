@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use crate::isolator::error::IsolatorError;
 use crate::isolator::launch_info::ContainerConfig;
-use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
+use crate::mount::{Hardening, TargetRoot, VolumeMount, VolumePropagation};
 use crate::resource::{PropagationMode, Resource, SourceType};
 
 /// The mounts for a container's resources, in resource order: every disk
@@ -76,6 +76,8 @@ pub fn volume_mounts(
             provider_id: r.provider_id().map(str::to_string),
             block,
             propagation,
+            // The volume's record says what it asks; the isolator fills it in.
+            hardening: Hardening::default(),
         });
     }
     // Parents before children, so a volume nested in another lands on top.

@@ -509,6 +509,7 @@ mod tests {
             provider_id: None,
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }
     }
 

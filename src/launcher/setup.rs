@@ -12,7 +12,7 @@ use nix::unistd::Pid;
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
 use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
-    self, ns, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
+    self, ns, Hardening, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
     VolumePropagation, SANDBOX_IN_ROOTFS,
 };
 
@@ -48,8 +48,11 @@ pub struct DetachedTree {
     /// Whether the source is a directory (the target must then be one).
     source_is_dir: bool,
     readonly_pending: bool,
-    /// The host-only flags (nosuid, nodev) are still to be cleared on the attached mount.
+    /// The copy's flags are still to be changed on the attached mount: the host-only flags (nosuid,
+    /// nodev) cleared but what the volume asks, its hardening flags set.
     clear_pending: bool,
+    /// The hardening flags the volume asks for ([`VolumeMount::hardening`]).
+    hardening: Hardening,
     /// The propagation the attached copy is given.
     propagation: VolumePropagation,
 }
@@ -80,7 +83,8 @@ impl DetachedTree {
 /// Step 1 of a mount, in the namespace the source lives in (the one clone-for-container sequence: the
 /// launcher, `update`'s mounts into a running container and the OCI hook all use it): the source opened by fd beneath its trusted root
 /// (no symlink followed inside a volume), `open_tree(fd, OPEN_TREE_CLONE | AT_EMPTY_PATH | AT_RECURSIVE)`,
-/// the host-only flags (nosuid, nodev) cleared on the copy and, for read-only mounts,
+/// the host-only flags (nosuid, nodev) cleared on the copy but those the volume asks for, its hardening
+/// flags ([`VolumeMount::hardening`]) set, and, for read-only mounts,
 /// `mount_setattr(MOUNT_ATTR_RDONLY, AT_RECURSIVE)` on the detached tree. On kernels without the new mount
 /// API (ENOSYS) the tree is left to the bind fallback of [`attach`], which binds the resolved fd.
 pub fn clone_source(
@@ -116,16 +120,18 @@ pub fn clone_source(
                 source_is_dir,
                 readonly_pending: mount.readonly,
                 clear_pending: true,
+                hardening: mount.hardening,
                 propagation: mount.propagation,
             });
         }
         Err(e) => return Err(clone_err(e)),
     };
-    // Only the copy's own mount: a mount below it keeps whatever flags it has.
+    // Only the copy's own mount: a mount below it keeps whatever flags it has. The host-only flags
+    // go, but those the volume asks for, which are set whatever the plugin's mount has.
     let clear_pending = match sys.change_mount_flags(
         tree.as_fd(),
-        MountFlags::NONE,
-        MountFlags::HOST_ONLY,
+        mount.hardening.flags(),
+        mount.hardening.cleared_on_copy(),
         false,
     ) {
         Ok(()) => false,
@@ -152,6 +158,7 @@ pub fn clone_source(
         source_is_dir,
         readonly_pending,
         clear_pending,
+        hardening: mount.hardening,
         propagation: mount.propagation,
     })
 }
@@ -356,13 +363,14 @@ pub(crate) fn attach(
         at: Box::new(at.clone()),
         source,
     };
-    let set = if clone.readonly_pending {
+    let mut set = if clone.readonly_pending {
         MountFlags::READONLY
     } else {
         MountFlags::NONE
     };
     let clear = if clone.clear_pending {
-        MountFlags::HOST_ONLY
+        set = set.union(clone.hardening.flags());
+        clone.hardening.cleared_on_copy()
     } else {
         MountFlags::NONE
     };
@@ -774,6 +782,7 @@ mod tests {
                 provider_id: None,
                 block: false,
                 propagation: Default::default(),
+                hardening: Default::default(),
             }],
             ..LaunchSpec::default()
         }
@@ -817,6 +826,7 @@ mod tests {
             provider_id: None,
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }
     }
 
@@ -909,6 +919,58 @@ mod tests {
             ),
             "{:?}",
             fake.calls()
+        );
+    }
+
+    #[test]
+    fn the_copy_keeps_the_hardening_flags_the_volume_asks_on_both_paths() {
+        use crate::mount::{Call, CallKind, FakeSyscall};
+        let dir = tempfile::tempdir().unwrap();
+        let base = std::fs::canonicalize(dir.path()).unwrap();
+        let sandbox = base.join("sandbox");
+        std::fs::create_dir_all(base.join("mp/volumes/roles/r1/pv1")).unwrap();
+        std::fs::create_dir(&sandbox).unwrap();
+        // The volume asks nosuid and noexec: the copy keeps nosuid (only nodev is cleared) and gets
+        // noexec, whatever the plugin's mount had.
+        let m = VolumeMount {
+            hardening: Hardening::of_mount_flags(&["nosuid", "noexec", "noatime"]),
+            ..path_disk(&base, "pv1", false)
+        };
+        let at = VolumeRef::new(&m, &sandbox);
+        let asked = MountFlags {
+            nosuid: true,
+            noexec: true,
+            ..MountFlags::NONE
+        };
+        let nodev = MountFlags {
+            nodev: true,
+            ..MountFlags::NONE
+        };
+        let target = resolve_target(&m, true, &sandbox, Resolve::Create, &at).unwrap();
+
+        let fake = FakeSyscall::new();
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert!(
+            matches!(calls[1], Call::ChangeMountFlags { set, clear, recursive: false, .. }
+                if set == asked && clear == nodev),
+            "{calls:?}"
+        );
+        assert!(!calls.iter().any(|c| c.kind() == CallKind::RemountBindWith));
+
+        // Without open_tree: the one remount after the bind does the same.
+        let fake = FakeSyscall::new();
+        fake.fail(CallKind::OpenTreeCloneFd, Errno::ENOSYS, 1);
+        let clone = clone_source(&fake, &m, &at).unwrap();
+        attach(&fake, clone, target.as_fd(), &at).unwrap();
+        let calls = fake.calls();
+        assert!(
+            calls
+                .iter()
+                .any(|c| matches!(c, Call::RemountBindWith { set, clear, .. }
+                if *set == asked && *clear == nodev)),
+            "{calls:?}"
         );
     }
 

@@ -50,4 +50,4 @@ pub use unmount::{
     retry_unmount, unmount_all_beneath, unmount_all_under, unmount_no_symlinks_with_retry,
     unmount_with_retry, UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
-pub use volume_mount::{TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
+pub use volume_mount::{Hardening, TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};

@@ -95,6 +95,17 @@ impl MountFlags {
         }
     }
 
+    /// The flags of `self` that `other` does not have.
+    pub fn without(self, other: MountFlags) -> MountFlags {
+        MountFlags {
+            readonly: self.readonly && !other.readonly,
+            nosuid: self.nosuid && !other.nosuid,
+            nodev: self.nodev && !other.nodev,
+            noexec: self.noexec && !other.noexec,
+            noatime: self.noatime && !other.noatime,
+        }
+    }
+
     /// Whether no flag is set.
     pub fn is_empty(self) -> bool {
         self == MountFlags::NONE

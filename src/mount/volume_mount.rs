@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::{open_beneath_no_symlinks, MountError, Propagation, Syscall};
+use super::{open_beneath_no_symlinks, MountError, MountFlags, Propagation, Syscall};
 
 /// Where a container's sandbox appears inside its rootfs (Mesos' path, so
 /// tasks moving over find it where they expect).
@@ -100,10 +100,62 @@ impl std::fmt::Display for VolumePropagation {
     }
 }
 
+/// The hardening mount flags a volume's capability asks for (its `nosuid`, `nodev` and `noexec` mount
+/// flags), which every copy of it in a container carries: set by whoever applies the mount, whatever the
+/// plugin did with them. Without them a container's copy drops the host-only nosuid,nodev
+/// ([`MountFlags::HOST_ONLY`]) the host mount point carries; with them it keeps what was asked.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Hardening {
+    /// nosuid asked.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nosuid: bool,
+    /// nodev asked.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub nodev: bool,
+    /// noexec asked.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub noexec: bool,
+}
+
+impl Hardening {
+    /// The hardening flags among a capability's mount flags (other flags, and the names with a
+    /// value such as `uid=0`, are the plugin's alone).
+    pub fn of_mount_flags<S: AsRef<str>>(flags: &[S]) -> Hardening {
+        let has = |name: &str| flags.iter().any(|f| f.as_ref() == name);
+        Hardening {
+            nosuid: has("nosuid"),
+            nodev: has("nodev"),
+            noexec: has("noexec"),
+        }
+    }
+
+    /// As per-mount flags.
+    pub fn flags(self) -> MountFlags {
+        MountFlags {
+            nosuid: self.nosuid,
+            nodev: self.nodev,
+            noexec: self.noexec,
+            ..MountFlags::NONE
+        }
+    }
+
+    /// Whether nothing is asked.
+    pub fn is_empty(&self) -> bool {
+        *self == Hardening::default()
+    }
+
+    /// The host-only flags a container's copy drops: [`MountFlags::HOST_ONLY`] but what is asked.
+    pub fn cleared_on_copy(self) -> MountFlags {
+        MountFlags::HOST_ONLY.without(self.flags())
+    }
+}
+
 /// One bind mount of a volume into a container.
 ///
 /// Equality ignores `source_root`: it says how to open `source` safely, not
-/// which source it is (and mounts checkpointed before it existed have none).
+/// which source it is (and mounts checkpointed before it existed have none);
+/// and `hardening`: it comes from the volume's record, whose mount flags do
+/// not change while the volume is in use.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct VolumeMount {
     /// The host source: the volume's mount point (or a directory in it, for
@@ -137,6 +189,10 @@ pub struct VolumeMount {
     /// How mount events flow between the host mount point and the container's copy.
     #[serde(default, skip_serializing_if = "is_private")]
     pub propagation: VolumePropagation,
+    /// The hardening flags the volume's capability asks for, which the container's copy carries
+    /// (filled in from the volume's record before the mount is applied).
+    #[serde(default, skip_serializing_if = "Hardening::is_empty")]
+    pub hardening: Hardening,
 }
 
 fn is_private(p: &VolumePropagation) -> bool {
@@ -145,7 +201,7 @@ fn is_private(p: &VolumePropagation) -> bool {
 
 impl PartialEq for VolumeMount {
     fn eq(&self, other: &Self) -> bool {
-        // Every field but `source_root` (see the type's doc).
+        // Every field but `source_root` and `hardening` (see the type's doc).
         self.source == other.source
             && self.root == other.root
             && self.target == other.target
@@ -243,6 +299,32 @@ impl VolumeMount {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn hardening_is_the_nosuid_nodev_noexec_among_a_volumes_mount_flags() {
+        let h = Hardening::of_mount_flags(&["noatime", "nodev", "uid=0", "noexec"]);
+        assert_eq!(
+            h,
+            Hardening {
+                nosuid: false,
+                nodev: true,
+                noexec: true
+            }
+        );
+        assert_eq!(h.flags().names(), ["nodev", "noexec"]);
+        // The copy drops the host-only nosuid, keeps the asked nodev.
+        assert_eq!(h.cleared_on_copy().names(), ["nosuid"]);
+        assert_eq!(
+            Hardening::default().cleared_on_copy(),
+            MountFlags::HOST_ONLY
+        );
+        assert!(Hardening::of_mount_flags::<&str>(&[]).is_empty());
+        // Absent from older checkpoints: none asked.
+        let old = r#"{"source":"/s","root":"sandbox","target":"t","container_path":"t","readonly":false}"#;
+        let m: VolumeMount = serde_json::from_str(old).unwrap();
+        assert!(m.hardening.is_empty());
+    }
+
     use super::*;
 
     #[test]
@@ -283,6 +365,7 @@ mod tests {
             provider_id: None,
             block: false,
             propagation: VolumePropagation::Private,
+            hardening: Default::default(),
         };
         m.share_host_mount_point(&fake).unwrap();
         assert!(fake.calls().is_empty());

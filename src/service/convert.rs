@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use crate::isolator::oci::OciPrepared;
 use crate::isolator::{ContainerConfig, ContainerRecord, IsolatorRecovery, LaunchInfo};
-use crate::mount::{TargetRoot, VolumeMount, VolumePropagation};
+use crate::mount::{Hardening, TargetRoot, VolumeMount, VolumePropagation};
 use crate::provider::status::StatusReport;
 use crate::resource::{parse_resources, Resource};
 use crate::service::error::ServiceError;
@@ -87,6 +87,13 @@ impl From<&VolumeMount> for proto::VolumeMount {
                 .unwrap_or_default(),
             block: m.block,
             propagation: m.propagation.as_str().to_string(),
+            hardening: m
+                .hardening
+                .flags()
+                .names()
+                .into_iter()
+                .map(str::to_string)
+                .collect(),
         }
     }
 }
@@ -118,6 +125,17 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
                 )
             })?
         };
+        if let Some(bad) = m
+            .hardening
+            .iter()
+            .find(|f| !matches!(f.as_str(), "nosuid" | "nodev" | "noexec"))
+        {
+            return Err(format!(
+                "mount of {:?}: unknown hardening flag {:?} (expected nosuid, nodev or noexec)",
+                m.container_path, bad
+            ));
+        }
+        let hardening = Hardening::of_mount_flags(&m.hardening);
         Ok(VolumeMount {
             source: PathBuf::from(m.source),
             source_root: Some(m.source_root)
@@ -131,6 +149,7 @@ impl TryFrom<proto::VolumeMount> for VolumeMount {
             provider_id: Some(m.provider_id).filter(|s| !s.is_empty()),
             block: m.block,
             propagation,
+            hardening,
         })
     }
 }
@@ -314,6 +333,7 @@ mod tests {
             provider_id: None,
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         };
         let wire = proto::VolumeMount::from(&m);
         assert_eq!(wire.provider_id, "");
@@ -357,6 +377,24 @@ mod tests {
         assert!(VolumeMount::try_from(unknown)
             .unwrap_err()
             .contains("unknown propagation"));
+        // Hardening flags cross by name (`==` ignores them: compare the field); others are refused.
+        let hardened = VolumeMount {
+            hardening: crate::mount::Hardening::of_mount_flags(&["nosuid", "noexec"]),
+            ..m.clone()
+        };
+        let wire = proto::VolumeMount::from(&hardened);
+        assert_eq!(wire.hardening, ["nosuid", "noexec"]);
+        assert_eq!(
+            VolumeMount::try_from(wire).unwrap().hardening,
+            hardened.hardening
+        );
+        let suid = proto::VolumeMount {
+            hardening: vec!["suid".into()],
+            ..proto::VolumeMount::from(&m)
+        };
+        assert!(VolumeMount::try_from(suid)
+            .unwrap_err()
+            .contains("unknown hardening flag \"suid\""));
     }
 
     #[test]

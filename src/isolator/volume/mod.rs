@@ -219,6 +219,16 @@ impl VolumeIsolator {
         Ok(())
     }
 
+    /// Fills in each CSI volume mount's hardening flags from its volume's record
+    /// ([`Publisher::hardening`]), so the container's copy carries what the volume asks.
+    async fn fill_hardening(&self, mounts: &mut [VolumeMount]) {
+        for m in mounts.iter_mut() {
+            if let (Some(pid), Some(vid)) = (&m.provider_id, &m.volume_id) {
+                m.hardening = self.publisher.hardening(pid, vid).await;
+            }
+        }
+    }
+
     /// Changes a known container's record and persists it.
     async fn modify(
         &self,

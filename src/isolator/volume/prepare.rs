@@ -21,7 +21,8 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
             });
         }
-        let mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
+        let mut mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
+        self.fill_hardening(&mut mounts).await;
         let user = config
             .user
             .as_deref()

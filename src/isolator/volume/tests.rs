@@ -13,7 +13,7 @@ use super::*;
 use crate::error_chain::FullMessage;
 use crate::isolator::process_check::PidFacts;
 use crate::launcher::process::MountView;
-use crate::mount::{Call, CallKind, FakeSyscall};
+use crate::mount::{Call, CallKind, FakeSyscall, Hardening};
 use crate::provider::ProviderError;
 use crate::resource::VolumeMode;
 
@@ -26,6 +26,7 @@ struct FakePublisher {
     calls: Mutex<Vec<String>>,
     users: Mutex<BTreeMap<String, BTreeSet<String>>>,
     read_only: Mutex<BTreeSet<String>>,
+    hardening: Mutex<BTreeMap<String, Hardening>>,
     fail_publish: Mutex<Option<String>>,
 }
 
@@ -108,6 +109,21 @@ impl Publisher for FakePublisher {
                 users.remove(container);
             }
             Ok(())
+        })
+    }
+
+    fn hardening<'a>(
+        &'a self,
+        _provider_id: &'a str,
+        volume_id: &'a str,
+    ) -> BoxFuture<'a, Hardening> {
+        Box::pin(async move {
+            self.hardening
+                .lock()
+                .unwrap()
+                .get(volume_id)
+                .copied()
+                .unwrap_or_default()
         })
     }
 

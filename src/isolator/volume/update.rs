@@ -28,7 +28,9 @@ impl VolumeIsolator {
         let mut config = rec.config.clone();
         config.resources = resources.clone();
         let new_mounts = volume_mounts(container_id, &config, &resources, &self.work_dir)?;
-        let UpdatePlan { added, removed } = plan_update(container_id, &rec.mounts, &new_mounts)?;
+        let UpdatePlan { mut added, removed } =
+            plan_update(container_id, &rec.mounts, &new_mounts)?;
+        self.fill_hardening(&mut added).await;
         self.check_writable(container_id, &added).await?;
         let sandbox_in = self.sandbox_in_container(&config);
 
@@ -272,6 +274,7 @@ mod tests {
             provider_id: Some("p".to_string()),
             block: false,
             propagation: Default::default(),
+            hardening: Default::default(),
         }
     }
 
