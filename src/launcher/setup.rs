@@ -830,14 +830,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn clones_for_a_container_come_from_the_resolved_fd_with_the_host_flags_cleared() {
-        use crate::mount::{Call, CallKind, FakeSyscall};
+    /// A temp dir with a PATH disk's persistent volume `pv1` and an empty sandbox: (the dir, its
+    /// canonical path, the sandbox).
+    fn pv1_sandbox() -> (tempfile::TempDir, PathBuf, PathBuf) {
         let dir = tempfile::tempdir().unwrap();
         let base = std::fs::canonicalize(dir.path()).unwrap();
         let sandbox = base.join("sandbox");
         std::fs::create_dir_all(base.join("mp/volumes/roles/r1/pv1")).unwrap();
         std::fs::create_dir(&sandbox).unwrap();
+        (dir, base, sandbox)
+    }
+
+    #[test]
+    fn clones_for_a_container_come_from_the_resolved_fd_with_the_host_flags_cleared() {
+        use crate::mount::{Call, CallKind, FakeSyscall};
+        let (_dir, base, sandbox) = pv1_sandbox();
         let m = path_disk(&base, "pv1", true);
         let at = VolumeRef::new(&m, &sandbox);
 
@@ -925,11 +932,7 @@ mod tests {
     #[test]
     fn the_copy_keeps_the_hardening_flags_the_volume_asks_on_both_paths() {
         use crate::mount::{Call, CallKind, FakeSyscall};
-        let dir = tempfile::tempdir().unwrap();
-        let base = std::fs::canonicalize(dir.path()).unwrap();
-        let sandbox = base.join("sandbox");
-        std::fs::create_dir_all(base.join("mp/volumes/roles/r1/pv1")).unwrap();
-        std::fs::create_dir(&sandbox).unwrap();
+        let (_dir, base, sandbox) = pv1_sandbox();
         // The volume asks nosuid and noexec: the copy keeps nosuid (only nodev is cleared) and gets
         // noexec, whatever the plugin's mount had.
         let m = VolumeMount {
