@@ -72,13 +72,7 @@ async fn a_read_only_volume_refuses_writes() {
     let mp = agent.provider.mount_point(res.source_id().unwrap());
     assert!(!mp.join("f").exists());
     agent.isolator.cleanup("c1").await.unwrap();
-    agent
-        .provider
-        .destroy_volume(res.source_id().unwrap())
-        .await
-        .unwrap();
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&res]).await;
 }
 
 #[tokio::test]
@@ -239,15 +233,7 @@ async fn symlinks_in_the_rootfs_cannot_send_mounts_outside() {
         agent.provider.release(id, "check").await.unwrap();
     }
     agent.isolator.cleanup("c1").await.unwrap();
-    for res in [&a, &b] {
-        agent
-            .provider
-            .destroy_volume(res.source_id().unwrap())
-            .await
-            .unwrap();
-    }
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&a, &b]).await;
 }
 
 #[tokio::test]
@@ -347,15 +333,7 @@ async fn a_failed_node_publish_fails_the_launch_before_exec() {
     }
     assert!(agent.isolator.containers().await.is_empty());
     assert!(!agent.isolator.checkpoint_root().join("c1").exists());
-    for res in [&ok, &bad] {
-        agent
-            .provider
-            .destroy_volume(res.source_id().unwrap())
-            .await
-            .unwrap();
-    }
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&ok, &bad]).await;
 }
 
 #[tokio::test]
@@ -475,15 +453,7 @@ async fn recover_cleans_up_after_containers_that_are_gone() {
     let rb = agent.provider.volume(b.source_id().unwrap()).await.unwrap();
     assert_eq!(rb.state, VolumeState::Published, "alive keeps its volume");
     agent.isolator.cleanup("alive").await.unwrap();
-    for r in [&a, &b] {
-        agent
-            .provider
-            .destroy_volume(r.source_id().unwrap())
-            .await
-            .unwrap();
-    }
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&a, &b]).await;
 }
 
 #[tokio::test]
@@ -630,15 +600,7 @@ async fn a_failed_update_keeps_what_is_mounted_and_releases_what_is_not() {
     let mp = agent.provider.mount_point(base.source_id().unwrap());
     assert_eq!(read(&mp.join("after")), "ok\n");
     agent.isolator.cleanup("c1").await.unwrap();
-    for r in [&base, &extra] {
-        agent
-            .provider
-            .destroy_volume(r.source_id().unwrap())
-            .await
-            .unwrap();
-    }
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&base, &extra]).await;
 }
 
 #[tokio::test]
@@ -786,13 +748,7 @@ async fn a_block_volume_is_a_device_file_a_container_writes_and_a_second_reads()
     assert!(run(&sb, spec(&c2, &info, check)).await.success());
     assert_eq!(read(&c2.sandbox.join("seen")), "written-by-c1");
     agent.isolator.cleanup("c2").await.unwrap();
-    agent
-        .provider
-        .destroy_volume(res.source_id().unwrap())
-        .await
-        .unwrap();
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&res]).await;
     sb.assert_no_loop_devices();
 }
 
@@ -873,15 +829,7 @@ async fn a_target_of_another_kind_than_the_volume_is_refused() {
         );
         agent.isolator.cleanup(container).await.unwrap();
     }
-    for r in [&block, &dir] {
-        agent
-            .provider
-            .destroy_volume(r.source_id().unwrap())
-            .await
-            .unwrap();
-    }
-    agent.stop().await;
-    assert_clean(&sb, &before);
+    agent.destroy_and_stop(&sb, &before, &[&block, &dir]).await;
     sb.assert_no_loop_devices();
 }
 

@@ -66,6 +66,20 @@ impl Agent {
     pub async fn stop(self) {
         self.provider.shutdown(Duration::from_secs(5)).await;
     }
+
+    /// The end of a test: destroys `volumes` (each must have no user left), stops the provider and
+    /// checks the host mount table is as it was `before` and nothing is mounted in the sandbox.
+    pub async fn destroy_and_stop(self, sb: &Sandbox, before: &[PathBuf], volumes: &[&Resource]) {
+        for r in volumes {
+            let id = r.source_id().expect("a CSI volume");
+            self.provider
+                .destroy_volume(id)
+                .await
+                .unwrap_or_else(|e| panic!("destroy {id}: {e}"));
+        }
+        self.stop().await;
+        assert_clean(sb, before);
+    }
 }
 
 pub fn config(
