@@ -1609,3 +1609,134 @@ async fn serve_passes_fs_type_and_mount_flags_and_the_container_sees_them() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// Serve carries a volume's topology and a workload's user: a volume created in zone a is shown
+/// reachable from it in Status, and refused by Prepare (FAILED_PRECONDITION naming both zones,
+/// nothing mounted) when serve's node moves to zone b; back in zone a, a Prepare with
+/// `ContainerConfig.user` makes the unshared volume root writable for the workload's group, and
+/// a workload launched as that user writes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_a_volume_outside_its_topology_and_lets_a_non_root_workload_write() {
+    require_root();
+    let sb = Sandbox::new("serve-topology-user");
+    let work = sb.join("work");
+    let socket = sb.join("isolator.sock");
+    let zone = |z: &str| format!("--plugin-arg=--topology=topology.example.com/zone={z}");
+    let start = |z: &str| Serve::start_with(&sb, &work, &socket, false, &[zone(z).as_str()]);
+
+    let mut serve = start("a");
+    let mut c = serve.client().await;
+    let created = create(&mut c, "zoned", "data").await;
+    let s = status(&mut c).await;
+    let segments: Vec<_> = s.volumes[0]
+        .accessible_topology
+        .iter()
+        .map(|t| t.segments.clone())
+        .collect();
+    assert_eq!(
+        segments,
+        [std::collections::HashMap::from([(
+            "topology.example.com/zone".to_string(),
+            "a".to_string()
+        )])],
+        "{s:?}"
+    );
+    drop(c);
+    assert!(serve.terminate(&sb).success());
+
+    // The node is now in zone b: refused before anything is published or mounted.
+    let mut serve = start("b");
+    let mut c = serve.client().await;
+    let sandbox = sb.mkdir("sandboxes/elsewhere");
+    let refused = c
+        .prepare(PrepareRequest {
+            container_id: "elsewhere".into(),
+            config: Some(ContainerConfig {
+                resources_json: list(&[&created]),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition, "{refused:?}");
+    assert!(
+        refused.message().contains(
+            "can be reached only from topology.example.com/zone=a (its CreateVolume answer), and this node is at topology.example.com/zone=b"
+        ),
+        "{}",
+        refused.message()
+    );
+    sb.assert_no_mounts_under();
+    drop(c);
+    assert!(serve.terminate(&sb).success());
+
+    // Back in zone a, as user 4321 of group 4322.
+    let mut serve = start("a");
+    let mut c = serve.client().await;
+    let sandbox = sb.mkdir("sandboxes/owner");
+    let info = c
+        .prepare(PrepareRequest {
+            container_id: "owner".into(),
+            config: Some(ContainerConfig {
+                resources_json: list(&[&created]),
+                sandbox: sandbox.to_string_lossy().into(),
+                user: "4321:4322".into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .unwrap_or_else(|s| panic!("Prepare owner: {s}"))
+        .into_inner();
+    let mounts: Vec<VolumeMount> = info
+        .mounts
+        .into_iter()
+        .map(|m| VolumeMount::try_from(m).unwrap())
+        .collect();
+    let host = mounts[0].source.clone();
+    std::fs::set_permissions(&sandbox, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let spec = LaunchSpec {
+        argv: vec!["sh".into(), "-c".into(), "echo mine > data/f".into()],
+        env: vec![("PATH".into(), "/usr/bin:/bin".into())],
+        sandbox: sandbox.clone(),
+        mounts,
+        user: Some(csi_isolator::launcher::Credentials {
+            uid: 4321,
+            gid: 4322,
+        }),
+        ..Default::default()
+    };
+    let mut launched = tokio::task::block_in_place(|| {
+        launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
+            .unwrap_or_else(|e| panic!("launch: {e}"))
+    });
+    sb.track(launched.pid());
+    let exit = tokio::time::timeout(TIMEOUT, launched.wait_async())
+        .await
+        .expect("the workload exits")
+        .unwrap();
+    sb.untrack(launched.pid());
+    assert!(
+        exit.success(),
+        "the non-root workload wrote its volume: {exit:?}"
+    );
+    let written = std::fs::metadata(host.join("f")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((written.uid(), written.gid()), (4321, 4322));
+    assert_eq!(std::fs::read_to_string(host.join("f")).unwrap(), "mine\n");
+    c.cleanup(CleanupRequest {
+        container_id: "owner".into(),
+    })
+    .await
+    .unwrap();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: created.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    drop(c);
+    assert!(serve.terminate(&sb).success());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
