@@ -1336,3 +1336,160 @@ async fn serve_update_gives_a_running_runc_container_an_rslave_volume() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The mount flags xfs tests ask for, as `mount-flags=` and as CreateVolume's `mount_flags`.
+const XFS_FLAGS: [&str; 4] = ["noatime", "nosuid", "nodev", "noexec"];
+
+/// The `/proc/self/mountinfo` line (as a container printed it) whose mount point ends with
+/// `suffix`: its mount options and its fs type.
+fn mountinfo_entry(mountinfo: &str, suffix: &str) -> (Vec<String>, String) {
+    mountinfo
+        .lines()
+        .find_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            if !fields.get(4)?.ends_with(suffix) {
+                return None;
+            }
+            let options = fields.get(5)?.split(',').map(str::to_string).collect();
+            Some((options, right.split(' ').next()?.to_string()))
+        })
+        .unwrap_or_else(|| panic!("no mount at …{suffix} in:\n{mountinfo}"))
+}
+
+/// Asserts the entry is xfs with every one of [`XFS_FLAGS`].
+fn assert_xfs_with_flags(mountinfo: &str, suffix: &str) {
+    let (options, fs_type) = mountinfo_entry(mountinfo, suffix);
+    assert_eq!(fs_type, "xfs", "{options:?}");
+    for flag in XFS_FLAGS {
+        assert!(
+            options.iter().any(|o| o == flag),
+            "{flag} missing at …{suffix}: {options:?}"
+        );
+    }
+}
+
+/// `fs-type=xfs` through the namespace launcher: `csi-isolator run --mount
+/// source=x,target=x,size=16M,fs-type=xfs,mount-flags=…` gets a volume of xfs' minimum size
+/// (mkfs.xfs makes nothing under 300 MiB), and the container's `/proc/self/mountinfo` shows it xfs,
+/// noatime, nosuid, nodev and noexec; the workload writes it; nothing is left.
+#[test]
+fn xfs_with_mount_flags_through_run() {
+    require_root();
+    let sb = Sandbox::new("run-xfs");
+    let work = sb.join("work");
+    let mount = format!(
+        "source=x,target=x,size=16M,fs-type=xfs,mount-flags={}",
+        XFS_FLAGS.join(":")
+    );
+    let out = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["run", "--mount", &mount, "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo on-xfs > x/f && cat x/f && cat /proc/self/mountinfo",
+        ])
+        .output()
+        .expect("run csi-isolator run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("on-xfs\n"), "{stdout}");
+    assert_xfs_with_flags(&stdout, "/x");
+    let listed = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["volume", "list", "--json"])
+        .output()
+        .expect("run csi-isolator volume list");
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let x = &listed[0];
+    assert_eq!(x["capability"]["fs_type"], "xfs", "{listed}");
+    let destroyed = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["volume", "destroy", "x"])
+        .output()
+        .expect("run csi-isolator volume destroy");
+    assert!(
+        destroyed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&destroyed.stderr)
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// `fs_type` "xfs" and mount flags through serve's CreateVolume and PrepareOci to runc: the volume
+/// is the 300 MiB xfs' minimum (16 MiB asked), the container's `/proc/self/mountinfo` shows it xfs,
+/// noatime, nosuid, nodev and noexec, the container writes it; Cleanup and DestroyVolume leave
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xfs_with_mount_flags_through_serve_and_runc() {
+    require_tools();
+    let sb = Sandbox::new("runc-xfs");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let v = c
+        .create_volume(proto::CreateVolumeRequest {
+            name: "x".into(),
+            capacity_bytes: 16 << 20,
+            container_path: "/x".into(),
+            fs_type: "xfs".into(),
+            mount_flags: XFS_FLAGS.iter().map(|f| f.to_string()).collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let info = c
+        .prepare_oci(proto::PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: format!("[{}]", v.resource_json),
+                sandbox: bundle.sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    assert_eq!(st.volumes[0].capacity_bytes, 300 << 20, "{:?}", st.volumes);
+    let r = run(
+        &sb,
+        &bundle,
+        "xfs",
+        &prepared_from(&info),
+        "echo on-xfs > /x/f && cat /x/f && cat /proc/self/mountinfo",
+    );
+    assert_ran(&r);
+    assert!(r.stdout.starts_with("on-xfs\n"), "{}", r.stdout);
+    assert_xfs_with_flags(&r.stdout, "/x");
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.cleanup(proto::CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("Cleanup");
+    c.destroy_volume(proto::DestroyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("DestroyVolume");
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
