@@ -246,3 +246,88 @@ fn mount_table() -> Vec<PathBuf> {
         .map(|m| m.mount_point)
         .collect()
 }
+
+/// The update path: a running container (pivoted into a rootfs, in its own pid namespace) gains an
+/// rslave volume by `update`, and a tmpfs mounted on the host under that volume's mount point
+/// afterwards reaches it; a private volume gained by the same update sees nothing of the same kind of
+/// mount. Removing them again by update and cleanup leaves the host table as it was.
+#[tokio::test]
+async fn a_volume_gained_by_update_with_rslave_sees_a_later_host_mount_and_a_private_one_does_not()
+{
+    require_root();
+    let sb = Sandbox::new("prop-update");
+    let before = host_mount_points(&sb);
+    let agent = Agent::start(&sb, "work", &[]).await;
+    let base = agent.volume("base", "base", VolumeMode::Rw).await;
+    let slave = agent
+        .volume("slave", "slave", VolumeMode::Rw)
+        .await
+        .with_mount_propagation(PropagationMode::HostToContainer);
+    let private = agent.volume("private", "private", VolumeMode::Rw).await;
+    let ids: Vec<String> = [&base, &slave, &private]
+        .iter()
+        .map(|r| r.source_id().unwrap().to_string())
+        .collect();
+    let rootfs = busybox_rootfs(&sb, "rootfs");
+    let c = config(&sb, "c1", vec![base.clone()], Some(rootfs));
+    let info = agent.isolator.prepare("c1", c.clone()).await.unwrap();
+    let base_mp = agent.provider.mount_point(&ids[0]);
+    let script = format!(
+        "while [ ! -e {sandbox}/slave/go ]; do sleep 0.05; done; \
+         cat {sandbox}/slave/sub/marker > {sandbox}/base/seen-slave; \
+         cat {sandbox}/private/sub/marker > {sandbox}/base/seen-private; \
+         touch {sandbox}/base/seen; while [ ! -e {sandbox}/base/done ]; do sleep 0.05; done",
+        sandbox = csi_isolator::mount::SANDBOX_IN_ROOTFS
+    );
+    let mut launch = spec(&c, &info, &script);
+    launch.pid_namespace = true;
+    let mut running = start(&sb, launch).await;
+    agent.isolator.isolate("c1", running.pid()).await.unwrap();
+    agent
+        .isolator
+        .update("c1", vec![base.clone(), slave.clone(), private.clone()])
+        .await
+        .unwrap();
+    let slave_mp = agent.provider.mount_point(&ids[1]);
+    let private_mp = agent.provider.mount_point(&ids[2]);
+    // The container runs with the volumes: mounts made now are "later" ones.
+    let nested_slave = NestedMount::new(&slave_mp.join("sub"), "from-the-host");
+    let nested_private = NestedMount::new(&private_mp.join("sub"), "from-the-host");
+    fs::write(slave_mp.join("go"), "").unwrap();
+    wait_for(&base_mp.join("seen"));
+    assert_eq!(
+        read(&base_mp.join("seen-slave")),
+        "from-the-host",
+        "rslave by update: the host's later mount reaches the container"
+    );
+    assert_eq!(
+        read(&base_mp.join("seen-private")),
+        "",
+        "private by update: the host's later mount must not reach the container"
+    );
+    // Taken away again while the host's nested mounts are still there: the update unmounts the
+    // container's copies and releases the volumes, whose unpublish sweeps what is under them.
+    agent
+        .isolator
+        .update("c1", vec![base.clone()])
+        .await
+        .unwrap();
+    for nested in [&nested_slave, &nested_private] {
+        assert!(!is_mount_point(&nested.0), "{} left", nested.0.display());
+    }
+    for id in &ids[1..] {
+        assert_eq!(
+            agent.provider.volume(id).await.unwrap().state,
+            VolumeState::Created,
+            "released by the update"
+        );
+    }
+    fs::write(base_mp.join("done"), "").unwrap();
+    assert!(finish(&sb, &mut running).await.success());
+    agent.isolator.cleanup("c1").await.unwrap();
+    for id in &ids {
+        agent.provider.destroy_volume(id).await.unwrap();
+    }
+    agent.stop().await;
+    assert_clean(&sb, &before);
+}

@@ -1109,3 +1109,487 @@ async fn serve_prepare_oci_gives_a_block_volume_as_a_device() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The runtime-spec entries of serve's PrepareOci answer as an [`OciPrepared`] (the answer's
+/// `rootfs_propagation` is derived again from the entries' options).
+fn prepared_from(info: &proto::OciLaunchInfo) -> OciPrepared {
+    OciPrepared {
+        mounts: info
+            .mounts
+            .iter()
+            .map(|m| oci::OciMount {
+                destination: m.destination.clone(),
+                kind: m.r#type.clone(),
+                source: m.source.clone(),
+                options: m.options.clone(),
+            })
+            .collect(),
+        docker_args: info.docker_args.clone(),
+        ..OciPrepared::default()
+    }
+}
+
+/// A resource of serve's CreateVolume answer with `disk.volume.mount_propagation` set (`""`: none).
+async fn create_with_propagation(
+    c: &mut IsolatorClient<tonic::transport::Channel>,
+    name: &str,
+    container_path: &str,
+    mode: &str,
+) -> serde_json::Value {
+    let v = c
+        .create_volume(proto::CreateVolumeRequest {
+            name: name.into(),
+            capacity_bytes: 16 << 20,
+            container_path: container_path.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let mut r: serde_json::Value = serde_json::from_str(&v.resource_json).unwrap();
+    if !mode.is_empty() {
+        r["disk"]["volume"]["mount_propagation"] = serde_json::json!({ "mode": mode });
+    }
+    r
+}
+
+/// serve's published mount point of each volume, by name.
+async fn mount_points(
+    c: &mut IsolatorClient<tonic::transport::Channel>,
+) -> std::collections::HashMap<String, PathBuf> {
+    c.status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner()
+        .volumes
+        .into_iter()
+        .filter(|v| !v.mount_point.is_empty())
+        .map(|v| (v.name, PathBuf::from(v.mount_point)))
+        .collect()
+}
+
+/// Gives the bundle's process CAP_SYS_ADMIN (the container mounts a tmpfs of its own).
+fn with_sys_admin(config: &mut serde_json::Value) {
+    for set in ["bounding", "effective", "permitted"] {
+        config["process"]["capabilities"][set]
+            .as_array_mut()
+            .expect("runc spec lists capabilities")
+            .push("CAP_SYS_ADMIN".into());
+    }
+}
+
+/// Waits (bounded) for `path` to exist.
+fn wait_for_file(path: &Path, what: &str) {
+    let deadline = std::time::Instant::now() + RUN_TIMEOUT;
+    while !path.exists() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Mounts a 1 MiB tmpfs at `at` holding `marker` (a driver's nested mount made on the host).
+fn nested_tmpfs(at: &Path) {
+    nix::mount::mount(
+        Some("tmpfs"),
+        at,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=1M"),
+    )
+    .unwrap_or_else(|e| panic!("mount a tmpfs at {}: {e}", at.display()));
+    fs::write(at.join("marker"), "from-the-host").unwrap();
+}
+
+/// Propagation through serve's PrepareOci and runc, all three modes in one container: a tmpfs the
+/// container mounts under its rshared volume appears under the volume's host mount point (the
+/// answer's `rootfs_propagation` makes runc's copy a peer, not a slave), a tmpfs mounted on the host
+/// under the rslave volume while the container runs is seen inside, the same under the private one
+/// is not; the container's mount is swept when the volume is released (nothing left).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_prepare_oci_propagation_reaches_runc_both_ways() {
+    require_tools();
+    let sb = Sandbox::new("runc-serve-rshared");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let mut resources = Vec::new();
+    for (name, mode) in [
+        ("shared", "BIDIRECTIONAL"),
+        ("slave", "HOST_TO_CONTAINER"),
+        ("plain", ""),
+    ] {
+        resources.push(create_with_propagation(&mut c, name, &format!("/{name}"), mode).await);
+    }
+    let info = c
+        .prepare_oci(proto::PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: serde_json::to_string(&resources).unwrap(),
+                sandbox: bundle.sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    assert_eq!(info.rootfs_propagation, "rshared");
+    let prepared = prepared_from(&info);
+    let mps = mount_points(&mut c).await;
+    let (shared_mp, slave_mp, plain_mp) = (&mps["shared"], &mps["slave"], &mps["plain"]);
+    fs::create_dir(shared_mp.join("inner")).unwrap();
+    fs::create_dir(slave_mp.join("sub")).unwrap();
+    fs::create_dir(plain_mp.join("sub")).unwrap();
+
+    let mut config = bundle.runc.config_for(
+        "mount -t tmpfs tmpfs /shared/inner && echo from-the-container > /shared/inner/m && \
+         touch /slave/ready && while [ ! -e /slave/go ]; do sleep 0.05; done; \
+         cat /slave/sub/marker; echo; cat /plain/sub/marker; echo end",
+    );
+    with_sys_admin(&mut config);
+    prepared.apply_to_config(&mut config);
+    assert_eq!(config["linux"]["rootfsPropagation"], "rshared");
+    let id = format!("csi-oci-rshared-{}", std::process::id());
+    let nested = [slave_mp.join("sub"), plain_mp.join("sub")];
+    let (r, container_mount) = std::thread::scope(|scope| {
+        let running = scope.spawn(|| runc_run(&sb, &bundle.runc, &id, &config, RUN_TIMEOUT));
+        let ready = slave_mp.join("ready");
+        while !ready.exists() {
+            assert!(
+                !running.is_finished(),
+                "the container ended before it was ready"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // The container's own mount, seen on the host under the volume's mount point.
+        let container_mount = fs::read_to_string(shared_mp.join("inner/m"));
+        // The container runs: these mounts are "later" ones.
+        for at in &nested {
+            nested_tmpfs(at);
+        }
+        fs::write(slave_mp.join("go"), "").unwrap();
+        (running.join().unwrap(), container_mount)
+    });
+    for at in &nested {
+        nix::mount::umount2(at, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    }
+    assert_ran(&r);
+    assert_eq!(
+        container_mount.ok().as_deref(),
+        Some("from-the-container\n"),
+        "rshared: the container's mount reaches the host"
+    );
+    assert_eq!(
+        r.stdout, "from-the-host\nend\n",
+        "rslave sees the host's later mount, private does not; stderr: {}",
+        r.stderr
+    );
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    c.cleanup(proto::CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("Cleanup");
+    let table = ProcMountTable::new();
+    assert!(
+        !table.is_mount_point(&shared_mp.join("inner")).unwrap(),
+        "the container's mount was swept at release"
+    );
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    for v in &st.volumes {
+        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+        c.destroy_volume(proto::DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// The pid of the running runc container `id` (`runc state`).
+fn runc_pid(bundle: &RuncBundle, id: &str) -> u32 {
+    let out = std::process::Command::new("runc")
+        .arg("--root")
+        .arg(&bundle.state)
+        .args(["state", id])
+        .output()
+        .expect("run `runc state`");
+    assert!(
+        out.status.success(),
+        "runc state {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let state: serde_json::Value = serde_json::from_slice(&out.stdout).expect("runc state JSON");
+    state["pid"].as_u64().expect("runc state has a pid") as u32
+}
+
+/// The update path with rslave, through serve and runc: a container started from PrepareOci with one
+/// volume is Isolated by its runc pid, then gains an rslave volume by Update; a tmpfs mounted on the
+/// host under that volume's mount point afterwards is seen inside. Cleanup leaves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_update_gives_a_running_runc_container_an_rslave_volume() {
+    require_tools();
+    let sb = Sandbox::new("runc-update-rslave");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let base = create_with_propagation(&mut c, "base", "/data", "").await;
+    let slave = create_with_propagation(&mut c, "slave", "/slave", "HOST_TO_CONTAINER").await;
+    let info = c
+        .prepare_oci(proto::PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: serde_json::to_string(&[&base]).unwrap(),
+                sandbox: bundle.sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    assert_eq!(info.rootfs_propagation, "");
+    let mut config = bundle.runc.config_for(
+        "touch /data/ready; while [ ! -e /slave/go ]; do sleep 0.05; done; \
+         cat /slave/sub/marker; echo; echo end",
+    );
+    prepared_from(&info).apply_to_config(&mut config);
+    let data_mp = mount_points(&mut c).await["base"].clone();
+    let id = format!("csi-oci-update-{}", std::process::id());
+    let rt = tokio::runtime::Handle::current();
+    let (r, slave_mp) = tokio::task::block_in_place(|| {
+        std::thread::scope(|scope| {
+            let running = scope.spawn(|| runc_run(&sb, &bundle.runc, &id, &config, RUN_TIMEOUT));
+            wait_for_file(&data_mp.join("ready"), "the container never started");
+            let pid = runc_pid(&bundle.runc, &id);
+            let slave_mp = rt.block_on(async {
+                c.isolate(proto::IsolateRequest {
+                    container_id: "c1".into(),
+                    pid,
+                })
+                .await
+                .expect("Isolate");
+                c.update(proto::UpdateRequest {
+                    container_id: "c1".into(),
+                    resources_json: serde_json::to_string(&[&base, &slave]).unwrap(),
+                })
+                .await
+                .expect("Update");
+                mount_points(&mut c).await["slave"].clone()
+            });
+            // The container runs with its new volume: this mount is a "later" one.
+            fs::create_dir(slave_mp.join("sub")).unwrap();
+            nested_tmpfs(&slave_mp.join("sub"));
+            fs::write(slave_mp.join("go"), "").unwrap();
+            (running.join().unwrap(), slave_mp)
+        })
+    });
+    nix::mount::umount2(&slave_mp.join("sub"), nix::mount::MntFlags::MNT_DETACH).unwrap();
+    assert_ran(&r);
+    assert_eq!(
+        r.stdout, "from-the-host\nend\n",
+        "rslave by update sees the host's later mount; stderr: {}",
+        r.stderr
+    );
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.cleanup(proto::CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("Cleanup");
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    for v in &st.volumes {
+        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+        c.destroy_volume(proto::DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// The mount flags xfs tests ask for, as `mount-flags=` and as CreateVolume's `mount_flags`.
+const XFS_FLAGS: [&str; 4] = ["noatime", "nosuid", "nodev", "noexec"];
+
+/// The `/proc/self/mountinfo` line (as a container printed it) whose mount point ends with
+/// `suffix`: its mount options and its fs type.
+fn mountinfo_entry(mountinfo: &str, suffix: &str) -> (Vec<String>, String) {
+    mountinfo
+        .lines()
+        .find_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            if !fields.get(4)?.ends_with(suffix) {
+                return None;
+            }
+            let options = fields.get(5)?.split(',').map(str::to_string).collect();
+            Some((options, right.split(' ').next()?.to_string()))
+        })
+        .unwrap_or_else(|| panic!("no mount at …{suffix} in:\n{mountinfo}"))
+}
+
+/// Asserts the entry is xfs with every one of [`XFS_FLAGS`].
+fn assert_xfs_with_flags(mountinfo: &str, suffix: &str) {
+    let (options, fs_type) = mountinfo_entry(mountinfo, suffix);
+    assert_eq!(fs_type, "xfs", "{options:?}");
+    for flag in XFS_FLAGS {
+        assert!(
+            options.iter().any(|o| o == flag),
+            "{flag} missing at …{suffix}: {options:?}"
+        );
+    }
+}
+
+/// `fs-type=xfs` through the namespace launcher: `csi-isolator run --mount
+/// source=x,target=x,size=16M,fs-type=xfs,mount-flags=…` gets a volume of xfs' minimum size
+/// (mkfs.xfs makes nothing under 300 MiB), and the container's `/proc/self/mountinfo` shows it xfs,
+/// noatime, nosuid, nodev and noexec; the workload writes it; nothing is left.
+#[test]
+fn xfs_with_mount_flags_through_run() {
+    require_root();
+    let sb = Sandbox::new("run-xfs");
+    let work = sb.join("work");
+    let mount = format!(
+        "source=x,target=x,size=16M,fs-type=xfs,mount-flags={}",
+        XFS_FLAGS.join(":")
+    );
+    let out = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["run", "--mount", &mount, "--"])
+        .args([
+            "sh",
+            "-c",
+            "echo on-xfs > x/f && cat x/f && cat /proc/self/mountinfo",
+        ])
+        .output()
+        .expect("run csi-isolator run");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.starts_with("on-xfs\n"), "{stdout}");
+    assert_xfs_with_flags(&stdout, "/x");
+    let listed = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["volume", "list", "--json"])
+        .output()
+        .expect("run csi-isolator volume list");
+    let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+    let x = &listed[0];
+    assert_eq!(x["capability"]["fs_type"], "xfs", "{listed}");
+    let destroyed = csi_isolator_testing::isolator_command(CLI, &work)
+        .args(["volume", "destroy", "x"])
+        .output()
+        .expect("run csi-isolator volume destroy");
+    assert!(
+        destroyed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&destroyed.stderr)
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+/// `fs_type` "xfs" and mount flags through serve's CreateVolume and PrepareOci to runc: the volume
+/// is the 300 MiB xfs' minimum (16 MiB asked), the container's `/proc/self/mountinfo` shows it xfs,
+/// noatime, nosuid, nodev and noexec, the container writes it; Cleanup and DestroyVolume leave
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xfs_with_mount_flags_through_serve_and_runc() {
+    require_tools();
+    let sb = Sandbox::new("runc-xfs");
+    let bundle = build_bundle(&sb);
+    let serve = Serve::start(&sb);
+    let mut c = serve.client().await;
+    let v = c
+        .create_volume(proto::CreateVolumeRequest {
+            name: "x".into(),
+            capacity_bytes: 16 << 20,
+            container_path: "/x".into(),
+            fs_type: "xfs".into(),
+            mount_flags: XFS_FLAGS.iter().map(|f| f.to_string()).collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let info = c
+        .prepare_oci(proto::PrepareRequest {
+            container_id: "c1".into(),
+            config: Some(proto::ContainerConfig {
+                resources_json: format!("[{}]", v.resource_json),
+                sandbox: bundle.sandbox.to_str().unwrap().into(),
+                rootfs: bundle.runc.rootfs.to_str().unwrap().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("PrepareOci")
+        .into_inner();
+    let st = c
+        .status(proto::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    assert_eq!(st.volumes[0].capacity_bytes, 300 << 20, "{:?}", st.volumes);
+    let r = run(
+        &sb,
+        &bundle,
+        "xfs",
+        &prepared_from(&info),
+        "echo on-xfs > /x/f && cat /x/f && cat /proc/self/mountinfo",
+    );
+    assert_ran(&r);
+    assert!(r.stdout.starts_with("on-xfs\n"), "{}", r.stdout);
+    assert_xfs_with_flags(&r.stdout, "/x");
+    let out = r.guard.delete();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.cleanup(proto::CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .expect("Cleanup");
+    c.destroy_volume(proto::DestroyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("DestroyVolume");
+    drop(c);
+    serve.stop(&sb);
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

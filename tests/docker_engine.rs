@@ -605,3 +605,111 @@ async fn a_csi_plugin_at_an_endpoint_serves_docker_and_its_volume_is_deleted_wit
 
     finish_over_endpoint(s, csi, host);
 }
+
+/// docs/docker.md's way for a block volume (the driver refuses `-o type=block`): `serve`'s
+/// CreateVolume with `access_type` "block", then for each container `PrepareOci`, whose
+/// `docker_args` (`--device HOST:/blockdev:rw`) are given as they are to `docker run --network
+/// none` of the imported busybox: the first container writes the device, a second one reads what
+/// the first wrote; each Cleanup releases the volume, DestroyVolume deletes it; nothing is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_volume_reaches_docker_run_through_prepare_ocis_device_arguments() {
+    use csi_isolator::service::proto as iso;
+    let (host, sb) = claim("dkr-block");
+    let socket = sb.join("isolator.sock");
+    let mut cmd = isolator_command(BIN, &sb.join("work"));
+    cmd.arg("serve")
+        .arg("--socket")
+        .arg(&socket)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit());
+    let mut serve = sb.spawn(&mut cmd).expect("start csi-isolator serve");
+    csi_isolator_testing::wait_for_serve_ready(&mut serve, Duration::from_secs(60));
+    let mut c = iso::isolator_client::IsolatorClient::new(
+        csi_isolator::csi::transport::connect_unix(&socket)
+            .await
+            .expect("connect to serve"),
+    );
+    let v = c
+        .create_volume(iso::CreateVolumeRequest {
+            name: "blk".into(),
+            capacity_bytes: 16 << 20,
+            container_path: "/blockdev".into(),
+            access_type: "block".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let engine = Dockerd::start(&sb);
+    let image = engine.import_busybox(&sb);
+    let read = "dd if=/blockdev bs=512 skip=8 count=1 2>/dev/null | head -c 15";
+    let write = format!(
+        "test -b /blockdev && printf written-by-dkr1 | dd of=/blockdev bs=512 seek=8 conv=notrunc,fsync 2>/dev/null && {read}"
+    );
+    for (container, script) in [("c1", write.as_str()), ("c2", read)] {
+        let info = c
+            .prepare_oci(iso::PrepareRequest {
+                container_id: container.into(),
+                config: Some(iso::ContainerConfig {
+                    resources_json: format!("[{}]", v.resource_json),
+                    sandbox: sb
+                        .mkdir(format!("sandboxes/{container}"))
+                        .display()
+                        .to_string(),
+                    ..Default::default()
+                }),
+            })
+            .await
+            .expect("PrepareOci")
+            .into_inner();
+        assert!(info.mounts.is_empty(), "{:?}", info.mounts);
+        assert_eq!(info.docker_args.len(), 2, "{:?}", info.docker_args);
+        assert_eq!(info.docker_args[0], "--device");
+        assert!(
+            info.docker_args[1].ends_with(":/blockdev:rw"),
+            "{:?}",
+            info.docker_args
+        );
+        let name = format!("{container}-{}", unique());
+        let mut args = vec!["run", "--rm", "--name", &name, "--network", "none"];
+        args.extend(info.docker_args.iter().map(String::as_str));
+        args.extend([image.as_str(), "sh", "-c", script]);
+        assert_eq!(engine.ok(&args), "written-by-dkr1", "{container}");
+        c.cleanup(iso::CleanupRequest {
+            container_id: container.into(),
+        })
+        .await
+        .expect("Cleanup");
+    }
+    let st = c
+        .status(iso::StatusRequest {})
+        .await
+        .expect("Status")
+        .into_inner();
+    assert_eq!(st.volumes.len(), 1);
+    assert_eq!(st.volumes[0].access_type, "block");
+    assert_eq!(st.volumes[0].state, "CREATED", "released: {:?}", st.volumes);
+    c.destroy_volume(iso::DestroyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("DestroyVolume");
+    drop(c);
+    engine.ok(&["rmi", &image]);
+    engine.stop(&sb);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(serve.id() as i32),
+        Signal::SIGTERM,
+    )
+    .expect("SIGTERM serve");
+    let status = serve.wait().expect("wait for serve");
+    sb.untrack(serve.id());
+    assert!(status.success(), "serve exited with {status:?}");
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    let left = processes_mentioning(sb.path());
+    assert!(left.is_empty(), "processes left: {left:?}");
+    drop(sb);
+    host.assert_restored();
+}

@@ -403,6 +403,7 @@ both_backings!(
     block_node_full_flow_is_idempotent,
     single_node_multi_writer_publishes_at_two_targets,
     single_node_single_writer_refuses_a_second_target,
+    xfs_volumes_are_made_by_the_loop_backing_at_its_minimum_size,
 );
 
 // ---- Identity ----
@@ -1231,6 +1232,102 @@ async fn node_full_flow_works(s: Suite) {
 
 async fn node_full_flow_is_idempotent(s: Suite) {
     node_full_flow(s, 3).await;
+}
+
+// ---- fs types ----
+
+/// A mount capability asking for `fs_type` and `flags`.
+fn mount_with(fs_type: &str, flags: &[&str]) -> proto::VolumeCapability {
+    let mut c = cap();
+    c.access_type = Some(proto::volume_capability::AccessType::Mount(
+        proto::volume_capability::MountVolume {
+            fs_type: fs_type.into(),
+            mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+            ..Default::default()
+        },
+    ));
+    c
+}
+
+/// `fs_type` "xfs": the dir backing refuses it INVALID_ARGUMENT (its volumes are directories); the
+/// loop backing makes an xfs filesystem, raising a smaller request to the 300 MiB mkfs.xfs makes at
+/// least (CSI lets a volume be larger than `required_bytes`) and refusing a `limit_bytes` under it
+/// OUT_OF_RANGE naming the minimum; staged and published with mount flags, the target is xfs with
+/// them in the mount table, and the volume holds a file.
+async fn xfs_volumes_are_made_by_the_loop_backing_at_its_minimum_size(mut s: Suite) {
+    const MIN: i64 = 300 << 20;
+    s.access = mount_with("xfs", &["noatime", "nosuid", "nodev", "noexec"]);
+    let name = s.unique("sanity-xfs");
+    if s.backing == "dir" {
+        let req = s.create_req(&name, SIZE);
+        assert_eq!(
+            code(s.c.controller.create_volume(req).await),
+            Code::InvalidArgument
+        );
+        return s.cleanup().await;
+    }
+    let mut limited = s.create_req(&name, SIZE);
+    limited.capacity_range = Some(proto::CapacityRange {
+        required_bytes: SIZE,
+        limit_bytes: SIZE,
+    });
+    let refused =
+        s.c.controller
+            .create_volume(limited)
+            .await
+            .expect_err("a limit under xfs' minimum");
+    assert_eq!(refused.code(), Code::OutOfRange, "{refused:?}");
+    assert!(
+        refused.message().contains(&MIN.to_string()) && refused.message().contains("xfs"),
+        "{}",
+        refused.message()
+    );
+    let req = s.create_req(&name, SIZE);
+    let vol = s.must_create(req).await;
+    assert_eq!(vol.capacity_bytes, MIN, "raised to the minimum");
+    // Exactly the minimum asked as the limit is served too.
+    let exact_name = s.unique("sanity-xfs-exact");
+    let mut exact = s.create_req(&exact_name, MIN);
+    exact.capacity_range = Some(proto::CapacityRange {
+        required_bytes: MIN,
+        limit_bytes: MIN,
+    });
+    assert_eq!(s.must_create(exact).await.capacity_bytes, MIN);
+    let answer =
+        s.c.controller
+            .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
+                volume_id: vol.volume_id.clone(),
+                volume_capabilities: vec![s.capability()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+    assert!(answer.confirmed.is_some(), "{answer:?}");
+
+    let node = s.node_id().await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    s.node_publish(&vol, &ctx).await;
+    let target = s
+        .sandbox
+        .mounts_under()
+        .into_iter()
+        .find(|m| m.mount_point == s.target())
+        .expect("the target is mounted");
+    assert_eq!(target.fs_type, "xfs", "{target:?}");
+    for flag in ["noatime", "nosuid", "nodev", "noexec"] {
+        assert!(
+            target.mount_options.iter().any(|o| o == flag),
+            "{flag} missing: {target:?}"
+        );
+    }
+    std::fs::write(s.target().join("f"), "on-xfs").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(s.target().join("f")).unwrap(),
+        "on-xfs"
+    );
+    s.cleanup().await;
 }
 
 // ---- Block volumes ----

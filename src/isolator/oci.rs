@@ -36,10 +36,13 @@
 //!   `rshared` and the `docker run --mount` value `bind-propagation=` (left out for private, Docker's
 //!   default). For rslave and rshared the volume's host mount point is made shared first and the host
 //!   bind stays its peer. runc applies the option to its copy after making the container's `/`
-//!   `rootfsPropagation` (default `rslave`): rslave works with that default; rshared needs the
-//!   runtime's `rootfsPropagation` to be `shared` or `rshared` (Docker sets `rshared` itself when a
-//!   mount asks for it), otherwise runc's copy is a slave and a mount made inside never reaches the
-//!   host.
+//!   `rootfsPropagation` (default `rslave`): rslave works with that default (and with `shared`,
+//!   `rshared` or `slave`, not with a private one: the copy would have no master); rshared needs
+//!   `shared` or `rshared`, otherwise runc's copy is a slave and a mount made inside never reaches the
+//!   host. [`OciPrepared::rootfs_propagation`] names what the volumes need (PrepareOci's
+//!   `rootfs_propagation`) and [`OciPrepared::apply_to_config`] sets `linux.rootfsPropagation` when the
+//!   config's value does not give it ([`rootfs_propagation_for`]); Docker does the same itself for a
+//!   `bind-propagation` of its `--mount`.
 //!
 //! The runtime is not started here, so nothing in the container can race
 //! the resolution; once it runs, its view of the binds is the runtime's.
@@ -261,6 +264,9 @@ impl OciPrepared {
     /// paths, so `/data/` and `/data` match). A missing or non-array
     /// `mounts` becomes an array; a config that is not a JSON object at all
     /// is not a config.json and is replaced by `{"mounts": [...]}`.
+    ///
+    /// When the volumes' propagation needs it ([`rootfs_propagation_for`]), `linux.rootfsPropagation`
+    /// is set too.
     pub fn apply_to_config(&self, config: &mut serde_json::Value) {
         if !config.is_object() {
             *config = serde_json::Value::Object(serde_json::Map::new());
@@ -268,6 +274,17 @@ impl OciPrepared {
         let object = config
             .as_object_mut()
             .expect("config was just made an object");
+        let current = object
+            .get("linux")
+            .and_then(|l| l.get("rootfsPropagation"))
+            .and_then(|p| p.as_str());
+        if let Some(value) = rootfs_propagation_for(current, self.rootfs_propagation()) {
+            let linux = array_in(object, "linux", None);
+            linux
+                .as_object_mut()
+                .expect("linux was just made an object")
+                .insert("rootfsPropagation".to_string(), value.into());
+        }
         let mounts = object
             .entry("mounts")
             .or_insert_with(|| serde_json::Value::Array(Vec::new()));
@@ -316,6 +333,47 @@ impl OciPrepared {
         let rules = rules.as_array_mut().expect("rules were just made an array");
         // After the runtime's own rules (a default deny first): the last match decides.
         rules.extend(self.devices.iter().map(OciDevice::cgroup_rule));
+    }
+}
+
+impl OciPrepared {
+    /// The strongest propagation the volumes' entries ask for (`rshared` over `rslave` over
+    /// private), which the runtime's `rootfsPropagation` must allow ([`rootfs_propagation_for`]).
+    /// Read from the entries' options, so entries rebuilt from PrepareOci's answer give it too.
+    pub fn rootfs_propagation(&self) -> VolumePropagation {
+        let asks = |option: &str| {
+            self.mounts
+                .iter()
+                .any(|m| m.options.iter().any(|o| o == option))
+        };
+        if asks(propagation_option(VolumePropagation::Rshared)) {
+            VolumePropagation::Rshared
+        } else if asks(propagation_option(VolumePropagation::Rslave)) {
+            VolumePropagation::Rslave
+        } else {
+            VolumePropagation::Private
+        }
+    }
+}
+
+/// The `linux.rootfsPropagation` a runtime config must be given so that its binds can carry `need`,
+/// or `None` when its value (`current`; `None` is runc's default, `rslave`) does already. runc makes
+/// the new namespace's mounts `rootfsPropagation` before binding the volumes: an rshared bind stays a
+/// peer of the host mount point only under `shared` or `rshared` (under a slave root it becomes a
+/// slave, its mounts never reaching the host); an rslave bind keeps a master under anything but a
+/// private or unbindable root.
+pub fn rootfs_propagation_for(
+    current: Option<&str>,
+    need: VolumePropagation,
+) -> Option<&'static str> {
+    let shared = matches!(current, Some("shared" | "rshared"));
+    let slave = current.is_none() || matches!(current, Some("slave" | "rslave"));
+    match need {
+        VolumePropagation::Private => None,
+        VolumePropagation::Rslave if shared || slave => None,
+        VolumePropagation::Rslave => Some("rslave"),
+        VolumePropagation::Rshared if shared => None,
+        VolumePropagation::Rshared => Some("rshared"),
     }
 }
 
@@ -1283,6 +1341,85 @@ mod tests {
         prepared.apply_to_config(&mut empty);
         assert_eq!(empty["mounts"].as_array().unwrap().len(), 2);
         assert!(empty["process"].is_object());
+    }
+
+    #[test]
+    fn rootfs_propagation_for_table() {
+        use VolumePropagation::{Private, Rshared, Rslave};
+        let cases: &[(Option<&str>, VolumePropagation, Option<&str>)] = &[
+            (None, Private, None),
+            (Some("rprivate"), Private, None),
+            // runc's default (absent) is rslave: enough for rslave, not for rshared.
+            (None, Rslave, None),
+            (None, Rshared, Some("rshared")),
+            (Some("rslave"), Rslave, None),
+            (Some("slave"), Rslave, None),
+            (Some("shared"), Rslave, None),
+            (Some("rshared"), Rslave, None),
+            (Some("private"), Rslave, Some("rslave")),
+            (Some("rprivate"), Rslave, Some("rslave")),
+            (Some("runbindable"), Rslave, Some("rslave")),
+            (Some("shared"), Rshared, None),
+            (Some("rshared"), Rshared, None),
+            (Some("rslave"), Rshared, Some("rshared")),
+            (Some("rprivate"), Rshared, Some("rshared")),
+            (Some(""), Rshared, Some("rshared")),
+        ];
+        for (current, need, want) in cases {
+            assert_eq!(
+                rootfs_propagation_for(*current, *need),
+                *want,
+                "{current:?} for {need}"
+            );
+        }
+    }
+
+    #[test]
+    fn apply_to_config_sets_the_rootfs_propagation_the_binds_need() {
+        let entry = |destination: &str, propagation: VolumePropagation| OciMount {
+            destination: destination.into(),
+            kind: "bind".into(),
+            source: format!("/s{destination}"),
+            options: vec![
+                "rbind".into(),
+                propagation_option(propagation).into(),
+                "rw".into(),
+            ],
+        };
+        let with = |mounts: Vec<OciMount>| OciPrepared {
+            mounts,
+            ..OciPrepared::default()
+        };
+        let private = with(vec![entry("/a", VolumePropagation::Private)]);
+        let slave = with(vec![
+            entry("/a", VolumePropagation::Private),
+            entry("/b", VolumePropagation::Rslave),
+        ]);
+        let shared = with(vec![
+            entry("/b", VolumePropagation::Rslave),
+            entry("/c", VolumePropagation::Rshared),
+        ]);
+        assert_eq!(private.rootfs_propagation(), VolumePropagation::Private);
+        assert_eq!(slave.rootfs_propagation(), VolumePropagation::Rslave);
+        assert_eq!(shared.rootfs_propagation(), VolumePropagation::Rshared);
+
+        // Nothing added where nothing is needed, or the runtime's default serves.
+        for p in [&private, &slave] {
+            let mut config = serde_json::json!({"process": {}});
+            p.apply_to_config(&mut config);
+            assert!(config.get("linux").is_none(), "{config}");
+        }
+        let mut config = serde_json::json!({"linux": {"namespaces": []}});
+        shared.apply_to_config(&mut config);
+        assert_eq!(config["linux"]["rootfsPropagation"], "rshared");
+        assert!(config["linux"]["namespaces"].is_array());
+        // A private root is raised for rslave; a shared one is kept.
+        let mut config = serde_json::json!({"linux": {"rootfsPropagation": "rprivate"}});
+        slave.apply_to_config(&mut config);
+        assert_eq!(config["linux"]["rootfsPropagation"], "rslave");
+        let mut config = serde_json::json!({"linux": {"rootfsPropagation": "shared"}});
+        shared.apply_to_config(&mut config);
+        assert_eq!(config["linux"]["rootfsPropagation"], "shared");
     }
 
     #[test]

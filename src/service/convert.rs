@@ -169,7 +169,12 @@ impl From<LaunchInfo> for proto::LaunchInfo {
 
 impl From<OciPrepared> for proto::OciLaunchInfo {
     fn from(prepared: OciPrepared) -> Self {
+        let rootfs_propagation = match prepared.rootfs_propagation() {
+            VolumePropagation::Private => String::new(),
+            need => need.as_str().to_string(),
+        };
         proto::OciLaunchInfo {
+            rootfs_propagation,
             mounts: prepared
                 .mounts
                 .into_iter()

@@ -897,6 +897,20 @@ pub fn fs_types(kind: BackingKind) -> Vec<&'static str> {
     }
 }
 
+/// The smallest xfs filesystem `mkfs.xfs` makes: xfsprogs 5.19 and later refuse anything under
+/// 300 MiB ("Filesystem must be larger than 300MB"; 300 MiB itself is accepted).
+pub const XFS_MIN_BYTES: u64 = 300 << 20;
+
+/// The smallest image mkfs makes a filesystem of `fs_type` on (0: no minimum beyond the backing's
+/// own, [`MIN_LOOP_BYTES`]). CreateVolume raises a smaller request to it, as it raises one to
+/// [`MIN_LOOP_BYTES`], and refuses a `limit_bytes` under it.
+pub fn min_fs_bytes(fs_type: &str) -> u64 {
+    match fs_type {
+        "xfs" => XFS_MIN_BYTES,
+        _ => 0,
+    }
+}
+
 /// The mkfs program for `fs_type`.
 pub fn mkfs_program(fs_type: &str) -> String {
     format!("mkfs.{fs_type}")

@@ -380,7 +380,16 @@ impl Plugin {
             }
         }
 
-        let size = self.backing.size_for(required);
+        // The filesystem's own minimum (xfs: 300 MiB) raises the size like the backing's does.
+        let min_fs = fs_type.as_deref().map_or(0, super::backing::min_fs_bytes);
+        if limit != 0 && limit < min_fs {
+            return Err(PluginError::BelowFsMinimum {
+                fs_type: fs_type.unwrap_or_default(),
+                limit,
+                minimum: min_fs,
+            });
+        }
+        let size = self.backing.size_for(required).max(min_fs);
         if limit != 0 && size > limit {
             return Err(PluginError::CapacityOutOfRange {
                 requested: size,

@@ -305,6 +305,16 @@ pub enum PluginError {
         /// Total capacity.
         total: u64,
     },
+    /// CreateVolume's `limit_bytes` is under the smallest filesystem of the asked fs type mkfs makes.
+    #[error("CreateVolume: limit_bytes {limit} is under the {minimum} bytes mkfs makes a {fs_type} filesystem of at least: allow {minimum} bytes or ask another fs_type")]
+    BelowFsMinimum {
+        /// The fs type asked.
+        fs_type: String,
+        /// The limit asked.
+        limit: u64,
+        /// The fs type's minimum.
+        minimum: u64,
+    },
     /// CreateVolume's requisite topologies do not include where this plugin's volumes are.
     #[error("CreateVolume: no requisite topology ({requisite}) covers this plugin's volumes, which are at {ours}")]
     TopologyUnreachable {

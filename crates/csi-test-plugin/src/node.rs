@@ -94,7 +94,7 @@ impl Plugin {
                 volume_id: volume_id.to_string(),
             });
         }
-        let record = VolumeRecord {
+        let mut record = VolumeRecord {
             version: RECORD_VERSION,
             id: volume_id.to_string(),
             name: volume_id.to_string(),
@@ -119,6 +119,9 @@ impl Plugin {
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
         };
+        // As CreateVolume: at least the smallest filesystem of its type (xfs: 300 MiB).
+        let min_fs = super::backing::min_fs_bytes(&volume_fs_type(&record, self.backing.kind()));
+        record.capacity_bytes = record.capacity_bytes.max(min_fs);
         self.provision(rpc, &record, cap.is_some_and(is_block))?;
         tracing::info!(volume_id, "node-only plugin adopted volume");
         Ok(record)

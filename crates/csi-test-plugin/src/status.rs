@@ -61,7 +61,9 @@ pub fn code_of(err: &PluginError) -> Code {
         PluginError::NameConflict { .. }
         | PluginError::PublishConflict { .. }
         | PluginError::PathConflict { .. } => Code::AlreadyExists,
-        PluginError::CapacityOutOfRange { .. } => Code::OutOfRange,
+        PluginError::CapacityOutOfRange { .. } | PluginError::BelowFsMinimum { .. } => {
+            Code::OutOfRange
+        }
         PluginError::CapacityExhausted { .. }
         | PluginError::FilesystemFull { .. }
         | PluginError::TopologyUnreachable { .. } => Code::ResourceExhausted,
@@ -155,6 +157,14 @@ mod tests {
                 PluginError::CapacityOutOfRange {
                     requested: 2,
                     total: 1,
+                },
+                Code::OutOfRange,
+            ),
+            (
+                PluginError::BelowFsMinimum {
+                    fs_type: "xfs".into(),
+                    limit: 1,
+                    minimum: 2,
                 },
                 Code::OutOfRange,
             ),
