@@ -9,10 +9,15 @@
 //!             "create_parameters": {"type": "ssd"}}}}
 //! ```
 //!
-//! A profile gives a volume's capability (access mode, mount flags, file
-//! system) and its CreateVolume parameters; `csi_plugin_type_selector`, when
-//! present, limits it to plugins of that type (`resource_provider_selector`
-//! is not read). The file is the operator's, but it is read by root and
+//! A profile gives a volume's capability (access mode; `mount` with its file
+//! system and flags, checked by [`Capability::set_mount`] like every other
+//! entry point's, or `block`) and its CreateVolume parameters;
+//! `csi_plugin_type_selector`, when present, limits it to plugins of that
+//! type (`resource_provider_selector` is accepted and not read). One key is
+//! csi-isolator's: `secrets_file`, the absolute path of its volumes' secrets
+//! file, checked as `--mount`'s `secrets=` ([`crate::provider::secrets`]
+//! reads the file at each call). Unknown keys are refused, at every level
+//! (Mesos ignores them): a misspelt key would silently drop what it names. The file is the operator's, but it is read by root and
 //! turns into what a driver mounts: it must be a regular file, owned by root
 //! and writable by nobody else, in a directory that passes the work dir's
 //! rule, or it is refused ([`load`]). Its size, the number of profiles and
