@@ -551,7 +551,7 @@ impl StorageProvider {
 
 impl StorageProvider {
     /// Creates (or finds, with the same parameters) the volume of every
-    /// profile disk of this provider among `resources` ([`profile_disk`])
+    /// profile disk of this provider among `resources` ([`profiles::profile_disk`])
     /// with its profile's capability, parameters and secrets file, and puts
     /// its source (id, relative mount root, metadata; of type `BLOCK` for a
     /// block profile) in the resource, keeping everything else. A profile
