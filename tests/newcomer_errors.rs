@@ -205,7 +205,7 @@ fn an_access_mode_csi_does_not_define_is_refused_naming_the_ones_it_does() {
                 "single_node_writer",
             ],
             &[
-                &format!("volume {verb} data: --access-mode"),
+                &format!("volume {verb} data: option '--access-mode'"),
                 "unknown CSI access mode 'single_node_writer'",
                 "expected one of SINGLE_NODE_WRITER, SINGLE_NODE_READER_ONLY",
             ],

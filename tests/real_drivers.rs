@@ -912,6 +912,106 @@ fn run_creates_a_profile_disk_with_the_profiles_parameters() {
     sb.assert_no_mounts_under();
 }
 
+/// A profile of block volumes (`volume_capabilities.block`): a RAW or BLOCK profile disk through it
+/// is a block volume, a device file in the container that one run writes and the next reads; a
+/// MOUNT disk through it, and a BLOCK disk through a profile of mount volumes, are refused naming
+/// both, nothing created.
+#[test]
+fn a_block_profile_disk_is_a_device_file_in_the_container() {
+    require_root();
+    let sb = Sandbox::new("profile-block");
+    let work = sb.join("work");
+    let profiles = sb.mkdir("profiles").join("profiles.json");
+    std::fs::write(
+        &profiles,
+        r#"{"profile_matrix": {
+            "raw": {"volume_capabilities": {"block": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}},
+            "fs": {"volume_capabilities": {"mount": {"fs_type": "ext4"}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}}}}"#,
+    )
+    .unwrap();
+    let resources = sb.join("res.json");
+    let run = |disk: serde_json::Value, script: &str| {
+        std::fs::write(&resources, serde_json::json!([disk]).to_string()).unwrap();
+        isolator_command(CLI, &work)
+            .args(["run", "--disk-profiles"])
+            .arg(&profiles)
+            .arg("--resources")
+            .arg(&resources)
+            .args(["--", "sh", "-c", script])
+            .output()
+            .unwrap()
+    };
+    let typed = |kind: &str, profile: &str, name: &str| {
+        let mut disk = profile_disk(profile, name);
+        disk["disk"]["source"]["type"] = kind.into();
+        disk
+    };
+    let list = || -> Vec<String> {
+        let out = isolator_command(CLI, &work)
+            .args(["volume", "list", "--json"])
+            .output()
+            .unwrap();
+        let listed: serde_json::Value = serde_json::from_str(&ok(out, "list")).unwrap();
+        let mut volumes: Vec<String> = listed
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| format!("{} {}", v["name"], v["capability"]["access_type"]))
+            .collect();
+        volumes.sort();
+        volumes
+    };
+    let err = refused(
+        run(typed("MOUNT", "raw", "pv-m"), "true"),
+        "a MOUNT disk through a block profile",
+    );
+    assert!(
+        err.contains("disk.source.type MOUNT asks for a mount volume, but disk profile 'raw' makes block volumes"),
+        "{err}"
+    );
+    let err = refused(
+        run(typed("BLOCK", "fs", "pv-b"), "true"),
+        "a BLOCK disk through a mount profile",
+    );
+    assert!(
+        err.contains("disk.source.type BLOCK asks for a block volume, but disk profile 'fs' makes mount volumes"),
+        "{err}"
+    );
+    assert!(list().is_empty(), "nothing created: {:?}", list());
+
+    let wrote = ok(
+        run(
+            profile_disk("raw", "pv-raw"),
+            "test -b data && printf block-data | dd of=data conv=notrunc status=none && echo written",
+        ),
+        "a RAW disk through a block profile",
+    );
+    assert_eq!(wrote, "written\n");
+    let read = ok(
+        run(
+            typed("BLOCK", "raw", "pv-raw"),
+            "test -b data && head -c 10 data",
+        ),
+        "the same disk, typed BLOCK",
+    );
+    assert_eq!(read, "block-data");
+    let fs = ok(
+        run(
+            typed("MOUNT", "fs", "pv-fs"),
+            "test -d data && df -T data | tail -1 | grep -q ext4 && echo fs",
+        ),
+        "a MOUNT disk through a mount profile",
+    );
+    assert_eq!(fs, "fs\n");
+    assert_eq!(
+        list(),
+        ["\"pv-fs\" null", "\"pv-raw\" \"block\""],
+        "a block volume and a mount one"
+    );
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
 #[test]
 fn a_profiles_file_someone_else_can_write_is_refused() {
     use std::os::unix::fs::PermissionsExt;

@@ -920,3 +920,182 @@ fn run_mount_names_the_secrets_file() {
     }
     s.sb.assert_no_mounts_under();
 }
+
+/// A disk profile's `secrets_file` (csi-isolator's extension key): a profile disk made through it
+/// carries the file's secrets to its RPCs (the plugin requires them); a profile without it fails
+/// at CreateVolume; the same disk through a profile naming another file is refused naming that
+/// file. No secret value is shown or written anywhere.
+#[test]
+fn a_profile_names_the_secrets_file() {
+    let s = Setup::new("secrets-profile");
+    let other = s.sb.join("secrets/other.json");
+    write_secrets(&other, &s.values.file("v1", None));
+    let profiles = s.sb.mkdir("profiles").join("profiles.json");
+    std::fs::write(
+        &profiles,
+        serde_json::json!({"profile_matrix": {
+            "vault": {"volume_capabilities": {"mount": {}}, "secrets_file": s.volume_file},
+            "moved": {"secrets_file": other},
+            "bare": {}}})
+        .to_string(),
+    )
+    .unwrap();
+    let resources = s.sb.join("res.json");
+    let run = |profile: &str, name: &str| {
+        let disk = serde_json::json!([{
+            "name": "disk", "type": "SCALAR", "scalar": {"value": 4},
+            "provider_id": {"value": "csi-test-plugin.csi-isolator.io.default"},
+            "disk": {"source": {"type": "RAW", "profile": profile},
+                     "persistence": {"id": name},
+                     "volume": {"container_path": "data", "mode": "RW"}}}]);
+        std::fs::write(&resources, disk.to_string()).unwrap();
+        isolator_command(CLI, &s.work)
+            .env("RUST_LOG", "trace")
+            .args([
+                "run",
+                "--plugin-arg=--backing=dir",
+                &format!("--plugin-arg=--require-secrets={}", s.plugin_file.display()),
+                "--disk-profiles",
+            ])
+            .arg(&profiles)
+            .arg("--resources")
+            .arg(&resources)
+            .args(["--", "sh", "-c", "echo kept >> data/f; cat data/f"])
+            .output()
+            .unwrap()
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let first = run("vault", "pv1");
+    assert!(first.status.success(), "{}", text(&first.stderr));
+    assert_eq!(text(&first.stdout), "kept\n");
+    assert!(
+        text(&first.stderr).contains("TRACE"),
+        "the search below is not vacuous"
+    );
+    let again = run("vault", "pv1");
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout), "kept\nkept\n");
+    let moved = run("moved", "pv1");
+    assert!(!moved.status.success());
+    assert!(
+        text(&moved.stderr).contains(&other.display().to_string()),
+        "names the file asked: {}",
+        text(&moved.stderr)
+    );
+    let bare = run("bare", "pv2");
+    assert!(!bare.status.success(), "no secrets: refused by the plugin");
+    assert!(
+        text(&bare.stderr).contains("CreateVolume"),
+        "{}",
+        text(&bare.stderr)
+    );
+    for out in [&first, &again, &moved, &bare] {
+        assert!(
+            !text(&out.stderr).contains(&s.values.needle()),
+            "a secret value shown: {}",
+            text(&out.stderr)
+        );
+    }
+    let mut files = Vec::new();
+    walk(&s.work, &mut files);
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap_or_default();
+        let found = String::from_utf8_lossy(&bytes).contains(&s.values.needle());
+        assert!(!found, "a secret value is in {}", f.display());
+    }
+    s.sb.assert_no_mounts_under();
+}
+
+/// `volume create --secrets FILE` and `volume import --secrets FILE`, against a plugin that
+/// requires the secrets: a create without them fails at CreateVolume; with them the volume is
+/// created, published (stage and publish carry them) and deleted; an import of it by id in
+/// another work dir without them fails at its first publish, with them it is published. No
+/// secret value is shown or written anywhere.
+#[test]
+fn volume_create_and_import_take_the_secrets_file() {
+    let s = Setup::new("secrets-volume-cli");
+    let plugin = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(csi_isolator_testing::PluginProcess::start(
+            &s.sb,
+            plugin_bin(),
+            &[
+                "--backing",
+                "dir",
+                "--require-secrets",
+                s.plugin_file.to_str().unwrap(),
+            ],
+        ));
+    let endpoint = plugin.endpoint();
+    let secrets = s.volume_file.display().to_string();
+    let imported = s.sb.mkdir("imported");
+    let mut shown = Vec::new();
+    let mut volume = |work: &Path, args: &[&str], succeeds: bool| -> String {
+        let out = isolator_command(CLI, work)
+            .env("RUST_LOG", "trace")
+            .args(["volume", "--plugin-endpoint", &endpoint])
+            .args(args)
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        );
+        assert_eq!(out.status.success(), succeeds, "{args:?}: {stderr}");
+        shown.push(format!("{stdout}{stderr}"));
+        if succeeds {
+            stdout
+        } else {
+            stderr
+        }
+    };
+    let err = volume(&s.work, &["create", "bare", "4M"], false);
+    assert!(err.contains("CreateVolume"), "{err}");
+    let created = volume(
+        &s.work,
+        &["create", "vault", "4M", "--secrets", &secrets],
+        true,
+    );
+    let res: serde_json::Value = serde_json::from_str(&created).unwrap();
+    let id = res["disk"]["source"]["id"].as_str().unwrap().to_string();
+    volume(&s.work, &["publish", "vault", "--container", "c1"], true);
+    volume(&s.work, &["release", "vault", "--container", "c1"], true);
+
+    // Without the file (a work dir of its own: the same id is recorded once per work dir).
+    let plain = s.sb.mkdir("plain");
+    volume(&plain, &["import", "plain", "--volume-id", &id], true);
+    let err = volume(&plain, &["publish", "plain", "--container", "c2"], false);
+    assert!(
+        err.contains("ControllerPublishVolume") && err.contains("secret 'token' is missing"),
+        "the RPC refused is named: {err}"
+    );
+    volume(
+        &imported,
+        &["import", "kept", "--volume-id", &id, "--secrets", &secrets],
+        true,
+    );
+    volume(&imported, &["publish", "kept", "--container", "c2"], true);
+    volume(&imported, &["release", "kept", "--container", "c2"], true);
+    volume(&imported, &["destroy", "kept"], true);
+
+    volume(&s.work, &["destroy", "vault"], true);
+    for text in &shown {
+        assert!(
+            !text.contains(&s.values.needle()),
+            "a secret value shown: {text}"
+        );
+    }
+    let mut files = Vec::new();
+    walk(&s.work, &mut files);
+    walk(&imported, &mut files);
+    walk(&plain, &mut files);
+    for f in &files {
+        let bytes = std::fs::read(f).unwrap_or_default();
+        let found = String::from_utf8_lossy(&bytes).contains(&s.values.needle());
+        assert!(!found, "a secret value is in {}", f.display());
+    }
+    drop(plugin);
+    s.sb.assert_no_mounts_under();
+}

@@ -551,29 +551,32 @@ impl StorageProvider {
 
 impl StorageProvider {
     /// Creates (or finds, with the same parameters) the volume of every
-    /// profile disk of this provider among `resources` ([`profile_disk`])
-    /// and puts its source (id, relative mount root, metadata) in the
-    /// resource, keeping everything else. A profile the profiles file lacks,
-    /// or a profile disk without what names it, is refused naming the
-    /// resource.
+    /// profile disk of this provider among `resources` ([`profiles::profile_disk`])
+    /// with its profile's capability, parameters and secrets file, and puts
+    /// its source (id, relative mount root, metadata; of type `BLOCK` for a
+    /// block profile) in the resource, keeping everything else. A profile
+    /// the profiles file lacks, a profile disk without what names it, or one
+    /// whose type asks for another kind of volume than its profile makes
+    /// ([`profiles::kind_mismatch`]), is refused naming the resource.
     pub async fn create_profile_disks(
         &self,
         resources: &mut [Resource],
     ) -> Result<(), ProviderError> {
         for r in resources.iter_mut() {
-            let (profile, name, bytes) = match profiles::profile_disk(r, self.id()) {
+            let (profile, name, bytes, asks) = match profiles::profile_disk(r, self.id()) {
                 profiles::ProfileDisk::Keep => continue,
                 profiles::ProfileDisk::Refuse(why) => {
                     return Err(ProviderError::BadProfileDisk {
                         resource: r.describe(),
-                        why,
+                        why: why.to_string(),
                     })
                 }
                 profiles::ProfileDisk::Create {
                     profile,
                     name,
                     bytes,
-                } => (profile.to_string(), name.to_string(), bytes),
+                    asks,
+                } => (profile.to_string(), name.to_string(), bytes, asks),
             };
             let profiles = self.config().disk_profiles.as_deref();
             let found = profiles.and_then(|p| p.get(&profile, &self.config().plugin_type));
@@ -584,9 +587,17 @@ impl StorageProvider {
                     file: profiles.map(|p| p.file.clone()),
                 });
             };
+            let made = found.capability.access_type;
+            if let Some(why) = profiles::kind_mismatch(asks, &profile, made) {
+                return Err(ProviderError::BadProfileDisk {
+                    resource: r.describe(),
+                    why,
+                });
+            }
             let mut spec = CreateSpec::new(name, bytes);
             spec.capability = found.capability.clone();
             spec.parameters = found.parameters.clone();
+            spec.secrets_file = found.secrets_file.clone();
             spec.profile = Some(profile);
             let created = self.create_volume(spec).await?;
             let disk = r.disk.get_or_insert_with(Default::default);

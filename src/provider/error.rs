@@ -259,8 +259,8 @@ pub enum ProviderError {
     BadProfileDisk {
         /// The resource.
         resource: String,
-        /// What is missing.
-        why: &'static str,
+        /// What is missing or does not fit.
+        why: String,
     },
     /// A disk resource with a profile the profiles file does not define.
     #[error("resource {resource}: disk profile '{profile}' is not in the profiles file{}", file.as_ref().map(|f| format!(" {}", f.display())).unwrap_or_else(|| " (none given: pass --disk-profiles FILE)".to_string()))]

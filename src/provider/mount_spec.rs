@@ -246,6 +246,15 @@ impl VolumeOptions {
         }
     }
 
+    /// A new volume `name` with these options (`volume create`, and a mount's volume when none
+    /// of that name exists yet).
+    pub fn create_spec(&self, name: &str) -> super::CreateSpec {
+        let mut spec = super::CreateSpec::new(name, self.size_bytes.unwrap_or(0));
+        self.apply(&mut spec.capability);
+        spec.secrets_file = self.secrets.clone();
+        spec
+    }
+
     /// The capability asked for, when it differs from that of the volume that exists (a volume
     /// is used as it is only when nothing asked differs; what was not asked is the volume's).
     pub fn differs_from(&self, existing: &Capability) -> Option<Capability> {
@@ -418,10 +427,7 @@ impl MountSpec {
 
     /// What to create when no volume of this name exists yet.
     pub fn create_spec(&self, name: &str) -> super::CreateSpec {
-        let mut spec = super::CreateSpec::new(name, self.volume.size_bytes.unwrap_or(0));
-        self.volume.apply(&mut spec.capability);
-        spec.secrets_file = self.volume.secrets.clone();
-        spec
+        self.volume.create_spec(name)
     }
 }
 

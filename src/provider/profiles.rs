@@ -9,10 +9,15 @@
 //!             "create_parameters": {"type": "ssd"}}}}
 //! ```
 //!
-//! A profile gives a volume's capability (access mode, mount flags, file
-//! system) and its CreateVolume parameters; `csi_plugin_type_selector`, when
-//! present, limits it to plugins of that type (`resource_provider_selector`
-//! is not read). The file is the operator's, but it is read by root and
+//! A profile gives a volume's capability (access mode; `mount` with its file
+//! system and flags, checked by [`Capability::set_mount`] like every other
+//! entry point's, or `block`) and its CreateVolume parameters;
+//! `csi_plugin_type_selector`, when present, limits it to plugins of that
+//! type (`resource_provider_selector` is accepted and not read). One key is
+//! csi-isolator's: `secrets_file`, the absolute path of its volumes' secrets
+//! file, checked as `--mount`'s `secrets=` ([`crate::provider::secrets`]
+//! reads the file at each call). Unknown keys are refused, at every level
+//! (Mesos ignores them): a misspelt key would silently drop what it names. The file is the operator's, but it is read by root and
 //! turns into what a driver mounts: it must be a regular file, owned by root
 //! and writable by nobody else, in a directory that passes the work dir's
 //! rule, or it is refused ([`load`]). Its size, the number of profiles and
@@ -24,8 +29,9 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use crate::provider::mount_spec::{Key, VolumeOptions};
 use crate::provider::parameters::{self, ParameterError};
-use crate::provider::state::Capability;
+use crate::provider::state::{AccessType, Capability};
 use crate::resource::{Resource, SourceType};
 use crate::workdir::{self, Problem, RootFileError};
 
@@ -49,6 +55,8 @@ pub struct Profile {
     pub parameters: BTreeMap<String, String>,
     /// The plugin type it is limited to, if any.
     pub plugin_type: Option<String>,
+    /// Its volumes' secrets file (the `secrets_file` extension key), an absolute path.
+    pub secrets_file: Option<PathBuf>,
 }
 
 /// The profiles of one file.
@@ -119,47 +127,115 @@ pub enum ProfileError {
     },
 }
 
+// Unknown keys are refused at every level (`deny_unknown_fields`), unlike Mesos' adaptor, which
+// parses with protobuf's `ignore_unknown_fields`: a misspelt `mount_flags` or `secrets_file`
+// ignored would make volumes without them, in a file that decides what root mounts. The names
+// protobuf's JSON also accepts (lowerCamelCase) are read as the same keys, so a file Mesos reads
+// is read the same way here, or refused naming the key.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Matrix {
+    #[serde(alias = "profileMatrix")]
     profile_matrix: BTreeMap<String, Entry>,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Entry {
-    #[serde(default)]
+    #[serde(default, alias = "csiPluginTypeSelector")]
     csi_plugin_type_selector: Option<TypeSelector>,
-    #[serde(default)]
+    /// Mesos' other selector: accepted and not read (see the module doc).
+    #[serde(default, alias = "resourceProviderSelector")]
+    #[allow(dead_code)]
+    resource_provider_selector: Option<serde::de::IgnoredAny>,
+    #[serde(default, alias = "volumeCapabilities")]
     volume_capabilities: Option<Capabilities>,
-    #[serde(default)]
+    #[serde(default, alias = "createParameters")]
     create_parameters: BTreeMap<String, String>,
+    /// csi-isolator's extension: the volume's secrets file.
+    #[serde(default)]
+    secrets_file: Option<String>,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct TypeSelector {
+    #[serde(alias = "pluginType")]
     plugin_type: String,
 }
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct Capabilities {
     #[serde(default)]
     mount: Option<MountCapability>,
     #[serde(default)]
-    block: Option<serde_json::Value>,
-    #[serde(default)]
+    block: Option<BlockCapability>,
+    #[serde(default, alias = "accessMode")]
     access_mode: Option<AccessMode>,
 }
 
 #[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
 struct MountCapability {
-    #[serde(default)]
+    #[serde(default, alias = "fsType")]
     fs_type: String,
-    #[serde(default)]
+    #[serde(default, alias = "mountFlags")]
     mount_flags: Vec<String>,
 }
 
+/// CSI's `BlockVolume`, which has no fields.
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BlockCapability {}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct AccessMode {
     mode: String,
+}
+
+/// A profile's capability: block or mount (CSI's `access_type` is one of them), the mount's fs
+/// type and flags through [`Capability::set_mount`], the mode through
+/// [`Capability::set_access_mode`] (the checks every other entry point uses).
+fn capability_of(caps: Option<Capabilities>) -> Result<Capability, String> {
+    let mut capability = Capability::default();
+    let Some(caps) = caps else {
+        return Ok(capability);
+    };
+    match (caps.mount, caps.block) {
+        (Some(_), Some(_)) => {
+            return Err(
+                "volume_capabilities has both mount and block: a volume is one or the other".into(),
+            )
+        }
+        (None, Some(BlockCapability {})) => capability.access_type = AccessType::Block,
+        (mount, None) => {
+            let mount = mount.unwrap_or_default();
+            capability
+                .set_mount(&mount.fs_type, &mount.mount_flags)
+                .map_err(|e| format!("volume_capabilities.mount.{}: {e}", e.field))?;
+        }
+    }
+    if let Some(mode) = caps.access_mode {
+        capability
+            .set_access_mode(&mode.mode)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(capability)
+}
+
+/// A profile's `secrets_file`, by the rule of `--mount`'s `secrets=` (an absolute path; the
+/// file itself is checked when a call reads it, [`crate::provider::secrets`]).
+fn secrets_file_of(written: Option<String>) -> Result<Option<PathBuf>, String> {
+    let Some(path) = written else {
+        return Ok(None);
+    };
+    let mut options = VolumeOptions::default();
+    options
+        .set(Key::Secrets, "secrets_file", &path)
+        .map_err(|e| e.to_string())?;
+    Ok(options.secrets)
 }
 
 impl Profiles {
@@ -187,29 +263,15 @@ impl Profiles {
             };
             parameters::check_key(&name).map_err(|e| bad(profile_name_reason(e)))?;
             parameters::check(&entry.create_parameters).map_err(|e| bad(e.to_string()))?;
-            let mut capability = Capability::default();
-            if let Some(caps) = entry.volume_capabilities {
-                if caps.block.is_some() {
-                    return Err(bad(
-                        "block volumes are not supported (volumes are mounted on directories)"
-                            .into(),
-                    ));
-                }
-                let mount = caps.mount.unwrap_or_default();
-                capability.fs_type = mount.fs_type;
-                capability.mount_flags = mount.mount_flags;
-                if let Some(mode) = caps.access_mode {
-                    capability
-                        .set_access_mode(&mode.mode)
-                        .map_err(|e| bad(e.to_string()))?;
-                }
-            }
+            let capability = capability_of(entry.volume_capabilities).map_err(bad)?;
+            let secrets_file = secrets_file_of(entry.secrets_file).map_err(bad)?;
             profiles.insert(
                 name,
                 Profile {
                     capability,
                     parameters: entry.create_parameters,
                     plugin_type: entry.csi_plugin_type_selector.map(|s| s.plugin_type),
+                    secrets_file,
                 },
             );
         }
@@ -279,6 +341,10 @@ pub enum ProfileDisk<'a> {
         name: &'a str,
         /// The resource's size.
         bytes: u64,
+        /// The kind of volume its `disk.source.type` asks for: `MOUNT` a filesystem, `BLOCK` a
+        /// block device, `RAW` (`None`) the kind its profile makes (Mesos' CREATE_DISK turns a
+        /// RAW disk into either); see [`kind_mismatch`].
+        asks: Option<AccessType>,
     },
     /// A profile disk that cannot be made: why.
     Refuse(&'static str),
@@ -298,11 +364,16 @@ pub fn profile_disk<'a>(r: &'a Resource, provider_id: &str) -> ProfileDisk<'a> {
     if r.provider_id() != Some(provider_id) || source.id.is_some() {
         return ProfileDisk::Keep;
     }
-    if !matches!(source.kind, SourceType::Mount | SourceType::Raw) {
-        return ProfileDisk::Refuse(
-            "a profile disk becomes a MOUNT volume: give disk.source.type MOUNT (or RAW)",
-        );
-    }
+    let asks = match source.kind {
+        SourceType::Raw => None,
+        SourceType::Mount => Some(AccessType::Mount),
+        SourceType::Block => Some(AccessType::Block),
+        _ => {
+            return ProfileDisk::Refuse(
+                "a profile disk becomes a MOUNT or BLOCK volume: give disk.source.type MOUNT, BLOCK or RAW (the profile's kind)",
+            )
+        }
+    };
     let Some(name) = r.persistence_id() else {
         return ProfileDisk::Refuse(
             "a profile disk needs disk.persistence.id, the name of the volume it creates",
@@ -313,9 +384,34 @@ pub fn profile_disk<'a>(r: &'a Resource, provider_id: &str) -> ProfileDisk<'a> {
             profile,
             name,
             bytes,
+            asks,
         },
         _ => ProfileDisk::Refuse("a profile disk needs a scalar size above 0 (MB)"),
     }
+}
+
+/// Why a profile disk cannot be made with `profile`, when its `disk.source.type` asks for
+/// another kind of volume (`asks`, see [`ProfileDisk::Create`]) than the profile makes: a MOUNT
+/// disk with a block profile, or a BLOCK disk with a mount one. Names both.
+pub fn kind_mismatch(asks: Option<AccessType>, profile: &str, made: AccessType) -> Option<String> {
+    let asks = asks?;
+    if asks == made {
+        return None;
+    }
+    let source_type = |t: AccessType| match t {
+        AccessType::Mount => "MOUNT",
+        AccessType::Block => "BLOCK",
+    };
+    Some(format!(
+        "disk.source.type {} asks for a {} volume, but disk profile '{}' makes {} volumes (volume_capabilities.{}): give disk.source.type {} or RAW, or a profile of {} volumes",
+        source_type(asks),
+        asks.as_str(),
+        crate::shown::shown(profile),
+        made.as_str(),
+        made.as_str(),
+        source_type(made),
+        asks.as_str(),
+    ))
 }
 
 #[cfg(test)]
@@ -342,9 +438,18 @@ mod tests {
             ProfileDisk::Create {
                 profile: "fast",
                 name: "vol-a",
-                bytes: 16 << 20
+                bytes: 16 << 20,
+                asks: None,
             }
         );
+        for (kind, asks) in [("MOUNT", AccessType::Mount), ("BLOCK", AccessType::Block)] {
+            let typed = serde_json::json!({"type": kind, "profile": "fast"});
+            assert!(
+                matches!(profile_disk(&disk(typed, true, "p"), "p"),
+                    ProfileDisk::Create { asks: Some(a), .. } if a == asks),
+                "{kind}"
+            );
+        }
         assert_eq!(
             profile_disk(&disk(raw.clone(), true, "q"), "p"),
             ProfileDisk::Keep
@@ -393,6 +498,62 @@ mod tests {
     }
 
     #[test]
+    fn block_profiles_and_secrets_files_are_read() {
+        let p = parse(
+            r#"{"profile_matrix": {
+                "raw": {"volume_capabilities": {"block": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}},
+                        "secrets_file": "/etc/csi-isolator/ceph.json"},
+                "fs": {"volume_capabilities": {"mount": {"fs_type": "ext4", "mount_flags": ["noatime", "nodev"]}}},
+                "mesos": {"resourceProviderSelector": {"resource_providers": [{"type": "t", "name": "n"}]},
+                          "volumeCapabilities": {"mount": {"fsType": "xfs", "mountFlags": ["ro"]},
+                                                 "accessMode": {"mode": "MULTI_NODE_READER_ONLY"}},
+                          "createParameters": {"k": "v"}}}}"#,
+        )
+        .unwrap();
+        let raw = p.get("raw", "any").unwrap();
+        assert_eq!(raw.capability.access_type, AccessType::Block);
+        assert_eq!(
+            raw.secrets_file.as_deref(),
+            Some(Path::new("/etc/csi-isolator/ceph.json"))
+        );
+        let fs = p.get("fs", "any").unwrap();
+        assert_eq!(fs.capability.access_type, AccessType::Mount);
+        assert_eq!(fs.capability.fs_type, "ext4");
+        assert_eq!(fs.capability.mount_flags, ["noatime", "nodev"]);
+        assert_eq!(fs.secrets_file, None);
+        let mesos = p.get("mesos", "any").unwrap();
+        assert_eq!(
+            mesos.capability.describe(),
+            "MULTI_NODE_READER_ONLY fs_type=xfs mount_flags=ro",
+            "protobuf's JSON names are the same keys"
+        );
+        assert_eq!(mesos.parameters["k"], "v");
+    }
+
+    #[test]
+    fn a_disk_type_must_fit_its_profiles_kind() {
+        use AccessType::{Block, Mount};
+        for (asks, made, fits) in [
+            (None, Mount, true),
+            (None, Block, true),
+            (Some(Mount), Mount, true),
+            (Some(Block), Block, true),
+            (Some(Mount), Block, false),
+            (Some(Block), Mount, false),
+        ] {
+            let why = kind_mismatch(asks, "fast", made);
+            assert_eq!(why.is_none(), fits, "{asks:?} {made:?}: {why:?}");
+        }
+        let why = kind_mismatch(Some(Mount), "fast", Block).unwrap();
+        assert_eq!(
+            why,
+            "disk.source.type MOUNT asks for a mount volume, but disk profile 'fast' makes block volumes (volume_capabilities.block): give disk.source.type BLOCK or RAW, or a profile of mount volumes"
+        );
+        let why = kind_mismatch(Some(Block), "a\nb", Mount).unwrap();
+        assert!(why.starts_with("disk.source.type BLOCK asks for a block volume, but disk profile 'a\\nb' makes mount volumes"), "{why}");
+    }
+
+    #[test]
     fn hostile_profiles_are_refused() {
         let many: String = (0..=MAX_PROFILES)
             .map(|i| format!(r#""p{i}": {{}}"#))
@@ -418,8 +579,55 @@ mod tests {
                 "unknown CSI access mode 'ANY' (expected one of SINGLE_NODE_WRITER",
             ),
             (
-                r#"{"profile_matrix": {"p": {"volume_capabilities": {"block": {}}}}}"#,
-                "block volumes are not supported",
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"block": {}, "mount": {}}}}}"#,
+                "has both mount and block",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"block": {"fs_type": "ext4"}}}}}"#,
+                "unknown field `fs_type`, there are no fields",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"mount": {"fs_type": "ext4;rm"}}}}}"#,
+                "volume_capabilities.mount.fs_type: 'ext4;rm' is not a filesystem type name",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"mount": {"mount_flags": ["noatime", ""]}}}}}"#,
+                "volume_capabilities.mount.mount_flags: flag '' is empty",
+            ),
+            (
+                &format!(
+                    r#"{{"profile_matrix": {{"p": {{"volume_capabilities": {{"mount": {{"mount_flags": [{}]}}}}}}}}}}"#,
+                    vec![r#""ro""#; 65].join(",")
+                ),
+                "65 flags, over the limit of 64",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"mount": {"mount_flag": ["nosuid"]}}}}}"#,
+                "unknown field `mount_flag`, expected",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"secret_file": "/etc/s.json"}}}"#,
+                "unknown field `secret_file`, expected",
+            ),
+            (
+                r#"{"profile_matrix": {}, "version": 2}"#,
+                "unknown field `version`",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"volume_capabilities": {"access_mode": {"mode": "SINGLE_NODE_WRITER", "x": 1}}}}}"#,
+                "unknown field `x`",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"secrets_file": "etc/s.json"}}}"#,
+                "option 'secrets_file': 'etc/s.json' is not an absolute path",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"secrets_file": "/etc/s\n.json"}}}"#,
+                "is not an absolute path",
+            ),
+            (
+                r#"{"profile_matrix": {"p": {"secrets_file": ""}}}"#,
+                "empty value",
             ),
             (&many, "over the limit of 256"),
         ] {

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
+use csi_isolator::provider::mount_spec::{Key, OptionError};
 use csi_isolator::provider::{
-    parameters, Capability, CreateSpec, ImportSpec, Listing, StorageProvider, MAX_LISTED,
+    parameters, Capability, ImportSpec, Listing, StorageProvider, VolumeOptions, MAX_LISTED,
 };
 use csi_isolator::resource::validate_container_id;
 
@@ -22,6 +23,9 @@ use super::{shown, text};
 #[command(after_help = "\
 Examples:
   csi-isolator --work-dir /var/lib/csi-demo volume create data 64M
+  csi-isolator --work-dir /var/lib/csi-demo volume create db 10G --fs-type xfs --mount-flag noatime
+  csi-isolator --work-dir /var/lib/csi-demo volume create raw 1G --type block   # published at a device file
+  csi-isolator volume --plugin-endpoint unix:///run/csi/rbd.sock create pg 20G --secrets /etc/csi-isolator/ceph.json
   csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock create share 10G \\
       --param server=nfs.example.com --param share=/export --access-mode MULTI_NODE_MULTI_WRITER
   csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock list --plugin   # volumes it has that we do not know
@@ -49,9 +53,8 @@ enum Action {
         /// Capacity, e.g. 64M or 1G.
         #[arg(value_parser = text())]
         size: String,
-        /// CSI access mode.
-        #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
-        access_mode: String,
+        #[command(flatten)]
+        options: VolumeFlags,
         /// A CreateVolume parameter for the plugin, KEY=VALUE (repeatable, as `docker volume
         /// create -o`). A second create of the same name must give the same set. Never a secret.
         #[arg(long = "param", value_name = "KEY=VALUE", value_parser = text())]
@@ -74,9 +77,8 @@ enum Action {
         /// what CreateVolume would have returned (a Kubernetes PV's volumeAttributes).
         #[arg(long = "context", value_name = "KEY=VALUE", value_parser = text())]
         context: Vec<String>,
-        /// CSI access mode.
-        #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
-        access_mode: String,
+        #[command(flatten)]
+        options: VolumeFlags,
     },
     /// Publish a volume (id or name) for a container and print its mount point.
     Publish {
@@ -119,6 +121,56 @@ enum Action {
     },
 }
 
+/// A volume's options, the volume keys of `run --mount` read by the same parser
+/// ([`VolumeOptions::set`]): the same values are accepted and refused with the same words.
+#[derive(Debug, Args)]
+struct VolumeFlags {
+    /// CSI access type: mount (a filesystem, published at a directory) or block (a raw block
+    /// device, published at a device file).
+    #[arg(long = "type", value_name = "mount|block", value_parser = text())]
+    access_type: Option<String>,
+    /// The filesystem the plugin makes and mounts (a mount volume), e.g. ext4 or xfs.
+    #[arg(long, value_name = "T", value_parser = text())]
+    fs_type: Option<String>,
+    /// A flag of the plugin's mount of the volume, e.g. noatime (repeatable; `a:b` is two flags,
+    /// as in --mount's mount-flags=).
+    #[arg(long = "mount-flag", value_name = "F", value_parser = text())]
+    mount_flags: Vec<String>,
+    /// CSI access mode.
+    #[arg(long, default_value = "SINGLE_NODE_WRITER", value_parser = text())]
+    access_mode: String,
+    /// The volume's CSI secrets file, by absolute path: root's alone, read at each call that
+    /// carries secrets, never recorded (docs/secrets.md). A second create or import of the same
+    /// name must name the same file.
+    #[arg(long, value_name = "FILE", value_parser = text())]
+    secrets: Option<String>,
+}
+
+impl VolumeFlags {
+    /// The options, each read as `run --mount` reads its key, the flag named in a refusal.
+    fn options(&self) -> Result<VolumeOptions, OptionError> {
+        let mut options = VolumeOptions::default();
+        if let Some(access_type) = &self.access_type {
+            options.set(Key::Type, "--type", access_type)?;
+        }
+        if let Some(fs_type) = &self.fs_type {
+            options.set(Key::FsType, "--fs-type", fs_type)?;
+        }
+        let mut flags = Vec::new();
+        for flag in &self.mount_flags {
+            options.set(Key::MountFlags, "--mount-flag", flag)?;
+            flags.extend(options.mount_flags.take().unwrap_or_default());
+        }
+        options.mount_flags = (!flags.is_empty()).then_some(flags);
+        options.set(Key::AccessMode, "--access-mode", &self.access_mode)?;
+        if let Some(secrets) = &self.secrets {
+            options.set(Key::Secrets, "--secrets", secrets)?;
+        }
+        options.check_access_type()?;
+        Ok(options)
+    }
+}
+
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
     // A container id is checked before anything starts, as `run` checks its own.
@@ -150,7 +202,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         Action::Create {
             name,
             size,
-            access_mode,
+            options,
             params,
         } => {
             // A size of 0 would leave the plugin to pick one: say so instead.
@@ -164,9 +216,11 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
                 })?;
             let parameters = parameters::parse(params.iter().map(String::as_str))
                 .with_context(|| format!("volume create {}: --param", shown(&name)))?;
-            let mut spec = CreateSpec::new(name, bytes);
-            spec.capability = capability(access_mode)
-                .with_context(|| format!("volume create {}: --access-mode", shown(&spec.name)))?;
+            let mut options = options
+                .options()
+                .with_context(|| format!("volume create {}", shown(&name)))?;
+            options.size_bytes = Some(bytes);
+            let mut spec = options.create_spec(&name);
             spec.parameters = parameters;
             let resource = provider.create_volume(spec).await?;
             println!("{}", serde_json::to_string_pretty(&resource)?);
@@ -176,7 +230,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             volume_id,
             capacity,
             context,
-            access_mode,
+            options,
         } => {
             let capacity_bytes = match capacity {
                 None => 0,
@@ -189,8 +243,11 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             };
             let volume_context = parameters::parse(context.iter().map(String::as_str))
                 .with_context(|| format!("volume import {}: --context", shown(&name)))?;
-            let capability = capability(access_mode)
-                .with_context(|| format!("volume import {}: --access-mode", shown(&name)))?;
+            let options = options
+                .options()
+                .with_context(|| format!("volume import {}", shown(&name)))?;
+            let mut capability = Capability::default();
+            options.apply(&mut capability);
             let spec = ImportSpec {
                 name,
                 volume_id,
@@ -198,7 +255,9 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
                 capability,
                 volume_context,
             };
-            let resource = provider.import_volume(spec).await?;
+            let resource = provider
+                .import_volume_with_secrets(spec, options.secrets)
+                .await?;
             println!("{}", serde_json::to_string_pretty(&resource)?);
         }
         Action::Publish { volume, container } => {
@@ -269,13 +328,6 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         }
     }
     Ok(())
-}
-
-/// The capability of an access mode named on the command line.
-fn capability(access_mode: String) -> anyhow::Result<Capability> {
-    let mut capability = Capability::default();
-    capability.set_access_mode(&access_mode)?;
-    Ok(capability)
 }
 
 /// A volume named by id or by CreateVolume name.
