@@ -709,7 +709,7 @@ fn a_host_mount_made_later_under_the_volume_reaches_an_rslave_run_only() {
         ("private", "private", 40, false),
     ] {
         let script = format!(
-            "i=0; while [ ! -e {name}/sub/marker ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; \
+            "touch {name}/ready; i=0; while [ ! -e {name}/sub/marker ] && [ $i -lt {tries} ]; do sleep 0.05; i=$((i+1)); done; \
              cat {name}/sub/marker 2>/dev/null || echo unseen"
         );
         let mount = format!("source={name},target={name},size=8M,propagation={propagation}");
@@ -719,7 +719,9 @@ fn a_host_mount_made_later_under_the_volume_reaches_an_rslave_run_only() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        // The volume's host mount point, once published for the workload (bounded wait).
+        // The volume's host mount point, once the workload runs with its copy in place (it marks
+        // the volume first): a host mount made before the copy is cloned would be in it whatever
+        // the propagation (bounded wait).
         let started = Instant::now();
         let mount_point = loop {
             assert!(
@@ -738,7 +740,7 @@ fn a_host_mount_made_later_under_the_volume_reaches_an_rslave_run_only() {
                     })
                     .and_then(|v| v["mount_point"].as_str().map(std::path::PathBuf::from))
             });
-            if let Some(p) = found {
+            if let Some(p) = found.filter(|p| p.join("ready").exists()) {
                 break p;
             }
             std::thread::sleep(Duration::from_millis(50));
