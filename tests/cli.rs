@@ -907,3 +907,43 @@ fn volume_options_are_refused_by_name() {
     assert_eq!(text(&listed.stdout).trim(), "[]");
     assert_nothing_left(&sb, &work);
 }
+
+/// A listing whose reader is gone (`csi-isolator volume list | head -0`) ends as `ls` does, by
+/// SIGPIPE, not with a panic on EPIPE; a command that changes state is not given that.
+#[test]
+fn a_listing_into_a_closed_pipe_ends_quietly() {
+    use std::os::unix::process::ExitStatusExt;
+    require_root();
+    let sb = Sandbox::new("cli-pipe");
+    let work = sb.join("work");
+    let made = output(cli(&work).args(["volume", "create", "v", "8M"]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    for args in [
+        &["volume", "list", "--json"][..],
+        &["volume", "list"][..],
+        &["status", "--json"][..],
+    ] {
+        let (reader, writer) = nix::unistd::pipe().unwrap();
+        drop(reader);
+        let out = cli(&work)
+            .args(args)
+            .stdout(Stdio::from(writer))
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        assert!(
+            !text(&out.stderr).contains("panicked"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "{args:?}: {:?}",
+            out.status
+        );
+    }
+    let gone = output(cli(&work).args(["volume", "destroy", "v"]));
+    assert!(gone.status.success(), "{}", text(&gone.stderr));
+    assert_nothing_left(&sb, &work);
+}

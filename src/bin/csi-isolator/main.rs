@@ -53,6 +53,15 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_json);
+    if only_prints(&cli.command) {
+        // A listing piped into `head` ends quietly when the reader goes, as `ls | head` does,
+        // instead of panicking on EPIPE. Only for commands that change nothing: any other stops
+        // at its own pace (its state is durable before it prints, and it shuts its plugin down).
+        // SAFETY: before any thread exists; SIG_DFL is a valid disposition.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -85,6 +94,15 @@ fn main() -> ExitCode {
             );
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether the command only reads and prints (`status`, `volume list`, the generated docs).
+fn only_prints(command: &Command) -> bool {
+    match command {
+        Command::Status(_) | Command::Completions(_) | Command::Man(_) => true,
+        Command::Volume(args) => args.only_lists(),
+        _ => false,
     }
 }
 

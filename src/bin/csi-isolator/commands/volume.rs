@@ -171,6 +171,14 @@ impl VolumeFlags {
     }
 }
 
+impl VolumeArgs {
+    /// Whether the command only lists the records (`volume list` without `--plugin`, which
+    /// starts no plugin): it changes nothing.
+    pub fn only_lists(&self) -> bool {
+        matches!(self.action, Action::List { plugin: false, .. })
+    }
+}
+
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
     // A container id is checked before anything starts, as `run` checks its own.
