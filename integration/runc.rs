@@ -544,6 +544,33 @@ impl Serve {
         )
     }
 
+    /// The end of a test: every volume is released (CREATED), is destroyed, and serve stops
+    /// cleanly with no mount and no loop device left.
+    async fn destroy_released_and_stop(
+        self,
+        sb: &Sandbox,
+        mut c: IsolatorClient<tonic::transport::Channel>,
+    ) {
+        let st = c
+            .status(proto::StatusRequest {})
+            .await
+            .expect("Status")
+            .into_inner();
+        for v in &st.volumes {
+            assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
+            c.destroy_volume(proto::DestroyVolumeRequest {
+                volume_id: v.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("DestroyVolume");
+        }
+        drop(c);
+        self.stop(sb);
+        sb.assert_no_mounts_under();
+        sb.assert_no_loop_devices();
+    }
+
     /// SIGTERM and a clean exit.
     fn stop(mut self, sb: &Sandbox) {
         nix::sys::signal::kill(
@@ -682,24 +709,7 @@ async fn serve_prepare_oci_binds_volumes_for_runc() {
     .await
     .expect("Cleanup");
     assert!(table.mounts_under(&bundle.sandbox).unwrap().is_empty());
-    let st = c
-        .status(proto::StatusRequest {})
-        .await
-        .expect("Status")
-        .into_inner();
-    for v in &st.volumes {
-        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
-        c.destroy_volume(proto::DestroyVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("DestroyVolume");
-    }
-    drop(c);
-    serve.stop(&sb);
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    serve.destroy_released_and_stop(&sb, c).await;
 }
 
 /// rslave through runc: the OCI entry carries `rslave` (Docker's value `bind-propagation=rslave`), the
@@ -893,24 +903,7 @@ async fn serve_carries_mount_propagation_to_prepare_and_prepare_oci() {
         .await
         .expect("Cleanup");
     }
-    let st = c
-        .status(proto::StatusRequest {})
-        .await
-        .expect("Status")
-        .into_inner();
-    for v in &st.volumes {
-        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
-        c.destroy_volume(proto::DestroyVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("DestroyVolume");
-    }
-    drop(c);
-    serve.stop(&sb);
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    serve.destroy_released_and_stop(&sb, c).await;
 }
 
 /// The runtime-spec entries a prepared block volume gives runc, as a container sees them.
@@ -1301,24 +1294,7 @@ async fn serve_prepare_oci_propagation_reaches_runc_both_ways() {
         !table.is_mount_point(&shared_mp.join("inner")).unwrap(),
         "the container's mount was swept at release"
     );
-    let st = c
-        .status(proto::StatusRequest {})
-        .await
-        .expect("Status")
-        .into_inner();
-    for v in &st.volumes {
-        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
-        c.destroy_volume(proto::DestroyVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("DestroyVolume");
-    }
-    drop(c);
-    serve.stop(&sb);
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    serve.destroy_released_and_stop(&sb, c).await;
 }
 
 /// The pid of the running runc container `id` (`runc state`).
@@ -1417,24 +1393,7 @@ async fn serve_update_gives_a_running_runc_container_an_rslave_volume() {
     })
     .await
     .expect("Cleanup");
-    let st = c
-        .status(proto::StatusRequest {})
-        .await
-        .expect("Status")
-        .into_inner();
-    for v in &st.volumes {
-        assert_eq!(v.state, "CREATED", "released on last use: {v:?}");
-        c.destroy_volume(proto::DestroyVolumeRequest {
-            volume_id: v.volume_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("DestroyVolume");
-    }
-    drop(c);
-    serve.stop(&sb);
-    sb.assert_no_mounts_under();
-    sb.assert_no_loop_devices();
+    serve.destroy_released_and_stop(&sb, c).await;
 }
 
 /// The mount flags xfs tests ask for, as `mount-flags=` and as CreateVolume's `mount_flags`.
