@@ -34,6 +34,13 @@ async fn start(c: ProviderConfig) -> Arc<StorageProvider> {
     StorageProvider::start(c).await.expect("start provider")
 }
 
+/// Creates a volume of the default capability; its resource.
+async fn create(p: &StorageProvider, name: &str, bytes: u64) -> Resource {
+    p.create_volume(CreateSpec::new(name, bytes))
+        .await
+        .unwrap_or_else(|e| panic!("create {name}: {e}"))
+}
+
 fn is_mounted(p: &Path) -> bool {
     ProcMountTable::new().is_mount_point(p).unwrap()
 }
@@ -79,10 +86,7 @@ async fn publish_unpublish_in_combination(controller_publish: bool, stage: bool)
     );
     assert_eq!(caps.node.stage_unstage_volume(), stage);
 
-    let res = p
-        .create_volume(CreateSpec::new("v", 16 * MIB))
-        .await
-        .unwrap();
+    let res = create(&p, "v", 16 * MIB).await;
     let id = res.source_id().unwrap().to_string();
     let mp = p.publish(&id, "c1").await.unwrap();
     assert_eq!(mp, p.layout().target_path(&id));
@@ -144,10 +148,7 @@ async fn loop_backed_volume_keeps_data_across_publishes() {
     let sb = Sandbox::new("prov-loop");
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &["--backing=loop"])).await;
-    let res = p
-        .create_volume(CreateSpec::new("v", 32 * MIB))
-        .await
-        .unwrap();
+    let res = create(&p, "v", 32 * MIB).await;
     let id = res.source_id().unwrap().to_string();
     let mp = p.publish(&id, "c1").await.unwrap();
     let fs = ProcMountTable::new().find(&mp).unwrap().unwrap().fs_type;
@@ -169,14 +170,8 @@ async fn create_is_idempotent_by_name_and_destroy_removes_data() {
     let sb = Sandbox::new("prov-create");
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &[])).await;
-    let a = p
-        .create_volume(CreateSpec::new("same", 8 * MIB))
-        .await
-        .unwrap();
-    let b = p
-        .create_volume(CreateSpec::new("same", 8 * MIB))
-        .await
-        .unwrap();
+    let a = create(&p, "same", 8 * MIB).await;
+    let b = create(&p, "same", 8 * MIB).await;
     assert_eq!(a, b);
     let id = a.source_id().unwrap().to_string();
     // The resource hands out a relative root, as Mesos' SLRP does.
@@ -208,10 +203,7 @@ async fn create_is_idempotent_by_name_and_destroy_removes_data() {
     p.release(&id, "c1").await.unwrap();
     p.destroy_volume(&id).await.unwrap();
     // Same name again: a new, empty volume.
-    let c = p
-        .create_volume(CreateSpec::new("same", 8 * MIB))
-        .await
-        .unwrap();
+    let c = create(&p, "same", 8 * MIB).await;
     let id2 = c.source_id().unwrap().to_string();
     assert_ne!(id, id2);
     let mp = p.publish(&id2, "c1").await.unwrap();
@@ -233,10 +225,7 @@ async fn plugin_killed_during_publish_is_restarted() {
         &["--delay=NodePublishVolume=1500"],
     ))
     .await;
-    let res = p
-        .create_volume(CreateSpec::new("v", 8 * MIB))
-        .await
-        .unwrap();
+    let res = create(&p, "v", 8 * MIB).await;
     let id = res.source_id().unwrap().to_string();
     let first_pid = p.plugin_pid().unwrap();
     let publishing = {
@@ -278,10 +267,8 @@ async fn shared_volume_stays_until_last_use_across_restart() {
     let sb = Sandbox::new("prov-users");
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &[])).await;
-    let id = p
-        .create_volume(CreateSpec::new("shared", 8 * MIB))
+    let id = create(&p, "shared", 8 * MIB)
         .await
-        .unwrap()
         .source_id()
         .unwrap()
         .to_string();
@@ -314,10 +301,8 @@ async fn keep_policy_stays_published_until_destroyed() {
     let mut c = config(&work, "default", &[]);
     c.policy = UnpublishPolicy::Keep;
     let p = start(c).await;
-    let id = p
-        .create_volume(CreateSpec::new("k", 8 * MIB))
+    let id = create(&p, "k", 8 * MIB)
         .await
-        .unwrap()
         .source_id()
         .unwrap()
         .to_string();
@@ -338,10 +323,8 @@ async fn reboot_republishes_volumes_in_use() {
     let mut c = config(&work, "default", &[]);
     c.boot_id = Some("boot-1".into());
     let p = start(c.clone()).await;
-    let id = p
-        .create_volume(CreateSpec::new("r", 8 * MIB))
+    let id = create(&p, "r", 8 * MIB)
         .await
-        .unwrap()
         .source_id()
         .unwrap()
         .to_string();
@@ -381,10 +364,7 @@ async fn corrupt_and_truncated_state_files_are_set_aside() {
     let p = start(config(&work, "default", &[])).await;
     let mut ids = Vec::new();
     for name in ["a", "b", "c", "d"] {
-        let r = p
-            .create_volume(CreateSpec::new(name, 4 * MIB))
-            .await
-            .unwrap();
+        let r = create(&p, name, 4 * MIB).await;
         ids.push(r.source_id().unwrap().to_string());
     }
     // d is in use: its mounts must survive b's corruption untouched.
@@ -435,14 +415,8 @@ async fn ensure_all_repairs_a_volume_found_unpublished() {
     let sb = Sandbox::new("prov-ensure");
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &[])).await;
-    let v1 = p
-        .create_volume(CreateSpec::new("v1", 4 * MIB))
-        .await
-        .unwrap();
-    let v2 = p
-        .create_volume(CreateSpec::new("v2", 4 * MIB))
-        .await
-        .unwrap();
+    let v1 = create(&p, "v1", 4 * MIB).await;
+    let v2 = create(&p, "v2", 4 * MIB).await;
     let (v1, v2) = (
         v1.source_id().unwrap().to_string(),
         v2.source_id().unwrap().to_string(),
@@ -477,17 +451,11 @@ async fn concurrent_publishes_of_one_volume_are_serialized() {
     let log = sb.join("calls.log");
     let log_arg = format!("--log-calls={}", log.display());
     let p = start(config(&work, "default", &[&log_arg])).await;
-    let shared = p
-        .create_volume(CreateSpec::new("s", 4 * MIB))
-        .await
-        .unwrap();
+    let shared = create(&p, "s", 4 * MIB).await;
     let shared = shared.source_id().unwrap().to_string();
     let mut own = Vec::new();
     for i in 0..8 {
-        let r = p
-            .create_volume(CreateSpec::new(format!("o{i}"), 4 * MIB))
-            .await
-            .unwrap();
+        let r = create(&p, &format!("o{i}"), 4 * MIB).await;
         own.push(r.source_id().unwrap().to_string());
     }
     let tasks: Vec<_> = (0..8)
@@ -529,14 +497,8 @@ async fn failed_publish_leaves_nothing_behind() {
         &["--fail=NodePublishVolume=FAILED_PRECONDITION:1"],
     ))
     .await;
-    let ok = p
-        .create_volume(CreateSpec::new("ok", 4 * MIB))
-        .await
-        .unwrap();
-    let bad = p
-        .create_volume(CreateSpec::new("bad", 4 * MIB))
-        .await
-        .unwrap();
+    let ok = create(&p, "ok", 4 * MIB).await;
+    let bad = create(&p, "bad", 4 * MIB).await;
     let (ok, bad) = (
         ok.source_id().unwrap().to_string(),
         bad.source_id().unwrap().to_string(),
@@ -568,14 +530,8 @@ async fn manager_routes_by_provider_id() {
     let work = sb.mkdir("work");
     let a = start(config(&work, "a", &[])).await;
     let b = start(config(&work, "b", &["--no-stage"])).await;
-    let ra = a
-        .create_volume(CreateSpec::new("va", 4 * MIB))
-        .await
-        .unwrap();
-    let rb = b
-        .create_volume(CreateSpec::new("vb", 4 * MIB))
-        .await
-        .unwrap();
+    let ra = create(&a, "va", 4 * MIB).await;
+    let rb = create(&b, "vb", 4 * MIB).await;
     let mut m = Manager::new();
     m.add(a.clone());
     m.add(b.clone());
@@ -682,10 +638,8 @@ async fn recovery_unmounts_and_removes_orphaned_mount_directories() {
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &[])).await;
     let layout = p.layout().clone();
-    let id = p
-        .create_volume(CreateSpec::new("kept", 4 * MIB))
+    let id = create(&p, "kept", 4 * MIB)
         .await
-        .unwrap()
         .source_id()
         .unwrap()
         .to_string();
@@ -734,10 +688,8 @@ async fn a_plugin_that_lies_about_node_publish_fails_the_publish_cleanly() {
     let sb = Sandbox::new("prov-lie");
     let work = sb.mkdir("work");
     let p = start(config(&work, "default", &["--lie=NodePublishVolume"])).await;
-    let id = p
-        .create_volume(CreateSpec::new("v", 4 * MIB))
+    let id = create(&p, "v", 4 * MIB)
         .await
-        .unwrap()
         .source_id()
         .unwrap()
         .to_string();
