@@ -567,6 +567,40 @@ impl Client {
         .await
     }
 
+    /// `ControllerExpandVolume`.
+    pub async fn controller_expand_volume(
+        &self,
+        request: proto::ControllerExpandVolumeRequest,
+    ) -> Result<proto::ControllerExpandVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
+        let volume = volume_id(&request.volume_id);
+        self.call_with(
+            Rpc::ControllerExpandVolume,
+            volume,
+            request,
+            &secrets,
+            |ch, r| async move { ControllerClient::new(ch).controller_expand_volume(r).await },
+        )
+        .await
+    }
+
+    /// `NodeExpandVolume`.
+    pub async fn node_expand_volume(
+        &self,
+        request: proto::NodeExpandVolumeRequest,
+    ) -> Result<proto::NodeExpandVolumeResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
+        let volume = volume_id(&request.volume_id);
+        self.call_with(
+            Rpc::NodeExpandVolume,
+            volume,
+            request,
+            &secrets,
+            |ch, r| async move { NodeClient::new(ch).node_expand_volume(r).await },
+        )
+        .await
+    }
+
     // ---- machinery ----
 
     /// Sends one call with deadline, retries and metrics. `send` makes one

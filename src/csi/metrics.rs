@@ -81,11 +81,15 @@ pub enum Rpc {
     NodeUnpublishVolume,
     /// `Node.NodeGetVolumeStats`.
     NodeGetVolumeStats,
+    /// `Controller.ControllerExpandVolume`.
+    ControllerExpandVolume,
+    /// `Node.NodeExpandVolume`.
+    NodeExpandVolume,
 }
 
 impl Rpc {
     /// Every RPC, in declaration order.
-    pub const ALL: [Rpc; 18] = [
+    pub const ALL: [Rpc; 20] = [
         Rpc::GetPluginInfo,
         Rpc::GetPluginCapabilities,
         Rpc::Probe,
@@ -104,6 +108,8 @@ impl Rpc {
         Rpc::NodePublishVolume,
         Rpc::NodeUnpublishVolume,
         Rpc::NodeGetVolumeStats,
+        Rpc::ControllerExpandVolume,
+        Rpc::NodeExpandVolume,
     ];
 
     /// The CSI method name, e.g. `NodePublishVolume`.
@@ -127,6 +133,8 @@ impl Rpc {
             Rpc::NodePublishVolume => "NodePublishVolume",
             Rpc::NodeUnpublishVolume => "NodeUnpublishVolume",
             Rpc::NodeGetVolumeStats => "NodeGetVolumeStats",
+            Rpc::ControllerExpandVolume => "ControllerExpandVolume",
+            Rpc::NodeExpandVolume => "NodeExpandVolume",
         }
     }
 
@@ -152,6 +160,8 @@ impl Rpc {
             Rpc::NodePublishVolume => "/csi.v1.Node/NodePublishVolume",
             Rpc::NodeUnpublishVolume => "/csi.v1.Node/NodeUnpublishVolume",
             Rpc::NodeGetVolumeStats => "/csi.v1.Node/NodeGetVolumeStats",
+            Rpc::ControllerExpandVolume => "/csi.v1.Controller/ControllerExpandVolume",
+            Rpc::NodeExpandVolume => "/csi.v1.Node/NodeExpandVolume",
         }
     }
 

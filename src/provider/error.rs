@@ -166,6 +166,16 @@ pub enum ProviderError {
         /// What is wrong.
         what: String,
     },
+    /// An expansion refused before any RPC (see [`crate::provider::expand::Refusal`]).
+    #[error("expand volume '{volume}' to {bytes} bytes: {why}")]
+    ExpandRefused {
+        /// The volume id.
+        volume: String,
+        /// The size asked.
+        bytes: u64,
+        /// Why, and what to do.
+        why: crate::provider::expand::Refusal,
+    },
     /// A publish on a node the volume's topology does not cover.
     #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
     NotAccessible {

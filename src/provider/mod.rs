@@ -18,6 +18,7 @@ pub mod bundled;
 pub mod checkpoint;
 mod create;
 pub mod error;
+pub mod expand;
 mod import;
 pub mod manager;
 pub mod mount_spec;

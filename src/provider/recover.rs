@@ -59,6 +59,9 @@ impl StorageProvider {
             };
             if result.is_ok() && !rec.destroying {
                 self.harden_published(&rec.volume_id).await;
+                if rec.expansion.is_some() {
+                    self.finish_expansion(&mut rec).await;
+                }
             }
             (rec.volume_id.clone(), before, rec.state, result)
         }))
@@ -86,6 +89,35 @@ impl StorageProvider {
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
         Ok(())
+    }
+
+    /// An expansion a crash interrupted is taken up from the call its intent names (both calls are
+    /// idempotent); a failure is logged and the intent kept, for the next `expand` or publish.
+    async fn finish_expansion(&self, rec: &mut VolumeRecord) {
+        let caps = crate::provider::expand::ExpandCaps::of(&self.client().current_capabilities());
+        match self.continue_expansion(rec, caps).await {
+            Ok(done) => {
+                tracing::info!(volume_id = %rec.volume_id, capacity_bytes = done.capacity_bytes, node_pending = done.node_pending, "recovery: expansion taken up");
+                self.report.lock().unwrap().actions.push(format!(
+                    "{}: expansion taken up ({} bytes{})",
+                    rec.volume_id,
+                    done.capacity_bytes,
+                    if done.node_pending {
+                        ", node call at the next publish"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            Err(e) => {
+                tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "recovery: the interrupted expansion failed again");
+                self.report
+                    .lock()
+                    .unwrap()
+                    .failures
+                    .push((rec.volume_id.clone(), crate::error_chain::full_message(&e)));
+            }
+        }
     }
 
     /// A volume published by an older version (before host-side mounts were made nosuid,nodev) is

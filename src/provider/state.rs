@@ -613,6 +613,30 @@ pub struct VolumeRecord {
     /// ([`crate::provider::secrets`]); the reference is recorded, never the content.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_file: Option<std::path::PathBuf>,
+    /// An expansion not finished: its intent, durable before its first RPC
+    /// ([`crate::provider::expand`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expansion: Option<Expansion>,
+}
+
+/// An expansion of a volume to `to_bytes`, and the call it waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Expansion {
+    /// The size asked.
+    pub to_bytes: u64,
+    /// The call still to make.
+    pub step: ExpandStep,
+}
+
+/// The calls of an expansion, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExpandStep {
+    /// ControllerExpandVolume is being (or is to be) sent.
+    Controller,
+    /// NodeExpandVolume is being sent, or waits for the volume's next publish on this node (the
+    /// plugin said `node_expansion_required`).
+    Node,
 }
 
 impl VolumeRecord {
@@ -681,6 +705,7 @@ impl VolumeRecord {
             profile: None,
             vendor: None,
             secrets_file: None,
+            expansion: None,
         }
     }
 }

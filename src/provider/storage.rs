@@ -580,6 +580,10 @@ impl StorageProvider {
             self.persist(rec).await?;
             wrote = true;
         }
+        if goal == VolumeState::Published && rec.expansion.is_some() {
+            // An expansion's node call that waited for this publish (it persists what it does).
+            self.node_expand_after_publish(rec).await;
+        }
         Ok(wrote)
     }
 

@@ -179,12 +179,26 @@ pub fn provider_code(e: &ProviderError) -> Code {
         ProviderError::ParametersDiffer { .. }
         | ProviderError::CapabilityDiffers { .. }
         | ProviderError::SecretsFileDiffers { .. } => Code::AlreadyExists,
+        ProviderError::ExpandRefused {
+            why: crate::provider::expand::Refusal::ZeroSize,
+            ..
+        } => Code::InvalidArgument,
+        ProviderError::ExpandRefused {
+            why: crate::provider::expand::Refusal::Shrink { .. },
+            ..
+        } => Code::OutOfRange,
         ProviderError::InUse { .. }
         | ProviderError::AccessModeRefused { .. }
         | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
         | ProviderError::ImportRefused { .. }
         | ProviderError::NotAccessible { .. }
+        | ProviderError::ExpandRefused {
+            why:
+                crate::provider::expand::Refusal::NoCapability
+                | crate::provider::expand::Refusal::OfflineOnly { .. },
+            ..
+        }
         | ProviderError::NoListVolumes { .. }
         | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }

@@ -32,6 +32,7 @@ Examples:
   csi-isolator volume --plugin-endpoint unix:///run/csi/nfs.sock import old --volume-id 'nfs.example.com#export#old#' \\
       --context server=nfs.example.com --context share=/export
   csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
+  csi-isolator --work-dir /var/lib/csi-demo volume expand data 128M   # online when the plugin can
   csi-isolator --work-dir /var/lib/csi-demo volume list
   csi-isolator --work-dir /var/lib/csi-demo volume release data --container c1
   csi-isolator --work-dir /var/lib/csi-demo volume destroy data
@@ -108,6 +109,16 @@ enum Action {
         /// Delete an imported volume in the plugin too (DeleteVolume): its data is gone.
         #[arg(long)]
         delete: bool,
+    },
+    /// Grow a volume (id or name) to SIZE, online when the plugin can (ControllerExpandVolume,
+    /// then NodeExpandVolume where it is published); prints its size. A volume cannot shrink.
+    Expand {
+        /// Volume id or name.
+        #[arg(value_parser = text())]
+        volume: String,
+        /// The new size, e.g. 128M or 2G: larger than the volume's.
+        #[arg(value_parser = text())]
+        size: String,
     },
     /// List the provider's volumes.
     List {
@@ -276,6 +287,26 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         Action::Release { volume, container } => {
             let id = resolve(provider, &volume).await?;
             provider.release(&id, &container).await?;
+        }
+        Action::Expand { volume, size } => {
+            let bytes = csi_isolator::resource::parse_size(&size)
+                .filter(|b| *b > 0)
+                .ok_or_else(|| {
+                    anyhow!(
+                        "volume expand: invalid SIZE '{}': give the new size with a unit (examples: 128M, 2G)",
+                        shown(&size)
+                    )
+                })?;
+            let id = resolve(provider, &volume).await?;
+            let done = provider.expand_volume(&id, bytes).await?;
+            if done.node_pending {
+                println!(
+                    "{} bytes (the node grows it at its next publish on this node)",
+                    done.capacity_bytes
+                );
+            } else {
+                println!("{} bytes", done.capacity_bytes);
+            }
         }
         Action::Destroy { volume, delete } => {
             let id = resolve(provider, &volume).await?;
