@@ -64,6 +64,7 @@ impl VolumeIsolator {
                 });
             }
         };
+        note_plugin_groups(container_id, &asked, &staged);
         let grants = ownership::left_to_isolator(wanted, &asked, &staged);
         *slot = Some(rec);
         drop(slot);
@@ -98,6 +99,21 @@ impl VolumeIsolator {
                     .map(|gid| (m.clone(), gid))
             })
             .collect()
+    }
+}
+
+/// Logs the volumes whose plugin owns their group (VOLUME_MOUNT_GROUP): the isolator leaves
+/// their roots alone.
+pub(super) fn note_plugin_groups(
+    container: &str,
+    asked: &crate::provider::MountGroups,
+    staged: &crate::provider::MountGroups,
+) {
+    for (key, gid) in asked {
+        if let Some(staged_with) = staged.get(key) {
+            tracing::info!(container, volume = %crate::shown::shown(&key.1), gid, staged_with,
+                "volume root left to the plugin: staged with volume_mount_group");
+        }
     }
 }
 

@@ -61,6 +61,7 @@ impl VolumeIsolator {
                 container: container_id.to_string(),
                 source: Box::new(source),
             })?;
+        super::prepare::note_plugin_groups(container_id, &asked, &staged);
         let grants = ownership::left_to_isolator(wanted, &asked, &staged);
         if !grants.is_empty() {
             let id = container_id.to_string();
