@@ -65,6 +65,9 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
                     csi_isolator::provider::topology::describe(&v.accessible_topology)
                 );
             }
+            if let Some(gid) = v.mount_group {
+                println!("    mount group: {gid} (volume_mount_group, the plugin's)");
+            }
             if let Some(d) = &v.disagreement {
                 println!("    ! {}", escaped(d));
             }
