@@ -71,6 +71,27 @@ mod tests {
     }
 
     #[test]
+    fn only_a_mount_capability_carries_the_group() {
+        use crate::csi::proto::volume_capability::AccessType as Wire;
+        use crate::provider::{AccessType, Capability};
+        let mount = Capability::default();
+        let carried = |cap: &Capability, group| match cap.to_proto_with_group(group).access_type {
+            Some(Wire::Mount(m)) => Some(m.volume_mount_group),
+            Some(Wire::Block(_)) => None,
+            None => panic!("no access type"),
+        };
+        assert_eq!(carried(&mount, Some(5678)), Some("5678".to_string()));
+        assert_eq!(carried(&mount, None), Some(String::new()));
+        assert_eq!(mount.to_proto_with_group(None), mount.to_proto());
+        let block = Capability {
+            access_type: AccessType::Block,
+            ..Capability::default()
+        };
+        assert_eq!(carried(&block, Some(5678)), None);
+        assert_eq!(block.to_proto_with_group(Some(5678)), block.to_proto());
+    }
+
+    #[test]
     fn the_wire_form_is_decimal() {
         assert_eq!(wire(0), "0");
         assert_eq!(wire(5678), "5678");

@@ -421,6 +421,32 @@ async fn update_mounts_through_the_seam_and_records_what_is_mounted() {
 }
 
 #[tokio::test]
+async fn update_asks_the_plugin_for_the_workloads_group_on_a_volume_it_adds() {
+    let rig = Rig::new();
+    let iso = rig.isolator();
+    *rig.publisher.takes_groups.lock().unwrap() = true;
+    let data = rig.volume("vol-1", "data", VolumeMode::Rw);
+    let more = rig.volume("vol-2", "more", VolumeMode::Rw);
+    let mut config = rig.config(vec![data.clone()]);
+    config.user = Some("1234:5678".into());
+    iso.prepare("c1", config).await.unwrap();
+    iso.isolate("c1", std::process::id()).await.unwrap();
+    rig.publisher.calls();
+    iso.update("c1", vec![data, more]).await.unwrap();
+    assert_eq!(
+        rig.publisher.calls(),
+        [
+            "publish c1 [\"vol-2\"] groups [\"vol-2:5678\"]",
+            "unpublish c1 []"
+        ]
+    );
+    assert_eq!(
+        targets(&rig.checkpoint("c1").unwrap()),
+        ["vol-1@data", "vol-2@more"]
+    );
+}
+
+#[tokio::test]
 async fn update_refuses_a_pid_that_is_no_longer_the_containers() {
     let rig = Rig::new();
     let iso = rig.isolator();
