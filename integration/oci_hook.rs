@@ -390,6 +390,61 @@ async fn a_non_root_process_user_writes_its_volume() {
     assert_container_gone(&sb, &bundle, &r);
 }
 
+/// The same through a bundled plugin offering VOLUME_MOUNT_GROUP: the hook's publish gives the
+/// process user's group to NodeStage and NodePublish, and the plugin (not the isolator) makes
+/// the volume root the group's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_root_process_user_gets_its_volume_from_a_plugin_with_volume_mount_group() {
+    require_tools();
+    let sb = Sandbox::new("hook-mount-group");
+    let mut runc = RuncBundle::new(&sb, "bundle");
+    let work = sb.join("work");
+    set_oci_hooks(
+        &mut runc,
+        Path::new(BIN),
+        &work,
+        &sb.join("s"),
+        &["--plugin-arg=--volume-mount-group"],
+    );
+    let bundle = Bundle {
+        rootfs: runc.rootfs.clone(),
+        runc,
+        work,
+    };
+    let mut config = bundle
+        .runc
+        .config_for("id -u && id -g && echo mine > /data/f && stat -c '%u:%g' /data/f /data");
+    config["annotations"] = serde_json::json!({ VOLUMES_ANNOTATION: "data:16M:/data" });
+    config["process"]["user"] = serde_json::json!({"uid": 1234, "gid": 1235});
+    let id = format!("csi-hook-group-{}", std::process::id());
+    let r = runc_run(&sb, &bundle.runc, &id, &config, RUN_TIMEOUT);
+    let _ = r.guard.delete();
+    assert_ran(&r);
+    assert_eq!(r.stdout, "1234\n1235\n1234:1235\n0:1235\n");
+    assert_container_gone(&sb, &bundle, &r);
+    // The plugin's log under the work dir: the group reached both node calls.
+    let mut logs = String::new();
+    let mut dirs = vec![bundle.work.clone()];
+    while let Some(dir) = dirs.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let kind = entry.file_type().unwrap();
+            if kind.is_dir() {
+                dirs.push(entry.path());
+            } else if entry.file_name() == "plugin.log" {
+                logs.push_str(&std::fs::read_to_string(entry.path()).unwrap_or_default());
+            }
+        }
+    }
+    let given: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("volume root given the volume_mount_group"))
+        .collect();
+    assert!(
+        given.len() == 2 && given.iter().all(|l| l.contains("1235")),
+        "{logs}"
+    );
+}
+
 /// A block volume named by the hook's annotation is refused (the hook runs after runc set the
 /// device cgroup, so it could not let the container open the device), naming the volume and
 /// what to use instead; what was published for it is released and nothing is left.

@@ -72,11 +72,22 @@ async fn suite_on_tmpfs(backing: &str, size: &str) -> Suite {
     suite_with(backing, Some(size)).await
 }
 
+/// A suite whose plugin offers VOLUME_MOUNT_GROUP (`--volume-mount-group`).
+async fn suite_offering_volume_mount_group(backing: &str) -> Suite {
+    suite_with_flags(backing, None, &["--volume-mount-group"]).await
+}
+
 async fn suite_with(backing: &str, tmpfs_size: Option<&str>) -> Suite {
+    suite_with_flags(backing, tmpfs_size, &[]).await
+}
+
+async fn suite_with_flags(backing: &str, tmpfs_size: Option<&str>, flags: &[&str]) -> Suite {
     require_root();
     let sandbox = Sandbox::new("plugin-conformance");
     let tmpfs = tmpfs_size.map(|size| Tmpfs::mount(&sandbox, "plugin/work", size));
-    let plugin = PluginProcess::start(&sandbox, plugin_bin(), &["--backing", backing]).await;
+    let mut args = vec!["--backing", backing];
+    args.extend_from_slice(flags);
+    let plugin = PluginProcess::start(&sandbox, plugin_bin(), &args).await;
     let c = raw_clients(&plugin.socket())
         .await
         .expect("connect to plugin");
@@ -339,6 +350,35 @@ macro_rules! both_backings_on_a_roomy_filesystem {
     };
 }
 
+/// Runs each spec once per backing, the plugin offering VOLUME_MOUNT_GROUP.
+macro_rules! both_backings_offering_volume_mount_group {
+    ($($name:ident),* $(,)?) => {
+        mod mount_group_dir {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::suite_offering_volume_mount_group("dir").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+        mod mount_group_loop_backing {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::suite_offering_volume_mount_group("loop").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+    };
+}
+
+both_backings_offering_volume_mount_group!(
+    volume_mount_group_makes_the_volume_root_writable_for_the_group,
+    volume_mount_group_that_is_not_a_gid_is_refused,
+);
+
 both_backings_on_a_roomy_filesystem!(
     get_capacity_without_optional_values,
     volumes_of_the_suites_default_size_fit_the_default_capacity,
@@ -404,6 +444,7 @@ both_backings!(
     single_node_multi_writer_publishes_at_two_targets,
     single_node_single_writer_refuses_a_second_target,
     xfs_volumes_are_made_by_the_loop_backing_at_its_minimum_size,
+    volume_mount_group_is_refused_without_the_capability,
 );
 
 // ---- Identity ----
@@ -1663,5 +1704,158 @@ async fn single_node_single_writer_refuses_a_second_target(mut s: Suite) {
     );
     assert!(!second.exists(), "nothing made at the second target");
     s.node_publish_at(&vol, &ctx, first).await.unwrap();
+    s.cleanup().await;
+}
+
+// ---- VOLUME_MOUNT_GROUP ----
+
+/// The suite's mount capability carrying `volume_mount_group` = `group`.
+fn with_mount_group(group: &str) -> proto::VolumeCapability {
+    let mut c = cap();
+    if let Some(proto::volume_capability::AccessType::Mount(m)) = c.access_type.as_mut() {
+        m.volume_mount_group = group.to_string();
+    }
+    c
+}
+
+fn node_capabilities_have(caps: &proto::NodeGetCapabilitiesResponse, want: i32) -> bool {
+    caps.capabilities.iter().any(|c| {
+        matches!(&c.r#type, Some(proto::node_service_capability::Type::Rpc(rpc)) if rpc.r#type == want)
+    })
+}
+
+/// A plugin with VOLUME_MOUNT_GROUP makes the volume accessible to the group NodeStage and
+/// NodePublish carry (the spec: readable and writable by it, new entries too): the root
+/// gets the group and g+rwxs, and a process of another user in that group writes there.
+async fn volume_mount_group_makes_the_volume_root_writable_for_the_group(mut s: Suite) {
+    use std::os::unix::fs::MetadataExt;
+    use std::os::unix::process::CommandExt;
+    let caps =
+        s.c.node
+            .node_get_capabilities(proto::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let group = proto::node_service_capability::rpc::Type::VolumeMountGroup as i32;
+    assert!(node_capabilities_have(&caps, group), "{caps:?}");
+    s.access = with_mount_group("5678");
+    let node = s.node_id().await;
+    let vol = s.create("sanity-mount-group").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.node_stage(&vol, &ctx).await;
+    s.node_publish(&vol, &ctx).await;
+    // Repeated, as a CO retries: the same answer, nothing changed.
+    s.node_stage(&vol, &ctx).await;
+    s.node_publish(&vol, &ctx).await;
+    for root in [s.staging.clone(), s.target()] {
+        let meta = std::fs::metadata(&root).unwrap();
+        assert_eq!(meta.gid(), 5678, "{}", root.display());
+        assert_eq!(
+            meta.mode() & 0o2070,
+            0o2070,
+            "{}: {:o}",
+            root.display(),
+            meta.mode()
+        );
+        assert_eq!(meta.uid(), 0, "the owner is left as it was");
+    }
+    let written = s.target().join("from-the-group");
+    let status = std::process::Command::new("/bin/sh")
+        .arg("-c")
+        .arg(format!("echo data > '{}'", written.display()))
+        .uid(1234)
+        .gid(5678)
+        .status()
+        .unwrap();
+    assert!(status.success(), "uid 1234 gid 5678 could not write");
+    let meta = std::fs::metadata(&written).unwrap();
+    assert_eq!(
+        (meta.uid(), meta.gid()),
+        (1234, 5678),
+        "set-group-id keeps the group"
+    );
+    s.cleanup().await;
+}
+
+/// A `volume_mount_group` that is not a decimal gid is INVALID_ARGUMENT, in NodeStage and in
+/// NodePublish, before anything is mounted.
+async fn volume_mount_group_that_is_not_a_gid_is_refused(mut s: Suite) {
+    let node = s.node_id().await;
+    let vol = s.create("sanity-bad-group").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    for bad in [
+        "staff",
+        "-1",
+        " 5",
+        "5x",
+        "4294967295",
+        "4294967296",
+        "99999999999999999999",
+    ] {
+        s.access = with_mount_group(bad);
+        let req = proto::NodeStageVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            staging_target_path: s.staging.display().to_string(),
+            volume_capability: Some(s.capability()),
+            volume_context: vol.volume_context.clone(),
+            publish_context: ctx.clone(),
+            ..Default::default()
+        };
+        let status = s.c.node.node_stage_volume(req).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{bad}: {status:?}");
+        assert!(
+            status.message().contains("volume_mount_group"),
+            "{}",
+            status.message()
+        );
+        assert!(s.sandbox.mounts_under().is_empty(), "{bad}: mounted");
+    }
+    s.access = cap();
+    s.node_stage(&vol, &ctx).await;
+    for bad in ["staff", "4294967295"] {
+        s.access = with_mount_group(bad);
+        let target = s.target();
+        let status = s
+            .node_publish_at(&vol, &ctx, target.clone())
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{bad}: {status:?}");
+        assert!(!target.exists(), "{bad}: nothing made at the target");
+    }
+    s.cleanup().await;
+}
+
+/// Without VOLUME_MOUNT_GROUP the plugin does not advertise it and refuses a request that
+/// carries a group (a CO must not send one): csi-isolator's own tests against this plugin
+/// with non-root workloads therefore show that it sends none then.
+async fn volume_mount_group_is_refused_without_the_capability(mut s: Suite) {
+    let caps =
+        s.c.node
+            .node_get_capabilities(proto::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    let group = proto::node_service_capability::rpc::Type::VolumeMountGroup as i32;
+    assert!(!node_capabilities_have(&caps, group), "{caps:?}");
+    let node = s.node_id().await;
+    let vol = s.create("sanity-no-group-cap").await;
+    let ctx = s.controller_publish(&vol, &node).await;
+    s.access = with_mount_group("5678");
+    let req = proto::NodeStageVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        staging_target_path: s.staging.display().to_string(),
+        volume_capability: Some(s.capability()),
+        volume_context: vol.volume_context.clone(),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    let status = s.c.node.node_stage_volume(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("VOLUME_MOUNT_GROUP"),
+        "{}",
+        status.message()
+    );
+    s.access = cap();
     s.cleanup().await;
 }

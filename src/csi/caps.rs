@@ -226,6 +226,12 @@ impl NodeCapabilities {
     pub fn volume_condition(&self) -> bool {
         self.has(NodeRpc::VolumeCondition)
     }
+
+    /// `VOLUME_MOUNT_GROUP`: NodeStage and NodePublish take a mount volume's
+    /// `volume_mount_group` (never sent to a plugin without it).
+    pub fn volume_mount_group(&self) -> bool {
+        self.has(NodeRpc::VolumeMountGroup)
+    }
 }
 
 fn known<T: PartialEq>(value: Option<T>, unknown: T) -> Option<T> {

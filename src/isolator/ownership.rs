@@ -6,6 +6,12 @@
 //! root, other users' bits stay as they are, nothing beneath the root is touched. A shared
 //! volume is left alone (its users would fight over it), as Mesos does.
 //!
+//! Who makes the root writable: a plugin with the node capability VOLUME_MOUNT_GROUP is given
+//! the group (`volume_mount_group`, see [`crate::provider::mount_group`]) for each mount of a
+//! whole mount volume ([`groups_for_plugins`]) and owns it from then on; the isolator grants
+//! the rest itself ([`left_to_isolator`]): a plugin without the capability, a volume staged
+//! before without a group, a persistent volume's directory inside a PATH disk.
+//!
 //! Contract: [`resolve_user`] reads `UID[:GID]` or `NAME[:GROUP]` (names from the host's
 //! user and group databases, as Mesos resolves a task's user on the agent); [`group_to_grant`]
 //! is the pure rule; [`grant_group`] applies it to one volume root by fd (never following a
@@ -18,6 +24,7 @@ use std::os::unix::fs::MetadataExt;
 use crate::io_step::IoStep;
 use crate::launcher::Credentials;
 use crate::mount::VolumeMount;
+use crate::provider::MountGroups;
 
 /// The bits a granted volume root has: group read, write and search, and set-group-id.
 pub const GRANTED_BITS: u32 = 0o2070;
@@ -86,6 +93,41 @@ pub fn group_to_grant(user: Option<Credentials>, readonly: bool, shared: bool) -
     }
 }
 
+/// The groups to ask the plugins for, out of the grants the rule gives ([`group_to_grant`]):
+/// those of mounts of a whole CSI mount volume (its mount point itself: not a block volume, not
+/// a persistent volume's directory inside a PATH disk), by (provider id, volume id).
+pub fn groups_for_plugins(grants: &[(VolumeMount, u32)]) -> MountGroups {
+    grants
+        .iter()
+        .filter(|(m, _)| !m.block && m.source_root.is_none())
+        .filter_map(|(m, gid)| Some(((m.provider_id.clone()?, m.volume_id.clone()?), *gid)))
+        .collect()
+}
+
+/// The grants the isolator still makes itself once the volumes are published: all but those
+/// of the volumes it asked a group for (`asked`) that their plugin staged with a group
+/// (`staged`, whichever: a volume staged for another group stays the plugin's, as it was
+/// staged for its other users).
+pub fn left_to_isolator(
+    grants: Vec<(VolumeMount, u32)>,
+    asked: &MountGroups,
+    staged: &MountGroups,
+) -> Vec<(VolumeMount, u32)> {
+    grants
+        .into_iter()
+        .filter(|(m, _)| {
+            let key = (
+                m.provider_id.clone().unwrap_or_default(),
+                m.volume_id.clone().unwrap_or_default(),
+            );
+            !(asked.contains_key(&key)
+                && staged.contains_key(&key)
+                && !m.block
+                && m.source_root.is_none())
+        })
+        .collect()
+}
+
 /// Makes the volume root of `mount` writable for `gid` (see the module doc); whether it changed
 /// anything.
 pub fn grant_group(mount: &VolumeMount, gid: u32) -> Result<bool, IoStep> {
@@ -149,6 +191,64 @@ mod tests {
             let err = resolve_user(bad).unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
         }
+    }
+
+    /// A mount as a checkpoint holds it (so fields added later keep their defaults).
+    fn mount(
+        provider: Option<&str>,
+        volume: Option<&str>,
+        whole: bool,
+        block: bool,
+    ) -> VolumeMount {
+        serde_json::from_value(serde_json::json!({
+            "source": "/w/mp",
+            "source_root": if whole { None } else { Some("/w") },
+            "root": "host",
+            "target": "data",
+            "container_path": "/data",
+            "readonly": false,
+            "volume_id": volume,
+            "provider_id": provider,
+            "block": block,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn plugins_are_asked_for_whole_mount_volumes_and_the_isolator_grants_the_rest() {
+        let key = |v: &str| ("p".to_string(), v.to_string());
+        let grants = vec![
+            (mount(Some("p"), Some("whole"), true, false), 50),
+            (mount(Some("p"), Some("path-disk"), false, false), 50),
+            (mount(Some("p"), Some("block"), true, true), 50),
+            (mount(None, None, false, false), 50),
+            (
+                mount(Some("p"), Some("not-staged-with-one"), true, false),
+                50,
+            ),
+        ];
+        let asked = groups_for_plugins(&grants);
+        assert_eq!(
+            asked,
+            MountGroups::from([(key("whole"), 50), (key("not-staged-with-one"), 50)])
+        );
+        // The plugin staged "whole" with a group (another container's, even): it is the
+        // plugin's. "not-staged-with-one" came back without one (no capability, or staged
+        // before): the isolator grants it, as every mount the plugins were not asked about.
+        let staged = MountGroups::from([(key("whole"), 7)]);
+        let left: Vec<Option<String>> = left_to_isolator(grants, &asked, &staged)
+            .into_iter()
+            .map(|(m, _)| m.volume_id)
+            .collect();
+        assert_eq!(
+            left,
+            vec![
+                Some("path-disk".to_string()),
+                Some("block".to_string()),
+                None,
+                Some("not-staged-with-one".to_string())
+            ]
+        );
     }
 
     #[test]

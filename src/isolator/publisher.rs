@@ -1,6 +1,7 @@
 //! What the isolator needs of the providers, and no more: the narrow [`Publisher`] seam.
 //!
-//! The isolator publishes a container's volumes, releases them, asks whether a volume may be
+//! The isolator publishes a container's volumes (with the group each is to be made accessible
+//! to, see [`crate::isolator::ownership`]), releases them, asks whether a volume may be
 //! mounted read-write, and (at recovery) lists every volume's users to release uses no live
 //! container has. The provider [`Manager`] implements it for `run`, `serve` and the hook; unit tests
 //! of the isolator give it a double that records what it was asked, so prepare, update, cleanup and
@@ -9,7 +10,7 @@
 use futures::future::BoxFuture;
 
 use crate::mount::Hardening;
-use crate::provider::{Manager, ProviderError};
+use crate::provider::{Manager, MountGroups, ProviderError};
 use crate::resource::Resource;
 
 /// One volume's users, as its provider records them.
@@ -25,13 +26,16 @@ pub struct VolumeUsers {
 
 /// What the isolator asks of the providers (see the module doc).
 pub trait Publisher: Send + Sync + std::fmt::Debug {
-    /// Publishes `resources` for `container` (ensure-all); on failure nothing published by this call
-    /// stays in use by the container.
+    /// Publishes `resources` for `container` (ensure-all), asking each volume's plugin for the
+    /// group `groups` gives it; on failure nothing published by this call stays in use by the
+    /// container. Answers the groups the plugins staged the volumes with (those staged with
+    /// none are left out).
     fn publish<'a>(
         &'a self,
         container: &'a str,
         resources: &'a [Resource],
-    ) -> BoxFuture<'a, Result<(), ProviderError>>;
+        groups: &'a MountGroups,
+    ) -> BoxFuture<'a, Result<MountGroups, ProviderError>>;
     /// Ends `container`'s use of `resources` (unpublished on last use).
     fn unpublish<'a>(
         &'a self,
@@ -73,8 +77,17 @@ impl Publisher for Manager {
         &'a self,
         container: &'a str,
         resources: &'a [Resource],
-    ) -> BoxFuture<'a, Result<(), ProviderError>> {
-        Box::pin(async move { Manager::publish(self, container, resources).await.map(drop) })
+        groups: &'a MountGroups,
+    ) -> BoxFuture<'a, Result<MountGroups, ProviderError>> {
+        Box::pin(async move {
+            let published = self
+                .publish_with_groups(container, resources, groups)
+                .await?;
+            Ok(published
+                .into_iter()
+                .filter_map(|p| Some(((p.provider_id, p.volume_id), p.mount_group?)))
+                .collect())
+        })
     }
 
     fn unpublish<'a>(

@@ -11,6 +11,7 @@ use futures::future::join_all;
 use crate::error_chain::Chain;
 use crate::provider::access::Access;
 use crate::provider::error::ProviderError;
+use crate::provider::publish::VolumeUse;
 use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;
 
@@ -26,7 +27,15 @@ pub struct PublishedVolume {
     pub volume_id: String,
     /// Where the volume is mounted on the host.
     pub mount_point: PathBuf,
+    /// The group the plugin staged and published the volume with (`volume_mount_group`);
+    /// `None` when it was given none (the plugin lacks VOLUME_MOUNT_GROUP, the volume is a
+    /// block volume, or it was staged without one).
+    pub mount_group: Option<u32>,
 }
+
+/// The group each volume of a publish is to be made accessible to, by (provider id, volume
+/// id): the workload's, chosen by the isolator's ownership rule. Volumes not in it ask none.
+pub type MountGroups = BTreeMap<(String, String), u32>;
 
 /// Several providers side by side, keyed by provider id.
 #[derive(Debug, Default)]
@@ -96,6 +105,18 @@ impl Manager {
         container_id: &str,
         resources: &[Resource],
     ) -> Result<Vec<PublishedVolume>, ProviderError> {
+        self.publish_with_groups(container_id, resources, &MountGroups::new())
+            .await
+    }
+
+    /// [`publish`](Self::publish), a volume in `groups` asking its plugin for that group
+    /// ([`VolumeUse::mount_group`]).
+    pub async fn publish_with_groups(
+        &self,
+        container_id: &str,
+        resources: &[Resource],
+        groups: &MountGroups,
+    ) -> Result<Vec<PublishedVolume>, ProviderError> {
         let routes = self.route(resources)?;
         let results = join_all(routes.iter().map(|(pid, vols)| async move {
             let provider = &self.providers[pid];
@@ -108,29 +129,37 @@ impl Manager {
                     *seen = Access::Write;
                 }
             }
-            let ids: Vec<String> = access.keys().map(|id| id.to_string()).collect();
-            let uses: Vec<(String, Option<Access>)> = access
+            let uses: Vec<VolumeUse> = access
                 .iter()
-                .map(|(id, a)| (id.to_string(), Some(*a)))
+                .map(|(id, a)| VolumeUse {
+                    volume_id: id.to_string(),
+                    access: Some(*a),
+                    mount_group: groups.get(&(pid.clone(), id.to_string())).copied(),
+                })
                 .collect();
             provider
                 .publish_uses(container_id, &uses)
                 .await
                 .map(|published| {
-                    let added: Vec<String> = ids
+                    let added: Vec<String> = uses
                         .iter()
-                        .zip(published)
-                        .filter(|(_, (_, added))| *added)
-                        .map(|(id, _)| id.clone())
+                        .zip(&published)
+                        .filter(|(_, o)| o.added)
+                        .map(|(u, _)| u.volume_id.clone())
                         .collect();
-                    (pid, vols, added)
+                    let group_of: BTreeMap<String, Option<u32>> = uses
+                        .iter()
+                        .zip(&published)
+                        .map(|(u, o)| (u.volume_id.clone(), o.mount_group))
+                        .collect();
+                    (pid, vols, added, group_of)
                 })
         }))
         .await;
         if results.iter().any(|r| r.is_err()) {
             // Undo only the uses this call added: the container may have used
             // some of these volumes before (an update).
-            for (pid, _, added) in results.iter().flatten() {
+            for (pid, _, added, _) in results.iter().flatten() {
                 let provider = &self.providers[*pid];
                 for id in added {
                     if let Err(e) = provider.release(id, container_id).await {
@@ -141,7 +170,7 @@ impl Manager {
             return Err(results.into_iter().find_map(Result::err).unwrap());
         }
         let mut out = Vec::new();
-        for (pid, vols, _) in results.into_iter().flatten() {
+        for (pid, vols, _, group_of) in results.into_iter().flatten() {
             let provider = &self.providers[pid];
             for (index, id) in vols {
                 out.push(PublishedVolume {
@@ -149,6 +178,7 @@ impl Manager {
                     provider_id: pid.clone(),
                     volume_id: id.clone(),
                     mount_point: provider.mount_point(id),
+                    mount_group: group_of.get(id).copied().flatten(),
                 });
             }
         }

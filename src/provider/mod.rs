@@ -8,7 +8,7 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing), `mount_spec.rs` (the one parser of a volume's options, for every
+//! `manager.rs` (routing), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
 //! front end), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`,
 //! the machine driven without root against an in-process
 //! CSI plugin that records its calls.
@@ -21,6 +21,7 @@ pub mod error;
 pub mod expand;
 mod import;
 pub mod manager;
+pub mod mount_group;
 pub mod mount_spec;
 mod next_step;
 pub mod parameters;
@@ -42,8 +43,9 @@ pub use error::{NotReadyCause, ProviderError};
 pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };
-pub use manager::{Manager, PublishedVolume};
+pub use manager::{Manager, MountGroups, PublishedVolume};
 pub use mount_spec::{MountSpec, VolumeOptions};
+pub use publish::{UseOutcome, VolumeUse};
 pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};

@@ -17,8 +17,9 @@ use crate::error_chain::Chain;
 use crate::offload::blocking;
 use crate::provider::access::{self, Access};
 use crate::provider::error::ProviderError;
+use crate::provider::mount_group;
 use crate::provider::recover::{recovery_action, settle_goal, Action};
-use crate::provider::state::{VolumeRecord, VolumeState};
+use crate::provider::state::{AccessType, VolumeRecord, VolumeState};
 use crate::provider::storage::{Slot, StorageProvider, UnpublishPolicy};
 use crate::provider::topology;
 
@@ -59,6 +60,25 @@ impl StorageProvider {
         container_id: &str,
         access: Option<Access>,
     ) -> Result<(PathBuf, bool), ProviderError> {
+        let asked = VolumeUse {
+            volume_id: volume_id.to_string(),
+            access,
+            mount_group: None,
+        };
+        self.publish_one(&asked, container_id)
+            .await
+            .map(|o| (o.mount_point, o.added))
+    }
+
+    /// [`publish_use_as`](Self::publish_use_as) for one [`VolumeUse`], its group included: a
+    /// publish that brings the volume onto the node stages it with that group when the plugin
+    /// takes one ([`mount_group::group_after`]); the group is recorded with the first intent.
+    pub async fn publish_one(
+        &self,
+        asked: &VolumeUse,
+        container_id: &str,
+    ) -> Result<UseOutcome, ProviderError> {
+        let (volume_id, access) = (asked.volume_id.as_str(), asked.access);
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
         if rec.destroying {
@@ -96,6 +116,7 @@ impl StorageProvider {
                 },
             )?;
         }
+        self.choose_mount_group(&mut rec, container_id, asked.mount_group);
         // The new user becomes durable with the first transition's intent,
         // before any RPC (or on its own when there is nothing to do).
         let added = rec.users.insert(container_id.to_string());
@@ -110,7 +131,11 @@ impl StorageProvider {
             Err(e) => Err(e),
         };
         let result = match outcome {
-            Ok(()) => Ok((self.mount_point(volume_id), added)),
+            Ok(()) => Ok(UseOutcome {
+                mount_point: self.mount_point(volume_id),
+                added,
+                mount_group: rec.mount_group,
+            }),
             Err(e) => {
                 if added {
                     // Leave nothing half-done: drop the use we just added and,
@@ -133,6 +158,22 @@ impl StorageProvider {
         };
         slot.sync_users(&rec);
         result
+    }
+
+    /// Sets the group the volume is to be staged and published with, before the publish that
+    /// needs it ([`mount_group::group_after`]); a group it cannot have now is logged.
+    fn choose_mount_group(&self, rec: &mut VolumeRecord, container_id: &str, asked: Option<u32>) {
+        let offered = self.client.current_capabilities().node.volume_mount_group()
+            && rec.capability.access_type == AccessType::Mount;
+        let on_node = rec.state.is_node_side();
+        let others_use_it = rec.users.iter().any(|u| u != container_id);
+        let group =
+            mount_group::group_after(rec.mount_group, on_node, others_use_it, offered, asked);
+        if let Some(wanted) = asked.filter(|_| offered && group != asked) {
+            tracing::warn!(volume_id = %rec.volume_id, container_id, wanted, staged_with = ?group,
+                "the volume stays as it was staged for its other users: the container's group gets no access from the plugin");
+        }
+        rec.mount_group = group;
     }
 
     /// Ends `container_id`'s use of a volume; under the last-use policy the
@@ -221,29 +262,35 @@ impl StorageProvider {
         container_id: &str,
         volume_ids: &[String],
     ) -> Result<Vec<(PathBuf, bool)>, ProviderError> {
-        let uses: Vec<(String, Option<Access>)> =
-            volume_ids.iter().map(|id| (id.clone(), None)).collect();
-        self.publish_uses(container_id, &uses).await
+        let uses: Vec<VolumeUse> = volume_ids
+            .iter()
+            .map(|id| VolumeUse {
+                volume_id: id.clone(),
+                access: None,
+                mount_group: None,
+            })
+            .collect();
+        let published = self.publish_uses(container_id, &uses).await?;
+        Ok(published
+            .into_iter()
+            .map(|o| (o.mount_point, o.added))
+            .collect())
     }
 
-    /// [`publish_for_container`](Self::publish_for_container), each volume with the access of
-    /// the container's use ([`publish_use_as`](Self::publish_use_as)).
+    /// [`publish_for_container`](Self::publish_for_container), each volume with the access and
+    /// group of the container's use ([`publish_one`](Self::publish_one)).
     pub async fn publish_uses(
         &self,
         container_id: &str,
-        uses: &[(String, Option<Access>)],
-    ) -> Result<Vec<(PathBuf, bool)>, ProviderError> {
-        let volume_ids: Vec<String> = uses.iter().map(|(id, _)| id.clone()).collect();
-        let results = join_all(
-            uses.iter()
-                .map(|(id, access)| self.publish_use_as(id, container_id, *access)),
-        )
-        .await;
+        uses: &[VolumeUse],
+    ) -> Result<Vec<UseOutcome>, ProviderError> {
+        let volume_ids: Vec<String> = uses.iter().map(|u| u.volume_id.clone()).collect();
+        let results = join_all(uses.iter().map(|u| self.publish_one(u, container_id))).await;
         if let Some(pos) = results.iter().position(|r| r.is_err()) {
             let added: Vec<&String> = volume_ids
                 .iter()
                 .zip(&results)
-                .filter(|(_, r)| matches!(r, Ok((_, true))))
+                .filter(|(_, r)| matches!(r, Ok(o) if o.added))
                 .map(|(id, _)| id)
                 .collect();
             join_all(added.iter().map(|id| self.release(id, container_id))).await;
@@ -401,6 +448,31 @@ impl StorageProvider {
             }
         }
     }
+}
+
+/// One volume a container is to use ([`StorageProvider::publish_uses`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeUse {
+    /// The volume id.
+    pub volume_id: String,
+    /// Whether the use reads or writes (`None`: what the volume allows, see
+    /// [`StorageProvider::publish_use_as`]).
+    pub access: Option<Access>,
+    /// The group the workload runs with, when the volume is to be made accessible to it
+    /// (`volume_mount_group`, see [`mount_group`]); `None`: no group asked.
+    pub mount_group: Option<u32>,
+}
+
+/// What publishing one use did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UseOutcome {
+    /// Where the volume is mounted on the host.
+    pub mount_point: PathBuf,
+    /// Whether the container became a user now.
+    pub added: bool,
+    /// The group the plugin staged and published the volume with (`None`: none; then the
+    /// plugin made nothing accessible to a group, and the isolator's own rule applies).
+    pub mount_group: Option<u32>,
 }
 
 /// How much longer an unused volume waits before it is unpublished: its last user left at

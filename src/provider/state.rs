@@ -518,8 +518,20 @@ impl Capability {
         self.mode().is_some_and(is_reader_only_mode)
     }
 
+    /// [`to_proto`](Self::to_proto) with `volume_mount_group` set to `group` (decimal), for a
+    /// mount volume; a block volume never carries one.
+    pub fn to_proto_with_group(&self, group: Option<u32>) -> proto::VolumeCapability {
+        let mut cap = self.to_proto();
+        if let (Some(gid), Some(proto::volume_capability::AccessType::Mount(mount))) =
+            (group, cap.access_type.as_mut())
+        {
+            mount.volume_mount_group = crate::provider::mount_group::wire(gid);
+        }
+        cap
+    }
+
     /// The capability as the CSI message (its access type: mount with the fs type and
-    /// flags, or block).
+    /// flags, or block), without `volume_mount_group`.
     pub fn to_proto(&self) -> proto::VolumeCapability {
         use proto::volume_capability::{AccessMode, BlockVolume, MountVolume};
         proto::VolumeCapability {
@@ -613,6 +625,12 @@ pub struct VolumeRecord {
     /// ([`crate::provider::secrets`]); the reference is recorded, never the content.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_file: Option<std::path::PathBuf>,
+    /// The group the volume is staged and published with (`volume_mount_group`, sent only to a
+    /// plugin with VOLUME_MOUNT_GROUP, for mount volumes): made durable with the intent of the
+    /// publish that brings the volume onto the node, so recovery and a re-publish after a
+    /// restart send the same group. Chosen by [`crate::provider::mount_group::group_after`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount_group: Option<u32>,
     /// An expansion not finished: its intent, durable before its first RPC
     /// ([`crate::provider::expand`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -706,6 +724,7 @@ impl VolumeRecord {
             vendor: None,
             secrets_file: None,
             expansion: None,
+            mount_group: None,
         }
     }
 }

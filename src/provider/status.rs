@@ -40,6 +40,10 @@ pub struct VolumeStatus {
     /// The capability it is published with: access type (`mount`, or `block` for a block volume,
     /// whose mount point is then a device file), access mode, fs type, mount flags.
     pub capability: crate::provider::state::Capability,
+    /// The group it is staged and published with (`volume_mount_group`, see
+    /// [`crate::provider::mount_group`]) while it is on the node; `None`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mount_group: Option<u32>,
     /// Its mount point (the NodePublish target).
     pub mount_point: PathBuf,
     /// Whether the mount table has a mount at the mount point.
@@ -121,6 +125,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 imported: rec.pre_provisioned,
                 accessible_topology: rec.accessible_topology,
                 capability: rec.capability,
+                mount_group: rec.mount_group.filter(|_| rec.state.is_node_side()),
                 mount_point: target,
                 mounted: is_mounted,
                 staged,

@@ -603,6 +603,19 @@ impl StorageProvider {
         }
     }
 
+    /// A volume recorded with a group, staged or published again by a plugin that no longer
+    /// offers VOLUME_MOUNT_GROUP (it was replaced): the group is not sent (the spec forbids
+    /// it) and no longer recorded, so the isolator's own rule applies to its users again.
+    fn check_mount_group(&self, rec: &mut VolumeRecord) {
+        if rec.mount_group.is_some()
+            && !self.client.current_capabilities().node.volume_mount_group()
+        {
+            tracing::warn!(volume_id = %rec.volume_id, gid = ?rec.mount_group,
+                "the plugin no longer offers VOLUME_MOUNT_GROUP: the volume's group is not sent");
+            rec.mount_group = None;
+        }
+    }
+
     async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
         let id = rec.volume_id.clone();
         let secrets = self
@@ -619,6 +632,9 @@ impl StorageProvider {
         let staging = self.layout.staging_path(&rec.volume_id);
         let target = self.layout.target_path(&rec.volume_id);
         let stage = self.step_caps().stage_unstage;
+        if matches!(step, Step::NodeStage | Step::NodePublish) {
+            self.check_mount_group(rec);
+        }
         match step {
             Step::ControllerPublish => {
                 let node_id = self.node_id().await?;
@@ -645,7 +661,9 @@ impl StorageProvider {
                         volume_id: rec.volume_id.clone(),
                         publish_context,
                         staging_target_path: staging.to_string_lossy().into_owned(),
-                        volume_capability: Some(rec.capability.to_proto()),
+                        volume_capability: Some(
+                            rec.capability.to_proto_with_group(rec.mount_group),
+                        ),
                         volume_context,
                         secrets: secrets.to_request(),
                     })
@@ -671,7 +689,9 @@ impl StorageProvider {
                             String::new()
                         },
                         target_path: target.to_string_lossy().into_owned(),
-                        volume_capability: Some(rec.capability.to_proto()),
+                        volume_capability: Some(
+                            rec.capability.to_proto_with_group(rec.mount_group),
+                        ),
                         readonly: rec.readonly,
                         volume_context,
                         secrets: secrets.to_request(),

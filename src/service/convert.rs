@@ -265,6 +265,7 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 access_mode: v.capability.access_mode,
                 fs_type: v.capability.fs_type,
                 mount_flags: v.capability.mount_flags,
+                mount_group: v.mount_group.unwrap_or(0),
                 accessible_topology: v
                     .accessible_topology
                     .into_iter()
@@ -310,6 +311,7 @@ mod tests {
             imported: false,
             accessible_topology: vec![zone.clone()],
             capability: Default::default(),
+            mount_group: Some(5678),
             mount_point: PathBuf::from("/w/m"),
             mounted: false,
             staged: false,
@@ -320,6 +322,7 @@ mod tests {
             ..Default::default()
         };
         let answer = status(report, &[]);
+        assert_eq!(answer.volumes[0].mount_group, 5678);
         let topology = &answer.volumes[0].accessible_topology;
         assert_eq!(topology.len(), 1);
         assert_eq!(topology[0].segments, zone.into_iter().collect());

@@ -107,6 +107,10 @@ pub struct PluginConfig {
     /// VOLUME_ACCESSIBILITY_CONSTRAINTS, NodeGetInfo reports them and its volumes are
     /// reachable from them only.
     pub topology: std::collections::BTreeMap<String, String>,
+    /// Offer VOLUME_MOUNT_GROUP (`--volume-mount-group`): NodeStage and NodePublish then make
+    /// a mount volume's root group-writable (g+rwxs) for the `volume_mount_group` they carry.
+    /// Without it a request carrying one is refused (the CO must not send it).
+    pub volume_mount_group: bool,
 }
 
 /// One `--require-parameters` entry: a key, and the value it must have if one is given.
@@ -194,6 +198,7 @@ impl PluginConfig {
             required_parameters: Vec::new(),
             required_secrets: None,
             topology: std::collections::BTreeMap::new(),
+            volume_mount_group: false,
         }
     }
 

@@ -29,6 +29,8 @@ Examples:
   # Refuse calls whose secrets differ from those of FILE (root's alone, mode 0600)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
       --require-secrets /etc/csi-test/secrets.json
+  # Volumes made writable for the workload's group (VOLUME_MOUNT_GROUP)
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data --volume-mount-group
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -124,6 +126,11 @@ struct Args {
     /// refuses requisite topologies that do not cover them (RESOURCE_EXHAUSTED).
     #[arg(long, value_name = "KEY=VALUE")]
     topology: Vec<String>,
+    /// Offer VOLUME_MOUNT_GROUP: NodeStageVolume and NodePublishVolume with a
+    /// `volume_mount_group` (a decimal gid) give the volume's root that group, group read,
+    /// write and search and set-group-id. Without it a request carrying one is refused.
+    #[arg(long)]
+    volume_mount_group: bool,
 }
 
 fn parse_capacity(text: &str) -> Result<u64, String> {
@@ -144,6 +151,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.controller = !args.no_controller;
     config.controller_publish = !args.no_controller_publish;
     config.stage = !args.no_stage;
+    config.volume_mount_group = args.volume_mount_group;
     for segment in &args.topology {
         let (key, value) = segment
             .split_once('=')

@@ -73,6 +73,34 @@ impl Plugin {
         }
     }
 
+    /// The `volume_mount_group` of a mount capability: `None` when empty (or a block volume);
+    /// a gid otherwise. INVALID_ARGUMENT when it is not a decimal gid, or when the plugin does
+    /// not offer VOLUME_MOUNT_GROUP (a CO must not send it then: refusing shows one that does).
+    fn mount_group(
+        &self,
+        rpc: &'static str,
+        cap: Option<&proto::VolumeCapability>,
+    ) -> Result<Option<u32>, PluginError> {
+        let text = match cap.and_then(|c| c.access_type.as_ref()) {
+            Some(proto::volume_capability::AccessType::Mount(m)) => m.volume_mount_group.as_str(),
+            _ => "",
+        };
+        if text.is_empty() {
+            return Ok(None);
+        }
+        let invalid = |reason: String| PluginError::InvalidField {
+            rpc,
+            field: "volume_capability.mount.volume_mount_group",
+            reason,
+        };
+        if !self.config.volume_mount_group {
+            return Err(invalid(
+                "given, but the plugin does not offer VOLUME_MOUNT_GROUP".into(),
+            ));
+        }
+        parse_gid(text).map(Some).map_err(invalid)
+    }
+
     /// The volume a node RPC works on. A node-only plugin (no controller service) has no
     /// CreateVolume, so it adopts any volume id it is handed, as a node plugin for
     /// pre-provisioned storage would.
@@ -231,6 +259,7 @@ impl Plugin {
         require(RPC, "staging_target_path", &req.staging_target_path)?;
         let wire_cap = req.volume_capability.as_ref();
         let cap = require_capability(RPC, wire_cap, self.backing.kind())?;
+        let group = self.mount_group(RPC, wire_cap)?;
         let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         let dir = self.store.volume_dir(&record.id);
@@ -253,6 +282,8 @@ impl Plugin {
                     mounted,
                     readonly,
                 )?;
+                // Again: a stage interrupted between its mount and its group is finished.
+                give_group(RPC, &record.id, &staged, group, mounted)?;
                 Ok(proto::NodeStageVolumeResponse {})
             }
             MountState::Other(what) => Err(PluginError::PathConflict {
@@ -266,6 +297,7 @@ impl Plugin {
                 self.backing
                     .stage(&dir, &staging, &fs_type, flags)
                     .map_err(err())?;
+                give_group(RPC, &record.id, &staged, group, readonly)?;
                 record.staged.insert(req.staging_target_path.clone(), cap);
                 self.save(RPC, &record)?;
                 tracing::info!(volume_id = %record.id, staging = %staging.display(), readonly, "volume staged");
@@ -338,6 +370,7 @@ impl Plugin {
         if self.config.stage {
             require(RPC, "staging_target_path", &req.staging_target_path)?;
         }
+        let group = self.mount_group(RPC, wire_cap)?;
         let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         if req.readonly && cap.mount_flags.iter().any(|f| f == "rw") {
@@ -387,6 +420,7 @@ impl Plugin {
                     mounted,
                     readonly,
                 )?;
+                give_group(RPC, &record.id, &target, group, mounted)?;
                 Ok(proto::NodePublishVolumeResponse {})
             }
             MountState::Other(what) => Err(PluginError::PathConflict {
@@ -404,6 +438,7 @@ impl Plugin {
                 self.backing
                     .publish(&dir, staging.as_deref(), &target, &fs_type, flags)
                     .map_err(err())?;
+                give_group(RPC, &record.id, &target, group, readonly)?;
                 record.published.insert(req.target_path.clone(), cap);
                 self.save(RPC, &record)?;
                 tracing::info!(volume_id = %record.id, target = %target.display(), readonly, "volume published");
@@ -518,6 +553,9 @@ impl Plugin {
         caps.push(Cap::GetVolumeStats);
         // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
         caps.push(Cap::SingleNodeMultiWriter);
+        if self.config.volume_mount_group {
+            caps.push(Cap::VolumeMountGroup);
+        }
         Ok(proto::NodeGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -665,4 +703,61 @@ impl proto::node_server::Node for PluginService {
         )
         .await
     }
+}
+
+/// A `volume_mount_group` as a gid: decimal digits only, within a gid's range (not the
+/// (uid_t)-1 that chown reads as "leave unchanged").
+fn parse_gid(text: &str) -> Result<u32, String> {
+    let shown = text.escape_debug().to_string();
+    let shown: String = shown.chars().take(40).collect();
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(format!("'{shown}' is not a decimal group id"));
+    }
+    match text.parse::<u32>() {
+        Ok(gid) if gid != u32::MAX => Ok(gid),
+        _ => Err(format!("'{shown}' is out of the range of group ids")),
+    }
+}
+
+/// Gives the volume root mounted at `root` the group `gid` with group read, write and search
+/// and set-group-id (what the workload creates there keeps the group), through an fd opened
+/// without following a symlink; nothing beneath the root is touched. A read-only mount is left
+/// as it is (nothing can be written to it, its root included).
+fn give_group(
+    rpc: &'static str,
+    volume_id: &str,
+    root: &std::path::Path,
+    gid: Option<u32>,
+    readonly: bool,
+) -> Result<(), PluginError> {
+    let Some(gid) = gid else { return Ok(()) };
+    if readonly {
+        tracing::info!(volume_id, root = %root.display(), gid, "read-only: volume_mount_group not applied");
+        return Ok(());
+    }
+    let io = |step: &'static str| {
+        let path = root.to_path_buf();
+        move |errno: nix::Error| PluginError::Backing {
+            rpc,
+            volume_id: volume_id.to_string(),
+            source: super::BackingError::Io(IoStep::new(step, path, std::io::Error::from(errno))),
+        }
+    };
+    use nix::fcntl::{open, OFlag};
+    use nix::sys::stat::{fchmod, fstat, Mode as FileMode};
+    let fd = open(
+        root,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+        FileMode::empty(),
+    )
+    .map_err(io("open volume root"))?;
+    let st = fstat(&fd).map_err(io("stat volume root"))?;
+    nix::unistd::fchown(&fd, None, Some(nix::unistd::Gid::from_raw(gid)))
+        .map_err(io("change the group of volume root"))?;
+    // chown clears set-group-id on some filesystems: the mode is set after it.
+    let mode = (st.st_mode & 0o7777) | 0o2070;
+    fchmod(&fd, FileMode::from_bits_truncate(mode))
+        .map_err(io("make group-writable volume root"))?;
+    tracing::info!(volume_id, root = %root.display(), gid, "volume root given the volume_mount_group");
+    Ok(())
 }

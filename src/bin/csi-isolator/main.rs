@@ -53,15 +53,6 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_logging(cli.log_json);
-    if only_prints(&cli.command) {
-        // A listing piped into `head` ends quietly when the reader goes, as `ls | head` does,
-        // instead of panicking on EPIPE. Only for commands that change nothing: any other stops
-        // at its own pace (its state is durable before it prints, and it shuts its plugin down).
-        // SAFETY: before any thread exists; SIG_DFL is a valid disposition.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
-    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -87,6 +78,9 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(code) => code,
+        // The reader of a listing went (`| head`): stop quietly, as `ls` does, with the shell's
+        // code for SIGPIPE; the command has shut its plugin down on the way out.
+        Err(e) if closed_pipe(e.as_ref()) => ExitCode::from(141),
         Err(e) => {
             eprintln!(
                 "csi-isolator: {}",
@@ -97,13 +91,19 @@ fn main() -> ExitCode {
     }
 }
 
-/// Whether the command only reads and prints (`status`, `volume list`, the generated docs).
-fn only_prints(command: &Command) -> bool {
-    match command {
-        Command::Status(_) | Command::Completions(_) | Command::Man(_) => true,
-        Command::Volume(args) => args.only_lists(),
-        _ => false,
+/// Whether `e` comes from writing to a pipe whose reader has gone (Rust ignores SIGPIPE, so a
+/// write gets EPIPE instead).
+fn closed_pipe(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+        {
+            return true;
+        }
+        cause = c.source();
     }
+    false
 }
 
 fn init_logging(json: bool) {

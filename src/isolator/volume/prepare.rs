@@ -49,18 +49,24 @@ impl VolumeIsolator {
         blocking(move || check_config(&id, &checked, &work_dir)).await?;
         let rec = ContainerRecord::new(container_id, config, mounts.clone());
         self.persist(&rec).await?;
-        if let Err(source) = self
+        let wanted = self.groups_to_grant(&rec.config.resources, &rec.mounts, user);
+        let asked = ownership::groups_for_plugins(&wanted);
+        let staged = match self
             .publisher
-            .publish(container_id, &rec.config.resources)
+            .publish(container_id, &rec.config.resources, &asked)
             .await
         {
-            let _ = self.forget(container_id).await;
-            return Err(IsolatorError::Provider {
-                container: container_id.to_string(),
-                source: Box::new(source),
-            });
-        }
-        let grants = self.groups_to_grant(&rec, user);
+            Ok(staged) => staged,
+            Err(source) => {
+                let _ = self.forget(container_id).await;
+                return Err(IsolatorError::Provider {
+                    container: container_id.to_string(),
+                    source: Box::new(source),
+                });
+            }
+        };
+        note_plugin_groups(container_id, &asked, &staged);
+        let grants = ownership::left_to_isolator(wanted, &asked, &staged);
         *slot = Some(rec);
         drop(slot);
         if !grants.is_empty() {
@@ -73,21 +79,21 @@ impl VolumeIsolator {
         Ok(LaunchInfo { mounts })
     }
 
-    /// The volume roots of the container to make writable for its user's group
-    /// ([`ownership::group_to_grant`]), with that group.
-    fn groups_to_grant(
+    /// The volume roots among `mounts` (of `resources`) to make writable for the user's group
+    /// ([`ownership::group_to_grant`]), with that group: by the plugin or by the isolator
+    /// ([`ownership::groups_for_plugins`], [`ownership::left_to_isolator`]).
+    pub(super) fn groups_to_grant(
         &self,
-        rec: &ContainerRecord,
+        resources: &[Resource],
+        mounts: &[VolumeMount],
         user: Option<crate::launcher::Credentials>,
     ) -> Vec<(VolumeMount, u32)> {
-        let shared: HashSet<PathBuf> = rec
-            .config
-            .resources
+        let shared: HashSet<PathBuf> = resources
             .iter()
             .filter(|r| r.is_shared())
             .filter_map(|r| r.host_path(&self.work_dir).ok())
             .collect();
-        rec.mounts
+        mounts
             .iter()
             .filter_map(|m| {
                 ownership::group_to_grant(user, m.readonly, shared.contains(&m.source))
@@ -97,8 +103,26 @@ impl VolumeIsolator {
     }
 }
 
+/// Logs the volumes whose plugin owns their group (VOLUME_MOUNT_GROUP): the isolator leaves
+/// their roots alone.
+pub(super) fn note_plugin_groups(
+    container: &str,
+    asked: &crate::provider::MountGroups,
+    staged: &crate::provider::MountGroups,
+) {
+    for (key, gid) in asked {
+        if let Some(staged_with) = staged.get(key) {
+            tracing::info!(container, volume = %crate::shown::shown(&key.1), gid, staged_with,
+                "volume root left to the plugin: staged with volume_mount_group");
+        }
+    }
+}
+
 /// Applies [`ownership::grant_group`] to each volume root, naming the volume that failed.
-fn grant_groups(container: &str, grants: &[(VolumeMount, u32)]) -> Result<(), IsolatorError> {
+pub(super) fn grant_groups(
+    container: &str,
+    grants: &[(VolumeMount, u32)],
+) -> Result<(), IsolatorError> {
     for (mount, gid) in grants {
         let changed =
             ownership::grant_group(mount, *gid).map_err(|source| IsolatorError::Ownership {

@@ -77,20 +77,29 @@ impl VolumeIsolator {
         // the sweep below.
         let mut recorded: HashMap<String, HashSet<(String, String)>> = HashMap::new();
         for id in report.recovered.clone() {
-            let resources = self
-                .entry(&id)
-                .lock()
-                .await
-                .as_ref()
-                .map(|r| r.config.resources.clone())
-                .unwrap_or_default();
+            let (resources, asked) = match self.entry(&id).lock().await.as_ref() {
+                // The groups its prepare asked for, so a volume staged again asks the same.
+                Some(r) => {
+                    let user = r
+                        .config
+                        .user
+                        .as_deref()
+                        .and_then(|u| ownership::resolve_user(u).ok());
+                    let wanted = self.groups_to_grant(&r.config.resources, &r.mounts, user);
+                    (
+                        r.config.resources.clone(),
+                        ownership::groups_for_plugins(&wanted),
+                    )
+                }
+                None => Default::default(),
+            };
             let uses = resources
                 .iter()
                 .filter(|r| r.is_disk())
                 .filter_map(|r| Some((r.provider_id()?.to_string(), r.source_id()?.to_string())))
                 .collect();
             recorded.insert(id.clone(), uses);
-            if let Err(e) = self.publisher.publish(&id, &resources).await {
+            if let Err(e) = self.publisher.publish(&id, &resources, &asked).await {
                 tracing::error!(container_id = %id, error = %Chain(&e), "recovery: cannot re-ensure the container's volumes");
                 report
                     .failures

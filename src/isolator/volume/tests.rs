@@ -28,6 +28,9 @@ struct FakePublisher {
     read_only: Mutex<BTreeSet<String>>,
     hardening: Mutex<BTreeMap<String, Hardening>>,
     fail_publish: Mutex<Option<String>>,
+    /// Whether the plugins take a volume's group (VOLUME_MOUNT_GROUP): then every asked group
+    /// comes back as the one the volume was staged with.
+    takes_groups: Mutex<bool>,
 }
 
 fn volume_ids(resources: &[Resource]) -> Vec<String> {
@@ -63,10 +66,19 @@ impl Publisher for FakePublisher {
         &'a self,
         container: &'a str,
         resources: &'a [Resource],
-    ) -> BoxFuture<'a, Result<(), ProviderError>> {
+        groups: &'a crate::provider::MountGroups,
+    ) -> BoxFuture<'a, Result<crate::provider::MountGroups, ProviderError>> {
         Box::pin(async move {
             let ids = volume_ids(resources);
-            self.record(format!("publish {container} {ids:?}"));
+            if groups.is_empty() {
+                self.record(format!("publish {container} {ids:?}"));
+            } else {
+                let asked: Vec<String> = groups
+                    .iter()
+                    .map(|((_, v), g)| format!("{v}:{g}"))
+                    .collect();
+                self.record(format!("publish {container} {ids:?} groups {asked:?}"));
+            }
             if let Some(bad) = self.fail_publish.lock().unwrap().clone() {
                 if ids.contains(&bad) {
                     return Err(ProviderError::UnknownVolume {
@@ -79,7 +91,11 @@ impl Publisher for FakePublisher {
             for id in ids {
                 users.entry(id).or_default().insert(container.to_string());
             }
-            Ok(())
+            Ok(if *self.takes_groups.lock().unwrap() {
+                groups.clone()
+            } else {
+                Default::default()
+            })
         })
     }
 
@@ -294,6 +310,36 @@ async fn prepare_records_the_container_then_publishes() {
 }
 
 #[tokio::test]
+async fn a_non_root_workload_asks_the_plugin_for_its_group_on_volumes_it_writes_alone() {
+    let rig = Rig::new();
+    let iso = rig.isolator();
+    *rig.publisher.takes_groups.lock().unwrap() = true;
+    let data = rig.volume("vol-1", "data", VolumeMode::Rw);
+    let read = rig.volume("vol-2", "read", VolumeMode::Ro);
+    let mut config = rig.config(vec![data.clone(), read]);
+    config.user = Some("1234:5678".into());
+    iso.prepare("c1", config).await.unwrap();
+    // The read-only volume asks none; the plugin staged vol-1 with the group, so the isolator
+    // changes nothing itself (the directory keeps its group).
+    assert_eq!(
+        rig.publisher.calls(),
+        ["publish c1 [\"vol-1\", \"vol-2\"] groups [\"vol-1:5678\"]"]
+    );
+    let meta = std::fs::metadata(data.host_path(&rig.work).unwrap()).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_ne!(meta.gid(), 5678);
+    assert_ne!(
+        meta.mode() & ownership::GRANTED_BITS,
+        ownership::GRANTED_BITS
+    );
+    // A root workload asks no group.
+    let mut config = rig.config(vec![rig.volume("vol-3", "data", VolumeMode::Rw)]);
+    config.user = Some("0:5678".into());
+    iso.prepare("c2", config).await.unwrap();
+    assert_eq!(rig.publisher.calls(), ["publish c2 [\"vol-3\"]"]);
+}
+
+#[tokio::test]
 async fn a_failed_prepare_leaves_no_checkpoint_and_no_use() {
     let rig = Rig::new();
     let iso = rig.isolator();
@@ -388,6 +434,32 @@ async fn update_mounts_through_the_seam_and_records_what_is_mounted() {
     assert_eq!(kinds, [CallKind::EnterMountNamespace]);
     assert_eq!(targets(&rig.checkpoint("c1").unwrap()), ["vol-2@more"]);
     assert_eq!(rig.publisher.users_of("vol-1"), BTreeSet::new());
+}
+
+#[tokio::test]
+async fn update_asks_the_plugin_for_the_workloads_group_on_a_volume_it_adds() {
+    let rig = Rig::new();
+    let iso = rig.isolator();
+    *rig.publisher.takes_groups.lock().unwrap() = true;
+    let data = rig.volume("vol-1", "data", VolumeMode::Rw);
+    let more = rig.volume("vol-2", "more", VolumeMode::Rw);
+    let mut config = rig.config(vec![data.clone()]);
+    config.user = Some("1234:5678".into());
+    iso.prepare("c1", config).await.unwrap();
+    iso.isolate("c1", std::process::id()).await.unwrap();
+    rig.publisher.calls();
+    iso.update("c1", vec![data, more]).await.unwrap();
+    assert_eq!(
+        rig.publisher.calls(),
+        [
+            "publish c1 [\"vol-2\"] groups [\"vol-2:5678\"]",
+            "unpublish c1 []"
+        ]
+    );
+    assert_eq!(
+        targets(&rig.checkpoint("c1").unwrap()),
+        ["vol-1@data", "vol-2@more"]
+    );
 }
 
 #[tokio::test]

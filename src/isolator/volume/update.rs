@@ -43,13 +43,50 @@ impl VolumeIsolator {
             added_resources.clone(),
         );
         blocking(move || check_agent_disks(&id, &checked, &work_dir, host_path_kind)).await?;
-        self.publisher
-            .publish(container_id, &added_resources)
+        let user = rec
+            .config
+            .user
+            .as_deref()
+            .map(ownership::resolve_user)
+            .transpose()
+            .map_err(|reason| IsolatorError::BadUser {
+                container: container_id.to_string(),
+                reason,
+            })?;
+        let wanted = self.groups_to_grant(&resources, &added, user);
+        let asked = ownership::groups_for_plugins(&wanted);
+        let staged = self
+            .publisher
+            .publish(container_id, &added_resources, &asked)
             .await
             .map_err(|source| IsolatorError::Provider {
                 container: container_id.to_string(),
                 source: Box::new(source),
             })?;
+        super::prepare::note_plugin_groups(container_id, &asked, &staged);
+        let grants = ownership::left_to_isolator(wanted, &asked, &staged);
+        if !grants.is_empty() {
+            let id = container_id.to_string();
+            if let Err(e) = blocking(move || super::prepare::grant_groups(&id, &grants)).await {
+                // Nothing is mounted yet: end only the uses this update began.
+                let kept: HashSet<_> = rec.mounts.iter().map(volume_key).collect();
+                let began: Vec<Resource> = added_resources
+                    .iter()
+                    .filter(|r| {
+                        let key = (
+                            r.provider_id().map(str::to_string),
+                            r.source_id().map(str::to_string),
+                        );
+                        !kept.contains(&key)
+                    })
+                    .cloned()
+                    .collect();
+                if let Err(undo) = self.publisher.unpublish(container_id, &began).await {
+                    tracing::error!(container_id, error = %Chain(&undo), "cannot release the volumes of a failed update");
+                }
+                return Err(e);
+            }
+        }
 
         // 2. Unmount what goes first (a target that changes volume or mode is
         //    then free), then mount what comes. `current` tracks what is

@@ -7,6 +7,15 @@ use std::ffi::OsStr;
 use clap::builder::{StringValueParser, TypedValueParser};
 use clap::error::ErrorKind;
 
+/// `println!` that returns the write's error (`?`) instead of panicking: a listing piped into
+/// `head` sees EPIPE when the reader goes, and the command then ends quietly (see `main`).
+macro_rules! outln {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        writeln!(std::io::stdout(), $($arg)*)?
+    }};
+}
+
 pub mod docker_plugin;
 pub mod docs;
 pub mod oci_hook;

@@ -34,15 +34,19 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
         None => StatusReport::default(),
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!(
+        outln!(
             "{:<40} {:<24} {:<14} {:<20} {:<8} USERS",
-            "PLUGIN", "VOLUME", "NAME", "STATE", "MOUNTED"
+            "PLUGIN",
+            "VOLUME",
+            "NAME",
+            "STATE",
+            "MOUNTED"
         );
         for v in &report.volumes {
             let users: Vec<_> = v.users.iter().map(|u| shown(u)).collect();
-            println!(
+            outln!(
                 "{:<40} {:<24} {:<14} {:<20} {:<8} {}",
                 shown(&v.plugin),
                 shown(&v.volume_id),
@@ -55,29 +59,32 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
                     users.join(",")
                 }
             );
-            println!("    mount point: {}", shown_os(v.mount_point.as_os_str()));
+            outln!("    mount point: {}", shown_os(v.mount_point.as_os_str()));
             if let Some(size) = size_line(v.capacity_bytes, v.capacity_enforced) {
-                println!("    size: {size}");
+                outln!("    size: {size}");
             }
             if !v.accessible_topology.is_empty() {
-                println!(
+                outln!(
                     "    reachable from: {}",
                     csi_isolator::provider::topology::describe(&v.accessible_topology)
                 );
             }
+            if let Some(gid) = v.mount_group {
+                outln!("    mount group: {gid} (volume_mount_group, the plugin's)");
+            }
             if let Some(d) = &v.disagreement {
-                println!("    ! {}", escaped(d));
+                outln!("    ! {}", escaped(d));
             }
         }
         for u in &report.unreadable {
-            println!(
+            outln!(
                 "! unreadable state {}: {}",
                 shown_os(u.path.as_os_str()),
                 escaped(&u.reason)
             );
         }
         if report.volumes.is_empty() && report.unreadable.is_empty() {
-            println!("(no volumes under {})", shown_os(work_dir.as_os_str()));
+            outln!("(no volumes under {})", shown_os(work_dir.as_os_str()));
         }
     }
     let healthy =

@@ -182,14 +182,6 @@ impl VolumeFlags {
     }
 }
 
-impl VolumeArgs {
-    /// Whether the command only lists the records (`volume list` without `--plugin`, which
-    /// starts no plugin): it changes nothing.
-    pub fn only_lists(&self) -> bool {
-        matches!(self.action, Action::List { plugin: false, .. })
-    }
-}
-
 /// Runs a `volume` command.
 pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> {
     // A container id is checked before anything starts, as `run` checks its own.
@@ -242,7 +234,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             let mut spec = options.create_spec(&name);
             spec.parameters = parameters;
             let resource = provider.create_volume(spec).await?;
-            println!("{}", serde_json::to_string_pretty(&resource)?);
+            outln!("{}", serde_json::to_string_pretty(&resource)?);
         }
         Action::Import {
             name,
@@ -277,12 +269,12 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             let resource = provider
                 .import_volume_with_secrets(spec, options.secrets)
                 .await?;
-            println!("{}", serde_json::to_string_pretty(&resource)?);
+            outln!("{}", serde_json::to_string_pretty(&resource)?);
         }
         Action::Publish { volume, container } => {
             let id = resolve(provider, &volume).await?;
             let mount_point = provider.publish(&id, &container).await?;
-            println!("{}", mount_point.display());
+            outln!("{}", mount_point.display());
         }
         Action::Release { volume, container } => {
             let id = resolve(provider, &volume).await?;
@@ -300,12 +292,12 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             let id = resolve(provider, &volume).await?;
             let done = provider.expand_volume(&id, bytes).await?;
             if done.node_pending {
-                println!(
+                outln!(
                     "{} bytes (the node grows it at its next publish on this node)",
                     done.capacity_bytes
                 );
             } else {
-                println!("{} bytes", done.capacity_bytes);
+                outln!("{} bytes", done.capacity_bytes);
             }
         }
         Action::Destroy { volume, delete } => {
@@ -326,16 +318,16 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
                 ),
             }
             if json {
-                println!("{}", serde_json::to_string_pretty(&volumes)?);
+                outln!("{}", serde_json::to_string_pretty(&volumes)?);
             } else {
-                println!("{:<40} {:>14} CONTEXT", "PLUGIN VOLUME", "CAPACITY");
+                outln!("{:<40} {:>14} CONTEXT", "PLUGIN VOLUME", "CAPACITY");
                 for v in volumes {
                     let context: Vec<_> = v
                         .volume_context
                         .iter()
                         .map(|(k, v)| format!("{}={}", shown(k), shown(v)))
                         .collect();
-                    println!(
+                    outln!(
                         "{:<40} {:>14} {}",
                         shown(&v.volume_id),
                         v.capacity_bytes,
@@ -350,12 +342,12 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         } => {
             let volumes = provider.volumes().await;
             if json {
-                println!("{}", serde_json::to_string_pretty(&volumes)?);
+                outln!("{}", serde_json::to_string_pretty(&volumes)?);
             } else {
-                println!("{:<24} {:<16} {:<20} USERS", "VOLUME", "NAME", "STATE");
+                outln!("{:<24} {:<16} {:<20} USERS", "VOLUME", "NAME", "STATE");
                 for v in volumes {
                     let users: Vec<_> = v.users.iter().map(|u| shown(u)).collect();
-                    println!(
+                    outln!(
                         "{:<24} {:<16} {:<20} {}",
                         shown(&v.volume_id),
                         shown(v.name.as_deref().unwrap_or("-")),
