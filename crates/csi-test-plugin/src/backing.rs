@@ -46,6 +46,9 @@ use csi_isolator::mount::{
     loopdev, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable, ProcMountTable, Syscall,
 };
 
+mod copy;
+mod grow;
+
 /// How volumes are backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackingKind {
@@ -96,6 +99,17 @@ pub enum BackingError {
         program: String,
         /// The image.
         path: PathBuf,
+        /// Its exit status and stderr, or why it did not start.
+        reason: String,
+    },
+    /// A tool of snapshots and expansion (fsfreeze, losetup, e2fsck, resize2fs, xfs_growfs)
+    /// could not run or failed.
+    #[error("{program} {args}: {reason}")]
+    Tool {
+        /// The program.
+        program: String,
+        /// Its arguments.
+        args: String,
         /// Its exit status and stderr, or why it did not start.
         reason: String,
     },

@@ -118,6 +118,7 @@ impl Plugin {
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
+            content_source: None,
         };
         self.provision(rpc, &record, cap.is_some_and(is_block))?;
         tracing::info!(volume_id, "node-only plugin adopted volume");
@@ -515,6 +516,9 @@ impl Plugin {
         caps.push(Cap::GetVolumeStats);
         // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
         caps.push(Cap::SingleNodeMultiWriter);
+        if self.config.expansion != super::Expansion::None {
+            caps.push(Cap::ExpandVolume);
+        }
         Ok(proto::NodeGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -629,9 +633,18 @@ impl proto::node_server::Node for PluginService {
 
     async fn node_expand_volume(
         &self,
-        _request: Request<proto::NodeExpandVolumeRequest>,
+        request: Request<proto::NodeExpandVolumeRequest>,
     ) -> Result<Response<proto::NodeExpandVolumeResponse>, Status> {
-        self.unsupported("NodeExpandVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeExpandVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            Plugin::node_expand,
+        )
+        .await
     }
 
     async fn node_get_capabilities(
