@@ -2637,3 +2637,156 @@ async fn dir_capabilities_switched_off_are_refused() {
 async fn loop_capabilities_switched_off_are_refused() {
     capabilities_switched_off_are_refused("loop").await;
 }
+
+/// A plugin SIGKILLed while a snapshot holds a mounted loop volume frozen (its stall point is
+/// inside the freeze): the workload's writes wait meanwhile, the restarted plugin thaws the
+/// volume (its freeze marker), the writes complete, and the half-made snapshot is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_a_plugin_killed_mid_snapshot_leaves_nothing_frozen() {
+    let mut s = suite_with_args("loop", None, &["--stall", "CreateSnapshot=60000"]).await;
+    let vol = s.create("sanity-snap-killed").await;
+    let target = s.bring_up(&vol).await;
+    let vol_dir = s
+        ._plugin
+        .work_dir()
+        .join("volumes")
+        .join(csi_isolator::resource::encode_volume_id(&vol.volume_id));
+    let marker = vol_dir.join("frozen");
+    let mut other = raw_clients(&s._plugin.socket()).await.unwrap();
+    let req = s.snapshot_req(&vol.volume_id, "killed-mid-copy");
+    let call = tokio::spawn(async move { other.controller.create_snapshot(req).await });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !marker.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the volume was never frozen"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let (done, written) = std::sync::mpsc::channel();
+    let file = target.join("during");
+    std::thread::spawn(move || {
+        write_synced(file.parent().unwrap(), "during", b"waited");
+        let _ = done.send(());
+    });
+    let thaw = |why: &str| {
+        // Never leave the test's own volume frozen, whatever failed.
+        let _ = std::process::Command::new("fsfreeze")
+            .arg("-u")
+            .arg(&target)
+            .status();
+        panic!("{why}");
+    };
+    if written
+        .recv_timeout(std::time::Duration::from_millis(500))
+        .is_ok()
+    {
+        thaw("a write completed while the volume was frozen");
+    }
+    s._plugin.kill();
+    assert!(call.await.unwrap().is_err(), "the killed call failed");
+    s._plugin.restart().await;
+    s.c = raw_clients(&s._plugin.socket()).await.unwrap();
+    if written
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .is_err()
+    {
+        thaw("the restarted plugin did not thaw the volume");
+    }
+    assert!(!marker.exists(), "the marker is gone with the freeze");
+    assert_eq!(std::fs::read(target.join("during")).unwrap(), b"waited");
+    let listed = s
+        .list_snapshots(proto::ListSnapshotsRequest::default())
+        .await;
+    assert!(listed.entries.is_empty(), "{listed:?}");
+    let snapshots = s._plugin.work_dir().join("snapshots");
+    let left: Vec<_> = std::fs::read_dir(&snapshots).unwrap().collect();
+    assert!(left.is_empty(), "the half-made copy is deleted: {left:?}");
+    s.cleanup().await;
+}
+
+/// `--require-secrets`: ControllerExpandVolume and NodeExpandVolume carry exactly their
+/// operation's secrets (missing: INVALID_ARGUMENT, wrong: UNAUTHENTICATED, naming the key and
+/// never the value); the snapshot RPCs carry none from a secrets file, so any is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_expand_rpcs_carry_their_secrets_and_snapshot_rpcs_none() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let secrets_dir = tempfile::Builder::new()
+        .prefix("csi-conformance-secrets-")
+        .tempdir()
+        .unwrap();
+    let file = secrets_dir.path().join("secrets.json");
+    std::fs::write(
+        &file,
+        r#"{"controller_expand": {"ck": "ce-value"}, "node_expand": {"nk": "ne-value"}}"#,
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let file_arg = file.display().to_string();
+    let mut s = suite_with_args("dir", None, &["--require-secrets", &file_arg]).await;
+    let vol = s.create("sanity-expand-secrets").await;
+    let secrets = |k: &str, v: &str| HashMap::from([(k.to_string(), v.to_string())]);
+    let expand = |secrets: HashMap<String, String>| proto::ControllerExpandVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        capacity_range: Some(proto::CapacityRange {
+            required_bytes: SIZE * 2,
+            limit_bytes: 0,
+        }),
+        secrets,
+        ..Default::default()
+    };
+    for (given, want) in [
+        (HashMap::new(), Code::InvalidArgument),
+        (secrets("ck", "wrong"), Code::Unauthenticated),
+    ] {
+        let status =
+            s.c.controller
+                .controller_expand_volume(expand(given))
+                .await
+                .unwrap_err();
+        assert_eq!(status.code(), want, "{status:?}");
+        assert!(status.message().contains("ck"), "{}", status.message());
+        assert!(
+            !status.message().contains("ce-value"),
+            "{}",
+            status.message()
+        );
+    }
+    s.c.controller
+        .controller_expand_volume(expand(secrets("ck", "ce-value")))
+        .await
+        .unwrap();
+    let target = s.bring_up(&vol).await;
+    let node_expand = |secrets: HashMap<String, String>| proto::NodeExpandVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        volume_path: target.display().to_string(),
+        secrets,
+        ..Default::default()
+    };
+    let status =
+        s.c.node
+            .node_expand_volume(node_expand(HashMap::new()))
+            .await
+            .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    s.c.node
+        .node_expand_volume(node_expand(secrets("nk", "ne-value")))
+        .await
+        .unwrap();
+    let mut snap = s.snapshot_req(&vol.volume_id, "with-secrets");
+    snap.secrets = secrets("ck", "ce-value");
+    assert_eq!(
+        code(s.c.controller.create_snapshot(snap).await),
+        Code::InvalidArgument
+    );
+    let list = proto::ListSnapshotsRequest {
+        secrets: secrets("x", "y"),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(s.c.controller.list_snapshots(list).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}

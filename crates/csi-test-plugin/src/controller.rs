@@ -1130,7 +1130,10 @@ impl proto::controller_server::Controller for PluginService {
             &source,
             LockKey::CreateSnapshot,
             req,
-            Plugin::create_snapshot,
+            |p: &Plugin, req| {
+                p.check_secrets("CreateSnapshot", &req.secrets)?;
+                Plugin::create_snapshot(p, req)
+            },
         )
         .await
     }
@@ -1146,8 +1149,11 @@ impl proto::controller_server::Controller for PluginService {
         } else {
             LockKey::Snapshot(id.clone())
         };
-        self.call("DeleteSnapshot", &id, key, req, Plugin::delete_snapshot)
-            .await
+        self.call("DeleteSnapshot", &id, key, req, |p: &Plugin, req| {
+            p.check_secrets("DeleteSnapshot", &req.secrets)?;
+            Plugin::delete_snapshot(p, req)
+        })
+        .await
     }
 
     async fn list_snapshots(
@@ -1159,7 +1165,10 @@ impl proto::controller_server::Controller for PluginService {
             "",
             LockKey::None,
             request.into_inner(),
-            Plugin::list_snapshots,
+            |p: &Plugin, req| {
+                p.check_secrets("ListSnapshots", &req.secrets)?;
+                Plugin::list_snapshots(p, req)
+            },
         )
         .await
     }
@@ -1170,8 +1179,11 @@ impl proto::controller_server::Controller for PluginService {
     ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
         let req = request.into_inner();
         let id = req.snapshot_id.clone();
-        self.call("GetSnapshot", &id, LockKey::None, req, Plugin::get_snapshot)
-            .await
+        self.call("GetSnapshot", &id, LockKey::None, req, |p: &Plugin, req| {
+            p.check_secrets("GetSnapshot", &req.secrets)?;
+            Plugin::get_snapshot(p, req)
+        })
+        .await
     }
 
     async fn controller_expand_volume(
@@ -1187,7 +1199,10 @@ impl proto::controller_server::Controller for PluginService {
             &id,
             LockKey::Create,
             req,
-            Plugin::controller_expand,
+            |p: &Plugin, req| {
+                p.check_secrets("ControllerExpandVolume", &req.secrets)?;
+                Plugin::controller_expand(p, req)
+            },
         )
         .await
     }

@@ -631,6 +631,7 @@ impl PluginService {
                 source,
             })?;
         let backing = backing::Backing::new(config.backing);
+        backing.thaw_leftovers(store.list().iter().map(|r| store.volume_dir(&r.id)));
         Ok(PluginService {
             inner: Arc::new(Plugin {
                 config,

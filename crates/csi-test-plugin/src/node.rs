@@ -642,7 +642,10 @@ impl proto::node_server::Node for PluginService {
             &id,
             LockKey::Volume(id.clone()),
             req,
-            Plugin::node_expand,
+            |p: &Plugin, req| {
+                p.check_secrets("NodeExpandVolume", &req.secrets)?;
+                Plugin::node_expand(p, req)
+            },
         )
         .await
     }

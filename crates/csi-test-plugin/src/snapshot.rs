@@ -154,12 +154,11 @@ impl Plugin {
             block: Backing::is_block(&vol_dir),
             volume_context: volume.volume_context.clone(),
         };
-        self.faults.stall(RPC);
         let snap_dir = self.snapshots.snapshot_dir(&id);
         // The copy first, the record after: a crash between leaves a directory without a
         // record, which the store deletes when it opens.
         self.backing
-            .copy_content(&vol_dir, &snap_dir)
+            .copy_content(&vol_dir, &snap_dir, || self.faults.stall(RPC))
             .map_err(|source| PluginError::Backing {
                 rpc: RPC,
                 volume_id: volume.id.clone(),
@@ -337,8 +336,9 @@ impl Plugin {
             volume_id: record.id.clone(),
             source,
         };
+        // CreateVolume's stall point is before this (at the side effect of every create).
         self.backing
-            .copy_content(&source.dir, &dir)
+            .copy_content(&source.dir, &dir, || {})
             .map_err(backing_err)?;
         if record.capacity_bytes > source.size {
             self.backing

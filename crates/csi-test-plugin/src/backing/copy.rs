@@ -8,7 +8,9 @@
 //!   SEEK_DATA/SEEK_HOLE, through copy_file_range, which shares the extents on filesystems that
 //!   can). When the source volume's filesystem is mounted (staged or published), it is frozen
 //!   (FIFREEZE, by `fsfreeze`) for the copy, which makes the copy a consistent filesystem, and
-//!   thawed after, whatever happened. A block volume has no filesystem to freeze: its copy is
+//!   thawed after, whatever happened: an error or a panic thaws it (a guard), and a plugin
+//!   killed meanwhile thaws it when it starts again ([`FREEZE_MARKER`],
+//!   [`Backing::thaw_leftovers`]). A block volume has no filesystem to freeze: its copy is
 //!   what the image held at each moment of the copy (stop writers for a consistent one).
 //! - Dir backing: the tree is copied file by file while writers may go on (a plain directory
 //!   cannot be frozen): a file written during the copy may be copied half-written, so a dir
@@ -35,16 +37,28 @@ use super::{io_step, Backing, BackingError, BackingKind, IoStep};
 /// How deep a dir volume's tree may nest (each level holds two descriptors open).
 pub const MAX_TREE_DEPTH: usize = 256;
 
+/// The file in a volume's directory naming the mount point frozen for a copy: written (durably)
+/// before the freeze, removed after the thaw, so a plugin killed in between thaws the volume
+/// when it starts again.
+pub const FREEZE_MARKER: &str = "frozen";
+
 /// Thaws a frozen filesystem when dropped: an error or a panic in the copy never leaves it
 /// frozen (a frozen filesystem blocks every writer of the volume).
 struct Frozen {
     mount_point: PathBuf,
+    marker: PathBuf,
 }
 
 impl Drop for Frozen {
     fn drop(&mut self) {
-        if let Err(e) = run("fsfreeze", &["-u".as_ref(), self.mount_point.as_os_str()]) {
-            tracing::error!(mount_point = %self.mount_point.display(), error = %e, "thaw after a snapshot copy failed");
+        match run("fsfreeze", &["-u".as_ref(), self.mount_point.as_os_str()]) {
+            Ok(()) => {
+                let _ = fs::remove_file(&self.marker);
+            }
+            // The marker stays: the next start tries again.
+            Err(e) => {
+                tracing::error!(mount_point = %self.mount_point.display(), error = %e, "thaw after a snapshot copy failed")
+            }
         }
     }
 }
@@ -83,18 +97,50 @@ fn show_args(args: &[&std::ffi::OsStr]) -> String {
 
 impl Backing {
     /// Copies the content of the volume or snapshot in `src` into `dst` (made here, 0700),
-    /// consistently as the module doc says. `dst` is left incomplete on error: the caller
-    /// writes no record for it, and the store deletes such a directory.
-    pub fn copy_content(&self, src: &Path, dst: &Path) -> Result<(), BackingError> {
+    /// consistently as the module doc says; `quiesced` runs once the source is frozen (when it
+    /// is), right before the copy (the fault injection's stall point). `dst` is left incomplete
+    /// on error: the caller writes no record for it, and the store deletes such a directory.
+    pub fn copy_content(
+        &self,
+        src: &Path,
+        dst: &Path,
+        quiesced: impl FnOnce(),
+    ) -> Result<(), BackingError> {
         super::private_dir(dst).map_err(io_step("create directory", dst))?;
         match self.kind {
-            BackingKind::Dir => copy_tree(&Self::data_dir(src), &Self::data_dir(dst)),
+            BackingKind::Dir => {
+                quiesced();
+                copy_tree(&Self::data_dir(src), &Self::data_dir(dst))
+            }
             BackingKind::Loop => {
                 let image = Self::image(src);
                 let name = image.file_name().expect("an image path has a file name");
                 let _frozen = self.freeze_if_mounted(src)?;
+                quiesced();
                 copy_image(&image, &dst.join(name))
             }
+        }
+    }
+
+    /// Thaws what a killed plugin left frozen: the mount point each volume directory of
+    /// `vol_dirs` names in its [`FREEZE_MARKER`] (a mount point that is not frozen, or gone,
+    /// is fine).
+    pub fn thaw_leftovers(&self, vol_dirs: impl Iterator<Item = PathBuf>) {
+        for dir in vol_dirs {
+            let marker = dir.join(FREEZE_MARKER);
+            let Ok(bytes) = fs::read(&marker) else {
+                continue;
+            };
+            let mount_point = PathBuf::from(std::ffi::OsStr::from_bytes(&bytes));
+            match run("fsfreeze", &["-u".as_ref(), mount_point.as_os_str()]) {
+                Ok(()) => {
+                    tracing::info!(mount_point = %mount_point.display(), "thawed a volume a killed plugin left frozen")
+                }
+                Err(e) => {
+                    tracing::info!(mount_point = %mount_point.display(), error = %e, "nothing to thaw after a killed snapshot copy")
+                }
+            }
+            let _ = fs::remove_file(&marker);
         }
     }
 
@@ -108,9 +154,20 @@ impl Backing {
         let Some(mount) = self.volume_mounts(vol_dir)?.into_iter().next() else {
             return Ok(None);
         };
-        run("fsfreeze", &["-f".as_ref(), mount.mount_point.as_os_str()])?;
+        let marker = vol_dir.join(FREEZE_MARKER);
+        csi_isolator::durable::write_atomic(
+            &marker,
+            mount.mount_point.as_os_str().as_bytes(),
+            csi_isolator::workdir::PRIVATE_FILE_MODE,
+        )
+        .map_err(|e| IoStep::new(e.step.as_str(), e.path, e.source))?;
+        if let Err(e) = run("fsfreeze", &["-f".as_ref(), mount.mount_point.as_os_str()]) {
+            let _ = fs::remove_file(&marker);
+            return Err(e);
+        }
         Ok(Some(Frozen {
             mount_point: mount.mount_point,
+            marker,
         }))
     }
 }
