@@ -12,6 +12,16 @@
 //!   name, never ignored ([`mount_options`]); SINGLE_NODE_MULTI_WRITER is offered (node and
 //!   controller), and a SINGLE_NODE_SINGLE_WRITER volume is published at one target path at a
 //!   time.
+//! - Snapshots ([`snapshot`]): CreateSnapshot copies a volume's content into the snapshot store
+//!   (a loop filesystem in use frozen for the copy; a dir volume copied as it is, not
+//!   point-in-time while written), ListSnapshots pages and filters, GetSnapshot, DeleteSnapshot;
+//!   CreateVolume makes a volume from a snapshot or clones a volume (at least the source's size,
+//!   the filesystem grown to a bigger one). Snapshots are independent copies: a volume with
+//!   snapshots can be deleted. `--no-snapshots`, `--no-clones` take the capabilities away.
+//! - Expansion ([`expand`]): ControllerExpandVolume grows a dir volume's recorded capacity or a
+//!   loop volume's image, NodeExpandVolume a loop volume's mounted filesystem, online
+//!   (`--expansion online`, the default), or the controller part only while the volume is not in
+//!   use (`offline`), or not at all (`none`).
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
 //! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
