@@ -2790,3 +2790,37 @@ async fn dir_expand_rpcs_carry_their_secrets_and_snapshot_rpcs_none() {
     );
     s.cleanup().await;
 }
+
+/// A snapshot the work dir's filesystem cannot hold (a 24 MiB tmpfs, a 14 MiB file to copy)
+/// fails with the copy's error and leaves nothing: no record, no partial copy; the volume is
+/// untouched and a later snapshot, once there is room, works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_a_snapshot_without_room_fails_and_leaves_nothing() {
+    let mut s = suite_with_args("dir", Some("24M"), &[]).await;
+    let vol = s.create("sanity-snap-full").await;
+    let target = s.bring_up(&vol).await;
+    write_synced(&target, "big", &vec![3u8; 14 << 20]);
+    let req = s.snapshot_req(&vol.volume_id, "no-room");
+    let status = s.c.controller.create_snapshot(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    assert!(
+        status.message().contains("No space left"),
+        "{}",
+        status.message()
+    );
+    let snapshots = s._plugin.work_dir().join("snapshots");
+    let left: Vec<_> = std::fs::read_dir(&snapshots).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "nothing of the failed copy is left: {left:?}"
+    );
+    assert!(s
+        .list_snapshots(proto::ListSnapshotsRequest::default())
+        .await
+        .entries
+        .is_empty());
+    assert_eq!(std::fs::read(target.join("big")).unwrap().len(), 14 << 20);
+    std::fs::remove_file(target.join("big")).unwrap();
+    s.must_snapshot(&vol.volume_id, "no-room").await;
+    s.cleanup().await;
+}

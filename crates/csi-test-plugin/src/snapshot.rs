@@ -159,10 +159,13 @@ impl Plugin {
         // record, which the store deletes when it opens.
         self.backing
             .copy_content(&vol_dir, &snap_dir, || self.faults.stall(RPC))
-            .map_err(|source| PluginError::Backing {
-                rpc: RPC,
-                volume_id: volume.id.clone(),
-                source,
+            .map_err(|source| {
+                discard(&snap_dir);
+                PluginError::Backing {
+                    rpc: RPC,
+                    volume_id: volume.id.clone(),
+                    source,
+                }
             })?;
         self.snapshots
             .save(&record)
@@ -331,10 +334,13 @@ impl Plugin {
         source: &Source,
     ) -> Result<(), PluginError> {
         let dir = self.store.volume_dir(&record.id);
-        let backing_err = |source| PluginError::Backing {
-            rpc,
-            volume_id: record.id.clone(),
-            source,
+        let backing_err = |source| {
+            discard(&dir);
+            PluginError::Backing {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            }
         };
         // CreateVolume's stall point is before this (at the side effect of every create).
         self.backing
@@ -351,6 +357,14 @@ impl Plugin {
             }
         }
         self.save(rpc, record)
+    }
+}
+
+/// Deletes the unrecorded copy a failed snapshot or create left (nothing is mounted in it; the
+/// store deletes it at its next open if this fails too).
+fn discard(dir: &std::path::Path) {
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        tracing::warn!(path = %dir.display(), error = %e, "removing a failed copy");
     }
 }
 
@@ -453,6 +467,70 @@ mod tests {
             page(&all, "", 5).unwrap().1,
             "",
             "exactly max: no next page"
+        );
+    }
+
+    fn source(size: u64, block: bool, fs_type: Option<&str>) -> Source {
+        let locks = std::sync::Arc::new(crate::locks::LockMap::default());
+        Source {
+            record: ContentSource::Snapshot("snap-1".into()),
+            dir: PathBuf::from("/nowhere"),
+            size,
+            block,
+            fs_type: fs_type.map(str::to_string),
+            _lock: locks.blocking_lock("snapshot/snap-1"),
+        }
+    }
+
+    #[test]
+    fn a_volume_from_a_source_is_of_its_kind_and_at_least_its_size() {
+        let ext4 = source(100, false, Some("ext4"));
+        // (block, asked fs type, required, min) -> fs type and size, or the error's field.
+        assert_eq!(
+            sized_from_source(&ext4, "n", false, None, 0, 8).unwrap(),
+            (Some("ext4".into()), 100),
+            "no size asked: the source's"
+        );
+        assert_eq!(
+            sized_from_source(&ext4, "n", false, Some("ext4"), 300, 8).unwrap(),
+            (Some("ext4".into()), 300)
+        );
+        assert_eq!(
+            sized_from_source(&source(4, false, None), "n", false, None, 0, 8).unwrap(),
+            (None, 8),
+            "never below the backing's minimum"
+        );
+        let err = |r: Result<_, PluginError>| match r.unwrap_err() {
+            PluginError::OutOfRange { .. } => "out of range",
+            PluginError::InvalidField { .. } => "invalid",
+            other => panic!("{other}"),
+        };
+        assert_eq!(
+            err(sized_from_source(&ext4, "n", false, None, 99, 8)),
+            "out of range"
+        );
+        assert_eq!(
+            err(sized_from_source(&ext4, "n", true, None, 0, 8)),
+            "invalid"
+        );
+        assert_eq!(
+            err(sized_from_source(&ext4, "n", false, Some("xfs"), 0, 8)),
+            "invalid"
+        );
+        let xfs = source(100, false, Some("xfs"));
+        assert_eq!(
+            sized_from_source(&xfs, "n", false, None, 100, 8).unwrap().1,
+            100
+        );
+        assert_eq!(
+            err(sized_from_source(&xfs, "n", false, None, 101, 8)),
+            "out of range",
+            "xfs cannot grow unmounted"
+        );
+        let block = source(100, true, None);
+        assert_eq!(
+            sized_from_source(&block, "n", true, None, 200, 8).unwrap(),
+            (None, 200)
         );
     }
 
