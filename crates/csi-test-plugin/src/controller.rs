@@ -892,7 +892,7 @@ impl Plugin {
             if self.config.clones {
                 caps.push(Cap::CloneVolume);
             }
-            if self.config.expansion != super::Expansion::None {
+            if self.expansion() != super::Expansion::None {
                 caps.push(Cap::ExpandVolume);
             }
         }

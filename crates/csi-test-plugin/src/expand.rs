@@ -9,7 +9,8 @@
 //! the volume staged or published at `volume_path` (NOT_FOUND otherwise). ControllerExpand's
 //! `node_expansion_required` is true for a loop mount volume only (a dir volume and a block
 //! volume have no filesystem of the plugin's to grow). NodeExpandVolume of a size the
-//! controller did not give grows the image itself first, so a node-only plugin expands too.
+//! controller did not give grows the image itself first. A node-only plugin (`--no-controller`)
+//! offers no expansion.
 
 use super::backing::Backing;
 use super::controller::{check_volume_access, volume_fs_type, Bound};
@@ -33,8 +34,19 @@ fn range(rpc: &'static str, range: &proto::CapacityRange) -> Result<(u64, u64), 
 }
 
 impl Plugin {
+    /// The expansion the plugin offers: `--expansion`, and none without the controller service
+    /// (its volumes are not the plugin's to grow: a node-only plugin serves pre-provisioned
+    /// storage).
+    pub(super) fn expansion(&self) -> Expansion {
+        if self.config.controller {
+            self.config.expansion
+        } else {
+            Expansion::None
+        }
+    }
+
     fn expansion_enabled(&self, rpc: &'static str) -> Result<(), PluginError> {
-        if self.config.expansion == Expansion::None {
+        if self.expansion() == Expansion::None {
             return Err(PluginError::Unimplemented { rpc });
         }
         Ok(())
@@ -114,7 +126,7 @@ impl Plugin {
             check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
         }
         if required > record.capacity_bytes {
-            if self.config.expansion == Expansion::Offline {
+            if self.expansion() == Expansion::Offline {
                 self.check_offline(RPC, &record)?;
             }
             self.grow(RPC, &mut record, required, limit)?;

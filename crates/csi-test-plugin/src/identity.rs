@@ -46,7 +46,7 @@ impl Plugin {
                 )),
             });
         }
-        let expansion = match self.config.expansion {
+        let expansion = match self.expansion() {
             super::Expansion::None => None,
             super::Expansion::Online => Some(ExpansionType::Online),
             super::Expansion::Offline => Some(ExpansionType::Offline),

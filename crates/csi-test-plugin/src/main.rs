@@ -89,7 +89,8 @@ struct Args {
     no_clones: bool,
     /// Volume expansion offered: online (VolumeExpansion.ONLINE, controller and node
     /// EXPAND_VOLUME), offline (VolumeExpansion.OFFLINE: ControllerExpandVolume refuses a
-    /// volume in use) or none (no EXPAND_VOLUME; the expand RPCs are UNIMPLEMENTED).
+    /// volume in use) or none (no EXPAND_VOLUME; the expand RPCs are UNIMPLEMENTED). A
+    /// node-only plugin (--no-controller) offers none.
     #[arg(long, default_value = "online", value_name = "online|offline|none")]
     expansion: csi_test_plugin::Expansion,
     /// Fail RPC with a gRPC code COUNT times (default: always): `RPC=CODE[:COUNT]`.

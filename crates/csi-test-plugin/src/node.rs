@@ -516,7 +516,7 @@ impl Plugin {
         caps.push(Cap::GetVolumeStats);
         // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
         caps.push(Cap::SingleNodeMultiWriter);
-        if self.config.expansion != super::Expansion::None {
+        if self.expansion() != super::Expansion::None {
             caps.push(Cap::ExpandVolume);
         }
         Ok(proto::NodeGetCapabilitiesResponse {
