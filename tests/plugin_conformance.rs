@@ -2824,3 +2824,60 @@ async fn dir_a_snapshot_without_room_fails_and_leaves_nothing() {
     s.must_snapshot(&vol.volume_id, "no-room").await;
     s.cleanup().await;
 }
+
+/// An xfs clone of a volume in use is mounted beside its source (same UUID: the plugin mounts
+/// xfs with nouuid), each seeing its own data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_an_xfs_clone_mounts_beside_its_source() {
+    let mut s = suite("loop").await;
+    s.access = xfs();
+    let name = s.unique("sanity-xfs-source");
+    let req = s.create_req(&name, XFS_SIZE);
+    let vol = s.must_create(req).await;
+    let target = s.bring_up(&vol).await;
+    write_synced(&target, "before", b"xfs data");
+    let name = s.unique("sanity-xfs-clone");
+    let clone = s
+        .create_from(&name, 0, from_volume(&vol.volume_id))
+        .await
+        .unwrap();
+    write_synced(&target, "after", b"later");
+    // Staged and published at paths of its own while the source stays mounted.
+    let staging = s.sandbox.mkdir("csi-staging-clone");
+    let clone_target = s.target_parent.join("clone");
+    let node = s.node_id().await;
+    let ctx = s.controller_publish(&clone, &node).await;
+    let stage = proto::NodeStageVolumeRequest {
+        volume_id: clone.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(s.capability()),
+        publish_context: ctx.clone(),
+        ..Default::default()
+    };
+    s.c.node.node_stage_volume(stage).await.unwrap();
+    let publish = proto::NodePublishVolumeRequest {
+        volume_id: clone.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: clone_target.display().to_string(),
+        volume_capability: Some(s.capability()),
+        publish_context: ctx,
+        ..Default::default()
+    };
+    s.c.node.node_publish_volume(publish).await.unwrap();
+    assert_eq!(
+        std::fs::read(clone_target.join("before")).unwrap(),
+        b"xfs data"
+    );
+    assert!(!clone_target.join("after").exists());
+    let unpublish = proto::NodeUnpublishVolumeRequest {
+        volume_id: clone.volume_id.clone(),
+        target_path: clone_target.display().to_string(),
+    };
+    s.c.node.node_unpublish_volume(unpublish).await.unwrap();
+    let unstage = proto::NodeUnstageVolumeRequest {
+        volume_id: clone.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+    };
+    s.c.node.node_unstage_volume(unstage).await.unwrap();
+    s.cleanup().await;
+}

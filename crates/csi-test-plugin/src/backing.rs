@@ -602,9 +602,12 @@ impl Backing {
                 let image = Self::image(vol_dir);
                 let dev = loopdev::attach(&image, false)
                     .map_err(mount_err("attach loop device to", &image))?;
+                // xfs refuses a filesystem whose UUID a mounted one has, and every snapshot and
+                // clone of a mounted volume is such a copy: nouuid, as CSI drivers for xfs do.
+                let data = if fs_type == "xfs" { "nouuid" } else { "" };
                 if let Err(e) = self
                     .sys
-                    .mount_filesystem(&dev.path, path, fs_type, flags, "")
+                    .mount_filesystem(&dev.path, path, fs_type, flags, data)
                 {
                     let _ = loopdev::detach(&dev.path);
                     return Err(mount_err("mount filesystem onto", path)(e));
