@@ -2881,3 +2881,28 @@ async fn loop_an_xfs_clone_mounts_beside_its_source() {
     s.c.node.node_unstage_volume(unstage).await.unwrap();
     s.cleanup().await;
 }
+
+/// A clone named like its own source (or like a volume whose lock the create takes for its
+/// name check) is answered ALREADY_EXISTS, and the plugin goes on serving: the create does not
+/// wait on a lock it holds itself.
+async fn a_clone_named_like_its_source_is_refused_not_deadlocked(mut s: Suite) {
+    let name = s.unique("sanity-self-clone");
+    let req = s.create_req(&name, SIZE);
+    let vol = s.must_create(req).await;
+    let mut req = s.create_req(&name, SIZE);
+    req.volume_content_source = Some(from_volume(&vol.volume_id));
+    let answer = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        s.c.controller.create_volume(req),
+    )
+    .await
+    .expect("CreateVolume answered, not deadlocked");
+    assert_eq!(code(answer), Code::AlreadyExists);
+    s.create("sanity-after-self-clone").await;
+    s.cleanup().await;
+}
+
+both_backings_in!(
+    day2_names_dir, day2_names_loop_backing:
+    a_clone_named_like_its_source_is_refused_not_deadlocked,
+);

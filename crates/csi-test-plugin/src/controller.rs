@@ -336,7 +336,9 @@ impl Plugin {
                 reason: format!("fs types {asked:?} differ: a volume has one filesystem"),
             });
         }
-        let source = self.content_source(req.volume_content_source.as_ref())?;
+        // Only named here: it is looked up (and locked) after the name check, which may lock a
+        // volume of that name, and a volume's lock is not taken twice.
+        let content_source = self.requested_source(req.volume_content_source.as_ref())?;
         let mut fs_type = match self.backing.kind() {
             BackingKind::Dir => None,
             // A block volume is a raw image: no filesystem.
@@ -362,22 +364,6 @@ impl Plugin {
         if limit != 0 && limit < required {
             return Err(bad_range("limit_bytes is smaller than required_bytes"));
         }
-        // A volume made from a content source: its fs type and at least its size.
-        let sized = match &source {
-            Some(source) => Some(super::snapshot::sized_from_source(
-                source,
-                &req.name,
-                block,
-                asked.first().copied(),
-                required,
-                self.backing.size_for(1),
-            )?),
-            None => None,
-        };
-        if let Some((source_fs_type, _)) = &sized {
-            fs_type.clone_from(source_fs_type);
-        }
-        let content_source = source.as_ref().map(|s| s.record.clone());
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         check_required_parameters(&self.config.required_parameters, &parameters)?;
         self.check_requisite(req.accessibility_requirements.as_ref())?;
@@ -390,9 +376,12 @@ impl Plugin {
                 let fits = existing.capacity_bytes >= required
                     && (limit == 0 || existing.capacity_bytes <= limit);
                 let same_access = Backing::is_block(&self.store.volume_dir(&existing.id)) == block;
-                let same_fs = fs_type
-                    .as_ref()
-                    .is_none_or(|t| *t == volume_fs_type(&existing, self.backing.kind()));
+                let has = volume_fs_type(&existing, self.backing.kind());
+                let same_fs = match &content_source {
+                    // The source decided it: only an fs type asked for is compared.
+                    Some(_) => asked.first().is_none_or(|t| *t == has),
+                    None => fs_type.as_ref().is_none_or(|t| *t == has),
+                };
                 let same_source = existing.content_source == content_source;
                 if !fits
                     || !same_fs
@@ -412,6 +401,25 @@ impl Plugin {
             }
         }
 
+        let source = match &content_source {
+            Some(requested) => Some(self.lock_source(requested)?),
+            None => None,
+        };
+        // A volume made from a content source: its fs type and at least its size.
+        let sized = match &source {
+            Some(source) => Some(super::snapshot::sized_from_source(
+                source,
+                &req.name,
+                block,
+                asked.first().copied(),
+                required,
+                self.backing.size_for(1),
+            )?),
+            None => None,
+        };
+        if let Some((source_fs_type, _)) = &sized {
+            fs_type.clone_from(source_fs_type);
+        }
         let size = match &sized {
             Some((_, size)) => *size,
             None => self.backing.size_for(required),

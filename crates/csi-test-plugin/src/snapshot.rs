@@ -12,8 +12,10 @@
 //! offline; xfs cannot, and a bigger xfs volume is refused OUT_OF_RANGE), a smaller one
 //! OUT_OF_RANGE.
 //!
-//! Lock order: CreateVolume's lock, then the source's (volume or snapshot) lock; CreateSnapshot's
-//! lock, then the source volume's lock. Nothing takes them the other way round.
+//! Lock order: CreateVolume's lock, then the source's (volume or snapshot) lock, taken only after
+//! the name check has released the lock of a volume of that name (which may be the source: a
+//! lock is never taken twice); CreateSnapshot's lock, then the source volume's lock. Nothing
+//! takes them the other way round.
 
 use std::path::PathBuf;
 
@@ -38,8 +40,6 @@ const SNAPSHOT_ID_PREFIX: &str = "snap-";
 
 /// A content source looked up and locked for the copy.
 pub(super) struct Source {
-    /// What the new volume records it was made from.
-    pub record: ContentSource,
     /// The directory holding its content (a volume's or a snapshot's).
     pub dir: PathBuf,
     /// Its size: the least the new volume gets.
@@ -248,12 +248,12 @@ impl Plugin {
         })
     }
 
-    /// Looks up and locks CreateVolume's content source: a snapshot (when snapshots are
-    /// offered) or a volume (when clones are); NOT_FOUND when it does not exist.
-    pub(super) fn content_source(
+    /// CreateVolume's content source as the request names it: a snapshot (when snapshots are
+    /// offered) or a volume (when clones are), its id not empty; not looked up yet.
+    pub(super) fn requested_source(
         &self,
         source: Option<&proto::VolumeContentSource>,
-    ) -> Result<Option<Source>, PluginError> {
+    ) -> Result<Option<ContentSource>, PluginError> {
         const RPC: &str = "CreateVolume";
         let Some(source) = source else {
             return Ok(None);
@@ -265,24 +265,40 @@ impl Plugin {
         };
         match &source.r#type {
             None => Err(refused("names neither a snapshot nor a volume")),
+            Some(SourceType::Snapshot(_)) if !self.config.snapshots => Err(refused(
+                "snapshots are not offered by this plugin (--no-snapshots)",
+            )),
+            Some(SourceType::Volume(_)) if !self.config.clones => Err(refused(
+                "volume clones are not offered by this plugin (--no-clones)",
+            )),
             Some(SourceType::Snapshot(s)) => {
-                if !self.config.snapshots {
-                    return Err(refused(
-                        "snapshots are not offered by this plugin (--no-snapshots)",
-                    ));
-                }
                 require(
                     RPC,
                     "volume_content_source.snapshot.snapshot_id",
                     &s.snapshot_id,
                 )?;
-                let lock = self.locks.blocking_lock(&snapshot_key(&s.snapshot_id));
-                let record = self.snapshots.get(&s.snapshot_id).ok_or_else(|| {
-                    PluginError::SnapshotNotFound {
-                        rpc: RPC,
-                        snapshot_id: s.snapshot_id.clone(),
-                    }
-                })?;
+                Ok(Some(ContentSource::Snapshot(s.snapshot_id.clone())))
+            }
+            Some(SourceType::Volume(v)) => {
+                require(RPC, "volume_content_source.volume.volume_id", &v.volume_id)?;
+                Ok(Some(ContentSource::Volume(v.volume_id.clone())))
+            }
+        }
+    }
+
+    /// Looks up and locks a content source; NOT_FOUND when it does not exist.
+    pub(super) fn lock_source(&self, requested: &ContentSource) -> Result<Source, PluginError> {
+        const RPC: &str = "CreateVolume";
+        match requested {
+            ContentSource::Snapshot(id) => {
+                let lock = self.locks.blocking_lock(&snapshot_key(id));
+                let record =
+                    self.snapshots
+                        .get(id)
+                        .ok_or_else(|| PluginError::SnapshotNotFound {
+                            rpc: RPC,
+                            snapshot_id: id.clone(),
+                        })?;
                 let fs_type =
                     (self.backing.kind() == BackingKind::Loop && !record.block).then(|| {
                         record
@@ -291,36 +307,28 @@ impl Plugin {
                             .cloned()
                             .unwrap_or_else(|| super::backing::DEFAULT_FS_TYPE.to_string())
                     });
-                Ok(Some(Source {
-                    record: ContentSource::Snapshot(record.id.clone()),
+                Ok(Source {
                     dir: self.snapshots.snapshot_dir(&record.id),
                     size: record.size_bytes,
                     block: record.block,
                     fs_type,
                     _lock: lock,
-                }))
+                })
             }
-            Some(SourceType::Volume(v)) => {
-                if !self.config.clones {
-                    return Err(refused(
-                        "volume clones are not offered by this plugin (--no-clones)",
-                    ));
-                }
-                require(RPC, "volume_content_source.volume.volume_id", &v.volume_id)?;
-                let lock = self.locks.blocking_lock(&volume_key(&v.volume_id));
-                let record = self.known_volume(RPC, &v.volume_id)?;
+            ContentSource::Volume(id) => {
+                let lock = self.locks.blocking_lock(&volume_key(id));
+                let record = self.known_volume(RPC, id)?;
                 let dir = self.store.volume_dir(&record.id);
                 let block = Backing::is_block(&dir);
                 let fs_type = (self.backing.kind() == BackingKind::Loop && !block)
                     .then(|| volume_fs_type(&record, self.backing.kind()));
-                Ok(Some(Source {
-                    record: ContentSource::Volume(record.id.clone()),
+                Ok(Source {
                     dir,
                     size: record.capacity_bytes,
                     block,
                     fs_type,
                     _lock: lock,
-                }))
+                })
             }
         }
     }
@@ -473,7 +481,6 @@ mod tests {
     fn source(size: u64, block: bool, fs_type: Option<&str>) -> Source {
         let locks = std::sync::Arc::new(crate::locks::LockMap::default());
         Source {
-            record: ContentSource::Snapshot("snap-1".into()),
             dir: PathBuf::from("/nowhere"),
             size,
             block,
