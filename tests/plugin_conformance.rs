@@ -2655,20 +2655,6 @@ async fn loop_a_plugin_killed_mid_snapshot_leaves_nothing_frozen() {
     let mut other = raw_clients(&s._plugin.socket()).await.unwrap();
     let req = s.snapshot_req(&vol.volume_id, "killed-mid-copy");
     let call = tokio::spawn(async move { other.controller.create_snapshot(req).await });
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while !marker.exists() {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the volume was never frozen"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let (done, written) = std::sync::mpsc::channel();
-    let file = target.join("during");
-    std::thread::spawn(move || {
-        write_synced(file.parent().unwrap(), "during", b"waited");
-        let _ = done.send(());
-    });
     let thaw = |why: &str| {
         // Never leave the test's own volume frozen, whatever failed.
         let _ = std::process::Command::new("fsfreeze")
@@ -2677,12 +2663,30 @@ async fn loop_a_plugin_killed_mid_snapshot_leaves_nothing_frozen() {
             .status();
         panic!("{why}");
     };
-    if written
-        .recv_timeout(std::time::Duration::from_millis(500))
-        .is_ok()
-    {
-        thaw("a write completed while the volume was frozen");
-    }
+    // The marker is written just before the freeze: a write that waits shows the freeze (one
+    // that completes came first; try again, within the stall).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let written = loop {
+        if std::time::Instant::now() > deadline {
+            thaw("the volume was never frozen");
+        }
+        if !marker.exists() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            continue;
+        }
+        let (done, written) = std::sync::mpsc::channel();
+        let dir = target.clone();
+        std::thread::spawn(move || {
+            write_synced(&dir, "during", b"waited");
+            let _ = done.send(());
+        });
+        if written
+            .recv_timeout(std::time::Duration::from_millis(500))
+            .is_err()
+        {
+            break written;
+        }
+    };
     s._plugin.kill();
     assert!(call.await.unwrap().is_err(), "the killed call failed");
     s._plugin.restart().await;

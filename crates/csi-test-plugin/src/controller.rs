@@ -191,6 +191,26 @@ pub(super) fn wants_readonly(cap: &CapabilityRecord) -> bool {
     cap.mount_flags.iter().any(|f| f == "ro")
 }
 
+/// The (required, limit) bytes of a capacity range (0: none), refused INVALID_ARGUMENT when
+/// negative or when the limit is below what is required.
+pub(super) fn capacity_range(
+    rpc: &'static str,
+    range: &proto::CapacityRange,
+) -> Result<(u64, u64), PluginError> {
+    let bad = |reason: &str| PluginError::InvalidField {
+        rpc,
+        field: "capacity_range",
+        reason: reason.to_string(),
+    };
+    let required =
+        u64::try_from(range.required_bytes).map_err(|_| bad("required_bytes is negative"))?;
+    let limit = u64::try_from(range.limit_bytes).map_err(|_| bad("limit_bytes is negative"))?;
+    if limit != 0 && limit < required {
+        return Err(bad("limit_bytes is smaller than required_bytes"));
+    }
+    Ok((required, limit))
+}
+
 fn new_volume_id(prefix: &str) -> String {
     let bits: u64 = rand::rng().random();
     format!("{prefix}{bits:016x}")
@@ -351,19 +371,7 @@ impl Plugin {
                     .to_string(),
             ),
         };
-        let range = req.capacity_range.unwrap_or_default();
-        let bad_range = |reason: &str| PluginError::InvalidField {
-            rpc: RPC,
-            field: "capacity_range",
-            reason: reason.to_string(),
-        };
-        let required = u64::try_from(range.required_bytes)
-            .map_err(|_| bad_range("required_bytes is negative"))?;
-        let limit =
-            u64::try_from(range.limit_bytes).map_err(|_| bad_range("limit_bytes is negative"))?;
-        if limit != 0 && limit < required {
-            return Err(bad_range("limit_bytes is smaller than required_bytes"));
-        }
+        let (required, limit) = capacity_range(RPC, &req.capacity_range.unwrap_or_default())?;
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         check_required_parameters(&self.config.required_parameters, &parameters)?;
         self.check_requisite(req.accessibility_requirements.as_ref())?;

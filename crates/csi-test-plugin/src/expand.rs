@@ -13,25 +13,9 @@
 //! offers no expansion.
 
 use super::backing::Backing;
-use super::controller::{check_volume_access, volume_fs_type, Bound};
+use super::controller::{capacity_range as range, check_volume_access, volume_fs_type, Bound};
 use super::{require, volume_key, Expansion, Plugin, PluginError};
 use csi_isolator::csi::proto;
-
-/// The (required, limit) bytes of a capacity range, refused INVALID_ARGUMENT when negative.
-fn range(rpc: &'static str, range: &proto::CapacityRange) -> Result<(u64, u64), PluginError> {
-    let bad = |reason: &str| PluginError::InvalidField {
-        rpc,
-        field: "capacity_range",
-        reason: reason.to_string(),
-    };
-    let required =
-        u64::try_from(range.required_bytes).map_err(|_| bad("required_bytes is negative"))?;
-    let limit = u64::try_from(range.limit_bytes).map_err(|_| bad("limit_bytes is negative"))?;
-    if limit != 0 && limit < required {
-        return Err(bad("limit_bytes is smaller than required_bytes"));
-    }
-    Ok((required, limit))
-}
 
 impl Plugin {
     /// The expansion the plugin offers: `--expansion`, and none without the controller service
