@@ -46,6 +46,9 @@ use csi_isolator::mount::{
     loopdev, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable, ProcMountTable, Syscall,
 };
 
+mod copy;
+mod grow;
+
 /// How volumes are backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackingKind {
@@ -96,6 +99,17 @@ pub enum BackingError {
         program: String,
         /// The image.
         path: PathBuf,
+        /// Its exit status and stderr, or why it did not start.
+        reason: String,
+    },
+    /// A tool of snapshots and expansion (fsfreeze, losetup, e2fsck, resize2fs, xfs_growfs)
+    /// could not run or failed.
+    #[error("{program} {args}: {reason}")]
+    Tool {
+        /// The program.
+        program: String,
+        /// Its arguments.
+        args: String,
         /// Its exit status and stderr, or why it did not start.
         reason: String,
     },
@@ -588,9 +602,12 @@ impl Backing {
                 let image = Self::image(vol_dir);
                 let dev = loopdev::attach(&image, false)
                     .map_err(mount_err("attach loop device to", &image))?;
+                // xfs refuses a filesystem whose UUID a mounted one has, and every snapshot and
+                // clone of a mounted volume is such a copy: nouuid, as CSI drivers for xfs do.
+                let data = if fs_type == "xfs" { "nouuid" } else { "" };
                 if let Err(e) = self
                     .sys
-                    .mount_filesystem(&dev.path, path, fs_type, flags, "")
+                    .mount_filesystem(&dev.path, path, fs_type, flags, data)
                 {
                     let _ = loopdev::detach(&dev.path);
                     return Err(mount_err("mount filesystem onto", path)(e));

@@ -191,6 +191,26 @@ pub(super) fn wants_readonly(cap: &CapabilityRecord) -> bool {
     cap.mount_flags.iter().any(|f| f == "ro")
 }
 
+/// The (required, limit) bytes of a capacity range (0: none), refused INVALID_ARGUMENT when
+/// negative or when the limit is below what is required.
+pub(super) fn capacity_range(
+    rpc: &'static str,
+    range: &proto::CapacityRange,
+) -> Result<(u64, u64), PluginError> {
+    let bad = |reason: &str| PluginError::InvalidField {
+        rpc,
+        field: "capacity_range",
+        reason: reason.to_string(),
+    };
+    let required =
+        u64::try_from(range.required_bytes).map_err(|_| bad("required_bytes is negative"))?;
+    let limit = u64::try_from(range.limit_bytes).map_err(|_| bad("limit_bytes is negative"))?;
+    if limit != 0 && limit < required {
+        return Err(bad("limit_bytes is smaller than required_bytes"));
+    }
+    Ok((required, limit))
+}
+
 fn new_volume_id(prefix: &str) -> String {
     let bits: u64 = rand::rng().random();
     format!("{prefix}{bits:016x}")
@@ -265,10 +285,26 @@ fn check_required_parameters(
 }
 
 fn to_volume(record: &super::store::VolumeRecord) -> proto::Volume {
+    use super::store::ContentSource;
+    use proto::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    let content_source = record
+        .content_source
+        .as_ref()
+        .map(|s| proto::VolumeContentSource {
+            r#type: Some(match s {
+                ContentSource::Snapshot(id) => Type::Snapshot(SnapshotSource {
+                    snapshot_id: id.clone(),
+                }),
+                ContentSource::Volume(id) => Type::Volume(VolumeSource {
+                    volume_id: id.clone(),
+                }),
+            }),
+        });
     proto::Volume {
         capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
         volume_id: record.id.clone(),
         volume_context: record.volume_context.clone().into_iter().collect(),
+        content_source,
         ..Default::default()
     }
 }
@@ -320,7 +356,10 @@ impl Plugin {
                 reason: format!("fs types {asked:?} differ: a volume has one filesystem"),
             });
         }
-        let fs_type = match self.backing.kind() {
+        // Only named here: it is looked up (and locked) after the name check, which may lock a
+        // volume of that name, and a volume's lock is not taken twice.
+        let content_source = self.requested_source(req.volume_content_source.as_ref())?;
+        let mut fs_type = match self.backing.kind() {
             BackingKind::Dir => None,
             // A block volume is a raw image: no filesystem.
             BackingKind::Loop if block => None,
@@ -332,26 +371,7 @@ impl Plugin {
                     .to_string(),
             ),
         };
-        if req.volume_content_source.is_some() {
-            return Err(PluginError::InvalidField {
-                rpc: RPC,
-                field: "volume_content_source",
-                reason: "snapshots and clones are not supported".into(),
-            });
-        }
-        let range = req.capacity_range.unwrap_or_default();
-        let bad_range = |reason: &str| PluginError::InvalidField {
-            rpc: RPC,
-            field: "capacity_range",
-            reason: reason.to_string(),
-        };
-        let required = u64::try_from(range.required_bytes)
-            .map_err(|_| bad_range("required_bytes is negative"))?;
-        let limit =
-            u64::try_from(range.limit_bytes).map_err(|_| bad_range("limit_bytes is negative"))?;
-        if limit != 0 && limit < required {
-            return Err(bad_range("limit_bytes is smaller than required_bytes"));
-        }
+        let (required, limit) = capacity_range(RPC, &req.capacity_range.unwrap_or_default())?;
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         check_required_parameters(&self.config.required_parameters, &parameters)?;
         self.check_requisite(req.accessibility_requirements.as_ref())?;
@@ -364,10 +384,19 @@ impl Plugin {
                 let fits = existing.capacity_bytes >= required
                     && (limit == 0 || existing.capacity_bytes <= limit);
                 let same_access = Backing::is_block(&self.store.volume_dir(&existing.id)) == block;
-                let same_fs = fs_type
-                    .as_ref()
-                    .is_none_or(|t| *t == volume_fs_type(&existing, self.backing.kind()));
-                if !fits || !same_fs || existing.parameters != parameters || !same_access {
+                let has = volume_fs_type(&existing, self.backing.kind());
+                let same_fs = match &content_source {
+                    // The source decided it: only an fs type asked for is compared.
+                    Some(_) => asked.first().is_none_or(|t| *t == has),
+                    None => fs_type.as_ref().is_none_or(|t| *t == has),
+                };
+                let same_source = existing.content_source == content_source;
+                if !fits
+                    || !same_fs
+                    || existing.parameters != parameters
+                    || !same_access
+                    || !same_source
+                {
                     return Err(PluginError::NameConflict {
                         name: req.name,
                         volume_id: existing.id,
@@ -380,6 +409,25 @@ impl Plugin {
             }
         }
 
+        let source = match &content_source {
+            Some(requested) => Some(self.lock_source(requested)?),
+            None => None,
+        };
+        // A volume made from a content source: its fs type and at least its size.
+        let sized = match &source {
+            Some(source) => Some(super::snapshot::sized_from_source(
+                source,
+                &req.name,
+                block,
+                asked.first().copied(),
+                required,
+                self.backing.size_for(1),
+            )?),
+            None => None,
+        };
+        if let Some((source_fs_type, _)) = &sized {
+            fs_type.clone_from(source_fs_type);
+        }
         // The filesystem's own minimum (xfs: 300 MiB) raises the size like the backing's does.
         let min_fs = fs_type.as_deref().map_or(0, super::backing::min_fs_bytes);
         if limit != 0 && limit < min_fs {
@@ -389,7 +437,11 @@ impl Plugin {
                 minimum: min_fs,
             });
         }
-        let size = self.backing.size_for(required).max(min_fs);
+        let size = match &sized {
+            Some((_, size)) => *size,
+            None => self.backing.size_for(required),
+        }
+        .max(min_fs);
         if limit != 0 && size > limit {
             return Err(PluginError::CapacityOutOfRange {
                 requested: size,
@@ -453,10 +505,14 @@ impl Plugin {
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
+            content_source,
         };
         self.faults.stall(RPC);
-        self.provision(RPC, &record, block)?;
-        tracing::info!(volume_id = %id, name = %record.name, size, block, "volume created");
+        match &source {
+            Some(source) => self.populate(RPC, &record, source)?,
+            None => self.provision(RPC, &record, block)?,
+        }
+        tracing::info!(volume_id = %id, name = %record.name, size, block, source = ?record.content_source, "volume created");
         Ok(proto::CreateVolumeResponse {
             volume: Some(self.with_topology(to_volume(&record))),
         })
@@ -737,6 +793,7 @@ impl Plugin {
                 .strip_prefix(TOKEN_PREFIX)
                 .filter(|id| !id.is_empty());
             Some(id.ok_or(PluginError::InvalidToken {
+                rpc: RPC,
                 token: req.starting_token.clone(),
             })?)
         };
@@ -773,7 +830,7 @@ impl Plugin {
     /// what the sparse images of existing volumes may still fill. Stats each loop image
     /// only when the cheap bound (free space less every loop volume's whole capacity)
     /// does not already admit `wanted` (CreateVolume's size; `None`: the exact figure).
-    fn room(&self, wanted: Option<u64>) -> Room {
+    pub(super) fn room(&self, wanted: Option<u64>) -> Room {
         let kind_of = |r: &super::store::VolumeRecord| {
             r.volume_context
                 .get("backing")
@@ -851,6 +908,19 @@ impl Plugin {
                 // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
                 Cap::SingleNodeMultiWriter,
             ]);
+            if self.config.snapshots {
+                caps.extend([
+                    Cap::CreateDeleteSnapshot,
+                    Cap::ListSnapshots,
+                    Cap::GetSnapshot,
+                ]);
+            }
+            if self.config.clones {
+                caps.push(Cap::CloneVolume);
+            }
+            if self.expansion() != super::Expansion::None {
+                caps.push(Cap::ExpandVolume);
+            }
         }
         Ok(proto::ControllerGetCapabilitiesResponse {
             capabilities: caps
@@ -1077,37 +1147,90 @@ impl proto::controller_server::Controller for PluginService {
 
     async fn create_snapshot(
         &self,
-        _request: Request<proto::CreateSnapshotRequest>,
+        request: Request<proto::CreateSnapshotRequest>,
     ) -> Result<Response<proto::CreateSnapshotResponse>, Status> {
-        self.unsupported("CreateSnapshot").await
+        let req = request.into_inner();
+        let source = req.source_volume_id.clone();
+        self.call(
+            "CreateSnapshot",
+            &source,
+            LockKey::CreateSnapshot,
+            req,
+            |p: &Plugin, req| {
+                p.check_secrets("CreateSnapshot", &req.secrets)?;
+                Plugin::create_snapshot(p, req)
+            },
+        )
+        .await
     }
 
     async fn delete_snapshot(
         &self,
-        _request: Request<proto::DeleteSnapshotRequest>,
+        request: Request<proto::DeleteSnapshotRequest>,
     ) -> Result<Response<proto::DeleteSnapshotResponse>, Status> {
-        self.unsupported("DeleteSnapshot").await
+        let req = request.into_inner();
+        let id = req.snapshot_id.clone();
+        let key = if id.is_empty() {
+            LockKey::None
+        } else {
+            LockKey::Snapshot(id.clone())
+        };
+        self.call("DeleteSnapshot", &id, key, req, |p: &Plugin, req| {
+            p.check_secrets("DeleteSnapshot", &req.secrets)?;
+            Plugin::delete_snapshot(p, req)
+        })
+        .await
     }
 
     async fn list_snapshots(
         &self,
-        _request: Request<proto::ListSnapshotsRequest>,
+        request: Request<proto::ListSnapshotsRequest>,
     ) -> Result<Response<proto::ListSnapshotsResponse>, Status> {
-        self.unsupported("ListSnapshots").await
+        self.call(
+            "ListSnapshots",
+            "",
+            LockKey::None,
+            request.into_inner(),
+            |p: &Plugin, req| {
+                p.check_secrets("ListSnapshots", &req.secrets)?;
+                Plugin::list_snapshots(p, req)
+            },
+        )
+        .await
     }
 
     async fn get_snapshot(
         &self,
-        _request: Request<proto::GetSnapshotRequest>,
+        request: Request<proto::GetSnapshotRequest>,
     ) -> Result<Response<proto::GetSnapshotResponse>, Status> {
-        self.unsupported("GetSnapshot").await
+        let req = request.into_inner();
+        let id = req.snapshot_id.clone();
+        self.call("GetSnapshot", &id, LockKey::None, req, |p: &Plugin, req| {
+            p.check_secrets("GetSnapshot", &req.secrets)?;
+            Plugin::get_snapshot(p, req)
+        })
+        .await
     }
 
     async fn controller_expand_volume(
         &self,
-        _request: Request<proto::ControllerExpandVolumeRequest>,
+        request: Request<proto::ControllerExpandVolumeRequest>,
     ) -> Result<Response<proto::ControllerExpandVolumeResponse>, Status> {
-        self.unsupported("ControllerExpandVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        // CreateVolume's lock: the capacity it promises grows (the volume's lock is taken
+        // inside, in that order).
+        self.call(
+            "ControllerExpandVolume",
+            &id,
+            LockKey::Create,
+            req,
+            |p: &Plugin, req| {
+                p.check_secrets("ControllerExpandVolume", &req.secrets)?;
+                Plugin::controller_expand(p, req)
+            },
+        )
+        .await
     }
 
     async fn controller_get_volume(

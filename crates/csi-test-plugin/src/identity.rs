@@ -5,6 +5,7 @@ use tonic::{Request, Response, Status};
 use super::{LockKey, Plugin, PluginError, PluginService};
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::plugin_capability::service::Type as ServiceType;
+use csi_isolator::csi::proto::plugin_capability::volume_expansion::Type as ExpansionType;
 
 impl Plugin {
     fn plugin_info(
@@ -42,6 +43,18 @@ impl Plugin {
                     proto::plugin_capability::Service {
                         r#type: ServiceType::VolumeAccessibilityConstraints as i32,
                     },
+                )),
+            });
+        }
+        let expansion = match self.expansion() {
+            super::Expansion::None => None,
+            super::Expansion::Online => Some(ExpansionType::Online),
+            super::Expansion::Offline => Some(ExpansionType::Offline),
+        };
+        if let Some(t) = expansion {
+            capabilities.push(proto::PluginCapability {
+                r#type: Some(proto::plugin_capability::Type::VolumeExpansion(
+                    proto::plugin_capability::VolumeExpansion { r#type: t as i32 },
                 )),
             });
         }

@@ -12,6 +12,16 @@
 //!   name, never ignored ([`mount_options`]); SINGLE_NODE_MULTI_WRITER is offered (node and
 //!   controller), and a SINGLE_NODE_SINGLE_WRITER volume is published at one target path at a
 //!   time.
+//! - Snapshots ([`snapshot`]): CreateSnapshot copies a volume's content into the snapshot store
+//!   (a loop filesystem in use frozen for the copy; a dir volume copied as it is, not
+//!   point-in-time while written), ListSnapshots pages and filters, GetSnapshot, DeleteSnapshot;
+//!   CreateVolume makes a volume from a snapshot or clones a volume (at least the source's size,
+//!   the filesystem grown to a bigger one). Snapshots are independent copies: a volume with
+//!   snapshots can be deleted. `--no-snapshots`, `--no-clones` take the capabilities away.
+//! - Expansion ([`expand`]): ControllerExpandVolume grows a dir volume's recorded capacity or a
+//!   loop volume's image, NodeExpandVolume a loop volume's mounted filesystem, online
+//!   (`--expansion online`, the default), or the controller part only while the volume is not in
+//!   use (`offline`), or not at all (`none`).
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
 //! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
@@ -27,11 +37,13 @@
 
 pub mod backing;
 mod controller;
+mod expand;
 pub mod faults;
 mod identity;
 mod locks;
 pub mod mount_options;
 mod node;
+mod snapshot;
 pub mod status;
 pub mod store;
 mod wire;
@@ -50,7 +62,7 @@ use tonic::{Response, Status};
 pub use backing::{BackingError, BackingKind};
 use csi_isolator::csi::proto;
 use faults::{FaultSpec, Faults};
-use store::{Store, StoreError, VolumeRecord};
+use store::{SnapshotStore, Store, StoreError, VolumeRecord};
 
 /// Default `GetPluginInfo` name.
 pub const DEFAULT_NAME: &str = "csi-test-plugin.csi-isolator.io";
@@ -111,6 +123,41 @@ pub struct PluginConfig {
     /// a mount volume's root group-writable (g+rwxs) for the `volume_mount_group` they carry.
     /// Without it a request carrying one is refused (the CO must not send it).
     pub volume_mount_group: bool,
+    /// Offer CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and GET_SNAPSHOT (and volumes made from
+    /// snapshots); off: those RPCs are UNIMPLEMENTED and a snapshot content source is refused.
+    pub snapshots: bool,
+    /// Offer CLONE_VOLUME (volumes made from volumes); off: a volume content source is
+    /// refused.
+    pub clones: bool,
+    /// Which volume expansion the plugin offers.
+    pub expansion: Expansion,
+}
+
+/// Which volume expansion the plugin offers (`--expansion`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expansion {
+    /// None: no EXPAND_VOLUME capability, the expand RPCs are UNIMPLEMENTED.
+    None,
+    /// VolumeExpansion.ONLINE: a volume grows while published (the default).
+    Online,
+    /// VolumeExpansion.OFFLINE: ControllerExpandVolume refuses a volume that is published or
+    /// mounted on the node (FAILED_PRECONDITION); NodeExpandVolume grows it once staged again.
+    Offline,
+}
+
+impl std::str::FromStr for Expansion {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(Expansion::None),
+            "online" => Ok(Expansion::Online),
+            "offline" => Ok(Expansion::Offline),
+            other => Err(format!(
+                "unknown expansion '{}' (expected online, offline or none)",
+                other.escape_debug()
+            )),
+        }
+    }
 }
 
 /// One `--require-parameters` entry: a key, and the value it must have if one is given.
@@ -199,6 +246,9 @@ impl PluginConfig {
             required_secrets: None,
             topology: std::collections::BTreeMap::new(),
             volume_mount_group: false,
+            snapshots: true,
+            clones: true,
+            expansion: Expansion::Online,
         }
     }
 
@@ -376,11 +426,53 @@ pub enum PluginError {
         /// What is wrong (naming the file).
         reason: String,
     },
-    /// A ListVolumes starting_token this plugin did not issue.
-    #[error("ListVolumes: invalid starting_token {token:?}")]
+    /// A ListVolumes or ListSnapshots starting_token this plugin did not issue.
+    #[error("{rpc}: invalid starting_token {token:?} (start the listing again without one)")]
     InvalidToken {
+        /// The RPC.
+        rpc: &'static str,
         /// The token.
         token: String,
+    },
+    /// The snapshot does not exist.
+    #[error("{rpc}: snapshot {snapshot_id} not found")]
+    SnapshotNotFound {
+        /// The RPC.
+        rpc: &'static str,
+        /// The snapshot.
+        snapshot_id: String,
+    },
+    /// CreateSnapshot with the name of an existing snapshot of another volume.
+    #[error("CreateSnapshot: snapshot {snapshot_id} named {name:?} exists, cut from volume {source_volume_id} (choose another name or that volume)")]
+    SnapshotNameConflict {
+        /// The name.
+        name: String,
+        /// The existing snapshot.
+        snapshot_id: String,
+        /// Its source volume.
+        source_volume_id: String,
+    },
+    /// A capacity the plugin cannot give this volume (an expansion over the plugin's room, a
+    /// volume made smaller than its content source).
+    #[error("{rpc}: volume {volume_id}: {reason}")]
+    OutOfRange {
+        /// The RPC.
+        rpc: &'static str,
+        /// The volume (or the name asked for, before it has an id).
+        volume_id: String,
+        /// What is out of range.
+        reason: String,
+    },
+    /// The snapshot store failed.
+    #[error("{rpc}: snapshot {snapshot_id}")]
+    SnapshotStore {
+        /// The RPC.
+        rpc: &'static str,
+        /// The snapshot.
+        snapshot_id: String,
+        /// The underlying error.
+        #[source]
+        source: StoreError,
     },
     /// The RPC belongs to a capability that is switched off.
     #[error("{rpc}: not supported by this plugin configuration")]
@@ -448,6 +540,7 @@ pub enum PluginError {
 pub(crate) struct Plugin {
     config: PluginConfig,
     store: Store,
+    snapshots: SnapshotStore,
     backing: backing::Backing,
     faults: Faults,
     locks: Arc<locks::LockMap>,
@@ -517,6 +610,14 @@ fn volume_key(volume_id: &str) -> String {
 /// The lock key serializing CreateVolume.
 const CREATE_KEY: &str = "create";
 
+/// The lock key of a snapshot.
+fn snapshot_key(snapshot_id: &str) -> String {
+    format!("snapshot/{snapshot_id}")
+}
+
+/// The lock key serializing CreateSnapshot (names).
+const CREATE_SNAPSHOT_KEY: &str = "create-snapshot";
+
 /// The Identity, Controller and Node services of one plugin instance.
 #[derive(Clone, Debug)]
 pub struct PluginService {
@@ -531,6 +632,10 @@ enum LockKey {
     Volume(String),
     /// The lock serializing CreateVolume (names and capacity).
     Create,
+    /// The snapshot's lock.
+    Snapshot(String),
+    /// The lock serializing CreateSnapshot (names).
+    CreateSnapshot,
 }
 
 impl PluginService {
@@ -545,11 +650,18 @@ impl PluginService {
             config.faults_file.clone(),
             config.log_calls.clone(),
         );
+        let snapshots =
+            SnapshotStore::open(&config.work_dir).map_err(|source| PluginError::OpenStore {
+                path: config.work_dir.clone(),
+                source,
+            })?;
         let backing = backing::Backing::new(config.backing);
+        backing.thaw_leftovers(store.list().iter().map(|r| store.volume_dir(&r.id)));
         Ok(PluginService {
             inner: Arc::new(Plugin {
                 config,
                 store,
+                snapshots,
                 backing,
                 faults,
                 locks: Arc::default(),
@@ -582,6 +694,8 @@ impl PluginService {
             LockKey::Volume(id) if id.is_empty() => None,
             LockKey::Volume(id) => Some(self.inner.locks.lock(&volume_key(&id)).await),
             LockKey::Create => Some(self.inner.locks.lock(CREATE_KEY).await),
+            LockKey::Snapshot(id) => Some(self.inner.locks.lock(&snapshot_key(&id)).await),
+            LockKey::CreateSnapshot => Some(self.inner.locks.lock(CREATE_SNAPSHOT_KEY).await),
         };
         let inner = self.inner.clone();
         // The blocking task owns the guard: if this handler is dropped (the client gave up),

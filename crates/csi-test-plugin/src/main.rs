@@ -31,6 +31,9 @@ Examples:
       --require-secrets /etc/csi-test/secrets.json
   # Volumes made writable for the workload's group (VOLUME_MOUNT_GROUP)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data --volume-mount-group
+  # No snapshots, clones or expansion (a CO's refusals before any RPC)
+  csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
+      --no-snapshots --no-clones --expansion none
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -79,6 +82,19 @@ struct Args {
     /// Drop the CONTROLLER_SERVICE plugin capability (node-only plugin).
     #[arg(long)]
     no_controller: bool,
+    /// Drop the CREATE_DELETE_SNAPSHOT, LIST_SNAPSHOTS and GET_SNAPSHOT capabilities (and
+    /// refuse volumes made from snapshots).
+    #[arg(long)]
+    no_snapshots: bool,
+    /// Drop the CLONE_VOLUME capability (refuse volumes made from volumes).
+    #[arg(long)]
+    no_clones: bool,
+    /// Volume expansion offered: online (VolumeExpansion.ONLINE, controller and node
+    /// EXPAND_VOLUME), offline (VolumeExpansion.OFFLINE: ControllerExpandVolume refuses a
+    /// volume in use) or none (no EXPAND_VOLUME; the expand RPCs are UNIMPLEMENTED). A
+    /// node-only plugin (--no-controller) offers none.
+    #[arg(long, default_value = "online", value_name = "online|offline|none")]
+    expansion: csi_test_plugin::Expansion,
     /// Fail RPC with a gRPC code COUNT times (default: always): `RPC=CODE[:COUNT]`.
     #[arg(long, value_name = "RPC=CODE[:COUNT]")]
     fail: Vec<String>,
@@ -152,6 +168,9 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.controller_publish = !args.no_controller_publish;
     config.stage = !args.no_stage;
     config.volume_mount_group = args.volume_mount_group;
+    config.snapshots = !args.no_snapshots;
+    config.clones = !args.no_clones;
+    config.expansion = args.expansion;
     for segment in &args.topology {
         let (key, value) = segment
             .split_once('=')

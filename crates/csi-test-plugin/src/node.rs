@@ -146,6 +146,7 @@ impl Plugin {
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
+            content_source: None,
         };
         // As CreateVolume: at least the smallest filesystem of its type (xfs: 300 MiB).
         let min_fs = super::backing::min_fs_bytes(&volume_fs_type(&record, self.backing.kind()));
@@ -556,6 +557,9 @@ impl Plugin {
         if self.config.volume_mount_group {
             caps.push(Cap::VolumeMountGroup);
         }
+        if self.expansion() != super::Expansion::None {
+            caps.push(Cap::ExpandVolume);
+        }
         Ok(proto::NodeGetCapabilitiesResponse {
             capabilities: caps
                 .into_iter()
@@ -670,9 +674,21 @@ impl proto::node_server::Node for PluginService {
 
     async fn node_expand_volume(
         &self,
-        _request: Request<proto::NodeExpandVolumeRequest>,
+        request: Request<proto::NodeExpandVolumeRequest>,
     ) -> Result<Response<proto::NodeExpandVolumeResponse>, Status> {
-        self.unsupported("NodeExpandVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "NodeExpandVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            |p: &Plugin, req| {
+                p.check_secrets("NodeExpandVolume", &req.secrets)?;
+                Plugin::node_expand(p, req)
+            },
+        )
+        .await
     }
 
     async fn node_get_capabilities(

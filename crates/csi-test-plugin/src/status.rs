@@ -56,14 +56,16 @@ pub fn code_of(err: &PluginError) -> Code {
             Code::InvalidArgument
         }
         PluginError::VolumeNotFound { .. }
+        | PluginError::SnapshotNotFound { .. }
         | PluginError::NodeNotFound { .. }
         | PluginError::VolumeNotAtPath { .. } => Code::NotFound,
         PluginError::NameConflict { .. }
         | PluginError::PublishConflict { .. }
-        | PluginError::PathConflict { .. } => Code::AlreadyExists,
-        PluginError::CapacityOutOfRange { .. } | PluginError::BelowFsMinimum { .. } => {
-            Code::OutOfRange
-        }
+        | PluginError::PathConflict { .. }
+        | PluginError::SnapshotNameConflict { .. } => Code::AlreadyExists,
+        PluginError::CapacityOutOfRange { .. }
+        | PluginError::BelowFsMinimum { .. }
+        | PluginError::OutOfRange { .. } => Code::OutOfRange,
         PluginError::CapacityExhausted { .. }
         | PluginError::FilesystemFull { .. }
         | PluginError::TopologyUnreachable { .. } => Code::ResourceExhausted,
@@ -81,6 +83,7 @@ pub fn code_of(err: &PluginError) -> Code {
         PluginError::RequiredSecretsFile { .. } => Code::FailedPrecondition,
         PluginError::Unimplemented { .. } => Code::Unimplemented,
         PluginError::Store { .. }
+        | PluginError::SnapshotStore { .. }
         | PluginError::Backing { .. }
         | PluginError::Panicked { .. }
         | PluginError::OpenStore { .. }
@@ -184,7 +187,40 @@ mod tests {
                 Code::ResourceExhausted,
             ),
             (
-                PluginError::InvalidToken { token: "x".into() },
+                PluginError::InvalidToken {
+                    rpc: "ListSnapshots",
+                    token: "x".into(),
+                },
+                Code::Aborted,
+            ),
+            (
+                PluginError::SnapshotNotFound {
+                    rpc: "CreateVolume",
+                    snapshot_id: "s".into(),
+                },
+                Code::NotFound,
+            ),
+            (
+                PluginError::SnapshotNameConflict {
+                    name: "n".into(),
+                    snapshot_id: "s".into(),
+                    source_volume_id: "v".into(),
+                },
+                Code::AlreadyExists,
+            ),
+            (
+                PluginError::OutOfRange {
+                    rpc: "ControllerExpandVolume",
+                    volume_id: "v".into(),
+                    reason: "r".into(),
+                },
+                Code::OutOfRange,
+            ),
+            (
+                PluginError::InvalidToken {
+                    rpc: "ListVolumes",
+                    token: "x".into(),
+                },
                 Code::Aborted,
             ),
             (

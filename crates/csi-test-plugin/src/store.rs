@@ -64,7 +64,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// Listing the volumes directory failed.
-    #[error("list volume records in {path}")]
+    #[error("list records in {path}")]
     List {
         /// The directory.
         path: PathBuf,
@@ -73,7 +73,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// Reading a record failed.
-    #[error("read volume record {path}")]
+    #[error("read record {path}")]
     Read {
         /// The record file.
         path: PathBuf,
@@ -82,7 +82,7 @@ pub enum StoreError {
         source: io::Error,
     },
     /// A record could not be decoded.
-    #[error("decode volume record {path}")]
+    #[error("decode record {path}")]
     Decode {
         /// The record file.
         path: PathBuf,
@@ -91,7 +91,7 @@ pub enum StoreError {
         source: serde_json::Error,
     },
     /// A record has a format version this build does not know.
-    #[error("volume record {path} has unsupported version {version}")]
+    #[error("record {path} has unsupported version {version}")]
     Version {
         /// The record file.
         path: PathBuf,
@@ -100,7 +100,7 @@ pub enum StoreError {
     },
     /// Writing a record (any step of the atomic write), or renaming a
     /// volume's directory to its tombstone, failed.
-    #[error("write volume record")]
+    #[error("write record")]
     Write(#[source] IoStep),
     /// A volume id longer than [`MAX_ID_LEN`] (an id the plugin was told to make with an
     /// over-long `--id-prefix`).
@@ -110,7 +110,7 @@ pub enum StoreError {
         len: usize,
     },
     /// Removing a volume's directory failed.
-    #[error("remove volume directory {path}")]
+    #[error("remove directory {path}")]
     Remove {
         /// The directory.
         path: PathBuf,
@@ -167,6 +167,20 @@ pub struct VolumeRecord {
     /// Capability of each target path the volume was published at (same caveat).
     #[serde(default)]
     pub published: BTreeMap<String, CapabilityRecord>,
+    /// What the volume was made from (CreateVolume's `volume_content_source`), to judge a
+    /// repeated create; `None` for an empty volume (and for records older than this field).
+    #[serde(default)]
+    pub content_source: Option<ContentSource>,
+}
+
+/// A CreateVolume's `volume_content_source`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentSource {
+    /// Restored from this snapshot.
+    Snapshot(String),
+    /// Cloned from this volume.
+    Volume(String),
 }
 
 /// A version 1 record (controller publishes as a bare readonly flag).
@@ -202,6 +216,7 @@ impl From<VolumeRecordV1> for VolumeRecord {
                 .collect(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
+            content_source: None,
         }
     }
 }
@@ -359,23 +374,7 @@ impl Store {
     /// (which [`Store::open`] finishes after a crash).
     pub fn remove(&self, id: &str) -> Result<(), StoreError> {
         let dir = self.volume_dir(id);
-        let tombstone = self
-            .root
-            .join(format!("{TOMBSTONE_PREFIX}{}", encode_volume_id(id)));
-        // A tombstone left by an earlier, interrupted removal of the same id.
-        remove_dir(&tombstone)?;
-        match fs::rename(&dir, &tombstone) {
-            Ok(()) => durable::sync_dir(&self.root)
-                .map_err(|e| StoreError::Write(IoStep::new("fsync directory", &self.root, e)))?,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => {
-                return Err(StoreError::Write(IoStep::new(
-                    "rename to tombstone",
-                    dir,
-                    source,
-                )))
-            }
-        }
+        let tombstone = rename_to_tombstone(&self.root, &dir, id)?;
         self.lock().remove(id);
         self.older_names
             .lock()
@@ -389,6 +388,167 @@ impl Store {
         // mutation is a single insert/remove), so a poisoned lock is still consistent.
         self.records.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Version of the on-disk snapshot record format.
+pub const SNAPSHOT_RECORD_VERSION: u32 = 1;
+
+const SNAPSHOT_RECORD_FILE: &str = "snapshot.json";
+
+/// The persisted state of one snapshot: a copy of its source volume's content, independent of
+/// it (the volume may be deleted, the snapshot stays).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// Format version ([`SNAPSHOT_RECORD_VERSION`]).
+    pub version: u32,
+    /// The plugin-generated snapshot id.
+    pub id: String,
+    /// The CO-chosen name from CreateSnapshot.
+    pub name: String,
+    /// The volume it was cut from.
+    pub source_volume_id: String,
+    /// The source volume's capacity when it was cut: the least a volume made from it gets.
+    pub size_bytes: u64,
+    /// When it was cut: seconds and nanoseconds since the Unix epoch.
+    pub creation_secs: i64,
+    /// See `creation_secs`.
+    pub creation_nanos: i32,
+    /// A copy of a block volume (a raw image).
+    pub block: bool,
+    /// The source volume's `volume_context` (its backing and fs type), given to the volumes
+    /// made from it.
+    pub volume_context: BTreeMap<String, String>,
+}
+
+/// The durable snapshot store: `snapshots/<enc id>/snapshot.json` beside the copy (`data/`,
+/// `image.ext4` or `image.raw`, the layout of a volume's directory), written like volume
+/// records: the copy first, then the record atomically; removal through a tombstone. Opening
+/// it deletes the leftovers of interrupted creates and removals.
+#[derive(Debug)]
+pub struct SnapshotStore {
+    root: PathBuf,
+    records: Mutex<HashMap<String, SnapshotRecord>>,
+}
+
+impl SnapshotStore {
+    /// Opens (creating if needed) the store under `work_dir` and loads every record.
+    pub fn open(work_dir: &Path) -> Result<SnapshotStore, StoreError> {
+        let root = work_dir.join("snapshots");
+        super::backing::private_dir(&root)
+            .and_then(|()| super::backing::close_dir(&root))
+            .map_err(|source| StoreError::CreateDir {
+                path: root.clone(),
+                source,
+            })?;
+        let list_err = |source| StoreError::List {
+            path: root.clone(),
+            source,
+        };
+        let mut records = HashMap::new();
+        for entry in fs::read_dir(&root).map_err(list_err)? {
+            let dir = entry.map_err(list_err)?.path();
+            let path = dir.join(SNAPSHOT_RECORD_FILE);
+            let is_tombstone = dir
+                .file_name()
+                .is_some_and(|n| n.as_bytes().starts_with(TOMBSTONE_PREFIX.as_bytes()));
+            let text = match fs::read(&path) {
+                Ok(text) if !is_tombstone => text,
+                Ok(_) => {
+                    tracing::info!(path = %dir.display(), "deleting the rest of an interrupted snapshot removal");
+                    remove_dir(&dir)?;
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    tracing::info!(path = %dir.display(), "deleting the rest of an interrupted snapshot create or removal");
+                    remove_dir(&dir)?;
+                    continue;
+                }
+                Err(source) => return Err(StoreError::Read { path, source }),
+            };
+            let record: SnapshotRecord =
+                serde_json::from_slice(&text).map_err(|source| StoreError::Decode {
+                    path: path.clone(),
+                    source,
+                })?;
+            if record.version != SNAPSHOT_RECORD_VERSION {
+                return Err(StoreError::Version {
+                    path,
+                    version: record.version,
+                });
+            }
+            records.insert(record.id.clone(), record);
+        }
+        Ok(SnapshotStore {
+            root,
+            records: Mutex::new(records),
+        })
+    }
+
+    /// The directory holding snapshot `id`'s record and copy.
+    pub fn snapshot_dir(&self, id: &str) -> PathBuf {
+        self.root.join(encode_volume_id(id))
+    }
+
+    /// The record of snapshot `id`, if it exists.
+    pub fn get(&self, id: &str) -> Option<SnapshotRecord> {
+        self.lock().get(id).cloned()
+    }
+
+    /// The record of the snapshot named `name`, if one exists.
+    pub fn find_by_name(&self, name: &str) -> Option<SnapshotRecord> {
+        self.lock().values().find(|r| r.name == name).cloned()
+    }
+
+    /// Every record, sorted by snapshot id.
+    pub fn list(&self) -> Vec<SnapshotRecord> {
+        let mut all: Vec<SnapshotRecord> = self.lock().values().cloned().collect();
+        all.sort_by(|a, b| a.id.cmp(&b.id));
+        all
+    }
+
+    /// Durably writes `record` beside its copy, then updates the in-memory copy.
+    pub fn save(&self, record: &SnapshotRecord) -> Result<(), StoreError> {
+        let path = self.snapshot_dir(&record.id).join(SNAPSHOT_RECORD_FILE);
+        let bytes = serde_json::to_vec_pretty(record).expect("a snapshot record always serializes");
+        durable::write_atomic(&path, &bytes, PRIVATE_FILE_MODE)
+            .map_err(|e| StoreError::Write(IoStep::new(e.step.as_str(), e.path, e.source)))?;
+        self.lock().insert(record.id.clone(), record.clone());
+        Ok(())
+    }
+
+    /// Removes snapshot `id` (record and copy together, through a tombstone).
+    pub fn remove(&self, id: &str) -> Result<(), StoreError> {
+        let tombstone = rename_to_tombstone(&self.root, &self.snapshot_dir(id), id)?;
+        self.lock().remove(id);
+        remove_dir(&tombstone)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, SnapshotRecord>> {
+        // Every mutation is a single insert/remove: a poisoned map is still consistent.
+        self.records.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Renames `dir` (an entry of `root`, holding the record of `id` and its data) to its
+/// tombstone and syncs `root`, which drops the record and the data at once; returns the
+/// tombstone, for the caller to delete. A missing `dir` is fine.
+fn rename_to_tombstone(root: &Path, dir: &Path, id: &str) -> Result<PathBuf, StoreError> {
+    let tombstone = root.join(format!("{TOMBSTONE_PREFIX}{}", encode_volume_id(id)));
+    // A tombstone left by an earlier, interrupted removal of the same id.
+    remove_dir(&tombstone)?;
+    match fs::rename(dir, &tombstone) {
+        Ok(()) => durable::sync_dir(root)
+            .map_err(|e| StoreError::Write(IoStep::new("fsync directory", root, e)))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(source) => {
+            return Err(StoreError::Write(IoStep::new(
+                "rename to tombstone",
+                dir,
+                source,
+            )))
+        }
+    }
+    Ok(tombstone)
 }
 
 /// Deletes a directory tree; a missing one is fine.
@@ -425,6 +585,7 @@ mod tests {
             )]),
             staged: BTreeMap::from([("/staging".to_string(), capability())]),
             published: BTreeMap::new(),
+            content_source: None,
         }
     }
 
