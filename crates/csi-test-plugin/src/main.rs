@@ -77,6 +77,10 @@ struct Args {
     /// Drop the CONTROLLER_SERVICE plugin capability (node-only plugin).
     #[arg(long)]
     no_controller: bool,
+    /// Drop the node GET_VOLUME_STATS and VOLUME_CONDITION capabilities (NodeGetVolumeStats
+    /// then answers UNIMPLEMENTED).
+    #[arg(long)]
+    no_volume_stats: bool,
     /// Fail RPC with a gRPC code COUNT times (default: always): `RPC=CODE[:COUNT]`.
     #[arg(long, value_name = "RPC=CODE[:COUNT]")]
     fail: Vec<String>,
@@ -144,6 +148,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.controller = !args.no_controller;
     config.controller_publish = !args.no_controller_publish;
     config.stage = !args.no_stage;
+    config.volume_stats = !args.no_volume_stats;
     for segment in &args.topology {
         let (key, value) = segment
             .split_once('=')
