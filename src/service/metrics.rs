@@ -528,7 +528,7 @@ mod tests {
         prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
         for want in [
             "# TYPE kubelet_volume_stats_capacity_bytes gauge",
-            "# HELP kubelet_volume_stats_capacity_bytes Capacity in bytes of the volume.",
+            "# HELP kubelet_volume_stats_capacity_bytes Capacity in bytes of the volume",
             "kubelet_volume_stats_capacity_bytes{plugin=\"t/n\",volume=\"da\\\"ta\"} 100",
             "kubelet_volume_stats_capacity_bytes{plugin=\"t/n\",volume=\"blk\"} 7",
             "kubelet_volume_stats_used_bytes{plugin=\"t/n\",volume=\"da\\\"ta\"} 40",
