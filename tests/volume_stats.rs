@@ -145,7 +145,7 @@ async fn figures_follow_writes(label: &str, backing: &str) {
     if backing == "loop" {
         // The volume's own ext4: its total is the image less what ext4 keeps for itself.
         let total = s0.bytes_total.unwrap();
-        assert!(total <= 64 * MIB && total >= 48 * MIB, "{s0:?}");
+        assert!((48 * MIB..=64 * MIB).contains(&total), "{s0:?}");
     }
 
     write_mib(&mp, 8);
