@@ -273,7 +273,9 @@ pub async fn managed_clients(
             continue;
         };
         let socket = Layout::new(work_dir, kind, name).plugin_socket(socket_dir);
-        if !socket.exists() {
+        if !socket.exists() || !(socket.starts_with(work_dir) || private_to_root(&socket)) {
+            // Missing, or in a directory someone else could have made first (where a fake plugin
+            // could stand): not asked. The starter of the plugin refuses such a directory too.
             continue;
         }
         let endpoint = endpoint_for(&socket);
@@ -295,6 +297,17 @@ pub async fn managed_clients(
         }
     }
     clients
+}
+
+/// Whether `socket` (outside the verified work dir: under `--plugin-socket-dir`) and its
+/// directory are root's, the directory closed to others.
+fn private_to_root(socket: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let ok = |p: &Path, closed: bool| {
+        std::fs::symlink_metadata(p)
+            .is_ok_and(|m| m.uid() == 0 && (!closed || m.mode() & 0o077 == 0))
+    };
+    ok(socket, false) && socket.parent().is_some_and(|dir| ok(dir, true))
 }
 
 #[cfg(test)]
