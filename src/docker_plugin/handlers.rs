@@ -20,6 +20,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use crate::error_chain::Chain;
+use crate::provider::stats;
 use crate::provider::{StorageProvider, VolumeRecord, VolumeState};
 use crate::resource::validate_container_id;
 use crate::shown::shown;
@@ -239,8 +240,12 @@ impl Driver {
             }
             Endpoint::Get => {
                 let rec = self.find(call, &req.name).await?;
+                let mut volume = self.volume(&req.name, &rec, true);
+                if let Some(status) = volume.status.as_mut() {
+                    self.add_stats(&rec, status).await;
+                }
                 json(&wire::Got {
-                    volume: self.volume(&req.name, &rec, true),
+                    volume,
                     err: String::new(),
                 })
             }
@@ -342,6 +347,24 @@ impl Driver {
         }
     }
 
+    /// A published volume's usage and condition, asked of the plugin (when it offers
+    /// GET_VOLUME_STATS) within the stats deadline, after the record was read (no lock held).
+    async fn add_stats(&self, rec: &VolumeRecord, status: &mut wire::Status) {
+        if rec.state != VolumeState::Published {
+            return;
+        }
+        let at = self.provider.mount_point(&rec.volume_id);
+        let client = self.provider.client();
+        match stats::fetch(client, &rec.volume_id, &at, stats::DEFAULT_DEADLINE).await {
+            None => {}
+            Some(stats::Health::Known { stats, condition }) => {
+                status.stats = Some(stats);
+                status.condition = condition;
+            }
+            Some(stats::Health::Unavailable(why)) => status.stats_unavailable = Some(why),
+        }
+    }
+
     fn volume(&self, name: &str, rec: &VolumeRecord, status: bool) -> wire::Volume {
         wire::Volume {
             name: name.to_string(),
@@ -357,6 +380,9 @@ impl Driver {
                     .map(|u| users::shown_user(u).to_string())
                     .collect(),
                 imported: rec.pre_provisioned,
+                stats: None,
+                condition: None,
+                stats_unavailable: None,
             }),
         }
     }

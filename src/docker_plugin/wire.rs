@@ -104,6 +104,16 @@ pub struct Status {
     /// Whether it was imported (`volume-id`): then `docker volume rm` only
     /// forgets it, the plugin keeps it.
     pub imported: bool,
+    /// Its usage, asked of the plugin at this `Get` while it is published (when the plugin
+    /// offers GET_VOLUME_STATS).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats: Option<crate::provider::stats::VolumeStats>,
+    /// Its condition, when the plugin offers VOLUME_CONDITION.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub condition: Option<crate::provider::stats::VolumeCondition>,
+    /// Why its stats were asked for and are missing.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stats_unavailable: Option<String>,
 }
 
 /// `Get`'s answer.

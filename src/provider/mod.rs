@@ -30,6 +30,7 @@ mod publish;
 mod recover;
 pub mod secrets;
 pub mod state;
+pub mod stats;
 pub mod status;
 pub mod storage;
 pub mod supervisor;

@@ -52,6 +52,17 @@ pub struct VolumeStatus {
     pub staged: bool,
     /// What disagrees, if anything.
     pub disagreement: Option<String>,
+    /// Its usage per its plugin's NodeGetVolumeStats, when asked for
+    /// ([`crate::provider::stats::attach`]) and answered; the scan leaves it `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats: Option<crate::provider::stats::VolumeStats>,
+    /// Its condition, when its plugin offers VOLUME_CONDITION and said one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub condition: Option<crate::provider::stats::VolumeCondition>,
+    /// Why its stats were asked for and are missing (timed out, the call failed, the answer
+    /// was refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stats_unavailable: Option<String>,
 }
 
 /// A state file that could not be read.
@@ -129,6 +140,9 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 mount_point: target,
                 mounted: is_mounted,
                 staged,
+                stats: None,
+                condition: None,
+                stats_unavailable: None,
             });
         }
     }

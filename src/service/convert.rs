@@ -273,6 +273,26 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                         segments: t.into_iter().collect(),
                     })
                     .collect(),
+                stats: match (v.stats, v.stats_unavailable) {
+                    (Some(s), _) => Some(proto::VolumeStats {
+                        bytes_total: s.bytes_total,
+                        bytes_used: s.bytes_used,
+                        bytes_available: s.bytes_available,
+                        inodes_total: s.inodes_total,
+                        inodes_used: s.inodes_used,
+                        inodes_free: s.inodes_free,
+                        unavailable: String::new(),
+                    }),
+                    (None, Some(why)) => Some(proto::VolumeStats {
+                        unavailable: why,
+                        ..Default::default()
+                    }),
+                    (None, None) => None,
+                },
+                condition: v.condition.map(|c| proto::VolumeCondition {
+                    abnormal: c.abnormal,
+                    message: c.message,
+                }),
             })
             .collect(),
         containers: containers
@@ -316,6 +336,9 @@ mod tests {
             mounted: false,
             staged: false,
             disagreement: None,
+            stats: None,
+            condition: None,
+            stats_unavailable: None,
         };
         let report = StatusReport {
             volumes: vec![v],

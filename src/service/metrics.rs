@@ -27,7 +27,12 @@
 //!
 //! And, without the prefix, kubelet's
 //! `csi_operations_seconds{driver_name,method_name,grpc_status_code,plugin}`:
-//! one observation per CSI call (see [`crate::csi::Metrics`]).
+//! one observation per CSI call (see [`crate::csi::Metrics`]); and kubelet's
+//! `kubelet_volume_stats_{capacity_bytes,available_bytes,used_bytes,inodes,inodes_free,inodes_used,health_status_abnormal}{plugin,volume}`,
+//! under kubelet's names so its dashboards and alerts work: asked of the plugins at each
+//! render ([`crate::provider::stats`], each call within [`STATS_DEADLINE`]) for every
+//! published, mounted volume, `volume` being its name (or its id without one); a figure the
+//! plugin did not report, or a volume whose stats are unavailable, has no series.
 //!
 //! Volume counts come from the checkpoints on disk ([`scan`]), not from the
 //! providers' in-memory records, so a scrape never waits for a volume
@@ -49,6 +54,7 @@ use tonic::Code;
 use crate::csi::code_name;
 use crate::error_chain::Chain;
 use crate::mount::MountTable;
+use crate::provider::stats;
 use crate::provider::status::scan;
 use crate::provider::{Manager, VolumeState};
 
@@ -241,7 +247,26 @@ impl ServiceMetrics {
             providers.push((pr.plugin().to_string(), pr.plugin_terminations()));
             csi.push((Some(pr.plugin().to_string()), pr.client().metrics()));
         }
-        let volumes = match scan(work_dir, table) {
+        let mut scanned = scan(work_dir, table);
+        let mut volume_stats = Vec::new();
+        if let (Ok(report), Ok(handle)) = (&mut scanned, tokio::runtime::Handle::try_current()) {
+            // On the blocking thread the render runs on: each call within its deadline, the
+            // whole within two (serve's request deadline is 5 s).
+            let clients = stats::provider_clients(manager);
+            handle.block_on(stats::attach(report, &clients, STATS_DEADLINE));
+            volume_stats = report
+                .volumes
+                .iter()
+                .filter(|v| v.stats.is_some() || v.condition.is_some())
+                .map(|v| VolumeFigures {
+                    plugin: v.plugin.clone(),
+                    volume: v.name.clone().unwrap_or_else(|| v.volume_id.clone()),
+                    stats: v.stats.clone().unwrap_or_default(),
+                    abnormal: v.condition.as_ref().map(|c| c.abnormal),
+                })
+                .collect();
+        }
+        let volumes = match scanned {
             Ok(report) => {
                 let mut per_plugin: BTreeMap<String, [u64; STATES.len()]> = providers
                     .iter()
@@ -261,6 +286,7 @@ impl ServiceMetrics {
         // The CSI client families carry the `csi_` infix under the prefix;
         // csi_operations_seconds is kubelet's name and carries none.
         let mut unprefixed = Registry::default();
+        unprefixed.register_collector(Box::new(KubeletVolumeStats(volume_stats)));
         unprefixed.register_collector(Box::new(crate::csi::metrics::Collect::new(
             &format!("{PREFIX}_csi"),
             csi,
@@ -317,6 +343,92 @@ impl prometheus_client::collector::Collector for ScrapeTime {
         )?;
         for (plugin, n) in &self.providers {
             ConstCounter::new(*n).encode(family.encode_family(&[("plugin", plugin.as_str())])?)?;
+        }
+        Ok(())
+    }
+}
+
+/// The deadline of one volume's stats call during a scrape (two bound the whole collection,
+/// within the scrape's 5 s).
+pub const STATS_DEADLINE: Duration = Duration::from_secs(1);
+
+/// One volume's figures for kubelet's gauges.
+#[derive(Debug)]
+struct VolumeFigures {
+    plugin: String,
+    /// Its name, or its id when it has none.
+    volume: String,
+    stats: stats::VolumeStats,
+    abnormal: Option<bool>,
+}
+
+/// kubelet's `kubelet_volume_stats_*` gauges under kubelet's names (so dashboards and alerts
+/// written for kubelet work), labelled `plugin` and `volume` instead of kubelet's `namespace`
+/// and `persistentvolumeclaim`. A figure the plugin did not report has no series.
+#[derive(Debug)]
+struct KubeletVolumeStats(Vec<VolumeFigures>);
+
+/// The gauges: kubelet's name, its help text, and the figure.
+type Figure = fn(&VolumeFigures) -> Option<i64>;
+
+const KUBELET_VOLUME_GAUGES: [(&str, &str, Figure); 7] = [
+    (
+        "kubelet_volume_stats_capacity_bytes",
+        "Capacity in bytes of the volume",
+        |f| gauge_of(f.stats.bytes_total),
+    ),
+    (
+        "kubelet_volume_stats_available_bytes",
+        "Number of available bytes in the volume",
+        |f| gauge_of(f.stats.bytes_available),
+    ),
+    (
+        "kubelet_volume_stats_used_bytes",
+        "Number of used bytes in the volume",
+        |f| gauge_of(f.stats.bytes_used),
+    ),
+    (
+        "kubelet_volume_stats_inodes",
+        "Maximum number of inodes in the volume",
+        |f| gauge_of(f.stats.inodes_total),
+    ),
+    (
+        "kubelet_volume_stats_inodes_free",
+        "Number of free inodes in the volume",
+        |f| gauge_of(f.stats.inodes_free),
+    ),
+    (
+        "kubelet_volume_stats_inodes_used",
+        "Number of used inodes in the volume",
+        |f| gauge_of(f.stats.inodes_used),
+    ),
+    (
+        "kubelet_volume_stats_health_status_abnormal",
+        "Abnormal volume health status. The count is either 1 or 0. 1 indicates the volume is unhealthy, 0 indicates volume is healthy",
+        |f| f.abnormal.map(i64::from),
+    ),
+];
+
+fn gauge_of(v: Option<u64>) -> Option<i64> {
+    v.map(gauge_value)
+}
+
+impl prometheus_client::collector::Collector for KubeletVolumeStats {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (name, help, figure) in KUBELET_VOLUME_GAUGES {
+            let rows: Vec<_> = self
+                .0
+                .iter()
+                .filter_map(|f| Some((f, figure(f)?)))
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Gauge)?;
+            for (f, value) in rows {
+                let labels = [("plugin", f.plugin.as_str()), ("volume", f.volume.as_str())];
+                ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
+            }
         }
         Ok(())
     }
@@ -383,6 +495,57 @@ mod tests {
         ] {
             assert!(out.lines().any(|l| l == want), "{want} in {out}");
         }
+    }
+
+    #[test]
+    fn kubelet_volume_gauges_show_what_the_plugin_reported() {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(KubeletVolumeStats(vec![
+            VolumeFigures {
+                plugin: "t/n".into(),
+                volume: "da\"ta".into(),
+                stats: stats::VolumeStats {
+                    bytes_total: Some(100),
+                    bytes_used: Some(40),
+                    bytes_available: Some(60),
+                    inodes_total: Some(10),
+                    inodes_used: Some(1),
+                    inodes_free: Some(9),
+                },
+                abnormal: Some(true),
+            },
+            VolumeFigures {
+                plugin: "t/n".into(),
+                volume: "blk".into(),
+                stats: stats::VolumeStats {
+                    bytes_total: Some(7),
+                    ..Default::default()
+                },
+                abnormal: None,
+            },
+        ])));
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &registry).unwrap();
+        for want in [
+            "# TYPE kubelet_volume_stats_capacity_bytes gauge",
+            "# HELP kubelet_volume_stats_capacity_bytes Capacity in bytes of the volume",
+            "kubelet_volume_stats_capacity_bytes{plugin=\"t/n\",volume=\"da\\\"ta\"} 100",
+            "kubelet_volume_stats_capacity_bytes{plugin=\"t/n\",volume=\"blk\"} 7",
+            "kubelet_volume_stats_used_bytes{plugin=\"t/n\",volume=\"da\\\"ta\"} 40",
+            "kubelet_volume_stats_inodes_free{plugin=\"t/n\",volume=\"da\\\"ta\"} 9",
+            "kubelet_volume_stats_health_status_abnormal{plugin=\"t/n\",volume=\"da\\\"ta\"} 1",
+        ] {
+            assert!(out.lines().any(|l| l == want), "{want} in {out}");
+        }
+        // A figure not reported has no series.
+        assert!(
+            !out.contains("used_bytes{plugin=\"t/n\",volume=\"blk\"}"),
+            "{out}"
+        );
+        assert!(
+            !out.contains("abnormal{plugin=\"t/n\",volume=\"blk\"}"),
+            "{out}"
+        );
     }
 
     #[test]

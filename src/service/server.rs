@@ -29,6 +29,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::isolator::VolumeIsolator;
 use crate::mount::MountTable;
+use crate::provider::stats;
 use crate::provider::status::scan;
 use crate::provider::{Capability, CreateSpec, ImportSpec, StorageProvider};
 use crate::resource::{Resource, VolumeMode};
@@ -304,10 +305,12 @@ impl IsolatorService {
 
     async fn status(&self) -> Result<proto::StatusResponse, ServiceError> {
         let (work_dir, table) = (self.work_dir.clone(), self.table.clone());
-        let report = tokio::task::spawn_blocking(move || scan(&work_dir, &*table))
+        let mut report = tokio::task::spawn_blocking(move || scan(&work_dir, &*table))
             .await
             .expect("the status scan does not panic")
             .map_err(|source| ServiceError::MountTable { source })?;
+        let clients = stats::provider_clients(self.isolator.manager());
+        stats::attach(&mut report, &clients, stats::DEFAULT_DEADLINE).await;
         let containers = self.isolator.containers().await;
         Ok(convert::status(report, &containers))
     }

@@ -293,6 +293,15 @@ impl Backing {
         vol_dir.join("image.ext4")
     }
 
+    /// What holds the volume's data: the data directory (dir backing) or the image (loop
+    /// backing); the volume condition calls the volume abnormal when it is gone.
+    pub fn storage_path(&self, vol_dir: &Path) -> PathBuf {
+        match self.kind {
+            BackingKind::Dir => Self::data_dir(vol_dir),
+            BackingKind::Loop => Self::image(vol_dir),
+        }
+    }
+
     /// Whether the volume in `vol_dir` is a block volume (a raw image, no filesystem).
     pub fn is_block(vol_dir: &Path) -> bool {
         fs::symlink_metadata(Self::raw_image(vol_dir)).is_ok()

@@ -44,6 +44,7 @@ mod locks;
 pub mod mount_options;
 mod node;
 mod snapshot;
+pub mod stats;
 pub mod status;
 pub mod store;
 mod wire;
@@ -101,6 +102,9 @@ pub struct PluginConfig {
     pub controller_publish: bool,
     /// Offer the node STAGE_UNSTAGE_VOLUME capability.
     pub stage: bool,
+    /// Offer the node GET_VOLUME_STATS and VOLUME_CONDITION capabilities (NodeGetVolumeStats is
+    /// UNIMPLEMENTED without).
+    pub volume_stats: bool,
     /// Faults from the command line.
     pub faults: Vec<FaultSpec>,
     /// A faults file re-read when its mtime changes.
@@ -239,6 +243,7 @@ impl PluginConfig {
             controller: true,
             controller_publish: true,
             stage: true,
+            volume_stats: true,
             faults: Vec::new(),
             faults_file: None,
             log_calls: None,

@@ -95,6 +95,10 @@ struct Args {
     /// node-only plugin (--no-controller) offers none.
     #[arg(long, default_value = "online", value_name = "online|offline|none")]
     expansion: csi_test_plugin::Expansion,
+    /// Drop the node GET_VOLUME_STATS and VOLUME_CONDITION capabilities (NodeGetVolumeStats
+    /// then answers UNIMPLEMENTED).
+    #[arg(long)]
+    no_volume_stats: bool,
     /// Fail RPC with a gRPC code COUNT times (default: always): `RPC=CODE[:COUNT]`.
     #[arg(long, value_name = "RPC=CODE[:COUNT]")]
     fail: Vec<String>,
@@ -171,6 +175,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.snapshots = !args.no_snapshots;
     config.clones = !args.no_clones;
     config.expansion = args.expansion;
+    config.volume_stats = !args.no_volume_stats;
     for segment in &args.topology {
         let (key, value) = segment
             .split_once('=')

@@ -485,61 +485,52 @@ impl Plugin {
         req: proto::NodeGetVolumeStatsRequest,
     ) -> Result<proto::NodeGetVolumeStatsResponse, PluginError> {
         const RPC: &str = "NodeGetVolumeStats";
+        if !self.config.volume_stats {
+            return Err(PluginError::Unimplemented { rpc: RPC });
+        }
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "volume_path", &req.volume_path)?;
         let record = self.known_volume(RPC, &req.volume_id)?;
         let dir = self.store.volume_dir(&record.id);
         let path = PathBuf::from(&req.volume_path);
-        let state = self
-            .backing
-            .mount_state(&dir, &path)
-            .map_err(Self::backing_err(RPC, &record.id))?;
-        if !matches!(state, MountState::Volume { .. }) {
+        let storage = self.backing.storage_path(&dir);
+        let condition = super::stats::condition(&storage, &path);
+        // With its storage gone the mount cannot be told to be the volume's: the record
+        // (the paths it was staged and published at) says whether the path is.
+        let recorded = record.published.contains_key(&req.volume_path)
+            || record.staged.contains_key(&req.volume_path);
+        let here = if condition.abnormal && recorded {
+            true
+        } else {
+            let state = self
+                .backing
+                .mount_state(&dir, &path)
+                .map_err(Self::backing_err(RPC, &record.id))?;
+            matches!(state, MountState::Volume { .. })
+        };
+        if !here {
             return Err(PluginError::VolumeNotAtPath {
                 rpc: RPC,
                 volume_id: record.id,
                 path,
             });
         }
-        if Backing::is_block(&dir) {
-            // A device has no filesystem to ask: its size is the volume's (the spec's block
-            // usage: total bytes, the rest unknown).
-            return Ok(proto::NodeGetVolumeStatsResponse {
-                usage: vec![proto::VolumeUsage {
-                    total: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
-                    unit: proto::volume_usage::Unit::Bytes as i32,
-                    ..Default::default()
-                }],
-                ..Default::default()
-            });
-        }
-        let st = nix::sys::statvfs::statvfs(&path).map_err(|errno| PluginError::Backing {
-            rpc: RPC,
-            volume_id: record.id.clone(),
-            source: super::BackingError::Io(IoStep::new(
-                "statvfs",
-                path.clone(),
-                std::io::Error::from(errno),
-            )),
-        })?;
-        let frsize = st.fragment_size() as i64;
-        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let bytes = proto::VolumeUsage {
-            total: as_i64(st.blocks() as u64).saturating_mul(frsize),
-            available: as_i64(st.blocks_available() as u64).saturating_mul(frsize),
-            used: as_i64((st.blocks() as u64).saturating_sub(st.blocks_free() as u64))
-                .saturating_mul(frsize),
-            unit: proto::volume_usage::Unit::Bytes as i32,
-        };
-        let inodes = proto::VolumeUsage {
-            total: as_i64(st.files() as u64),
-            available: as_i64(st.files_available() as u64),
-            used: as_i64((st.files() as u64).saturating_sub(st.files_free() as u64)),
-            unit: proto::volume_usage::Unit::Inodes as i32,
+        let usage = if Backing::is_block(&dir) {
+            super::stats::block_usage(record.capacity_bytes)
+        } else {
+            super::stats::usage_of(&path).map_err(|errno| PluginError::Backing {
+                rpc: RPC,
+                volume_id: record.id.clone(),
+                source: super::BackingError::Io(IoStep::new(
+                    "statvfs",
+                    path.clone(),
+                    std::io::Error::from(errno),
+                )),
+            })?
         };
         Ok(proto::NodeGetVolumeStatsResponse {
-            usage: vec![bytes, inodes],
-            ..Default::default()
+            usage,
+            volume_condition: Some(condition),
         })
     }
 
@@ -551,7 +542,10 @@ impl Plugin {
         if self.config.stage {
             caps.push(Cap::StageUnstageVolume);
         }
-        caps.push(Cap::GetVolumeStats);
+        if self.config.volume_stats {
+            caps.push(Cap::GetVolumeStats);
+            caps.push(Cap::VolumeCondition);
+        }
         // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
         caps.push(Cap::SingleNodeMultiWriter);
         if self.config.volume_mount_group {

@@ -66,7 +66,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Command::Run(args) => commands::run::run(&cli.work_dir, args).await,
-            Command::Status(args) => commands::status::run(&cli.work_dir, args),
+            Command::Status(args) => commands::status::run(&cli.work_dir, args).await,
             Command::Volume(args) => commands::volume::run(&cli.work_dir, args).await,
             Command::Serve(args) => commands::serve::run(&cli.work_dir, args).await,
             Command::DockerPlugin(args) => commands::docker_plugin::run(&cli.work_dir, args).await,

@@ -1,14 +1,18 @@
 //! `csi-isolator status [--json]`: every volume with its state, its users,
-//! its mount point and what the mount table says, disagreements flagged.
+//! its mount point and what the mount table says, disagreements flagged, and
+//! the usage and condition of each published volume whose managed plugin is
+//! running (NodeGetVolumeStats, `csi_isolator::provider::stats`).
 //! Read-only: starts no plugin and changes nothing; the work dir is
 //! checked first (`csi_isolator::workdir::verify`).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::Args;
 use csi_isolator::mount::ProcMountTable;
-use csi_isolator::provider::status::{scan, StatusReport};
+use csi_isolator::provider::stats;
+use csi_isolator::provider::status::{scan, StatusReport, VolumeStatus};
 
 use super::{escaped, shown, shown_os};
 
@@ -18,19 +22,53 @@ use super::{escaped, shown, shown_os};
 Examples:
   csi-isolator --work-dir /var/lib/csi-demo status
   csi-isolator status --json | jq '.volumes[] | select(.disagreement != null)'
+  csi-isolator status --json | jq '.volumes[] | {name, stats, condition}'
+Usage and condition come from the running managed plugin of each volume (a plugin
+started by serve, docker-plugin or run); serve's Status and /metrics also ask
+plugins reached by --plugin-endpoint.
 Exit status: 0 when every volume agrees with the mount table, 1 otherwise.")]
 pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Do not ask the plugins for the volumes' usage and condition.
+    #[arg(long)]
+    no_stats: bool,
+    /// Seconds one volume's NodeGetVolumeStats may take (a plugin that takes longer shows
+    /// "stats unavailable: timed out").
+    #[arg(long, default_value = "2", value_name = "SECS")]
+    stats_timeout: u64,
+    /// Where a managed plugin's socket is when the path under the work dir is too long
+    /// (as the plugin's starter was told).
+    #[arg(
+        long,
+        env = "CSI_ISOLATOR_SOCKET_DIR",
+        default_value = csi_isolator::resource::SHORT_SOCKET_DIR,
+        value_name = "DIR"
+    )]
+    plugin_socket_dir: PathBuf,
 }
 
 /// Runs `status`; exits 1 when anything disagrees or cannot be read.
 /// A work dir another user could have changed is refused before anything
 /// in it is read; one that does not exist has no volumes.
-pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
+pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
     let report = match csi_isolator::workdir::verify(work_dir)? {
-        Some(canonical) => scan(&canonical, &ProcMountTable::new())?,
+        Some(canonical) => {
+            let mut report = scan(&canonical, &ProcMountTable::new())?;
+            if !args.no_stats {
+                let deadline = Duration::from_secs(args.stats_timeout.max(1));
+                let clients = stats::managed_clients(
+                    &canonical,
+                    &args.plugin_socket_dir,
+                    &mut report,
+                    deadline,
+                )
+                .await;
+                stats::attach(&mut report, &clients, deadline).await;
+            }
+            report
+        }
         None => StatusReport::default(),
     };
     if args.json {
@@ -63,6 +101,9 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
             if let Some(size) = size_line(v.capacity_bytes, v.capacity_enforced) {
                 outln!("    size: {size}");
             }
+            if let Some(usage) = usage_line(v) {
+                println!("    usage: {usage}");
+            }
             if !v.accessible_topology.is_empty() {
                 outln!(
                     "    reachable from: {}",
@@ -94,6 +135,42 @@ pub fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The `usage:` line of a volume whose stats were asked for: used/capacity (and inodes), "abnormal:
+/// MESSAGE" when its plugin says so, or why the stats are missing. Plugin text is escaped and
+/// bounded (`shown`).
+fn usage_line(v: &VolumeStatus) -> Option<String> {
+    let mut parts = Vec::new();
+    if let Some(s) = &v.stats {
+        let bytes = match (s.bytes_used, s.bytes_total) {
+            (Some(used), Some(total)) => format!("{} / {}", mib(used), mib(total)),
+            (None, Some(total)) => format!("capacity {}", mib(total)),
+            (Some(used), None) => format!("{} used", mib(used)),
+            (None, None) => String::new(),
+        };
+        if !bytes.is_empty() {
+            parts.push(bytes);
+        }
+        if let (Some(used), Some(total)) = (s.inodes_used, s.inodes_total) {
+            parts.push(format!("inodes {used} / {total}"));
+        }
+    }
+    if let Some(c) = &v.condition {
+        parts.push(if c.abnormal {
+            format!("abnormal: {}", shown(&c.message))
+        } else {
+            "healthy".to_string()
+        });
+    }
+    if let Some(why) = &v.stats_unavailable {
+        parts.push(format!("stats unavailable: {}", shown(why)));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / f64::from(1 << 20))
 }
 
 /// The `size:` line of a volume: its capacity, and whether anything holds the volume to it.
