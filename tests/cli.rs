@@ -1020,3 +1020,49 @@ fn a_listing_into_a_closed_pipe_ends_quietly() {
     assert!(gone.status.success(), "{}", text(&gone.stderr));
     assert_nothing_left(&sb, &work);
 }
+
+/// `volume expand`: a dir-backed volume grows (no node step) and its record says so; a plugin
+/// without EXPAND_VOLUME, a smaller size and a size of 0 are refused by name before any RPC, and
+/// change nothing.
+#[test]
+fn volume_expand_grows_a_volume_and_refuses_what_cannot_be_done() {
+    require_root();
+    let sb = Sandbox::new("cli-expand");
+    let work = sb.join("work");
+    let dir = "--plugin-arg=--backing=dir";
+    let made = output(cli(&work).args(["volume", dir, "create", "v", "8M"]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let grown = output(cli(&work).args(["volume", dir, "expand", "v", "16M"]));
+    assert!(grown.status.success(), "{}", text(&grown.stderr));
+    assert_eq!(text(&grown.stdout), "16777216 bytes\n");
+    let capacity = || {
+        let listed = output(cli(&work).args(["volume", dir, "list", "--json"]));
+        let v: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+        v[0]["capacity_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(capacity(), 16 << 20);
+    for (args, says) in [
+        (
+            vec!["volume", dir, "expand", "v", "8M"],
+            "csi-isolator: expand volume '",
+        ),
+        (vec!["volume", dir, "expand", "v", "8M"], "cannot shrink"),
+        (vec!["volume", dir, "expand", "v", "0"], "invalid SIZE '0'"),
+        (
+            vec!["volume", dir, "--plugin-arg=--expansion=none", "expand", "v", "32M"],
+            "the plugin cannot expand volumes (neither its controller nor its node service has EXPAND_VOLUME)",
+        ),
+    ] {
+        let refused = output(cli(&work).args(&args));
+        assert!(!refused.status.success(), "{args:?}");
+        assert!(
+            text(&refused.stderr).contains(says),
+            "{args:?}: {}",
+            text(&refused.stderr)
+        );
+    }
+    assert_eq!(capacity(), 16 << 20);
+    let gone = output(cli(&work).args(["volume", dir, "destroy", "v"]));
+    assert!(gone.status.success(), "{}", text(&gone.stderr));
+    assert_nothing_left(&sb, &work);
+}

@@ -1740,3 +1740,112 @@ async fn serve_refuses_a_volume_outside_its_topology_and_lets_a_non_root_workloa
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The size a workload sees of the filesystem at `path` in process `pid`'s mount namespace.
+fn seen_size(pid: u32, path: &Path) -> u64 {
+    let inside = PathBuf::from(format!("/proc/{pid}/root")).join(path.strip_prefix("/").unwrap());
+    let st = nix::sys::statvfs::statvfs(&inside).unwrap();
+    st.blocks() * st.fragment_size()
+}
+
+/// ExpandVolume grows a volume in use online: a running workload's own statvfs sees the new size
+/// (xfs on the loop backing: ControllerExpandVolume grows the image, NodeExpandVolume the mounted
+/// filesystem) and its data is still there; Status reports the new capacity. A smaller size, a
+/// size of 0 and an empty id are refused before any RPC; the same size again is no change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expand_volume_grows_a_volume_under_a_running_workload() {
+    require_root();
+    let sb = Sandbox::new("serve-expand");
+    let work = sb.join("work");
+    let mut serve = Serve::start(&sb, &work, &sb.join("isolator.sock"), false);
+    let mut c = serve.client().await;
+    let created = c
+        .create_volume(CreateVolumeRequest {
+            name: "grown".into(),
+            capacity_bytes: 300 * MIB,
+            container_path: "data".into(),
+            fs_type: "xfs".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c1", list(&[&created])).await;
+    let data = sandbox.join("data");
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(data.strip_prefix("/").unwrap());
+    std::fs::write(inside.join("kept"), "before the growth\n").unwrap();
+    let before = seen_size(sleeper.pid(), &data);
+    assert!(before < 300 * MIB, "{before}");
+
+    let grown = c
+        .expand_volume(proto::ExpandVolumeRequest {
+            volume_id: created.volume_id.clone(),
+            capacity_bytes: 400 * MIB,
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|s| panic!("ExpandVolume: {s}"))
+        .into_inner();
+    assert!(grown.capacity_bytes >= 400 * MIB, "{grown:?}");
+    assert!(!grown.node_expansion_pending, "{grown:?}");
+    let after = seen_size(sleeper.pid(), &data);
+    assert!(
+        after >= before + 95 * MIB,
+        "the workload sees {after} bytes, it saw {before}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(inside.join("kept")).unwrap(),
+        "before the growth\n"
+    );
+    let s = status(&mut c).await;
+    assert_eq!(s.volumes[0].capacity_bytes, grown.capacity_bytes, "{s:?}");
+
+    for (size, code, words) in [
+        (100 * MIB, Code::OutOfRange, "cannot shrink"),
+        (0, Code::InvalidArgument, "a size of 0"),
+    ] {
+        let refused = c
+            .expand_volume(proto::ExpandVolumeRequest {
+                volume_id: created.volume_id.clone(),
+                capacity_bytes: size,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), code, "{refused:?}");
+        assert!(refused.message().contains(words), "{}", refused.message());
+    }
+    let empty = c
+        .expand_volume(proto::ExpandVolumeRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(empty.code(), Code::InvalidArgument, "{empty:?}");
+    let again = c
+        .expand_volume(proto::ExpandVolumeRequest {
+            volume_id: created.volume_id.clone(),
+            capacity_bytes: grown.capacity_bytes,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.capacity_bytes, grown.capacity_bytes);
+
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: created.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    drop(c);
+    assert!(serve.terminate(&sb).success());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

@@ -221,6 +221,23 @@ impl IsolatorService {
         Ok(proto::DestroyVolumeResponse {})
     }
 
+    async fn expand_volume(
+        &self,
+        req: proto::ExpandVolumeRequest,
+    ) -> Result<proto::ExpandVolumeResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.volume_id.is_empty() {
+            return Err(invalid("volume_id", "is empty"));
+        }
+        let done = provider
+            .expand_volume(&req.volume_id, req.capacity_bytes)
+            .await?;
+        Ok(proto::ExpandVolumeResponse {
+            capacity_bytes: done.capacity_bytes,
+            node_expansion_pending: done.node_pending,
+        })
+    }
+
     async fn prepare(&self, req: proto::PrepareRequest) -> Result<proto::LaunchInfo, ServiceError> {
         container_id(&req.container_id)?;
         let mut config = convert::container_config(req.config)?;
@@ -400,6 +417,17 @@ impl Isolator for IsolatorService {
         let req = request.into_inner();
         self.run("DestroyVolume", |s| async move {
             IsolatorService::destroy_volume(&s, req).await
+        })
+        .await
+    }
+
+    async fn expand_volume(
+        &self,
+        request: Request<proto::ExpandVolumeRequest>,
+    ) -> Reply<proto::ExpandVolumeResponse> {
+        let req = request.into_inner();
+        self.run("ExpandVolume", |s| async move {
+            IsolatorService::expand_volume(&s, req).await
         })
         .await
     }
