@@ -8,105 +8,17 @@
 //! left mounted under the sandbox and no loop device is attached to its image. The loop over N
 //! ends when Prepare and Cleanup complete without crashing.
 
-use std::fs::File;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
 
-use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
-use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
     RecoverRequest, StatusRequest,
 };
-use csi_isolator_testing::{processes_mentioning, require_root, wait_for_serve_ready, Sandbox};
-use tonic::transport::Channel;
+use csi_isolator_testing::crash::ServeRuns;
+use csi_isolator_testing::{require_root, Sandbox};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
-const TIMEOUT: Duration = Duration::from_secs(30);
 const MAX_POINTS: u32 = 60;
-
-struct World {
-    sb: Sandbox,
-    work: PathBuf,
-    serve: Option<Child>,
-    serves: u32,
-}
-
-impl World {
-    fn start(&mut self, crash_after: Option<u32>) {
-        self.serves += 1;
-        let log = File::create(self.sb.join(format!("serve-{}.log", self.serves))).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.env("CSI_ISOLATOR_SOCKET_DIR", self.sb.join("s"))
-            .env_remove(CRASH_AFTER_WRITE_ENV)
-            .arg("--work-dir")
-            .arg(&self.work)
-            .arg("serve")
-            .arg("--socket")
-            .arg(self.sb.join("isolator.sock"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log);
-        if let Some(n) = crash_after {
-            cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
-        }
-        let mut child = self.sb.spawn(&mut cmd).expect("spawn serve");
-        wait_for_serve_ready(&mut child, TIMEOUT);
-        self.serve = Some(child);
-    }
-
-    async fn client(&self) -> IsolatorClient<Channel> {
-        IsolatorClient::new(connect_unix(&self.sb.join("isolator.sock")).await.unwrap())
-    }
-
-    /// Waits for serve's exit (SIGTERM first if `stop`) and for its plugin to be gone.
-    fn end(&mut self, stop: bool) -> ExitStatus {
-        let mut child = self.serve.take().expect("serve runs");
-        if stop {
-            nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(child.id() as i32),
-                nix::sys::signal::Signal::SIGTERM,
-            )
-            .unwrap();
-        }
-        let deadline = Instant::now() + TIMEOUT;
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            assert!(Instant::now() < deadline, "serve did not exit");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        self.sb.untrack(child.id());
-        while !processes_mentioning(&self.work).is_empty() {
-            assert!(Instant::now() < deadline, "the plugin outlived serve");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        status
-    }
-}
-
-impl Drop for World {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.serve.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        if std::thread::panicking() {
-            for k in 1..=self.serves {
-                let log = self.sb.join(format!("serve-{k}.log"));
-                eprintln!(
-                    "--- {}\n{}",
-                    log.display(),
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                );
-            }
-        }
-    }
-}
 
 fn prepare(resource: &str, sandbox: &str) -> PrepareRequest {
     PrepareRequest {
@@ -122,14 +34,8 @@ fn prepare(resource: &str, sandbox: &str) -> PrepareRequest {
 /// One run crashing at point `n`; whether it crashed.
 async fn crash_once(n: u32) -> bool {
     let sb = Sandbox::new("block-crash");
-    let work = sb.join("work");
     let sandbox = sb.mkdir("sandboxes/c1");
-    let mut w = World {
-        sb,
-        work,
-        serve: None,
-        serves: 0,
-    };
+    let mut w = ServeRuns::new(sb, BIN);
     w.start(None);
     let mut c = w.client().await;
     let v = c

@@ -14,6 +14,7 @@
 //!
 //! Helpers panic with a clear message on failure: they are for tests.
 
+pub mod crash;
 pub mod engines;
 pub mod exposition;
 pub mod leaks;

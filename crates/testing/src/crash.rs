@@ -1,0 +1,131 @@
+//! `csi-isolator serve` in a crash test: started (armed with `CSI_ISOLATOR_CRASH_AFTER_WRITE=N`,
+//! the provider's crash-point hook, or not), driven over its socket, and ended by SIGTERM or
+//! found dead of the crash; each run's log kept and printed if the test fails. The plugin it
+//! manages must be gone with it.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_isolator::csi::transport::connect_unix;
+use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
+use csi_isolator::service::proto::isolator_client::IsolatorClient;
+use tonic::transport::Channel;
+
+use crate::{processes_mentioning, wait_for_serve_ready, Sandbox};
+
+/// How long serve has to become ready, and to exit.
+pub const SERVE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One work dir and the serve runs on it, one at a time.
+pub struct ServeRuns {
+    /// The test's sandbox (the work dir, sockets and logs are in it).
+    pub sb: Sandbox,
+    /// The work dir.
+    pub work: PathBuf,
+    bin: PathBuf,
+    serve: Option<Child>,
+    serves: u32,
+}
+
+impl ServeRuns {
+    /// Runs of `bin` (the `csi-isolator` binary) on `<sandbox>/work`.
+    pub fn new(sb: Sandbox, bin: &str) -> ServeRuns {
+        let work = sb.join("work");
+        ServeRuns {
+            sb,
+            work,
+            bin: PathBuf::from(bin),
+            serve: None,
+            serves: 0,
+        }
+    }
+
+    /// Starts serve, armed to crash after `crash_after` durable writes if given, and waits until
+    /// it is ready.
+    pub fn start(&mut self, crash_after: Option<u32>) {
+        self.serves += 1;
+        let log = File::create(self.log(self.serves)).unwrap();
+        let mut cmd = Command::new(&self.bin);
+        cmd.env("CSI_ISOLATOR_SOCKET_DIR", self.sb.join("s"))
+            .env_remove(CRASH_AFTER_WRITE_ENV)
+            .arg("--work-dir")
+            .arg(&self.work)
+            .arg("serve")
+            .arg("--socket")
+            .arg(self.socket())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log);
+        if let Some(n) = crash_after {
+            cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
+        }
+        let mut child = self.sb.spawn(&mut cmd).expect("spawn serve");
+        wait_for_serve_ready(&mut child, SERVE_TIMEOUT);
+        self.serve = Some(child);
+    }
+
+    /// A client of the running serve.
+    pub async fn client(&self) -> IsolatorClient<Channel> {
+        IsolatorClient::new(connect_unix(&self.socket()).await.unwrap())
+    }
+
+    /// Waits for serve's exit (SIGTERM first if `stop`) and for its plugin to be gone.
+    pub fn end(&mut self, stop: bool) -> ExitStatus {
+        let mut child = self.serve.take().expect("serve runs");
+        if stop {
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            )
+            .unwrap();
+        }
+        let deadline = Instant::now() + SERVE_TIMEOUT;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "serve did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        self.sb.untrack(child.id());
+        while !processes_mentioning(&self.work).is_empty() {
+            assert!(Instant::now() < deadline, "the plugin outlived serve");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        status
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.sb.join("isolator.sock")
+    }
+
+    fn log(&self, run: u32) -> PathBuf {
+        self.sb.join(format!("serve-{run}.log"))
+    }
+
+    /// The sandbox path of `rel`.
+    pub fn path(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.sb.join(rel)
+    }
+}
+
+impl Drop for ServeRuns {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.serve.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if std::thread::panicking() {
+            for k in 1..=self.serves {
+                let log = self.log(k);
+                eprintln!(
+                    "--- {}\n{}",
+                    log.display(),
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+        }
+    }
+}
