@@ -23,15 +23,7 @@ impl VolumeIsolator {
         }
         let mut mounts = volume_mounts(container_id, &config, &config.resources, &self.work_dir)?;
         self.fill_hardening(&mut mounts).await;
-        let user = config
-            .user
-            .as_deref()
-            .map(ownership::resolve_user)
-            .transpose()
-            .map_err(|reason| IsolatorError::BadUser {
-                container: container_id.to_string(),
-                reason,
-            })?;
+        let user = workload_user(container_id, config.user.as_deref())?;
         // The checks that look at the host's files (a stat per agent disk; the config's paths
         // made canonical), each step one trip to the blocking pool.
         let (id, work_dir, resources) = (
@@ -116,6 +108,20 @@ pub(super) fn note_plugin_groups(
                 "volume root left to the plugin: staged with volume_mount_group");
         }
     }
+}
+
+/// The workload's user and group from its configuration's `user` (none: root's, nothing to
+/// grant), refused naming the container when it cannot be resolved.
+pub(super) fn workload_user(
+    container: &str,
+    user: Option<&str>,
+) -> Result<Option<crate::launcher::Credentials>, IsolatorError> {
+    user.map(ownership::resolve_user)
+        .transpose()
+        .map_err(|reason| IsolatorError::BadUser {
+            container: container.to_string(),
+            reason,
+        })
 }
 
 /// Applies [`ownership::grant_group`] to each volume root, naming the volume that failed.

@@ -43,16 +43,7 @@ impl VolumeIsolator {
             added_resources.clone(),
         );
         blocking(move || check_agent_disks(&id, &checked, &work_dir, host_path_kind)).await?;
-        let user = rec
-            .config
-            .user
-            .as_deref()
-            .map(ownership::resolve_user)
-            .transpose()
-            .map_err(|reason| IsolatorError::BadUser {
-                container: container_id.to_string(),
-                reason,
-            })?;
+        let user = super::prepare::workload_user(container_id, rec.config.user.as_deref())?;
         let wanted = self.groups_to_grant(&resources, &added, user);
         let asked = ownership::groups_for_plugins(&wanted);
         let staged = self
