@@ -166,7 +166,7 @@ pub enum ProviderError {
         /// What is wrong.
         what: String,
     },
-    /// An expansion refused before any RPC (see [`crate::provider::expand::Refusal`]).
+    /// An expansion refused before any RPC ([`ExpandRefusal`]).
     #[error("expand volume '{volume}' to {bytes} bytes: {why}")]
     ExpandRefused {
         /// The volume id.
@@ -174,7 +174,7 @@ pub enum ProviderError {
         /// The size asked.
         bytes: u64,
         /// Why, and what to do.
-        why: crate::provider::expand::Refusal,
+        why: ExpandRefusal,
     },
     /// A publish on a node the volume's topology does not cover.
     #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
@@ -327,4 +327,43 @@ pub enum NotReadyCause {
     /// Probe answered `ready: false`.
     #[error("Probe answered ready=false")]
     NotReadyYet,
+}
+
+/// Why an expansion is refused before any RPC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExpandRefusal {
+    /// A size of 0.
+    ZeroSize,
+    /// Smaller than the volume is.
+    Shrink {
+        /// The volume's size.
+        capacity: u64,
+    },
+    /// The plugin cannot expand volumes.
+    NoCapability,
+    /// The plugin expands only volumes not in use, and this one is.
+    OfflineOnly {
+        /// Its users.
+        users: Vec<String>,
+    },
+}
+
+impl std::fmt::Display for ExpandRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExpandRefusal::ZeroSize => f.write_str("a size of 0 is no size: give the new size, larger than the volume's"),
+            ExpandRefusal::Shrink { capacity } => write!(
+                f,
+                "it holds {capacity} bytes already and CSI volumes cannot shrink: give a larger size"
+            ),
+            ExpandRefusal::NoCapability => f.write_str(
+                "the plugin cannot expand volumes (neither its controller nor its node service has EXPAND_VOLUME)",
+            ),
+            ExpandRefusal::OfflineOnly { users } => write!(
+                f,
+                "the plugin expands only volumes not in use (its VolumeExpansion capability is not ONLINE), and it is used by {}: stop them and retry",
+                users.join(", ")
+            ),
+        }
+    }
 }

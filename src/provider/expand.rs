@@ -15,6 +15,7 @@
 
 use crate::csi::proto;
 use crate::provider::checkpoint;
+pub use crate::provider::error::ExpandRefusal as Refusal;
 use crate::provider::error::ProviderError;
 use crate::provider::state::{ExpandStep, Expansion, VolumeRecord, VolumeState};
 use crate::provider::storage::StorageProvider;
@@ -49,45 +50,6 @@ pub enum Plan {
     Nothing,
     /// Make `Expansion` durable, then take its step.
     Start(Expansion),
-}
-
-/// Why an expansion is refused before any RPC.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Refusal {
-    /// A size of 0.
-    ZeroSize,
-    /// Smaller than the volume is.
-    Shrink {
-        /// The volume's size.
-        capacity: u64,
-    },
-    /// The plugin cannot expand volumes.
-    NoCapability,
-    /// The plugin expands only volumes not in use, and this one is.
-    OfflineOnly {
-        /// Its users.
-        users: Vec<String>,
-    },
-}
-
-impl std::fmt::Display for Refusal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Refusal::ZeroSize => f.write_str("a size of 0 is no size: give the new size, larger than the volume's"),
-            Refusal::Shrink { capacity } => write!(
-                f,
-                "it holds {capacity} bytes already and CSI volumes cannot shrink: give a larger size"
-            ),
-            Refusal::NoCapability => f.write_str(
-                "the plugin cannot expand volumes (neither its controller nor its node service has EXPAND_VOLUME)",
-            ),
-            Refusal::OfflineOnly { users } => write!(
-                f,
-                "the plugin expands only volumes not in use (its VolumeExpansion capability is not ONLINE), and it is used by {}: stop them and retry",
-                users.join(", ")
-            ),
-        }
-    }
 }
 
 /// Decides an expansion of `rec` to `asked` bytes with `caps` (see the module doc). A pending

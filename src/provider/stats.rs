@@ -27,7 +27,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use futures::stream::{self, StreamExt};
-use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
 use crate::csi::proto::volume_usage::Unit;
@@ -36,6 +35,7 @@ use crate::csi::{Client, ClientOptions, RetryPolicy};
 use crate::error_chain::full_message;
 use crate::provider::state::VolumeState;
 use crate::provider::status::StatusReport;
+pub use crate::provider::status::{VolumeCondition, VolumeStats};
 use crate::resource::Layout;
 
 /// The deadline of one volume's stats call unless the caller says otherwise: short, since a
@@ -47,33 +47,6 @@ pub const CONCURRENCY: usize = 8;
 
 /// The longest plugin message (a condition's, or an error's) kept, in bytes.
 pub const MESSAGE_MAX_BYTES: usize = 1024;
-
-/// A volume's usage as its plugin reports it; `None` where the plugin says nothing (a block
-/// volume has its total bytes only).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VolumeStats {
-    /// Bytes the volume holds.
-    pub bytes_total: Option<u64>,
-    /// Bytes used.
-    pub bytes_used: Option<u64>,
-    /// Bytes still available to the workload.
-    pub bytes_available: Option<u64>,
-    /// Inodes the volume holds.
-    pub inodes_total: Option<u64>,
-    /// Inodes used.
-    pub inodes_used: Option<u64>,
-    /// Inodes still available.
-    pub inodes_free: Option<u64>,
-}
-
-/// A volume's condition as its plugin reports it (CSI's `VolumeCondition`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct VolumeCondition {
-    /// Whether the plugin finds the volume abnormal.
-    pub abnormal: bool,
-    /// The plugin's message (at most [`MESSAGE_MAX_BYTES`]).
-    pub message: String,
-}
 
 /// What one stats call taught of a volume.
 #[derive(Clone, Debug, PartialEq, Eq)]

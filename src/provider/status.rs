@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
@@ -55,10 +55,10 @@ pub struct VolumeStatus {
     /// Its usage per its plugin's NodeGetVolumeStats, when asked for
     /// ([`crate::provider::stats::attach`]) and answered; the scan leaves it `None`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub stats: Option<crate::provider::stats::VolumeStats>,
+    pub stats: Option<VolumeStats>,
     /// Its condition, when its plugin offers VOLUME_CONDITION and said one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub condition: Option<crate::provider::stats::VolumeCondition>,
+    pub condition: Option<VolumeCondition>,
     /// Why its stats were asked for and are missing (timed out, the call failed, the answer
     /// was refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -200,6 +200,33 @@ fn plugins(csi: &Path) -> Vec<(String, String)> {
     }
     out.sort();
     out
+}
+
+/// A volume's usage as its plugin reports it; `None` where the plugin says nothing (a block
+/// volume has its total bytes only).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeStats {
+    /// Bytes the volume holds.
+    pub bytes_total: Option<u64>,
+    /// Bytes used.
+    pub bytes_used: Option<u64>,
+    /// Bytes still available to the workload.
+    pub bytes_available: Option<u64>,
+    /// Inodes the volume holds.
+    pub inodes_total: Option<u64>,
+    /// Inodes used.
+    pub inodes_used: Option<u64>,
+    /// Inodes still available.
+    pub inodes_free: Option<u64>,
+}
+
+/// A volume's condition as its plugin reports it (CSI's `VolumeCondition`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeCondition {
+    /// Whether the plugin finds the volume abnormal.
+    pub abnormal: bool,
+    /// The plugin's message (at most [`crate::provider::stats::MESSAGE_MAX_BYTES`]).
+    pub message: String,
 }
 
 #[cfg(test)]

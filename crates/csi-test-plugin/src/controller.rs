@@ -126,21 +126,7 @@ pub(super) fn asked_fs_type(cap: &proto::VolumeCapability) -> &str {
     }
 }
 
-/// The `volume_context` key recording a loop volume's fs type (made at CreateVolume).
-pub const FS_TYPE_KEY: &str = "fs_type";
-
-/// The fs type of a volume: recorded at CreateVolume for the loop backing (ext4 for volumes
-/// made before it was recorded); none for the dir backing.
-pub(super) fn volume_fs_type(record: &super::store::VolumeRecord, kind: BackingKind) -> String {
-    match kind {
-        BackingKind::Dir => String::new(),
-        BackingKind::Loop => record
-            .volume_context
-            .get(FS_TYPE_KEY)
-            .cloned()
-            .unwrap_or_else(|| super::backing::DEFAULT_FS_TYPE.to_string()),
-    }
-}
+pub use super::store::{volume_fs_type, FS_TYPE_KEY};
 
 /// A capability's fs type, when it asks for one, must be the volume's.
 pub(super) fn check_volume_fs_type(

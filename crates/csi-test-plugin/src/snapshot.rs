@@ -22,8 +22,8 @@ use std::path::PathBuf;
 use rand::Rng;
 
 use super::backing::{Backing, BackingKind};
-use super::controller::{volume_fs_type, FS_TYPE_KEY};
 use super::locks::KeyGuard;
+use super::store::{volume_fs_type, FS_TYPE_KEY};
 use super::store::{ContentSource, SnapshotRecord, SNAPSHOT_RECORD_VERSION};
 use super::{require, snapshot_key, volume_key, Plugin, PluginError};
 use csi_isolator::csi::proto;

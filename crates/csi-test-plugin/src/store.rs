@@ -33,6 +33,7 @@ use std::sync::Mutex;
 
 use serde::{Deserialize, Serialize};
 
+use crate::backing::BackingKind;
 use csi_isolator::durable;
 use csi_isolator::io_step::IoStep;
 use csi_isolator::resource::encode_volume_id;
@@ -560,6 +561,22 @@ fn remove_dir(dir: &Path) -> Result<(), StoreError> {
             path: dir.to_path_buf(),
             source,
         }),
+    }
+}
+
+/// The `volume_context` key recording a loop volume's fs type (made at CreateVolume).
+pub const FS_TYPE_KEY: &str = "fs_type";
+
+/// The fs type of a volume: recorded at CreateVolume for the loop backing (ext4 for volumes
+/// made before it was recorded); none for the dir backing.
+pub fn volume_fs_type(record: &VolumeRecord, kind: BackingKind) -> String {
+    match kind {
+        BackingKind::Dir => String::new(),
+        BackingKind::Loop => record
+            .volume_context
+            .get(FS_TYPE_KEY)
+            .cloned()
+            .unwrap_or_else(|| super::backing::DEFAULT_FS_TYPE.to_string()),
     }
 }
 
