@@ -7,20 +7,19 @@
 //! plugin never refuses a call, and nothing is left. The loop ends when the life completes
 //! without a crash.
 
-use std::io::BufRead;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
 use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator::provider::VolumeRecord;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
     RecoverRequest, StatusRequest,
 };
-use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox, SERVE_READY};
+use csi_isolator_testing::crash;
+use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox};
 use tonic::transport::Channel;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -35,46 +34,25 @@ struct Env {
     endpoint: String,
 }
 
-/// Starts serve (armed with `crash`, if any); `None` when it died before it was ready.
+/// Starts serve on the test's plugin (armed with `crash`, if any); `None` when it died before it
+/// was ready.
 fn start_serve(env: &Env, crash: Option<u32>) -> Option<Child> {
-    let mut cmd = Command::new(CLI);
-    cmd.env_remove("RUST_LOG")
-        .arg("--work-dir")
-        .arg(&env.work)
-        .args(["serve", "--plugin-endpoint", &env.endpoint, "--socket"])
-        .arg(&env.socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    if let Some(n) = crash {
-        cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
-    }
-    let mut child = env.sb.spawn(&mut cmd).expect("spawn serve");
-    let stdout = child.stdout.take().unwrap();
-    let ready = std::io::BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .any(|l| l == SERVE_READY);
-    if ready {
-        Some(child)
-    } else {
-        let _ = child.wait();
-        env.sb.untrack(child.id());
-        None
-    }
+    crash::start_serve(
+        &env.sb,
+        CLI,
+        &env.work,
+        &env.socket,
+        &["--plugin-endpoint", &env.endpoint],
+        crash,
+    )
 }
 
 async fn client(env: &Env) -> IsolatorClient<Channel> {
     IsolatorClient::new(connect_unix(&env.socket).await.expect("connect to serve"))
 }
 
-fn stop(env: &Env, mut child: Child) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert!(child.wait().unwrap().success());
-    env.sb.untrack(child.id());
+fn stop(env: &Env, child: Child) {
+    crash::stop_serve(&env.sb, child);
 }
 
 /// The volume's life for a container of user 1234:[`GID`]: create, prepare (then, when

@@ -8,20 +8,20 @@
 //! completes without a crash. The same for an imported volume's life (ImportVolume with a
 //! secrets file, whose intent carries the file to recovery; DestroyVolume deleting it).
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 
 use csi_isolator::csi::proto as csi;
 use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
     ImportVolumeRequest, PrepareRequest, RecoverRequest, StatusRequest,
 };
-use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox, SERVE_READY};
+use csi_isolator_testing::crash;
+use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox};
 use tonic::transport::Channel;
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -36,32 +36,17 @@ struct Env {
     secrets: PathBuf,
 }
 
-/// Starts serve (armed with `crash`, if any); `None` when it died before it was ready.
+/// Starts serve on the test's plugin (armed with `crash`, if any); `None` when it died before it
+/// was ready.
 fn start_serve(env: &Env, crash: Option<u32>) -> Option<Child> {
-    let mut cmd = Command::new(CLI);
-    cmd.env_remove("RUST_LOG")
-        .arg("--work-dir")
-        .arg(&env.work)
-        .args(["serve", "--plugin-endpoint", &env.endpoint, "--socket"])
-        .arg(&env.socket)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null());
-    if let Some(n) = crash {
-        cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
-    }
-    let mut child = env.sb.spawn(&mut cmd).expect("spawn serve");
-    let stdout = child.stdout.take().unwrap();
-    let ready = std::io::BufReader::new(stdout)
-        .lines()
-        .map_while(Result::ok)
-        .any(|l| l == SERVE_READY);
-    if ready {
-        Some(child)
-    } else {
-        let _ = child.wait();
-        env.sb.untrack(child.id());
-        None
-    }
+    crash::start_serve(
+        &env.sb,
+        CLI,
+        &env.work,
+        &env.socket,
+        &["--plugin-endpoint", &env.endpoint],
+        crash,
+    )
 }
 
 async fn client(env: &Env) -> IsolatorClient<Channel> {
@@ -104,14 +89,8 @@ async fn life(env: &Env, name: &str, container: &str) -> Result<(), tonic::Statu
     Ok(())
 }
 
-fn stop(env: &Env, mut child: Child) {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    assert!(child.wait().unwrap().success());
-    env.sb.untrack(child.id());
+fn stop(env: &Env, child: Child) {
+    crash::stop_serve(&env.sb, child);
 }
 
 fn write_secrets(path: &Path, text: &str) {

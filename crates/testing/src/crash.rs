@@ -129,3 +129,59 @@ impl Drop for ServeRuns {
         }
     }
 }
+
+/// Starts `bin serve` on `work` at `socket` with `serve_args` (e.g. `--plugin-endpoint URL`),
+/// armed to crash after `crash` crash points if given, its output discarded; `None` when it died
+/// before it was ready (the crash point fell in its start). For tests that keep their own plugin
+/// and drive serve runs themselves; [`ServeRuns`] does the rest.
+pub fn start_serve(
+    sb: &Sandbox,
+    bin: &str,
+    work: &Path,
+    socket: &Path,
+    serve_args: &[&str],
+    crash: Option<u32>,
+) -> Option<Child> {
+    use std::io::BufRead;
+    let mut cmd = Command::new(bin);
+    cmd.env_remove("RUST_LOG")
+        .env_remove(CRASH_AFTER_WRITE_ENV)
+        .arg("--work-dir")
+        .arg(work)
+        .arg("serve")
+        .args(serve_args)
+        .arg("--socket")
+        .arg(socket)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(n) = crash {
+        cmd.env(CRASH_AFTER_WRITE_ENV, n.to_string());
+    }
+    let mut child = sb.spawn(&mut cmd).expect("spawn serve");
+    let stdout = child.stdout.take().unwrap();
+    let ready = std::io::BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .any(|l| l == crate::SERVE_READY);
+    if ready {
+        Some(child)
+    } else {
+        let _ = child.wait();
+        sb.untrack(child.id());
+        None
+    }
+}
+
+/// SIGTERM to a serve [`start_serve`] started, and a clean exit.
+pub fn stop_serve(sb: &Sandbox, mut child: Child) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    assert!(
+        child.wait().unwrap().success(),
+        "serve exits cleanly on SIGTERM"
+    );
+    sb.untrack(child.id());
+}
