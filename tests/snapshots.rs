@@ -259,3 +259,69 @@ fn what_cannot_be_done_is_refused_before_any_rpc() {
     assert!(!has_dir_named(&work.join("csi"), "snapshots"));
     assert_nothing_left(&sb, &work);
 }
+
+/// Hostile snapshot names (a caller's): path-like names are CSI-valid names, recorded under
+/// their encoding inside `snapshots/` and nowhere else; names CSI bans are refused before
+/// anything is written; a name is never a path.
+#[test]
+fn hostile_snapshot_names_stay_names() {
+    require_root();
+    let sb = Sandbox::new("snapshots-names");
+    let work = sb.join("work");
+    let b = "dir";
+    ok(cli(&work, b).args(["create", "v", "8M"]));
+    let long = "x".repeat(129);
+    for bad in [long.as_str(), "", "a\u{7f}b"] {
+        refused(
+            cli(&work, b).args(["snapshot", "create", "v", bad]),
+            "invalid snapshot",
+        );
+    }
+    let names = ["../../escape", "/etc/passwd", ".", "a/../b"];
+    for name in names {
+        ok(cli(&work, b).args(["snapshot", "create", "v", name]));
+    }
+    let listed: Vec<String> = snapshots(&work, b)
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect();
+    let mut want: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    // Every record is one level under a `snapshots/` directory, nothing escaped it.
+    let records = files_named(&work, "snapshot.state");
+    assert_eq!(records.len(), names.len(), "{records:?}");
+    for r in &records {
+        assert_eq!(
+            r.parent().unwrap().parent().unwrap().file_name().unwrap(),
+            "snapshots",
+            "{}",
+            r.display()
+        );
+    }
+    assert!(!sb.join("escape").exists() && !work.join("escape").exists());
+    for name in names {
+        ok(cli(&work, b).args(["snapshot", "delete", name]));
+    }
+    ok(cli(&work, b).args(["destroy", "v"]));
+    assert!(files_named(&work, "snapshot.state").is_empty());
+    assert_nothing_left(&sb, &work);
+}
+
+fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
+    let mut found = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            if e.file_type().unwrap().is_dir() {
+                todo.push(e.path());
+            } else if e.file_name() == name {
+                found.push(e.path());
+            }
+        }
+    }
+    found
+}

@@ -328,7 +328,16 @@ impl StorageProvider {
                 let path = entry.path().join(crate::resource::SNAPSHOT_FILE);
                 match checkpoint::read(&path) {
                     Ok(Some(bytes)) => match serde_json::from_slice::<SnapshotRecord>(&bytes) {
-                        Ok(rec) => found.push(rec),
+                        // A record filed under another name's directory is not that snapshot.
+                        Ok(rec)
+                            if *crate::resource::encode_volume_id(&rec.name)
+                                == *entry.file_name().to_string_lossy() =>
+                        {
+                            found.push(rec)
+                        }
+                        Ok(_) => {
+                            tracing::error!(path = %path.display(), "snapshot record filed under another name skipped")
+                        }
                         Err(e) => {
                             tracing::error!(path = %path.display(), error = %e, "unreadable snapshot record skipped")
                         }
