@@ -325,3 +325,63 @@ fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
     }
     found
 }
+
+/// The snapshot calls carry the `snapshot` entry of the source volume's secrets file (the
+/// plugin, under `--require-secrets`, refuses any other): with the right one the snapshot is
+/// taken and deleted; with a wrong one CreateSnapshot is refused UNAUTHENTICATED, naming the
+/// key and never the value, and the refused snapshot leaves no record.
+#[test]
+fn snapshot_calls_carry_the_snapshot_secrets() {
+    use std::os::unix::fs::PermissionsExt;
+    require_root();
+    let sb = Sandbox::new("snapshots-secrets");
+    let work = sb.join("work");
+    let secret = |value: &str| {
+        format!(
+            r#"{{"create": {{"k": "c"}}, "node_publish": {{}}, "snapshot": {{"sk": "{value}"}}}}"#
+        )
+    };
+    let write = |name: &str, text: &str| {
+        let path = sb.join(name);
+        std::fs::write(&path, text).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        path.display().to_string()
+    };
+    let required = write("plugin.json", &secret("right-value"));
+    let right = write("right.json", &secret("right-value"));
+    let wrong = write("wrong.json", &secret("wrong-value"));
+    let plugin = format!("--plugin-arg=--require-secrets={required}");
+    let cli = |work: &Path| {
+        let mut c = cli(work, "dir");
+        c.arg(&plugin);
+        c
+    };
+    ok(cli(&work).args(["create", "good", "8M", "--secrets", &right]));
+    ok(cli(&work).args(["create", "bad", "8M", "--secrets", &wrong]));
+    ok(cli(&work).args(["snapshot", "create", "good", "s1"]));
+    let out = cli(&work)
+        .args(["snapshot", "create", "bad", "s2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("CreateSnapshot") && err.contains("'sk'") && err.contains("UNAUTHENTICATED"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("wrong-value") && !err.contains("right-value"),
+        "{err}"
+    );
+    let names: Vec<_> = snapshots(&work, "dir")
+        .iter()
+        .map(|s| s["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names, ["s1"]);
+    ok(cli(&work).args(["snapshot", "delete", "s1"]));
+    for v in ["good", "bad"] {
+        ok(cli(&work).args(["destroy", v]));
+    }
+    assert!(files_named(&work, "snapshot.state").is_empty());
+    assert_nothing_left(&sb, &work);
+}
