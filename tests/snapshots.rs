@@ -385,3 +385,123 @@ fn snapshot_calls_carry_the_snapshot_secrets() {
     assert!(files_named(&work, "snapshot.state").is_empty());
     assert_nothing_left(&sb, &work);
 }
+
+/// serve's snapshot RPCs refuse with the codes their contract gives, before any RPC: an unknown
+/// volume or snapshot is NOT_FOUND, a name taken by a snapshot of another volume ALREADY_EXISTS,
+/// both content sources INVALID_ARGUMENT; nothing is recorded by a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_with_the_contracts_codes() {
+    use csi_isolator::service::proto::{
+        CreateSnapshotRequest, CreateVolumeRequest, DeleteSnapshotRequest, DestroyVolumeRequest,
+        ListSnapshotsRequest,
+    };
+    use tonic::Code;
+    require_root();
+    let mut w = csi_isolator_testing::crash::ServeRuns::new(Sandbox::new("snapshots-serve"), CLI);
+    w.start(None);
+    let mut c = w.client().await;
+    let mut ids = Vec::new();
+    for name in ["a", "b"] {
+        let v = c
+            .create_volume(CreateVolumeRequest {
+                name: name.into(),
+                capacity_bytes: 8 << 20,
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume")
+            .into_inner();
+        ids.push(v.volume_id);
+    }
+    let snap = |volume_id: &str, name: &str| CreateSnapshotRequest {
+        volume_id: volume_id.into(),
+        name: name.into(),
+        ..Default::default()
+    };
+    let taken = c
+        .create_snapshot(snap(&ids[0], "s"))
+        .await
+        .expect("CreateSnapshot")
+        .into_inner();
+    assert!(taken.snapshot_id.starts_with("snap-") && taken.pending.is_empty());
+    let code = |r: Result<tonic::Response<_>, tonic::Status>| match r {
+        Ok(tonic::Response { .. }) => panic!("not refused"),
+        Err(status) => status.code(),
+    };
+    assert_eq!(
+        c.create_snapshot(snap("vol-nope", "t"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    assert_eq!(
+        c.create_snapshot(snap(&ids[1], "s"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::AlreadyExists
+    );
+    assert_eq!(
+        c.create_snapshot(snap(&ids[0], ""))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::InvalidArgument
+    );
+    let from = |snapshot: &str, volume: &str| CreateVolumeRequest {
+        name: "c".into(),
+        capacity_bytes: 8 << 20,
+        from_snapshot: snapshot.into(),
+        from_volume: volume.into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        code(c.create_volume(from("nope", "")).await),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(c.create_volume(from("", "nope")).await),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(c.create_volume(from("s", "a")).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        c.delete_snapshot(DeleteSnapshotRequest {
+            name: "nope".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err()
+        .code(),
+        Code::NotFound
+    );
+    let listed = c
+        .list_snapshots(ListSnapshotsRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshots;
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].source_volume_id, ids[0]);
+    c.delete_snapshot(DeleteSnapshotRequest {
+        name: "s".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("DeleteSnapshot");
+    for id in ids {
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: id,
+            ..Default::default()
+        })
+        .await
+        .expect("DestroyVolume");
+    }
+    drop(c);
+    assert!(w.end(true).success());
+    w.sb.assert_no_mounts_under();
+    w.sb.assert_no_loop_devices();
+}
