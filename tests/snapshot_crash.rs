@@ -6,8 +6,10 @@
 //! is pending, and the snapshots the plugin lists (its own ListSnapshots, on its socket) are
 //! exactly the recorded ones: nothing leaked, nothing lost. After a create, volumes made through
 //! serve from the snapshot (CreateVolume from_snapshot) and as a clone of the source
-//! (from_volume) hold the data they should. The loop over N ends when the call completes
-//! without crashing.
+//! (from_volume) hold the data they should. And CreateVolume from a snapshot, killed at each of
+//! its points: recovery finishes it from its intent, which holds the content source, so the
+//! volume holds the snapshot's data and the plugin has no volume more than the records. The
+//! loop over N ends when the call completes without crashing.
 
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::process::ExitStatusExt;
@@ -69,6 +71,37 @@ async fn plugin_snapshots(w: &ServeRuns) -> Vec<String> {
             page.entries
                 .into_iter()
                 .filter_map(|e| e.snapshot.map(|s| s.snapshot_id)),
+        );
+        if page.next_token.is_empty() {
+            break;
+        }
+        token = page.next_token;
+    }
+    ids.sort();
+    ids
+}
+
+/// The volume ids the plugin has (ListVolumes, every page).
+async fn plugin_volumes(w: &ServeRuns) -> Vec<String> {
+    let channel = csi_isolator::csi::transport::connect_unix(&plugin_socket(&w.path("")))
+        .await
+        .unwrap();
+    let mut controller = csi::controller_client::ControllerClient::new(channel);
+    let mut ids = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = controller
+            .list_volumes(csi::ListVolumesRequest {
+                starting_token: token.clone(),
+                ..Default::default()
+            })
+            .await
+            .expect("the plugin's ListVolumes")
+            .into_inner();
+        ids.extend(
+            page.entries
+                .into_iter()
+                .filter_map(|e| e.volume.map(|v| v.volume_id)),
         );
         if page.next_token.is_empty() {
             break;
@@ -379,4 +412,75 @@ async fn a_snapshot_delete_survives_a_crash_at_every_point() {
     eprintln!("snapshot_crash: delete crash points survived: {survived}");
     // The record marked, DeleteSnapshot's answer, the record removed.
     assert!(survived >= 3, "only {survived} crash points");
+}
+
+/// CreateVolume from a snapshot crashing at point `n`; whether it crashed.
+async fn restore_crash_once(n: u32) -> bool {
+    let mut w = ServeRuns::new(Sandbox::new("snapshot-restore-crash"), BIN);
+    w.start(None);
+    let mut c = w.client().await;
+    let (src, at) = volume_for(&mut c, &w, source(), "c1").await;
+    std::fs::write(at.join("file"), "taken").unwrap();
+    c.create_snapshot(CreateSnapshotRequest {
+        volume_id: src.clone(),
+        name: "snap".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("CreateSnapshot");
+    std::fs::write(at.join("file"), "later").unwrap();
+    drop(c);
+    assert!(w.end(true).success());
+
+    let restored = || CreateVolumeRequest {
+        name: "restored".into(),
+        capacity_bytes: 32 * MIB,
+        from_snapshot: "snap".into(),
+        ..Default::default()
+    };
+    let crashed = armed(&mut w, n, |mut c| async move {
+        c.create_volume(restored()).await
+    })
+    .await;
+
+    let mut c = recovered(&mut w, n).await;
+    let st = c.status(StatusRequest {}).await.unwrap().into_inner();
+    let mut recorded: Vec<String> = st.volumes.iter().map(|v| v.volume_id.clone()).collect();
+    recorded.sort();
+    assert_eq!(recorded.len(), 2, "point {n}: {st:?}");
+    assert_eq!(plugin_volumes(&w).await, recorded, "point {n}");
+    let (id, r_at) = volume_for(&mut c, &w, restored(), "c2").await;
+    assert_eq!(
+        std::fs::read_to_string(r_at.join("file")).unwrap(),
+        "taken",
+        "point {n}"
+    );
+    cleanup(&mut c, &["c1", "c2"], &[src, id]).await;
+    c.delete_snapshot(DeleteSnapshotRequest {
+        name: "snap".into(),
+        ..Default::default()
+    })
+    .await
+    .expect("DeleteSnapshot");
+    assert!(plugin_volumes(&w).await.is_empty(), "point {n}");
+    assert!(plugin_snapshots(&w).await.is_empty(), "point {n}");
+    drop(c);
+    assert!(w.end(true).success());
+    w.sb.assert_no_mounts_under();
+    w.sb.assert_no_loop_devices();
+    crashed
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_from_a_snapshot_survives_a_crash_at_every_point() {
+    require_root();
+    let mut n = 1;
+    while restore_crash_once(n).await {
+        n += 1;
+        assert!(n < MAX_POINTS, "the create never completed");
+    }
+    let survived = n - 1;
+    eprintln!("snapshot_crash: restore crash points survived: {survived}");
+    // The create intent, CreateVolume's answer, the volume's checkpoint, the intent's removal.
+    assert!(survived >= 4, "only {survived} crash points");
 }
