@@ -466,7 +466,14 @@ impl StorageProvider {
     async fn finish_snapshot_delete(&self, rec: &SnapshotRecord) -> Result<(), ProviderError> {
         let mut rec = rec.clone();
         if rec.snapshot_id.is_empty() {
-            self.finish_snapshot_create(&mut rec).await?;
+            if let Err(e) = self.finish_snapshot_create(&mut rec).await {
+                // A definite refusal dropped the record: the plugin made nothing, nothing is
+                // left to delete.
+                return match self.snapshot(&rec.name).await? {
+                    None => Ok(()),
+                    Some(_) => Err(e),
+                };
+            }
             rec.pending = Some(SnapshotStep::Delete);
             self.write_snapshot(&rec).await?;
         }
