@@ -601,6 +601,57 @@ impl Client {
         .await
     }
 
+    // ---- snapshots ----
+
+    /// `CreateSnapshot` (idempotent by name). Its volume label is the source volume.
+    pub async fn create_snapshot(
+        &self,
+        request: proto::CreateSnapshotRequest,
+    ) -> Result<proto::CreateSnapshotResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
+        let volume = volume_id(&request.source_volume_id);
+        self.call_with(
+            Rpc::CreateSnapshot,
+            volume,
+            request,
+            &secrets,
+            |ch, r| async move { ControllerClient::new(ch).create_snapshot(r).await },
+        )
+        .await
+    }
+
+    /// `DeleteSnapshot` (idempotent: an unknown snapshot id is deleted).
+    pub async fn delete_snapshot(
+        &self,
+        request: proto::DeleteSnapshotRequest,
+    ) -> Result<proto::DeleteSnapshotResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
+        self.call_with(
+            Rpc::DeleteSnapshot,
+            None,
+            request,
+            &secrets,
+            |ch, r| async move { ControllerClient::new(ch).delete_snapshot(r).await },
+        )
+        .await
+    }
+
+    /// `ListSnapshots` (one page).
+    pub async fn list_snapshots(
+        &self,
+        request: proto::ListSnapshotsRequest,
+    ) -> Result<proto::ListSnapshotsResponse, CsiError> {
+        let secrets = Secrets::of_request(&request.secrets);
+        self.call_with(
+            Rpc::ListSnapshots,
+            None,
+            request,
+            &secrets,
+            |ch, r| async move { ControllerClient::new(ch).list_snapshots(r).await },
+        )
+        .await
+    }
+
     // ---- machinery ----
 
     /// Sends one call with deadline, retries and metrics. `send` makes one

@@ -85,11 +85,18 @@ pub enum Rpc {
     ControllerExpandVolume,
     /// `Node.NodeExpandVolume`.
     NodeExpandVolume,
+    // ---- snapshots ----
+    /// `Controller.CreateSnapshot`.
+    CreateSnapshot,
+    /// `Controller.DeleteSnapshot`.
+    DeleteSnapshot,
+    /// `Controller.ListSnapshots`.
+    ListSnapshots,
 }
 
 impl Rpc {
     /// Every RPC, in declaration order.
-    pub const ALL: [Rpc; 20] = [
+    pub const ALL: [Rpc; 23] = [
         Rpc::GetPluginInfo,
         Rpc::GetPluginCapabilities,
         Rpc::Probe,
@@ -110,6 +117,9 @@ impl Rpc {
         Rpc::NodeGetVolumeStats,
         Rpc::ControllerExpandVolume,
         Rpc::NodeExpandVolume,
+        Rpc::CreateSnapshot,
+        Rpc::DeleteSnapshot,
+        Rpc::ListSnapshots,
     ];
 
     /// The CSI method name, e.g. `NodePublishVolume`.
@@ -135,6 +145,9 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "ControllerExpandVolume",
             Rpc::NodeExpandVolume => "NodeExpandVolume",
+            Rpc::CreateSnapshot => "CreateSnapshot",
+            Rpc::DeleteSnapshot => "DeleteSnapshot",
+            Rpc::ListSnapshots => "ListSnapshots",
         }
     }
 
@@ -162,6 +175,9 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "/csi.v1.Node/NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "/csi.v1.Controller/ControllerExpandVolume",
             Rpc::NodeExpandVolume => "/csi.v1.Node/NodeExpandVolume",
+            Rpc::CreateSnapshot => "/csi.v1.Controller/CreateSnapshot",
+            Rpc::DeleteSnapshot => "/csi.v1.Controller/DeleteSnapshot",
+            Rpc::ListSnapshots => "/csi.v1.Controller/ListSnapshots",
         }
     }
 

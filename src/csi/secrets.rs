@@ -4,13 +4,14 @@
 //! Contract:
 //! - A secrets file is one JSON object whose keys are operations ([`Operation::key`]):
 //!   `create`, `controller_publish`, `node_stage`, `node_publish`, `controller_expand`,
-//!   `node_expand`; each value is an object of string keys to string values, the `secrets` map
+//!   `node_expand`, `snapshot`; each value is an object of string keys to string values, the `secrets` map
 //!   of that operation's RPCs. An unknown operation is refused by name; a key the CSI spec does
 //!   not allow (letters, digits, `-`, `_`, `.`), a value that is not a string, more than
 //!   [`MAX_KEYS`] keys are refused naming the operation and the key, never the value.
 //! - Which RPC carries which operation's secrets is [`Operation::of_rpc`], the one table: as in
 //!   Kubernetes, `create` feeds CreateVolume and DeleteVolume, `controller_publish` feeds
-//!   ControllerPublishVolume and ControllerUnpublishVolume; NodeUnstageVolume and
+//!   ControllerPublishVolume and ControllerUnpublishVolume, `snapshot` feeds CreateSnapshot and
+//!   DeleteSnapshot (Kubernetes' snapshotter secrets); NodeUnstageVolume and
 //!   NodeUnpublishVolume carry no secrets in CSI. An operation the file leaves out sends none.
 //! - [`Secrets`] never shows a value: its `Debug` lists the keys only, it has no `Display`,
 //!   and errors of this module name keys at most. Parse errors of the JSON give the position,
@@ -42,17 +43,20 @@ pub enum Operation {
     ControllerExpand,
     /// NodeExpandVolume.
     NodeExpand,
+    /// CreateSnapshot and DeleteSnapshot.
+    Snapshot,
 }
 
 impl Operation {
     /// Every operation, in the order of the file's documentation.
-    pub const ALL: [Operation; 6] = [
+    pub const ALL: [Operation; 7] = [
         Operation::Create,
         Operation::ControllerPublish,
         Operation::NodeStage,
         Operation::NodePublish,
         Operation::ControllerExpand,
         Operation::NodeExpand,
+        Operation::Snapshot,
     ];
 
     /// Its key in a secrets file.
@@ -64,6 +68,7 @@ impl Operation {
             Operation::NodePublish => "node_publish",
             Operation::ControllerExpand => "controller_expand",
             Operation::NodeExpand => "node_expand",
+            Operation::Snapshot => "snapshot",
         }
     }
 
@@ -77,6 +82,7 @@ impl Operation {
             "NodePublishVolume" => Operation::NodePublish,
             "ControllerExpandVolume" => Operation::ControllerExpand,
             "NodeExpandVolume" => Operation::NodeExpand,
+            "CreateSnapshot" | "DeleteSnapshot" => Operation::Snapshot,
             _ => return None,
         })
     }
@@ -344,6 +350,7 @@ mod tests {
             "node_publish": {"k": "np-v"},
             "controller_expand": {"k": "ce-v"},
             "node_expand": {"k": "ne-v"},
+            "snapshot": {"k": "sn-v"},
         })
         .to_string();
         let file = SecretsFile::parse(text.as_bytes()).unwrap();
@@ -356,6 +363,8 @@ mod tests {
             ("NodePublishVolume", "np-v"),
             ("ControllerExpandVolume", "ce-v"),
             ("NodeExpandVolume", "ne-v"),
+            ("CreateSnapshot", "sn-v"),
+            ("DeleteSnapshot", "sn-v"),
         ] {
             assert_eq!(value(rpc, "k").as_deref(), Some(want), "{rpc}");
         }

@@ -24,6 +24,7 @@ use crate::provider::error::ProviderError;
 use crate::provider::mount_spec::MountSpec;
 use crate::provider::parameters;
 use crate::provider::profiles;
+use crate::provider::snapshot::{ContentSource, SourceName};
 use crate::provider::state::{Capability, VolumeRecord, VolumeState, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
 use crate::provider::topology;
@@ -49,6 +50,10 @@ pub struct CreateSpec {
     /// to [`StorageProvider::import_volume_with_secrets`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secrets_file: Option<std::path::PathBuf>,
+    /// Where the volume's content comes from (CreateVolume's `volume_content_source`),
+    /// resolved from the name the user gave ([`StorageProvider::create_volume_from`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<ContentSource>,
 }
 
 impl CreateSpec {
@@ -61,6 +66,7 @@ impl CreateSpec {
             parameters: BTreeMap::new(),
             profile: None,
             secrets_file: None,
+            content_source: None,
         }
     }
 }
@@ -86,6 +92,12 @@ pub const MAX_NAME_BYTES: usize = 128;
 /// newline and carriage return are allowed). The error names the volume,
 /// escaped and shortened.
 pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
+    validate_name("volume", name)
+}
+
+/// [`validate_volume_name`] for the name of a `field` (`volume`, `snapshot`: CSI bounds
+/// CreateSnapshot's name the same way).
+pub fn validate_name(field: &'static str, name: &str) -> Result<(), ProviderError> {
     let banned =
         |c: &char| matches!(*c as u32, 0x00..=0x08 | 0x0b | 0x0c | 0x0e..=0x1f | 0x7f..=0x9f);
     let reason = if name.is_empty() {
@@ -104,7 +116,7 @@ pub fn validate_volume_name(name: &str) -> Result<(), ProviderError> {
         return Ok(());
     };
     Err(ProviderError::InvalidName {
-        field: "volume",
+        field,
         value: crate::shown::shown(name).into_owned(),
         reason,
     })
@@ -204,6 +216,38 @@ impl StorageProvider {
         Ok(self.resource_for(&rec))
     }
 
+    /// [`create_volume`](Self::create_volume) of a volume whose content comes from `from` (a
+    /// snapshot or another volume, by name), resolved before anything is written or sent: a
+    /// plugin without CREATE_DELETE_SNAPSHOT or CLONE_VOLUME, and an unknown name, are refused.
+    /// A volume already created under the name is handed out only when it came from the same.
+    pub async fn create_volume_from(
+        &self,
+        mut spec: CreateSpec,
+        from: Option<SourceName>,
+    ) -> Result<Resource, ProviderError> {
+        if let Some(from) = &from {
+            validate_volume_name(&spec.name)?;
+            if let Some(rec) = self.find_by_name(&spec.name).await {
+                let same = match (&rec.content_source, from) {
+                    (Some(ContentSource::Snapshot { name, .. }), SourceName::Snapshot(asked))
+                    | (Some(ContentSource::Volume { name, .. }), SourceName::Volume(asked)) => {
+                        name == asked
+                    }
+                    _ => false,
+                };
+                if !same {
+                    return Err(ProviderError::ParametersDiffer {
+                        volume: spec.name.clone(),
+                        key: "(its content source: --from-snapshot / --from-volume)".into(),
+                    });
+                }
+            } else {
+                spec.content_source = Some(self.content_source(from, &spec.name).await?);
+            }
+        }
+        self.create_volume(spec).await
+    }
+
     /// The volume a mount names, or a new one made from the mount's options: `run --mount`
     /// (and `--volume NAME:SIZE:PATH`) uses a volume made earlier by `volume create` with its
     /// parameters, and with its capability unless the mount asked for another one (refused then:
@@ -280,6 +324,7 @@ impl StorageProvider {
                 volume_capabilities: vec![spec.capability.to_proto()],
                 parameters: spec.parameters.clone().into_iter().collect(),
                 secrets: secrets.to_request(),
+                volume_content_source: spec.content_source.as_ref().map(ContentSource::to_proto),
                 ..Default::default()
             })
             .await;
@@ -345,6 +390,7 @@ impl StorageProvider {
         rec.profile = spec.profile.clone();
         rec.vendor = Some(self.vendor.clone());
         rec.secrets_file = spec.secrets_file.clone();
+        rec.content_source = spec.content_source.clone();
         let rec = self.record_new(rec, &spec.name).await?;
         tracing::info!(volume_id = %rec.volume_id, name = %spec.name, "volume created");
         Ok(rec)

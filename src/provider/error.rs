@@ -176,6 +176,23 @@ pub enum ProviderError {
         /// Why, and what to do.
         why: ExpandRefusal,
     },
+    /// A snapshot operation, or a volume made from a snapshot or a volume, refused before any
+    /// RPC ([`crate::provider::snapshot::SnapshotRefusal`]).
+    #[error("{what}: {why}")]
+    SnapshotRefused {
+        /// The operation and its object, e.g. `snapshot 'daily'`.
+        what: String,
+        /// Why, and what to do.
+        why: crate::provider::snapshot::SnapshotRefusal,
+    },
+    /// A snapshot record that cannot be read.
+    #[error("corrupt snapshot record {path}: {reason}: move it aside and delete the snapshot in the plugin if it is there")]
+    CorruptSnapshot {
+        /// The record.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
     /// A publish on a node the volume's topology does not cover.
     #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
     NotAccessible {

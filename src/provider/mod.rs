@@ -29,6 +29,7 @@ pub mod profiles;
 mod publish;
 mod recover;
 pub mod secrets;
+pub mod snapshot;
 pub mod state;
 pub mod stats;
 pub mod status;

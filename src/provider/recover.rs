@@ -38,6 +38,7 @@ impl StorageProvider {
         let this = self.clone();
         blocking(move || this.load_records()).await;
         self.finish_creates().await;
+        self.recover_snapshots().await;
         let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
         let outcomes = join_all(slots.into_iter().map(|slot| async move {
             let mut rec = slot.record.lock().await;

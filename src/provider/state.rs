@@ -631,6 +631,10 @@ pub struct VolumeRecord {
     /// restart send the same group. Chosen by [`crate::provider::mount_group::group_after`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mount_group: Option<u32>,
+    /// Where the volume's content came from when it was created (a snapshot or a volume,
+    /// [`crate::provider::snapshot`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<crate::provider::snapshot::ContentSource>,
     /// An expansion not finished: its intent, durable before its first RPC
     /// ([`crate::provider::expand`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -725,6 +729,7 @@ impl VolumeRecord {
             secrets_file: None,
             expansion: None,
             mount_group: None,
+            content_source: None,
         }
     }
 }

@@ -8,6 +8,7 @@
 //! <work_dir>/csi/<type>/<name>/mounts/<enc id>/staging         NodeStageVolume target (we create it)
 //! <work_dir>/csi/<type>/<name>/mounts/<enc id>/target          NodePublishVolume target (the plugin creates it)
 //! <work_dir>/csi/<type>/<name>/creating/<enc name>.intent      CreateVolume intent, until the volume is recorded
+//! <work_dir>/csi/<type>/<name>/snapshots/<enc name>/snapshot.state   a snapshot's record, its intent included
 //! <work_dir>/csi/<type>/<name>/plugin/csi.sock                 endpoint of a managed plugin
 //!                                     (or /run/csi-isolator/sockets/<hash>/csi.sock if that is too long)
 //! <work_dir>/csi/<type>/<name>/plugin/data                     work dir of a managed plugin
@@ -30,6 +31,9 @@ pub const CSI_DIR: &str = "csi";
 
 /// File name of a volume's checkpoint.
 pub const STATE_FILE: &str = "volume.state";
+
+/// File name of a snapshot's record.
+pub const SNAPSHOT_FILE: &str = "snapshot.state";
 
 /// Where plugin sockets go when the work dir is too deep for a socket path.
 pub const SHORT_SOCKET_DIR: &str = "/run/csi-isolator/sockets";
@@ -123,6 +127,19 @@ impl Layout {
     pub fn create_intent(&self, name: &str) -> PathBuf {
         self.creating_dir()
             .join(format!("{}.intent", encode_volume_id(name)))
+    }
+
+    /// `snapshots/`.
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.base.join("snapshots")
+    }
+
+    /// `snapshots/<enc name>/snapshot.state`: keyed by the snapshot's name, which exists before
+    /// its id (the record is the CreateSnapshot intent until the plugin answers).
+    pub fn snapshot_state(&self, name: &str) -> PathBuf {
+        self.snapshots_dir()
+            .join(encode_volume_id(name))
+            .join(SNAPSHOT_FILE)
     }
 
     /// `plugin/`: what a managed plugin gets.

@@ -34,7 +34,7 @@ pub use encode::{
     MAX_COMPONENT_LEN, MAX_ENCODED_LEN,
 };
 pub use error::ResourceError;
-pub use layout::{Layout, CSI_DIR, MAX_SOCKET_PATH, SHORT_SOCKET_DIR, STATE_FILE};
+pub use layout::{Layout, CSI_DIR, MAX_SOCKET_PATH, SHORT_SOCKET_DIR, SNAPSHOT_FILE, STATE_FILE};
 pub use path::resolve_host_path;
 pub use types::{
     parse_resources, DiskInfo, DiskSource, Label, Labels, Marker, MountPropagation, Persistence,

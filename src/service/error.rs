@@ -176,6 +176,17 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::UnknownProfile { .. }
         | ProviderError::BadProfileDisk { .. } => Code::InvalidArgument,
         ProviderError::Secrets { .. } => Code::FailedPrecondition,
+        ProviderError::SnapshotRefused { why, .. } => {
+            use crate::provider::snapshot::SnapshotRefusal as R;
+            match why {
+                R::UnknownSnapshot(_) | R::UnknownVolume(_) => Code::NotFound,
+                R::NameTaken { .. } => Code::AlreadyExists,
+                R::NoSnapshots | R::NoClones | R::Pending { .. } | R::SourceDestroying(_) => {
+                    Code::FailedPrecondition
+                }
+            }
+        }
+        ProviderError::CorruptSnapshot { .. } => Code::Internal,
         ProviderError::ParametersDiffer { .. }
         | ProviderError::CapabilityDiffers { .. }
         | ProviderError::SecretsFileDiffers { .. } => Code::AlreadyExists,

@@ -29,6 +29,7 @@ use tonic::{Code, Request, Response, Status};
 
 use crate::isolator::VolumeIsolator;
 use crate::mount::MountTable;
+use crate::provider::snapshot::SourceName;
 use crate::provider::stats;
 use crate::provider::status::scan;
 use crate::provider::{Capability, CreateSpec, ImportSpec, StorageProvider};
@@ -161,7 +162,18 @@ impl IsolatorService {
         )?;
         spec.parameters = req.parameters.into_iter().collect();
         spec.secrets_file = secrets_file(&req.secrets_file);
-        let resource = provider.create_volume(spec).await?;
+        let from = match (req.from_snapshot.is_empty(), req.from_volume.is_empty()) {
+            (true, true) => None,
+            (false, true) => Some(SourceName::Snapshot(req.from_snapshot)),
+            (true, false) => Some(SourceName::Volume(req.from_volume)),
+            (false, false) => {
+                return Err(invalid(
+                    "from_snapshot",
+                    "and from_volume are both set: give one",
+                ))
+            }
+        };
+        let resource = provider.create_volume_from(spec, from).await?;
         Ok(volume_answer(
             &provider,
             resource,
@@ -235,6 +247,43 @@ impl IsolatorService {
         Ok(proto::ExpandVolumeResponse {
             capacity_bytes: done.capacity_bytes,
             node_expansion_pending: done.node_pending,
+        })
+    }
+
+    // ---- snapshots ----
+
+    async fn create_snapshot(
+        &self,
+        req: proto::CreateSnapshotRequest,
+    ) -> Result<proto::SnapshotInfo, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.volume_id.is_empty() {
+            return Err(invalid("volume_id", "is empty"));
+        }
+        let rec = provider.create_snapshot(&req.volume_id, &req.name).await?;
+        Ok(snapshot_info(rec))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: proto::DeleteSnapshotRequest,
+    ) -> Result<proto::DeleteSnapshotResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.name.is_empty() {
+            return Err(invalid("name", "is empty"));
+        }
+        provider.delete_snapshot(&req.name).await?;
+        Ok(proto::DeleteSnapshotResponse {})
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: proto::ListSnapshotsRequest,
+    ) -> Result<proto::ListSnapshotsResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        let snapshots = provider.snapshots().await;
+        Ok(proto::ListSnapshotsResponse {
+            snapshots: snapshots.into_iter().map(snapshot_info).collect(),
         })
     }
 
@@ -432,6 +481,41 @@ impl Isolator for IsolatorService {
         .await
     }
 
+    // ---- snapshots ----
+
+    async fn create_snapshot(
+        &self,
+        request: Request<proto::CreateSnapshotRequest>,
+    ) -> Reply<proto::SnapshotInfo> {
+        let req = request.into_inner();
+        self.run("CreateSnapshot", |s| async move {
+            IsolatorService::create_snapshot(&s, req).await
+        })
+        .await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        request: Request<proto::DeleteSnapshotRequest>,
+    ) -> Reply<proto::DeleteSnapshotResponse> {
+        let req = request.into_inner();
+        self.run("DeleteSnapshot", |s| async move {
+            IsolatorService::delete_snapshot(&s, req).await
+        })
+        .await
+    }
+
+    async fn list_snapshots(
+        &self,
+        request: Request<proto::ListSnapshotsRequest>,
+    ) -> Reply<proto::ListSnapshotsResponse> {
+        let req = request.into_inner();
+        self.run("ListSnapshots", |s| async move {
+            IsolatorService::list_snapshots(&s, req).await
+        })
+        .await
+    }
+
     async fn import_volume(
         &self,
         request: Request<proto::ImportVolumeRequest>,
@@ -519,6 +603,24 @@ impl Isolator for IsolatorService {
 /// the format) before anything is written.
 fn secrets_file(field: &str) -> Option<std::path::PathBuf> {
     (!field.is_empty()).then(|| std::path::PathBuf::from(field))
+}
+
+/// A snapshot record as the service answers it.
+fn snapshot_info(rec: crate::provider::snapshot::SnapshotRecord) -> proto::SnapshotInfo {
+    use crate::provider::snapshot::SnapshotStep;
+    proto::SnapshotInfo {
+        name: rec.name,
+        snapshot_id: rec.snapshot_id,
+        source_volume_id: rec.source_volume_id,
+        size_bytes: rec.size_bytes,
+        ready_to_use: rec.ready_to_use,
+        creation_time: rec.creation_time,
+        pending: match rec.pending {
+            None => String::new(),
+            Some(SnapshotStep::Create) => "create".into(),
+            Some(SnapshotStep::Delete) => "delete".into(),
+        },
+    }
 }
 
 #[cfg(test)]

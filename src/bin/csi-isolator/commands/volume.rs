@@ -10,6 +10,7 @@ use std::time::Duration;
 use anyhow::{anyhow, Context};
 use clap::{Args, Subcommand};
 use csi_isolator::provider::mount_spec::{Key, OptionError};
+use csi_isolator::provider::snapshot::SourceName;
 use csi_isolator::provider::{
     parameters, Capability, ImportSpec, Listing, StorageProvider, VolumeOptions, MAX_LISTED,
 };
@@ -34,6 +35,10 @@ Examples:
   csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
   csi-isolator --work-dir /var/lib/csi-demo volume expand data 128M   # online when the plugin can
   csi-isolator --work-dir /var/lib/csi-demo volume list
+  csi-isolator --work-dir /var/lib/csi-demo volume snapshot create data daily   # prints its id and size
+  csi-isolator --work-dir /var/lib/csi-demo volume create restored 64M --from-snapshot daily
+  csi-isolator --work-dir /var/lib/csi-demo volume create copy 64M --from-volume data
+  csi-isolator --work-dir /var/lib/csi-demo volume snapshot delete daily
   csi-isolator --work-dir /var/lib/csi-demo volume release data --container c1
   csi-isolator --work-dir /var/lib/csi-demo volume destroy data
   csi-isolator volume --plugin-endpoint unix:///run/csi/plugin.sock list --json")]
@@ -60,6 +65,14 @@ enum Action {
         /// create -o`). A second create of the same name must give the same set. Never a secret.
         #[arg(long = "param", value_name = "KEY=VALUE", value_parser = text())]
         params: Vec<String>,
+        /// Make it from the snapshot of that name (CreateVolume's volume_content_source; the
+        /// plugin needs CREATE_DELETE_SNAPSHOT): it holds the snapshot's data.
+        #[arg(long, value_name = "SNAPSHOT", value_parser = text(), conflicts_with = "from_volume")]
+        from_snapshot: Option<String>,
+        /// Make it a clone of the volume of that name or id (the plugin needs CLONE_VOLUME): it
+        /// holds that volume's data as it is now.
+        #[arg(long, value_name = "VOLUME", value_parser = text())]
+        from_volume: Option<String>,
     },
     /// Record a volume that exists in the plugin already under NAME (ValidateVolumeCapabilities
     /// first, when the plugin offers it) and print its resource JSON. `destroy` keeps it in the
@@ -120,6 +133,11 @@ enum Action {
         #[arg(value_parser = text())]
         size: String,
     },
+    /// Snapshots of volumes (the plugin needs CREATE_DELETE_SNAPSHOT).
+    Snapshot {
+        #[command(subcommand)]
+        action: SnapshotAction,
+    },
     /// List the provider's volumes.
     List {
         /// Print JSON records instead of a table.
@@ -129,6 +147,32 @@ enum Action {
         /// `import` them.
         #[arg(long)]
         plugin: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SnapshotAction {
+    /// Take a snapshot of a volume (id or name), in use or not (the plugin makes it
+    /// consistent), under a name (the same name is the same snapshot); prints its id and size.
+    Create {
+        /// Volume id or name.
+        #[arg(value_parser = text())]
+        volume: String,
+        /// The snapshot's name.
+        #[arg(value_parser = text())]
+        snapshot: String,
+    },
+    /// List the snapshots taken.
+    List {
+        /// Print JSON records instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete a snapshot (DeleteSnapshot): volumes made from it keep their data.
+    Delete {
+        /// The snapshot's name.
+        #[arg(value_parser = text())]
+        snapshot: String,
     },
 }
 
@@ -215,6 +259,8 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             size,
             options,
             params,
+            from_snapshot,
+            from_volume,
         } => {
             // A size of 0 would leave the plugin to pick one: say so instead.
             let bytes = csi_isolator::resource::parse_size(&size)
@@ -233,7 +279,12 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             options.size_bytes = Some(bytes);
             let mut spec = options.create_spec(&name);
             spec.parameters = parameters;
-            let resource = provider.create_volume(spec).await?;
+            let from = match (from_snapshot, from_volume) {
+                (Some(snapshot), _) => Some(SourceName::Snapshot(snapshot)),
+                (None, Some(volume)) => Some(SourceName::Volume(volume)),
+                (None, None) => None,
+            };
+            let resource = provider.create_volume_from(spec, from).await?;
             outln!("{}", serde_json::to_string_pretty(&resource)?);
         }
         Action::Import {
@@ -303,7 +354,22 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         Action::Destroy { volume, delete } => {
             let id = resolve(provider, &volume).await?;
             provider.destroy_volume_with(&id, delete).await?;
+            let kept: Vec<_> = provider
+                .snapshots()
+                .await
+                .into_iter()
+                .filter(|s| s.source_volume_id == id)
+                .map(|s| shown(&s.name).into_owned())
+                .collect();
+            if !kept.is_empty() {
+                eprintln!(
+                    "csi-isolator: volume destroy {}: its snapshots {} stay (a snapshot outlives its volume); `volume snapshot delete NAME` deletes one",
+                    shown(&volume),
+                    kept.join(", ")
+                );
+            }
         }
+        Action::Snapshot { action } => snapshot(provider, action).await?,
         Action::List { json, plugin: true } => {
             let (volumes, listing) = provider.plugin_volumes().await?;
             match listing {
@@ -357,6 +423,46 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
                 }
             }
         }
+    }
+    Ok(())
+}
+
+async fn snapshot(provider: &StorageProvider, action: SnapshotAction) -> anyhow::Result<()> {
+    match action {
+        SnapshotAction::Create { volume, snapshot } => {
+            let id = resolve(provider, &volume).await?;
+            let taken = provider.create_snapshot(&id, &snapshot).await?;
+            outln!("{} {} bytes", shown(&taken.snapshot_id), taken.size_bytes);
+        }
+        SnapshotAction::List { json } => {
+            let snapshots = provider.snapshots().await;
+            if json {
+                outln!("{}", serde_json::to_string_pretty(&snapshots)?);
+            } else {
+                outln!(
+                    "{:<20} {:<20} {:>14} {:<6} SNAPSHOT ID",
+                    "SNAPSHOT",
+                    "VOLUME",
+                    "SIZE",
+                    "READY"
+                );
+                for s in snapshots {
+                    let ready = match s.pending {
+                        Some(step) => format!("{step:?}…").to_lowercase(),
+                        None => (if s.ready_to_use { "yes" } else { "no" }).to_string(),
+                    };
+                    outln!(
+                        "{:<20} {:<20} {:>14} {:<6} {}",
+                        shown(&s.name),
+                        shown(s.source_name.as_deref().unwrap_or(&s.source_volume_id)),
+                        s.size_bytes,
+                        ready,
+                        shown(&s.snapshot_id)
+                    );
+                }
+            }
+        }
+        SnapshotAction::Delete { snapshot } => provider.delete_snapshot(&snapshot).await?,
     }
     Ok(())
 }
