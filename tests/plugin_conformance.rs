@@ -3191,3 +3191,196 @@ both_backings_in!(
     day2_names_dir, day2_names_loop_backing:
     a_clone_named_like_its_source_is_refused_not_deadlocked,
 );
+
+// ---- ModifyVolume (CSI v1.12 MODIFY_VOLUME), after csi-sanity's ModifyVolume specs ----
+
+both_backings_in!(
+    modify_dir, modify_loop_backing:
+    modify_volume_capability_is_offered,
+    modify_volume_fails_without_volume_id,
+    modify_volume_fails_without_mutable_parameters,
+    modify_volume_fails_for_unknown_volume,
+    modify_volume_refuses_unknown_keys_and_bad_values,
+    modify_volume_changes_what_the_plugin_reports_and_is_idempotent,
+    create_volume_with_mutable_parameters_records_them,
+);
+
+fn mutable(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn modify_req(volume_id: &str, pairs: &[(&str, &str)]) -> proto::ControllerModifyVolumeRequest {
+    proto::ControllerModifyVolumeRequest {
+        volume_id: volume_id.into(),
+        mutable_parameters: mutable(pairs),
+        ..Default::default()
+    }
+}
+
+/// The `mutable.<key>` entries ListVolumes reports for `volume_id`.
+async fn reported_mutable(s: &mut Suite, volume_id: &str) -> HashMap<String, String> {
+    let list =
+        s.c.controller
+            .list_volumes(proto::ListVolumesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    let vol = list
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume)
+        .find(|v| v.volume_id == volume_id)
+        .expect("the volume is listed");
+    vol.volume_context
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("mutable.").map(|k| (k.to_string(), v)))
+        .collect()
+}
+
+async fn modify_volume_capability_is_offered(mut s: Suite) {
+    let caps = controller_caps(&mut s).await;
+    assert!(
+        caps.contains(&proto::controller_service_capability::rpc::Type::ModifyVolume),
+        "{caps:?}"
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_without_volume_id(mut s: Suite) {
+    let req = modify_req("", &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_without_mutable_parameters(mut s: Suite) {
+    let vol = s.create("sanity-modify-empty").await;
+    let req = modify_req(&vol.volume_id, &[]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_for_unknown_volume(mut s: Suite) {
+    let req = modify_req("fake-volume-id", &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+/// A key the plugin does not know as mutable, or a value out of its range, is refused naming
+/// the key, and the volume keeps what it had.
+async fn modify_volume_refuses_unknown_keys_and_bad_values(mut s: Suite) {
+    let vol = s.create("sanity-modify-bad").await;
+    let req = modify_req(&vol.volume_id, &[("tier", "standard")]);
+    s.c.controller.controller_modify_volume(req).await.unwrap();
+    for (key, value) in [
+        ("size", "1"),
+        ("tier", "gold"),
+        ("iops", "0"),
+        ("iops", "x"),
+    ] {
+        // A valid key beside the bad one is not applied either.
+        let req = modify_req(&vol.volume_id, &[("iops", "100"), (key, value)]);
+        let status =
+            s.c.controller
+                .controller_modify_volume(req)
+                .await
+                .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{key}={value}");
+        assert!(status.message().contains(key), "{}", status.message());
+    }
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "standard")])
+    );
+    s.cleanup().await;
+}
+
+/// ModifyVolume merges the keys asked into what the volume has; repeating it is OK and
+/// changes nothing.
+async fn modify_volume_changes_what_the_plugin_reports_and_is_idempotent(mut s: Suite) {
+    let vol = s.create("sanity-modify").await;
+    assert!(reported_mutable(&mut s, &vol.volume_id).await.is_empty());
+    for _ in 0..2 {
+        let req = modify_req(&vol.volume_id, &[("tier", "fast"), ("iops", "5000")]);
+        s.c.controller.controller_modify_volume(req).await.unwrap();
+        assert_eq!(
+            reported_mutable(&mut s, &vol.volume_id).await,
+            mutable(&[("tier", "fast"), ("iops", "5000")])
+        );
+    }
+    let req = modify_req(&vol.volume_id, &[("iops", "200")]);
+    s.c.controller.controller_modify_volume(req).await.unwrap();
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "fast"), ("iops", "200")])
+    );
+    s.cleanup().await;
+}
+
+/// CreateVolume's mutable_parameters (spec field, with MODIFY_VOLUME) are checked like
+/// ModifyVolume's and recorded.
+async fn create_volume_with_mutable_parameters_records_them(mut s: Suite) {
+    let name = s.unique("sanity-create-mutable");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "gold")]);
+    let status = s.c.controller.create_volume(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "fast")]);
+    let vol = s.must_create(req).await;
+    assert_eq!(
+        vol.volume_context.get("mutable.tier").map(String::as_str),
+        Some("fast")
+    );
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "fast")])
+    );
+    s.cleanup().await;
+}
+
+/// `--no-modify`: no MODIFY_VOLUME, ControllerModifyVolume UNIMPLEMENTED, a CreateVolume with
+/// mutable parameters refused naming the flag.
+async fn modify_switched_off_is_refused(backing: &str) {
+    let mut s = suite_with_flags(backing, None, &["--no-modify"]).await;
+    let caps = controller_caps(&mut s).await;
+    assert!(!caps.contains(&proto::controller_service_capability::rpc::Type::ModifyVolume));
+    let vol = s.create("sanity-no-modify").await;
+    let req = modify_req(&vol.volume_id, &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::Unimplemented
+    );
+    let name = s.unique("sanity-no-modify-create");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "fast")]);
+    let status = s.c.controller.create_volume(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("--no-modify"),
+        "{}",
+        status.message()
+    );
+    s.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_modify_switched_off_is_refused() {
+    modify_switched_off_is_refused("dir").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_modify_switched_off_is_refused() {
+    modify_switched_off_is_refused("loop").await;
+}
