@@ -3384,3 +3384,128 @@ async fn dir_modify_switched_off_is_refused() {
 async fn loop_modify_switched_off_is_refused() {
     modify_switched_off_is_refused("loop").await;
 }
+
+// ---- NodeGetVolumeStats figures and volume condition (csi-sanity's GetVolumeStats) ----
+
+both_backings_in!(
+    stats_dir, stats_loop_backing:
+    volume_stats_follow_what_the_workload_writes,
+    volume_condition_is_abnormal_once_the_backing_is_damaged,
+);
+
+/// NodeGetVolumeStats of `path`: (BYTES, INODES) usage and the condition.
+async fn stats_at(
+    s: &mut Suite,
+    volume_id: &str,
+    path: &std::path::Path,
+) -> (
+    proto::VolumeUsage,
+    proto::VolumeUsage,
+    Option<proto::VolumeCondition>,
+) {
+    use proto::volume_usage::Unit;
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: volume_id.into(),
+        volume_path: path.display().to_string(),
+        ..Default::default()
+    };
+    let stats =
+        s.c.node
+            .node_get_volume_stats(req)
+            .await
+            .unwrap()
+            .into_inner();
+    let of = |unit: Unit| {
+        stats
+            .usage
+            .iter()
+            .find(|u| u.unit == unit as i32)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {unit:?} usage: {stats:?}"))
+    };
+    (of(Unit::Bytes), of(Unit::Inodes), stats.volume_condition)
+}
+
+/// After the workload writes N bytes (one file, synced), the volume's used bytes grow by N
+/// within a block, its available bytes shrink alike and one more inode is used. The figures
+/// are the filesystem's: the loop backing's own ext4 (total at most the image's size), the
+/// dir backing's work dir filesystem (here a tmpfs of its own, so no other writer moves them).
+async fn volume_stats_follow_what_the_workload_writes(s: Suite) {
+    use std::io::Write;
+    let backing = s.backing.clone();
+    s.cleanup().await;
+    let mut s = suite_on_tmpfs(&backing, "256M").await;
+    let vol = s.create("sanity-stats-figures").await;
+    let target = s.bring_up(&vol).await;
+    let (before, inodes_before, _) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(
+        before.total > 0 && before.used <= before.total,
+        "{before:?}"
+    );
+    match backing.as_str() {
+        "loop" => assert!(before.total <= SIZE, "{before:?} over the image's {SIZE}"),
+        _ => assert_eq!(before.total, 256 << 20, "the work dir tmpfs: {before:?}"),
+    }
+    const N: i64 = 3 << 20;
+    const BLOCK: i64 = 4096;
+    let mut f = std::fs::File::create(target.join("payload")).unwrap();
+    f.write_all(&vec![0x5a; N as usize]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let (after, inodes_after, condition) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert_eq!(after.total, before.total, "{before:?} -> {after:?}");
+    let grown = after.used - before.used;
+    assert!(
+        (N..=N + BLOCK).contains(&grown),
+        "used grew by {grown}, wrote {N}: {before:?} -> {after:?}"
+    );
+    let shrunk = before.available - after.available;
+    assert!(
+        (N..=N + BLOCK).contains(&shrunk),
+        "available shrank by {shrunk}, wrote {N}: {before:?} -> {after:?}"
+    );
+    assert_eq!(inodes_after.used, inodes_before.used + 1);
+    assert!(!condition.expect("VOLUME_CONDITION is offered").abnormal);
+    std::fs::remove_file(target.join("payload")).unwrap();
+    s.cleanup().await;
+}
+
+/// Puts a volume's storage back where it was however the spec ends.
+struct Restore(PathBuf, PathBuf);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let _ = std::fs::rename(&self.1, &self.0);
+    }
+}
+
+/// With what holds the volume's data gone (the data directory, the ext4 image: moved away by
+/// the spec), NodeGetVolumeStats reports an abnormal condition with a message saying so; back
+/// in place, the volume is normal again.
+async fn volume_condition_is_abnormal_once_the_backing_is_damaged(mut s: Suite) {
+    let vol = s.create("sanity-stats-condition").await;
+    let target = s.bring_up(&vol).await;
+    let (_, _, healthy) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(!healthy.expect("VOLUME_CONDITION is offered").abnormal);
+    let vol_dir = s
+        ._plugin
+        .work_dir()
+        .join("volumes")
+        .join(csi_isolator::resource::encode_volume_id(&vol.volume_id));
+    let storage = vol_dir.join(if s.backing == "loop" {
+        "image.ext4"
+    } else {
+        "data"
+    });
+    let moved = vol_dir.join("moved-away");
+    std::fs::rename(&storage, &moved).unwrap();
+    let restore = Restore(storage, moved);
+    let (_, _, damaged) = stats_at(&mut s, &vol.volume_id, &target).await;
+    let damaged = damaged.expect("VOLUME_CONDITION is offered");
+    assert!(damaged.abnormal, "{damaged:?}");
+    assert!(damaged.message.contains("gone"), "{damaged:?}");
+    drop(restore);
+    let (_, _, again) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(!again.expect("VOLUME_CONDITION is offered").abnormal);
+    s.cleanup().await;
+}
