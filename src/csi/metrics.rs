@@ -85,11 +85,13 @@ pub enum Rpc {
     ControllerExpandVolume,
     /// `Node.NodeExpandVolume`.
     NodeExpandVolume,
+    /// `Controller.ControllerModifyVolume`.
+    ControllerModifyVolume,
 }
 
 impl Rpc {
     /// Every RPC, in declaration order.
-    pub const ALL: [Rpc; 20] = [
+    pub const ALL: [Rpc; 21] = [
         Rpc::GetPluginInfo,
         Rpc::GetPluginCapabilities,
         Rpc::Probe,
@@ -110,6 +112,7 @@ impl Rpc {
         Rpc::NodeGetVolumeStats,
         Rpc::ControllerExpandVolume,
         Rpc::NodeExpandVolume,
+        Rpc::ControllerModifyVolume,
     ];
 
     /// The CSI method name, e.g. `NodePublishVolume`.
@@ -135,6 +138,7 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "ControllerExpandVolume",
             Rpc::NodeExpandVolume => "NodeExpandVolume",
+            Rpc::ControllerModifyVolume => "ControllerModifyVolume",
         }
     }
 
@@ -162,6 +166,7 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "/csi.v1.Node/NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "/csi.v1.Controller/ControllerExpandVolume",
             Rpc::NodeExpandVolume => "/csi.v1.Node/NodeExpandVolume",
+            Rpc::ControllerModifyVolume => "/csi.v1.Controller/ControllerModifyVolume",
         }
     }
 
