@@ -33,6 +33,7 @@ Examples:
       --context server=nfs.example.com --context share=/export
   csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
   csi-isolator --work-dir /var/lib/csi-demo volume expand data 128M   # online when the plugin can
+  csi-isolator --work-dir /var/lib/csi-demo volume modify data tier=fast iops=5000   # MODIFY_VOLUME
   csi-isolator --work-dir /var/lib/csi-demo volume list
   csi-isolator --work-dir /var/lib/csi-demo volume release data --container c1
   csi-isolator --work-dir /var/lib/csi-demo volume destroy data
@@ -119,6 +120,17 @@ enum Action {
         /// The new size, e.g. 128M or 2G: larger than the volume's.
         #[arg(value_parser = text())]
         size: String,
+    },
+    /// Change a volume's mutable parameters (ControllerModifyVolume, when the plugin has
+    /// MODIFY_VOLUME; the keys and values are the plugin's own); prints the volume's mutable
+    /// parameters after, one KEY=VALUE a line. Keys not named keep their values.
+    Modify {
+        /// Volume id or name.
+        #[arg(value_parser = text())]
+        volume: String,
+        /// KEY=VALUE, at least one (checked like CreateVolume parameters: no secrets).
+        #[arg(value_parser = text(), required = true)]
+        params: Vec<String>,
     },
     /// List the provider's volumes.
     List {
@@ -279,6 +291,16 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         Action::Release { volume, container } => {
             let id = resolve(provider, &volume).await?;
             provider.release(&id, &container).await?;
+        }
+        Action::Modify { volume, params } => {
+            let asked =
+                csi_isolator::provider::parameters::parse(params.iter().map(String::as_str))
+                    .map_err(|e| anyhow!("volume modify: {e}"))?;
+            let id = resolve(provider, &volume).await?;
+            let now = provider.modify_volume(&id, &asked).await?;
+            for (key, value) in &now {
+                outln!("{}={}", shown(key), shown(value));
+            }
         }
         Action::Expand { volume, size } => {
             let bytes = csi_isolator::resource::parse_size(&size)
