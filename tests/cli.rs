@@ -1093,6 +1093,20 @@ fn volume_modify_changes_mutable_parameters_and_refuses_what_cannot_be_done() {
         recorded(),
         serde_json::json!({"iops": "600", "tier": "fast"})
     );
+    let status = output(cli(&work).args(["status", "--json"]));
+    assert!(status.status.success(), "{}", text(&status.stderr));
+    let st: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        st["volumes"][0]["mutable_parameters"],
+        serde_json::json!({"iops": "600", "tier": "fast"}),
+        "{st}"
+    );
+    let shown = output(cli(&work).args(["status"]));
+    assert!(
+        text(&shown.stdout).contains("    mutable parameters: iops=600 tier=fast\n"),
+        "{}",
+        text(&shown.stdout)
+    );
     for (args, says) in [
         // The plugin's refusal (INVALID_ARGUMENT) leaves no intent behind.
         (

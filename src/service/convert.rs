@@ -339,6 +339,7 @@ mod tests {
             stats: None,
             condition: None,
             stats_unavailable: None,
+            mutable_parameters: Default::default(),
         };
         let report = StatusReport {
             volumes: vec![v],
