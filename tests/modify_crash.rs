@@ -117,3 +117,62 @@ fn a_modification_survives_a_crash_at_every_point() {
     // At least the intent, ControllerModifyVolume's answer and the record of its result.
     assert!(survived >= 3, "only {survived} crash points");
 }
+
+/// serve's ModifyVolume: the parameters set (answered and in Status' `mutable_parameters`),
+/// a plugin's refusal INVALID_ARGUMENT and leaving them as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_modify_volume_sets_and_status_shows_them() {
+    use csi_isolator::service::proto::{
+        CreateVolumeRequest, DestroyVolumeRequest, ModifyVolumeRequest, StatusRequest,
+    };
+    require_root();
+    let sb = Sandbox::new("modify-serve");
+    let mut w = csi_isolator_testing::crash::ServeRuns::new(sb, BIN);
+    w.start(None);
+    let mut c = w.client().await;
+    let v = c
+        .create_volume(CreateVolumeRequest {
+            name: "tiered".into(),
+            capacity_bytes: 16 << 20,
+            container_path: "data".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .into_inner();
+    let asked = |pairs: &[(&str, &str)]| ModifyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        mutable_parameters: pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    };
+    let wanted: std::collections::HashMap<String, String> =
+        [("tier".to_string(), "fast".to_string())].into();
+    let now = c
+        .modify_volume(asked(&[("tier", "fast")]))
+        .await
+        .expect("ModifyVolume")
+        .into_inner();
+    assert_eq!(now.mutable_parameters, wanted);
+    let refused = c
+        .modify_volume(asked(&[("tier", "gold")]))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    let empty = c.modify_volume(asked(&[])).await.unwrap_err();
+    assert_eq!(empty.code(), tonic::Code::InvalidArgument, "{empty:?}");
+    let st = c.status(StatusRequest {}).await.unwrap().into_inner();
+    assert_eq!(st.volumes[0].mutable_parameters, wanted, "{st:?}");
+    c.destroy_volume(DestroyVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("DestroyVolume");
+    drop(c);
+    assert!(w.end(true).success());
+    w.sb.assert_no_mounts_under();
+    w.sb.assert_no_loop_devices();
+}
