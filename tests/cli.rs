@@ -1066,3 +1066,92 @@ fn volume_expand_grows_a_volume_and_refuses_what_cannot_be_done() {
     assert!(gone.status.success(), "{}", text(&gone.stderr));
     assert_nothing_left(&sb, &work);
 }
+
+/// `volume modify`: ControllerModifyVolume with the parameters given, recorded in the volume's
+/// record (`list --json`); the refusals (before any RPC, or the plugin's) change nothing and
+/// leave nothing pending: the next modify works.
+#[test]
+fn volume_modify_changes_mutable_parameters_and_refuses_what_cannot_be_done() {
+    require_root();
+    let sb = Sandbox::new("cli-modify");
+    let work = sb.join("work");
+    let dir = "--plugin-arg=--backing=dir";
+    let made = output(cli(&work).args(["volume", dir, "create", "v", "8M"]));
+    assert!(made.status.success(), "{}", text(&made.stderr));
+    let changed = output(cli(&work).args(["volume", dir, "modify", "v", "tier=fast", "iops=500"]));
+    assert!(changed.status.success(), "{}", text(&changed.stderr));
+    assert_eq!(text(&changed.stdout), "iops=500\ntier=fast\n");
+    let again = output(cli(&work).args(["volume", dir, "modify", "v", "iops=600"]));
+    assert!(again.status.success(), "{}", text(&again.stderr));
+    assert_eq!(text(&again.stdout), "iops=600\ntier=fast\n");
+    let recorded = || {
+        let listed = output(cli(&work).args(["volume", dir, "list", "--json"]));
+        let v: serde_json::Value = serde_json::from_slice(&listed.stdout).unwrap();
+        v[0]["mutable_parameters"].clone()
+    };
+    assert_eq!(
+        recorded(),
+        serde_json::json!({"iops": "600", "tier": "fast"})
+    );
+    let status = output(cli(&work).args(["status", "--json"]));
+    assert!(status.status.success(), "{}", text(&status.stderr));
+    let st: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
+    assert_eq!(
+        st["volumes"][0]["mutable_parameters"],
+        serde_json::json!({"iops": "600", "tier": "fast"}),
+        "{st}"
+    );
+    let shown = output(cli(&work).args(["status"]));
+    assert!(
+        text(&shown.stdout).contains("    mutable parameters: iops=600 tier=fast\n"),
+        "{}",
+        text(&shown.stdout)
+    );
+    for (args, says) in [
+        // The plugin's refusal (INVALID_ARGUMENT) leaves no intent behind.
+        (
+            vec!["volume", dir, "modify", "v", "tier=gold"],
+            "tier 'gold' is not one of",
+        ),
+        (
+            vec![
+                "volume",
+                dir,
+                "modify",
+                "v",
+                "csi.storage.k8s.io/provisioner-secret-name=x",
+            ],
+            "would carry a secret",
+        ),
+        (vec!["volume", dir, "modify", "v", "tier"], "volume modify:"),
+        (
+            vec![
+                "volume",
+                dir,
+                "--plugin-arg=--no-modify",
+                "modify",
+                "v",
+                "tier=standard",
+            ],
+            "the plugin cannot modify volumes (its controller service has no MODIFY_VOLUME)",
+        ),
+    ] {
+        let refused = output(cli(&work).args(&args));
+        assert!(!refused.status.success(), "{args:?}");
+        assert!(
+            text(&refused.stderr).contains(says),
+            "{args:?}: {}",
+            text(&refused.stderr)
+        );
+    }
+    assert_eq!(
+        recorded(),
+        serde_json::json!({"iops": "600", "tier": "fast"})
+    );
+    let after = output(cli(&work).args(["volume", dir, "modify", "v", "tier=standard"]));
+    assert!(after.status.success(), "{}", text(&after.stderr));
+    assert_eq!(text(&after.stdout), "iops=600\ntier=standard\n");
+    let gone = output(cli(&work).args(["volume", dir, "destroy", "v"]));
+    assert!(gone.status.success(), "{}", text(&gone.stderr));
+    assert_nothing_left(&sb, &work);
+}

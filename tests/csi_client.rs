@@ -853,3 +853,59 @@ async fn dropped_calls_count_as_cancelled_and_clones_share_metrics() {
         "{text}"
     );
 }
+
+/// ControllerModifyVolume through the client: MODIFY_VOLUME learnt from the plugin (and not
+/// with `--no-modify`), the call made, its outcomes counted under its own RPC name.
+#[tokio::test]
+async fn controller_modify_volume_is_called_and_counted() {
+    let sandbox = Sandbox::new("csi-client-modify");
+    let plugin = start_plugin(&sandbox, &[]).await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    assert!(client.current_capabilities().controller.modify_volume());
+    let vol = create(&client, "modify-me").await;
+    let request = |id: &str, value: &str| proto::ControllerModifyVolumeRequest {
+        volume_id: id.to_string(),
+        mutable_parameters: [("tier".to_string(), value.to_string())].into(),
+        ..Default::default()
+    };
+    client
+        .controller_modify_volume(request(&vol.volume_id, "fast"))
+        .await
+        .expect("ControllerModifyVolume");
+    let listed = client
+        .list_volumes(proto::ListVolumesRequest::default())
+        .await
+        .unwrap();
+    let context = &listed.entries[0].volume.as_ref().unwrap().volume_context;
+    assert_eq!(
+        context.get("mutable.tier").map(String::as_str),
+        Some("fast")
+    );
+    let err = client
+        .controller_modify_volume(request("no-such-volume", "fast"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("ControllerModifyVolume"), "{err}");
+    assert_eq!(outcome(&client, "ControllerModifyVolume"), (1, 1, 0, 0, 0));
+    let text = client.metrics().encode_prometheus("csi_client");
+    assert!(
+        text.contains("csi_client_finished_total{rpc=\"ControllerModifyVolume\"} 1\n"),
+        "{text}"
+    );
+    client
+        .delete_volume(proto::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let sandbox = Sandbox::new("csi-client-no-modify");
+    let plugin = start_plugin(&sandbox, &["--no-modify"]).await;
+    let client = Client::connect(&plugin.endpoint(), fast_retries())
+        .await
+        .unwrap();
+    assert!(!client.current_capabilities().controller.modify_volume());
+}

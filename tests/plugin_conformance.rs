@@ -3191,3 +3191,321 @@ both_backings_in!(
     day2_names_dir, day2_names_loop_backing:
     a_clone_named_like_its_source_is_refused_not_deadlocked,
 );
+
+// ---- ModifyVolume (CSI v1.12 MODIFY_VOLUME), after csi-sanity's ModifyVolume specs ----
+
+both_backings_in!(
+    modify_dir, modify_loop_backing:
+    modify_volume_capability_is_offered,
+    modify_volume_fails_without_volume_id,
+    modify_volume_fails_without_mutable_parameters,
+    modify_volume_fails_for_unknown_volume,
+    modify_volume_refuses_unknown_keys_and_bad_values,
+    modify_volume_changes_what_the_plugin_reports_and_is_idempotent,
+    create_volume_with_mutable_parameters_records_them,
+);
+
+fn mutable(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn modify_req(volume_id: &str, pairs: &[(&str, &str)]) -> proto::ControllerModifyVolumeRequest {
+    proto::ControllerModifyVolumeRequest {
+        volume_id: volume_id.into(),
+        mutable_parameters: mutable(pairs),
+        ..Default::default()
+    }
+}
+
+/// The `mutable.<key>` entries ListVolumes reports for `volume_id`.
+async fn reported_mutable(s: &mut Suite, volume_id: &str) -> HashMap<String, String> {
+    let list =
+        s.c.controller
+            .list_volumes(proto::ListVolumesRequest::default())
+            .await
+            .unwrap()
+            .into_inner();
+    let vol = list
+        .entries
+        .into_iter()
+        .filter_map(|e| e.volume)
+        .find(|v| v.volume_id == volume_id)
+        .expect("the volume is listed");
+    vol.volume_context
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("mutable.").map(|k| (k.to_string(), v)))
+        .collect()
+}
+
+async fn modify_volume_capability_is_offered(mut s: Suite) {
+    let caps = controller_caps(&mut s).await;
+    assert!(
+        caps.contains(&proto::controller_service_capability::rpc::Type::ModifyVolume),
+        "{caps:?}"
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_without_volume_id(mut s: Suite) {
+    let req = modify_req("", &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_without_mutable_parameters(mut s: Suite) {
+    let vol = s.create("sanity-modify-empty").await;
+    let req = modify_req(&vol.volume_id, &[]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::InvalidArgument
+    );
+    s.cleanup().await;
+}
+
+async fn modify_volume_fails_for_unknown_volume(mut s: Suite) {
+    let req = modify_req("fake-volume-id", &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::NotFound
+    );
+    s.cleanup().await;
+}
+
+/// A key the plugin does not know as mutable, or a value out of its range, is refused naming
+/// the key, and the volume keeps what it had.
+async fn modify_volume_refuses_unknown_keys_and_bad_values(mut s: Suite) {
+    let vol = s.create("sanity-modify-bad").await;
+    let req = modify_req(&vol.volume_id, &[("tier", "standard")]);
+    s.c.controller.controller_modify_volume(req).await.unwrap();
+    for (key, value) in [
+        ("size", "1"),
+        ("tier", "gold"),
+        ("iops", "0"),
+        ("iops", "x"),
+    ] {
+        // A valid key beside the bad one is not applied either.
+        let req = modify_req(&vol.volume_id, &[("iops", "100"), (key, value)]);
+        let status =
+            s.c.controller
+                .controller_modify_volume(req)
+                .await
+                .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{key}={value}");
+        assert!(status.message().contains(key), "{}", status.message());
+    }
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "standard")])
+    );
+    s.cleanup().await;
+}
+
+/// ModifyVolume merges the keys asked into what the volume has; repeating it is OK and
+/// changes nothing.
+async fn modify_volume_changes_what_the_plugin_reports_and_is_idempotent(mut s: Suite) {
+    let vol = s.create("sanity-modify").await;
+    assert!(reported_mutable(&mut s, &vol.volume_id).await.is_empty());
+    for _ in 0..2 {
+        let req = modify_req(&vol.volume_id, &[("tier", "fast"), ("iops", "5000")]);
+        s.c.controller.controller_modify_volume(req).await.unwrap();
+        assert_eq!(
+            reported_mutable(&mut s, &vol.volume_id).await,
+            mutable(&[("tier", "fast"), ("iops", "5000")])
+        );
+    }
+    let req = modify_req(&vol.volume_id, &[("iops", "200")]);
+    s.c.controller.controller_modify_volume(req).await.unwrap();
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "fast"), ("iops", "200")])
+    );
+    s.cleanup().await;
+}
+
+/// CreateVolume's mutable_parameters (spec field, with MODIFY_VOLUME) are checked like
+/// ModifyVolume's and recorded.
+async fn create_volume_with_mutable_parameters_records_them(mut s: Suite) {
+    let name = s.unique("sanity-create-mutable");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "gold")]);
+    let status = s.c.controller.create_volume(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "fast")]);
+    let vol = s.must_create(req).await;
+    assert_eq!(
+        vol.volume_context.get("mutable.tier").map(String::as_str),
+        Some("fast")
+    );
+    assert_eq!(
+        reported_mutable(&mut s, &vol.volume_id).await,
+        mutable(&[("tier", "fast")])
+    );
+    s.cleanup().await;
+}
+
+/// `--no-modify`: no MODIFY_VOLUME, ControllerModifyVolume UNIMPLEMENTED, a CreateVolume with
+/// mutable parameters refused naming the flag.
+async fn modify_switched_off_is_refused(backing: &str) {
+    let mut s = suite_with_flags(backing, None, &["--no-modify"]).await;
+    let caps = controller_caps(&mut s).await;
+    assert!(!caps.contains(&proto::controller_service_capability::rpc::Type::ModifyVolume));
+    let vol = s.create("sanity-no-modify").await;
+    let req = modify_req(&vol.volume_id, &[("tier", "fast")]);
+    assert_eq!(
+        code(s.c.controller.controller_modify_volume(req).await),
+        Code::Unimplemented
+    );
+    let name = s.unique("sanity-no-modify-create");
+    let mut req = s.create_req(&name, SIZE);
+    req.mutable_parameters = mutable(&[("tier", "fast")]);
+    let status = s.c.controller.create_volume(req).await.unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("--no-modify"),
+        "{}",
+        status.message()
+    );
+    s.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dir_modify_switched_off_is_refused() {
+    modify_switched_off_is_refused("dir").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_modify_switched_off_is_refused() {
+    modify_switched_off_is_refused("loop").await;
+}
+
+// ---- NodeGetVolumeStats figures and volume condition (csi-sanity's GetVolumeStats) ----
+
+both_backings_in!(
+    stats_dir, stats_loop_backing:
+    volume_stats_follow_what_the_workload_writes,
+    volume_condition_is_abnormal_once_the_backing_is_damaged,
+);
+
+/// NodeGetVolumeStats of `path`: (BYTES, INODES) usage and the condition.
+async fn stats_at(
+    s: &mut Suite,
+    volume_id: &str,
+    path: &std::path::Path,
+) -> (
+    proto::VolumeUsage,
+    proto::VolumeUsage,
+    Option<proto::VolumeCondition>,
+) {
+    use proto::volume_usage::Unit;
+    let req = proto::NodeGetVolumeStatsRequest {
+        volume_id: volume_id.into(),
+        volume_path: path.display().to_string(),
+        ..Default::default()
+    };
+    let stats =
+        s.c.node
+            .node_get_volume_stats(req)
+            .await
+            .unwrap()
+            .into_inner();
+    let of = |unit: Unit| {
+        stats
+            .usage
+            .iter()
+            .find(|u| u.unit == unit as i32)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {unit:?} usage: {stats:?}"))
+    };
+    (of(Unit::Bytes), of(Unit::Inodes), stats.volume_condition)
+}
+
+/// After the workload writes N bytes (one file, synced), the volume's used bytes grow by N
+/// within a block, its available bytes shrink alike and one more inode is used. The figures
+/// are the filesystem's: the loop backing's own ext4 (total at most the image's size), the
+/// dir backing's work dir filesystem (here a tmpfs of its own, so no other writer moves them).
+async fn volume_stats_follow_what_the_workload_writes(s: Suite) {
+    use std::io::Write;
+    let backing = s.backing.clone();
+    s.cleanup().await;
+    let mut s = suite_on_tmpfs(&backing, "256M").await;
+    let vol = s.create("sanity-stats-figures").await;
+    let target = s.bring_up(&vol).await;
+    let (before, inodes_before, _) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(
+        before.total > 0 && before.used <= before.total,
+        "{before:?}"
+    );
+    match backing.as_str() {
+        "loop" => assert!(before.total <= SIZE, "{before:?} over the image's {SIZE}"),
+        _ => assert_eq!(before.total, 256 << 20, "the work dir tmpfs: {before:?}"),
+    }
+    const N: i64 = 3 << 20;
+    const BLOCK: i64 = 4096;
+    let mut f = std::fs::File::create(target.join("payload")).unwrap();
+    f.write_all(&vec![0x5a; N as usize]).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let (after, inodes_after, condition) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert_eq!(after.total, before.total, "{before:?} -> {after:?}");
+    let grown = after.used - before.used;
+    assert!(
+        (N..=N + BLOCK).contains(&grown),
+        "used grew by {grown}, wrote {N}: {before:?} -> {after:?}"
+    );
+    let shrunk = before.available - after.available;
+    assert!(
+        (N..=N + BLOCK).contains(&shrunk),
+        "available shrank by {shrunk}, wrote {N}: {before:?} -> {after:?}"
+    );
+    assert_eq!(inodes_after.used, inodes_before.used + 1);
+    assert!(!condition.expect("VOLUME_CONDITION is offered").abnormal);
+    std::fs::remove_file(target.join("payload")).unwrap();
+    s.cleanup().await;
+}
+
+/// Puts a volume's storage back where it was however the spec ends.
+struct Restore(PathBuf, PathBuf);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        let _ = std::fs::rename(&self.1, &self.0);
+    }
+}
+
+/// With what holds the volume's data gone (the data directory, the ext4 image: moved away by
+/// the spec), NodeGetVolumeStats reports an abnormal condition with a message saying so; back
+/// in place, the volume is normal again.
+async fn volume_condition_is_abnormal_once_the_backing_is_damaged(mut s: Suite) {
+    let vol = s.create("sanity-stats-condition").await;
+    let target = s.bring_up(&vol).await;
+    let (_, _, healthy) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(!healthy.expect("VOLUME_CONDITION is offered").abnormal);
+    let vol_dir = s
+        ._plugin
+        .work_dir()
+        .join("volumes")
+        .join(csi_isolator::resource::encode_volume_id(&vol.volume_id));
+    let storage = vol_dir.join(if s.backing == "loop" {
+        "image.ext4"
+    } else {
+        "data"
+    });
+    let moved = vol_dir.join("moved-away");
+    std::fs::rename(&storage, &moved).unwrap();
+    let restore = Restore(storage, moved);
+    let (_, _, damaged) = stats_at(&mut s, &vol.volume_id, &target).await;
+    let damaged = damaged.expect("VOLUME_CONDITION is offered");
+    assert!(damaged.abnormal, "{damaged:?}");
+    assert!(damaged.message.contains("gone"), "{damaged:?}");
+    drop(restore);
+    let (_, _, again) = stats_at(&mut s, &vol.volume_id, &target).await;
+    assert!(!again.expect("VOLUME_CONDITION is offered").abnormal);
+    s.cleanup().await;
+}

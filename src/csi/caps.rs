@@ -168,6 +168,11 @@ impl ControllerCapabilities {
     pub fn expand_volume(&self) -> bool {
         self.has(ControllerRpc::ExpandVolume)
     }
+
+    /// `MODIFY_VOLUME`.
+    pub fn modify_volume(&self) -> bool {
+        self.has(ControllerRpc::ModifyVolume)
+    }
 }
 
 /// Capabilities from `NodeGetCapabilities`.

@@ -652,6 +652,22 @@ impl Client {
         .await
     }
 
+    /// `ControllerModifyVolume` (MODIFY_VOLUME). No secrets file operation names it: the
+    /// request carries what its caller put in it.
+    pub async fn controller_modify_volume(
+        &self,
+        request: proto::ControllerModifyVolumeRequest,
+    ) -> Result<proto::ControllerModifyVolumeResponse, CsiError> {
+        let volume = volume_id(&request.volume_id);
+        self.call(
+            Rpc::ControllerModifyVolume,
+            volume,
+            request,
+            |ch, r| async move { ControllerClient::new(ch).controller_modify_volume(r).await },
+        )
+        .await
+    }
+
     // ---- machinery ----
 
     /// Sends one call with deadline, retries and metrics. `send` makes one

@@ -85,6 +85,8 @@ pub enum Rpc {
     ControllerExpandVolume,
     /// `Node.NodeExpandVolume`.
     NodeExpandVolume,
+    /// `Controller.ControllerModifyVolume`.
+    ControllerModifyVolume,
     // ---- snapshots ----
     /// `Controller.CreateSnapshot`.
     CreateSnapshot,
@@ -96,7 +98,7 @@ pub enum Rpc {
 
 impl Rpc {
     /// Every RPC, in declaration order.
-    pub const ALL: [Rpc; 23] = [
+    pub const ALL: [Rpc; 24] = [
         Rpc::GetPluginInfo,
         Rpc::GetPluginCapabilities,
         Rpc::Probe,
@@ -117,6 +119,7 @@ impl Rpc {
         Rpc::NodeGetVolumeStats,
         Rpc::ControllerExpandVolume,
         Rpc::NodeExpandVolume,
+        Rpc::ControllerModifyVolume,
         Rpc::CreateSnapshot,
         Rpc::DeleteSnapshot,
         Rpc::ListSnapshots,
@@ -145,6 +148,7 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "ControllerExpandVolume",
             Rpc::NodeExpandVolume => "NodeExpandVolume",
+            Rpc::ControllerModifyVolume => "ControllerModifyVolume",
             Rpc::CreateSnapshot => "CreateSnapshot",
             Rpc::DeleteSnapshot => "DeleteSnapshot",
             Rpc::ListSnapshots => "ListSnapshots",
@@ -175,6 +179,7 @@ impl Rpc {
             Rpc::NodeGetVolumeStats => "/csi.v1.Node/NodeGetVolumeStats",
             Rpc::ControllerExpandVolume => "/csi.v1.Controller/ControllerExpandVolume",
             Rpc::NodeExpandVolume => "/csi.v1.Node/NodeExpandVolume",
+            Rpc::ControllerModifyVolume => "/csi.v1.Controller/ControllerModifyVolume",
             Rpc::CreateSnapshot => "/csi.v1.Controller/CreateSnapshot",
             Rpc::DeleteSnapshot => "/csi.v1.Controller/DeleteSnapshot",
             Rpc::ListSnapshots => "/csi.v1.Controller/ListSnapshots",

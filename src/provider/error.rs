@@ -193,6 +193,14 @@ pub enum ProviderError {
         /// What is wrong.
         reason: String,
     },
+    /// A modification refused before any RPC ([`ModifyRefusal`]).
+    #[error("modify volume '{volume}': {why}")]
+    ModifyRefused {
+        /// The volume id.
+        volume: String,
+        /// Why, and what to do.
+        why: ModifyRefusal,
+    },
     /// A publish on a node the volume's topology does not cover.
     #[error("volume '{volume}' can be reached only from {accessible} (its CreateVolume answer), and this node is at {node}: publish it on a node there, or recreate it here")]
     NotAccessible {
@@ -380,6 +388,31 @@ impl std::fmt::Display for ExpandRefusal {
                 f,
                 "the plugin expands only volumes not in use (its VolumeExpansion capability is not ONLINE), and it is used by {}: stop them and retry",
                 users.join(", ")
+            ),
+        }
+    }
+}
+
+/// Why a modification (ControllerModifyVolume) is refused before any RPC.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ModifyRefusal {
+    /// No parameters asked.
+    Nothing,
+    /// The parameters break the one rule for parameters.
+    Parameters(crate::provider::parameters::ParameterError),
+    /// The plugin's controller has no MODIFY_VOLUME.
+    NoCapability,
+}
+
+impl std::fmt::Display for ModifyRefusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ModifyRefusal::Nothing => {
+                f.write_str("no parameters given: give at least one KEY=VALUE")
+            }
+            ModifyRefusal::Parameters(e) => write!(f, "{e}"),
+            ModifyRefusal::NoCapability => f.write_str(
+                "the plugin cannot modify volumes (its controller service has no MODIFY_VOLUME)",
             ),
         }
     }

@@ -21,6 +21,7 @@ pub mod error;
 pub mod expand;
 mod import;
 pub mod manager;
+pub mod modify;
 pub mod mount_group;
 pub mod mount_spec;
 mod next_step;

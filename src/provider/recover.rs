@@ -63,6 +63,9 @@ impl StorageProvider {
                 if rec.expansion.is_some() {
                     self.finish_expansion(&mut rec).await;
                 }
+                if rec.modifying.is_some() {
+                    self.finish_modify(&mut rec).await;
+                }
             }
             (rec.volume_id.clone(), before, rec.state, result)
         }))
@@ -90,6 +93,29 @@ impl StorageProvider {
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
         Ok(())
+    }
+
+    /// A modification a crash interrupted is re-issued as asked (ControllerModifyVolume is
+    /// idempotent); a failure is logged and the intent kept, for the next `modify`.
+    async fn finish_modify(&self, rec: &mut VolumeRecord) {
+        match self.continue_modify(rec).await {
+            Ok(()) => {
+                tracing::info!(volume_id = %rec.volume_id, mutable = ?rec.mutable_parameters, "recovery: modification taken up");
+                self.report
+                    .lock()
+                    .unwrap()
+                    .actions
+                    .push(format!("{}: modification taken up", rec.volume_id));
+            }
+            Err(e) => {
+                tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "recovery: the interrupted modification failed again");
+                self.report
+                    .lock()
+                    .unwrap()
+                    .failures
+                    .push((rec.volume_id.clone(), crate::error_chain::full_message(&e)));
+            }
+        }
     }
 
     /// An expansion a crash interrupted is taken up from the call its intent names (both calls are

@@ -639,6 +639,14 @@ pub struct VolumeRecord {
     /// ([`crate::provider::expand`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expansion: Option<Expansion>,
+    /// The volume's mutable parameters as the plugin last accepted them
+    /// ([`crate::provider::modify`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mutable_parameters: BTreeMap<String, String>,
+    /// A ControllerModifyVolume not known to be done: the parameters asked, durable before the
+    /// RPC ([`crate::provider::modify`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub modifying: Option<BTreeMap<String, String>>,
 }
 
 /// An expansion of a volume to `to_bytes`, and the call it waits for.
@@ -730,6 +738,8 @@ impl VolumeRecord {
             expansion: None,
             mount_group: None,
             content_source: None,
+            mutable_parameters: BTreeMap::new(),
+            modifying: None,
         }
     }
 }

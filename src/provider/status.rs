@@ -63,6 +63,10 @@ pub struct VolumeStatus {
     /// was refused).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stats_unavailable: Option<String>,
+    /// Its mutable parameters as the plugin last accepted them (`volume modify`,
+    /// [`crate::provider::modify`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub mutable_parameters: BTreeMap<String, String>,
 }
 
 /// A state file that could not be read.
@@ -143,6 +147,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 stats: None,
                 condition: None,
                 stats_unavailable: None,
+                mutable_parameters: rec.mutable_parameters,
             });
         }
     }

@@ -266,6 +266,7 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 fs_type: v.capability.fs_type,
                 mount_flags: v.capability.mount_flags,
                 mount_group: v.mount_group.unwrap_or(0),
+                mutable_parameters: v.mutable_parameters.into_iter().collect(),
                 accessible_topology: v
                     .accessible_topology
                     .into_iter()
@@ -339,6 +340,7 @@ mod tests {
             stats: None,
             condition: None,
             stats_unavailable: None,
+            mutable_parameters: Default::default(),
         };
         let report = StatusReport {
             volumes: vec![v],

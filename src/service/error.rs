@@ -198,6 +198,16 @@ pub fn provider_code(e: &ProviderError) -> Code {
             why: crate::provider::expand::Refusal::Shrink { .. },
             ..
         } => Code::OutOfRange,
+        ProviderError::ModifyRefused {
+            why:
+                crate::provider::modify::Refusal::Nothing
+                | crate::provider::modify::Refusal::Parameters(_),
+            ..
+        } => Code::InvalidArgument,
+        ProviderError::ModifyRefused {
+            why: crate::provider::modify::Refusal::NoCapability,
+            ..
+        } => Code::FailedPrecondition,
         ProviderError::InUse { .. }
         | ProviderError::AccessModeRefused { .. }
         | ProviderError::AccessModeUnsupported { .. }

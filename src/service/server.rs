@@ -287,6 +287,21 @@ impl IsolatorService {
         })
     }
 
+    async fn modify_volume(
+        &self,
+        req: proto::ModifyVolumeRequest,
+    ) -> Result<proto::ModifyVolumeResponse, ServiceError> {
+        let provider = self.provider(&req.provider_id)?;
+        if req.volume_id.is_empty() {
+            return Err(invalid("volume_id", "is empty"));
+        }
+        let asked = req.mutable_parameters.into_iter().collect();
+        let now = provider.modify_volume(&req.volume_id, &asked).await?;
+        Ok(proto::ModifyVolumeResponse {
+            mutable_parameters: now.into_iter().collect(),
+        })
+    }
+
     async fn prepare(&self, req: proto::PrepareRequest) -> Result<proto::LaunchInfo, ServiceError> {
         container_id(&req.container_id)?;
         let mut config = convert::container_config(req.config)?;
@@ -595,6 +610,17 @@ impl Isolator for IsolatorService {
             "Status",
             |s| async move { IsolatorService::status(&s).await },
         )
+        .await
+    }
+
+    async fn modify_volume(
+        &self,
+        request: Request<proto::ModifyVolumeRequest>,
+    ) -> Reply<proto::ModifyVolumeResponse> {
+        let req = request.into_inner();
+        self.run("ModifyVolume", |s| async move {
+            IsolatorService::modify_volume(&s, req).await
+        })
         .await
     }
 }

@@ -289,7 +289,12 @@ fn to_volume(record: &super::store::VolumeRecord) -> proto::Volume {
     proto::Volume {
         capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
         volume_id: record.id.clone(),
-        volume_context: record.volume_context.clone().into_iter().collect(),
+        volume_context: record
+            .volume_context
+            .clone()
+            .into_iter()
+            .chain(super::modify::echo(&record.mutable_parameters))
+            .collect(),
         content_source,
         ..Default::default()
     }
@@ -360,6 +365,7 @@ impl Plugin {
         let (required, limit) = capacity_range(RPC, &req.capacity_range.unwrap_or_default())?;
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         check_required_parameters(&self.config.required_parameters, &parameters)?;
+        let mutable_parameters = self.create_mutable(&req.mutable_parameters)?;
         self.check_requisite(req.accessibility_requirements.as_ref())?;
 
         if let Some(found) = self.store.find_by_name(&req.name) {
@@ -492,6 +498,7 @@ impl Plugin {
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
             content_source,
+            mutable_parameters,
         };
         self.faults.stall(RPC);
         match &source {
@@ -907,6 +914,9 @@ impl Plugin {
             if self.expansion() != super::Expansion::None {
                 caps.push(Cap::ExpandVolume);
             }
+            if self.modify_enabled() {
+                caps.push(Cap::ModifyVolume);
+            }
         }
         Ok(proto::ControllerGetCapabilitiesResponse {
             capabilities: caps
@@ -1228,9 +1238,21 @@ impl proto::controller_server::Controller for PluginService {
 
     async fn controller_modify_volume(
         &self,
-        _request: Request<proto::ControllerModifyVolumeRequest>,
+        request: Request<proto::ControllerModifyVolumeRequest>,
     ) -> Result<Response<proto::ControllerModifyVolumeResponse>, Status> {
-        self.unsupported("ControllerModifyVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ControllerModifyVolume",
+            &id,
+            LockKey::Volume(id.clone()),
+            req,
+            |p: &Plugin, req| {
+                p.check_secrets("ControllerModifyVolume", &req.secrets)?;
+                Plugin::controller_modify(p, req)
+            },
+        )
+        .await
     }
 }
 

@@ -22,6 +22,10 @@
 //!   loop volume's image, NodeExpandVolume a loop volume's mounted filesystem, online
 //!   (`--expansion online`, the default), or the controller part only while the volume is not in
 //!   use (`offline`), or not at all (`none`).
+//! - Mutable parameters ([`modify`]): CreateVolume's `mutable_parameters` and
+//!   ControllerModifyVolume, for the keys `tier` (`standard` or `fast`) and `iops` (1 to
+//!   1000000), recorded in the volume's record and echoed in its volume_context as
+//!   `mutable.<key>`; `--no-modify` takes MODIFY_VOLUME away.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
 //! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
@@ -41,6 +45,7 @@ mod expand;
 pub mod faults;
 mod identity;
 mod locks;
+mod modify;
 pub mod mount_options;
 mod node;
 mod snapshot;
@@ -135,6 +140,10 @@ pub struct PluginConfig {
     pub clones: bool,
     /// Which volume expansion the plugin offers.
     pub expansion: Expansion,
+    /// Offer MODIFY_VOLUME (ControllerModifyVolume, CreateVolume's `mutable_parameters`);
+    /// off (`--no-modify`): ControllerModifyVolume is UNIMPLEMENTED and a CreateVolume
+    /// carrying mutable parameters is refused.
+    pub modify: bool,
 }
 
 /// Which volume expansion the plugin offers (`--expansion`).
@@ -253,6 +262,7 @@ impl PluginConfig {
             volume_mount_group: false,
             snapshots: true,
             clones: true,
+            modify: true,
             expansion: Expansion::Online,
         }
     }

@@ -31,9 +31,9 @@ Examples:
       --require-secrets /etc/csi-test/secrets.json
   # Volumes made writable for the workload's group (VOLUME_MOUNT_GROUP)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data --volume-mount-group
-  # No snapshots, clones or expansion (a CO's refusals before any RPC)
+  # No snapshots, clones, expansion or modification (a CO's refusals before any RPC)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
-      --no-snapshots --no-clones --expansion none
+      --no-snapshots --no-clones --expansion none --no-modify
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -89,6 +89,10 @@ struct Args {
     /// Drop the CLONE_VOLUME capability (refuse volumes made from volumes).
     #[arg(long)]
     no_clones: bool,
+    /// Drop the MODIFY_VOLUME capability (ControllerModifyVolume answers UNIMPLEMENTED and
+    /// CreateVolume refuses mutable parameters).
+    #[arg(long)]
+    no_modify: bool,
     /// Volume expansion offered: online (VolumeExpansion.ONLINE, controller and node
     /// EXPAND_VOLUME), offline (VolumeExpansion.OFFLINE: ControllerExpandVolume refuses a
     /// volume in use) or none (no EXPAND_VOLUME; the expand RPCs are UNIMPLEMENTED). A
@@ -174,6 +178,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.volume_mount_group = args.volume_mount_group;
     config.snapshots = !args.no_snapshots;
     config.clones = !args.no_clones;
+    config.modify = !args.no_modify;
     config.expansion = args.expansion;
     config.volume_stats = !args.no_volume_stats;
     for segment in &args.topology {

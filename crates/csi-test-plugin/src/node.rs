@@ -147,6 +147,7 @@ impl Plugin {
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
             content_source: None,
+            mutable_parameters: BTreeMap::new(),
         };
         // As CreateVolume: at least the smallest filesystem of its type (xfs: 300 MiB).
         let min_fs = super::backing::min_fs_bytes(&volume_fs_type(&record, self.backing.kind()));

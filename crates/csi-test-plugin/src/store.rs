@@ -172,6 +172,10 @@ pub struct VolumeRecord {
     /// repeated create; `None` for an empty volume (and for records older than this field).
     #[serde(default)]
     pub content_source: Option<ContentSource>,
+    /// The volume's mutable parameters (CreateVolume's `mutable_parameters`, then each
+    /// ControllerModifyVolume's merged in); empty for records older than this field.
+    #[serde(default)]
+    pub mutable_parameters: BTreeMap<String, String>,
 }
 
 /// A CreateVolume's `volume_content_source`.
@@ -218,6 +222,7 @@ impl From<VolumeRecordV1> for VolumeRecord {
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
             content_source: None,
+            mutable_parameters: BTreeMap::new(),
         }
     }
 }
@@ -603,6 +608,7 @@ mod tests {
             staged: BTreeMap::from([("/staging".to_string(), capability())]),
             published: BTreeMap::new(),
             content_source: None,
+            mutable_parameters: BTreeMap::new(),
         }
     }
 

@@ -113,6 +113,14 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
             if let Some(gid) = v.mount_group {
                 outln!("    mount group: {gid} (volume_mount_group, the plugin's)");
             }
+            if !v.mutable_parameters.is_empty() {
+                let pairs: Vec<String> = v
+                    .mutable_parameters
+                    .iter()
+                    .map(|(k, val)| format!("{}={}", escaped(k), escaped(val)))
+                    .collect();
+                outln!("    mutable parameters: {}", pairs.join(" "));
+            }
             if let Some(d) = &v.disagreement {
                 outln!("    ! {}", escaped(d));
             }

@@ -34,6 +34,7 @@ Examples:
       --context server=nfs.example.com --context share=/export
   csi-isolator --work-dir /var/lib/csi-demo volume publish data --container c1   # prints the mount point
   csi-isolator --work-dir /var/lib/csi-demo volume expand data 128M   # online when the plugin can
+  csi-isolator --work-dir /var/lib/csi-demo volume modify data tier=fast iops=5000   # MODIFY_VOLUME
   csi-isolator --work-dir /var/lib/csi-demo volume list
   csi-isolator --work-dir /var/lib/csi-demo volume snapshot create data daily   # prints its id and size
   csi-isolator --work-dir /var/lib/csi-demo volume create restored 64M --from-snapshot daily
@@ -137,6 +138,17 @@ enum Action {
     Snapshot {
         #[command(subcommand)]
         action: SnapshotAction,
+    },
+    /// Change a volume's mutable parameters (ControllerModifyVolume, when the plugin has
+    /// MODIFY_VOLUME; the keys and values are the plugin's own); prints the volume's mutable
+    /// parameters after, one KEY=VALUE a line. Keys not named keep their values.
+    Modify {
+        /// Volume id or name.
+        #[arg(value_parser = text())]
+        volume: String,
+        /// KEY=VALUE, at least one (checked like CreateVolume parameters: no secrets).
+        #[arg(value_parser = text(), required = true)]
+        params: Vec<String>,
     },
     /// List the provider's volumes.
     List {
@@ -330,6 +342,16 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
         Action::Release { volume, container } => {
             let id = resolve(provider, &volume).await?;
             provider.release(&id, &container).await?;
+        }
+        Action::Modify { volume, params } => {
+            let asked =
+                csi_isolator::provider::parameters::parse(params.iter().map(String::as_str))
+                    .map_err(|e| anyhow!("volume modify: {e}"))?;
+            let id = resolve(provider, &volume).await?;
+            let now = provider.modify_volume(&id, &asked).await?;
+            for (key, value) in &now {
+                outln!("{}={}", shown(key), shown(value));
+            }
         }
         Action::Expand { volume, size } => {
             let bytes = csi_isolator::resource::parse_size(&size)
