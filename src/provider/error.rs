@@ -177,13 +177,13 @@ pub enum ProviderError {
         why: ExpandRefusal,
     },
     /// A snapshot operation, or a volume made from a snapshot or a volume, refused before any
-    /// RPC ([`crate::provider::snapshot::SnapshotRefusal`]).
+    /// RPC ([`SnapshotRefusal`]).
     #[error("{what}: {why}")]
     SnapshotRefused {
         /// The operation and its object, e.g. `snapshot 'daily'`.
         what: String,
         /// Why, and what to do.
-        why: crate::provider::snapshot::SnapshotRefusal,
+        why: SnapshotRefusal,
     },
     /// A snapshot record that cannot be read.
     #[error("corrupt snapshot record {path}: {reason}: move it aside and delete the snapshot in the plugin if it is there")]
@@ -416,4 +416,40 @@ impl std::fmt::Display for ModifyRefusal {
             ),
         }
     }
+}
+
+/// Why a snapshot operation, or a volume made from a snapshot or a volume, is refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SnapshotRefusal {
+    /// No CREATE_DELETE_SNAPSHOT.
+    #[error("the plugin cannot take snapshots (its controller has no CREATE_DELETE_SNAPSHOT): use a plugin that can")]
+    NoSnapshots,
+    /// No CLONE_VOLUME.
+    #[error("the plugin cannot clone volumes (its controller has no CLONE_VOLUME): take a snapshot and create the volume --from-snapshot, if the plugin can take snapshots")]
+    NoClones,
+    /// No snapshot of that name.
+    #[error("there is no snapshot '{0}': `volume snapshot list` shows the ones there are")]
+    UnknownSnapshot(String),
+    /// No volume of that name or id.
+    #[error("there is no volume '{0}': `volume list` shows the ones there are")]
+    UnknownVolume(String),
+    /// The name is a snapshot of another volume.
+    #[error("the name '{name}' is taken by a snapshot of volume '{volume}': use another name")]
+    NameTaken {
+        /// The snapshot name.
+        name: String,
+        /// The volume it is a snapshot of.
+        volume: String,
+    },
+    /// The snapshot's create or delete is not finished.
+    #[error("snapshot '{name}' is still being {doing}: retry the {doing} (or restart, recovery finishes it) first")]
+    Pending {
+        /// The snapshot name.
+        name: String,
+        /// `created` or `deleted`.
+        doing: &'static str,
+    },
+    /// The source volume is being destroyed.
+    #[error("volume '{0}' is being destroyed")]
+    SourceDestroying(String),
 }

@@ -77,26 +77,7 @@ pub struct SnapshotRecord {
     pub pending: Option<SnapshotStep>,
 }
 
-/// Where a new volume's content comes from (CreateVolume's `volume_content_source`), as the
-/// user named it and as the plugin knows it; recorded in the volume's record.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ContentSource {
-    /// A snapshot.
-    Snapshot {
-        /// Its name.
-        name: String,
-        /// Its id in the plugin.
-        snapshot_id: String,
-    },
-    /// Another volume (a clone).
-    Volume {
-        /// Its name (or id, when it has no name).
-        name: String,
-        /// Its id in the plugin.
-        volume_id: String,
-    },
-}
+pub use crate::provider::state::ContentSource;
 
 impl ContentSource {
     /// The CSI message.
@@ -145,41 +126,7 @@ impl SnapshotCaps {
     }
 }
 
-/// Why a snapshot operation, or a volume made from a snapshot or a volume, is refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum SnapshotRefusal {
-    /// No CREATE_DELETE_SNAPSHOT.
-    #[error("the plugin cannot take snapshots (its controller has no CREATE_DELETE_SNAPSHOT): use a plugin that can")]
-    NoSnapshots,
-    /// No CLONE_VOLUME.
-    #[error("the plugin cannot clone volumes (its controller has no CLONE_VOLUME): take a snapshot and create the volume --from-snapshot, if the plugin can take snapshots")]
-    NoClones,
-    /// No snapshot of that name.
-    #[error("there is no snapshot '{0}': `volume snapshot list` shows the ones there are")]
-    UnknownSnapshot(String),
-    /// No volume of that name or id.
-    #[error("there is no volume '{0}': `volume list` shows the ones there are")]
-    UnknownVolume(String),
-    /// The name is a snapshot of another volume.
-    #[error("the name '{name}' is taken by a snapshot of volume '{volume}': use another name")]
-    NameTaken {
-        /// The snapshot name.
-        name: String,
-        /// The volume it is a snapshot of.
-        volume: String,
-    },
-    /// The snapshot's create or delete is not finished.
-    #[error("snapshot '{name}' is still being {doing}: retry the {doing} (or restart, recovery finishes it) first")]
-    Pending {
-        /// The snapshot name.
-        name: String,
-        /// `created` or `deleted`.
-        doing: &'static str,
-    },
-    /// The source volume is being destroyed.
-    #[error("volume '{0}' is being destroyed")]
-    SourceDestroying(String),
-}
+pub use crate::provider::error::SnapshotRefusal;
 
 /// What a snapshot create does next.
 #[derive(Clone, Debug, PartialEq, Eq)]

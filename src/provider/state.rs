@@ -634,7 +634,7 @@ pub struct VolumeRecord {
     /// Where the volume's content came from when it was created (a snapshot or a volume,
     /// [`crate::provider::snapshot`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub content_source: Option<crate::provider::snapshot::ContentSource>,
+    pub content_source: Option<ContentSource>,
     /// An expansion not finished: its intent, durable before its first RPC
     /// ([`crate::provider::expand`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -742,6 +742,27 @@ impl VolumeRecord {
             modifying: None,
         }
     }
+}
+
+/// Where a new volume's content comes from (CreateVolume's `volume_content_source`), as the
+/// user named it and as the plugin knows it; recorded in the volume's record.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentSource {
+    /// A snapshot.
+    Snapshot {
+        /// Its name.
+        name: String,
+        /// Its id in the plugin.
+        snapshot_id: String,
+    },
+    /// Another volume (a clone).
+    Volume {
+        /// Its name (or id, when it has no name).
+        name: String,
+        /// Its id in the plugin.
+        volume_id: String,
+    },
 }
 
 #[cfg(test)]
