@@ -17,11 +17,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
 use crate::provider::checkpoint;
-use crate::provider::create::{
-    is_ambiguous, validate_volume_name, CreateIntent, CreateSpec, ImportSpec,
-};
+use crate::provider::create::{CreateIntent, CreateSpec, ImportSpec};
 use crate::provider::error::ProviderError;
 use crate::provider::parameters;
+use crate::provider::rules::{is_ambiguous, validate_volume_name};
 use crate::provider::state::{VolumeRecord, FORMAT_VERSION};
 use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;

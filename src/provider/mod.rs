@@ -29,6 +29,7 @@ pub mod parameters;
 pub mod profiles;
 mod publish;
 mod recover;
+mod rules;
 pub mod secrets;
 pub mod snapshot;
 pub mod state;
@@ -41,7 +42,7 @@ mod tests;
 pub mod topology;
 
 pub use access::Access;
-pub use create::{validate_volume_name, CreateSpec, ImportSpec, MAX_NAME_BYTES};
+pub use create::{CreateSpec, ImportSpec};
 pub use error::{NotReadyCause, ProviderError};
 pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
@@ -49,6 +50,7 @@ pub use import::{
 pub use manager::{Manager, MountGroups, PublishedVolume};
 pub use mount_spec::{MountSpec, VolumeOptions};
 pub use publish::{UseOutcome, VolumeUse};
+pub use rules::{validate_volume_name, MAX_NAME_BYTES};
 pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};
 pub use supervisor::{PluginCommand, Supervisor};

@@ -30,8 +30,8 @@ use serde::{Deserialize, Serialize};
 use crate::csi::proto;
 use crate::offload::blocking;
 use crate::provider::checkpoint;
-use crate::provider::create::is_ambiguous;
 use crate::provider::error::ProviderError;
+use crate::provider::rules::{is_ambiguous, validate_name};
 use crate::provider::state::{VolumeRecord, FORMAT_VERSION};
 use crate::provider::storage::{remove_empty_dir, StorageProvider};
 
@@ -309,7 +309,7 @@ impl StorageProvider {
         name: &str,
     ) -> Result<SnapshotRecord, ProviderError> {
         let what = format!("snapshot '{}'", crate::shown::shown(name));
-        crate::provider::create::validate_name("snapshot", name)?;
+        validate_name("snapshot", name)?;
         let lock = self.name_lock(SNAPSHOT_LOCK);
         let _guard = lock.lock().await;
         let source = self.volume(volume_id).await.ok_or_else(|| {
