@@ -50,66 +50,82 @@ fn plugin_socket(root: &Path) -> PathBuf {
     panic!("no plugin socket under {}", root.display());
 }
 
-/// The snapshot ids the plugin has (ListSnapshots, every page).
-async fn plugin_snapshots(w: &ServeRuns) -> Vec<String> {
-    let channel = csi_isolator::csi::transport::connect_unix(&plugin_socket(&w.path("")))
-        .await
-        .unwrap();
-    let mut controller = csi::controller_client::ControllerClient::new(channel);
+/// Every id of a paged CSI listing: `page(token)` answers one page's ids and its next token.
+async fn every_page<F, Fut>(mut page: F) -> Vec<String>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = (Vec<String>, String)>,
+{
     let mut ids = Vec::new();
     let mut token = String::new();
     loop {
-        let page = controller
-            .list_snapshots(csi::ListSnapshotsRequest {
-                starting_token: token.clone(),
-                ..Default::default()
-            })
-            .await
-            .expect("the plugin's ListSnapshots")
-            .into_inner();
-        ids.extend(
-            page.entries
-                .into_iter()
-                .filter_map(|e| e.snapshot.map(|s| s.snapshot_id)),
-        );
-        if page.next_token.is_empty() {
+        let (more, next) = page(token).await;
+        ids.extend(more);
+        if next.is_empty() {
             break;
         }
-        token = page.next_token;
+        token = next;
     }
     ids.sort();
     ids
 }
 
-/// The volume ids the plugin has (ListVolumes, every page).
-async fn plugin_volumes(w: &ServeRuns) -> Vec<String> {
+/// A controller client of the plugin serve manages.
+async fn plugin_controller(w: &ServeRuns) -> csi::controller_client::ControllerClient<Channel> {
     let channel = csi_isolator::csi::transport::connect_unix(&plugin_socket(&w.path("")))
         .await
         .unwrap();
-    let mut controller = csi::controller_client::ControllerClient::new(channel);
-    let mut ids = Vec::new();
-    let mut token = String::new();
-    loop {
-        let page = controller
-            .list_volumes(csi::ListVolumesRequest {
-                starting_token: token.clone(),
-                ..Default::default()
-            })
-            .await
-            .expect("the plugin's ListVolumes")
-            .into_inner();
-        ids.extend(
-            page.entries
+    csi::controller_client::ControllerClient::new(channel)
+}
+
+/// The snapshot ids the plugin has (ListSnapshots, every page).
+async fn plugin_snapshots(w: &ServeRuns) -> Vec<String> {
+    let controller = plugin_controller(w).await;
+    every_page(|token| {
+        let mut controller = controller.clone();
+        async move {
+            let page = controller
+                .list_snapshots(csi::ListSnapshotsRequest {
+                    starting_token: token,
+                    ..Default::default()
+                })
+                .await
+                .expect("the plugin's ListSnapshots")
+                .into_inner();
+            let ids = page
+                .entries
                 .into_iter()
-                .filter_map(|e| e.volume.map(|v| v.volume_id)),
-        );
-        if page.next_token.is_empty() {
-            break;
+                .filter_map(|e| e.snapshot.map(|s| s.snapshot_id))
+                .collect();
+            (ids, page.next_token)
         }
-        token = page.next_token;
-    }
-    ids.sort();
-    ids
+    })
+    .await
+}
+
+/// The volume ids the plugin has (ListVolumes, every page).
+async fn plugin_volumes(w: &ServeRuns) -> Vec<String> {
+    let controller = plugin_controller(w).await;
+    every_page(|token| {
+        let mut controller = controller.clone();
+        async move {
+            let page = controller
+                .list_volumes(csi::ListVolumesRequest {
+                    starting_token: token,
+                    ..Default::default()
+                })
+                .await
+                .expect("the plugin's ListVolumes")
+                .into_inner();
+            let ids = page
+                .entries
+                .into_iter()
+                .filter_map(|e| e.volume.map(|v| v.volume_id))
+                .collect();
+            (ids, page.next_token)
+        }
+    })
+    .await
 }
 
 /// The recorded snapshots' ids, after checking that none is pending.
