@@ -296,6 +296,7 @@ impl Plugin {
             }),
             MountState::NotMounted => {
                 self.faults.stall(RPC);
+                self.grow_filesystem_before_stage(RPC, &record.id, &fs_type)?;
                 self.backing
                     .stage(&dir, &staging, &fs_type, flags)
                     .map_err(err())?;
