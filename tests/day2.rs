@@ -388,3 +388,86 @@ fn snapshot_name(name: &str) -> csi_isolator::provider::snapshot::SourceName {
 fn volume_name(name: &str) -> csi_isolator::provider::snapshot::SourceName {
     csi_isolator::provider::snapshot::SourceName::Volume(name.into())
 }
+
+/// A plugin without CREATE_DELETE_SNAPSHOT, CLONE_VOLUME, EXPAND_VOLUME and MODIFY_VOLUME: each
+/// of the four operations is refused by the isolator saying which capability is missing, and
+/// the plugin's call log shows that none of their RPCs reached it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugin_without_the_capabilities_sees_no_rpc_of_the_refused_operations() {
+    require_root();
+    let sb = Sandbox::new("day2-no-caps");
+    let log = sb.join("calls.log");
+    let p = start(
+        &sb,
+        &[
+            "--backing=dir".into(),
+            "--no-snapshots".into(),
+            "--no-clones".into(),
+            "--expansion=none".into(),
+            "--no-modify".into(),
+            format!("--log-calls={}", log.display()),
+        ],
+    )
+    .await;
+    let id = create(&p, "origin", 8 * MIB, "").await;
+    let said = |e: csi_isolator::provider::ProviderError| full_message(&e);
+    let refusals = [
+        (
+            said(p.create_snapshot(&id, "s").await.unwrap_err()),
+            "the plugin cannot take snapshots (its controller has no CREATE_DELETE_SNAPSHOT)",
+        ),
+        (
+            said(p.delete_snapshot("s").await.unwrap_err()),
+            "the plugin cannot take snapshots",
+        ),
+        (
+            said(
+                p.create_volume_from(
+                    CreateSpec::new("restored", 8 * MIB),
+                    Some(snapshot_name("s")),
+                )
+                .await
+                .unwrap_err(),
+            ),
+            "the plugin cannot take snapshots",
+        ),
+        (
+            said(
+                p.create_volume_from(CreateSpec::new("copy", 8 * MIB), Some(volume_name("origin")))
+                    .await
+                    .unwrap_err(),
+            ),
+            "the plugin cannot clone volumes (its controller has no CLONE_VOLUME)",
+        ),
+        (
+            said(p.expand_volume(&id, 16 * MIB).await.unwrap_err()),
+            "the plugin cannot expand volumes (neither its controller nor its node service has EXPAND_VOLUME)",
+        ),
+        (
+            said(
+                p.modify_volume(&id, &[("tier".to_string(), "fast".to_string())].into())
+                    .await
+                    .unwrap_err(),
+            ),
+            "the plugin cannot modify volumes (its controller service has no MODIFY_VOLUME)",
+        ),
+    ];
+    for (message, words) in &refusals {
+        assert!(message.contains(words), "{words:?} in {message}");
+    }
+    for rpc in [
+        "CreateSnapshot",
+        "DeleteSnapshot",
+        "ControllerExpandVolume",
+        "NodeExpandVolume",
+        "ControllerModifyVolume",
+    ] {
+        assert_eq!(calls(&log, rpc), 0, "{rpc} reached the plugin");
+    }
+    assert_eq!(calls(&log, "CreateVolume"), 1, "only the origin's");
+    // The log is the plugin's: it holds the calls that were made.
+    assert!(calls(&log, "ControllerGetCapabilities") > 0);
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+}
