@@ -4,7 +4,9 @@
 //! it); an ext4 volume grown while not in use, grown offline at its next stage and seen at its
 //! new size with its data by the next workload; an ext4 volume grown in use on a host where the
 //! plugin cannot grow a mounted ext4 (no CAP_SYS_RESOURCE) told why and what to do, and grown
-//! at its next stage; `status` showing a volume's content source.
+//! at its next stage; an offline-only plugin refused while the volume is in use and growing it
+//! once released; a plugin without snapshot, clone, expand or modify capability refused for each
+//! before any RPC (its call log shows none); `status` showing a volume's content source.
 //!
 //! What a workload sees is read from a fresh mount namespace (`unshare -m`) with the volume's
 //! mount point bound in, as a container's is.
@@ -470,4 +472,50 @@ async fn a_plugin_without_the_capabilities_sees_no_rpc_of_the_refused_operations
     p.destroy_volume(&id).await.unwrap();
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
+}
+
+/// A plugin that expands offline only (`--expansion offline`): `expand` of a volume a container
+/// uses is refused by the isolator before any RPC, naming the user; once released it is grown
+/// (the image by ControllerExpandVolume, the ext4 offline at the next stage) and the next
+/// workload sees the new size and the data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_offline_only_plugin_is_refused_in_use_and_grows_the_volume_once_released() {
+    require_root();
+    let sb = Sandbox::new("day2-offline");
+    let log = sb.join("calls.log");
+    let p = start(
+        &sb,
+        &[
+            "--backing=loop".into(),
+            "--expansion=offline".into(),
+            format!("--log-calls={}", log.display()),
+        ],
+    )
+    .await;
+    let id = create(&p, "offline", 64 * MIB, "ext4").await;
+    let mp = p.publish(&id, "c1").await.unwrap();
+    keep(&mp, "offline data\n");
+    let (before, _) = seen_by_a_workload(&sb, &mp);
+    let refused = full_message(&p.expand_volume(&id, 160 * MIB).await.unwrap_err());
+    assert!(
+        refused.contains("used by c1: stop them and retry"),
+        "{refused}"
+    );
+    assert_eq!(calls(&log, "ControllerExpandVolume"), 0);
+    assert_eq!(status_of(&sb, &id).expansion, None, "nothing pending");
+    p.release(&id, "c1").await.unwrap();
+
+    p.expand_volume(&id, 160 * MIB).await.unwrap();
+    assert_eq!(calls(&log, "ControllerExpandVolume"), 1);
+    let mp = p.publish(&id, "c2").await.unwrap();
+    assert_eq!(status_of(&sb, &id).expansion, None);
+    let (seen, kept) = seen_by_a_workload(&sb, &mp);
+    assert_eq!(kept, "offline data\n");
+    assert!(
+        seen >= before + 80 * MIB,
+        "the workload sees {seen} bytes, it saw {before}"
+    );
+    // Stats are read on demand only: publishes and expansions asked for none.
+    assert_eq!(calls(&log, "NodeGetVolumeStats"), 0);
+    finish(&sb, p, &id, "c2").await;
 }
