@@ -37,15 +37,16 @@ struct Cluster {
 }
 
 async fn cluster(backing: &str) -> Cluster {
+    cluster_with(backing, &[]).await
+}
+
+/// A cluster whose three plugins all get `flags` too.
+async fn cluster_with(backing: &str, flags: &[&str]) -> Cluster {
     require_root();
     let sandbox = Sandbox::new("plugin-multinode");
-    let controller = PluginProcess::start_named(
-        &sandbox,
-        "controller",
-        plugin_bin(),
-        &["--backing", backing, "--mode", "controller"],
-    )
-    .await;
+    let mut args = vec!["--backing", backing, "--mode", "controller"];
+    args.extend_from_slice(flags);
+    let controller = PluginProcess::start_named(&sandbox, "controller", plugin_bin(), &args).await;
     let ctl = raw_clients(&controller.socket()).await.expect("connect");
     let mut cluster = Cluster {
         nodes: Vec::new(),
@@ -55,22 +56,18 @@ async fn cluster(backing: &str) -> Cluster {
     };
     for id in ["node-x", "node-y"] {
         let shared = cluster.controller.work_dir().display().to_string();
-        let plugin = PluginProcess::start_named(
-            &cluster.sandbox,
+        let mut args = vec![
+            "--backing",
+            backing,
+            "--mode",
+            "node",
+            "--node-id",
             id,
-            plugin_bin(),
-            &[
-                "--backing",
-                backing,
-                "--mode",
-                "node",
-                "--node-id",
-                id,
-                "--shared-dir",
-                &shared,
-            ],
-        )
-        .await;
+            "--shared-dir",
+            &shared,
+        ];
+        args.extend_from_slice(flags);
+        let plugin = PluginProcess::start_named(&cluster.sandbox, id, plugin_bin(), &args).await;
         let mut c = raw_clients(&plugin.socket()).await.expect("connect");
         // The CO learns the node's id from its node plugin.
         let info = c
@@ -221,8 +218,26 @@ impl Cluster {
             .unwrap();
     }
 
-    /// ListVolumes' published_node_ids of `vol`, sorted.
+    /// ListVolumes' published_node_ids of `vol`, sorted, checked against ControllerGetVolume's.
     async fn published_nodes(&mut self, vol: &proto::Volume) -> Vec<String> {
+        let listed = self.listed_nodes(vol).await;
+        let got = self
+            .ctl
+            .controller
+            .controller_get_volume(proto::ControllerGetVolumeRequest {
+                volume_id: vol.volume_id.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(got.volume.unwrap().volume_id, vol.volume_id);
+        let mut nodes = got.status.unwrap().published_node_ids;
+        nodes.sort();
+        assert_eq!(nodes, listed, "ControllerGetVolume and ListVolumes agree");
+        listed
+    }
+
+    async fn listed_nodes(&mut self, vol: &proto::Volume) -> Vec<String> {
         let entries = self
             .ctl
             .controller
@@ -470,6 +485,39 @@ async fn a_multi_node_multi_writer_volume_is_used_on_both_nodes_dir() {
 #[tokio::test]
 async fn a_multi_node_multi_writer_volume_is_used_on_both_nodes_loop() {
     multi_writer_on_both("loop").await;
+}
+
+/// A controller without PUBLISH_UNPUBLISH_VOLUME: the node plugins find the volume through
+/// the volume_context CreateVolume returned.
+async fn without_controller_publish(backing: &str) {
+    let mut cl = cluster_with(backing, &["--no-controller-publish"]).await;
+    let mode = Mode::SingleNodeWriter;
+    let vol = cl.create("unattached", mode).await;
+    let none = HashMap::new();
+    cl.mount(0, &vol, mode, &none).await;
+    cl.write(0, "f", "from x");
+    cl.unmount(0, &vol).await;
+    cl.mount(1, &vol, mode, &none).await;
+    assert_eq!(cl.read(1, "f"), "from x");
+    cl.unmount(1, &vol).await;
+    // Without any context naming it, a node cannot find a volume it never saw.
+    let mut bare = vol.clone();
+    bare.volume_context.clear();
+    let status = cl.stage(0, &bare, mode, &none).await.unwrap_err();
+    assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
+    assert!(status.message().contains(VOLUME_DIR_KEY), "{status:?}");
+    cl.delete(&vol).await;
+    cl.finish();
+}
+
+#[tokio::test]
+async fn without_controller_publish_the_volume_context_locates_the_volume_dir() {
+    without_controller_publish("dir").await;
+}
+
+#[tokio::test]
+async fn without_controller_publish_the_volume_context_locates_the_volume_loop() {
+    without_controller_publish("loop").await;
 }
 
 /// Hostile contexts: a node plugin mounts only a volume directory under its shared dir, the

@@ -836,6 +836,24 @@ impl Plugin {
         })
     }
 
+    /// ControllerGetVolume (GET_VOLUME): the volume and the nodes it is published to.
+    fn controller_get_volume(
+        &self,
+        req: proto::ControllerGetVolumeRequest,
+    ) -> Result<proto::ControllerGetVolumeResponse, PluginError> {
+        const RPC: &str = "ControllerGetVolume";
+        self.controller_enabled(RPC)?;
+        require(RPC, "volume_id", &req.volume_id)?;
+        let record = self.known_volume(RPC, &req.volume_id)?;
+        Ok(proto::ControllerGetVolumeResponse {
+            volume: Some(to_volume(&record)),
+            status: Some(proto::controller_get_volume_response::VolumeStatus {
+                published_node_ids: record.published_nodes.keys().cloned().collect(),
+                volume_condition: None,
+            }),
+        })
+    }
+
     /// What CreateVolume may still give: the plugin's configured total less what its
     /// volumes were promised, and no more than the work dir's filesystem has free beyond
     /// what the sparse images of existing volumes may still fill. Stats each loop image
@@ -916,6 +934,7 @@ impl Plugin {
                 Cap::ListVolumes,
                 Cap::GetCapacity,
                 Cap::ListVolumesPublishedNodes,
+                Cap::GetVolume,
                 // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
                 Cap::SingleNodeMultiWriter,
             ]);
@@ -997,20 +1016,6 @@ impl Plugin {
             response.get_mut().publish_context.clear();
         }
         response
-    }
-}
-
-impl PluginService {
-    /// An RPC of a capability this plugin never offers: logged and fault-injectable like
-    /// any other, then UNIMPLEMENTED.
-    pub(super) async fn unsupported<T: Default + Send + 'static>(
-        &self,
-        rpc: &'static str,
-    ) -> Result<Response<T>, Status> {
-        self.call(rpc, "", LockKey::None, (), move |_, ()| {
-            Err(PluginError::Unimplemented { rpc })
-        })
-        .await
     }
 }
 
@@ -1249,9 +1254,18 @@ impl proto::controller_server::Controller for PluginService {
 
     async fn controller_get_volume(
         &self,
-        _request: Request<proto::ControllerGetVolumeRequest>,
+        request: Request<proto::ControllerGetVolumeRequest>,
     ) -> Result<Response<proto::ControllerGetVolumeResponse>, Status> {
-        self.unsupported("ControllerGetVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ControllerGetVolume",
+            &id,
+            LockKey::None,
+            req,
+            Plugin::controller_get_volume,
+        )
+        .await
     }
 
     async fn controller_modify_volume(
