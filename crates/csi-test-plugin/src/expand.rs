@@ -217,7 +217,7 @@ impl Plugin {
             None => (0, 0),
         };
         let mut record = self.known_volume(RPC, &req.volume_id)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let block = Backing::is_block(&dir);
         if let Some(cap) = &req.volume_capability {
             check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
