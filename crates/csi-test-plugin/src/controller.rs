@@ -705,7 +705,11 @@ impl Plugin {
             }
         }
         Ok(proto::ControllerPublishVolumeResponse {
-            publish_context: publish_context(&record.id, &req.node_id, &self.location(&record)),
+            publish_context: publish_context(
+                &record.id,
+                &req.node_id,
+                self.context_location(&record).as_deref(),
+            ),
         })
     }
 
