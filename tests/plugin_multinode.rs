@@ -390,6 +390,19 @@ async fn moves_between_nodes(backing: &str) {
         status.message().contains("node node-y must wait"),
         "{status:?}"
     );
+    // An over-long node id (CSI: at most 256 bytes) is refused before anything is recorded.
+    let status = cl
+        .ctl
+        .controller
+        .controller_publish_volume(proto::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "n".repeat(257),
+            volume_capability: Some(mount_capability(Mode::MultiNodeMultiWriter)),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     // And a node plugin the controller did not publish to refuses to mount it.
     let status = cl.stage(1, &vol, mode, &ctx).await.unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");

@@ -48,6 +48,10 @@ use super::{Plugin, PluginConfig, PluginError, PluginMode};
 /// under the shared dir.
 pub const VOLUME_DIR_KEY: &str = "csi-test-plugin/volume-dir";
 
+/// The longest node id ControllerPublish accepts (the CSI spec: NodeGetInfo's node_id "SHALL
+/// NOT exceed 256 bytes").
+pub const MAX_NODE_ID: usize = 256;
+
 /// The longest location accepted (Linux `PATH_MAX`).
 const MAX_LOCATION: usize = 4096;
 
