@@ -329,6 +329,60 @@ fn serve_drives_the_controller_and_the_node_plugin_apart() {
         has(&cc, "CreateVolume") && has(&cc, "DeleteVolume"),
         "{cc:?}"
     );
+
+    // Another driver takes the controller's socket: the controller client's re-check refuses
+    // it, naming both names, and no volume call reaches it.
+    let mut split = split;
+    split.controller.kill();
+    let impostor_dir = sb.mkdir("impostor");
+    let mut impostor = sb
+        .spawn(
+            Command::new(plugin_bin())
+                .arg("--endpoint")
+                .arg(split.controller.endpoint())
+                .arg("--work-dir")
+                .arg(impostor_dir.join("work"))
+                .arg("--log-calls")
+                .arg(impostor_dir.join("calls.log"))
+                .args(["--mode", "controller", "--name", "impostor.example.io"]),
+        )
+        .expect("start the impostor");
+    let refused = block_on(async {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tokio::net::UnixStream::connect(split.controller.socket())
+            .await
+            .is_err()
+        {
+            assert!(std::time::Instant::now() < deadline, "the impostor listens");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let mut c = csi_isolator::service::proto::isolator_client::IsolatorClient::new(
+            csi_isolator::csi::transport::connect_unix(&socket)
+                .await
+                .unwrap(),
+        );
+        c.create_volume(CreateVolumeRequest {
+            name: "after-swap".into(),
+            capacity_bytes: 16 << 20,
+            ..Default::default()
+        })
+        .await
+        .expect_err("a volume call to another driver is refused")
+    });
+    let message = refused.message().to_string();
+    for part in [
+        "impostor.example.io",
+        csi_isolator::provider::bundled::BUNDLED_TYPE,
+    ] {
+        assert!(message.contains(part), "{part}: {message}");
+    }
+    let impostor_calls =
+        std::fs::read_to_string(impostor_dir.join("calls.log")).unwrap_or_default();
+    assert!(!impostor_calls.contains("CreateVolume"), "{impostor_calls}");
+    let pid = impostor.id();
+    let _ = impostor.kill();
+    let _ = impostor.wait();
+    sb.untrack(pid);
     stop_serve(&sb, serve);
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
