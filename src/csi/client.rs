@@ -32,6 +32,9 @@
 //!   retried: the plugin answered, wrongly.
 //! - Cloning is cheap (one `Arc`); clones share the channel and the
 //!   [`Metrics`]. Calls on clones run in parallel.
+//! - A client may drive only some of a plugin's services ([`Client::connect_for`],
+//!   [`Services`]): a driver's controller plugin and node plugin deployed apart get one client
+//!   each, each pinned and re-checked on its own socket as above, sharing one [`Metrics`].
 //! - Requests are never logged: they may carry secrets. A plugin's message about a
 //!   call that carried secrets has their values replaced (`<redacted>`) before it is
 //!   logged or returned.

@@ -1,5 +1,8 @@
 //! The storage local resource provider: one CSI plugin instance (`type`,
-//! `name`) and the volumes made through it.
+//! `name`) and the volumes made through it. The driver may run as one plugin, or as a
+//! controller plugin apart from this node's plugin ([`ProviderConfig::controller_endpoint`]):
+//! then every Controller RPC goes to [`StorageProvider::controller`], every Node RPC to
+//! [`StorageProvider::client`], and both must be the same driver.
 //!
 //! Invariants:
 //! - Every operation is checkpointed: its intent (first step and goal) is
