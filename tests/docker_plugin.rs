@@ -1211,3 +1211,99 @@ async fn a_mount_its_caller_stopped_waiting_for_is_undone_when_it_finishes() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// The one file named `name` below `root` (the plugin keeps a volume's image in a directory of
+/// its own).
+fn find_below(root: &Path, name: &str) -> PathBuf {
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let ft = e.file_type().unwrap();
+            if e.file_name() == name {
+                return e.path();
+            }
+            if ft.is_dir() && !ft.is_symlink() {
+                stack.push(e.path());
+            }
+        }
+    }
+    panic!("no {name} below {}", root.display())
+}
+
+/// `Get` of a published volume carries its usage and condition from NodeGetVolumeStats
+/// (issue 15's "the Docker plugin's Get Status"): what a writer adds shows within a block, a
+/// volume whose backing went away shows abnormal, and an unpublished volume has no figures
+/// (nothing is asked of the plugin for it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_shows_a_published_volumes_usage_and_condition() {
+    require_root();
+    const MIB: i64 = 1 << 20;
+    const BLOCK: i64 = 4096;
+    let sb = Sandbox::new("docker-plugin-get-stats");
+    let p = Plugin::start(&sb, &[]);
+    p.ok(
+        "/VolumeDriver.Create",
+        json!({"Name": "data", "Opts": {"size": "64M"}}),
+    )
+    .await;
+    let unpublished = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    let status = &unpublished["Volume"]["Status"];
+    assert!(
+        status.get("stats").is_none_or(Value::is_null),
+        "{unpublished}"
+    );
+
+    let mounted = p
+        .ok("/VolumeDriver.Mount", json!({"Name": "data", "ID": A}))
+        .await;
+    let mountpoint = PathBuf::from(mounted["Mountpoint"].as_str().unwrap());
+    let used = |got: &Value| -> i64 {
+        got["Volume"]["Status"]["stats"]["bytes_used"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("no bytes_used: {got}"))
+    };
+    let before = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    let total = before["Volume"]["Status"]["stats"]["bytes_total"]
+        .as_i64()
+        .unwrap();
+    assert!((48 * MIB..=64 * MIB).contains(&total), "{before}");
+    assert_eq!(
+        before["Volume"]["Status"]["condition"]["abnormal"], false,
+        "{before}"
+    );
+    {
+        let mut f = std::fs::File::create(mountpoint.join("payload")).unwrap();
+        let chunk = vec![0x5au8; MIB as usize];
+        for _ in 0..8 {
+            f.write_all(&chunk).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let after = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    let grew = used(&after) - used(&before);
+    assert!(
+        (grew - 8 * MIB).abs() <= BLOCK,
+        "used grew by {grew}: {before} -> {after}"
+    );
+
+    // What holds the data goes away (moved aside, and back for the cleanup).
+    let image = find_below(&p.work.join("csi"), "image.ext4");
+    let aside = image.with_extension("moved");
+    std::fs::rename(&image, &aside).unwrap();
+    let damaged = p.ok("/VolumeDriver.Get", json!({"Name": "data"})).await;
+    std::fs::rename(&aside, &image).unwrap();
+    let condition = &damaged["Volume"]["Status"]["condition"];
+    assert_eq!(condition["abnormal"], true, "{damaged}");
+    assert!(
+        condition["message"].as_str().unwrap().contains("is gone"),
+        "{damaged}"
+    );
+
+    p.ok("/VolumeDriver.Unmount", json!({"Name": "data", "ID": A}))
+        .await;
+    p.ok("/VolumeDriver.Remove", json!({"Name": "data"})).await;
+    let work = p.work.clone();
+    p.stop(&sb, Signal::SIGTERM);
+    assert!(mount_points_under(&work).is_empty());
+    sb.assert_no_loop_devices();
+}

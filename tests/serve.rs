@@ -1849,3 +1849,108 @@ async fn expand_volume_grows_a_volume_under_a_running_workload() {
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
 }
+
+/// Status over the wire: a running workload's writes show in the volume's stats (within a block
+/// of what it wrote, on the loop backing's own filesystem) with a normal condition, and a volume
+/// made from a snapshot or cloned from a volume carries its `content_source`
+/// (`snapshot:NAME`, `volume:NAME`), the volume made empty none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_a_workloads_usage_and_what_a_volume_was_made_from() {
+    require_root();
+    let sb = Sandbox::new("serve-day2-status");
+    let work = sb.join("work");
+    let mut serve = Serve::start(&sb, &work, &sb.join("isolator.sock"), false);
+    let mut c = serve.client().await;
+    let made = |name: &str, from_snapshot: &str, from_volume: &str| CreateVolumeRequest {
+        name: name.into(),
+        capacity_bytes: 64 * MIB,
+        container_path: "data".into(),
+        from_snapshot: from_snapshot.into(),
+        from_volume: from_volume.into(),
+        ..Default::default()
+    };
+    let src = c
+        .create_volume(made("src", "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    let (sleeper, sandbox) = prepare_and_launch(&mut c, &sb, "c1", list(&[&src])).await;
+    let inside = PathBuf::from(format!("/proc/{}/root", sleeper.pid()))
+        .join(sandbox.join("data").strip_prefix("/").unwrap());
+    let stats_of = |s: &proto::StatusResponse, id: &str| {
+        let v = s.volumes.iter().find(|v| v.volume_id == id).unwrap();
+        (v.stats.clone().expect("stats"), v.condition.clone())
+    };
+    let (before, _) = stats_of(&status(&mut c).await, &src.volume_id);
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(inside.join("payload")).unwrap();
+        for _ in 0..8 {
+            f.write_all(&vec![0x5a; MIB as usize]).unwrap();
+        }
+        f.sync_all().unwrap();
+    }
+    let (after, condition) = stats_of(&status(&mut c).await, &src.volume_id);
+    assert_eq!(after.unavailable, "", "{after:?}");
+    let grew = after.bytes_used.unwrap() as i64 - before.bytes_used.unwrap() as i64;
+    assert!(
+        (grew - 8 * MIB as i64).abs() <= 4096,
+        "used grew by {grew}: {before:?} -> {after:?}"
+    );
+    assert!(!condition.expect("a condition").abnormal);
+
+    c.create_snapshot(proto::CreateSnapshotRequest {
+        volume_id: src.volume_id.clone(),
+        name: "nightly".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|s| panic!("CreateSnapshot: {s}"));
+    let restored = c
+        .create_volume(made("restored", "nightly", ""))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume from a snapshot: {s}"))
+        .into_inner();
+    let copy = c
+        .create_volume(made("copy", "", "src"))
+        .await
+        .unwrap_or_else(|s| panic!("CreateVolume from a volume: {s}"))
+        .into_inner();
+    let s = status(&mut c).await;
+    let source = |id: &str| {
+        s.volumes
+            .iter()
+            .find(|v| v.volume_id == id)
+            .unwrap()
+            .content_source
+            .clone()
+    };
+    assert_eq!(source(&src.volume_id), "");
+    assert_eq!(source(&restored.volume_id), "snapshot:nightly");
+    assert_eq!(source(&copy.volume_id), "volume:src");
+
+    stop(&sb, sleeper).await;
+    c.cleanup(CleanupRequest {
+        container_id: "c1".into(),
+    })
+    .await
+    .unwrap();
+    for v in [&restored, &copy, &src] {
+        c.destroy_volume(DestroyVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    c.delete_snapshot(proto::DeleteSnapshotRequest {
+        name: "nightly".into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    drop(c);
+    assert!(serve.terminate(&sb).success());
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}

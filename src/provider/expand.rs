@@ -273,6 +273,20 @@ impl StorageProvider {
     }
 }
 
+/// What a pending expansion waits for, as `status` says it.
+pub fn pending_line(e: &Expansion) -> String {
+    match e.step {
+        ExpandStep::Controller => format!(
+            "to {} bytes: ControllerExpandVolume not finished; the next start or `volume expand` with that size finishes it",
+            e.to_bytes
+        ),
+        ExpandStep::Node => format!(
+            "to {} bytes: NodeExpandVolume waits for the volume's next publish on this node (or `volume expand` with that size while it is published)",
+            e.to_bytes
+        ),
+    }
+}
+
 /// A size for the wire (sizes above i64::MAX are not sizes a plugin can be asked).
 fn to_i64(bytes: u64) -> i64 {
     i64::try_from(bytes).unwrap_or(i64::MAX)
@@ -397,6 +411,26 @@ mod tests {
             );
         }
         assert_eq!(to_i64(u64::MAX), i64::MAX);
+    }
+
+    #[test]
+    fn pending_expansions_say_what_they_wait_for() {
+        let node = pending_line(&Expansion {
+            to_bytes: 7,
+            step: ExpandStep::Node,
+        });
+        assert!(
+            node.starts_with("to 7 bytes: NodeExpandVolume waits for the volume's next publish"),
+            "{node}"
+        );
+        let controller = pending_line(&Expansion {
+            to_bytes: 9,
+            step: ExpandStep::Controller,
+        });
+        assert!(
+            controller.contains("ControllerExpandVolume not finished"),
+            "{controller}"
+        );
     }
 
     #[test]

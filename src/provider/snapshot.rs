@@ -94,6 +94,23 @@ impl ContentSource {
             }),
         }
     }
+
+    /// The source as `serve`'s Status gives it: `snapshot:NAME` or `volume:NAME` (the name the
+    /// user gave, the plugin's id when the source had no name).
+    pub fn label(&self) -> String {
+        match self {
+            ContentSource::Snapshot { name, .. } => format!("snapshot:{name}"),
+            ContentSource::Volume { name, .. } => format!("volume:{name}"),
+        }
+    }
+
+    /// The kind and the name, for `status`'s line: `made from snapshot` or `cloned from volume`.
+    pub fn described(&self) -> (&'static str, &str) {
+        match self {
+            ContentSource::Snapshot { name, .. } => ("made from snapshot", name),
+            ContentSource::Volume { name, .. } => ("cloned from volume", name),
+        }
+    }
 }
 
 /// What a new volume is asked to be made from, by name (`--from-snapshot`, `--from-volume`).

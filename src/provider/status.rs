@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
-use crate::provider::state::{VolumeRecord, VolumeState};
+use crate::provider::state::{ContentSource, Expansion, VolumeRecord, VolumeState};
 use crate::resource::{Layout, STATE_FILE};
 
 /// One volume as its checkpoint and the mount table see it.
@@ -67,6 +67,15 @@ pub struct VolumeStatus {
     /// [`crate::provider::modify`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub mutable_parameters: BTreeMap<String, String>,
+    /// Where its content came from when it was created (`volume create --from-snapshot` or
+    /// `--from-volume`, [`crate::provider::snapshot`]); `None`: made empty (or imported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_source: Option<ContentSource>,
+    /// An expansion not finished ([`crate::provider::expand`]): the size asked and the call it
+    /// waits for (`node`: NodeExpandVolume, at the volume's next publish on this node or the
+    /// next `volume expand`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expansion: Option<Expansion>,
 }
 
 /// A state file that could not be read.
@@ -148,6 +157,8 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 condition: None,
                 stats_unavailable: None,
                 mutable_parameters: rec.mutable_parameters,
+                content_source: rec.content_source,
+                expansion: rec.expansion,
             });
         }
     }

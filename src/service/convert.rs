@@ -267,6 +267,11 @@ pub fn status(report: StatusReport, containers: &[ContainerRecord]) -> proto::St
                 mount_flags: v.capability.mount_flags,
                 mount_group: v.mount_group.unwrap_or(0),
                 mutable_parameters: v.mutable_parameters.into_iter().collect(),
+                content_source: v
+                    .content_source
+                    .as_ref()
+                    .map(|c| c.label())
+                    .unwrap_or_default(),
                 accessible_topology: v
                     .accessible_topology
                     .into_iter()
@@ -341,6 +346,11 @@ mod tests {
             condition: None,
             stats_unavailable: None,
             mutable_parameters: Default::default(),
+            content_source: Some(crate::provider::state::ContentSource::Snapshot {
+                name: "nightly".into(),
+                snapshot_id: "snap-1".into(),
+            }),
+            expansion: None,
         };
         let report = StatusReport {
             volumes: vec![v],
@@ -348,6 +358,7 @@ mod tests {
         };
         let answer = status(report, &[]);
         assert_eq!(answer.volumes[0].mount_group, 5678);
+        assert_eq!(answer.volumes[0].content_source, "snapshot:nightly");
         let topology = &answer.volumes[0].accessible_topology;
         assert_eq!(topology.len(), 1);
         assert_eq!(topology[0].segments, zone.into_iter().collect());

@@ -3,7 +3,7 @@
 //! Each handler only picks the RPC name, the volume and the lock, and hands the request to a
 //! synchronous operation on [`Plugin`] through [`PluginService::call`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 use rand::Rng;
 use tonic::{Request, Response, Status};
@@ -11,9 +11,11 @@ use tonic::{Request, Response, Status};
 use super::backing::{Backing, BackingKind};
 use super::faults::LieMode;
 use super::mount_options;
+use super::multinode::publish_context;
 use super::store::{CapabilityRecord, ControllerPublication};
 use super::{
-    require, volume_key, LockKey, Plugin, PluginError, PluginService, PARAMETER_ECHO_PREFIX,
+    require, volume_key, LockKey, Plugin, PluginError, PluginMode, PluginService,
+    PARAMETER_ECHO_PREFIX,
 };
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::controller_service_capability::rpc::Type as Cap;
@@ -200,15 +202,6 @@ pub(super) fn capacity_range(
 fn new_volume_id(prefix: &str) -> String {
     let bits: u64 = rand::rng().random();
     format!("{prefix}{bits:016x}")
-}
-
-/// The publish_context ControllerPublish returns for (volume, node); NodeStage and
-/// NodePublish require exactly it.
-pub(super) fn publish_context(volume_id: &str, node_id: &str) -> HashMap<String, String> {
-    HashMap::from([(
-        "csi-test-plugin/attachment".to_string(),
-        format!("{volume_id}@{node_id}"),
-    )])
 }
 
 /// Which bound decides what CreateVolume may still give.
@@ -487,7 +480,7 @@ impl Plugin {
         if let Some(fs_type) = fs_type {
             volume_context.insert(FS_TYPE_KEY.to_string(), fs_type);
         }
-        let record = super::store::VolumeRecord {
+        let mut record = super::store::VolumeRecord {
             version: super::store::RECORD_VERSION,
             id: id.clone(),
             name: req.name,
@@ -499,7 +492,15 @@ impl Plugin {
             published: BTreeMap::new(),
             content_source,
             mutable_parameters,
+            location: None,
         };
+        if self.config.mode == PluginMode::Controller {
+            // For node plugins of a controller without PUBLISH_UNPUBLISH_VOLUME.
+            let location = self.location(&record).to_string_lossy().into_owned();
+            record
+                .volume_context
+                .insert(super::multinode::VOLUME_DIR_KEY.to_string(), location);
+        }
         self.faults.stall(RPC);
         match &source {
             Some(source) => self.populate(RPC, &record, source)?,
@@ -650,7 +651,9 @@ impl Plugin {
         let block = Backing::is_block(&self.store.volume_dir(&record.id));
         check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
         check_volume_fs_type(RPC, "volume_capability", &record, cap, self.backing.kind())?;
-        if req.node_id != self.config.node_id {
+        // A both-mode plugin serves its own node; a controller-mode one any node that reaches
+        // the shared dir.
+        if self.config.mode == PluginMode::Both && req.node_id != self.config.node_id {
             return Err(PluginError::NodeNotFound {
                 rpc: RPC,
                 node_id: req.node_id,
@@ -658,6 +661,21 @@ impl Plugin {
             });
         }
         let capability = capability_record(cap);
+        if let Some((holder, why)) = super::multinode::node_conflict(
+            &record.published_nodes,
+            &req.node_id,
+            capability.access_mode,
+            req.readonly,
+        ) {
+            return Err(PluginError::FailedPrecondition {
+                rpc: RPC,
+                volume_id: record.id,
+                reason: format!(
+                    "published to node {holder}, and {why}: node {} must wait until it is ControllerUnpublished from {holder}",
+                    req.node_id
+                ),
+            });
+        }
         match record.published_nodes.get(&req.node_id) {
             Some(existing)
                 if existing.readonly != req.readonly
@@ -687,7 +705,7 @@ impl Plugin {
             }
         }
         Ok(proto::ControllerPublishVolumeResponse {
-            publish_context: publish_context(&record.id, &req.node_id),
+            publish_context: publish_context(&record.id, &req.node_id, &self.location(&record)),
         })
     }
 
@@ -818,6 +836,24 @@ impl Plugin {
         })
     }
 
+    /// ControllerGetVolume (GET_VOLUME): the volume and the nodes it is published to.
+    fn controller_get_volume(
+        &self,
+        req: proto::ControllerGetVolumeRequest,
+    ) -> Result<proto::ControllerGetVolumeResponse, PluginError> {
+        const RPC: &str = "ControllerGetVolume";
+        self.controller_enabled(RPC)?;
+        require(RPC, "volume_id", &req.volume_id)?;
+        let record = self.known_volume(RPC, &req.volume_id)?;
+        Ok(proto::ControllerGetVolumeResponse {
+            volume: Some(to_volume(&record)),
+            status: Some(proto::controller_get_volume_response::VolumeStatus {
+                published_node_ids: record.published_nodes.keys().cloned().collect(),
+                volume_condition: None,
+            }),
+        })
+    }
+
     /// What CreateVolume may still give: the plugin's configured total less what its
     /// volumes were promised, and no more than the work dir's filesystem has free beyond
     /// what the sparse images of existing volumes may still fill. Stats each loop image
@@ -898,6 +934,7 @@ impl Plugin {
                 Cap::ListVolumes,
                 Cap::GetCapacity,
                 Cap::ListVolumesPublishedNodes,
+                Cap::GetVolume,
                 // Access modes SINGLE_NODE_SINGLE_WRITER and SINGLE_NODE_MULTI_WRITER.
                 Cap::SingleNodeMultiWriter,
             ]);
@@ -979,20 +1016,6 @@ impl Plugin {
             response.get_mut().publish_context.clear();
         }
         response
-    }
-}
-
-impl PluginService {
-    /// An RPC of a capability this plugin never offers: logged and fault-injectable like
-    /// any other, then UNIMPLEMENTED.
-    pub(super) async fn unsupported<T: Default + Send + 'static>(
-        &self,
-        rpc: &'static str,
-    ) -> Result<Response<T>, Status> {
-        self.call(rpc, "", LockKey::None, (), move |_, ()| {
-            Err(PluginError::Unimplemented { rpc })
-        })
-        .await
     }
 }
 
@@ -1231,9 +1254,18 @@ impl proto::controller_server::Controller for PluginService {
 
     async fn controller_get_volume(
         &self,
-        _request: Request<proto::ControllerGetVolumeRequest>,
+        request: Request<proto::ControllerGetVolumeRequest>,
     ) -> Result<Response<proto::ControllerGetVolumeResponse>, Status> {
-        self.unsupported("ControllerGetVolume").await
+        let req = request.into_inner();
+        let id = req.volume_id.clone();
+        self.call(
+            "ControllerGetVolume",
+            &id,
+            LockKey::None,
+            req,
+            Plugin::controller_get_volume,
+        )
+        .await
     }
 
     async fn controller_modify_volume(

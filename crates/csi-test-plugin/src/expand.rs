@@ -11,6 +11,11 @@
 //! volume have no filesystem of the plugin's to grow). NodeExpandVolume of a size the
 //! controller did not give grows the image itself first. A node-only plugin (`--no-controller`)
 //! offers no expansion.
+//!
+//! An ext-family filesystem grown mounted needs CAP_SYS_RESOURCE (EXT4_IOC_RESIZE_FS); without
+//! it NodeExpandVolume is FAILED_PRECONDITION, saying why and what to do. Growing the image marks
+//! the volume (a file in its directory), and the next NodeStage that finds nothing of the volume
+//! mounted on the node grows the filesystem offline first, which needs no such capability.
 
 use super::backing::Backing;
 use super::controller::{capacity_range as range, check_volume_access, volume_fs_type, Bound};
@@ -70,6 +75,16 @@ impl Plugin {
         }
         self.faults.stall(rpc);
         let dir = self.store.volume_dir(&record.id);
+        let fs_type = volume_fs_type(record, self.backing.kind());
+        if !Backing::is_block(&dir) && Backing::grows_offline(&fs_type) {
+            // Before the image: a crash between leaves a marker for a filesystem that needs no
+            // growing, which costs the next stage one e2fsck and a resize2fs with nothing to do.
+            mark_filesystem_smaller(&dir).map_err(|source| PluginError::Backing {
+                rpc,
+                volume_id: record.id.clone(),
+                source,
+            })?;
+        }
         self.backing
             .grow_image(&dir, size)
             .map_err(|source| PluginError::Backing {
@@ -153,6 +168,41 @@ impl Plugin {
         Ok(())
     }
 
+    /// NodeStage, before it mounts the volume: a filesystem of the ext family left smaller
+    /// than its image by an expansion done while the volume was not in use is grown offline
+    /// (`e2fsck -f`, `resize2fs` on the unmounted image), which needs no capability beyond
+    /// root's files, unlike the online grow (EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE). Done
+    /// only while nothing of the volume is mounted on this node; otherwise NodeExpandVolume
+    /// grows it online. Runs under the volume's lock.
+    pub(super) fn grow_filesystem_before_stage(
+        &self,
+        rpc: &'static str,
+        volume_id: &str,
+        fs_type: &str,
+    ) -> Result<(), PluginError> {
+        let dir = self.store.volume_dir(volume_id);
+        let err = |source| PluginError::Backing {
+            rpc,
+            volume_id: volume_id.to_string(),
+            source,
+        };
+        if !dir.join(FS_SMALLER_MARKER).exists()
+            || !self.backing.volume_mounts(&dir).map_err(err)?.is_empty()
+        {
+            return Ok(());
+        }
+        self.backing
+            .grow_filesystem_offline(&dir, fs_type)
+            .map_err(err)?;
+        clear_filesystem_smaller(&dir).map_err(err)?;
+        tracing::info!(
+            volume_id,
+            fs_type,
+            "filesystem grown offline to its image before staging"
+        );
+        Ok(())
+    }
+
     /// Runs under the volume's lock.
     pub(super) fn node_expand(
         &self,
@@ -167,7 +217,7 @@ impl Plugin {
             None => (0, 0),
         };
         let mut record = self.known_volume(RPC, &req.volume_id)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let block = Backing::is_block(&dir);
         if let Some(cap) = &req.volume_capability {
             check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
@@ -191,15 +241,106 @@ impl Plugin {
         }
         let fs_type = volume_fs_type(&record, self.backing.kind());
         self.faults.stall(RPC);
-        self.backing
-            .grow_filesystem(&dir, &fs_type)
-            .map_err(|source| PluginError::Backing {
-                rpc: RPC,
-                volume_id: record.id.clone(),
-                source,
-            })?;
+        self.backing.grow_filesystem(&dir, &fs_type).map_err(
+            |source| match online_grow_refused(&fs_type, &source) {
+                Some(reason) => PluginError::FailedPrecondition {
+                    rpc: RPC,
+                    volume_id: record.id.clone(),
+                    reason,
+                },
+                None => PluginError::Backing {
+                    rpc: RPC,
+                    volume_id: record.id.clone(),
+                    source,
+                },
+            },
+        )?;
+        // Grown to its image: nothing left for the next stage to do offline.
+        clear_filesystem_smaller(&dir).map_err(|source| PluginError::Backing {
+            rpc: RPC,
+            volume_id: record.id.clone(),
+            source,
+        })?;
         Ok(proto::NodeExpandVolumeResponse {
             capacity_bytes: i64::try_from(record.capacity_bytes).unwrap_or(i64::MAX),
         })
+    }
+}
+
+/// In a loop volume's directory: its image was grown and its filesystem (of the ext family) may
+/// not be yet; the next stage grows it offline ([`Plugin::grow_filesystem_before_stage`]).
+const FS_SMALLER_MARKER: &str = "filesystem-smaller-than-image";
+
+fn mark_filesystem_smaller(dir: &std::path::Path) -> Result<(), super::backing::BackingError> {
+    let marker = dir.join(FS_SMALLER_MARKER);
+    std::fs::write(&marker, b"")
+        .map_err(csi_isolator::io_step::io_step("write marker", &marker))?;
+    Ok(())
+}
+
+fn clear_filesystem_smaller(dir: &std::path::Path) -> Result<(), super::backing::BackingError> {
+    let marker = dir.join(FS_SMALLER_MARKER);
+    match std::fs::remove_file(&marker) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(csi_isolator::io_step::io_step("remove marker", &marker)(e).into())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// When growing a mounted filesystem failed because the kernel refused the plugin (resize2fs's
+/// EXT4_IOC_RESIZE_FS needs CAP_SYS_RESOURCE): why, and what to do instead.
+fn online_grow_refused(fs_type: &str, err: &super::backing::BackingError) -> Option<String> {
+    let super::backing::BackingError::Tool {
+        program, reason, ..
+    } = err
+    else {
+        return None;
+    };
+    (program == "resize2fs" && reason.contains("Permission denied")).then(|| {
+        format!(
+            "growing the mounted {fs_type} filesystem online needs CAP_SYS_RESOURCE \
+             (EXT4_IOC_RESIZE_FS), which this plugin's process lacks ({}); the image is grown, \
+             the filesystem is not: release the volume from every container so that it is \
+             unstaged, and its next stage grows it offline, or run the plugin with \
+             CAP_SYS_RESOURCE",
+            reason.trim()
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::BackingError;
+
+    #[test]
+    fn an_online_grow_refused_by_the_kernel_says_why_and_what_to_do() {
+        let refused = BackingError::Tool {
+            program: "resize2fs".into(),
+            args: "/dev/loop3".into(),
+            reason: "exit status: 1: resize2fs 1.47.0 (5-Feb-2023)\nresize2fs: Permission denied to resize filesystem".into(),
+        };
+        let said = online_grow_refused("ext4", &refused).expect("recognised");
+        for words in [
+            "mounted ext4 filesystem online needs CAP_SYS_RESOURCE",
+            "release the volume from every container",
+            "next stage grows it offline",
+            "Permission denied to resize filesystem",
+        ] {
+            assert!(said.contains(words), "{words:?} in {said}");
+        }
+        let other = BackingError::Tool {
+            program: "resize2fs".into(),
+            args: String::new(),
+            reason: "exit status: 1: bad superblock".into(),
+        };
+        assert_eq!(online_grow_refused("ext4", &other), None);
+        let xfs = BackingError::Tool {
+            program: "xfs_growfs".into(),
+            args: String::new(),
+            reason: "Permission denied".into(),
+        };
+        assert_eq!(online_grow_refused("xfs", &xfs), None);
     }
 }

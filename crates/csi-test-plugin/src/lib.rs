@@ -47,6 +47,7 @@ mod identity;
 mod locks;
 mod modify;
 pub mod mount_options;
+pub mod multinode;
 mod node;
 mod snapshot;
 pub mod stats;
@@ -144,6 +145,41 @@ pub struct PluginConfig {
     /// off (`--no-modify`): ControllerModifyVolume is UNIMPLEMENTED and a CreateVolume
     /// carrying mutable parameters is refused.
     pub modify: bool,
+    /// Which services this instance serves (`--mode`): both (one node), or the controller or
+    /// the node half of a multi-node deployment ([`multinode`]).
+    pub mode: PluginMode,
+    /// Node mode: the controller's work dir, as this node reaches it (`--shared-dir`). The
+    /// node plugin mounts only volumes under `<shared dir>/volumes/`, and never writes there.
+    pub shared_dir: Option<PathBuf>,
+}
+
+/// Which services a plugin instance serves (`--mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PluginMode {
+    /// Identity, Controller and Node: one node, its own controller (the default).
+    Both,
+    /// Identity and Controller: volumes under the work dir, shared with the nodes;
+    /// ControllerPublish to any node id. The Node service is not served (UNIMPLEMENTED).
+    Controller,
+    /// Identity and Node: volumes found under `--shared-dir` through the publish_context (or
+    /// volume_context) the controller gave; node-local state under the work dir. The
+    /// Controller service is not served (UNIMPLEMENTED), CONTROLLER_SERVICE not offered.
+    Node,
+}
+
+impl std::str::FromStr for PluginMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "both" => Ok(PluginMode::Both),
+            "controller" => Ok(PluginMode::Controller),
+            "node" => Ok(PluginMode::Node),
+            other => Err(format!(
+                "unknown mode '{}' (expected controller, node or both)",
+                other.escape_debug()
+            )),
+        }
+    }
 }
 
 /// Which volume expansion the plugin offers (`--expansion`).
@@ -264,12 +300,28 @@ impl PluginConfig {
             clones: true,
             modify: true,
             expansion: Expansion::Online,
+            mode: PluginMode::Both,
+            shared_dir: None,
         }
     }
 
-    /// Whether NodeStage/NodePublish must be preceded by ControllerPublish.
+    /// A node-mode configuration: node `node_id`, its own state under `work_dir`, the
+    /// controller's volumes under `shared_dir`.
+    pub fn node(socket: PathBuf, work_dir: PathBuf, shared_dir: PathBuf, node_id: &str) -> Self {
+        PluginConfig {
+            mode: PluginMode::Node,
+            shared_dir: Some(shared_dir),
+            controller: false,
+            node_id: node_id.to_string(),
+            ..PluginConfig::new(socket, work_dir)
+        }
+    }
+
+    /// Whether NodeStage/NodePublish must be preceded by ControllerPublish: a node-mode
+    /// plugin assumes its controller publishes unless told otherwise
+    /// (`--no-controller-publish`).
     fn requires_controller_publish(&self) -> bool {
-        self.controller && self.controller_publish
+        (self.controller || self.mode == PluginMode::Node) && self.controller_publish
     }
 }
 
@@ -526,6 +578,9 @@ pub enum PluginError {
         #[source]
         source: StoreError,
     },
+    /// The configuration cannot be served (names the flag and what to do).
+    #[error("invalid configuration: {0}")]
+    Config(String),
     /// Preparing or binding the socket failed.
     #[error("listen on socket")]
     Listen(#[source] IoStep),
@@ -655,7 +710,8 @@ enum LockKey {
 
 impl PluginService {
     /// Opens the plugin's store under the configured work dir.
-    pub fn new(config: PluginConfig) -> Result<PluginService, PluginError> {
+    pub fn new(mut config: PluginConfig) -> Result<PluginService, PluginError> {
+        multinode::check_config(&mut config)?;
         let store = Store::open(&config.work_dir).map_err(|source| PluginError::OpenStore {
             path: config.work_dir.clone(),
             source,
@@ -671,7 +727,11 @@ impl PluginService {
                 source,
             })?;
         let backing = backing::Backing::new(config.backing);
-        backing.thaw_leftovers(store.list().iter().map(|r| store.volume_dir(&r.id)));
+        backing.thaw_leftovers(store.list().iter().map(|r| {
+            r.location
+                .clone()
+                .unwrap_or_else(|| store.volume_dir(&r.id))
+        }));
         Ok(PluginService {
             inner: Arc::new(Plugin {
                 config,
@@ -759,13 +819,18 @@ pub async fn serve(
     let service = PluginService::new(config)?;
     let listener = listen(&socket)?;
     tracing::info!(socket = %socket.display(), "csi-test-plugin serving");
+    let mode = service.inner.config.mode;
+    // A service left out answers every one of its RPCs UNIMPLEMENTED, as the controller or
+    // node half of a real deployment does.
+    let controller = (mode != PluginMode::Node)
+        .then(|| proto::controller_server::ControllerServer::new(service.clone()));
+    let node = (mode != PluginMode::Controller)
+        .then(|| proto::node_server::NodeServer::new(service.clone()));
     let result = tonic::transport::Server::builder()
         .layer(wire::WireLiesLayer::new(service.inner.clone()))
         .add_service(proto::identity_server::IdentityServer::new(service.clone()))
-        .add_service(proto::controller_server::ControllerServer::new(
-            service.clone(),
-        ))
-        .add_service(proto::node_server::NodeServer::new(service))
+        .add_optional_service(controller)
+        .add_optional_service(node)
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await
         .map_err(|source| PluginError::Serve {

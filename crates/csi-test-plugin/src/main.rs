@@ -34,6 +34,14 @@ Examples:
   # No snapshots, clones, expansion or modification (a CO's refusals before any RPC)
   csi-test-plugin --endpoint unix:///tmp/csi/csi.sock --work-dir /tmp/csi/data \\
       --no-snapshots --no-clones --expansion none --no-modify
+  # Two nodes, one controller: volumes under /shared/csi (reached by every node at that path),
+  # each node plugin with its own id and its own state; publish_context tells a node where a
+  # volume is, and a single-node volume is ControllerPublished to one node at a time
+  csi-test-plugin --mode controller --endpoint unix:///run/csi/controller.sock --work-dir /shared/csi
+  csi-test-plugin --mode node --node-id x --endpoint unix:///run/csi/x.sock \\
+      --work-dir /var/lib/csi-x --shared-dir /shared/csi
+  csi-test-plugin --mode node --node-id y --endpoint unix:///run/csi/y.sock \\
+      --work-dir /var/lib/csi-y --shared-dir /shared/csi
   # Started by a CO that sets CSI_ENDPOINT
   CSI_ENDPOINT=unix:///run/csi.sock csi-test-plugin --work-dir /var/lib/csi-test";
 
@@ -55,6 +63,16 @@ struct Args {
     /// capacity) or dir (a plain directory: its capacity is not enforced).
     #[arg(long, default_value = "loop")]
     backing: BackingKind,
+    /// Which services to serve: both (one node with its own controller), controller (Identity
+    /// and Controller: volumes under --work-dir, which every node must reach, published to any
+    /// node id) or node (Identity and Node: volumes found under --shared-dir through the
+    /// publish_context; node-local state under --work-dir). See the multi-node layout below.
+    #[arg(long, default_value = "both", value_name = "controller|node|both")]
+    mode: csi_test_plugin::PluginMode,
+    /// --mode node: the controller's --work-dir as this node reaches it. The node plugin
+    /// mounts volumes only from there and never writes there; its --work-dir must lie outside.
+    #[arg(long, value_name = "DIR", required_if_eq("mode", "node"))]
+    shared_dir: Option<PathBuf>,
     /// Node id (default: the host name).
     #[arg(long)]
     node_id: Option<String>,
@@ -181,6 +199,8 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     config.modify = !args.no_modify;
     config.expansion = args.expansion;
     config.volume_stats = !args.no_volume_stats;
+    config.mode = args.mode;
+    config.shared_dir = args.shared_dir;
     for segment in &args.topology {
         let (key, value) = segment
             .split_once('=')

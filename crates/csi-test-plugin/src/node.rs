@@ -17,11 +17,12 @@ use tonic::{Request, Response, Status};
 use super::backing::{Backing, BackingKind, MountState};
 use super::controller::{
     asked_fs_type, capability_record, check_capability, check_volume_access, check_volume_fs_type,
-    is_block, publish_context, volume_fs_type, wants_readonly, FS_TYPE_KEY,
+    is_block, volume_fs_type, wants_readonly, FS_TYPE_KEY,
 };
 use super::mount_options;
+use super::multinode::publish_context;
 use super::store::{CapabilityRecord, VolumeRecord, RECORD_VERSION};
-use super::{require, LockKey, Plugin, PluginError, PluginService};
+use super::{require, LockKey, Plugin, PluginError, PluginMode, PluginService};
 use csi_isolator::csi::proto;
 use csi_isolator::csi::proto::node_service_capability::rpc::Type as Cap;
 use csi_isolator::csi::proto::volume_capability::access_mode::Mode;
@@ -109,7 +110,15 @@ impl Plugin {
         rpc: &'static str,
         volume_id: &str,
         cap: Option<&proto::VolumeCapability>,
+        contexts: [&HashMap<String, String>; 2],
     ) -> Result<VolumeRecord, PluginError> {
+        if self.config.mode == PluginMode::Node {
+            let record = self.node_mode_volume(rpc, volume_id, contexts)?;
+            if let Some(cap) = cap {
+                check_volume_fs_type(rpc, "volume_capability", &record, cap, self.backing.kind())?;
+            }
+            return Ok(record);
+        }
         if let Some(record) = self.store.get(volume_id) {
             if let Some(cap) = cap {
                 check_volume_fs_type(rpc, "volume_capability", &record, cap, self.backing.kind())?;
@@ -148,6 +157,7 @@ impl Plugin {
             published: BTreeMap::new(),
             content_source: None,
             mutable_parameters: BTreeMap::new(),
+            location: None,
         };
         // As CreateVolume: at least the smallest filesystem of its type (xfs: 300 MiB).
         let min_fs = super::backing::min_fs_bytes(&volume_fs_type(&record, self.backing.kind()));
@@ -235,9 +245,12 @@ impl Plugin {
             return Ok(());
         }
         let node = &self.config.node_id;
-        let reason = if !record.published_nodes.contains_key(node) {
+        let reason = if !self
+            .controller_publications(rpc, record)?
+            .contains_key(node)
+        {
             format!("not controller-published to node {node}")
-        } else if *context != publish_context(&record.id, node) {
+        } else if *context != publish_context(&record.id, node, &self.location(record)) {
             "publish_context does not match the one ControllerPublishVolume returned".to_string()
         } else {
             return Ok(());
@@ -247,6 +260,28 @@ impl Plugin {
             volume_id: record.id.clone(),
             reason,
         })
+    }
+
+    /// Node mode: a target this node published the volume at (other than `except`) that still
+    /// holds it.
+    fn published_here(
+        &self,
+        dir: &std::path::Path,
+        record: &VolumeRecord,
+        except: &std::path::Path,
+    ) -> Result<Option<PathBuf>, super::BackingError> {
+        for target in record.published.keys().map(PathBuf::from) {
+            let target = std::fs::canonicalize(&target).unwrap_or(target);
+            if target != except
+                && matches!(
+                    self.backing.mount_state(dir, &target)?,
+                    MountState::Volume { .. }
+                )
+            {
+                return Ok(Some(target));
+            }
+        }
+        Ok(None)
     }
 
     fn node_stage(
@@ -262,9 +297,14 @@ impl Plugin {
         let wire_cap = req.volume_capability.as_ref();
         let cap = require_capability(RPC, wire_cap, self.backing.kind())?;
         let group = self.mount_group(RPC, wire_cap)?;
-        let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
+        let mut record = self.node_volume(
+            RPC,
+            &req.volume_id,
+            wire_cap,
+            [&req.publish_context, &req.volume_context],
+        )?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let staging = PathBuf::from(&req.staging_target_path);
         let readonly = wants_readonly(&cap);
         let block = Backing::is_block(&dir);
@@ -296,6 +336,7 @@ impl Plugin {
             }),
             MountState::NotMounted => {
                 self.faults.stall(RPC);
+                self.grow_filesystem_before_stage(RPC, &record.id, &fs_type)?;
                 self.backing
                     .stage(&dir, &staging, &fs_type, flags)
                     .map_err(err())?;
@@ -319,7 +360,7 @@ impl Plugin {
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "staging_target_path", &req.staging_target_path)?;
         let mut record = self.known_volume(RPC, &req.volume_id)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let staging = PathBuf::from(&req.staging_target_path);
         let err = || Self::backing_err(RPC, &req.volume_id);
         let staged = Backing::staged_path(&dir, &staging);
@@ -338,11 +379,14 @@ impl Plugin {
             MountState::Volume { .. } => {
                 let canonical = std::fs::canonicalize(&staged).unwrap_or_else(|_| staged.clone());
                 let targets = record.published.keys().map(PathBuf::from);
-                if let Some(other) = self
-                    .backing
-                    .mounted_elsewhere(&dir, targets, &canonical)
-                    .map_err(err())?
-                {
+                let elsewhere = if self.config.mode == PluginMode::Node {
+                    // Other nodes' mounts of the volume share this kernel's mount table on a
+                    // one-machine cluster: only this node's own targets count.
+                    self.published_here(&dir, &record, &canonical)
+                } else {
+                    self.backing.mounted_elsewhere(&dir, targets, &canonical)
+                };
+                if let Some(other) = elsewhere.map_err(err())? {
                     return Err(PluginError::FailedPrecondition {
                         rpc: RPC,
                         volume_id: record.id,
@@ -357,6 +401,7 @@ impl Plugin {
         if record.staged.remove(&req.staging_target_path).is_some() {
             self.save(RPC, &record)?;
         }
+        self.forget_if_unused(RPC, &record)?;
         Ok(proto::NodeUnstageVolumeResponse {})
     }
 
@@ -373,7 +418,12 @@ impl Plugin {
             require(RPC, "staging_target_path", &req.staging_target_path)?;
         }
         let group = self.mount_group(RPC, wire_cap)?;
-        let mut record = self.node_volume(RPC, &req.volume_id, wire_cap)?;
+        let mut record = self.node_volume(
+            RPC,
+            &req.volume_id,
+            wire_cap,
+            [&req.publish_context, &req.volume_context],
+        )?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
         if req.readonly && cap.mount_flags.iter().any(|f| f == "rw") {
             return Err(PluginError::InvalidField {
@@ -383,7 +433,7 @@ impl Plugin {
             });
         }
         self.check_single_workload(RPC, &record, &req.target_path, &cap)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let err = || Self::backing_err(RPC, &req.volume_id);
         // Read-only when asked by the flag or the `ro` mount flag; a bind of a read-only
         // staging mount is read-only too.
@@ -457,7 +507,7 @@ impl Plugin {
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "target_path", &req.target_path)?;
         let mut record = self.known_volume(RPC, &req.volume_id)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let target = PathBuf::from(&req.target_path);
         let err = || Self::backing_err(RPC, &req.volume_id);
         match self.backing.mount_state(&dir, &target).map_err(err())? {
@@ -478,6 +528,7 @@ impl Plugin {
         if record.published.remove(&req.target_path).is_some() {
             self.save(RPC, &record)?;
         }
+        self.forget_if_unused(RPC, &record)?;
         Ok(proto::NodeUnpublishVolumeResponse {})
     }
 
@@ -492,7 +543,7 @@ impl Plugin {
         require(RPC, "volume_id", &req.volume_id)?;
         require(RPC, "volume_path", &req.volume_path)?;
         let record = self.known_volume(RPC, &req.volume_id)?;
-        let dir = self.store.volume_dir(&record.id);
+        let dir = self.storage_dir(&record);
         let path = PathBuf::from(&req.volume_path);
         let storage = self.backing.storage_path(&dir);
         let condition = super::stats::condition(&storage, &path);

@@ -87,6 +87,7 @@ pub fn code_of(err: &PluginError) -> Code {
         | PluginError::Backing { .. }
         | PluginError::Panicked { .. }
         | PluginError::OpenStore { .. }
+        | PluginError::Config(_)
         | PluginError::Listen(_)
         | PluginError::Serve { .. } => Code::Internal,
     }

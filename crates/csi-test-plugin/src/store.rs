@@ -176,6 +176,11 @@ pub struct VolumeRecord {
     /// ControllerModifyVolume's merged in); empty for records older than this field.
     #[serde(default)]
     pub mutable_parameters: BTreeMap<String, String>,
+    /// A node-mode plugin's record of a volume the controller keeps elsewhere: the volume's
+    /// directory under the shared dir (validated, see `multinode`). `None`: the volume's
+    /// storage is this store's own `volume_dir` (the controller's and a both-mode plugin's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub location: Option<PathBuf>,
 }
 
 /// A CreateVolume's `volume_content_source`.
@@ -223,6 +228,7 @@ impl From<VolumeRecordV1> for VolumeRecord {
             published: BTreeMap::new(),
             content_source: None,
             mutable_parameters: BTreeMap::new(),
+            location: None,
         }
     }
 }
@@ -249,6 +255,17 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
             version,
         }),
     }
+}
+
+/// The record in volume directory `dir` of another plugin's store (a node-mode plugin reads the
+/// controller's, never writes it), read now from disk.
+pub fn read_record(dir: &Path) -> Result<VolumeRecord, StoreError> {
+    let path = dir.join(RECORD_FILE);
+    let bytes = fs::read(&path).map_err(|source| StoreError::Read {
+        path: path.clone(),
+        source,
+    })?;
+    decode(&path, &bytes)
 }
 
 /// Fails unless the store takes volume `id` (see [`MAX_ID_LEN`]).
@@ -609,6 +626,7 @@ mod tests {
             published: BTreeMap::new(),
             content_source: None,
             mutable_parameters: BTreeMap::new(),
+            location: None,
         }
     }
 

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use clap::Args;
 use csi_isolator::mount::ProcMountTable;
-use csi_isolator::provider::stats;
 use csi_isolator::provider::status::{scan, StatusReport, VolumeStatus};
+use csi_isolator::provider::{expand, stats};
 
 use super::{escaped, shown, shown_os};
 
@@ -120,6 +120,13 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
                     .map(|(k, val)| format!("{}={}", escaped(k), escaped(val)))
                     .collect();
                 outln!("    mutable parameters: {}", pairs.join(" "));
+            }
+            if let Some(source) = &v.content_source {
+                let (how, name) = source.described();
+                outln!("    {how} '{}'", escaped(name));
+            }
+            if let Some(e) = &v.expansion {
+                outln!("    expansion pending: {}", expand::pending_line(e));
             }
             if let Some(d) = &v.disagreement {
                 outln!("    ! {}", escaped(d));
