@@ -53,28 +53,6 @@ fn task_containers(e: &Dockerd, service: &str) -> Vec<String> {
     .collect()
 }
 
-/// The current states of the tasks the manager `m` places on `node` for `service` that should
-/// run, failing the test at once if one failed or was rejected.
-fn running_on(m: &Dockerd, node: &str, service: &str, logs: &dyn Fn() -> String) -> bool {
-    let states = m.ok(&[
-        "node",
-        "ps",
-        "--no-trunc",
-        "--filter",
-        "desired-state=running",
-        "--filter",
-        &format!("name={service}"),
-        "--format",
-        "{{.CurrentState}}|{{.Error}}",
-        node,
-    ]);
-    let failed = states
-        .lines()
-        .find(|l| l.starts_with("Failed") || l.starts_with("Rejected"));
-    assert!(failed.is_none(), "a task failed: {states}\n{}", logs());
-    states.lines().any(|l| l.starts_with("Running"))
-}
-
 /// Reads `f` in the volume's mount point on `e`'s node (through its plugin's mount).
 fn written(e: &Dockerd, volume: &str, plugin: &DockerPluginProcess) -> Result<String, String> {
     let out = e.docker(&["volume", "inspect", "--format", "{{.Mountpoint}}", volume]);
@@ -94,18 +72,8 @@ fn written(e: &Dockerd, volume: &str, plugin: &DockerPluginProcess) -> Result<St
     }
 }
 
-#[test]
-fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_plugin() {
-    require_root();
-    require_engine("dockerd", "docker.io");
-    require_namespace_tools();
-    let id = unique();
-    // Short: the socket path must fit in sun_path.
-    let driver = format!("csi2n-{id}");
-    let host = HostPaths::claim(DOCKER_HOST_PATHS);
-    let network_before = HostNetwork::read();
-    let mounts_before = host_mounts_outside_temp();
-
+/// The two nodes, X (10.213.0.1) and Y (10.213.0.2), their namespaces joined by a veth pair.
+fn two_nodes() -> (SwarmNode, SwarmNode) {
     let x = SwarmNode::new("x", "10.213.0.1");
     let y = SwarmNode::new("y", "10.213.0.2");
     veth_pair(
@@ -116,39 +84,32 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
         "csi2n-y",
         "10.213.0.2/30",
     );
-    let plugin_x = x.start_plugin(BIN, &driver, &[]);
-    let plugin_y = y.start_plugin(BIN, &driver, &[]);
-    let ex = x.start_dockerd();
-    let reap_x = RemoveTasks(&ex);
-    let ey = y.start_dockerd();
-    let reap_y = RemoveTasks(&ey);
-    let logs = || {
-        format!(
-            "dockerd x:\n{}\ndockerd y:\n{}\ndocker-plugin x:\n{}\ndocker-plugin y:\n{}",
-            ex.log(),
-            ey.log(),
-            plugin_x.log(),
-            plugin_y.log()
-        )
-    };
-    // The nodes' binds over /run/docker/plugins and /etc/docker are in their own namespaces.
-    assert_eq!(host_mounts_outside_temp(), mounts_before);
-    // Each dockerd has its own engine ID (its own /etc/docker) and sees no host socket plugin.
+    (x, y)
+}
+
+/// Gives both dockerds `image` and a look at their plugins, checks each has its own engine ID
+/// and offers `driver`, makes X a manager (`swarm init` on its veth address) and Y a worker,
+/// and waits until both are Ready and offer the driver to Swarm: the node ids of X and Y.
+fn form_swarm(
+    nodes: [(&SwarmNode, &Dockerd); 2],
+    driver: &str,
+    image: &str,
+    logs: &dyn Fn() -> String,
+) -> (String, String) {
+    let [(x, ex), (y, ey)] = nodes;
+    // Each dockerd has its own engine ID (its own /etc/docker).
     assert_ne!(
         ex.ok(&["info", "--format", "{{.ID}}"]),
         ey.ok(&["info", "--format", "{{.ID}}"])
     );
-
     let tar = busybox_tar(&x.sb);
-    let image = format!("csi-isolator-test/busybox:{id}");
-    for e in [&ex, &ey] {
-        SwarmNode::import_image(e, &tar, &image);
+    for e in [ex, ey] {
+        SwarmNode::import_image(e, &tar, image);
         // dockerd offers a socket plugin to Swarm only once it has looked for it (moby#32380).
         e.ok(&["volume", "ls"]);
         let drivers = e.ok(&["info", "--format", "{{json .Plugins.Volume}}"]);
         assert!(drivers.contains(&format!("\"{driver}\"")), "{drivers}");
     }
-
     ex.ok(&[
         "swarm",
         "init",
@@ -169,7 +130,7 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
         &format!("{}:2377", y.addr),
         &format!("{}:2377", x.addr),
     ]);
-    let (idx, idy) = (node_id(&ex), node_id(&ey));
+    let (idx, idy) = (node_id(ex), node_id(ey));
     assert_ne!(idx, idy);
     wait_for(
         "both nodes are Ready",
@@ -196,102 +157,110 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
             "node {node} does not offer the driver: {described}"
         );
     }
+    (idx, idy)
+}
 
-    // Y paused: the task can only go to X.
-    ex.ok(&["node", "update", "--availability", "pause", &idy]);
-    let service = format!("csi2n-{id}");
-    let volume = "swarmvol";
-    ex.ok(&[
+/// Creates `service` on the manager `m`: one task of `image` running `script` with the volume
+/// `volume` of `driver` (16 MiB) at /data.
+fn create_service(
+    m: &Dockerd,
+    service: &str,
+    volume: &str,
+    driver: &str,
+    image: &str,
+    script: &str,
+) {
+    m.ok(&[
         "service",
         "create",
         "--detach",
         "--name",
-        &service,
+        service,
         "--no-resolve-image",
         "--stop-grace-period",
+        "1s",
+        "--restart-delay",
         "1s",
         "--mount",
         &format!(
             "type=volume,source={volume},target=/data,volume-driver={driver},volume-opt=size=16M"
         ),
-        &image,
+        image,
         "sh",
         "-c",
-        "echo from-swarm > /data/f; sleep 3600",
+        script,
     ]);
-    wait_for(
-        "the task runs on X",
-        || match running_on(&ex, &idx, &service, &logs) {
-            true => Ok(()),
-            false => Err(ex.ok(&["service", "ps", "--no-trunc", &service])),
-        },
-        logs,
-    );
-    assert_eq!(task_containers(&ex, &service).len(), 1);
-    assert_eq!(task_containers(&ey, &service), Vec::<String>::new());
-    assert_eq!(
-        wait_for("X's task writes", || written(&ex, volume, &plugin_x), logs),
-        "from-swarm\n"
-    );
-    assert_eq!(ex.volume_status(volume)["state"], "PUBLISHED");
+}
 
-    // Drain X with Y active: the task is shut down on X (Docker's Unmount: the last use
-    // unpublishes X's volume) and its replacement runs on Y.
-    ex.ok(&["node", "update", "--availability", "active", &idy]);
-    ex.ok(&["node", "update", "--availability", "drain", &idx]);
+/// Waits until the manager `m` has a task of `service` running on `node`. A task that failed or
+/// was rejected fails the test at once, unless its error contains `refused` (the attempts a
+/// node makes while another one still holds the volume).
+fn wait_running(
+    m: &Dockerd,
+    node: &str,
+    service: &str,
+    refused: Option<&str>,
+    logs: &dyn Fn() -> String,
+) {
     wait_for(
-        "the task runs on Y",
-        || match running_on(&ex, &idy, &service, &logs) {
-            true => Ok(()),
-            false => Err(ex.ok(&["service", "ps", "--no-trunc", &service])),
+        &format!("a task of {service} runs on node {node}"),
+        || {
+            let states = m.ok(&[
+                "node",
+                "ps",
+                "--no-trunc",
+                "--filter",
+                &format!("name={service}"),
+                "--format",
+                "{{.DesiredState}}|{{.CurrentState}}|{{.Error}}",
+                node,
+            ]);
+            for l in states.lines() {
+                let failed = l.contains("|Failed") || l.contains("|Rejected");
+                let allowed = refused.is_some_and(|r| l.contains(r));
+                assert!(
+                    !failed || allowed,
+                    "a task failed: {l}\n{states}\n{}",
+                    logs()
+                );
+            }
+            match states.lines().any(|l| l.starts_with("Running|Running")) {
+                true => Ok(()),
+                false => Err(states),
+            }
         },
         logs,
     );
+}
+
+/// Waits until nothing is mounted under `plugin`'s work dir any more.
+fn wait_unpublished(what: &str, plugin: &DockerPluginProcess, logs: &dyn Fn() -> String) {
     wait_for(
-        "X's task container goes",
-        || match task_containers(&ex, &service) {
-            c if c.is_empty() => Ok(()),
-            c => Err(format!("{c:?}")),
-        },
-        logs,
-    );
-    wait_for(
-        "X's volume is unpublished",
-        || match mount_points_under(&plugin_x.work) {
+        what,
+        || match mount_points_under(&plugin.work) {
             m if m.is_empty() => Ok(()),
             m => Err(format!("{m:?}")),
         },
         logs,
     );
-    assert_eq!(task_containers(&ey, &service).len(), 1);
-    // Y's task got a volume of Y's plugin (its own: not X's data, which needs one controller).
-    assert_eq!(
-        wait_for("Y's task writes", || written(&ey, volume, &plugin_y), logs),
-        "from-swarm\n"
-    );
-    assert_eq!(ey.volume_status(volume)["state"], "PUBLISHED");
-    assert_eq!(ex.volume_status(volume)["state"], "CREATED");
+}
 
-    // Remove the service: Y's task goes and Y's volume is unpublished.
-    ex.ok(&["service", "rm", &service]);
+/// Waits until `e`'s node runs no container of `service`.
+fn wait_no_task(what: &str, e: &Dockerd, service: &str, logs: &dyn Fn() -> String) {
     wait_for(
-        "Y's task container goes",
-        || match task_containers(&ey, &service) {
+        what,
+        || match task_containers(e, service) {
             c if c.is_empty() => Ok(()),
             c => Err(format!("{c:?}")),
         },
         logs,
     );
-    wait_for(
-        "Y's volume is unpublished",
-        || match mount_points_under(&plugin_y.work) {
-            m if m.is_empty() => Ok(()),
-            m => Err(format!("{m:?}")),
-        },
-        logs,
-    );
-    // Stopped containers hold the volume's name: remove them, then the volumes.
-    for e in [&ex, &ey] {
+}
+
+/// After `service rm`: removes the service's stopped containers on both nodes (they hold the
+/// volume's name), then the volume on Y and on X.
+fn remove_volume(nodes: [&Dockerd; 2], service: &str, volume: &str) {
+    for e in nodes.iter().rev() {
         let stopped = e.ok(&[
             "ps",
             "-aq",
@@ -303,45 +272,134 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
         }
         e.ok(&["volume", "rm", volume]);
     }
+}
 
+/// Y leaves, X leaves (the last manager: `--force`), both drop `image`.
+fn leave_swarm(ex: &Dockerd, ey: &Dockerd, image: &str) {
     ey.ok(&["swarm", "leave"]);
     ex.ok(&["swarm", "leave", "--force"]);
-    for e in [&ex, &ey] {
+    for e in [ex, ey] {
         assert_eq!(
             e.ok(&["info", "--format", "{{.Swarm.LocalNodeState}}"]),
             "inactive"
         );
-        e.ok(&["rmi", &image]);
+        e.ok(&["rmi", image]);
     }
+}
+
+/// Stops a node's docker-plugin (SIGTERM; it must exit 0) and checks its work dir records no
+/// volume any more.
+fn stop_plugin(node: &SwarmNode, plugin: DockerPluginProcess) {
+    let work = plugin.work.clone();
+    let log = plugin.log();
+    let status = plugin.stop(&node.sb, Signal::SIGTERM);
+    assert!(
+        status.success(),
+        "docker-plugin {}: {status}\n{log}",
+        node.name
+    );
+    assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
+}
+
+/// Tears a node's namespace and shared dir down and checks its sandbox holds no mount, loop
+/// device or process.
+fn finish_node(node: SwarmNode) {
+    let SwarmNode {
+        netns, shared, sb, ..
+    } = node;
+    shared.unmount();
+    netns.delete();
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+    let left = processes_mentioning(sb.path());
+    assert!(left.is_empty(), "processes left: {left:?}");
+    drop(sb);
+}
+
+#[test]
+fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_plugin() {
+    require_root();
+    require_engine("dockerd", "docker.io");
+    require_namespace_tools();
+    let id = unique();
+    // Short: the socket path must fit in sun_path.
+    let driver = format!("csi2n-{id}");
+    let host = HostPaths::claim(DOCKER_HOST_PATHS);
+    let network_before = HostNetwork::read();
+    let mounts_before = host_mounts_outside_temp();
+
+    let (x, y) = two_nodes();
+    let plugin_x = x.start_plugin(BIN, &driver, &[]);
+    let plugin_y = y.start_plugin(BIN, &driver, &[]);
+    let ex = x.start_dockerd();
+    let reap_x = RemoveTasks(&ex);
+    let ey = y.start_dockerd();
+    let reap_y = RemoveTasks(&ey);
+    let logs = || {
+        format!(
+            "dockerd x:\n{}\ndockerd y:\n{}\ndocker-plugin x:\n{}\ndocker-plugin y:\n{}",
+            ex.log(),
+            ey.log(),
+            plugin_x.log(),
+            plugin_y.log()
+        )
+    };
+    // The nodes' binds over /run/docker/plugins and /etc/docker are in their own namespaces.
+    assert_eq!(host_mounts_outside_temp(), mounts_before);
+    let image = format!("csi-isolator-test/busybox:{id}");
+    let (idx, idy) = form_swarm([(&x, &ex), (&y, &ey)], &driver, &image, &logs);
+
+    // Y paused: the task can only go to X.
+    ex.ok(&["node", "update", "--availability", "pause", &idy]);
+    let service = format!("csi2n-{id}");
+    let volume = "swarmvol";
+    create_service(
+        &ex,
+        &service,
+        volume,
+        &driver,
+        &image,
+        "echo run >> /data/f; sleep 3600",
+    );
+    wait_running(&ex, &idx, &service, None, &logs);
+    assert_eq!(task_containers(&ex, &service).len(), 1);
+    assert_eq!(task_containers(&ey, &service), Vec::<String>::new());
+    assert_eq!(
+        wait_for("X's task writes", || written(&ex, volume, &plugin_x), logs),
+        "run\n"
+    );
+    assert_eq!(ex.volume_status(volume)["state"], "PUBLISHED");
+
+    // Drain X with Y active: the task is shut down on X (Docker's Unmount: the last use
+    // unpublishes X's volume) and its replacement runs on Y.
+    ex.ok(&["node", "update", "--availability", "active", &idy]);
+    ex.ok(&["node", "update", "--availability", "drain", &idx]);
+    wait_running(&ex, &idy, &service, None, &logs);
+    wait_no_task("X's task container goes", &ex, &service, &logs);
+    wait_unpublished("X's volume is unpublished", &plugin_x, &logs);
+    assert_eq!(task_containers(&ey, &service).len(), 1);
+    // Y's task got a volume of Y's plugin: its own, not X's data (that needs one controller).
+    assert_eq!(
+        wait_for("Y's task writes", || written(&ey, volume, &plugin_y), logs),
+        "run\n"
+    );
+    assert_eq!(ey.volume_status(volume)["state"], "PUBLISHED");
+    assert_eq!(ex.volume_status(volume)["state"], "CREATED");
+
+    // Remove the service: Y's task goes and Y's volume is unpublished.
+    ex.ok(&["service", "rm", &service]);
+    wait_no_task("Y's task container goes", &ey, &service, &logs);
+    wait_unpublished("Y's volume is unpublished", &plugin_y, &logs);
+    remove_volume([&ex, &ey], &service, volume);
+    leave_swarm(&ex, &ey, &image);
     drop(reap_y);
     drop(reap_x);
     ey.stop(&y.sb);
     ex.stop(&x.sb);
-
-    for (node, plugin) in [(&x, plugin_x), (&y, plugin_y)] {
-        let work = plugin.work.clone();
-        let log = plugin.log();
-        let status = plugin.stop(&node.sb, Signal::SIGTERM);
-        assert!(
-            status.success(),
-            "docker-plugin {}: {status}\n{log}",
-            node.name
-        );
-        assert_eq!(recorded_volumes(BIN, &work), Vec::<String>::new(), "{log}");
-    }
-
-    for node in [x, y] {
-        let SwarmNode {
-            netns, shared, sb, ..
-        } = node;
-        shared.unmount();
-        netns.delete();
-        sb.assert_no_mounts_under();
-        sb.assert_no_loop_devices();
-        let left = processes_mentioning(sb.path());
-        assert!(left.is_empty(), "processes left: {left:?}");
-        drop(sb);
-    }
+    stop_plugin(&x, plugin_x);
+    stop_plugin(&y, plugin_y);
+    finish_node(x);
+    finish_node(y);
     host.assert_restored();
     assert_eq!(
         HostNetwork::read(),
