@@ -45,6 +45,8 @@ struct Published {
 struct Suite {
     sandbox: Sandbox,
     _plugin: PluginProcess,
+    /// A split suite's node-mode plugin (`_plugin` is then its controller-mode plugin).
+    _node_plugin: Option<PluginProcess>,
     c: RawClients,
     staging: PathBuf,
     target_parent: PathBuf,
@@ -98,6 +100,7 @@ async fn suite_with_flags(backing: &str, tmpfs_size: Option<&str>, flags: &[&str
     Suite {
         sandbox,
         _plugin: plugin,
+        _node_plugin: None,
         c,
         staging,
         target_parent,
@@ -110,6 +113,97 @@ async fn suite_with_flags(backing: &str, tmpfs_size: Option<&str>, flags: &[&str
         mode: Mode::SingleNodeWriter,
     }
 }
+
+/// A split suite: a `--mode controller` plugin and a `--mode node` plugin (its own node id and
+/// work dir, the controller's work dir as `--shared-dir`), two processes; the suite's clients
+/// reach Identity and Controller at the first, Node at the second, as a CO of a split
+/// deployment does.
+async fn split_suite(backing: &str) -> Suite {
+    let mut s = suite_with_flags(backing, None, &["--mode", "controller"]).await;
+    let shared = s._plugin.work_dir().display().to_string();
+    let node = PluginProcess::start_named(
+        &s.sandbox,
+        "node-plugin",
+        plugin_bin(),
+        &[
+            "--backing",
+            backing,
+            "--mode",
+            "node",
+            "--node-id",
+            "split-node",
+            "--shared-dir",
+            &shared,
+        ],
+    )
+    .await;
+    s.c.node = raw_clients(&node.socket())
+        .await
+        .expect("connect to the node plugin")
+        .node;
+    s._node_plugin = Some(node);
+    s
+}
+
+/// Runs each spec once per backing against a split (controller + node) pair.
+macro_rules! both_backings_split {
+    ($($name:ident),* $(,)?) => {
+        mod split_dir {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::split_suite("dir").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+        mod split_loop {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let s = super::split_suite("loop").await;
+                    super::$name(s).await
+                }
+            )*
+        }
+    };
+}
+
+both_backings_split!(
+    identity_probe_is_ready,
+    controller_get_capabilities_returns_known_capabilities,
+    controller_publish_fails_without_volume_id,
+    controller_publish_fails_without_node_id,
+    controller_publish_fails_without_capability,
+    controller_publish_fails_for_unknown_volume,
+    controller_publish_fails_when_published_incompatibly,
+    controller_volume_lifecycle_works,
+    controller_volume_lifecycle_is_idempotent,
+    controller_get_volume_reports_the_volume_and_its_nodes,
+    node_get_capabilities_returns_known_capabilities,
+    node_get_info_returns_appropriate_values,
+    node_publish_fails_without_volume_id,
+    node_publish_fails_without_target_path,
+    node_publish_fails_without_capability,
+    node_unpublish_fails_without_volume_id,
+    node_unpublish_fails_without_target_path,
+    node_unpublish_removes_target_path,
+    node_unpublish_fails_for_unknown_volume,
+    node_unstage_fails_for_unknown_volume,
+    node_stage_fails_without_volume_id,
+    node_stage_fails_without_staging_path,
+    node_stage_fails_without_capability,
+    node_unstage_fails_without_volume_id,
+    node_unstage_fails_without_staging_path,
+    node_volume_stats_fails_without_volume_id,
+    node_volume_stats_fails_without_volume_path,
+    node_volume_stats_fails_for_unknown_volume,
+    node_volume_stats_fails_for_wrong_path,
+    node_full_flow_works,
+    node_full_flow_is_idempotent,
+    single_node_multi_writer_publishes_at_two_targets,
+    single_node_single_writer_refuses_a_second_target,
+);
 
 impl Suite {
     fn unique(&mut self, prefix: &str) -> String {

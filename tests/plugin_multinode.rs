@@ -390,6 +390,19 @@ async fn moves_between_nodes(backing: &str) {
         status.message().contains("node node-y must wait"),
         "{status:?}"
     );
+    // An over-long node id (CSI: at most 256 bytes) is refused before anything is recorded.
+    let status = cl
+        .ctl
+        .controller
+        .controller_publish_volume(proto::ControllerPublishVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            node_id: "n".repeat(257),
+            volume_capability: Some(mount_capability(Mode::MultiNodeMultiWriter)),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     // And a node plugin the controller did not publish to refuses to mount it.
     let status = cl.stage(1, &vol, mode, &ctx).await.unwrap_err();
     assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
@@ -518,6 +531,59 @@ async fn without_controller_publish_the_volume_context_locates_the_volume_dir() 
 #[tokio::test]
 async fn without_controller_publish_the_volume_context_locates_the_volume_loop() {
     without_controller_publish("loop").await;
+}
+
+/// A node plugin's own state survives its SIGKILL: restarted, it answers repeated calls
+/// idempotently and tears its mounts down from its own records (no context needed), while
+/// unknown volumes and missing fields are refused as the CSI spec says.
+async fn node_restart(backing: &str) {
+    let mut cl = cluster(backing).await;
+    let mode = Mode::SingleNodeWriter;
+    let vol = cl.create("restarted", mode).await;
+    let ctx = cl.attach(0, &vol, mode).await.unwrap();
+    cl.mount(0, &vol, mode, &ctx).await;
+    cl.write(0, "f", "kept");
+    cl.nodes[0].plugin.restart().await;
+    cl.nodes[0].c = raw_clients(&cl.nodes[0].plugin.socket())
+        .await
+        .expect("connect");
+    // The same calls again: OK, nothing mounted twice.
+    let before = cl.sandbox.mounts_under().len();
+    cl.mount(0, &vol, mode, &ctx).await;
+    assert_eq!(cl.sandbox.mounts_under().len(), before);
+    assert_eq!(cl.read(0, "f"), "kept");
+    let n = &mut cl.nodes[0].c;
+    let unknown = proto::NodeUnstageVolumeRequest {
+        volume_id: "no-such-volume".into(),
+        staging_target_path: "/nonexistent".into(),
+    };
+    let status = n.node.node_unstage_volume(unknown).await.unwrap_err();
+    assert_eq!(status.code(), Code::NotFound, "{status:?}");
+    let status = n
+        .node
+        .node_stage_volume(proto::NodeStageVolumeRequest {
+            staging_target_path: "/nonexistent".into(),
+            volume_capability: Some(mount_capability(mode)),
+            publish_context: ctx.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    cl.unmount(0, &vol).await;
+    cl.detach(0, &vol).await;
+    cl.delete(&vol).await;
+    cl.finish();
+}
+
+#[tokio::test]
+async fn a_restarted_node_plugin_keeps_its_own_state_dir() {
+    node_restart("dir").await;
+}
+
+#[tokio::test]
+async fn a_restarted_node_plugin_keeps_its_own_state_loop() {
+    node_restart("loop").await;
 }
 
 /// Hostile contexts: a node plugin mounts only a volume directory under its shared dir, the

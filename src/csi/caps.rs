@@ -34,6 +34,52 @@ pub struct Capabilities {
     pub node: NodeCapabilities,
 }
 
+/// Which services of a plugin a [`Client`](super::Client) drives, and so which
+/// capabilities it discovers: a plugin deployed as a controller plugin alone need not serve
+/// the Node service (NodeGetCapabilities included), and one deployed as a node plugin alone
+/// need not serve the Controller service.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Services {
+    /// Both (one plugin for both; the default).
+    #[default]
+    Both,
+    /// The Controller service only (`--controller-endpoint`): node capabilities are not asked.
+    Controller,
+    /// The Node service only (`--plugin-endpoint` beside a `--controller-endpoint`):
+    /// controller capabilities are not asked.
+    Node,
+}
+
+impl Services {
+    /// Whether the client asks for the controller's capabilities.
+    pub fn controller(self) -> bool {
+        self != Services::Node
+    }
+
+    /// Whether the client asks for the node's capabilities.
+    pub fn node(self) -> bool {
+        self != Services::Controller
+    }
+}
+
+impl Capabilities {
+    /// What a driver split into a controller plugin and a node plugin offers as one: the
+    /// controller's RPCs from the controller plugin, the node's from the node plugin, and the
+    /// plugin (identity) capabilities either advertises.
+    pub fn joined(controller: &Capabilities, node: &Capabilities) -> Capabilities {
+        let mut plugin = controller.plugin.clone();
+        plugin.services.extend(node.plugin.services.iter().copied());
+        plugin
+            .volume_expansion
+            .extend(node.plugin.volume_expansion.iter().copied());
+        Capabilities {
+            plugin,
+            controller: controller.controller.clone(),
+            node: node.node.clone(),
+        }
+    }
+}
+
 /// Capabilities from `GetPluginCapabilities`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PluginCapabilities {
@@ -319,5 +365,60 @@ mod tests {
             vec![NodeRpc::GetVolumeStats]
         );
         assert!(NodeCapabilities::from_proto(&[]).iter().next().is_none());
+    }
+
+    fn service(t: PluginService) -> PluginCapability {
+        PluginCapability {
+            r#type: Some(plugin_capability::Type::Service(
+                plugin_capability::Service { r#type: t as i32 },
+            )),
+        }
+    }
+
+    #[test]
+    fn a_split_driver_takes_each_service_from_its_own_plugin() {
+        let controller = Capabilities {
+            plugin: PluginCapabilities::from_proto(&[service(PluginService::ControllerService)]),
+            controller: ControllerCapabilities::from_proto(&[controller_cap(
+                ControllerRpc::PublishUnpublishVolume as i32,
+            )]),
+            // A `both` plugin at the controller endpoint: its node set is not used.
+            node: NodeCapabilities::from_proto(&[node_cap(NodeRpc::GetVolumeStats as i32)]),
+        };
+        let node = Capabilities {
+            plugin: PluginCapabilities::from_proto(&[service(
+                PluginService::VolumeAccessibilityConstraints,
+            )]),
+            controller: ControllerCapabilities::from_proto(&[controller_cap(
+                ControllerRpc::ListVolumes as i32,
+            )]),
+            node: NodeCapabilities::from_proto(&[node_cap(NodeRpc::StageUnstageVolume as i32)]),
+        };
+        let joined = Capabilities::joined(&controller, &node);
+        assert!(joined.controller.publish_unpublish_volume());
+        assert!(
+            !joined.controller.list_volumes(),
+            "the node plugin's controller set is not used"
+        );
+        assert!(joined.node.stage_unstage_volume());
+        assert!(
+            !joined.node.get_volume_stats(),
+            "the controller plugin's node set is not used"
+        );
+        assert!(joined.plugin.controller_service());
+        assert!(joined.plugin.volume_accessibility_constraints());
+    }
+
+    #[test]
+    fn services_say_which_capabilities_are_asked() {
+        for (services, controller, node) in [
+            (Services::Both, true, true),
+            (Services::Controller, true, false),
+            (Services::Node, false, true),
+        ] {
+            assert_eq!(services.controller(), controller, "{services:?}");
+            assert_eq!(services.node(), node, "{services:?}");
+        }
+        assert_eq!(Services::default(), Services::Both);
     }
 }

@@ -32,6 +32,9 @@
 //!   retried: the plugin answered, wrongly.
 //! - Cloning is cheap (one `Arc`); clones share the channel and the
 //!   [`Metrics`]. Calls on clones run in parallel.
+//! - A client may drive only some of a plugin's services ([`Client::connect_for`],
+//!   [`Services`]): a driver's controller plugin and node plugin deployed apart get one client
+//!   each, each pinned and re-checked on its own socket as above, sharing one [`Metrics`].
 //! - Requests are never logged: they may carry secrets. A plugin's message about a
 //!   call that carried secrets has their values replaced (`<redacted>`) before it is
 //!   logged or returned.
@@ -49,7 +52,9 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 use tracing::Instrument;
 
-use super::caps::{Capabilities, ControllerCapabilities, NodeCapabilities, PluginCapabilities};
+use super::caps::{
+    Capabilities, ControllerCapabilities, NodeCapabilities, PluginCapabilities, Services,
+};
 use super::error::{code_name, fmt_duration, CsiError, Replacement, VolumeRef};
 use super::metrics::{Metrics, Rpc};
 use super::options::ClientOptions;
@@ -81,6 +86,8 @@ struct Inner {
     endpoint: String,
     path: PathBuf,
     options: ClientOptions,
+    /// Which of the plugin's services this client drives (which capabilities it discovers).
+    services: Services,
     /// Replaced by a fresh one when the plugin is (see [`Client::recheck`]).
     channel: Mutex<Channel>,
     metrics: Arc<Metrics>,
@@ -145,8 +152,22 @@ impl Client {
     /// discovers its capabilities, all within `options.connect_timeout`
     /// (the probe and discovery calls follow the per-call deadline and retry
     /// policy, and are cut off when the connect timeout runs out).
-    #[tracing::instrument(skip_all, fields(endpoint = %endpoint))]
     pub async fn connect(endpoint: &str, options: ClientOptions) -> Result<Self, CsiError> {
+        Self::connect_for(endpoint, options, Services::Both, Metrics::new()).await
+    }
+
+    /// [`connect`](Self::connect) for a plugin that serves only some of a driver's services
+    /// (a controller plugin, or a node plugin, deployed apart): only their capabilities are
+    /// discovered, at connect and at every re-check. Its calls are counted in `metrics`, which
+    /// the two clients of one split driver share (one set of counters per driver; the
+    /// Identity calls of both add up).
+    #[tracing::instrument(skip_all, fields(endpoint = %endpoint, services = ?services))]
+    pub async fn connect_for(
+        endpoint: &str,
+        options: ClientOptions,
+        services: Services,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, CsiError> {
         let path = socket_path(endpoint).map_err(|source| CsiError::BadEndpoint {
             endpoint: endpoint.to_string(),
             source,
@@ -161,8 +182,9 @@ impl Client {
                 endpoint: endpoint.to_string(),
                 path,
                 options,
+                services,
                 channel: Mutex::new(channel),
-                metrics: Metrics::new(),
+                metrics,
                 caps: RwLock::default(),
                 identity: Mutex::new(identity),
                 recheck: tokio::sync::Mutex::new(()),
@@ -201,6 +223,11 @@ impl Client {
     /// The options this client was connected with.
     pub fn options(&self) -> &ClientOptions {
         &self.inner.options
+    }
+
+    /// Which of the plugin's services this client drives.
+    pub fn services(&self) -> Services {
+        self.inner.services
     }
 
     /// The call metrics, shared by all clones of this client.
@@ -249,7 +276,7 @@ impl Client {
     /// with the client's deadline and retries) and makes them the
     /// [`current_capabilities`](Self::current_capabilities) of all clones.
     pub async fn refresh_capabilities(&self) -> Result<Arc<Capabilities>, CsiError> {
-        let caps = Arc::new(discover(&Retried(self)).await?);
+        let caps = Arc::new(discover(&Retried(self), self.inner.services).await?);
         *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&caps);
         Ok(caps)
     }
@@ -925,11 +952,14 @@ impl Client {
             }
             tracing::info!(name = %info.name, vendor_version = %info.vendor_version, "the replaced plugin is the same driver");
         }
-        let caps = discover(&Once {
-            client: self,
-            channel: &channel,
-            deadline,
-        })
+        let caps = discover(
+            &Once {
+                client: self,
+                channel: &channel,
+                deadline,
+            },
+            self.inner.services,
+        )
         .await?;
         tracing::info!(capabilities = ?caps, "capabilities of the replaced plugin");
         *self.inner.caps.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(caps);
@@ -1043,8 +1073,9 @@ impl Ask for Once<'_> {
 
 /// Capability discovery, the one place it is written: GetPluginCapabilities,
 /// ControllerGetCapabilities only when the plugin has the controller
-/// service, NodeGetCapabilities.
-async fn discover<A: Ask>(via: &A) -> Result<Capabilities, A::Error> {
+/// service and the client drives it, NodeGetCapabilities only when the client
+/// drives the node service ([`Services`]).
+async fn discover<A: Ask>(via: &A, services: Services) -> Result<Capabilities, A::Error> {
     let plugin = via
         .ask(
             Rpc::GetPluginCapabilities,
@@ -1053,7 +1084,7 @@ async fn discover<A: Ask>(via: &A) -> Result<Capabilities, A::Error> {
         )
         .await?;
     let plugin = PluginCapabilities::from_proto(&plugin.capabilities);
-    let controller = if plugin.controller_service() {
+    let controller = if services.controller() && plugin.controller_service() {
         let resp = via
             .ask(
                 Rpc::ControllerGetCapabilities,
@@ -1069,17 +1100,22 @@ async fn discover<A: Ask>(via: &A) -> Result<Capabilities, A::Error> {
     } else {
         ControllerCapabilities::default()
     };
-    let node = via
-        .ask(
-            Rpc::NodeGetCapabilities,
-            proto::NodeGetCapabilitiesRequest {},
-            |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
-        )
-        .await?;
+    let node = if services.node() {
+        let resp = via
+            .ask(
+                Rpc::NodeGetCapabilities,
+                proto::NodeGetCapabilitiesRequest {},
+                |ch, r| async move { NodeClient::new(ch).node_get_capabilities(r).await },
+            )
+            .await?;
+        NodeCapabilities::from_proto(&resp.capabilities)
+    } else {
+        NodeCapabilities::default()
+    };
     Ok(Capabilities {
         plugin,
         controller,
-        node: NodeCapabilities::from_proto(&node.capabilities),
+        node,
     })
 }
 

@@ -27,7 +27,7 @@ pub mod secrets;
 
 pub use caps::{
     Capabilities, ControllerCapabilities, ControllerRpc, NodeCapabilities, NodeRpc,
-    PluginCapabilities, PluginService, VolumeExpansion,
+    PluginCapabilities, PluginService, Services, VolumeExpansion,
 };
 pub use client::Client;
 

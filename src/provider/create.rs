@@ -225,13 +225,7 @@ impl StorageProvider {
             capability.mode(),
             Some(Mode::SingleNodeSingleWriter | Mode::SingleNodeMultiWriter)
         );
-        if needs
-            && !self
-                .client
-                .current_capabilities()
-                .node
-                .has(NodeRpc::SingleNodeMultiWriter)
-        {
+        if needs && !self.capabilities().node.has(NodeRpc::SingleNodeMultiWriter) {
             return Err(ProviderError::AccessModeUnsupported {
                 volume: crate::shown::shown(volume).into_owned(),
                 mode: crate::shown::shown(&capability.access_mode).into_owned(),
@@ -264,7 +258,7 @@ impl StorageProvider {
             .await?;
         let accessibility_requirements = self.accessibility_requirements().await?;
         let answer = self
-            .client
+            .controller
             .create_volume(proto::CreateVolumeRequest {
                 accessibility_requirements,
                 name: spec.name.clone(),
@@ -355,8 +349,7 @@ impl StorageProvider {
     ) -> Result<Option<proto::TopologyRequirement>, ProviderError> {
         use crate::csi::caps::PluginService;
         let constrained = self
-            .client
-            .current_capabilities()
+            .capabilities()
             .plugin
             .has(PluginService::VolumeAccessibilityConstraints);
         if !constrained {
@@ -425,13 +418,8 @@ impl StorageProvider {
             return Ok(self.resource_for(&rec));
         }
         self.check_mode_offered(volume_id, &capability)?;
-        if self
-            .client
-            .current_capabilities()
-            .plugin
-            .controller_service()
-        {
-            self.client
+        if self.capabilities().plugin.controller_service() {
+            self.controller
                 .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
                     volume_id: volume_id.to_string(),
                     volume_context: volume_context.clone().into_iter().collect(),
@@ -485,7 +473,7 @@ impl StorageProvider {
         // A delete no DeleteVolume can finish is refused before it is recorded: recorded, it
         // would fail every later destroy and every recovery, and the volume could not even be
         // forgotten any more.
-        let caps = self.client.current_capabilities();
+        let caps = self.capabilities();
         if delete_imported
             && !rec.delete_imported
             && !(caps.plugin.controller_service() && caps.controller.create_delete_volume())
@@ -510,7 +498,7 @@ impl StorageProvider {
             let secrets = self
                 .secrets(rec.secrets_file.as_deref(), &rec.volume_id, "DeleteVolume")
                 .await?;
-            self.client
+            self.controller
                 .delete_volume(proto::DeleteVolumeRequest {
                     volume_id: rec.volume_id.clone(),
                     secrets: secrets.to_request(),

@@ -28,6 +28,15 @@ pub enum ProviderError {
         #[source]
         source: CsiError,
     },
+    /// The controller plugin named apart from the node plugin (`--controller-endpoint`) cannot
+    /// be used with it (another driver, no controller service, or no node plugin apart).
+    #[error("controller plugin at {endpoint}: {why}")]
+    ControllerPlugin {
+        /// The controller endpoint.
+        endpoint: String,
+        /// Why, and what to do.
+        why: String,
+    },
     /// Starting the managed plugin process failed.
     #[error("start plugin {plugin} ({command})")]
     Spawn {

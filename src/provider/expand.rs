@@ -118,7 +118,7 @@ impl StorageProvider {
                 volume: volume_id.to_string(),
             });
         }
-        let caps = ExpandCaps::of(&self.client().current_capabilities());
+        let caps = ExpandCaps::of(&self.capabilities());
         let expansion = match plan(&rec, bytes, caps) {
             Ok(Plan::Nothing) => {
                 return Ok(Expanded {
@@ -194,7 +194,7 @@ impl StorageProvider {
             .secrets(rec.secrets_file.as_deref(), &id, "ControllerExpandVolume")
             .await?;
         let resp = self
-            .client()
+            .controller()
             .controller_expand_volume(proto::ControllerExpandVolumeRequest {
                 volume_id: id.clone(),
                 capacity_range: Some(proto::CapacityRange {
@@ -266,7 +266,7 @@ impl StorageProvider {
         {
             return;
         }
-        let caps = ExpandCaps::of(&self.client().current_capabilities());
+        let caps = ExpandCaps::of(&self.capabilities());
         if let Err(e) = self.continue_expansion(rec, caps).await {
             tracing::warn!(volume_id = %rec.volume_id, error = %crate::error_chain::Chain(&e), "NodeExpandVolume after publish failed: the volume keeps its old size on this node until the next publish or expand");
         }

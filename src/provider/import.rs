@@ -183,14 +183,9 @@ impl StorageProvider {
         spec: &ImportSpec,
         secrets_file: Option<&std::path::Path>,
     ) -> Result<VolumeRecord, ProviderError> {
-        if self
-            .client
-            .current_capabilities()
-            .plugin
-            .controller_service()
-        {
+        if self.capabilities().plugin.controller_service() {
             let answer = self
-                .client
+                .controller
                 .validate_volume_capabilities(proto::ValidateVolumeCapabilitiesRequest {
                     volume_id: spec.volume_id.clone(),
                     volume_context: spec.volume_context.clone().into_iter().collect(),
@@ -249,7 +244,7 @@ impl StorageProvider {
     /// by page, at most [`MAX_LISTED`]), and whether the list was read to its
     /// end. Refused, saying so, when the plugin lacks LIST_VOLUMES.
     pub async fn plugin_volumes(&self) -> Result<(Vec<PluginVolume>, Listing), ProviderError> {
-        let caps = self.client.current_capabilities();
+        let caps = self.capabilities();
         if !caps.plugin.controller_service() || !caps.controller.list_volumes() {
             return Err(ProviderError::NoListVolumes {
                 plugin: self.id().to_string(),
@@ -260,7 +255,7 @@ impl StorageProvider {
         let mut token = String::new();
         loop {
             let page = self
-                .client
+                .controller
                 .list_volumes(proto::ListVolumesRequest {
                     max_entries: LIST_PAGE_ENTRIES,
                     starting_token: token.clone(),

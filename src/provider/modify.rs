@@ -81,7 +81,7 @@ impl StorageProvider {
                 volume: volume_id.to_string(),
             });
         }
-        let caps = self.client().current_capabilities();
+        let caps = self.capabilities();
         let has = caps.plugin.controller_service() && caps.controller.modify_volume();
         let refused = |why| ProviderError::ModifyRefused {
             volume: volume_id.to_string(),
@@ -115,7 +115,7 @@ impl StorageProvider {
         };
         let id = rec.volume_id.clone();
         let answer = self
-            .client()
+            .controller()
             .controller_modify_volume(proto::ControllerModifyVolumeRequest {
                 volume_id: id.clone(),
                 secrets: Default::default(),

@@ -163,7 +163,7 @@ impl StorageProvider {
     /// Sets the group the volume is to be staged and published with, before the publish that
     /// needs it ([`mount_group::group_after`]); a group it cannot have now is logged.
     fn choose_mount_group(&self, rec: &mut VolumeRecord, container_id: &str, asked: Option<u32>) {
-        let offered = self.client.current_capabilities().node.volume_mount_group()
+        let offered = self.capabilities().node.volume_mount_group()
             && rec.capability.access_type == AccessType::Mount;
         let on_node = rec.state.is_node_side();
         let others_use_it = rec.users.iter().any(|u| u != container_id);

@@ -121,7 +121,7 @@ impl StorageProvider {
     /// An expansion a crash interrupted is taken up from the call its intent names (both calls are
     /// idempotent); a failure is logged and the intent kept, for the next `expand` or publish.
     async fn finish_expansion(&self, rec: &mut VolumeRecord) {
-        let caps = crate::provider::expand::ExpandCaps::of(&self.client().current_capabilities());
+        let caps = crate::provider::expand::ExpandCaps::of(&self.capabilities());
         match self.continue_expansion(rec, caps).await {
             Ok(done) => {
                 tracing::info!(volume_id = %rec.volume_id, capacity_bytes = done.capacity_bytes, node_pending = done.node_pending, "recovery: expansion taken up");

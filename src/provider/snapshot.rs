@@ -254,7 +254,7 @@ const SNAPSHOT_LOCK: &str = "\0snapshots";
 
 impl StorageProvider {
     fn snapshot_caps(&self) -> SnapshotCaps {
-        SnapshotCaps::of(&self.client().current_capabilities())
+        SnapshotCaps::of(&self.capabilities())
     }
 
     fn refused(&self, what: String, why: SnapshotRefusal) -> ProviderError {
@@ -368,7 +368,7 @@ impl StorageProvider {
             .secrets(rec.secrets_file.as_deref(), &rec.name, "CreateSnapshot")
             .await?;
         let answer = self
-            .client()
+            .controller()
             .create_snapshot(proto::CreateSnapshotRequest {
                 source_volume_id: rec.source_volume_id.clone(),
                 name: rec.name.clone(),
@@ -444,7 +444,7 @@ impl StorageProvider {
         let secrets = self
             .secrets(rec.secrets_file.as_deref(), &rec.name, "DeleteSnapshot")
             .await?;
-        self.client()
+        self.controller()
             .delete_snapshot(proto::DeleteSnapshotRequest {
                 snapshot_id: rec.snapshot_id.clone(),
                 secrets: secrets.to_request(),

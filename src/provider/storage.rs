@@ -1,5 +1,8 @@
 //! The storage local resource provider: one CSI plugin instance (`type`,
-//! `name`) and the volumes made through it.
+//! `name`) and the volumes made through it. The driver may run as one plugin, or as a
+//! controller plugin apart from this node's plugin ([`ProviderConfig::controller_endpoint`]):
+//! then every Controller RPC goes to [`StorageProvider::controller`], every Node RPC to
+//! [`StorageProvider::client`], and both must be the same driver.
 //!
 //! Invariants:
 //! - Every operation is checkpointed: its intent (first step and goal) is
@@ -24,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::csi::proto;
-use crate::csi::{Client, ClientOptions, Secrets};
+use crate::csi::{Capabilities, Client, ClientOptions, Secrets, Services};
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
@@ -81,6 +84,11 @@ pub struct ProviderConfig {
     pub work_dir: PathBuf,
     /// Where the plugin comes from.
     pub plugin: PluginSource,
+    /// The driver's controller plugin, when it runs apart from the node plugin
+    /// (`--controller-endpoint unix:///PATH`): every Controller RPC goes there, every Node RPC
+    /// to [`plugin`](Self::plugin), which must then be an [`PluginSource::Endpoint`] too. Both
+    /// must answer GetPluginInfo with the same name. `None` (the default): one plugin for both.
+    pub controller_endpoint: Option<String>,
     /// The unpublish policy.
     pub policy: UnpublishPolicy,
     /// Under [`UnpublishPolicy::LastUse`], how long a volume whose last user left stays
@@ -122,6 +130,7 @@ impl ProviderConfig {
             plugin_name,
             work_dir: work_dir.into(),
             plugin,
+            controller_endpoint: None,
             policy: UnpublishPolicy::LastUse,
             unpublish_delay: Duration::ZERO,
             client: ClientOptions::default(),
@@ -188,7 +197,11 @@ pub struct StorageProvider {
     pub(crate) config: ProviderConfig,
     pub(crate) plugin: String,
     pub(crate) layout: Layout,
+    /// The node plugin's client: every Node RPC (and, with one plugin for both, every RPC).
     pub(crate) client: Client,
+    /// The controller plugin's client: every Controller RPC. A clone of `client` unless the
+    /// configuration names a controller endpoint apart.
+    pub(crate) controller: Client,
     pub(crate) supervisor: Option<Supervisor>,
     pub(crate) boot_id: String,
     pub(crate) node_info: tokio::sync::OnceCell<NodeInfo>,
@@ -219,16 +232,30 @@ impl StorageProvider {
         sys: Arc<dyn Syscall>,
         table: Arc<dyn MountTable>,
     ) -> Result<Arc<Self>, ProviderError> {
+        if let (Some(endpoint), PluginSource::Managed(_)) =
+            (&config.controller_endpoint, &config.plugin)
+        {
+            return Err(ProviderError::ControllerPlugin {
+                endpoint: endpoint.clone(),
+                why: "the managed (bundled) plugin serves both the controller and the node: name the node plugin's socket with --plugin-endpoint beside --controller-endpoint, or leave --controller-endpoint out".into(),
+            });
+        }
+        let services = node_services(&config);
         // A plugin reached by endpoint may leave its type to be asked.
         let early_client = match (&config.plugin, config.plugin_type.is_empty()) {
             (PluginSource::Endpoint(endpoint), true) => {
                 let plugin = format!("{endpoint} ({})", config.plugin_name);
-                let client = Client::connect(endpoint, config.client.clone())
-                    .await
-                    .map_err(|source| ProviderError::Plugin {
-                        plugin: plugin.clone(),
-                        source,
-                    })?;
+                let client = Client::connect_for(
+                    endpoint,
+                    config.client.clone(),
+                    services,
+                    crate::csi::Metrics::new(),
+                )
+                .await
+                .map_err(|source| ProviderError::Plugin {
+                    plugin: plugin.clone(),
+                    source,
+                })?;
                 let info = client
                     .get_plugin_info(proto::GetPluginInfoRequest {})
                     .await
@@ -281,10 +308,17 @@ impl StorageProvider {
                 plugin: plugin.clone(),
                 source,
             })?;
+        let controller = match &config.controller_endpoint {
+            None => client.clone(),
+            Some(endpoint) => {
+                connect_controller(endpoint, &config, &plugin, &client, &vendor).await?
+            }
+        };
         let provider = Arc::new(StorageProvider {
             plugin,
             layout,
             client,
+            controller,
             supervisor,
             boot_id: config.boot_id.clone().unwrap_or_else(current_boot_id),
             node_info: tokio::sync::OnceCell::new(),
@@ -316,9 +350,30 @@ impl StorageProvider {
         &self.layout
     }
 
-    /// Its CSI client (capabilities, metrics).
+    /// Its node plugin's CSI client (node capabilities, metrics): with one plugin for both, the
+    /// only one. Controller RPCs go through [`controller`](Self::controller); decide which RPCs
+    /// to send with [`capabilities`](Self::capabilities).
     pub fn client(&self) -> &Client {
         &self.client
+    }
+
+    /// Its controller plugin's CSI client: the node plugin's own unless the controller runs
+    /// apart ([`ProviderConfig::controller_endpoint`]). Its calls are counted in the same
+    /// metrics as [`client`](Self::client)'s.
+    pub fn controller(&self) -> &Client {
+        &self.controller
+    }
+
+    /// What the driver offers now: the controller's RPCs from the controller plugin, the node's
+    /// from the node plugin ([`Capabilities::joined`]); with one plugin for both, its own.
+    pub fn capabilities(&self) -> Arc<Capabilities> {
+        if self.config.controller_endpoint.is_none() {
+            return self.client.current_capabilities();
+        }
+        Arc::new(Capabilities::joined(
+            &self.controller.current_capabilities(),
+            &self.client.current_capabilities(),
+        ))
     }
 
     /// Its configuration.
@@ -480,7 +535,17 @@ impl StorageProvider {
     /// What the plugin serving now offers for choosing steps (rediscovered
     /// when it is replaced, see [`crate::csi::Client`]).
     pub(crate) fn step_caps(&self) -> StepCaps {
-        StepCaps::of(&self.client.current_capabilities())
+        StepCaps::of(&self.capabilities())
+    }
+
+    /// Its clients, each once: the node plugin's, and the controller plugin's when apart.
+    fn clients(&self) -> impl Iterator<Item = &Client> {
+        std::iter::once(&self.client).chain(
+            self.config
+                .controller_endpoint
+                .is_some()
+                .then_some(&self.controller),
+        )
     }
 
     /// Drives a volume to the steady state `goal`.
@@ -514,16 +579,18 @@ impl StorageProvider {
         // replaced since the last call, check it and learn them first. Only a
         // different driver stops here; a plugin that cannot be asked yet is
         // checked again, with retries, by the first call.
-        match self.client.ensure_current().await {
-            Ok(()) => {}
-            Err(source @ crate::csi::CsiError::PluginReplaced { .. }) => {
-                return Err(ProviderError::Csi {
-                    volume: rec.volume_id.clone(),
-                    source,
-                })
-            }
-            Err(e) => {
-                tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot re-check the plugin yet")
+        for client in self.clients() {
+            match client.ensure_current().await {
+                Ok(()) => {}
+                Err(source @ crate::csi::CsiError::PluginReplaced { .. }) => {
+                    return Err(ProviderError::Csi {
+                        volume: rec.volume_id.clone(),
+                        source,
+                    })
+                }
+                Err(e) => {
+                    tracing::debug!(volume_id = %rec.volume_id, endpoint = client.endpoint(), error = %Chain(&e), "cannot re-check the plugin yet")
+                }
             }
         }
         let before = rec.clone();
@@ -607,9 +674,7 @@ impl StorageProvider {
     /// offers VOLUME_MOUNT_GROUP (it was replaced): the group is not sent (the spec forbids
     /// it) and no longer recorded, so the isolator's own rule applies to its users again.
     fn check_mount_group(&self, rec: &mut VolumeRecord) {
-        if rec.mount_group.is_some()
-            && !self.client.current_capabilities().node.volume_mount_group()
-        {
+        if rec.mount_group.is_some() && !self.capabilities().node.volume_mount_group() {
             tracing::warn!(volume_id = %rec.volume_id, gid = ?rec.mount_group,
                 "the plugin no longer offers VOLUME_MOUNT_GROUP: the volume's group is not sent");
             rec.mount_group = None;
@@ -639,7 +704,7 @@ impl StorageProvider {
             Step::ControllerPublish => {
                 let node_id = self.node_id().await?;
                 let resp = self
-                    .client
+                    .controller
                     .controller_publish_volume(proto::ControllerPublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
                         node_id: node_id.clone(),
@@ -752,7 +817,7 @@ impl StorageProvider {
                     Some(n) => n.clone(),
                     None => self.node_id().await?,
                 };
-                self.client
+                self.controller
                     .controller_unpublish_volume(proto::ControllerUnpublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
                         node_id,
@@ -894,17 +959,94 @@ fn gone_is_done<T>(
     }
 }
 
+/// Which services the node plugin's client drives: both, unless the controller runs apart.
+fn node_services(config: &ProviderConfig) -> Services {
+    match config.controller_endpoint {
+        Some(_) => Services::Node,
+        None => Services::Both,
+    }
+}
+
 async fn connect(
     endpoint: &str,
     config: &ProviderConfig,
     plugin: &str,
 ) -> Result<Client, ProviderError> {
-    Client::connect(endpoint, config.client.clone())
+    Client::connect_for(
+        endpoint,
+        config.client.clone(),
+        node_services(config),
+        crate::csi::Metrics::new(),
+    )
+    .await
+    .map_err(|source| ProviderError::Plugin {
+        plugin: plugin.to_string(),
+        source,
+    })
+}
+
+/// Connects to the controller plugin at `endpoint` and checks that it is the node plugin's
+/// driver ([`check_controller`]); its calls are counted in the node client's metrics.
+async fn connect_controller(
+    endpoint: &str,
+    config: &ProviderConfig,
+    plugin: &str,
+    node: &Client,
+    node_name: &str,
+) -> Result<Client, ProviderError> {
+    let plugin = format!("{plugin} controller at {endpoint}");
+    let controller = Client::connect_for(
+        endpoint,
+        config.client.clone(),
+        Services::Controller,
+        node.metrics(),
+    )
+    .await
+    .map_err(|source| ProviderError::Plugin {
+        plugin: plugin.clone(),
+        source,
+    })?;
+    let info = controller
+        .get_plugin_info(proto::GetPluginInfoRequest {})
         .await
-        .map_err(|source| ProviderError::Plugin {
-            plugin: plugin.to_string(),
-            source,
-        })
+        .map_err(|source| ProviderError::Plugin { plugin, source })?;
+    check_controller(
+        &info.name,
+        &controller.current_capabilities(),
+        node.endpoint(),
+        node_name,
+    )
+    .map_err(|why| ProviderError::ControllerPlugin {
+        endpoint: endpoint.to_string(),
+        why,
+    })?;
+    Ok(controller)
+}
+
+/// Whether the plugin at the controller endpoint, driver `name` with capabilities `caps`, may
+/// serve as the controller of the node plugin at `node_endpoint`, driver `node_name`: the same
+/// driver (a wrong socket must not receive volume calls), with the controller service.
+fn check_controller(
+    name: &str,
+    caps: &Capabilities,
+    node_endpoint: &str,
+    node_name: &str,
+) -> Result<(), String> {
+    if name != node_name {
+        return Err(format!(
+            "it is driver '{}' and the node plugin at {} is driver '{}' (their GetPluginInfo names): the two must be one driver's controller and node plugins; check that --controller-endpoint and --plugin-endpoint name the right sockets",
+            crate::shown::shown(name),
+            node_endpoint,
+            crate::shown::shown(node_name),
+        ));
+    }
+    if !caps.plugin.controller_service() {
+        return Err(format!(
+            "driver '{}' does not offer CONTROLLER_SERVICE (GetPluginCapabilities) there: it is not a controller plugin (a node plugin's socket?); name the driver's controller plugin, or leave --controller-endpoint out to use one plugin for both",
+            crate::shown::shown(name),
+        ));
+    }
+    Ok(())
 }
 
 /// Creates `path` and its missing parents 0700: under the work dir, a volume's host paths are root's alone.
@@ -969,6 +1111,72 @@ pub(crate) fn target_mismatch(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn caps_with_controller_service(yes: bool) -> Capabilities {
+        use crate::csi::proto::{plugin_capability, PluginCapability};
+        let services: &[crate::csi::PluginService] = if yes {
+            &[crate::csi::PluginService::ControllerService]
+        } else {
+            &[]
+        };
+        let proto: Vec<PluginCapability> = services
+            .iter()
+            .map(|t| PluginCapability {
+                r#type: Some(plugin_capability::Type::Service(
+                    plugin_capability::Service { r#type: *t as i32 },
+                )),
+            })
+            .collect();
+        Capabilities {
+            plugin: crate::csi::PluginCapabilities::from_proto(&proto),
+            ..Capabilities::default()
+        }
+    }
+
+    #[test]
+    fn a_controller_apart_must_be_the_node_plugins_driver_with_the_controller_service() {
+        let node = "unix:///run/node.sock";
+        let with = caps_with_controller_service(true);
+        let without = caps_with_controller_service(false);
+        assert_eq!(
+            check_controller("d.example", &with, node, "d.example"),
+            Ok(())
+        );
+
+        let other = check_controller("other.example", &with, node, "d.example").unwrap_err();
+        for part in [
+            "'other.example'",
+            "'d.example'",
+            node,
+            "--controller-endpoint",
+        ] {
+            assert!(other.contains(part), "{other}");
+        }
+
+        let no_service = check_controller("d.example", &without, node, "d.example").unwrap_err();
+        assert!(no_service.contains("CONTROLLER_SERVICE"), "{no_service}");
+        assert!(no_service.contains("'d.example'"), "{no_service}");
+
+        // A hostile name is shown inert.
+        let hostile = check_controller("evil\n\x1b[2J", &with, node, "d.example").unwrap_err();
+        assert!(
+            !hostile.contains('\n') && !hostile.contains('\x1b'),
+            "{hostile}"
+        );
+    }
+
+    #[test]
+    fn the_node_client_drives_only_the_node_service_when_the_controller_is_apart() {
+        let mut config = ProviderConfig::new(
+            "t",
+            "n",
+            "/w",
+            PluginSource::Endpoint("unix:///n.sock".into()),
+        );
+        assert_eq!(node_services(&config), Services::Both);
+        config.controller_endpoint = Some("unix:///c.sock".into());
+        assert_eq!(node_services(&config), Services::Node);
+    }
 
     #[test]
     fn a_published_target_must_be_of_the_volumes_kind() {

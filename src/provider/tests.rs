@@ -430,6 +430,25 @@ impl Bench {
     }
 }
 
+impl Bench {
+    /// A provider whose node plugin is this bench's recorder and whose controller plugin is
+    /// `controller`'s, another process as far as the provider can tell.
+    async fn provider_split(&self, controller: &Bench) -> Arc<StorageProvider> {
+        let mut config = ProviderConfig::new(
+            "recorder.csi-isolator.io",
+            "unit",
+            &self.work,
+            PluginSource::Endpoint(self.endpoint.clone()),
+        );
+        config.controller_endpoint = Some(controller.endpoint.clone());
+        config.boot_id = Some("boot-1".into());
+        let table: Arc<dyn MountTable> = self.sys.clone();
+        StorageProvider::start_with(config, self.sys.clone(), table)
+            .await
+            .expect("start the provider with its controller apart")
+    }
+}
+
 impl Drop for Bench {
     fn drop(&mut self) {
         self.server.abort();
@@ -749,4 +768,68 @@ async fn single_node_multi_writer_modes_need_the_plugins_capability() {
         .unwrap();
     provider.create_volume(spec).await.unwrap();
     assert_eq!(bench.plugin.calls(), ["CreateVolume"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_controller_apart_controller_rpcs_go_to_it_and_node_rpcs_to_the_node_plugin() {
+    let node = Bench::new().await;
+    let controller = Bench::new().await;
+    let provider = node.provider_split(&controller).await;
+    assert_eq!(provider.controller().endpoint(), controller.endpoint);
+    assert_eq!(provider.client().endpoint(), node.endpoint);
+    // Each plugin was asked only for its own service's capabilities, and the driver's are joined.
+    let caps = provider.capabilities();
+    assert!(caps.controller.publish_unpublish_volume());
+    assert!(caps.node.stage_unstage_volume());
+    assert!(provider
+        .controller()
+        .current_capabilities()
+        .node
+        .iter()
+        .next()
+        .is_none());
+    assert!(provider
+        .client()
+        .current_capabilities()
+        .controller
+        .iter()
+        .next()
+        .is_none());
+
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    assert_eq!(controller.plugin.calls(), ["CreateVolume"]);
+    assert!(node.plugin.calls().is_empty());
+
+    provider.publish(&id, "c1").await.unwrap();
+    assert_eq!(controller.plugin.calls(), ["ControllerPublishVolume"]);
+    assert_eq!(
+        node.plugin.calls(),
+        ["NodeGetInfo", "NodeStageVolume", "NodePublishVolume"],
+        "the node id comes from the node plugin"
+    );
+
+    provider.release(&id, "c1").await.unwrap();
+    assert_eq!(controller.plugin.calls(), ["ControllerUnpublishVolume"]);
+    assert_eq!(
+        node.plugin.calls(),
+        ["NodeUnpublishVolume", "NodeUnstageVolume"]
+    );
+
+    provider.destroy_volume(&id).await.unwrap();
+    assert_eq!(controller.plugin.calls(), ["DeleteVolume"]);
+    assert!(node.plugin.calls().is_empty());
+
+    // Both clients count into one set of metrics.
+    assert!(Arc::ptr_eq(
+        &provider.client().metrics(),
+        &provider.controller().metrics()
+    ));
+    let counted = provider.client().metrics().snapshot();
+    for rpc in ["CreateVolume", "ControllerPublishVolume", "NodeStageVolume"] {
+        assert_eq!(counted[rpc].finished, 1, "{rpc}: {counted:?}");
+    }
 }

@@ -223,6 +223,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         | ProviderError::NoListVolumes { .. }
         | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
+        | ProviderError::ControllerPlugin { .. }
         | ProviderError::Checkpoint { .. }
         | ProviderError::CorruptState { .. }
         | ProviderError::Io(_)

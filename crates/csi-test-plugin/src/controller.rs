@@ -651,6 +651,17 @@ impl Plugin {
         let block = Backing::is_block(&self.store.volume_dir(&record.id));
         check_volume_access(RPC, "volume_capability", cap, &record.id, block)?;
         check_volume_fs_type(RPC, "volume_capability", &record, cap, self.backing.kind())?;
+        // Any node id reaches a controller-mode plugin's records: bounded as CSI bounds it.
+        if req.node_id.len() > super::multinode::MAX_NODE_ID {
+            return Err(PluginError::InvalidField {
+                rpc: RPC,
+                field: "node_id",
+                reason: format!(
+                    "longer than {} bytes (CSI's limit for node ids)",
+                    super::multinode::MAX_NODE_ID
+                ),
+            });
+        }
         // A both-mode plugin serves its own node; a controller-mode one any node that reaches
         // the shared dir.
         if self.config.mode == PluginMode::Both && req.node_id != self.config.node_id {
@@ -705,7 +716,11 @@ impl Plugin {
             }
         }
         Ok(proto::ControllerPublishVolumeResponse {
-            publish_context: publish_context(&record.id, &req.node_id, &self.location(&record)),
+            publish_context: publish_context(
+                &record.id,
+                &req.node_id,
+                self.context_location(&record).as_deref(),
+            ),
         })
     }
 

@@ -26,6 +26,12 @@
 //!   ControllerModifyVolume, for the keys `tier` (`standard` or `fast`) and `iops` (1 to
 //!   1000000), recorded in the volume's record and echoed in its volume_context as
 //!   `mutable.<key>`; `--no-modify` takes MODIFY_VOLUME away.
+//! - Several nodes ([`multinode`]): `--mode controller` serves Identity and Controller (volumes
+//!   under its work dir, which every node reaches; ControllerPublish to any node id, one node at
+//!   a time for single-node access modes), `--mode node` Identity and Node (its own state under
+//!   its work dir; a volume found under `--shared-dir` through the `csi-test-plugin/volume-dir`
+//!   its contexts name, checked, never trusted). The default, `both`, is one node with its own
+//!   controller.
 //! - "Is it staged / published" is always answered from the kernel's mount table, never from
 //!   memory, which makes every call idempotent and restarts harmless.
 //! - Operations on one volume are serialized (a per-volume lock, `locks`); different volumes
@@ -302,18 +308,6 @@ impl PluginConfig {
             expansion: Expansion::Online,
             mode: PluginMode::Both,
             shared_dir: None,
-        }
-    }
-
-    /// A node-mode configuration: node `node_id`, its own state under `work_dir`, the
-    /// controller's volumes under `shared_dir`.
-    pub fn node(socket: PathBuf, work_dir: PathBuf, shared_dir: PathBuf, node_id: &str) -> Self {
-        PluginConfig {
-            mode: PluginMode::Node,
-            shared_dir: Some(shared_dir),
-            controller: false,
-            node_id: node_id.to_string(),
-            ..PluginConfig::new(socket, work_dir)
         }
     }
 

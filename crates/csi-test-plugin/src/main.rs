@@ -73,7 +73,8 @@ struct Args {
     /// mounts volumes only from there and never writes there; its --work-dir must lie outside.
     #[arg(long, value_name = "DIR", required_if_eq("mode", "node"))]
     shared_dir: Option<PathBuf>,
-    /// Node id (default: the host name).
+    /// Node id: what NodeGetInfo answers (default: the host name). A --mode controller plugin
+    /// publishes to any node id and has none of its own.
     #[arg(long)]
     node_id: Option<String>,
     /// GetPluginInfo name.

@@ -48,6 +48,10 @@ use super::{Plugin, PluginConfig, PluginError, PluginMode};
 /// under the shared dir.
 pub const VOLUME_DIR_KEY: &str = "csi-test-plugin/volume-dir";
 
+/// The longest node id ControllerPublish accepts (the CSI spec: NodeGetInfo's node_id "SHALL
+/// NOT exceed 256 bytes").
+pub const MAX_NODE_ID: usize = 256;
+
 /// The longest location accepted (Linux `PATH_MAX`).
 const MAX_LOCATION: usize = 4096;
 
@@ -231,23 +235,26 @@ pub fn node_conflict(
         })
 }
 
-/// The publish_context ControllerPublish returns for (volume, node) with the volume at
-/// `location`; NodeStage and NodePublish require exactly it.
+/// The publish_context ControllerPublish returns for (volume, node), naming the volume's
+/// `location` for the node plugins of a controller-mode plugin (a both-mode plugin's context
+/// is what it always was, so the contexts CO checkpoints hold stay valid); NodeStage and
+/// NodePublish require exactly it.
 pub(crate) fn publish_context(
     volume_id: &str,
     node_id: &str,
-    location: &Path,
+    location: Option<&Path>,
 ) -> HashMap<String, String> {
-    HashMap::from([
-        (
-            "csi-test-plugin/attachment".to_string(),
-            format!("{volume_id}@{node_id}"),
-        ),
-        (
+    let mut context = HashMap::from([(
+        "csi-test-plugin/attachment".to_string(),
+        format!("{volume_id}@{node_id}"),
+    )]);
+    if let Some(location) = location {
+        context.insert(
             VOLUME_DIR_KEY.to_string(),
             location.to_string_lossy().into_owned(),
-        ),
-    ])
+        );
+    }
+    context
 }
 
 impl Plugin {
@@ -270,6 +277,11 @@ impl Plugin {
             (Some(Ok(parent)), Some(name)) => parent.join(name),
             _ => dir,
         }
+    }
+
+    /// The location the publish_context of this plugin's mode carries (none in both mode).
+    pub(crate) fn context_location(&self, record: &VolumeRecord) -> Option<PathBuf> {
+        (self.config.mode != PluginMode::Both).then(|| self.location(record))
     }
 
     /// The controller's publications of a volume: a node-mode plugin reads them now from the
@@ -458,6 +470,19 @@ mod tests {
             .unwrap();
         assert_eq!(path, volumes.join("vol-1"));
         assert_eq!(got, record);
+    }
+
+    #[test]
+    fn only_a_split_deployments_publish_context_names_the_location() {
+        // Both mode: the context it always gave (CO checkpoints hold it).
+        let both = publish_context("vol-1", "n", None);
+        assert_eq!(
+            both,
+            HashMap::from([("csi-test-plugin/attachment".into(), "vol-1@n".into())])
+        );
+        let split = publish_context("vol-1", "n", Some(Path::new("/s/volumes/vol-1")));
+        assert_eq!(split[VOLUME_DIR_KEY], "/s/volumes/vol-1");
+        assert_eq!(split.len(), 2);
     }
 
     fn publication(mode: AccessMode, readonly: bool) -> ControllerPublication {

@@ -250,7 +250,9 @@ impl Plugin {
             .contains_key(node)
         {
             format!("not controller-published to node {node}")
-        } else if *context != publish_context(&record.id, node, &self.location(record)) {
+        } else if *context
+            != publish_context(&record.id, node, self.context_location(record).as_deref())
+        {
             "publish_context does not match the one ControllerPublishVolume returned".to_string()
         } else {
             return Ok(());

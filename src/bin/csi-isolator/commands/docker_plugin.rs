@@ -84,7 +84,7 @@ pub struct DockerPluginArgs {
 
 /// Runs `docker-plugin` until SIGINT/SIGTERM.
 pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<ExitCode> {
-    super::run::check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
+    super::run::check_plugin_endpoint(&args.plugin)?;
     let mut config = args.plugin.config(work_dir)?;
     config.unpublish_delay = Duration::from_secs(args.unpublish_delay);
     let mut opts = PluginOptions::new(work_dir, config);

@@ -16,6 +16,12 @@ pub struct PluginArgs {
     /// the bundled csi-test-plugin is started under the work dir.
     #[arg(long, value_name = "unix:///PATH", value_parser = text())]
     pub plugin_endpoint: Option<String>,
+    /// The driver's controller plugin, when it runs apart from its node plugin
+    /// (unix:///PATH): Controller RPCs go there, Node RPCs to --plugin-endpoint (required
+    /// with it). Both must be the same driver (GetPluginInfo name); without it one plugin
+    /// serves both.
+    #[arg(long, value_name = "unix:///PATH", value_parser = text())]
+    pub controller_endpoint: Option<String>,
     /// The plugin instance name (a path component of the layout).
     #[arg(long, default_value = "default", value_parser = text())]
     pub plugin_name: String,
@@ -76,6 +82,9 @@ impl PluginArgs {
                 bundled_config(&program, work_dir, &self.plugin_name, &self.plugin_arg)
             }
         };
+        // The provider refuses a controller endpoint beside the managed (bundled) plugin, which
+        // serves both services.
+        config.controller_endpoint = self.controller_endpoint.clone();
         config.policy = self.policy;
         config.socket_dir = self.plugin_socket_dir.clone();
         config.client.connect_timeout = std::time::Duration::from_secs(self.plugin_timeout);

@@ -71,20 +71,35 @@ pub struct RunArgs {
     command: Vec<OsString>,
 }
 
-/// Refuses at once a `--plugin-endpoint` whose path is there but is not a
-/// socket (connecting would be retried until the plugin timeout); a path
-/// that is not there yet is waited for, as a plugin may still be starting.
-pub(super) fn check_plugin_endpoint(endpoint: Option<&str>) -> anyhow::Result<()> {
+/// Refuses at once a `--plugin-endpoint` (or `--controller-endpoint`) whose
+/// path is there but is not a socket (connecting would be retried until the
+/// plugin timeout); a path that is not there yet is waited for, as a plugin
+/// may still be starting.
+pub(super) fn check_plugin_endpoint(plugin: &super::plugin_args::PluginArgs) -> anyhow::Result<()> {
     use std::os::unix::fs::FileTypeExt;
-    let Some(path) = endpoint.and_then(|e| e.strip_prefix("unix://")) else {
-        return Ok(());
-    };
-    match std::fs::metadata(path) {
-        Ok(m) if !m.file_type().is_socket() => anyhow::bail!(
-            "--plugin-endpoint unix://{path}: {path} is not a socket (give the Unix socket the CSI plugin listens on, or leave --plugin-endpoint out to use the bundled plugin)"
+    for (flag, endpoint, otherwise) in [
+        (
+            "--plugin-endpoint",
+            &plugin.plugin_endpoint,
+            "leave --plugin-endpoint out to use the bundled plugin",
         ),
-        _ => Ok(()),
+        (
+            "--controller-endpoint",
+            &plugin.controller_endpoint,
+            "leave --controller-endpoint out to use one plugin for both",
+        ),
+    ] {
+        let Some(path) = endpoint.as_deref().and_then(|e| e.strip_prefix("unix://")) else {
+            continue;
+        };
+        match std::fs::metadata(path) {
+            Ok(m) if !m.file_type().is_socket() => anyhow::bail!(
+                "{flag} unix://{path}: {path} is not a socket (give the Unix socket the CSI plugin listens on, or {otherwise})"
+            ),
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 /// Runs `run`; exits with the workload's status.
@@ -125,7 +140,7 @@ pub async fn run(work_dir: &Path, args: RunArgs) -> anyhow::Result<ExitCode> {
             ),
         }
     }
-    check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
+    check_plugin_endpoint(&args.plugin)?;
     let opts = RunOptions {
         work_dir: work_dir.to_path_buf(),
         provider: args.plugin.config(work_dir)?,

@@ -24,6 +24,8 @@ Examples:
   # Against a CSI plugin that is already running, on a chosen socket
   csi-isolator serve --plugin-endpoint unix:///run/csi/plugin.sock --socket /run/csi-isolator.sock
   curl -s http://127.0.0.1:9464/metrics | grep csi_isolator_volumes
+  # A driver whose controller plugin runs apart from this node's plugin
+  csi-isolator serve --plugin-endpoint unix:///run/csi/node.sock --controller-endpoint unix:///run/csi/controller.sock
   # A containerizer running as a member of group csi (its gid), not as root
   csi-isolator serve --allow-group csi --metrics 9464
 A containerizer calls Recover with its live containers right after connecting.
@@ -68,6 +70,7 @@ pub struct ServeArgs {
 
 /// Runs `serve` until SIGINT/SIGTERM.
 pub async fn run(work_dir: &Path, args: ServeArgs) -> anyhow::Result<ExitCode> {
+    super::run::check_plugin_endpoint(&args.plugin)?;
     let mut opts = ServeOptions::new(work_dir, args.plugin.config(work_dir)?);
     opts.socket = args.socket;
     opts.metrics = args.metrics;

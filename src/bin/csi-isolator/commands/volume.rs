@@ -254,7 +254,7 @@ pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> 
     // wait for them briefly rather than racing their checkpoints.
     let work_dir = csi_isolator::workdir::canonical(work_dir)?;
     let _lock = csi_isolator::workdir::lock(&work_dir, Some(Duration::from_secs(30))).await?;
-    super::run::check_plugin_endpoint(args.plugin.plugin_endpoint.as_deref())?;
+    super::run::check_plugin_endpoint(&args.plugin)?;
     let config = args.plugin.config(&work_dir)?;
     let provider = StorageProvider::start(config)
         .await
