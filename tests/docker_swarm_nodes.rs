@@ -11,10 +11,17 @@
 //! node's dir (the host's root is private). Docker 20.10 has no Swarm cluster volumes: a legacy
 //! volume plugin serves the tasks of its own node, under the name the service gives.
 //!
-//! In this test each node's bundled plugin keeps its own volumes, so the volume Y's task gets is
-//! another one with the same name: it proves the scheduling and the cleanup (every namespace,
-//! veth, dockerd, mount and process gone, the host's network as before). Data moving with the
-//! task needs one controller plugin for both nodes (issue 13 items 1 and 2).
+//! Two tests. In the first each node's docker-plugin manages its own bundled plugin, which keeps
+//! its own volumes, so the volume Y's task gets is another one with the same name: it proves the
+//! scheduling and the cleanup (every namespace, veth, dockerd, mount and process gone, the host's
+//! network and mounts as before). In the second the bundled plugin runs as a small multi-node
+//! driver: one `--mode controller` plugin whose work dir holds the volumes, one `--mode node`
+//! plugin per node (`--node-id node-x|node-y`, `--shared-dir` the controller's work dir), and each
+//! node's docker-plugin drives its node plugin (`--plugin-endpoint`) and the controller
+//! (`--controller-endpoint`) with no unpublish delay: the task on X appends to a file in the
+//! volume, X is drained, the last Unmount on X unpublishes (ControllerUnpublish for node-x), the
+//! task on Y appends to the same file, and the controller lists the volume published to node-x,
+//! then node-y, then none; `volume rm` deletes it at the controller.
 //!
 //! Runs under the machine-wide engine-test lock (`HostPaths`) and in the `docker-engine` test
 //! group. Needs root, `dockerd`, `ip`, `unshare`, `nsenter`: without them it fails, never skips.
@@ -29,7 +36,8 @@ use csi_isolator_testing::swarm::{
     RemoveTasks, SwarmNode,
 };
 use csi_isolator_testing::{
-    mount_points_under, processes_mentioning, recorded_volumes, require_root, DockerPluginProcess,
+    mount_points_under, plugin_bin, processes_mentioning, recorded_volumes, require_root,
+    DockerPluginProcess, PluginProcess, Sandbox,
 };
 use nix::sys::signal::Signal;
 
@@ -398,6 +406,191 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
     ex.stop(&x.sb);
     stop_plugin(&x, plugin_x);
     stop_plugin(&y, plugin_y);
+    finish_node(x);
+    finish_node(y);
+    host.assert_restored();
+    assert_eq!(
+        HostNetwork::read(),
+        network_before,
+        "the host's network namespace changed"
+    );
+    assert_eq!(host_mounts_outside_temp(), mounts_before);
+}
+
+/// Runs `f` on a runtime of its own (the plugin helpers are async; this test is not).
+fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(f)
+}
+
+/// The node ids the controller plugin `ctl` lists its volume as published to, sorted (the
+/// test makes one volume); `None` when it lists none.
+fn published_nodes(ctl: &PluginProcess) -> Option<Vec<String>> {
+    let entries = block_on(ctl.listed());
+    assert!(entries.len() <= 1, "the controller lists {entries:?}");
+    let entry = entries.into_iter().next()?;
+    let mut nodes = entry
+        .status
+        .map(|s| s.published_node_ids)
+        .unwrap_or_default();
+    nodes.sort();
+    Some(nodes)
+}
+
+#[test]
+fn a_service_drained_from_node_x_reads_on_node_y_what_it_wrote_on_x_through_one_controller() {
+    require_root();
+    require_engine("dockerd", "docker.io");
+    require_namespace_tools();
+    let id = unique();
+    let driver = format!("csi2n-{id}");
+    let host = HostPaths::claim(DOCKER_HOST_PATHS);
+    let network_before = HostNetwork::read();
+    let mounts_before = host_mounts_outside_temp();
+
+    let (x, y) = two_nodes();
+    // One controller plugin for the cluster, its volumes in its work dir, which both nodes'
+    // plugins reach at the same path (the host's file system); a node plugin per node.
+    let ctl_sb = Sandbox::new("sw-c");
+    let ctl = block_on(PluginProcess::start_named(
+        &ctl_sb,
+        "ctl",
+        plugin_bin(),
+        &["--mode", "controller"],
+    ));
+    let shared = ctl.work_dir().display().to_string();
+    let node_plugin = |node: &SwarmNode, node_id: &str| {
+        block_on(PluginProcess::start_named(
+            &node.sb,
+            "np",
+            plugin_bin(),
+            &[
+                "--mode",
+                "node",
+                "--node-id",
+                node_id,
+                "--shared-dir",
+                &shared,
+            ],
+        ))
+    };
+    let np_x = node_plugin(&x, "node-x");
+    let np_y = node_plugin(&y, "node-y");
+    let ctl_endpoint = ctl.endpoint();
+    let plugin_x = x.start_plugin(
+        BIN,
+        &driver,
+        &[
+            "--plugin-endpoint",
+            &np_x.endpoint(),
+            "--controller-endpoint",
+            &ctl_endpoint,
+        ],
+    );
+    let plugin_y = y.start_plugin(
+        BIN,
+        &driver,
+        &[
+            "--plugin-endpoint",
+            &np_y.endpoint(),
+            "--controller-endpoint",
+            &ctl_endpoint,
+        ],
+    );
+    let ex = x.start_dockerd();
+    let reap_x = RemoveTasks(&ex);
+    let ey = y.start_dockerd();
+    let reap_y = RemoveTasks(&ey);
+    let logs = || {
+        format!(
+            "dockerd x:\n{}\ndockerd y:\n{}\ndocker-plugin x:\n{}\ndocker-plugin y:\n{}\n\
+             controller plugin:\n{}\nnode plugin x:\n{}\nnode plugin y:\n{}",
+            ex.log(),
+            ey.log(),
+            plugin_x.log(),
+            plugin_y.log(),
+            ctl.stderr(),
+            np_x.stderr(),
+            np_y.stderr()
+        )
+    };
+    let image = format!("csi-isolator-test/busybox:{id}");
+    let (idx, idy) = form_swarm([(&x, &ex), (&y, &ey)], &driver, &image, &logs);
+
+    ex.ok(&["node", "update", "--availability", "pause", &idy]);
+    let service = format!("csi2n-{id}");
+    let volume = "swarmvol";
+    create_service(
+        &ex,
+        &service,
+        volume,
+        &driver,
+        &image,
+        "echo run >> /data/f; sleep 3600",
+    );
+    wait_running(&ex, &idx, &service, None, &logs);
+    assert_eq!(
+        wait_for("X's task writes", || written(&ex, volume, &plugin_x), logs),
+        "run\n"
+    );
+    assert_eq!(
+        published_nodes(&ctl),
+        Some(vec!["node-x".to_string()]),
+        "{}",
+        logs()
+    );
+
+    // Drain X: its task stops, X's docker-plugin unpublishes the volume at its last Unmount
+    // (ControllerUnpublish for node-x), and the task on Y gets the same volume. Y's attempts
+    // while X still holds it are refused naming node-x (the controller's FAILED_PRECONDITION);
+    // Swarm retries them.
+    ex.ok(&["node", "update", "--availability", "active", &idy]);
+    ex.ok(&["node", "update", "--availability", "drain", &idx]);
+    wait_running(&ex, &idy, &service, Some("node-x"), &logs);
+    wait_no_task("X's task container goes", &ex, &service, &logs);
+    wait_unpublished("X's volume is unpublished", &plugin_x, &logs);
+    // Y's task appended to what X's wrote: the same data.
+    assert_eq!(
+        wait_for(
+            "Y's task writes",
+            || match written(&ey, volume, &plugin_y) {
+                Ok(s) if s.lines().count() >= 2 => Ok(s),
+                Ok(s) => Err(format!("only {s:?}")),
+                Err(e) => Err(e),
+            },
+            logs
+        ),
+        "run\nrun\n"
+    );
+    assert_eq!(
+        published_nodes(&ctl),
+        Some(vec!["node-y".to_string()]),
+        "{}",
+        logs()
+    );
+
+    ex.ok(&["service", "rm", &service]);
+    wait_no_task("Y's task container goes", &ey, &service, &logs);
+    wait_unpublished("Y's volume is unpublished", &plugin_y, &logs);
+    assert_eq!(published_nodes(&ctl), Some(Vec::new()), "{}", logs());
+    remove_volume([&ex, &ey], &service, volume);
+    assert_eq!(published_nodes(&ctl), None, "{}", logs());
+    leave_swarm(&ex, &ey, &image);
+    drop(reap_y);
+    drop(reap_x);
+    ey.stop(&y.sb);
+    ex.stop(&x.sb);
+    stop_plugin(&x, plugin_x);
+    stop_plugin(&y, plugin_y);
+    drop(np_x);
+    drop(np_y);
+    drop(ctl);
+    ctl_sb.assert_no_mounts_under();
+    ctl_sb.assert_no_loop_devices();
+    drop(ctl_sb);
     finish_node(x);
     finish_node(y);
     host.assert_restored();
