@@ -20,6 +20,7 @@ pub mod crash;
 pub mod engines;
 pub mod exposition;
 pub mod leaks;
+pub mod powerloss;
 pub mod props;
 pub mod swarm;
 pub mod unprivileged;
