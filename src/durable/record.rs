@@ -13,6 +13,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -188,8 +189,13 @@ fn lock() -> std::sync::MutexGuard<'static, Option<File>> {
     LOG.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The log holds the bytes of checkpoints: private to root when it creates it.
 fn open_log(log: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(log)
+    OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(log)
 }
 
 fn start_from_env() {
