@@ -16,6 +16,14 @@
 //!
 //! The directory must exist: creating it (durably or not) is the caller's
 //! business.
+//!
+//! The seam: every durable-metadata operation of the provider's checkpoints,
+//! the isolator's checkpoints and the bundled plugin's records goes through
+//! the functions of this module ([`write_atomic`], [`create_dir`],
+//! [`rename`], [`remove_file`], [`remove_dir`], [`sync_dir`]), and
+//! [`promise`] marks the point where one returns success to its caller. In
+//! the power-loss tests, [`record`] logs each of them, in order, with what a
+//! replay needs; off, that costs one relaxed atomic load per operation.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -23,6 +31,10 @@ use std::io::{self, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+pub mod record;
+
+use record::{Op, Promise};
 
 /// What a temporary file's name holds after the target's name.
 const TEMP_MARK: &str = ".tmp-";
@@ -91,22 +103,87 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
         _ => Path::new("."),
     };
     let (tmp, mut file) = create_temp(path, mode).map_err(|e| fail(WriteStep::CreateTemp, e))?;
+    record::record(|| Op::Create {
+        path: tmp.clone(),
+        mode,
+    });
     let written = file
         .write_all(bytes)
         .map_err(|e| (WriteStep::Write, e))
-        .and_then(|()| file.sync_all().map_err(|e| (WriteStep::SyncFile, e)));
+        .and_then(|()| {
+            record::record(|| Op::Write {
+                path: tmp.clone(),
+                bytes: bytes.to_vec(),
+            });
+            file.sync_all().map_err(|e| (WriteStep::SyncFile, e))
+        })
+        .map(|()| record::record(|| Op::Fsync { path: tmp.clone() }));
     drop(file);
-    let renamed = written.and_then(|()| fs::rename(&tmp, path).map_err(|e| (WriteStep::Rename, e)));
+    let renamed = written.and_then(|()| rename(&tmp, path).map_err(|e| (WriteStep::Rename, e)));
     if let Err((step, source)) = renamed {
-        let _ = fs::remove_file(&tmp);
+        let _ = remove_file(&tmp);
         return Err(fail(step, source));
     }
-    sync_dir(dir).map_err(|e| fail(WriteStep::SyncDir, e))
+    sync_dir(dir).map_err(|e| fail(WriteStep::SyncDir, e))?;
+    promise(|| Promise::Written {
+        path: path.to_path_buf(),
+        bytes: bytes.to_vec(),
+    });
+    Ok(())
 }
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir).and_then(|d| d.sync_all())
+    File::open(dir).and_then(|d| d.sync_all())?;
+    record::record(|| Op::FsyncDir {
+        path: dir.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Makes the directory `path` (its parent must exist). Not durable until its parent is
+/// synced ([`sync_dir`]).
+pub fn create_dir(path: &Path) -> io::Result<()> {
+    fs::create_dir(path)?;
+    record::record(|| Op::Mkdir {
+        path: path.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Renames `from` over `to`. Not durable until their directory is synced ([`sync_dir`]).
+pub fn rename(from: &Path, to: &Path) -> io::Result<()> {
+    fs::rename(from, to)?;
+    record::record(|| Op::Rename {
+        from: from.to_path_buf(),
+        to: to.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Unlinks the file `path`. Not durable until its directory is synced ([`sync_dir`]).
+pub fn remove_file(path: &Path) -> io::Result<()> {
+    fs::remove_file(path)?;
+    record::record(|| Op::Unlink {
+        path: path.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Removes the empty directory `path`. Not durable until its parent is synced
+/// ([`sync_dir`]).
+pub fn remove_dir(path: &Path) -> io::Result<()> {
+    fs::remove_dir(path)?;
+    record::record(|| Op::Rmdir {
+        path: path.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Marks that a durable operation is returning success to its caller (recorded for the
+/// power-loss checker, which holds every later crash state to it).
+pub fn promise(what: impl FnOnce() -> Promise) {
+    record::record(|| Op::Promised(what()));
 }
 
 /// Removes the temporary files [`write_atomic`] left in `dir` when a crash
@@ -120,7 +197,7 @@ pub fn remove_stale_temps(dir: &Path) {
         let name = e.file_name();
         let name = name.to_string_lossy();
         if name.starts_with('.') && name.contains(TEMP_MARK) {
-            let _ = fs::remove_file(e.path());
+            let _ = remove_file(&e.path());
         }
     }
 }

@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::durable::record::Promise;
 pub use crate::durable::remove_stale_temps;
 use crate::durable::{self, WriteStep};
 use crate::workdir::PRIVATE_FILE_MODE;
@@ -164,11 +165,14 @@ pub fn create_dir_durable(dir: &Path) -> Result<(), CheckpointError> {
             create_dir_durable(parent)?;
         }
     }
-    match fs::create_dir(dir) {
+    match durable::create_dir(dir) {
         Ok(()) => {
             if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
                 sync_dir(parent)?;
             }
+            durable::promise(|| Promise::DirMade {
+                path: dir.to_path_buf(),
+            });
             Ok(())
         }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
@@ -182,7 +186,7 @@ pub fn create_dir_durable(dir: &Path) -> Result<(), CheckpointError> {
 /// Removes `path` durably (the directory entry removal is fsynced). A file
 /// that is already gone is not an error.
 pub fn remove_durable(path: &Path) -> Result<(), CheckpointError> {
-    match fs::remove_file(path) {
+    match durable::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
         Err(source) => {
@@ -195,6 +199,9 @@ pub fn remove_durable(path: &Path) -> Result<(), CheckpointError> {
     if let Some(dir) = path.parent() {
         sync_dir(dir)?;
     }
+    durable::promise(|| Promise::Removed {
+        path: path.to_path_buf(),
+    });
     WRITES.fetch_add(1, Ordering::Relaxed);
     crash_point();
     Ok(())
@@ -223,7 +230,7 @@ pub fn set_aside(path: &Path) -> Result<PathBuf, CheckpointError> {
     let mut name = path.file_name().unwrap_or_default().to_os_string();
     name.push(format!(".corrupt-{secs}"));
     let aside = path.with_file_name(name);
-    fs::rename(path, &aside).map_err(|source| CheckpointError::SetAside {
+    durable::rename(path, &aside).map_err(|source| CheckpointError::SetAside {
         path: path.to_path_buf(),
         source,
     })?;

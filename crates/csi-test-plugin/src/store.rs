@@ -559,7 +559,7 @@ fn rename_to_tombstone(root: &Path, dir: &Path, id: &str) -> Result<PathBuf, Sto
     let tombstone = root.join(format!("{TOMBSTONE_PREFIX}{}", encode_volume_id(id)));
     // A tombstone left by an earlier, interrupted removal of the same id.
     remove_dir(&tombstone)?;
-    match fs::rename(dir, &tombstone) {
+    match durable::rename(dir, &tombstone) {
         Ok(()) => durable::sync_dir(root)
             .map_err(|e| StoreError::Write(IoStep::new("fsync directory", root, e)))?,
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}

@@ -22,6 +22,7 @@ pub mod engines;
 pub mod exposition;
 pub mod files;
 pub mod leaks;
+pub mod powerloss;
 pub mod props;
 pub mod swarm;
 pub mod unprivileged;
