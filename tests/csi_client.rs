@@ -909,3 +909,37 @@ async fn controller_modify_volume_is_called_and_counted() {
         .unwrap();
     assert!(!client.current_capabilities().controller.modify_volume());
 }
+
+/// A plugin socket served by another user (here `nobody`, who listened on it) is refused at
+/// connect, before a byte is sent: not retried until the connect timeout, and the error names
+/// the socket and the uid. A plugin gets secrets and decides what is mounted, so csi-isolator
+/// talks only to root (or its own user), for the node and the controller endpoint alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_served_by_another_user_is_refused_before_a_byte_is_sent() {
+    require_root();
+    let sandbox = Sandbox::new("csi-untrusted-server");
+    let socket = sandbox.join("plugin.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+    let server = std::thread::spawn(move || {
+        csi_isolator_testing::unprivileged::serve_as_nobody(listener, 3, b"")
+    });
+    // Give the child time to listen (a connect before listen(2) is refused, and retried).
+    std::thread::sleep(Duration::from_millis(300));
+    let endpoint = format!("unix://{}", socket.display());
+    let err = match Client::connect(&endpoint, fast_retries()).await {
+        Ok(_) => panic!("a socket served by nobody was talked to"),
+        Err(e) => e,
+    };
+    assert!(
+        matches!(err, csi_isolator::csi::CsiError::UntrustedServer { .. }),
+        "{err:?}"
+    );
+    let text = csi_isolator::error_chain::full_message(&err);
+    assert!(
+        text.contains("served by uid 65534") && text.contains(&socket.display().to_string()),
+        "{text}"
+    );
+    let served = server.join().unwrap();
+    assert!(served.accepted >= 1, "{served:?}");
+    assert!(!served.received, "a byte reached the untrusted server");
+}

@@ -865,35 +865,13 @@ async fn a_use_made_while_the_engine_lists_no_holder_survives_and_is_released_on
 /// directory only root may write) and listened on again by `nobody`: a connection carries the
 /// credentials of the last `listen`, so the plugin sees a socket served by `nobody`.
 fn serve_as_nobody(socket: &Path, secs: u64) -> u8 {
-    use std::os::fd::AsRawFd;
     let listener = std::os::unix::net::UnixListener::bind(socket).expect("bind the engine socket");
-    let outcome = as_nobody(move || {
-        let errno = |e: std::io::Error| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO));
-        // SAFETY: listen(2) on a socket this process owns.
-        if unsafe { libc::listen(listener.as_raw_fd(), 16) } != 0 {
-            return Err(Errno::last());
-        }
-        listener.set_nonblocking(true).map_err(errno)?;
-        let deadline = std::time::Instant::now() + Duration::from_secs(secs);
-        let mut accepted = 0u8;
-        while std::time::Instant::now() < deadline {
-            match listener.accept() {
-                Ok((mut s, _)) => {
-                    accepted = accepted.saturating_add(1);
-                    let _ = s.set_nonblocking(false);
-                    let _ = s.write_all(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n[]",
-                    );
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(20)),
-            }
-        }
-        Ok(accepted.min(127))
-    });
-    match outcome {
-        Outcome::Ok(n) => n,
-        other => panic!("the engine as nobody failed: {other:?}"),
-    }
+    csi_isolator_testing::unprivileged::serve_as_nobody(
+        listener,
+        secs,
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n[]",
+    )
+    .accepted
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

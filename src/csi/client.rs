@@ -174,6 +174,19 @@ impl Client {
         })?;
         let started = Instant::now();
         wait_for_socket(endpoint, &path, options.connect_timeout).await?;
+        // Refused at once, not retried until the connect timeout: a socket served by another
+        // user stays that user's (every later dial checks it again).
+        if let Ok(stream) = UnixStream::connect(&path).await {
+            let server = stream.peer_cred().map(|c| c.uid());
+            if let Ok(uid) = server {
+                check_server(&path, uid, nix::unistd::geteuid().as_raw()).map_err(|source| {
+                    CsiError::UntrustedServer {
+                        endpoint: endpoint.to_string(),
+                        source,
+                    }
+                })?;
+            }
+        }
         let socket = socket_id(&path);
         let channel = lazy_channel(&path, socket);
         let identity = Identity { socket, name: None };
@@ -1261,13 +1274,51 @@ async fn dial_pinned(path: &Path, pinned: Option<SocketId>) -> std::io::Result<U
     if socket_id(path) != before {
         return Err(replaced());
     }
+    check_server(
+        path,
+        stream.peer_cred()?.uid(),
+        nix::unistd::geteuid().as_raw(),
+    )?;
     Ok(stream)
+}
+
+/// A plugin gets the volumes' secrets and decides what is mounted where, so csi-isolator talks
+/// only to a socket served by root or by its own user: whoever else could put a socket at the
+/// endpoint's path (a plugin's socket directory left writable) gets nothing, not a byte of the
+/// first call. `server` is the uid of the process that listened on the socket (`SO_PEERCRED`).
+fn check_server(path: &Path, server: u32, me: u32) -> std::io::Result<()> {
+    if server == 0 || server == me {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::PermissionDenied,
+        format!(
+            "socket {} is served by uid {server}, not by root: csi-isolator sends a CSI plugin secrets and mounts what it answers, so it talks only to a plugin running as root (or as its own user); run the plugin as root, or make its socket directory writable by root alone",
+            path.display()
+        ),
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error_chain::FullMessage;
+
+    #[test]
+    fn only_a_socket_served_by_root_or_by_this_user_is_talked_to() {
+        let p = Path::new("/run/csi/x.sock");
+        assert!(check_server(p, 0, 0).is_ok());
+        assert!(check_server(p, 0, 1000).is_ok());
+        assert!(check_server(p, 1000, 1000).is_ok());
+        let refused = check_server(p, 65534, 0).unwrap_err();
+        assert_eq!(refused.kind(), std::io::ErrorKind::PermissionDenied);
+        let text = refused.to_string();
+        assert!(
+            text.contains("/run/csi/x.sock") && text.contains("uid 65534"),
+            "{text}"
+        );
+        assert!(check_server(p, 65534, 1000).is_err());
+    }
 
     #[test]
     fn create_answers_outside_the_spec_or_the_range_are_refused() {

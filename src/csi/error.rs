@@ -40,6 +40,16 @@ pub enum CsiError {
         /// The last dial error, if any.
         last_error: Option<String>,
     },
+    /// The socket is served by a process csi-isolator does not talk to (not root, not its own
+    /// user): nothing was sent.
+    #[error("connect to {endpoint}")]
+    UntrustedServer {
+        /// The endpoint.
+        endpoint: String,
+        /// Who serves it, and what to do.
+        #[source]
+        source: std::io::Error,
+    },
     /// The plugin kept answering `Probe` with `ready: false`.
     #[error("connect to {endpoint}: plugin did not report ready within {}", fmt_duration(*timeout))]
     NotReady {

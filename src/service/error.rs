@@ -254,6 +254,7 @@ pub fn csi_code(e: &CsiError) -> Code {
         None => match e {
             CsiError::ConnectTimeout { .. } | CsiError::NotReady { .. } => Code::Unavailable,
             CsiError::Connect { .. } => Code::Unavailable,
+            CsiError::UntrustedServer { .. } => Code::FailedPrecondition,
             _ => Code::Internal,
         },
     }

@@ -132,3 +132,58 @@ mod tests {
         assert_eq!(got, Outcome::Failed(Errno::EACCES));
     }
 }
+
+/// What a socket served as `nobody` by [`serve_as_nobody`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Served {
+    /// Connections accepted (at most 63).
+    pub accepted: u8,
+    /// Whether any client sent a byte.
+    pub received: bool,
+}
+
+/// Listens on `listener` (bound by the caller, as root) as `nobody` for `secs` seconds, so that
+/// `SO_PEERCRED` names nobody to every client: each connection is read for up to 300 ms (noting
+/// whether the client sent anything), then answered with `reply`. Blocks for `secs`: run it on a
+/// thread of its own while the test connects.
+pub fn serve_as_nobody(
+    listener: std::os::unix::net::UnixListener,
+    secs: u64,
+    reply: &[u8],
+) -> Served {
+    use std::io::{Read, Write};
+    use std::os::fd::AsRawFd;
+    let outcome = as_nobody(move || {
+        let errno = |e: std::io::Error| Errno::from_raw(e.raw_os_error().unwrap_or(libc::EIO));
+        // SAFETY: listen(2) on a socket this process owns.
+        if unsafe { libc::listen(listener.as_raw_fd(), 16) } != 0 {
+            return Err(Errno::last());
+        }
+        listener.set_nonblocking(true).map_err(errno)?;
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        let (mut accepted, mut received) = (0u8, false);
+        while Instant::now() < deadline {
+            match listener.accept() {
+                Ok((mut s, _)) => {
+                    accepted = accepted.saturating_add(1).min(63);
+                    let _ = s.set_nonblocking(false);
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(300)));
+                    let mut buf = [0u8; 64];
+                    if matches!(s.read(&mut buf), Ok(n) if n > 0) {
+                        received = true;
+                    }
+                    let _ = s.write_all(reply);
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+        Ok(accepted | (u8::from(received) << 6))
+    });
+    match outcome {
+        Outcome::Ok(code) => Served {
+            accepted: code & 63,
+            received: code & 64 != 0,
+        },
+        other => panic!("serving as nobody failed: {other:?}"),
+    }
+}

@@ -104,6 +104,9 @@ pub async fn run(work_dir: &Path, args: OciHookArgs) -> anyhow::Result<ExitCode>
         None => Stage::from_state(&state).with_context(|| name(given))?,
     };
     let name = name(Some(stage));
+    // A plugin or controller endpoint that is there but is no socket is refused at once, not
+    // waited for until --plugin-timeout while runc holds the container's creation.
+    super::run::check_plugin_endpoint(&args.plugin).with_context(|| name)?;
     let plugin = args.plugin;
     // The anyhow error becomes the boxed error as it is: its context and causes stay its chain.
     let provider: ProviderFactory =
