@@ -209,6 +209,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
             ..
         } => Code::FailedPrecondition,
         ProviderError::InUse { .. }
+        | ProviderError::HeldByAnotherNode { .. }
         | ProviderError::AccessModeRefused { .. }
         | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
