@@ -3,7 +3,8 @@
 //! A single-node volume moves between them: a publish on Y while X holds it is refused before
 //! the workload starts and leaves nothing on Y; after X releases it, Y publishes it and sees X's
 //! data; a volume created on X (its resource JSON, relative roots) is used on Y under Y's work
-//! dir, through `run --resources` and through `serve`.
+//! dir, through `run --resources` and through `serve`. A dead node is fenced with `volume
+//! detach`, and finds its attachment gone when it comes back.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -48,31 +49,29 @@ struct Cluster {
 
 impl Cluster {
     fn start(sb: &Sandbox) -> Cluster {
+        Self::start_with(sb, &[])
+    }
+
+    /// With `flags` added to every plugin's command line.
+    fn start_with(sb: &Sandbox, flags: &[&str]) -> Cluster {
         block_on(async {
-            let controller = PluginProcess::start_named(
-                sb,
-                "controller",
-                plugin_bin(),
-                &["--mode", "controller"],
-            )
-            .await;
+            let mut args = vec!["--mode", "controller"];
+            args.extend_from_slice(flags);
+            let controller =
+                PluginProcess::start_named(sb, "controller", plugin_bin(), &args).await;
             let shared = controller.work_dir();
             let mut nodes = Vec::new();
             for id in ["node-x", "node-y"] {
-                let plugin = PluginProcess::start_named(
-                    sb,
+                let mut args = vec![
+                    "--mode",
+                    "node",
+                    "--node-id",
                     id,
-                    plugin_bin(),
-                    &[
-                        "--mode",
-                        "node",
-                        "--node-id",
-                        id,
-                        "--shared-dir",
-                        shared.to_str().unwrap(),
-                    ],
-                )
-                .await;
+                    "--shared-dir",
+                    shared.to_str().unwrap(),
+                ];
+                args.extend_from_slice(flags);
+                let plugin = PluginProcess::start_named(sb, id, plugin_bin(), &args).await;
                 nodes.push(Node {
                     id,
                     work: sb.join(format!("work-{id}")),
@@ -290,11 +289,9 @@ fn a_single_node_volume_is_handed_off_from_x_to_y_with_run() {
     assert!(out.status.success(), "run on Y: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "written-on-x\n");
     assert!(cl.published_nodes(&id).is_empty(), "released after the run");
-    assert_eq!(
-        cl.calls("ControllerPublishVolume", &id),
-        publishes + 2,
-        "the refused try and the retry"
-    );
+    // The refused try, X's check at its next start (the release) that it still holds the
+    // volume, and the retry.
+    assert_eq!(cl.calls("ControllerPublishVolume", &id), publishes + 3);
 
     // And back: X reads what Y wrote.
     let out = run_with(&cl, &cl.x, &on_x, "cat data/f");
@@ -444,4 +441,221 @@ fn serve_on_y_imports_a_volume_made_on_x_and_publishes_it_once_x_released_it() {
     assert!(out.status.success(), "destroy on X: {}", text(&out.stderr));
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
+}
+
+/// `volume detach ID --node NODE [flags]` run against `work`, with the controller only.
+fn detach(cl: &Cluster, work: &Path, id: &str, node: &str, flags: &[&str]) -> Output {
+    output(
+        isolator_command(CLI, work)
+            .arg("volume")
+            .args([
+                "--controller-endpoint".to_string(),
+                cl.controller.endpoint(),
+            ])
+            .args(["detach", id, "--node", node])
+            .args(flags),
+    )
+}
+
+/// X holds `data` for container `cx` and dies with its node plugin (its record still lists
+/// `cx`, whose container is gone; its mounts stay, as a hung node's would).
+fn x_holds_and_dies(sb: &Sandbox, cl: &mut Cluster) -> (serde_json::Value, String) {
+    let (res, id) = create(cl, &cl.x, "data");
+    let on_x = resources_file(sb, "on-x.json", &res);
+    let out = run_with(cl, &cl.x, &on_x, "echo written-on-x > data/f");
+    assert!(out.status.success(), "run on X: {}", text(&out.stderr));
+    let out = output(
+        cl.cli(&cl.x, "volume")
+            .args(["publish", "data", "--container", "cx"]),
+    );
+    assert!(out.status.success(), "publish on X: {}", text(&out.stderr));
+    assert_eq!(cl.published_nodes(&id), ["node-x"]);
+    cl.x.plugin.kill();
+    (res, id)
+}
+
+/// Y imports the volume, reads X's data in a container, then holds it for `cy`.
+fn y_takes_over(sb: &Sandbox, cl: &Cluster, res: &serde_json::Value, id: &str) {
+    import(cl, &cl.y, "data", id);
+    let on_y = resources_file(sb, "on-y.json", res);
+    let out = run_with(
+        cl,
+        &cl.y,
+        &on_y,
+        "cat data/f && echo written-on-y >> data/f",
+    );
+    assert!(out.status.success(), "run on Y: {}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "written-on-x\n");
+    let out = output(
+        cl.cli(&cl.y, "volume")
+            .args(["publish", "data", "--container", "cy"]),
+    );
+    assert!(out.status.success(), "publish on Y: {}", text(&out.stderr));
+    assert_eq!(cl.published_nodes(id), ["node-y"]);
+}
+
+/// X comes back (its node plugin, then an agent start, whose recovery runs): returns the
+/// agent's stderr.
+fn x_comes_back(cl: &mut Cluster) -> String {
+    block_on(cl.x.plugin.restart());
+    let out = output(cl.cli(&cl.x, "volume").args(["list", "--json"]));
+    assert!(out.status.success(), "start on X: {}", text(&out.stderr));
+    text(&out.stderr)
+}
+
+/// What X reports after coming back: the volume fenced, the use of `cx` lost, nothing of it
+/// left on X, and Y still the only holder.
+fn x_reports_the_lost_use(cl: &Cluster, id: &str, stderr: &str, why: &str) {
+    for part in [id, "cx", "lost"] {
+        assert!(stderr.contains(part), "X warns naming {part:?}: {stderr}");
+    }
+    let rec = status_of(&cl.x, id);
+    assert_eq!(rec["state"], "CREATED", "{rec}");
+    assert!(rec["users"].as_array().unwrap().is_empty(), "{rec}");
+    assert_eq!(
+        rec["fenced"]["lost_users"],
+        serde_json::json!(["cx"]),
+        "{rec}"
+    );
+    assert_eq!(rec["fenced"]["torn_down"], true, "{rec}");
+    assert!(
+        rec["fenced"]["why"].as_str().unwrap().contains(why),
+        "{why}: {rec}"
+    );
+    nothing_on(&cl.x);
+    assert_eq!(cl.published_nodes(id), ["node-y"], "Y still holds it alone");
+    let status = output(isolator_command(CLI, &cl.x.work).arg("status"));
+    let shown = text(&status.stdout);
+    assert!(
+        shown.contains("fenced") && shown.contains("cx"),
+        "status on X: {shown}"
+    );
+}
+
+fn clean_up(sb: &Sandbox, cl: &Cluster) {
+    let out = output(
+        cl.cli(&cl.y, "volume")
+            .args(["release", "data", "--container", "cy"]),
+    );
+    assert!(out.status.success(), "release on Y: {}", text(&out.stderr));
+    for node in [&cl.y, &cl.x] {
+        let out = output(cl.cli(node, "volume").args(["destroy", "data"]));
+        assert!(
+            out.status.success(),
+            "destroy on {}: {}",
+            node.id,
+            text(&out.stderr)
+        );
+        nothing_on(node);
+    }
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
+
+#[test]
+fn a_dead_node_is_fenced_with_volume_detach_and_tears_down_when_it_comes_back() {
+    require_root();
+    let sb = Sandbox::new("two-nodes-fence");
+    // Dir backing: X's mounts of the dead node stay while Y uses the volume.
+    let mut cl = Cluster::start_with(&sb, &["--backing", "dir"]);
+    let (res, id) = x_holds_and_dies(&sb, &mut cl);
+
+    // X's record lists cx: refused without --force, naming the use and the way out.
+    let x_work = cl.x.work.clone();
+    let out = detach(&cl, &x_work, &id, "node-x", &[]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "refused: {err}");
+    for part in [id.as_str(), "node-x", "cx", "--force"] {
+        assert!(err.contains(part), "{part}: {err}");
+    }
+    assert_eq!(cl.published_nodes(&id), ["node-x"], "nothing sent");
+    // Another work dir holds no record of it on node-x: refused too, without --force.
+    let out = detach(&cl, &cl.y.work, &id, "node-x", &[]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("no record"), "{err}");
+
+    let publishes = cl.calls("ControllerPublishVolume", &id);
+    let out = detach(&cl, &x_work, &id, "node-x", &["--force"]);
+    assert!(out.status.success(), "forced: {}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("cx"), "{}", text(&out.stdout));
+    assert!(cl.published_nodes(&id).is_empty());
+    let rec = status_of(&cl.x, &id);
+    assert_eq!(rec["fenced"]["unpublished"], true, "{rec}");
+    // A rerun is harmless (the fence is there, the call idempotent).
+    let out = detach(&cl, &x_work, &id, "node-x", &[]);
+    assert!(out.status.success(), "rerun: {}", text(&out.stderr));
+
+    y_takes_over(&sb, &cl, &res, &id);
+    let publishes_y = cl.calls("ControllerPublishVolume", &id);
+    let unpublishes = cl.calls("ControllerUnpublishVolume", &id);
+
+    let stderr = x_comes_back(&mut cl);
+    assert_eq!(
+        cl.calls("ControllerPublishVolume", &id),
+        publishes_y,
+        "X did not publish it again"
+    );
+    assert!(
+        cl.calls("ControllerUnpublishVolume", &id) <= unpublishes + 1,
+        "at most one idempotent ControllerUnpublish from X"
+    );
+    assert!(publishes_y > publishes);
+    x_reports_the_lost_use(&cl, &id, &stderr, "volume detach");
+    // A second start does nothing more.
+    let (p, u) = (
+        cl.calls("ControllerPublishVolume", &id),
+        cl.calls("ControllerUnpublishVolume", &id),
+    );
+    x_comes_back(&mut cl);
+    assert_eq!(
+        (
+            cl.calls("ControllerPublishVolume", &id),
+            cl.calls("ControllerUnpublishVolume", &id)
+        ),
+        (p, u)
+    );
+    // X asking for it while Y holds it is refused as any second node is.
+    let out = output(
+        cl.cli(&cl.x, "volume")
+            .args(["publish", "data", "--container", "cx2"]),
+    );
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("node-y"), "{err}");
+    nothing_on(&cl.x);
+    clean_up(&sb, &cl);
+}
+
+#[test]
+fn a_node_whose_record_was_not_fenced_takes_the_controllers_refusal_as_a_fence() {
+    require_root();
+    let sb = Sandbox::new("two-nodes-unfenced");
+    let mut cl = Cluster::start_with(&sb, &["--backing", "dir"]);
+    let (res, id) = x_holds_and_dies(&sb, &mut cl);
+    // X's disk cannot be reached: detach from elsewhere, by id, forced.
+    let elsewhere = sb.mkdir("operator");
+    let out = detach(&cl, &elsewhere, &id, "node-x", &["--force"]);
+    assert!(out.status.success(), "forced: {}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("no record"),
+        "{}",
+        text(&out.stdout)
+    );
+    assert!(cl.published_nodes(&id).is_empty());
+    y_takes_over(&sb, &cl, &res, &id);
+
+    // X comes back with its record unfenced: it asks the controller once, is refused
+    // (Y holds it), and takes that as the fence.
+    let publishes = cl.calls("ControllerPublishVolume", &id);
+    let stderr = x_comes_back(&mut cl);
+    assert_eq!(
+        cl.calls("ControllerPublishVolume", &id),
+        publishes + 1,
+        "one ControllerPublish, refused"
+    );
+    x_reports_the_lost_use(&cl, &id, &stderr, "node-y");
+    // Never again: a second start sends nothing.
+    let p = cl.calls("ControllerPublishVolume", &id);
+    x_comes_back(&mut cl);
+    assert_eq!(cl.calls("ControllerPublishVolume", &id), p);
+    clean_up(&sb, &cl);
 }

@@ -31,6 +31,13 @@ pub enum ProviderError {
         #[source]
         source: Box<CsiError>,
     },
+    /// `volume detach` refused ([`crate::provider::handoff::detach_plan`]).
+    #[error("volume detach refused")]
+    DetachRefused {
+        /// Why, and what to do.
+        #[source]
+        why: crate::provider::handoff::DetachRefused,
+    },
     /// Connecting to, or talking to, the plugin failed outside of a volume call.
     #[error("plugin {plugin}")]
     Plugin {

@@ -20,7 +20,7 @@ pub mod checkpoint;
 mod create;
 pub mod error;
 pub mod expand;
-mod handoff;
+pub mod handoff;
 mod import;
 pub mod manager;
 pub mod modify;

@@ -719,6 +719,8 @@ impl StorageProvider {
                     .map_err(csi)?;
                 rec.publish_context = resp.publish_context.into_iter().collect();
                 rec.node_id = Some(node_id);
+                // This node holds the volume again: a fence from before is over.
+                rec.fenced = None;
             }
             Step::NodeStage => {
                 let dir = staging.clone();

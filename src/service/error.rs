@@ -210,6 +210,7 @@ pub fn provider_code(e: &ProviderError) -> Code {
         } => Code::FailedPrecondition,
         ProviderError::InUse { .. }
         | ProviderError::HeldByAnotherNode { .. }
+        | ProviderError::DetachRefused { .. }
         | ProviderError::AccessModeRefused { .. }
         | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }
