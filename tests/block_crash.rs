@@ -8,11 +8,8 @@
 //! left mounted under the sandbox and no loop device is attached to its image. The loop over N
 //! ends when Prepare and Cleanup complete without crashing.
 
-use std::os::unix::process::ExitStatusExt;
-
 use csi_isolator::service::proto::{
-    CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
-    RecoverRequest, StatusRequest,
+    CleanupRequest, ContainerConfig, CreateVolumeRequest, PrepareRequest, StatusRequest,
 };
 use csi_isolator_testing::crash::ServeRuns;
 use csi_isolator_testing::{require_root, Sandbox};
@@ -52,49 +49,20 @@ async fn crash_once(n: u32) -> bool {
     drop(c);
     assert!(w.end(true).success());
 
-    w.start(Some(n));
-    let mut c = w.client().await;
     let sandbox = sandbox.to_str().unwrap().to_string();
-    let outcome = async {
-        let info = c
-            .prepare(prepare(&v.resource_json, &sandbox))
-            .await?
-            .into_inner();
-        assert!(info.mounts.len() == 1 && info.mounts[0].block, "{info:?}");
-        c.cleanup(CleanupRequest {
-            container_id: "c1".into(),
+    let (resource, at) = (v.resource_json.as_str(), sandbox.as_str());
+    let crashed = w
+        .armed(n, |mut c| async move {
+            let info = c.prepare(prepare(resource, at)).await?.into_inner();
+            assert!(info.mounts.len() == 1 && info.mounts[0].block, "{info:?}");
+            c.cleanup(CleanupRequest {
+                container_id: "c1".into(),
+            })
+            .await
         })
-        .await?;
-        Ok::<(), tonic::Status>(())
-    }
-    .await;
-    drop(c);
-    let crashed = match outcome {
-        Ok(()) => {
-            assert!(w.end(true).success());
-            false
-        }
-        Err(status) => {
-            let exit = w.end(false);
-            assert_eq!(
-                exit.signal(),
-                Some(9),
-                "point {n}: {status} without the crash"
-            );
-            true
-        }
-    };
+        .await;
 
-    w.start(None);
-    let mut c = w.client().await;
-    let r = c
-        .recover(RecoverRequest {
-            known_container_ids: Vec::new(),
-        })
-        .await
-        .expect("Recover")
-        .into_inner();
-    assert!(r.corrupt.is_empty(), "point {n}: {r:?}");
+    let mut c = w.recovered(n, &[]).await;
     let st = c
         .status(StatusRequest {})
         .await
@@ -123,16 +91,7 @@ async fn crash_once(n: u32) -> bool {
     })
     .await
     .expect("Cleanup after recovery");
-    c.destroy_volume(DestroyVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("DestroyVolume");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[&v.volume_id]).await;
     crashed
 }
 

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use csi_isolator::mount::{MountTable, ProcMountTable};
+use csi_isolator_testing::files::{find_below, is_mounted};
 use csi_isolator_testing::unprivileged::{as_nobody, Outcome};
 use csi_isolator_testing::{mount_points_under, require_root, DockerPluginProcess, Sandbox};
 use nix::errno::Errno;
@@ -102,14 +102,6 @@ async fn request(socket: &Path, method: &str, path: &str, body: &str) -> (u16, S
         "{path}: {head}"
     );
     (status, body.to_string())
-}
-
-fn is_mounted(path: &Path) -> bool {
-    ProcMountTable::new()
-        .mounts_under(path)
-        .unwrap()
-        .iter()
-        .any(|m| m.mount_point == path)
 }
 
 const A: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
@@ -1210,24 +1202,6 @@ async fn a_mount_its_caller_stopped_waiting_for_is_undone_when_it_finishes() {
     assert!(p.stop(&sb, Signal::SIGTERM).success());
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
-}
-
-/// The one file named `name` below `root` (the plugin keeps a volume's image in a directory of
-/// its own).
-fn find_below(root: &Path, name: &str) -> PathBuf {
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap().flatten() {
-            let ft = e.file_type().unwrap();
-            if e.file_name() == name {
-                return e.path();
-            }
-            if ft.is_dir() && !ft.is_symlink() {
-                stack.push(e.path());
-            }
-        }
-    }
-    panic!("no {name} below {}", root.display())
 }
 
 /// `Get` of a published volume carries its usage and condition from NodeGetVolumeStats

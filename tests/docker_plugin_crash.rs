@@ -28,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
+use csi_isolator_testing::files::is_mounted;
 use csi_isolator_testing::{
     mount_points_under, require_root, DockerPluginProcess, PluginProcess, Sandbox,
 };
@@ -174,10 +175,6 @@ fn kill_now(sb: &Sandbox, plugin: Plugin) {
     plugin.0.stop(sb, Signal::SIGKILL);
 }
 
-fn is_mount_point(path: &Path) -> bool {
-    mount_points_under(path).iter().any(|p| p == path)
-}
-
 /// A plugin without the hook, after a crash: the ID is a user exactly when the volume is
 /// published and mounted. Returns the plugin and whether the ID was kept.
 fn recovered(h: &Harness, what: &str, n: u32) -> (Plugin, bool) {
@@ -191,7 +188,7 @@ fn recovered(h: &Harness, what: &str, n: u32) -> (Plugin, bool) {
     let mounted = mount_points_under(plugin.work());
     if kept {
         assert!(
-            is_mount_point(Path::new(&mountpoint)),
+            is_mounted(Path::new(&mountpoint)),
             "{what} crash point {n}: a user but {mountpoint:?} is not mounted ({mounted:?})"
         );
     } else {
@@ -215,7 +212,7 @@ fn recovered_shared(h: &Harness, call: &str, n: u32) -> Plugin {
         "shared {call} crash point {n}: users after recovery {users:?}"
     );
     assert!(
-        is_mount_point(Path::new(&mountpoint)),
+        is_mounted(Path::new(&mountpoint)),
         "shared {call} crash point {n}: {mountpoint:?} is not mounted"
     );
     plugin
@@ -226,7 +223,7 @@ fn recovered_shared(h: &Harness, call: &str, n: u32) -> Plugin {
 fn mount_then_unmount(plugin: &Plugin, what: &str, n: u32) {
     let answer = plugin.ok("/VolumeDriver.Mount", json!({"Name": "v", "ID": ID}));
     let mountpoint = PathBuf::from(answer["Mountpoint"].as_str().expect("a Mountpoint"));
-    assert!(is_mount_point(&mountpoint), "{what} crash point {n}");
+    assert!(is_mounted(&mountpoint), "{what} crash point {n}");
     assert_eq!(plugin.get().0, [ID], "{what} crash point {n}");
     assert_eq!(
         std::fs::read(mountpoint.join("marker")).expect("read the marker"),
@@ -402,7 +399,7 @@ fn crash_points(h: Harness) {
             let mut users = users;
             users.sort();
             assert_eq!(users, want, "shared {call} crash point {n}");
-            assert!(is_mount_point(Path::new(&mountpoint)), "shared {call} {n}");
+            assert!(is_mounted(Path::new(&mountpoint)), "shared {call} {n}");
             if after {
                 plugin.ok("/VolumeDriver.Unmount", json!({"Name": "v", "ID": ID}));
             }

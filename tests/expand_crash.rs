@@ -8,13 +8,12 @@
 //! no intent is left in its checkpoint, and the same ExpandVolume again is no change. The loop
 //! over N ends when ExpandVolume completes without crashing.
 
-use std::os::unix::process::ExitStatusExt;
-
 use csi_isolator::service::proto::{
-    CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
-    ExpandVolumeRequest, PrepareRequest, RecoverRequest, StatusRequest,
+    CleanupRequest, ContainerConfig, CreateVolumeRequest, ExpandVolumeRequest, PrepareRequest,
+    StatusRequest,
 };
 use csi_isolator_testing::crash::ServeRuns;
+use csi_isolator_testing::files::files_named;
 use csi_isolator_testing::{require_root, Sandbox};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -29,23 +28,6 @@ fn expand(volume_id: &str) -> ExpandVolumeRequest {
         capacity_bytes: TO,
         ..Default::default()
     }
-}
-
-/// Every volume checkpoint (`volume.state`) under `dir`.
-fn state_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
-    let mut found = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).unwrap().map(Result::unwrap) {
-            let t = e.file_type().unwrap();
-            if t.is_dir() {
-                todo.push(e.path());
-            } else if e.file_name() == "volume.state" {
-                found.push(e.path());
-            }
-        }
-    }
-    found
 }
 
 /// One run crashing at point `n`; whether it crashed.
@@ -79,36 +61,12 @@ async fn crash_once(n: u32) -> bool {
     drop(c);
     assert!(w.end(true).success());
 
-    w.start(Some(n));
-    let mut c = w.client().await;
-    let outcome = c.expand_volume(expand(&v.volume_id)).await;
-    drop(c);
-    let crashed = match outcome {
-        Ok(_) => {
-            assert!(w.end(true).success());
-            false
-        }
-        Err(status) => {
-            let exit = w.end(false);
-            assert_eq!(
-                exit.signal(),
-                Some(9),
-                "point {n}: {status} without the crash"
-            );
-            true
-        }
-    };
+    let id = v.volume_id.as_str();
+    let crashed = w
+        .armed(n, |mut c| async move { c.expand_volume(expand(id)).await })
+        .await;
 
-    w.start(None);
-    let mut c = w.client().await;
-    let r = c
-        .recover(RecoverRequest {
-            known_container_ids: vec!["c1".into()],
-        })
-        .await
-        .expect("Recover")
-        .into_inner();
-    assert!(r.corrupt.is_empty(), "point {n}: {r:?}");
+    let mut c = w.recovered(n, &["c1"]).await;
     let st = c
         .status(StatusRequest {})
         .await
@@ -124,7 +82,7 @@ async fn crash_once(n: u32) -> bool {
         "point {n}: the filesystem at {} did not grow",
         vol.mount_point
     );
-    let records = state_files(&w.work);
+    let records = files_named(&w.work, "volume.state");
     assert_eq!(records.len(), 1, "point {n}: {records:?}");
     let record = std::fs::read_to_string(&records[0]).unwrap();
     assert!(!record.contains("expansion"), "point {n}: {record}");
@@ -139,16 +97,7 @@ async fn crash_once(n: u32) -> bool {
     })
     .await
     .expect("Cleanup");
-    c.destroy_volume(DestroyVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("DestroyVolume");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[&v.volume_id]).await;
     crashed
 }
 

@@ -8,9 +8,10 @@
 //! again is no change. The loop over N ends when the modify completes without crashing.
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output};
 
+use csi_isolator_testing::files::files_named;
 use csi_isolator_testing::{isolator_command, processes_mentioning, require_root, Sandbox};
 
 const BIN: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -27,23 +28,6 @@ fn run(cmd: &mut Command) -> Output {
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
-}
-
-/// Every file named `name` under `dir`.
-fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d).unwrap().map(Result::unwrap) {
-            let t = e.file_type().unwrap();
-            if t.is_dir() {
-                todo.push(e.path());
-            } else if e.file_name() == name {
-                found.push(e.path());
-            }
-        }
-    }
-    found
 }
 
 fn wanted() -> serde_json::Value {
@@ -122,9 +106,7 @@ fn a_modification_survives_a_crash_at_every_point() {
 /// a plugin's refusal INVALID_ARGUMENT and leaving them as they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_modify_volume_sets_and_status_shows_them() {
-    use csi_isolator::service::proto::{
-        CreateVolumeRequest, DestroyVolumeRequest, ModifyVolumeRequest, StatusRequest,
-    };
+    use csi_isolator::service::proto::{CreateVolumeRequest, ModifyVolumeRequest, StatusRequest};
     require_root();
     let sb = Sandbox::new("modify-serve");
     let mut w = csi_isolator_testing::crash::ServeRuns::new(sb, BIN);
@@ -165,14 +147,5 @@ async fn serve_modify_volume_sets_and_status_shows_them() {
     assert_eq!(empty.code(), tonic::Code::InvalidArgument, "{empty:?}");
     let st = c.status(StatusRequest {}).await.unwrap().into_inner();
     assert_eq!(st.volumes[0].mutable_parameters, wanted, "{st:?}");
-    c.destroy_volume(DestroyVolumeRequest {
-        volume_id: v.volume_id.clone(),
-        ..Default::default()
-    })
-    .await
-    .expect("DestroyVolume");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[&v.volume_id]).await;
 }

@@ -8,58 +8,32 @@
 //! without a crash.
 
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::path::Path;
 
-use csi_isolator::csi::transport::connect_unix;
 use csi_isolator::provider::VolumeRecord;
-use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest, PrepareRequest,
-    RecoverRequest, StatusRequest,
+    StatusRequest,
 };
-use csi_isolator_testing::crash;
-use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox};
-use tonic::transport::Channel;
+use csi_isolator_testing::crash::EndpointServeRuns;
+use csi_isolator_testing::files::files_named;
+use csi_isolator_testing::{require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const MIB: u64 = 1024 * 1024;
 const MAX_POINTS: u32 = 40;
 const GID: u32 = 5678;
 
-struct Env {
-    sb: Sandbox,
-    work: PathBuf,
-    socket: PathBuf,
-    endpoint: String,
-}
-
-/// Starts serve on the test's plugin (armed with `crash`, if any); `None` when it died before it
-/// was ready.
-fn start_serve(env: &Env, crash: Option<u32>) -> Option<Child> {
-    crash::start_serve(
-        &env.sb,
-        CLI,
-        &env.work,
-        &env.socket,
-        &["--plugin-endpoint", &env.endpoint],
-        crash,
-    )
-}
-
-async fn client(env: &Env) -> IsolatorClient<Channel> {
-    IsolatorClient::new(connect_unix(&env.socket).await.expect("connect to serve"))
-}
-
-fn stop(env: &Env, child: Child) {
-    crash::stop_serve(&env.sb, child);
-}
-
 /// The volume's life for a container of user 1234:[`GID`]: create, prepare (then, when
 /// `check` says so, the volume is looked at while published), cleanup, destroy. Stops at the
 /// first failed call (a crash).
-async fn life(env: &Env, name: &str, container: &str, check: bool) -> Result<(), tonic::Status> {
-    let mut c = client(env).await;
+async fn life(
+    env: &EndpointServeRuns,
+    name: &str,
+    container: &str,
+    check: bool,
+) -> Result<(), tonic::Status> {
+    let mut c = env.client().await;
     let created = c
         .create_volume(CreateVolumeRequest {
             name: name.into(),
@@ -106,60 +80,26 @@ async fn life(env: &Env, name: &str, container: &str, check: bool) -> Result<(),
 
 /// Every volume checkpoint under the work dir.
 fn records(work: &Path) -> Vec<VolumeRecord> {
-    let mut out = Vec::new();
-    let mut dirs = vec![work.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let kind = entry.file_type().unwrap();
-            if kind.is_dir() {
-                dirs.push(entry.path());
-            } else if entry.file_name() == "volume.state" {
-                let bytes = std::fs::read(entry.path()).unwrap();
-                out.push(serde_json::from_slice(&bytes).unwrap());
-            }
-        }
-    }
-    out
+    files_named(work, "volume.state")
+        .into_iter()
+        .map(|path| serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap())
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_crash_point_of_a_non_root_containers_volume_keeps_its_group() {
     require_root();
-    let sb = Sandbox::new("mount-group-crash");
-    let plugin = PluginProcess::start(
-        &sb,
-        plugin_bin(),
+    let (plugin, env) = EndpointServeRuns::on_bundled_plugin(
+        Sandbox::new("mount-group-crash"),
+        CLI,
         &["--backing", "dir", "--volume-mount-group"],
     )
     .await;
-    let env = Env {
-        work: sb.join("work"),
-        socket: sb.join("isolator.sock"),
-        endpoint: plugin.endpoint(),
-        sb,
-    };
     let mut crashed = 0;
     let mut publish_intents = 0;
     for n in 1..=MAX_POINTS {
         let (name, container) = (format!("v{n}"), format!("c{n}"));
-        let completed = match start_serve(&env, Some(n)) {
-            Some(mut child) => {
-                let done = life(&env, &name, &container, true).await.is_ok();
-                if done {
-                    stop(&env, child);
-                } else {
-                    let status = child.wait().unwrap();
-                    env.sb.untrack(child.id());
-                    assert_eq!(
-                        std::os::unix::process::ExitStatusExt::signal(&status),
-                        Some(9),
-                        "crash point {n}: serve failed without crashing"
-                    );
-                }
-                done
-            }
-            None => false,
-        };
+        let completed = env.armed(n, || life(&env, &name, &container, true)).await;
         if completed {
             println!("{crashed} crash points survived, {publish_intents} inside a publish");
             break;
@@ -173,15 +113,11 @@ async fn every_crash_point_of_a_non_root_containers_volume_keeps_its_group() {
                 assert_eq!(rec.mount_group, Some(GID), "crash point {n}: {rec:?}");
             }
         }
-        let child = start_serve(&env, None).expect("a serve without the hook starts");
-        let mut c = client(&env).await;
-        c.recover(RecoverRequest::default())
-            .await
-            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        let (child, _) = env.recovered(n).await;
         life(&env, &name, &container, true)
             .await
             .unwrap_or_else(|e| panic!("crash point {n}: finishing the life: {e}"));
-        stop(&env, child);
+        env.stop(child);
         assert!(
             !plugin
                 .stderr()

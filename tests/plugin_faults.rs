@@ -14,13 +14,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use csi_isolator::csi::{proto, ClientOptions, CsiError, RetryPolicy};
-use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::{bundled_config, BUNDLED_TYPE};
 use csi_isolator::provider::{
     CreateSpec, PluginSource, ProviderConfig, ProviderError, StorageProvider, VolumeRecord,
     VolumeState,
 };
 use csi_isolator::resource::encode_volume_id;
+use csi_isolator_testing::files::is_mounted;
 use csi_isolator_testing::{raw_clients, require_root, PluginProcess, Sandbox};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
@@ -164,10 +164,6 @@ impl Rig {
         }
         self.sb.assert_no_mounts_under();
     }
-}
-
-fn is_mounted(p: &Path) -> bool {
-    ProcMountTable::new().is_mount_point(p).unwrap()
 }
 
 fn lines(id: &str, rpcs: &[&str]) -> Vec<String> {

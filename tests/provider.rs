@@ -16,6 +16,7 @@ use csi_isolator::provider::{
     UnpublishPolicy, VolumeState,
 };
 use csi_isolator::resource::Resource;
+use csi_isolator_testing::files::is_mounted;
 use csi_isolator_testing::{raw_clients, require_root, PluginProcess, Sandbox};
 
 const MIB: u64 = 1024 * 1024;
@@ -39,10 +40,6 @@ async fn create(p: &StorageProvider, name: &str, bytes: u64) -> Resource {
     p.create_volume(CreateSpec::new(name, bytes))
         .await
         .unwrap_or_else(|e| panic!("create {name}: {e}"))
-}
-
-fn is_mounted(p: &Path) -> bool {
-    ProcMountTable::new().is_mount_point(p).unwrap()
 }
 
 fn lifecycle_calls(log: &Path) -> Vec<String> {

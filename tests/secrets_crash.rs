@@ -11,52 +11,29 @@
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 
 use csi_isolator::csi::proto as csi;
-use csi_isolator::csi::transport::connect_unix;
-use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateVolumeRequest, DestroyVolumeRequest,
-    ImportVolumeRequest, PrepareRequest, RecoverRequest, StatusRequest,
+    ImportVolumeRequest, PrepareRequest, StatusRequest,
 };
-use csi_isolator_testing::crash;
-use csi_isolator_testing::{plugin_bin, require_root, PluginProcess, Sandbox};
-use tonic::transport::Channel;
+use csi_isolator_testing::crash::EndpointServeRuns;
+use csi_isolator_testing::{require_root, PluginProcess, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const MIB: u64 = 1024 * 1024;
 const MAX_POINTS: u32 = 40;
 
+/// The serve runs of a test, and the secrets file its volumes are made with.
 struct Env {
-    sb: Sandbox,
-    work: PathBuf,
-    socket: PathBuf,
-    endpoint: String,
+    runs: EndpointServeRuns,
     secrets: PathBuf,
-}
-
-/// Starts serve on the test's plugin (armed with `crash`, if any); `None` when it died before it
-/// was ready.
-fn start_serve(env: &Env, crash: Option<u32>) -> Option<Child> {
-    crash::start_serve(
-        &env.sb,
-        CLI,
-        &env.work,
-        &env.socket,
-        &["--plugin-endpoint", &env.endpoint],
-        crash,
-    )
-}
-
-async fn client(env: &Env) -> IsolatorClient<Channel> {
-    IsolatorClient::new(connect_unix(&env.socket).await.expect("connect to serve"))
 }
 
 /// The volume's life: create, prepare for `container`, cleanup, destroy. Stops at the first
 /// failed call (a crash).
 async fn life(env: &Env, name: &str, container: &str) -> Result<(), tonic::Status> {
-    let mut c = client(env).await;
+    let mut c = env.runs.client().await;
     let created = c
         .create_volume(CreateVolumeRequest {
             name: name.into(),
@@ -67,7 +44,7 @@ async fn life(env: &Env, name: &str, container: &str) -> Result<(), tonic::Statu
         })
         .await?
         .into_inner();
-    let sandbox = env.sb.mkdir(format!("sandboxes/{container}"));
+    let sandbox = env.runs.sb.mkdir(format!("sandboxes/{container}"));
     c.prepare(PrepareRequest {
         container_id: container.into(),
         config: Some(ContainerConfig {
@@ -89,10 +66,6 @@ async fn life(env: &Env, name: &str, container: &str) -> Result<(), tonic::Statu
     Ok(())
 }
 
-fn stop(env: &Env, child: Child) {
-    crash::stop_serve(&env.sb, child);
-}
-
 fn write_secrets(path: &Path, text: &str) {
     let mut f = std::fs::File::create(path).unwrap();
     f.write_all(text.as_bytes()).unwrap();
@@ -110,9 +83,9 @@ async fn start_plugin(label: &str) -> (PluginProcess, Env) {
         r#"{"create": {"t": "c-1"}, "controller_publish": {"t": "cp-2"},
             "node_stage": {"t": "ns-3"}, "node_publish": {"t": "np-4"}}"#,
     );
-    let plugin = PluginProcess::start(
-        &sb,
-        plugin_bin(),
+    let (plugin, runs) = EndpointServeRuns::on_bundled_plugin(
+        sb,
+        CLI,
         &[
             "--backing",
             "dir",
@@ -121,14 +94,7 @@ async fn start_plugin(label: &str) -> (PluginProcess, Env) {
         ],
     )
     .await;
-    let env = Env {
-        work: sb.join("work"),
-        socket: sb.join("isolator.sock"),
-        endpoint: plugin.endpoint(),
-        secrets,
-        sb,
-    };
-    (plugin, env)
+    (plugin, Env { runs, secrets })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,25 +103,7 @@ async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
     let mut crashed = 0;
     for n in 1..=MAX_POINTS {
         let (name, container) = (format!("v{n}"), format!("c{n}"));
-        let armed = start_serve(&env, Some(n));
-        let completed = match armed {
-            Some(mut child) => {
-                let done = life(&env, &name, &container).await.is_ok();
-                if done {
-                    stop(&env, child);
-                } else {
-                    let status = child.wait().unwrap();
-                    env.sb.untrack(child.id());
-                    assert_eq!(
-                        std::os::unix::process::ExitStatusExt::signal(&status),
-                        Some(9),
-                        "crash point {n}: serve failed without crashing"
-                    );
-                }
-                done
-            }
-            None => false,
-        };
+        let completed = env.runs.armed(n, || life(&env, &name, &container)).await;
         if completed {
             println!("{crashed} crash points survived");
             break;
@@ -163,15 +111,11 @@ async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
         crashed += 1;
         // A fresh serve recovers, and the life is finished (the same name is the same
         // volume; Cleanup of a container Recover cleaned is a no-op).
-        let child = start_serve(&env, None).expect("a serve without the hook starts");
-        let mut c = client(&env).await;
-        c.recover(RecoverRequest::default())
-            .await
-            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        let (child, _) = env.runs.recovered(n).await;
         life(&env, &name, &container)
             .await
             .unwrap_or_else(|e| panic!("crash point {n}: finishing the life: {e}"));
-        stop(&env, child);
+        env.runs.stop(child);
         assert!(
             !plugin.stderr().contains("--require-secrets expects"),
             "crash point {n}: a call without its secrets:\n{}",
@@ -181,7 +125,7 @@ async fn every_crash_point_of_a_volume_with_secrets_recovers_with_them() {
             plugin.listed().await.is_empty(),
             "crash point {n}: a volume left"
         );
-        env.sb.assert_no_mounts_under();
+        env.runs.sb.assert_no_mounts_under();
         assert!(n < MAX_POINTS, "the life never completed");
     }
     assert!(crashed > 3, "only {crashed} crash points");
@@ -195,7 +139,7 @@ async fn import_life(
     container: &str,
     volume_id: &str,
 ) -> Result<(), tonic::Status> {
-    let mut c = client(env).await;
+    let mut c = env.runs.client().await;
     let imported = c
         .import_volume(ImportVolumeRequest {
             name: name.into(),
@@ -206,7 +150,7 @@ async fn import_life(
         })
         .await?
         .into_inner();
-    let sandbox = env.sb.mkdir(format!("sandboxes/{container}"));
+    let sandbox = env.runs.sb.mkdir(format!("sandboxes/{container}"));
     c.prepare(PrepareRequest {
         container_id: container.into(),
         config: Some(ContainerConfig {
@@ -259,26 +203,10 @@ async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them
             .into_inner()
             .volume
             .unwrap();
-        let completed = match start_serve(&env, Some(n)) {
-            Some(mut child) => {
-                let done = import_life(&env, &name, &container, &made.volume_id)
-                    .await
-                    .is_ok();
-                if done {
-                    stop(&env, child);
-                } else {
-                    let status = child.wait().unwrap();
-                    env.sb.untrack(child.id());
-                    assert_eq!(
-                        std::os::unix::process::ExitStatusExt::signal(&status),
-                        Some(9),
-                        "crash point {n}: serve failed without crashing"
-                    );
-                }
-                done
-            }
-            None => false,
-        };
+        let completed = env
+            .runs
+            .armed(n, || import_life(&env, &name, &container, &made.volume_id))
+            .await;
         if completed {
             println!("{crashed} crash points survived");
             break;
@@ -287,11 +215,7 @@ async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them
         // A fresh serve recovers (an import intent is finished at its start); whatever it
         // holds is destroyed, deleting it in the plugin; a volume never recorded is deleted
         // there directly.
-        let child = start_serve(&env, None).expect("a serve without the hook starts");
-        let mut c = client(&env).await;
-        c.recover(RecoverRequest::default())
-            .await
-            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        let (child, mut c) = env.runs.recovered(n).await;
         let status = c.status(StatusRequest {}).await.unwrap().into_inner();
         for v in status.volumes {
             c.destroy_volume(DestroyVolumeRequest {
@@ -302,7 +226,7 @@ async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them
             .await
             .unwrap_or_else(|e| panic!("crash point {n}: destroy {}: {e}", v.volume_id));
         }
-        stop(&env, child);
+        env.runs.stop(child);
         for left in plugin.listed().await {
             let id = left.volume.unwrap().volume_id;
             raw.controller
@@ -318,7 +242,7 @@ async fn every_crash_point_of_an_imported_volume_with_secrets_recovers_with_them
             "crash point {n}: a call without its secrets:\n{}",
             plugin.stderr()
         );
-        env.sb.assert_no_mounts_under();
+        env.runs.sb.assert_no_mounts_under();
         assert!(n < MAX_POINTS, "the life never completed");
     }
     assert!(

@@ -12,7 +12,6 @@
 //! loop over N ends when the call completes without crashing.
 
 use std::os::unix::fs::FileTypeExt;
-use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 
 use csi_isolator::csi::proto as csi;
@@ -20,9 +19,10 @@ use csi_isolator::service::proto::isolator_client::IsolatorClient;
 use csi_isolator::service::proto::{
     CleanupRequest, ContainerConfig, CreateSnapshotRequest, CreateVolumeRequest,
     DeleteSnapshotRequest, DestroyVolumeRequest, ListSnapshotsRequest, PrepareRequest,
-    RecoverRequest, StatusRequest,
+    StatusRequest,
 };
 use csi_isolator_testing::crash::ServeRuns;
+use csi_isolator_testing::files::files_named;
 use csi_isolator_testing::{require_root, Sandbox};
 use tonic::transport::Channel;
 
@@ -33,21 +33,10 @@ const MIB: u64 = 1 << 20;
 /// The plugin's socket: the one `csi.sock` under the sandbox (the work dir, or the short
 /// socket dir when that path is too long).
 fn plugin_socket(root: &Path) -> PathBuf {
-    let mut todo = vec![root.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.map(Result::unwrap) {
-            let t = e.file_type().unwrap();
-            if t.is_dir() {
-                todo.push(e.path());
-            } else if t.is_socket() && e.file_name() == "csi.sock" {
-                return e.path();
-            }
-        }
-    }
-    panic!("no plugin socket under {}", root.display());
+    files_named(root, "csi.sock")
+        .into_iter()
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_socket()))
+        .unwrap_or_else(|| panic!("no plugin socket under {}", root.display()))
 }
 
 /// Every id of a paged CSI listing: `page(token)` answers one page's ids and its next token.
@@ -201,45 +190,6 @@ async fn cleanup(c: &mut IsolatorClient<Channel>, containers: &[&str], volumes: 
     }
 }
 
-/// Runs `call` in a serve armed to crash at point `n`; whether it crashed.
-async fn armed<F, Fut, T>(w: &mut ServeRuns, n: u32, call: F) -> bool
-where
-    F: FnOnce(IsolatorClient<Channel>) -> Fut,
-    Fut: std::future::Future<Output = Result<T, tonic::Status>>,
-{
-    w.start(Some(n));
-    let c = w.client().await;
-    match call(c).await {
-        Ok(_) => {
-            assert!(w.end(true).success());
-            false
-        }
-        Err(status) => {
-            let exit = w.end(false);
-            assert_eq!(
-                exit.signal(),
-                Some(9),
-                "point {n}: {status} without the crash"
-            );
-            true
-        }
-    }
-}
-
-async fn recovered(w: &mut ServeRuns, n: u32) -> IsolatorClient<Channel> {
-    w.start(None);
-    let mut c = w.client().await;
-    let r = c
-        .recover(RecoverRequest {
-            known_container_ids: vec!["c1".into()],
-        })
-        .await
-        .expect("Recover")
-        .into_inner();
-    assert!(r.corrupt.is_empty(), "point {n}: {r:?}");
-    c
-}
-
 fn source() -> CreateVolumeRequest {
     CreateVolumeRequest {
         name: "src".into(),
@@ -259,17 +209,18 @@ async fn create_crash_once(n: u32) -> bool {
     assert!(w.end(true).success());
 
     let id = src.clone();
-    let crashed = armed(&mut w, n, |mut c| async move {
-        c.create_snapshot(CreateSnapshotRequest {
-            volume_id: id,
-            name: "snap".into(),
-            ..Default::default()
+    let crashed = w
+        .armed(n, |mut c| async move {
+            c.create_snapshot(CreateSnapshotRequest {
+                volume_id: id,
+                name: "snap".into(),
+                ..Default::default()
+            })
+            .await
         })
-        .await
-    })
-    .await;
+        .await;
 
-    let mut c = recovered(&mut w, n).await;
+    let mut c = w.recovered(n, &["c1"]).await;
     let ids = recorded(&mut c, n).await;
     assert_eq!(ids.len(), 1, "point {n}: {ids:?}");
     assert_eq!(plugin_snapshots(&w).await, ids, "point {n}");
@@ -335,10 +286,7 @@ async fn create_crash_once(n: u32) -> bool {
     .await
     .expect("DeleteSnapshot");
     assert!(plugin_snapshots(&w).await.is_empty(), "point {n}");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[]).await;
     crashed
 }
 
@@ -360,16 +308,17 @@ async fn delete_crash_once(n: u32) -> bool {
     drop(c);
     assert!(w.end(true).success());
 
-    let crashed = armed(&mut w, n, |mut c| async move {
-        c.delete_snapshot(DeleteSnapshotRequest {
-            name: "snap".into(),
-            ..Default::default()
+    let crashed = w
+        .armed(n, |mut c| async move {
+            c.delete_snapshot(DeleteSnapshotRequest {
+                name: "snap".into(),
+                ..Default::default()
+            })
+            .await
         })
-        .await
-    })
-    .await;
+        .await;
 
-    let mut c = recovered(&mut w, n).await;
+    let mut c = w.recovered(n, &["c1"]).await;
     let ids = recorded(&mut c, n).await;
     assert_eq!(ids.len(), 1, "point {n}: only 'kept' is left: {ids:?}");
     assert_eq!(plugin_snapshots(&w).await, ids, "point {n}");
@@ -395,10 +344,7 @@ async fn delete_crash_once(n: u32) -> bool {
     .await
     .expect("DeleteSnapshot");
     assert!(plugin_snapshots(&w).await.is_empty(), "point {n}");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[]).await;
     crashed
 }
 
@@ -454,12 +400,11 @@ async fn restore_crash_once(n: u32) -> bool {
         from_snapshot: "snap".into(),
         ..Default::default()
     };
-    let crashed = armed(&mut w, n, |mut c| async move {
-        c.create_volume(restored()).await
-    })
-    .await;
+    let crashed = w
+        .armed(n, |mut c| async move { c.create_volume(restored()).await })
+        .await;
 
-    let mut c = recovered(&mut w, n).await;
+    let mut c = w.recovered(n, &["c1"]).await;
     let st = c.status(StatusRequest {}).await.unwrap().into_inner();
     let mut recorded: Vec<String> = st.volumes.iter().map(|v| v.volume_id.clone()).collect();
     recorded.sort();
@@ -480,10 +425,7 @@ async fn restore_crash_once(n: u32) -> bool {
     .expect("DeleteSnapshot");
     assert!(plugin_volumes(&w).await.is_empty(), "point {n}");
     assert!(plugin_snapshots(&w).await.is_empty(), "point {n}");
-    drop(c);
-    assert!(w.end(true).success());
-    w.sb.assert_no_mounts_under();
-    w.sb.assert_no_loop_devices();
+    w.finish(c, &[]).await;
     crashed
 }
 

@@ -8,6 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use csi_isolator_testing::files::files_named;
 use csi_isolator_testing::{isolator_command, processes_mentioning, require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -306,24 +307,6 @@ fn hostile_snapshot_names_stay_names() {
     ok(cli(&work, b).args(["destroy", "v"]));
     assert!(files_named(&work, "snapshot.state").is_empty());
     assert_nothing_left(&sb, &work);
-}
-
-fn files_named(dir: &Path, name: &str) -> Vec<PathBuf> {
-    let mut found = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        let Ok(entries) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in entries.flatten() {
-            if e.file_type().unwrap().is_dir() {
-                todo.push(e.path());
-            } else if e.file_name() == name {
-                found.push(e.path());
-            }
-        }
-    }
-    found
 }
 
 /// The snapshot calls carry the `snapshot` entry of the source volume's secrets file (the

@@ -5,7 +5,6 @@
 //! on NodeGetVolumeStats not holding up the others beyond the deadline.
 
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,6 +14,7 @@ use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::stats::{self, VolumeStats};
 use csi_isolator::provider::status::{scan, StatusReport, VolumeStatus};
 use csi_isolator::provider::{CreateSpec, Manager, ProviderConfig, StorageProvider};
+use csi_isolator_testing::files::{find_below, write_mib};
 use csi_isolator_testing::{exposition, plugin_bin, require_root, Sandbox};
 
 const MIB: u64 = 1 << 20;
@@ -77,32 +77,6 @@ fn volume<'r>(report: &'r StatusReport, id: &str) -> &'r VolumeStatus {
         .iter()
         .find(|v| v.volume_id == id)
         .unwrap_or_else(|| panic!("{id} in {report:?}"))
-}
-
-fn write_mib(dir: &Path, mib: u64) {
-    let mut f = std::fs::File::create(dir.join("payload")).unwrap();
-    let chunk = vec![0x5au8; MIB as usize];
-    for _ in 0..mib {
-        f.write_all(&chunk).unwrap();
-    }
-    f.sync_all().unwrap();
-}
-
-/// The one file or directory named `name` below `root`.
-fn find(root: &Path, name: &str) -> PathBuf {
-    let mut stack = vec![root.to_path_buf()];
-    while let Some(dir) = stack.pop() {
-        for e in std::fs::read_dir(&dir).unwrap().flatten() {
-            let ft = e.file_type().unwrap();
-            if e.file_name() == name && e.path() != root.join(name) {
-                return e.path();
-            }
-            if ft.is_dir() && !ft.is_symlink() {
-                stack.push(e.path());
-            }
-        }
-    }
-    panic!("no {name} below {}", root.display())
 }
 
 fn used(s: &VolumeStats) -> i64 {
@@ -192,7 +166,7 @@ async fn figures_follow_writes(label: &str, backing: &str) {
     }
 
     // Damage: what holds the data goes away (moved aside, and back for the cleanup).
-    let storage = find(
+    let storage = find_below(
         &p.layout().plugin_dir(),
         if backing == "loop" {
             "image.ext4"

@@ -4,6 +4,8 @@
 //! manages must be gone with it.
 
 use std::fs::File;
+use std::future::Future;
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
@@ -11,9 +13,10 @@ use std::time::{Duration, Instant};
 use csi_isolator::csi::transport::connect_unix;
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
 use csi_isolator::service::proto::isolator_client::IsolatorClient;
+use csi_isolator::service::proto::{DestroyVolumeRequest, RecoverRequest};
 use tonic::transport::Channel;
 
-use crate::{processes_mentioning, wait_for_serve_ready, Sandbox};
+use crate::{plugin_bin, processes_mentioning, wait_for_serve_ready, PluginProcess, Sandbox};
 
 /// How long serve has to become ready, and to exit.
 pub const SERVE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -109,6 +112,66 @@ impl ServeRuns {
     pub fn path(&self, rel: impl AsRef<Path>) -> PathBuf {
         self.sb.join(rel)
     }
+
+    /// Runs `call` on a client of a serve armed to crash after `n` durable writes: whether it
+    /// crashed. A call that completes is followed by a clean stop; one that fails must be the
+    /// crash (serve killed by SIGKILL), or the test fails at point `n`.
+    pub async fn armed<F, Fut, T>(&mut self, n: u32, call: F) -> bool
+    where
+        F: FnOnce(IsolatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<T, tonic::Status>>,
+    {
+        self.start(Some(n));
+        let outcome = call(self.client().await).await;
+        match outcome {
+            Ok(_) => {
+                assert!(self.end(true).success(), "point {n}: serve's clean stop");
+                false
+            }
+            Err(status) => {
+                let exit = self.end(false);
+                assert_eq!(
+                    exit.signal(),
+                    Some(9),
+                    "point {n}: {status} without the crash"
+                );
+                true
+            }
+        }
+    }
+
+    /// Starts a serve without the hook and has it recover with `known` containers still
+    /// running; its client, once Recover found no corrupt checkpoint (at point `n`).
+    pub async fn recovered(&mut self, n: u32, known: &[&str]) -> IsolatorClient<Channel> {
+        self.start(None);
+        let mut c = self.client().await;
+        let r = c
+            .recover(RecoverRequest {
+                known_container_ids: known.iter().map(|id| id.to_string()).collect(),
+            })
+            .await
+            .expect("Recover")
+            .into_inner();
+        assert!(r.corrupt.is_empty(), "point {n}: {r:?}");
+        c
+    }
+
+    /// The end of a run: destroys `volumes` through `c`, stops serve cleanly and checks that
+    /// nothing is left mounted in the sandbox and no loop device is attached to its files.
+    pub async fn finish(&mut self, mut c: IsolatorClient<Channel>, volumes: &[&str]) {
+        for id in volumes {
+            c.destroy_volume(DestroyVolumeRequest {
+                volume_id: id.to_string(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("DestroyVolume {id}: {e}"));
+        }
+        drop(c);
+        assert!(self.end(true).success(), "serve's clean stop");
+        self.sb.assert_no_mounts_under();
+        self.sb.assert_no_loop_devices();
+    }
 }
 
 impl Drop for ServeRuns {
@@ -184,4 +247,100 @@ pub fn stop_serve(sb: &Sandbox, mut child: Child) {
         "serve exits cleanly on SIGTERM"
     );
     sb.untrack(child.id());
+}
+
+/// One work dir and the serve runs on it, on a plugin the test started itself and keeps across
+/// serve's crashes (`--plugin-endpoint`); serve's output is discarded ([`start_serve`]).
+pub struct EndpointServeRuns {
+    /// The test's sandbox (the work dir and serve's socket are in it).
+    pub sb: Sandbox,
+    /// The work dir.
+    pub work: PathBuf,
+    bin: String,
+    socket: PathBuf,
+    endpoint: String,
+}
+
+impl EndpointServeRuns {
+    /// Runs of `bin` (the `csi-isolator` binary) on `<sandbox>/work` against the plugin at
+    /// `endpoint`.
+    pub fn new(sb: Sandbox, bin: &str, endpoint: String) -> EndpointServeRuns {
+        EndpointServeRuns {
+            work: sb.join("work"),
+            socket: sb.join("isolator.sock"),
+            bin: bin.to_string(),
+            endpoint,
+            sb,
+        }
+    }
+
+    /// The bundled plugin started in `sb` with `plugin_args`, and runs of `bin` on it.
+    pub async fn on_bundled_plugin(
+        sb: Sandbox,
+        bin: &str,
+        plugin_args: &[&str],
+    ) -> (PluginProcess, EndpointServeRuns) {
+        let plugin = PluginProcess::start(&sb, plugin_bin(), plugin_args).await;
+        let runs = EndpointServeRuns::new(sb, bin, plugin.endpoint());
+        (plugin, runs)
+    }
+
+    /// Starts serve (armed with `crash`, if any); `None` when it died before it was ready.
+    pub fn start(&self, crash: Option<u32>) -> Option<Child> {
+        start_serve(
+            &self.sb,
+            &self.bin,
+            &self.work,
+            &self.socket,
+            &["--plugin-endpoint", &self.endpoint],
+            crash,
+        )
+    }
+
+    /// A client of the running serve.
+    pub async fn client(&self) -> IsolatorClient<Channel> {
+        IsolatorClient::new(connect_unix(&self.socket).await.expect("connect to serve"))
+    }
+
+    /// SIGTERM to a serve [`EndpointServeRuns::start`] started, and a clean exit.
+    pub fn stop(&self, child: Child) {
+        stop_serve(&self.sb, child);
+    }
+
+    /// Runs `life` against a serve armed to crash at point `n`: whether it completed (then serve
+    /// is stopped cleanly). A failed call must be the crash (serve killed by SIGKILL); a crash in
+    /// serve's start counts as not completed.
+    pub async fn armed<F, Fut>(&self, n: u32, life: F) -> bool
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), tonic::Status>>,
+    {
+        let Some(mut child) = self.start(Some(n)) else {
+            return false;
+        };
+        let done = life().await.is_ok();
+        if done {
+            self.stop(child);
+        } else {
+            let status = child.wait().unwrap();
+            self.sb.untrack(child.id());
+            assert_eq!(
+                status.signal(),
+                Some(9),
+                "crash point {n}: serve failed without crashing"
+            );
+        }
+        done
+    }
+
+    /// After the crash at point `n`: a serve without the hook, which has recovered (its own
+    /// start, then Recover); stop it with [`EndpointServeRuns::stop`].
+    pub async fn recovered(&self, n: u32) -> (Child, IsolatorClient<Channel>) {
+        let child = self.start(None).expect("a serve without the hook starts");
+        let mut c = self.client().await;
+        c.recover(RecoverRequest::default())
+            .await
+            .unwrap_or_else(|e| panic!("crash point {n}: Recover: {e}"));
+        (child, c)
+    }
 }

@@ -525,6 +525,54 @@ impl Dockerd {
         cmd.arg(net).arg("dockerd");
         Dockerd::launch(sb, cmd)
     }
+
+    /// [`Dockerd::start_in_netns`] for one node of several on this machine: dockerd also gets a
+    /// mount namespace of its own (`unshare --mount --propagation slave`) in which `plugins` is
+    /// bound over [`DOCKER_PLUGINS_DIR`] and `etc` over `/etc/docker`, so each node finds its
+    /// own volume plugin socket under the same driver name, and its own `key.json` (engine ID).
+    /// The host's root is private here: only mounts under `keep` (a directory bound onto itself
+    /// and made shared by the caller, the node's plugin's work dir under it) reach the node's
+    /// namespace as the plugin makes them. Every other mount under the temp dir that the copy
+    /// took (other tests' sandboxes, the other node's, the network namespaces' pins) is
+    /// unmounted in the copy before dockerd starts, so it pins no other test's file system or
+    /// loop device while dockerd runs. The namespace dies with dockerd and its containers; the
+    /// host's table never sees its mounts. [`DOCKER_PLUGINS_DIR`] and `/etc/docker` are made on
+    /// the host when absent (mount points): start it under [`HostPaths`] claimed with
+    /// [`DOCKER_HOST_PATHS`].
+    pub fn start_on_node(
+        sb: &Sandbox,
+        netns: &Path,
+        plugins: &Path,
+        etc: &Path,
+        keep: &Path,
+    ) -> Dockerd {
+        let tmp = std::fs::canonicalize(std::env::temp_dir()).expect("canonicalize temp dir");
+        // $1 keep, $2 temp dir, $3 plugins, $4 etc; dockerd's flags follow. The mount points
+        // are read whole before any is unmounted; a lazy unmount of a parent takes its
+        // children, whose own unmount then fails harmlessly.
+        const SCRIPT: &str = r#"set -e
+keep="$1"; tmp="$2"; plugins="$3"; etc="$4"; shift 4
+points=$(while read -r _ _ _ _ point _; do
+  case "$point" in "$keep"|"$keep"/*) ;; "$tmp"/*) echo "$point" ;; esac
+done < /proc/self/mountinfo | sort -r)
+for point in $points; do umount -l "$point" 2>/dev/null || true; done
+mkdir -p /run/docker/plugins /etc/docker
+mount --bind "$plugins" /run/docker/plugins
+mount --bind "$etc" /etc/docker
+exec dockerd "$@""#;
+        let mut cmd = Command::new("nsenter");
+        let mut net = std::ffi::OsString::from("--net=");
+        net.push(netns);
+        cmd.arg(net)
+            .args(["unshare", "--mount", "--propagation", "slave", "sh", "-c"])
+            .arg(SCRIPT)
+            .arg("sh")
+            .arg(keep)
+            .arg(tmp)
+            .arg(plugins)
+            .arg(etc);
+        Dockerd::launch(sb, cmd)
+    }
 }
 
 /// A private Podman: its command with every state directory under the sandbox, but for its run

@@ -10,15 +10,20 @@
 //!   answered) when returned; killed when dropped.
 //! - [`raw_clients`]: the generated Identity/Controller/Node clients on a socket.
 //! - [`engines`]: a private dockerd and Podman, and the guard for the host paths they make.
+//! - [`swarm`]: Docker Swarm nodes on one machine: network namespaces, a veth pair, a dockerd
+//!   per node in its own mount namespace with its own plugin dir.
 //! - [`exposition`]: a strict reader of the Prometheus text format that `/metrics` answers.
+//! - [`files`]: files found by name below a work dir, whether a path is mounted, a payload.
 //!
 //! Helpers panic with a clear message on failure: they are for tests.
 
 pub mod crash;
 pub mod engines;
 pub mod exposition;
+pub mod files;
 pub mod leaks;
 pub mod props;
+pub mod swarm;
 pub mod unprivileged;
 
 use std::fs::{self, File};
