@@ -659,3 +659,63 @@ fn a_node_whose_record_was_not_fenced_takes_the_controllers_refusal_as_a_fence()
     assert_eq!(cl.calls("ControllerPublishVolume", &id), p);
     clean_up(&sb, &cl);
 }
+
+/// `volume detach` killed (SIGKILL) at each of its crash points: after the fence is written,
+/// after ControllerUnpublish returned and before that is recorded, after the record: a rerun
+/// without `--force` finishes it, and X's return tears down as after an uninterrupted detach.
+#[test]
+fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
+    use std::os::unix::process::ExitStatusExt;
+    require_root();
+    let mut point = 1;
+    loop {
+        let sb = Sandbox::new(&format!("two-nodes-detach-crash-{point}"));
+        let mut cl = Cluster::start_with(&sb, &["--backing", "dir"]);
+        let (res, id) = x_holds_and_dies(&sb, &mut cl);
+        let x_work = cl.x.work.clone();
+        let out = output(
+            isolator_command(CLI, &x_work)
+                .env(
+                    csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV,
+                    point.to_string(),
+                )
+                .arg("volume")
+                .args([
+                    "--controller-endpoint".to_string(),
+                    cl.controller.endpoint(),
+                ])
+                .args(["detach", &id, "--node", "node-x", "--force"]),
+        );
+        let crashed = out.status.signal() == Some(9);
+        assert!(
+            crashed || out.status.success(),
+            "point {point}: {}",
+            text(&out.stderr)
+        );
+        // The fence is durable from the first point on: the rerun needs no --force.
+        let out = detach(&cl, &x_work, &id, "node-x", &[]);
+        assert!(
+            out.status.success(),
+            "rerun after point {point}: {}",
+            text(&out.stderr)
+        );
+        let rec = status_of(&cl.x, &id);
+        assert_eq!(rec["fenced"]["unpublished"], true, "point {point}: {rec}");
+        assert!(cl.published_nodes(&id).is_empty(), "point {point}");
+        y_takes_over(&sb, &cl, &res, &id);
+        let publishes = cl.calls("ControllerPublishVolume", &id);
+        let stderr = x_comes_back(&mut cl);
+        assert_eq!(
+            cl.calls("ControllerPublishVolume", &id),
+            publishes,
+            "point {point}"
+        );
+        x_reports_the_lost_use(&cl, &id, &stderr, "volume detach");
+        clean_up(&sb, &cl);
+        if !crashed {
+            assert!(point > 3, "three crash points at least, got {}", point - 1);
+            break;
+        }
+        point += 1;
+    }
+}
