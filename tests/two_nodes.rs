@@ -135,6 +135,8 @@ fn create(cl: &Cluster, node: &Node, name: &str) -> (serde_json::Value, String) 
     assert!(out.status.success(), "create: {}", text(&out.stderr));
     let res: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let id = res["disk"]["source"]["id"].as_str().unwrap().to_string();
+    let root = res["disk"]["source"]["mount"]["root"].as_str().unwrap();
+    assert!(root.starts_with("./csi/"), "a relative root: {res}");
     (res, id)
 }
 
@@ -289,6 +291,11 @@ fn a_single_node_volume_is_handed_off_from_x_to_y_with_run() {
     assert!(out.status.success(), "run on Y: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "written-on-x\n");
     assert!(cl.published_nodes(&id).is_empty(), "released after the run");
+    let mount_point = status_of(&cl.y, &id)["mount_point"].as_str().unwrap().to_string();
+    assert!(
+        Path::new(&mount_point).starts_with(&cl.y.work),
+        "the relative root resolved under Y's work dir: {mount_point}"
+    );
     // The refused try, X's check at its next start (the release) that it still holds the
     // volume, and the retry.
     assert_eq!(cl.calls("ControllerPublishVolume", &id), publishes + 3);

@@ -54,6 +54,19 @@ pub struct Fence {
     pub torn_down: bool,
 }
 
+/// Whether recovery asks the controller whether this node still holds a volume at `state`
+/// (going `towards`): it was ControllerPublished here and is not on its way down (an interrupted
+/// unpublish is finished as it is, never published again to be checked).
+pub(crate) fn check_hold(state: VolumeState, towards: Option<VolumeState>) -> bool {
+    if towards == Some(VolumeState::Created) {
+        return false;
+    }
+    match state.pending_step() {
+        None => state.rank().is_some_and(|r| r >= 1),
+        Some(step) => step.is_forward() && step != Step::ControllerPublish,
+    }
+}
+
 /// What `volume detach` does, given the record found in the node's work dir.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DetachPlan {
@@ -303,7 +316,10 @@ impl StorageProvider {
     /// leaves the volume to the usual recovery.
     async fn held_elsewhere(&self, rec: &VolumeRecord) -> Option<String> {
         let node = rec.node_id.clone()?;
-        if self.config.controller_endpoint.is_none() || rec.destroying {
+        if self.config.controller_endpoint.is_none()
+            || rec.destroying
+            || !check_hold(rec.state, rec.towards)
+        {
             return None;
         }
         let secrets = self
@@ -375,6 +391,32 @@ mod tests {
     use super::*;
     use crate::provider::state::Capability;
     use VolumeState as V;
+
+    #[test]
+    fn only_a_volume_held_here_and_not_on_its_way_down_is_checked_with_the_controller() {
+        #[rustfmt::skip]
+        let cases = [
+            // (state, towards, checked)
+            (V::Created, None, false),
+            (V::NodeReady, None, true),
+            (V::VolReady, None, true),
+            (V::Published, None, true),
+            // Forward steps past the controller's: held here.
+            (V::NodeStage, Some(V::Published), true),
+            (V::NodePublish, Some(V::Published), true),
+            // Not known to be published yet: the machine re-issues it anyway.
+            (V::ControllerPublish, Some(V::Published), false),
+            // On the way down: finished, never published again to be checked.
+            (V::NodeUnpublish, Some(V::Created), false),
+            (V::NodeUnstage, Some(V::Created), false),
+            (V::ControllerUnpublish, Some(V::Created), false),
+            (V::NodeStage, Some(V::Created), false),
+            (V::NodeUnpublish, Some(V::VolReady), false),
+        ];
+        for (state, towards, want) in cases {
+            assert_eq!(check_hold(state, towards), want, "{state:?} {towards:?}");
+        }
+    }
 
     #[test]
     fn detach_fences_the_nodes_own_record_and_forces_only_what_it_must() {
