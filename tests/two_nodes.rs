@@ -291,7 +291,10 @@ fn a_single_node_volume_is_handed_off_from_x_to_y_with_run() {
     assert!(out.status.success(), "run on Y: {}", text(&out.stderr));
     assert_eq!(text(&out.stdout), "written-on-x\n");
     assert!(cl.published_nodes(&id).is_empty(), "released after the run");
-    let mount_point = status_of(&cl.y, &id)["mount_point"].as_str().unwrap().to_string();
+    let mount_point = status_of(&cl.y, &id)["mount_point"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert!(
         Path::new(&mount_point).starts_with(&cl.y.work),
         "the relative root resolved under Y's work dir: {mount_point}"
@@ -512,8 +515,9 @@ fn x_comes_back(cl: &mut Cluster) -> String {
 
 /// What X reports after coming back: the volume fenced, the use of `cx` lost, nothing of it
 /// left on X, and Y still the only holder.
-fn x_reports_the_lost_use(cl: &Cluster, id: &str, stderr: &str, why: &str) {
-    for part in [id, "cx", "lost"] {
+fn x_reports_the_lost_use(cl: &Cluster, id: &str, stderr: Option<&str>, why: &str) {
+    for part in stderr.map_or(Vec::new(), |_| vec![id, "cx", "lost"]) {
+        let stderr = stderr.unwrap();
         assert!(stderr.contains(part), "X warns naming {part:?}: {stderr}");
     }
     let rec = status_of(&cl.x, id);
@@ -607,7 +611,7 @@ fn a_dead_node_is_fenced_with_volume_detach_and_tears_down_when_it_comes_back() 
         "at most one idempotent ControllerUnpublish from X"
     );
     assert!(publishes_y > publishes);
-    x_reports_the_lost_use(&cl, &id, &stderr, "volume detach");
+    x_reports_the_lost_use(&cl, &id, Some(&stderr), "volume detach");
     // A second start does nothing more.
     let (p, u) = (
         cl.calls("ControllerPublishVolume", &id),
@@ -659,7 +663,7 @@ fn a_node_whose_record_was_not_fenced_takes_the_controllers_refusal_as_a_fence()
         publishes + 1,
         "one ControllerPublish, refused"
     );
-    x_reports_the_lost_use(&cl, &id, &stderr, "node-y");
+    x_reports_the_lost_use(&cl, &id, Some(&stderr), "node-y");
     // Never again: a second start sends nothing.
     let p = cl.calls("ControllerPublishVolume", &id);
     x_comes_back(&mut cl);
@@ -717,7 +721,7 @@ fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
             publishes,
             "point {point}"
         );
-        x_reports_the_lost_use(&cl, &id, &stderr, "volume detach");
+        x_reports_the_lost_use(&cl, &id, Some(&stderr), "volume detach");
         clean_up(&sb, &cl);
         if !crashed {
             assert!(point > 3, "three crash points at least, got {}", point - 1);
@@ -725,4 +729,71 @@ fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
         }
         point += 1;
     }
+}
+
+#[test]
+fn a_killed_serve_on_x_is_fenced_and_its_next_start_tears_down() {
+    use csi_isolator::service::proto::{
+        isolator_client::IsolatorClient, ContainerConfig, PrepareRequest,
+    };
+    require_root();
+    let sb = Sandbox::new("two-nodes-serve-killed");
+    let mut cl = Cluster::start_with(&sb, &["--backing", "dir"]);
+    let (res, id) = create(&cl, &cl.x, "data");
+    let on_x = resources_file(&sb, "on-x.json", &res);
+    let out = run_with(&cl, &cl.x, &on_x, "echo written-on-x > data/f");
+    assert!(out.status.success(), "run on X: {}", text(&out.stderr));
+    let socket = sb.join("serve-x.sock");
+    let args = [
+        "--plugin-endpoint".to_string(),
+        cl.x.plugin.endpoint(),
+        "--controller-endpoint".to_string(),
+        cl.controller.endpoint(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut res_x = res.clone();
+    res_x["disk"]["volume"] = serde_json::json!({"container_path": "data", "mode": "RW"});
+    let resources_json = serde_json::to_string(&serde_json::json!([res_x])).unwrap();
+    let sandbox = sb.mkdir("sandboxes/cx");
+    let mut serve = start_serve(&sb, CLI, &cl.x.work, &socket, &args, None).expect("serve on X");
+    block_on(async {
+        let mut c = IsolatorClient::new(
+            csi_isolator::csi::transport::connect_unix(&socket)
+                .await
+                .unwrap(),
+        );
+        c.prepare(PrepareRequest {
+            container_id: "cx".into(),
+            config: Some(ContainerConfig {
+                resources_json: resources_json.clone(),
+                sandbox: sandbox.to_string_lossy().into(),
+                ..Default::default()
+            }),
+        })
+        .await
+        .expect("prepared on X");
+    });
+    assert_eq!(cl.published_nodes(&id), ["node-x"]);
+    // X dies: SIGKILL of its serve and of its node plugin.
+    serve.kill().unwrap();
+    serve.wait().unwrap();
+    sb.untrack(serve.id());
+    cl.x.plugin.kill();
+
+    let x_work = cl.x.work.clone();
+    let out = detach(&cl, &x_work, &id, "node-x", &[]);
+    let err = text(&out.stderr);
+    assert!(!out.status.success() && err.contains("cx"), "{err}");
+    let out = detach(&cl, &x_work, &id, "node-x", &["--force"]);
+    assert!(out.status.success(), "forced: {}", text(&out.stderr));
+    y_takes_over(&sb, &cl, &res, &id);
+
+    // X's serve starts again: its recovery tears down without publishing again.
+    let publishes = cl.calls("ControllerPublishVolume", &id);
+    block_on(cl.x.plugin.restart());
+    let serve = start_serve(&sb, CLI, &cl.x.work, &socket, &args, None).expect("serve on X again");
+    assert_eq!(cl.calls("ControllerPublishVolume", &id), publishes);
+    x_reports_the_lost_use(&cl, &id, None, "volume detach");
+    stop_serve(&sb, serve);
+    clean_up(&sb, &cl);
 }
