@@ -797,3 +797,86 @@ fn a_killed_serve_on_x_is_fenced_and_its_next_start_tears_down() {
     stop_serve(&sb, serve);
     clean_up(&sb, &cl);
 }
+
+/// `cmd` on `node` armed to be killed (SIGKILL) at crash point `point`: whether it was.
+fn killed_at(cl: &Cluster, node: &Node, point: u32, args: &[&str]) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    let out = output(
+        cl.cli(node, "volume")
+            .env(
+                csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV,
+                point.to_string(),
+            )
+            .args(args),
+    );
+    let killed = out.status.signal() == Some(9);
+    assert!(
+        killed || out.status.success(),
+        "{args:?} at point {point}: {}",
+        text(&out.stderr)
+    );
+    killed
+}
+
+/// The handoff killed at every crash point, on both sides: X's release (down to
+/// ControllerUnpublish) and Y's publish (from ControllerPublish). After each, the node's next
+/// start finishes it; the volume is never published to both nodes, Y ends up with X's data, and
+/// nothing is left on either node.
+#[test]
+fn a_handoff_killed_at_each_crash_point_on_either_node_converges() {
+    require_root();
+    for side in ["release on X", "publish on Y"] {
+        let mut point = 1;
+        loop {
+            let sb = Sandbox::new(&format!("two-nodes-handoff-crash-{point}"));
+            let cl = Cluster::start_with(&sb, &["--backing", "dir"]);
+            let (res, id) = create(&cl, &cl.x, "data");
+            let on_x = resources_file(&sb, "on-x.json", &res);
+            let out = run_with(&cl, &cl.x, &on_x, "echo written-on-x > data/f");
+            assert!(out.status.success(), "run on X: {}", text(&out.stderr));
+            let out =
+                output(
+                    cl.cli(&cl.x, "volume")
+                        .args(["publish", "data", "--container", "cx"]),
+                );
+            assert!(out.status.success(), "publish on X: {}", text(&out.stderr));
+            import(&cl, &cl.y, "data", &id);
+            let release = ["release", "data", "--container", "cx"];
+            let publish = ["publish", "data", "--container", "cy"];
+            let killed = if side == "release on X" {
+                let killed = killed_at(&cl, &cl.x, point, &release);
+                assert!(cl.published_nodes(&id).len() <= 1);
+                // X's next start finishes the release.
+                let out = output(cl.cli(&cl.x, "volume").args(["list"]));
+                assert!(out.status.success(), "{}", text(&out.stderr));
+                let out = output(cl.cli(&cl.y, "volume").args(publish));
+                assert!(out.status.success(), "publish on Y: {}", text(&out.stderr));
+                killed
+            } else {
+                let out = output(cl.cli(&cl.x, "volume").args(release));
+                assert!(out.status.success(), "release on X: {}", text(&out.stderr));
+                let killed = killed_at(&cl, &cl.y, point, &publish);
+                // Y's next start finishes the publish for its durable user.
+                let out = output(cl.cli(&cl.y, "volume").args(["list"]));
+                assert!(out.status.success(), "{}", text(&out.stderr));
+                killed
+            };
+            assert_eq!(cl.published_nodes(&id), ["node-y"], "{side}, point {point}");
+            nothing_on(&cl.x);
+            let rec = status_of(&cl.y, &id);
+            assert_eq!(rec["state"], "PUBLISHED", "{side}, point {point}: {rec}");
+            let target = PathBuf::from(rec["mount_point"].as_str().unwrap());
+            assert_eq!(
+                std::fs::read_to_string(target.join("f")).unwrap(),
+                "written-on-x\n",
+                "{side}, point {point}"
+            );
+            clean_up(&sb, &cl);
+            if !killed {
+                assert!(point > 1, "{side}: no crash point reached");
+                break;
+            }
+            point += 1;
+        }
+    }
+}
