@@ -19,6 +19,25 @@ pub enum ProviderError {
         #[source]
         source: CsiError,
     },
+    /// ControllerPublishVolume was refused because another node holds the volume (a single-node
+    /// access mode): nothing was done on this node.
+    #[error("volume '{volume}' is published to another node (the controller's answer below names it) and its access mode allows one node at a time, so node '{node}' cannot publish it now; nothing was done here: wait until that node releases it (its last user ends) and retry, or, if that node is dead, fence it first with `csi-isolator volume detach {volume} --node NODE`, run against that node's work dir when it is reachable")]
+    HeldByAnotherNode {
+        /// The volume id.
+        volume: String,
+        /// This node's id (NodeGetInfo).
+        node: String,
+        /// The refused ControllerPublishVolume, naming the node that holds the volume.
+        #[source]
+        source: Box<CsiError>,
+    },
+    /// `volume detach` refused ([`crate::provider::handoff::detach_plan`]).
+    #[error("volume detach refused")]
+    DetachRefused {
+        /// Why, and what to do.
+        #[source]
+        why: crate::provider::handoff::DetachRefused,
+    },
     /// Connecting to, or talking to, the plugin failed outside of a volume call.
     #[error("plugin {plugin}")]
     Plugin {
@@ -333,6 +352,7 @@ impl ProviderError {
             ProviderError::Csi { source, .. } | ProviderError::Plugin { source, .. } => {
                 source.code()
             }
+            ProviderError::HeldByAnotherNode { source, .. } => source.code(),
             _ => None,
         }
     }

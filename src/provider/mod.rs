@@ -9,7 +9,8 @@
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
 //! `manager.rs` (routing), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
-//! front end), `access.rs` (which uses an access mode admits: pure, table-tested); `tests.rs`,
+//! front end), `access.rs` (which uses an access mode admits: pure, table-tested), `handoff.rs` (a volume
+//! another node holds, and a node fenced while it was away); `tests.rs`,
 //! the machine driven without root against an in-process
 //! CSI plugin that records its calls.
 
@@ -19,6 +20,7 @@ pub mod checkpoint;
 mod create;
 pub mod error;
 pub mod expand;
+pub mod handoff;
 mod import;
 pub mod manager;
 pub mod modify;

@@ -43,20 +43,24 @@ impl StorageProvider {
         let outcomes = join_all(slots.into_iter().map(|slot| async move {
             let mut rec = slot.record.lock().await;
             let before = rec.state;
-            let result = match recovery_action(&rec, self.config.policy) {
-                Action::FinishDestroy => self
-                    .finish_destroy(&mut rec)
-                    .await
-                    .map(|_| "finished destroy"),
-                Action::Republish => self
-                    .ensure_published(&mut rec)
-                    .await
-                    .map(|_| "republished for its users"),
-                Action::Settle { goal } => self
-                    .drive(&mut rec, goal)
-                    .await
-                    .map(|_| "settled (no users)"),
-                Action::Leave => Ok("settled (no users)"),
+            let fenced = self.take_fence(&mut rec).await;
+            let result = match fenced {
+                Some(done) => done,
+                None => match recovery_action(&rec, self.config.policy) {
+                    Action::FinishDestroy => self
+                        .finish_destroy(&mut rec)
+                        .await
+                        .map(|_| "finished destroy"),
+                    Action::Republish => self
+                        .ensure_published(&mut rec)
+                        .await
+                        .map(|_| "republished for its users"),
+                    Action::Settle { goal } => self
+                        .drive(&mut rec, goal)
+                        .await
+                        .map(|_| "settled (no users)"),
+                    Action::Leave => Ok("settled (no users)"),
+                },
             };
             if result.is_ok() && !rec.destroying {
                 self.harden_published(&rec.volume_id).await;

@@ -647,6 +647,12 @@ pub struct VolumeRecord {
     /// RPC ([`crate::provider::modify`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub modifying: Option<BTreeMap<String, String>>,
+    /// The volume was taken from this node while it was away (`volume detach`, or the
+    /// controller refused to publish it here again): recovery tears its node side down and
+    /// never publishes it to the controller again for the uses it lost
+    /// ([`crate::provider::handoff`]). Cleared when this node publishes it anew.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<crate::provider::handoff::Fence>,
 }
 
 /// An expansion of a volume to `to_bytes`, and the call it waits for.
@@ -740,6 +746,7 @@ impl VolumeRecord {
             content_source: None,
             mutable_parameters: BTreeMap::new(),
             modifying: None,
+            fenced: None,
         }
     }
 }

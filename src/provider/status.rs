@@ -76,6 +76,10 @@ pub struct VolumeStatus {
     /// next `volume expand`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expansion: Option<Expansion>,
+    /// The volume was fenced from this node ([`crate::provider::handoff`]): why, and the
+    /// containers whose use of it was lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fenced: Option<crate::provider::handoff::Fence>,
 }
 
 /// A state file that could not be read.
@@ -159,6 +163,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 mutable_parameters: rec.mutable_parameters,
                 content_source: rec.content_source,
                 expansion: rec.expansion,
+                fenced: rec.fenced,
             });
         }
     }

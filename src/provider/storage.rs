@@ -634,7 +634,9 @@ impl StorageProvider {
                 wrote = true;
             }
             tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
-            self.call(rec, step).await?;
+            if let Err(e) = self.call(rec, step).await {
+                return Err(self.after_failed_step(rec, &before, step, e).await);
+            }
             // The RPC is done but not yet recorded: a crash here is the
             // window recovery must close by re-issuing (the crash tests stop
             // here too).
@@ -717,6 +719,8 @@ impl StorageProvider {
                     .map_err(csi)?;
                 rec.publish_context = resp.publish_context.into_iter().collect();
                 rec.node_id = Some(node_id);
+                // This node holds the volume again: a fence from before is over.
+                rec.fenced = None;
             }
             Step::NodeStage => {
                 let dir = staging.clone();

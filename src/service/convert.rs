@@ -351,6 +351,7 @@ mod tests {
                 snapshot_id: "snap-1".into(),
             }),
             expansion: None,
+            fenced: None,
         };
         let report = StatusReport {
             volumes: vec![v],

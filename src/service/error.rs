@@ -209,6 +209,8 @@ pub fn provider_code(e: &ProviderError) -> Code {
             ..
         } => Code::FailedPrecondition,
         ProviderError::InUse { .. }
+        | ProviderError::HeldByAnotherNode { .. }
+        | ProviderError::DetachRefused { .. }
         | ProviderError::AccessModeRefused { .. }
         | ProviderError::AccessModeUnsupported { .. }
         | ProviderError::Destroying { .. }

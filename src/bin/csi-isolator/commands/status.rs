@@ -125,6 +125,19 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
                 let (how, name) = source.described();
                 outln!("    {how} '{}'", escaped(name));
             }
+            if let Some(f) = &v.fenced {
+                let lost: Vec<_> = f.lost_users.iter().map(|u| shown(u)).collect();
+                outln!(
+                    "    fenced from node {} ({}); lost uses: {}",
+                    shown(&f.node),
+                    escaped(&f.why),
+                    if lost.is_empty() {
+                        "none".to_string()
+                    } else {
+                        lost.join(",")
+                    }
+                );
+            }
             if let Some(e) = &v.expansion {
                 outln!("    expansion pending: {}", expand::pending_line(e));
             }

@@ -150,6 +150,25 @@ enum Action {
         #[arg(value_parser = text(), required = true)]
         params: Vec<String>,
     },
+    /// Take a volume from a node (ControllerUnpublishVolume for that node, through the
+    /// controller plugin) so that another node can publish it: the fence for a dead node. Run it
+    /// against that node's work dir (--work-dir) when its disk can be reached: its record is
+    /// fenced, and the node tears its side down when it comes back. Refused while that record
+    /// lists containers using the volume, or when there is no such record here, unless --force.
+    /// Needs only the controller plugin (--controller-endpoint, or --plugin-endpoint of a plugin
+    /// serving both).
+    Detach {
+        /// Volume id.
+        #[arg(value_parser = text())]
+        volume: String,
+        /// The node id to take it from (the node plugin's NodeGetInfo id).
+        #[arg(long, value_parser = text())]
+        node: String,
+        /// Take it even though the node's record lists containers using it, or without the
+        /// node's record: whatever still uses it on that node loses it.
+        #[arg(long)]
+        force: bool,
+    },
     /// List the provider's volumes.
     List {
         /// Print JSON records instead of a table.
@@ -255,6 +274,14 @@ pub async fn run(work_dir: &Path, args: VolumeArgs) -> anyhow::Result<ExitCode> 
     let work_dir = csi_isolator::workdir::canonical(work_dir)?;
     let _lock = csi_isolator::workdir::lock(&work_dir, Some(Duration::from_secs(30))).await?;
     super::run::check_plugin_endpoint(&args.plugin)?;
+    if let Action::Detach {
+        volume,
+        node,
+        force,
+    } = &args.action
+    {
+        return detach(&work_dir, &args.plugin, volume, node, *force).await;
+    }
     let config = args.plugin.config(&work_dir)?;
     let provider = StorageProvider::start(config)
         .await
@@ -392,6 +419,7 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             }
         }
         Action::Snapshot { action } => snapshot(provider, action).await?,
+        Action::Detach { .. } => unreachable!("volume detach runs without the node plugin"),
         Action::List { json, plugin: true } => {
             let (volumes, listing) = provider.plugin_volumes().await?;
             match listing {
@@ -487,6 +515,72 @@ async fn snapshot(provider: &StorageProvider, action: SnapshotAction) -> anyhow:
         SnapshotAction::Delete { snapshot } => provider.delete_snapshot(&snapshot).await?,
     }
     Ok(())
+}
+
+/// `volume detach`: needs only the controller plugin (the node's own may be dead with it), and
+/// the node's records in `work_dir` (locked).
+async fn detach(
+    work_dir: &Path,
+    plugin: &super::plugin_args::PluginArgs,
+    volume: &str,
+    node: &str,
+    force: bool,
+) -> anyhow::Result<ExitCode> {
+    let endpoint = plugin
+        .controller_endpoint
+        .as_ref()
+        .or(plugin.plugin_endpoint.as_ref())
+        .ok_or_else(|| {
+            anyhow!(
+                "volume detach {}: give the driver's controller plugin with --controller-endpoint (or --plugin-endpoint, for a plugin serving both services)",
+                shown(volume)
+            )
+        })?;
+    let options = csi_isolator::csi::ClientOptions {
+        connect_timeout: Duration::from_secs(plugin.plugin_timeout),
+        ..Default::default()
+    };
+    let controller = csi_isolator::csi::Client::connect_for(
+        endpoint,
+        options,
+        csi_isolator::csi::Services::Controller,
+        csi_isolator::csi::Metrics::new(),
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "volume detach {}: connect to the controller plugin at {endpoint}",
+            shown(volume)
+        )
+    })?;
+    let info = controller
+        .get_plugin_info(csi_isolator::csi::proto::GetPluginInfoRequest {})
+        .await
+        .with_context(|| {
+            format!(
+                "volume detach {}: GetPluginInfo of the controller plugin at {endpoint}",
+                shown(volume)
+            )
+        })?;
+    let layout = csi_isolator::resource::Layout::new(work_dir, &info.name, &plugin.plugin_name);
+    let done = csi_isolator::provider::handoff::detach(&controller, &layout, volume, node, force)
+        .await
+        .with_context(|| format!("volume detach {} --node {}", shown(volume), shown(node)))?;
+    let lost: Vec<_> = done.lost_users.iter().map(|u| shown(u)).collect();
+    outln!(
+        "volume {} detached from node {}{}",
+        shown(volume),
+        shown(node),
+        match (done.fenced, lost.is_empty()) {
+            (false, _) => " (no record of it here: the node finds out from the controller when it comes back)".to_string(),
+            (true, true) => " (its record is fenced: the node tears its side down when it comes back)".to_string(),
+            (true, false) => format!(
+                " (its record is fenced: the node tears its side down when it comes back; lost uses: {})",
+                lost.join(", ")
+            ),
+        }
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A volume named by id or by CreateVolume name.
