@@ -56,6 +56,17 @@ pub enum ProviderError {
         /// Why, and what to do.
         why: String,
     },
+    /// A volume was ControllerPublished to a node through a controller plugin, and the plugin
+    /// this command drives as its controller has no Controller service to undo it with.
+    #[error("volume '{volume}' is ControllerPublished to node '{node}' through a controller plugin, and the plugin at {endpoint} serves no Controller service: it is not unpublished here, or the controller would hold it for that node for good; give the command the --controller-endpoint it was published with")]
+    NoControllerToUnpublish {
+        /// The volume id.
+        volume: String,
+        /// The node it is published to.
+        node: String,
+        /// The endpoint driven as the controller.
+        endpoint: String,
+    },
     /// Starting the managed plugin process failed.
     #[error("start plugin {plugin} ({command})")]
     Spawn {

@@ -608,6 +608,31 @@ impl StorageProvider {
             let step = match next {
                 Next::Done => break,
                 Next::Skip(step) => {
+                    if step == Step::ControllerUnpublish
+                        && rec.node_id.is_some()
+                        && !self
+                            .controller
+                            .current_capabilities()
+                            .plugin
+                            .controller_service()
+                    {
+                        // Published to a node through a controller that is not here (a
+                        // command without the `--controller-endpoint` it was published with, or
+                        // a controller plugin that lost its service): skipping would leave the
+                        // controller holding the volume for this node for good.
+                        let error = ProviderError::NoControllerToUnpublish {
+                            volume: rec.volume_id.clone(),
+                            node: rec.node_id.clone().unwrap_or_default(),
+                            endpoint: self.controller.endpoint().to_string(),
+                        };
+                        if dirty {
+                            // Steps before it were done: keep them.
+                            self.persist(rec).await?;
+                        } else {
+                            *rec = before;
+                        }
+                        return Err(error);
+                    }
                     dirty = true;
                     if step == Step::ControllerUnpublish && rec.node_id.is_some() {
                         // Published by a plugin that offered the capability; the one

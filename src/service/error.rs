@@ -223,7 +223,8 @@ pub fn provider_code(e: &ProviderError) -> Code {
             ..
         }
         | ProviderError::NoListVolumes { .. }
-        | ProviderError::NoDeleteVolume { .. } => Code::FailedPrecondition,
+        | ProviderError::NoDeleteVolume { .. }
+        | ProviderError::NoControllerToUnpublish { .. } => Code::FailedPrecondition,
         ProviderError::Spawn { .. }
         | ProviderError::ControllerPlugin { .. }
         | ProviderError::Checkpoint { .. }
