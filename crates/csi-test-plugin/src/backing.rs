@@ -1093,6 +1093,58 @@ pub fn check_fs_type(fs_type: &str, kind: BackingKind) -> Result<(), String> {
 mod tests {
     use super::*;
 
+    /// The mount-time defence behind the node plugin's look at a volume directory: a `data` or
+    /// image swapped for a link, a device or a second name after that look is still refused,
+    /// on the fd that would be bound or attached.
+    #[test]
+    fn storage_is_opened_without_following_links() {
+        let vol = tempfile::tempdir().unwrap();
+        let vol = vol.path();
+        let unsafe_what = |e: BackingError| match e {
+            BackingError::UnsafeStorage { what, .. } => what,
+            e => panic!("{e}"),
+        };
+        // Data: a real directory opens; a link to `/` (or to a real directory) does not.
+        fs::create_dir(vol.join("real")).unwrap();
+        assert!(open_data_dir(vol).is_err(), "missing");
+        fs::create_dir(vol.join("data")).unwrap();
+        open_data_dir(vol).unwrap();
+        fs::remove_dir(vol.join("data")).unwrap();
+        for target in ["/", "real"] {
+            std::os::unix::fs::symlink(target, vol.join("data")).unwrap();
+            let what = unsafe_what(open_data_dir(vol).unwrap_err());
+            assert_eq!(what, "a symbolic link");
+            assert!(check_storage(vol).is_err());
+            fs::remove_file(vol.join("data")).unwrap();
+        }
+        fs::write(vol.join("data"), "").unwrap();
+        assert_eq!(
+            unsafe_what(open_data_dir(vol).unwrap_err()),
+            "not a directory"
+        );
+        fs::remove_file(vol.join("data")).unwrap();
+        // Image: a regular file of one name opens; a link, a device or a second name does not.
+        let image = vol.join(FS_IMAGE);
+        fs::write(vol.join("other"), "x").unwrap();
+        fs::write(&image, "x").unwrap();
+        open_image(&image).unwrap();
+        check_storage(vol).unwrap();
+        fs::remove_file(&image).unwrap();
+        std::os::unix::fs::symlink(vol.join("other"), &image).unwrap();
+        assert_eq!(
+            unsafe_what(open_image(&image).unwrap_err()),
+            "a symbolic link"
+        );
+        fs::remove_file(&image).unwrap();
+        fs::hard_link(vol.join("other"), &image).unwrap();
+        assert!(unsafe_what(open_image(&image).unwrap_err()).contains("2 hard links"));
+        assert!(check_storage(vol).is_err());
+        fs::remove_file(&image).unwrap();
+        nix::unistd::mkfifo(&image, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // O_NONBLOCK: a FIFO is refused at once rather than waited on.
+        assert!(unsafe_what(open_image(&image).unwrap_err()).contains("not a regular file"));
+    }
+
     #[test]
     fn fs_types_follow_the_backing() {
         assert_eq!(check_fs_type("", BackingKind::Dir), Ok(()));
