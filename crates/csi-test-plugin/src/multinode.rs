@@ -25,6 +25,13 @@
 //! reached without a symlink, and holding the record of the volume the request names
 //! ([`resolve_location`]).
 //!
+//! What is inside the shared dir is not followed blindly either, though only root may write it
+//! (checked at start, by the work dir's rule): the controller's record is read without following
+//! a link or blocking on a FIFO, bounded in size ([`store::read_record`]); the data directory and
+//! image must be a real directory and a regular file of one name, and are bound or attached
+//! through fds opened without following a link (`backing::open_data_dir`, `open_image`). A node
+//! keeps its record of a volume only once a request for it passed its checks ([`Plugin::take_up`]).
+//!
 //! Access modes: the controller records each node a volume is published to, and refuses
 //! (FAILED_PRECONDITION naming the volume and the node that holds it) a second node for a
 //! single-node mode, and a second writer for MULTI_NODE_SINGLE_WRITER ([`node_conflict`]);
