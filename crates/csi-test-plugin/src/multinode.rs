@@ -30,7 +30,7 @@
 //! a link or blocking on a FIFO, bounded in size ([`store::read_record`]); the data directory and
 //! image must be a real directory and a regular file of one name, and are bound or attached
 //! through fds opened without following a link (`backing::open_data_dir`, `open_image`). A node
-//! keeps its record of a volume only once a request for it passed its checks ([`Plugin::take_up`]).
+//! keeps its record of a volume only once a request for it passed its checks (`Plugin::take_up`).
 //!
 //! Access modes: the controller records each node a volume is published to, and refuses
 //! (FAILED_PRECONDITION naming the volume and the node that holds it) a second node for a
@@ -155,7 +155,7 @@ pub fn location_in(volumes: &Path, text: &str) -> Result<PathBuf, String> {
 /// checked ([`location_in`]), then a real directory reached without a symlink, holding the
 /// record of that very volume (read, never written, as hostile: [`store::read_record`]), whose
 /// data directory or image, where present, is a real directory or a regular file of one name
-/// ([`super::backing::check_storage`]; the backing opens them again without following a link
+/// (`backing::check_storage`; the backing opens them again without following a link
 /// when it mounts). `Ok(None)`: no such directory (the volume is gone).
 pub fn resolve_location(
     shared: &Path,
