@@ -417,6 +417,11 @@ async fn moves_between_nodes(backing: &str) {
         .mounts_under()
         .iter()
         .all(|m| !m.mount_point.starts_with(&cl.nodes[1].staging)));
+    assert_eq!(
+        cl.node_records(1),
+        0,
+        "a refused stage leaves y no record of the volume"
+    );
     assert_eq!(cl.published_nodes(&vol).await, ["node-x"]);
 
     // Handoff: released on x, then y publishes it and reads x's data.
@@ -657,6 +662,180 @@ async fn a_node_plugin_refuses_locations_outside_its_shared_dir_loop() {
     hostile_locations("loop").await;
 }
 
+/// Bounds a call on a node plugin: a planted file must never wedge it.
+async fn bounded<T>(call: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .expect("the node plugin answered within 20 s")
+}
+
+/// What a writer of the shared dir may plant inside a real volume's directory, and what the
+/// node plugin's refusal must say.
+enum Plant {
+    /// `data` (dir backing) a symbolic link to `/`.
+    DataToRoot,
+    /// The image (loop backing) a symbolic link to another file.
+    ImageLink,
+    /// The image a device node (of /dev/zero's numbers) in place of the file.
+    ImageDevice,
+    /// The image a second name of another file.
+    ImageHardLink,
+    /// A FIFO at `volume.json` (reading it would block forever).
+    RecordFifo,
+    /// A `volume.json` over the size a node plugin reads.
+    RecordHuge,
+    /// `volume.json` a symbolic link to a copy of the real record.
+    RecordLink,
+}
+
+impl Plant {
+    /// Plants in `dir`, moving the real entry aside; returns what the refusal must contain.
+    fn plant(&self, dir: &std::path::Path, sandbox: &Sandbox) -> &'static str {
+        use std::os::unix::fs::symlink;
+        let aside =
+            |name: &str| std::fs::rename(dir.join(name), dir.join(format!("{name}.real"))).unwrap();
+        let other = sandbox.join("other-file");
+        std::fs::write(&other, vec![0u8; 4096]).unwrap();
+        match self {
+            Plant::DataToRoot => {
+                aside("data");
+                symlink("/", dir.join("data")).unwrap();
+                "data is a symbolic link"
+            }
+            Plant::ImageLink => {
+                aside("image.ext4");
+                symlink(&other, dir.join("image.ext4")).unwrap();
+                "image.ext4 is a symbolic link"
+            }
+            Plant::ImageDevice => {
+                aside("image.ext4");
+                nix::sys::stat::mknod(
+                    &dir.join("image.ext4"),
+                    nix::sys::stat::SFlag::S_IFCHR,
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                    nix::sys::stat::makedev(1, 5),
+                )
+                .unwrap();
+                "image.ext4 is not a regular file"
+            }
+            Plant::ImageHardLink => {
+                aside("image.ext4");
+                std::fs::hard_link(&other, dir.join("image.ext4")).unwrap();
+                "image.ext4 is a file of 2 hard links"
+            }
+            Plant::RecordFifo => {
+                aside("volume.json");
+                nix::unistd::mkfifo(
+                    &dir.join("volume.json"),
+                    nix::sys::stat::Mode::from_bits_truncate(0o600),
+                )
+                .unwrap();
+                "not a regular file"
+            }
+            Plant::RecordHuge => {
+                aside("volume.json");
+                let mut huge = std::fs::read(dir.join("volume.json.real")).unwrap();
+                huge.resize(2 << 20, b' ');
+                std::fs::write(dir.join("volume.json"), huge).unwrap();
+                "over 1048576 bytes"
+            }
+            Plant::RecordLink => {
+                let copy = sandbox.join("record-copy.json");
+                std::fs::copy(dir.join("volume.json"), &copy).unwrap();
+                aside("volume.json");
+                symlink(&copy, dir.join("volume.json")).unwrap();
+                "a symbolic link"
+            }
+        }
+    }
+
+    /// Puts the real entry back.
+    fn remove(&self, dir: &std::path::Path, sandbox: &Sandbox) {
+        let name = match self {
+            Plant::DataToRoot => "data",
+            Plant::ImageLink | Plant::ImageDevice | Plant::ImageHardLink => "image.ext4",
+            Plant::RecordFifo | Plant::RecordHuge | Plant::RecordLink => "volume.json",
+        };
+        std::fs::remove_file(dir.join(name)).unwrap();
+        std::fs::rename(dir.join(format!("{name}.real")), dir.join(name)).unwrap();
+        let _ = std::fs::remove_file(sandbox.join("other-file"));
+    }
+}
+
+/// Things planted inside a real volume's directory (what a writer of the shared dir could do):
+/// each refused, naming what is wrong, with nothing mounted, no loop device attached, no node
+/// record kept, and the plugin answering other calls at once; the honest volume works after.
+async fn planted_storage(backing: &str, plants: &[Plant]) {
+    let mut cl = cluster(backing).await;
+    let mode = Mode::SingleNodeWriter;
+    let vol = cl.create("planted", mode).await;
+    let ctx = cl.attach(0, &vol, mode).await.unwrap();
+    let dir = PathBuf::from(&ctx[VOLUME_DIR_KEY]);
+    for plant in plants {
+        let why = plant.plant(&dir, &cl.sandbox);
+        let status = bounded(cl.stage(0, &vol, mode, &ctx)).await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{why}: {status:?}");
+        assert!(status.message().contains(why), "{why}: {status:?}");
+        assert!(
+            status.message().contains(&dir.display().to_string()),
+            "{status:?}"
+        );
+        assert!(
+            cl.sandbox.mounts_under().is_empty(),
+            "{why}: mounted something"
+        );
+        assert!(
+            cl.sandbox.loop_devices().is_empty(),
+            "{why}: attached a loop device"
+        );
+        assert!(
+            csi_isolator::mount::find_by_backing_file(std::path::Path::new("/dev/zero"))
+                .unwrap()
+                .is_empty()
+                && csi_isolator::mount::find_by_backing_file(&cl.sandbox.join("other-file"))
+                    .unwrap()
+                    .is_empty(),
+            "{why}: attached a loop device"
+        );
+        assert_eq!(cl.node_records(0), 0, "{why}: nothing recorded");
+        // Not wedged: the same node plugin answers another call at once.
+        bounded(
+            cl.nodes[0]
+                .c
+                .node
+                .node_get_capabilities(proto::NodeGetCapabilitiesRequest {}),
+        )
+        .await
+        .unwrap();
+        plant.remove(&dir, &cl.sandbox);
+    }
+    // The honest volume still works.
+    cl.mount(0, &vol, mode, &ctx).await;
+    cl.write(0, "ok", "ok");
+    cl.unmount(0, &vol).await;
+    cl.detach(0, &vol).await;
+    cl.delete(&vol).await;
+    cl.finish();
+}
+
+const RECORD_PLANTS: [Plant; 3] = [Plant::RecordFifo, Plant::RecordHuge, Plant::RecordLink];
+
+#[tokio::test]
+async fn a_node_plugin_refuses_what_is_planted_in_a_volume_dir_dir() {
+    planted_storage("dir", &[Plant::DataToRoot]).await;
+    planted_storage("dir", &RECORD_PLANTS).await;
+}
+
+#[tokio::test]
+async fn a_node_plugin_refuses_what_is_planted_in_a_volume_dir_loop() {
+    planted_storage(
+        "loop",
+        &[Plant::ImageLink, Plant::ImageDevice, Plant::ImageHardLink],
+    )
+    .await;
+    planted_storage("loop", &RECORD_PLANTS).await;
+}
+
 /// Runs the plugin binary with `args` and returns its exit status and stderr (it must exit:
 /// these are refused configurations).
 fn refused_start(sandbox: &Sandbox, args: &[&str]) -> String {
@@ -707,6 +886,17 @@ fn a_node_plugin_needs_a_shared_dir_apart_from_its_own() {
     assert!(err.contains("overlap"), "{err}");
     let err = run(&["--work-dir", &own, "--shared-dir", &missing]);
     assert!(err.contains("start the controller first"), "{err}");
+    // Root mounts what the shared dir names: another user able to write it is refused.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let err = run(&["--work-dir", &own, "--shared-dir", &shared_s]);
+    assert!(err.contains("writable by group or others"), "{err}");
+    assert!(err.contains("shared dir"), "{err}");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::chown(&shared, Some(65534), None).unwrap();
+    let err = run(&["--work-dir", &own, "--shared-dir", &shared_s]);
+    assert!(err.contains("not owned by root"), "{err}");
+    std::os::unix::fs::chown(&shared, Some(0), None).unwrap();
     let err = refused_start(
         &sb,
         &[

@@ -146,14 +146,46 @@ pub fn attach_kept(file: &Path, readonly: bool) -> Result<LoopDevice, MountError
     attach_with(file, readonly, 0)
 }
 
+/// As [`attach`] ([`attach_kept`] if `kept`), of a backing file the caller has opened (with the
+/// access `readonly` says) and checked on its fd: no path is looked up again, so a name swapped
+/// for a symbolic link or a device after the check changes nothing. `file` is what the device
+/// shows and errors name.
+pub fn attach_opened(
+    backing: BorrowedFd<'_>,
+    file: &Path,
+    readonly: bool,
+    kept: bool,
+) -> Result<LoopDevice, MountError> {
+    // The kernel's name of the opened file, not the path's target now.
+    let shown = super::fd_path(backing).unwrap_or_else(|_| file.to_path_buf());
+    let autoclear = if kept { 0 } else { LO_FLAGS_AUTOCLEAR };
+    configure_free(backing, file, &shown, readonly, autoclear)
+}
+
 fn attach_with(file: &Path, readonly: bool, autoclear: u32) -> Result<LoopDevice, MountError> {
-    let access = if readonly {
+    let backing = open(file, access(readonly) | OFlag::O_CLOEXEC, Mode::empty())
+        .map_err(loop_err("open backing file", file))?;
+    // Show the absolute path in sysfs-less listings.
+    let shown = std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf());
+    configure_free(backing.as_fd(), file, &shown, readonly, autoclear)
+}
+
+fn access(readonly: bool) -> OFlag {
+    if readonly {
         OFlag::O_RDONLY
     } else {
         OFlag::O_RDWR
-    };
-    let backing = open(file, access | OFlag::O_CLOEXEC, Mode::empty())
-        .map_err(loop_err("open backing file", file))?;
+    }
+}
+
+fn configure_free(
+    backing: BorrowedFd<'_>,
+    file: &Path,
+    shown: &Path,
+    readonly: bool,
+    autoclear: u32,
+) -> Result<LoopDevice, MountError> {
+    let access = access(readonly);
     let control_path = Path::new("/dev/loop-control");
     let control = open(
         control_path,
@@ -165,8 +197,6 @@ fn attach_with(file: &Path, readonly: bool, autoclear: u32) -> Result<LoopDevice
     if readonly {
         flags |= LO_FLAGS_READ_ONLY;
     }
-    // Show the absolute path in sysfs-less listings.
-    let shown = std::fs::canonicalize(file).unwrap_or_else(|_| file.to_path_buf());
 
     for attempt in 1..=ATTACH_ATTEMPTS {
         let number = ioctl(control.as_fd(), LOOP_CTL_GET_FREE, 0)
@@ -182,7 +212,7 @@ fn attach_with(file: &Path, readonly: bool, autoclear: u32) -> Result<LoopDevice
             }
             Err(e) => return Err(loop_err("open", &path)(e)),
         };
-        match configure(device.as_fd(), backing.as_fd(), &shown, flags, &path) {
+        match configure(device.as_fd(), backing, shown, flags, &path) {
             Ok(()) => {
                 tracing::debug!(device = %path.display(), file = %file.display(), "attached loop device");
                 return Ok(LoopDevice {

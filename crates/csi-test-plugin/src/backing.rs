@@ -35,7 +35,8 @@
 use csi_isolator::io_step::{io_step, IoStep};
 use std::fs;
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -43,7 +44,8 @@ use std::time::Duration;
 use nix::errno::Errno;
 
 use csi_isolator::mount::{
-    loopdev, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable, ProcMountTable, Syscall,
+    loopdev, proc_fd_path, LinuxSyscall, MountError, MountFlags, MountInfo, MountTable,
+    ProcMountTable, Syscall,
 };
 
 mod copy;
@@ -152,6 +154,116 @@ pub enum BackingError {
         #[source]
         source: Box<MountError>,
     },
+    /// The volume's storage (its data directory or image) is not what this plugin makes: a
+    /// symbolic link, another kind of file, a file of several names. Never mounted.
+    #[error("{path} is {what}, not the volume's {expected}: refused (remove it; only the plugin that created the volume writes there)")]
+    UnsafeStorage {
+        /// The data directory or image.
+        path: PathBuf,
+        /// What it is.
+        what: String,
+        /// What it must be.
+        expected: &'static str,
+    },
+}
+
+/// Opens a volume's image to attach it: without following a symbolic link or blocking on a
+/// FIFO, and only a regular file of one name (not a device, not another file hard-linked in):
+/// the loop device is attached to this very fd.
+/// A filesystem volume's image in its directory (a block volume's is `image.raw`).
+const FS_IMAGE: &str = "image.ext4";
+
+fn open_image(image: &Path) -> Result<fs::File, BackingError> {
+    let unsafe_image = |what: String| BackingError::UnsafeStorage {
+        path: image.to_path_buf(),
+        what,
+        expected: "image (a regular file)",
+    };
+    let file = fs::File::options()
+        .read(true)
+        .write(true)
+        .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC)
+        .open(image)
+        .map_err(|e| match e.raw_os_error() {
+            Some(nix::libc::ELOOP) => unsafe_image("a symbolic link".into()),
+            _ => BackingError::Io(IoStep::new("open image", image, e)),
+        })?;
+    let meta = file.metadata().map_err(io_step("stat image", image))?;
+    match storage_problem(&meta, false) {
+        Some(what) => Err(unsafe_image(what)),
+        None => Ok(file),
+    }
+}
+
+/// Opens a volume's data directory as an O_PATH fd, following no symbolic link beneath the
+/// volume's directory: what a bind of it through `/proc/self/fd/N` shows is this directory.
+fn open_data_dir(vol_dir: &Path) -> Result<OwnedFd, BackingError> {
+    let data = Backing::data_dir(vol_dir);
+    let unsafe_data = |what: String| BackingError::UnsafeStorage {
+        path: data.clone(),
+        what,
+        expected: "data directory",
+    };
+    if let Some(what) = fs::symlink_metadata(&data)
+        .ok()
+        .and_then(|m| storage_problem(&m, true))
+    {
+        return Err(unsafe_data(what));
+    }
+    csi_isolator::mount::open_beneath_no_symlinks(vol_dir, Path::new("data")).map_err(|e| match e {
+        MountError::SymlinkBeneath { .. } => unsafe_data("a symbolic link".into()),
+        e => mount_err("open data directory", &data)(e),
+    })
+}
+
+/// Checks, without following a symbolic link, that whichever of a volume's storage entries
+/// exist (the data directory, the filesystem image, the raw image) are what the plugin makes:
+/// for a volume directory another plugin wrote (a node plugin's look at the shared dir).
+pub(crate) fn check_storage(vol_dir: &Path) -> Result<(), BackingError> {
+    let entries = [
+        (Backing::data_dir(vol_dir), true),
+        (vol_dir.join(FS_IMAGE), false),
+        (Backing::raw_image(vol_dir), false),
+    ];
+    for (path, dir) in entries {
+        let meta = match fs::symlink_metadata(&path) {
+            Ok(meta) => meta,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(BackingError::Io(IoStep::new("stat", path, e))),
+        };
+        if let Some(what) = storage_problem(&meta, dir) {
+            return Err(BackingError::UnsafeStorage {
+                path,
+                what,
+                expected: if dir {
+                    "data directory"
+                } else {
+                    "image (a regular file)"
+                },
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What is wrong with a volume's storage of metadata `meta` (not followed), a directory if
+/// `dir`, else an image: `None` when it is what the plugin makes.
+pub(crate) fn storage_problem(meta: &fs::Metadata, dir: bool) -> Option<String> {
+    let kind = meta.file_type();
+    let what = if kind.is_symlink() {
+        "a symbolic link"
+    } else if dir && !kind.is_dir() {
+        "not a directory"
+    } else if dir {
+        return None;
+    } else if !kind.is_file() {
+        "not a regular file (a device, FIFO, socket or directory)"
+    } else if meta.nlink() != 1 {
+        return Some(format!("a file of {} hard links", meta.nlink()));
+    } else {
+        return None;
+    };
+    Some(what.into())
 }
 
 fn mount_err(step: &'static str, path: &Path) -> impl FnOnce(MountError) -> BackingError {
@@ -290,7 +402,7 @@ impl Backing {
         if Self::is_block(vol_dir) {
             return Self::raw_image(vol_dir);
         }
-        vol_dir.join("image.ext4")
+        vol_dir.join(FS_IMAGE)
     }
 
     /// What holds the volume's data: the data directory (dir backing) or the image (loop
@@ -556,8 +668,9 @@ impl Backing {
             Some(device) => device,
             None => {
                 let image = Self::raw_image(vol_dir);
+                let file = open_image(&image)?;
                 // Dropped at once: kept attached without an opener.
-                loopdev::attach_kept(&image, false)
+                loopdev::attach_opened(file.as_fd(), &image, false, true)
                     .map_err(mount_err("attach loop device to", &image))?
                     .path
             }
@@ -590,9 +703,11 @@ impl Backing {
         };
         match self.kind {
             BackingKind::Dir => {
-                let data = Self::data_dir(vol_dir);
+                // Bound through an fd opened without following a symbolic link: a `data` that
+                // is (or became) a link to `/` is refused, never bound.
+                let data = open_data_dir(vol_dir)?;
                 self.sys
-                    .bind_mount(&data, path, false)
+                    .bind_mount(&proc_fd_path(data.as_fd()), path, false)
                     .map_err(mount_err("bind data directory onto", path))?;
                 self.harden_or_unmount(path)?;
                 self.apply_or_unmount(path, flags)
@@ -609,7 +724,8 @@ impl Backing {
                         .map_err(mount_err("mount already attached filesystem onto", path));
                 }
                 let image = Self::image(vol_dir);
-                let dev = loopdev::attach(&image, false)
+                let file = open_image(&image)?;
+                let dev = loopdev::attach_opened(file.as_fd(), &image, false, false)
                     .map_err(mount_err("attach loop device to", &image))?;
                 // xfs refuses a filesystem whose UUID a mounted one has, and every snapshot and
                 // clone of a mounted volume is such a copy: nouuid, as CSI drivers for xfs do.
@@ -976,6 +1092,58 @@ pub fn check_fs_type(fs_type: &str, kind: BackingKind) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The mount-time defence behind the node plugin's look at a volume directory: a `data` or
+    /// image swapped for a link, a device or a second name after that look is still refused,
+    /// on the fd that would be bound or attached.
+    #[test]
+    fn storage_is_opened_without_following_links() {
+        let vol = tempfile::tempdir().unwrap();
+        let vol = vol.path();
+        let unsafe_what = |e: BackingError| match e {
+            BackingError::UnsafeStorage { what, .. } => what,
+            e => panic!("{e}"),
+        };
+        // Data: a real directory opens; a link to `/` (or to a real directory) does not.
+        fs::create_dir(vol.join("real")).unwrap();
+        assert!(open_data_dir(vol).is_err(), "missing");
+        fs::create_dir(vol.join("data")).unwrap();
+        open_data_dir(vol).unwrap();
+        fs::remove_dir(vol.join("data")).unwrap();
+        for target in ["/", "real"] {
+            std::os::unix::fs::symlink(target, vol.join("data")).unwrap();
+            let what = unsafe_what(open_data_dir(vol).unwrap_err());
+            assert_eq!(what, "a symbolic link");
+            assert!(check_storage(vol).is_err());
+            fs::remove_file(vol.join("data")).unwrap();
+        }
+        fs::write(vol.join("data"), "").unwrap();
+        assert_eq!(
+            unsafe_what(open_data_dir(vol).unwrap_err()),
+            "not a directory"
+        );
+        fs::remove_file(vol.join("data")).unwrap();
+        // Image: a regular file of one name opens; a link, a device or a second name does not.
+        let image = vol.join(FS_IMAGE);
+        fs::write(vol.join("other"), "x").unwrap();
+        fs::write(&image, "x").unwrap();
+        open_image(&image).unwrap();
+        check_storage(vol).unwrap();
+        fs::remove_file(&image).unwrap();
+        std::os::unix::fs::symlink(vol.join("other"), &image).unwrap();
+        assert_eq!(
+            unsafe_what(open_image(&image).unwrap_err()),
+            "a symbolic link"
+        );
+        fs::remove_file(&image).unwrap();
+        fs::hard_link(vol.join("other"), &image).unwrap();
+        assert!(unsafe_what(open_image(&image).unwrap_err()).contains("2 hard links"));
+        assert!(check_storage(vol).is_err());
+        fs::remove_file(&image).unwrap();
+        nix::unistd::mkfifo(&image, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // O_NONBLOCK: a FIFO is refused at once rather than waited on.
+        assert!(unsafe_what(open_image(&image).unwrap_err()).contains("not a regular file"));
+    }
 
     #[test]
     fn fs_types_follow_the_backing() {

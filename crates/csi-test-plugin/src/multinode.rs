@@ -25,6 +25,13 @@
 //! reached without a symlink, and holding the record of the volume the request names
 //! ([`resolve_location`]).
 //!
+//! What is inside the shared dir is not followed blindly either, though only root may write it
+//! (checked at start, by the work dir's rule): the controller's record is read without following
+//! a link or blocking on a FIFO, bounded in size ([`store::read_record`]); the data directory and
+//! image must be a real directory and a regular file of one name, and are bound or attached
+//! through fds opened without following a link (`backing::open_data_dir`, `open_image`). A node
+//! keeps its record of a volume only once a request for it passed its checks (`Plugin::take_up`).
+//!
 //! Access modes: the controller records each node a volume is published to, and refuses
 //! (FAILED_PRECONDITION naming the volume and the node that holds it) a second node for a
 //! single-node mode, and a second writer for MULTI_NODE_SINGLE_WRITER ([`node_conflict`]);
@@ -56,7 +63,9 @@ pub const MAX_NODE_ID: usize = 256;
 const MAX_LOCATION: usize = 4096;
 
 /// Checks and completes a configuration's multi-node part: node mode needs `--shared-dir` (an
-/// existing directory, made canonical) apart from its work dir; the other modes take none.
+/// existing directory that, with every directory above it, is root's and writable by no other
+/// user, as the work dir's rule says: [`csi_isolator::workdir::safe_dir`]; made canonical) apart
+/// from its work dir; the other modes take none.
 pub(crate) fn check_config(config: &mut PluginConfig) -> Result<(), PluginError> {
     let bad = |reason: String| Err(PluginError::Config(reason));
     match config.mode {
@@ -77,18 +86,17 @@ pub(crate) fn check_config(config: &mut PluginConfig) -> Result<(), PluginError>
                 .into(),
         );
     };
-    let shared = std::fs::canonicalize(shared).map_err(|e| {
-        PluginError::Config(format!(
-            "--shared-dir {}: {e} (give the controller's --work-dir; start the controller first)",
-            shared.display()
-        ))
-    })?;
-    if !shared.is_dir() {
-        return bad(format!(
-            "--shared-dir {} is not a directory",
-            shared.display()
-        ));
-    }
+    // Root mounts what the shared dir names: it must be root's alone, by the work dir's rule.
+    let shared = match csi_isolator::workdir::safe_dir(shared, store::SHARED_DIR) {
+        Ok(shared) => shared,
+        Err(csi_isolator::workdir::WorkDirError::Resolve { source, .. }) => {
+            return bad(format!(
+                "--shared-dir {}: {source} (give the controller's --work-dir; start the controller first)",
+                shared.display()
+            ))
+        }
+        Err(e) => return bad(csi_isolator::error_chain::full_message(&e)),
+    };
     super::backing::private_dir(&config.work_dir).map_err(|e| {
         PluginError::Config(format!(
             "--work-dir {}: create: {e}",
@@ -145,8 +153,10 @@ pub fn location_in(volumes: &Path, text: &str) -> Result<PathBuf, String> {
 
 /// Resolves a claimed location of volume `volume_id` under the shared dir `shared`: lexically
 /// checked ([`location_in`]), then a real directory reached without a symlink, holding the
-/// record of that very volume (read, never written). `Ok(None)`: no such directory (the volume
-/// is gone).
+/// record of that very volume (read, never written, as hostile: [`store::read_record`]), whose
+/// data directory or image, where present, is a real directory or a regular file of one name
+/// (`backing::check_storage`; the backing opens them again without following a link
+/// when it mounts). `Ok(None)`: no such directory (the volume is gone).
 pub fn resolve_location(
     shared: &Path,
     text: &str,
@@ -183,6 +193,8 @@ pub fn resolve_location(
             csi_isolator::shown::shown(volume_id)
         ));
     }
+    super::backing::check_storage(&path)
+        .map_err(|e| csi_isolator::error_chain::full_message(&e))?;
     Ok(Some((path, record)))
 }
 
@@ -304,7 +316,7 @@ impl Plugin {
     }
 
     /// Node mode: the node-local record of the volume a NodeStage or NodePublish names, made
-    /// from the controller's when this node first sees it. Its location comes from the
+    /// from the controller's when this node first sees it (kept only by [`take_up`](Self::take_up)). Its location comes from the
     /// publish_context, else the volume_context, else this node's record; a location the
     /// request claims must resolve under the shared dir ([`resolve_location`]) and agree with
     /// the one this node recorded.
@@ -354,16 +366,30 @@ impl Plugin {
             }
             return Ok(known);
         }
-        let record = VolumeRecord {
+        Ok(VolumeRecord {
             published_nodes: BTreeMap::new(),
             staged: BTreeMap::new(),
             published: BTreeMap::new(),
             location: Some(path),
             ..controllers
-        };
-        self.save(rpc, &record)?;
-        tracing::info!(volume_id, location = %self.storage_dir(&record).display(), "node plugin took up a volume of the shared dir");
-        Ok(record)
+        })
+    }
+
+    /// Node mode: keeps the node-local record [`node_mode_volume`](Self::node_mode_volume) made
+    /// for a volume this node did not know, once the request passed its checks (controller
+    /// published to this node among them), before anything is mounted: a refused request
+    /// leaves no record behind, a mount interrupted by a crash leaves the record that finds it.
+    pub(crate) fn take_up(
+        &self,
+        rpc: &'static str,
+        record: &VolumeRecord,
+    ) -> Result<(), PluginError> {
+        if self.config.mode != PluginMode::Node || self.store.get(&record.id).is_some() {
+            return Ok(());
+        }
+        self.save(rpc, record)?;
+        tracing::info!(volume_id = %record.id, location = %self.storage_dir(record).display(), "node plugin took up a volume of the shared dir");
+        Ok(())
     }
 
     /// Node mode: forgets a volume nothing on this node uses any more (its node-local record;

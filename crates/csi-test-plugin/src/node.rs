@@ -306,6 +306,7 @@ impl Plugin {
             [&req.publish_context, &req.volume_context],
         )?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
+        self.take_up(RPC, &record)?;
         let dir = self.storage_dir(&record);
         let staging = PathBuf::from(&req.staging_target_path);
         let readonly = wants_readonly(&cap);
@@ -427,6 +428,7 @@ impl Plugin {
             [&req.publish_context, &req.volume_context],
         )?;
         self.check_publish_context(RPC, &record, &req.publish_context)?;
+        self.take_up(RPC, &record)?;
         if req.readonly && cap.mount_flags.iter().any(|f| f == "rw") {
             return Err(PluginError::InvalidField {
                 rpc: RPC,

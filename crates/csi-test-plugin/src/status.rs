@@ -72,7 +72,11 @@ pub fn code_of(err: &PluginError) -> Code {
         PluginError::FailedPrecondition { .. } => Code::FailedPrecondition,
         // In use, or covered by someone else's mount: the caller must act first.
         PluginError::Backing {
-            source: BackingError::Busy { .. } | BackingError::Covered { .. },
+            source:
+                BackingError::Busy { .. }
+                | BackingError::Covered { .. }
+                // Planted in the volume's directory: someone must remove it.
+                | BackingError::UnsafeStorage { .. },
             ..
         } => Code::FailedPrecondition,
         PluginError::InvalidToken { .. } => Code::Aborted,

@@ -110,6 +110,16 @@ pub enum StoreError {
         /// The id's length in bytes.
         len: usize,
     },
+    /// Another plugin's record (a node plugin reading the controller's) is not one root alone
+    /// can have written, or is too large.
+    #[error("refuse record {path}")]
+    Refused {
+        /// The record file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<csi_isolator::workdir::RootFileError>,
+    },
     /// Removing a volume's directory failed.
     #[error("remove directory {path}")]
     Remove {
@@ -257,14 +267,46 @@ fn decode(path: &Path, bytes: &[u8]) -> Result<VolumeRecord, StoreError> {
     }
 }
 
+/// The largest record [`read_record`] reads: far above any record the plugin writes, and a
+/// bound on what a planted one makes a node plugin hold.
+pub const MAX_RECORD_BYTES: u64 = 1 << 20;
+
+/// What [`read_record`] checks a record's directory for, as its errors name it.
+pub const SHARED_DIR: csi_isolator::workdir::Purpose = csi_isolator::workdir::Purpose {
+    what: "shared dir",
+    flag: "--shared-dir",
+};
+
 /// The record in volume directory `dir` of another plugin's store (a node-mode plugin reads the
-/// controller's, never writes it), read now from disk.
+/// controller's, never writes it), read now from disk, as hostile: by the work dir's rule for a
+/// file root wrote ([`csi_isolator::workdir::read_root_file`]: its directory and every one above
+/// root's and not writable by others, the file opened without following a symbolic link or
+/// blocking on a FIFO, a regular file of one name, at most [`MAX_RECORD_BYTES`]). A missing
+/// record or directory is [`StoreError::Read`] of kind NotFound.
 pub fn read_record(dir: &Path) -> Result<VolumeRecord, StoreError> {
+    use csi_isolator::workdir::{read_root_file, FileRule, RootFileError, WorkDirError};
     let path = dir.join(RECORD_FILE);
-    let bytes = fs::read(&path).map_err(|source| StoreError::Read {
-        path: path.clone(),
-        source,
-    })?;
+    let bytes = read_root_file(&path, SHARED_DIR, FileRule::RootWritten, MAX_RECORD_BYTES)
+        .map_err(|e| match e {
+            RootFileError::Io { source, .. } if source.kind() == io::ErrorKind::NotFound => {
+                StoreError::Read {
+                    path: path.clone(),
+                    source,
+                }
+            }
+            RootFileError::Directory(d)
+                if matches!(&*d, WorkDirError::Resolve { source, .. } if source.kind() == io::ErrorKind::NotFound) =>
+            {
+                StoreError::Read {
+                    path: path.clone(),
+                    source: io::ErrorKind::NotFound.into(),
+                }
+            }
+            e => StoreError::Refused {
+                path: path.clone(),
+                source: Box::new(e),
+            },
+        })?;
     decode(&path, &bytes)
 }
 
