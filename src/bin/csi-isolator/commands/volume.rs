@@ -419,7 +419,8 @@ async fn act(provider: &Arc<StorageProvider>, action: Action) -> anyhow::Result<
             }
         }
         Action::Snapshot { action } => snapshot(provider, action).await?,
-        Action::Detach { .. } => unreachable!("volume detach runs without the node plugin"),
+        // Answered by `detach` before a provider starts (it needs no node plugin).
+        Action::Detach { .. } => anyhow::bail!("volume detach: not run through a started provider"),
         Action::List { json, plugin: true } => {
             let (volumes, listing) = provider.plugin_volumes().await?;
             match listing {
