@@ -11,10 +11,9 @@
 //! What a workload sees is read from a fresh mount namespace (`unshare -m`) with the volume's
 //! mount point bound in, as a container's is.
 
-use std::io::Write;
 use std::path::Path;
 use std::process::Command;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use csi_isolator::error_chain::full_message;
@@ -30,36 +29,11 @@ const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const MIB: u64 = 1 << 20;
 
 /// Everything this test process logs at WARN and above (one subscriber per process).
-fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
-        buf
-    })
+fn logs() {
+    csi_isolator_testing::logs::capture(tracing::Level::WARN);
 }
 
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(data);
-        Ok(data.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn captured() -> String {
-    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
-}
+use csi_isolator_testing::logs::captured;
 
 fn config(sb: &Sandbox, plugin_args: &[String]) -> ProviderConfig {
     let work = sb.join("work");

@@ -419,14 +419,7 @@ fn a_service_drained_from_node_x_comes_up_on_node_y_with_a_volume_of_each_nodes_
     assert_eq!(host_mounts_outside_temp(), mounts_before);
 }
 
-/// Runs `f` on a runtime of its own (the plugin helpers are async; this test is not).
-fn block_on<T>(f: impl std::future::Future<Output = T>) -> T {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .expect("a runtime")
-        .block_on(f)
-}
+use csi_isolator_testing::block_on;
 
 /// The node ids the controller plugin `ctl` lists its volume as published to, sorted (the
 /// test makes one volume); `None` when it lists none.

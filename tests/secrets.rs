@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use csi_isolator::error_chain::full_message;
@@ -23,39 +23,14 @@ use csi_isolator_testing::{isolator_command, plugin_bin, require_root, Sandbox};
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
 const MIB: u64 = 1024 * 1024;
 
-/// Everything this test process logs, at TRACE, every target (one subscriber per process).
-fn logs() -> &'static Arc<Mutex<Vec<u8>>> {
-    static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let buf = Arc::new(Mutex::new(Vec::new()));
-        let sink = buf.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::TRACE)
-            .with_ansi(false)
-            .with_writer(move || Sink(sink.clone()))
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
-        // The managed plugin inherits it: its log (under the work dir) is at TRACE too.
-        std::env::set_var("RUST_LOG", "trace");
-        buf
-    })
+/// Everything this test process logs, at TRACE, every target (one subscriber per process);
+/// the managed plugin inherits RUST_LOG, so its log (under the work dir) is at TRACE too.
+fn logs() {
+    csi_isolator_testing::logs::capture(tracing::Level::TRACE);
+    std::env::set_var("RUST_LOG", "trace");
 }
 
-struct Sink(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Sink {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(data);
-        Ok(data.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn captured() -> String {
-    String::from_utf8_lossy(&logs().lock().unwrap()).into_owned()
-}
+use csi_isolator_testing::logs::captured;
 
 /// Secret values unique to this run, one per operation: `<op>-<tag>-<unique>`.
 struct Values {

@@ -25,13 +25,7 @@ fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
 
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap()
-        .block_on(f)
-}
+use csi_isolator_testing::block_on;
 
 /// One "node": a csi-isolator work dir and its node plugin.
 struct Node {

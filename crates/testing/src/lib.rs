@@ -22,6 +22,7 @@ pub mod engines;
 pub mod exposition;
 pub mod files;
 pub mod leaks;
+pub mod logs;
 pub mod powerloss;
 pub mod props;
 pub mod swarm;
@@ -46,6 +47,16 @@ use csi_isolator::mount::{self, MountInfo, MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::{bundled_plugin_path, BUNDLED_BINARY};
 
 pub use leaks::Leftover;
+
+/// Runs `f` to completion on a fresh current-thread runtime (for the synchronous tests that
+/// start plugin processes or read their listings).
+pub fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+        .block_on(f)
+}
 
 /// Panics unless the process runs as root.
 pub fn require_root() {
