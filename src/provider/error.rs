@@ -36,7 +36,7 @@ pub enum ProviderError {
     DetachRefused {
         /// Why, and what to do.
         #[source]
-        why: crate::provider::handoff::DetachRefused,
+        why: DetachRefused,
     },
     /// Connecting to, or talking to, the plugin failed outside of a volume call.
     #[error("plugin {plugin}")]
@@ -492,4 +492,29 @@ pub enum SnapshotRefusal {
     /// The source volume is being destroyed.
     #[error("volume '{0}' is being destroyed")]
     SourceDestroying(String),
+}
+
+/// Why `volume detach` refused.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DetachRefused {
+    /// The node's record lists containers using the volume.
+    #[error("node '{node}''s record says containers use volume '{volume}' there: {users}; if they are gone (the node is dead), give --force: they lose the volume, and node '{node}' reports it when it comes back")]
+    InUse {
+        /// The volume id.
+        volume: String,
+        /// The node.
+        node: String,
+        /// The users, comma-separated.
+        users: String,
+    },
+    /// The work dir has no record of the volume published to that node.
+    #[error("the work dir {work_dir} has no record of volume '{volume}' published to node '{node}': run this against node '{node}''s own work dir (--work-dir), or, when that disk cannot be reached, give --force (whatever still uses the volume there loses it; node '{node}' finds out when the controller refuses it the volume)")]
+    NoRecord {
+        /// The volume id.
+        volume: String,
+        /// The node.
+        node: String,
+        /// The work dir searched.
+        work_dir: String,
+    },
 }

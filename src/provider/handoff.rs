@@ -23,7 +23,6 @@
 use std::collections::BTreeSet;
 use std::path::Path;
 
-use serde::{Deserialize, Serialize};
 use tonic::Code;
 
 use crate::csi::{proto, Client};
@@ -35,24 +34,7 @@ use crate::provider::state::{Step, VolumeRecord, VolumeState};
 use crate::provider::storage::StorageProvider;
 use crate::resource::{encode_volume_id, Layout};
 
-/// A volume taken from this node while it was away, as its record keeps it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Fence {
-    /// The node it was taken from (this node's id, as ControllerPublish named it).
-    pub node: String,
-    /// Who fenced it, and why.
-    pub why: String,
-    /// Whether the controller no longer publishes it to this node (the detach's
-    /// ControllerUnpublish is done, or the controller refused to publish it here).
-    #[serde(default)]
-    pub unpublished: bool,
-    /// The containers that used it here when it was fenced: their use is lost.
-    #[serde(default)]
-    pub lost_users: BTreeSet<String>,
-    /// Whether this node has torn its side down since (its recovery did).
-    #[serde(default)]
-    pub torn_down: bool,
-}
+pub use crate::provider::state::Fence;
 
 /// Whether recovery asks the controller whether this node still holds a volume at `state`
 /// (going `towards`): it was ControllerPublished here and is not on its way down (an interrupted
@@ -76,30 +58,7 @@ pub enum DetachPlan {
     UnpublishOnly,
 }
 
-/// Why `volume detach` refused.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum DetachRefused {
-    /// The node's record lists containers using the volume.
-    #[error("node '{node}''s record says containers use volume '{volume}' there: {users}; if they are gone (the node is dead), give --force: they lose the volume, and node '{node}' reports it when it comes back")]
-    InUse {
-        /// The volume id.
-        volume: String,
-        /// The node.
-        node: String,
-        /// The users, comma-separated.
-        users: String,
-    },
-    /// The work dir has no record of the volume published to that node.
-    #[error("the work dir {work_dir} has no record of volume '{volume}' published to node '{node}': run this against node '{node}''s own work dir (--work-dir), or, when that disk cannot be reached, give --force (whatever still uses the volume there loses it; node '{node}' finds out when the controller refuses it the volume)")]
-    NoRecord {
-        /// The volume id.
-        volume: String,
-        /// The node.
-        node: String,
-        /// The work dir searched.
-        work_dir: String,
-    },
-}
+pub use crate::provider::error::DetachRefused;
 
 /// Decides `volume detach` (pure): `rec` is the volume's record in the work dir given (if any).
 pub fn detach_plan(

@@ -652,7 +652,7 @@ pub struct VolumeRecord {
     /// never publishes it to the controller again for the uses it lost
     /// ([`crate::provider::handoff`]). Cleared when this node publishes it anew.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fenced: Option<crate::provider::handoff::Fence>,
+    pub fenced: Option<Fence>,
 }
 
 /// An expansion of a volume to `to_bytes`, and the call it waits for.
@@ -770,6 +770,25 @@ pub enum ContentSource {
         /// Its id in the plugin.
         volume_id: String,
     },
+}
+
+/// A volume taken from this node while it was away, as its record keeps it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fence {
+    /// The node it was taken from (this node's id, as ControllerPublish named it).
+    pub node: String,
+    /// Who fenced it, and why.
+    pub why: String,
+    /// Whether the controller no longer publishes it to this node (the detach's
+    /// ControllerUnpublish is done, or the controller refused to publish it here).
+    #[serde(default)]
+    pub unpublished: bool,
+    /// The containers that used it here when it was fenced: their use is lost.
+    #[serde(default)]
+    pub lost_users: std::collections::BTreeSet<String>,
+    /// Whether this node has torn its side down since (its recovery did).
+    #[serde(default)]
+    pub torn_down: bool,
 }
 
 #[cfg(test)]

@@ -79,7 +79,7 @@ pub struct VolumeStatus {
     /// The volume was fenced from this node ([`crate::provider::handoff`]): why, and the
     /// containers whose use of it was lost.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub fenced: Option<crate::provider::handoff::Fence>,
+    pub fenced: Option<crate::provider::state::Fence>,
 }
 
 /// A state file that could not be read.
