@@ -360,11 +360,7 @@ impl StorageProvider {
         let slots: Vec<(String, Arc<Slot>)> = {
             let all = self.slots.lock().unwrap();
             match &to_check {
-                ToCheck::Everything => all
-                    .iter()
-                    .filter(|(id, _)| !skip.contains(id.as_str()))
-                    .map(|(id, s)| (id.clone(), s.clone()))
-                    .collect(),
+                ToCheck::Everything => all.iter().map(|(id, s)| (id.clone(), s.clone())).collect(),
                 ToCheck::Volumes(ids) => ids
                     .iter()
                     .filter_map(|id| Some((id.clone(), all.get(id)?.clone())))
@@ -376,7 +372,9 @@ impl StorageProvider {
         }
         // A volume with an operation in flight is left to it: that operation ends in a
         // consistent state, and waiting for it would serialize every launch behind every other.
-        // It stays marked, so a later launch looks at it again; so does one this launch skips.
+        // It stays marked, so a later launch looks at it again; so does one this launch skips
+        // (the launch's own volumes, just checked by their publish: marked, since a full sweep
+        // forgets every mount it knew).
         let mut held = Vec::new();
         for (id, slot) in &slots {
             let locked = (!skip.contains(id.as_str()))

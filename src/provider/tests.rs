@@ -1081,3 +1081,37 @@ async fn a_failed_repair_is_retried_by_the_next_launch_without_a_new_event() {
     assert!(bench.plugin.calls().contains(&"NodePublishVolume"));
     assert!(bench.sys.is_mount_root(&target).unwrap());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launchs_own_volume_stays_watched_across_the_full_sweep_after_a_start() {
+    let bench = Bench::new().await;
+    let (provider, watch, _table) = bench.watched_provider().await;
+    let mut ids = Vec::new();
+    for name in ["a", "b"] {
+        let r = provider
+            .create_volume(CreateSpec::new(name, 1 << 20))
+            .await
+            .unwrap();
+        ids.push(r.disk.unwrap().source.unwrap().id.unwrap());
+    }
+    // The first launch publishes a; its sweep is the full one after the start, which skips a.
+    provider
+        .publish_for_container("c1", std::slice::from_ref(&ids[0]))
+        .await
+        .unwrap();
+    bench.plugin.calls();
+    let target = provider.mount_point(&ids[0]);
+    let id = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![id]));
+    provider
+        .publish_for_container("c2", std::slice::from_ref(&ids[1]))
+        .await
+        .unwrap();
+    assert!(bench.sys.is_mount_root(&target).unwrap(), "a repaired");
+}
