@@ -840,25 +840,27 @@ fn print_ensure_all(
         held.watch
     );
     println!(
-        "  {:>7}  {:>19}  {:>19}  {:>12}  {:>18}",
-        "in use", "publish new user", "launch (ensure-all)", "ratio p50", "first launch"
+        "  {:>7}  {:>19}  {:>19}  {:>13}  {:>10}  {:>19}",
+        "in use", "publish new user", "launch (ensure-all)", "ratio p50", "full sweep", "sweep, no change"
     );
     println!(
-        "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>12}  {:>18}",
-        "", "p50", "p99", "p50", "p99", "(target ≤ 2×)", "(full sweep)"
+        "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>13}  {:>10}  {:>9} {:>9}",
+        "", "p50", "p99", "p50", "p99", "(target ≤ 2×)", "(1st)", "p50", "p99"
     );
     let rows: Vec<&HoldReport> = std::iter::once(held).chain(scaled).collect();
     for r in &rows {
         let ratio = r.pfc_p50_us / r.publish_p50_us.max(1e-3);
         println!(
-            "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>11.2}×  {:>18}",
+            "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>12.2}×  {:>10}  {:>9} {:>9}",
             r.volumes,
             us(r.publish_p50_us),
             us(r.publish_p99_us),
             us(r.pfc_p50_us),
             us(r.pfc_p99_us),
             ratio,
-            us(r.first_pfc_us)
+            us(r.full_sweep_us),
+            us(r.idle_sweep_p50_us),
+            us(r.idle_sweep_p99_us)
         );
         targets.push((
             format!("ensure-all with {} in use ≤ 2× a publish", r.volumes),
@@ -868,12 +870,14 @@ fn print_ensure_all(
     }
     if let Some(big) = scaled {
         println!(
-            "  growth {} → {} volumes in use: launch p50 ×{:.2}, p99 ×{:.2}; first launch ×{:.2}",
+            "  growth {} → {} volumes in use: launch p50 ×{:.2}, p99 ×{:.2}; publish p50 ×{:.2}; sweep with no change p50 ×{:.2}; full sweep ×{:.2}",
             held.volumes,
             big.volumes,
             big.pfc_p50_us / held.pfc_p50_us.max(1e-3),
             big.pfc_p99_us / held.pfc_p99_us.max(1e-3),
-            big.first_pfc_us / held.first_pfc_us.max(1e-3)
+            big.publish_p50_us / held.publish_p50_us.max(1e-3),
+            big.idle_sweep_p50_us / held.idle_sweep_p50_us.max(1e-3),
+            big.full_sweep_us / held.full_sweep_us.max(1e-3)
         );
     }
 }
