@@ -841,7 +841,12 @@ fn print_ensure_all(
     );
     println!(
         "  {:>7}  {:>19}  {:>19}  {:>13}  {:>10}  {:>19}",
-        "in use", "publish new user", "launch (ensure-all)", "ratio p50", "full sweep", "sweep, no change"
+        "in use",
+        "publish new user",
+        "launch (ensure-all)",
+        "ratio p50",
+        "full sweep",
+        "sweep, no change"
     );
     println!(
         "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>13}  {:>10}  {:>9} {:>9}",
