@@ -262,3 +262,56 @@ async fn with_fanotify_a_launch_checks_only_its_own_volume_whatever_else_mounts_
     assert!(is_mounted(&p.mount_point(&ids[3])));
     tear_down(&sb, p, &ids).await;
 }
+
+/// Enough mounts and unmounts in the sandbox to overflow a fanotify queue of the kernel's
+/// default bound (`/proc/sys/fs/fanotify/max_queued_events`): two events per pair.
+fn flood(sb: &Sandbox) {
+    let bound: usize = std::fs::read_to_string("/proc/sys/fs/fanotify/max_queued_events")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(16384);
+    let (from, onto) = (sb.mkdir("flood-from"), sb.mkdir("flood-onto"));
+    for _ in 0..bound / 2 + 64 {
+        nix::mount::mount(
+            Some(&from),
+            &onto,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .expect("bind for the flood");
+        nix::mount::umount2(&onto, nix::mount::MntFlags::empty()).expect("unbind for the flood");
+    }
+}
+
+#[test]
+fn a_fanotify_queue_overflow_is_unknown_not_nothing() {
+    require_root();
+    let sb = Sandbox::new("watch-flood");
+    let watch = FanotifyWatch::open().unwrap();
+    flood(&sb);
+    assert_eq!(watch.changes(), MountChanges::Unknown);
+    // Read out: the next look starts clean.
+    let (onto, id) = bind(&sb, "after");
+    run(Command::new("umount").arg(&onto));
+    assert!(detached(watch.changes()).contains(&id));
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unmount_lost_in_an_overflow_is_still_repaired_by_the_next_launch() {
+    require_root();
+    let sb = Sandbox::new("watch-lost");
+    let (p, table, ids) = provider_in_use(&sb, WatchMode::Fanotify, 3).await;
+    let target = p.mount_point(&ids[2]);
+    // The queue is full first, so the kernel drops the detach event of the target.
+    flood(&sb);
+    run(Command::new("umount").arg(&target));
+    p.publish_for_container("c0", std::slice::from_ref(&ids[0]))
+        .await
+        .unwrap();
+    assert!(is_mounted(&target), "repaired by the full sweep");
+    // The full sweep checked every volume in use.
+    assert!(table.taken() >= 3);
+    tear_down(&sb, p, &ids).await;
+}
