@@ -86,6 +86,10 @@ struct Args {
     /// Volumes the serve-like child holds (default 1000).
     #[arg(long)]
     hold_volumes: Option<usize>,
+    /// Volumes in use for the ensure-all-at-scale measure, beside --hold-volumes (default 10000;
+    /// quick: 2000; 0: not measured).
+    #[arg(long)]
+    scale_volumes: Option<usize>,
     /// Internal: be the serve-like child holding N volumes.
     #[arg(long, hide = true)]
     hold: Option<usize>,
@@ -105,10 +109,12 @@ struct Plan {
     concurrency: Vec<(usize, usize)>,
     shared: (usize, usize),
     hold: usize,
+    /// Volumes in use for the second ensure-all measure (0: none).
+    scale: usize,
 }
 
 impl Plan {
-    fn new(quick: bool, hold: Option<usize>) -> Plan {
+    fn new(quick: bool, hold: Option<usize>, scale: Option<usize>) -> Plan {
         if quick {
             Plan {
                 name: "quick",
@@ -118,6 +124,7 @@ impl Plan {
                 concurrency: vec![(1, 3), (16, 1), (64, 1), (256, 1)],
                 shared: (64, 1),
                 hold: hold.unwrap_or(1000),
+                scale: scale.unwrap_or(2000),
             }
         } else {
             Plan {
@@ -128,6 +135,7 @@ impl Plan {
                 concurrency: vec![(1, 20), (16, 5), (64, 3), (256, 2)],
                 shared: (64, 3),
                 hold: hold.unwrap_or(1000),
+                scale: scale.unwrap_or(10_000),
             }
         }
     }
@@ -166,7 +174,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    let plan = Plan::new(args.quick, args.hold_volumes);
+    let plan = Plan::new(args.quick, args.hold_volumes, args.scale_volumes);
     let plugin = match find_plugin(args.plugin.as_deref()) {
         Ok(p) => p,
         Err(e) => {
@@ -369,6 +377,8 @@ struct Results {
     launch: Vec<(usize, Samples)>,
     conc: Vec<ConcRow>,
     held: HoldReport,
+    /// The same child with [`Plan::scale`] volumes (`None`: not measured).
+    scaled: Option<HoldReport>,
     served: std::result::Result<serve::ServeReport, String>,
     backing: backing::BackingReport,
 }
@@ -432,7 +442,16 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         "[5/6] serve-like child holding {} published volumes",
         plan.hold
     ));
-    let held = measure_hold(plan, plugin, sandbox).await?;
+    let held = measure_hold(plan.hold, plugin, sandbox).await?;
+    let scaled = if plan.scale > 0 {
+        progress(&format!(
+            "  ensure-all at scale: serve-like child holding {} published volumes",
+            plan.scale
+        ));
+        Some(measure_hold(plan.scale, plugin, sandbox).await?)
+    } else {
+        None
+    };
     let serve_bin = plugin.with_file_name("csi-isolator");
     let served = if serve::available(&serve_bin) {
         progress(&format!(
@@ -457,6 +476,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         launch,
         conc,
         held,
+        scaled,
         served,
         backing,
     };
@@ -767,12 +787,12 @@ async fn measure_concurrency(
     Ok(rows)
 }
 
-async fn measure_hold(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<HoldReport> {
+async fn measure_hold(count: usize, plugin: &Path, sandbox: &Sandbox) -> Result<HoldReport> {
     let exe = std::env::current_exe().context("find this executable")?;
-    let dir = sandbox.join("hold");
+    let dir = sandbox.join(format!("hold-{count}"));
     let mut child = tokio::process::Command::new(exe)
         .arg("--hold")
-        .arg(plan.hold.to_string())
+        .arg(count.to_string())
         .arg("--hold-dir")
         .arg(&dir)
         .arg("--plugin")
@@ -806,12 +826,74 @@ async fn measure_hold(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<H
     serde_json::from_str(&line).with_context(|| format!("parse the hold child's report: {line}"))
 }
 
+/// Ensure-all at scale: a launch (publish_for_container of a volume already published) against a
+/// publish of a new user, with 1,000 and with [`Plan::scale`] volumes in use, and how the launch
+/// grows from one to the other. Target (issue 16): at most twice the publish, at both sizes.
+fn print_ensure_all(
+    held: &HoldReport,
+    scaled: Option<&HoldReport>,
+    targets: &mut Vec<(String, String, bool)>,
+) {
+    let us = |v: f64| fmt_dur(Duration::from_secs_f64(v / 1e6));
+    println!(
+        "\nENSURE-ALL AT SCALE (serve-like child, every volume in use by its own container; watch: {})",
+        held.watch
+    );
+    println!(
+        "  {:>7}  {:>19}  {:>19}  {:>13}  {:>10}  {:>19}",
+        "in use",
+        "publish new user",
+        "launch (ensure-all)",
+        "ratio p50",
+        "full sweep",
+        "sweep, no change"
+    );
+    println!(
+        "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>13}  {:>10}  {:>9} {:>9}",
+        "", "p50", "p99", "p50", "p99", "(target ≤ 2×)", "(1st)", "p50", "p99"
+    );
+    let rows: Vec<&HoldReport> = std::iter::once(held).chain(scaled).collect();
+    for r in &rows {
+        let ratio = r.pfc_p50_us / r.publish_p50_us.max(1e-3);
+        println!(
+            "  {:>7}  {:>9} {:>9}  {:>9} {:>9}  {:>12.2}×  {:>10}  {:>9} {:>9}",
+            r.volumes,
+            us(r.publish_p50_us),
+            us(r.publish_p99_us),
+            us(r.pfc_p50_us),
+            us(r.pfc_p99_us),
+            ratio,
+            us(r.full_sweep_us),
+            us(r.idle_sweep_p50_us),
+            us(r.idle_sweep_p99_us)
+        );
+        targets.push((
+            format!("ensure-all with {} in use ≤ 2× a publish", r.volumes),
+            format!("{ratio:.2}×"),
+            ratio <= 2.0,
+        ));
+    }
+    if let Some(big) = scaled {
+        println!(
+            "  growth {} → {} volumes in use: launch p50 ×{:.2}, p99 ×{:.2}; publish p50 ×{:.2}; sweep with no change p50 ×{:.2}; full sweep ×{:.2}",
+            held.volumes,
+            big.volumes,
+            big.pfc_p50_us / held.pfc_p50_us.max(1e-3),
+            big.pfc_p99_us / held.pfc_p99_us.max(1e-3),
+            big.publish_p50_us / held.publish_p50_us.max(1e-3),
+            big.idle_sweep_p50_us / held.idle_sweep_p50_us.max(1e-3),
+            big.full_sweep_us / held.full_sweep_us.max(1e-3)
+        );
+    }
+}
+
 fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration) {
     let Results {
         publish: p,
         launch,
         conc,
         held,
+        scaled,
         served,
         backing: backing_report,
     } = results;
@@ -1011,6 +1093,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     if held.volumes < 1000 {
         println!("  (fewer than the 1,000 volumes of the target: --hold-volumes)");
     }
+    print_ensure_all(held, scaled.as_ref(), &mut targets);
     backing::print(backing_report, &mut targets);
 
     println!(

@@ -1,7 +1,8 @@
 //! The hidden `--hold N` mode: a serve-like process (the provider in
 //! process, its plugin managed) that creates and publishes N volumes, one
 //! container each, then reports its own memory and the latency of a status
-//! scan as one JSON line on stdout, and waits for stdin to close.
+//! scan and of ensure-all with all of them in use as one JSON line on stdout, and waits for stdin
+//! to close.
 //!
 //! It runs in its own mount namespace (made a slave of the host's before
 //! any thread exists), so its 2N mounts never reach the host and vanish
@@ -25,8 +26,14 @@ use crate::stats::Samples;
 
 /// How many creates and publishes run at once while setting up.
 const SETUP_CONCURRENCY: usize = 16;
-/// Status scans measured.
-const SCANS: usize = 50;
+/// Status scans measured (fewer with many volumes: each reads every checkpoint).
+fn scan_runs(count: usize) -> usize {
+    if count > 2000 {
+        10
+    } else {
+        50
+    }
+}
 /// Publishes measured with every volume in use.
 const PUBLISHES: usize = 20;
 
@@ -59,6 +66,15 @@ pub struct HoldReport {
     pub pfc_p50_us: f64,
     /// Same, p99.
     pub pfc_p99_us: f64,
+    /// The first ensure-all sweep after the start (ensure_in_use alone: no publish, no durable
+    /// write), which checks every volume in use, microseconds.
+    pub full_sweep_us: f64,
+    /// Later ensure-all sweeps with nothing changed, p50, microseconds.
+    pub idle_sweep_p50_us: f64,
+    /// Same, p99.
+    pub idle_sweep_p99_us: f64,
+    /// How the provider learns of volumes unmounted behind its back.
+    pub watch: String,
 }
 
 /// Entry point of the child: own mount namespace, then the runtime.
@@ -140,7 +156,7 @@ async fn measure(provider: &StorageProvider, count: usize, dir: &Path) -> Result
     let mounts = table.mounts().context("read the mount table")?.len();
     let mut scans = Samples::new();
     let mut scan_volumes = 0;
-    for _ in 0..SCANS {
+    for _ in 0..scan_runs(count) {
         let t = Instant::now();
         let report = status::scan(dir, &table).context("status scan")?;
         scans.push(t.elapsed());
@@ -152,6 +168,22 @@ async fn measure(provider: &StorageProvider, count: usize, dir: &Path) -> Result
     );
 
     let first = ids.first().context("no volume")?.clone();
+    // The setup's dirty pages go to disk first, untimed: otherwise the first fsync below pays
+    // for writing back N creates.
+    nix::unistd::sync();
+    // Ensure-all alone: the first sweep after the start checks every volume in use (so would one
+    // after the watch lost events); with the watch, later ones with nothing changed check none.
+    let none = std::collections::HashSet::new();
+    let t = Instant::now();
+    let failed = provider.ensure_in_use(&none).await;
+    let full_sweep = t.elapsed();
+    ensure!(failed.is_empty(), "the first sweep failed: {failed:?}");
+    let mut idle_sweeps = Samples::new();
+    for _ in 0..PUBLISHES {
+        let t = Instant::now();
+        provider.ensure_in_use(&none).await;
+        idle_sweeps.push(t.elapsed());
+    }
     let mut publishes = Samples::new();
     let mut pfcs = Samples::new();
     for i in 0..PUBLISHES {
@@ -182,5 +214,9 @@ async fn measure(provider: &StorageProvider, count: usize, dir: &Path) -> Result
         publish_p99_us: micros(publishes.p99()),
         pfc_p50_us: micros(pfcs.p50()),
         pfc_p99_us: micros(pfcs.p99()),
+        full_sweep_us: micros(full_sweep),
+        idle_sweep_p50_us: micros(idle_sweeps.p50()),
+        idle_sweep_p99_us: micros(idle_sweeps.p99()),
+        watch: provider.mount_watch_mode().to_string(),
     })
 }

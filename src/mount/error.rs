@@ -18,6 +18,15 @@ pub enum MountError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// Making a watch of the mount table failed (see [`crate::mount::watch`]); the caller falls back to
+    /// a lesser one.
+    #[error("watch the mount table: {step}: {errno}")]
+    Watch {
+        /// The step (fanotify_init, fanotify_mark, open or poll of mountinfo).
+        step: &'static str,
+        /// The kernel's answer.
+        errno: Errno,
+    },
     /// `mount(MS_REMOUNT|MS_BIND|MS_RDONLY)` failed.
     #[error("remount {target} read-only: {errno}")]
     RemountReadonly {
@@ -269,7 +278,8 @@ impl MountError {
             | MountError::PivotRoot { errno, .. }
             | MountError::Resolve { errno, .. }
             | MountError::FdPath { errno, .. }
-            | MountError::Loop { errno, .. } => Some(*errno),
+            | MountError::Loop { errno, .. }
+            | MountError::Watch { errno, .. } => Some(*errno),
             MountError::NotMounted { .. } => Some(Errno::EINVAL),
             MountError::Escape { .. } => Some(Errno::EXDEV),
             MountError::NotAMountPoint { .. } => Some(Errno::EINVAL),

@@ -822,6 +822,15 @@ impl MountTable for FakeSyscall {
     fn mounts(&self) -> Result<Vec<MountInfo>, MountError> {
         Ok(self.lock().table.clone())
     }
+
+    /// The simulated table's mount id stands for the unique id (the fake never reuses one).
+    fn check_mount_root(&self, path: &Path) -> Result<crate::mount::RootCheck, MountError> {
+        let top = self.find(path)?;
+        Ok(crate::mount::RootCheck {
+            mounted: top.is_some(),
+            unique_id: top.map(|m| u64::from(m.mount_id)),
+        })
+    }
 }
 
 #[cfg(test)]

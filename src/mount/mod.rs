@@ -17,6 +17,9 @@
 //! - A volume's bind into a container is described by a [`VolumeMount`] (target relative to a
 //!   [`TargetRoot`], source opened beneath a trusted root): the isolator plans them, the launcher and the
 //!   hook apply them, so the type lives here, below both.
+//! - Changes of the mount table are learnt from the kernel's notifications ([`watch`]): fanotify mount
+//!   events where the kernel has them, a POLLPRI poll of mountinfo otherwise; a lost event means
+//!   "anything may have changed", never "nothing did".
 //! - `/proc/self/fd/N` is named in one place ([`proc_fd_path`], [`fd_path`]).
 
 mod error;
@@ -31,6 +34,7 @@ pub mod resolve;
 mod syscall;
 mod unmount;
 pub mod volume_mount;
+pub mod watch;
 
 pub use error::MountError;
 #[cfg(any(test, feature = "fake-syscall"))]
@@ -40,6 +44,7 @@ pub use linux::LinuxSyscall;
 pub use loopdev::{attach, detach, find_backed_under, find_by_backing_file, LoopDevice};
 pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,
+    RootCheck,
 };
 pub use resolve::{
     create_in_root, open_beneath_no_symlinks, open_dir_no_symlinks, open_dir_no_symlinks_in,
@@ -51,3 +56,6 @@ pub use unmount::{
     unmount_with_retry, UnmountOutcome, DEFAULT_ATTEMPTS, DEFAULT_DELAY,
 };
 pub use volume_mount::{Hardening, TargetRoot, VolumeMount, VolumePropagation, SANDBOX_IN_ROOTFS};
+pub use watch::{
+    kernel_watch, FanotifyWatch, MountChanges, MountWatch, NoWatch, PollWatch, WatchMode,
+};

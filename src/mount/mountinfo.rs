@@ -109,6 +109,16 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
         self.is_mount_point(path)
     }
 
+    /// [`is_mount_root`](Self::is_mount_root), with the unique id of the mount rooted there where the
+    /// implementation can tell it (statx `STATX_MNT_ID_UNIQUE`, Linux 6.8): the id fanotify mount
+    /// events name ([`crate::mount::watch`]). The default knows no id.
+    fn check_mount_root(&self, path: &Path) -> Result<RootCheck, MountError> {
+        Ok(RootCheck {
+            mounted: self.is_mount_root(path)?,
+            unique_id: None,
+        })
+    }
+
     /// The topmost mount at `path` (the last one in table order), if any.
     fn find(&self, path: &Path) -> Result<Option<MountInfo>, MountError> {
         Ok(self
@@ -164,6 +174,60 @@ impl MountTable for ProcMountTable {
             Some(answer) => Ok(answer),
             None => self.is_mount_point(path),
         }
+    }
+
+    /// The same one statx, also asking for the mount's unique id.
+    fn check_mount_root(&self, path: &Path) -> Result<RootCheck, MountError> {
+        let fallback = || {
+            Ok(RootCheck {
+                mounted: self.is_mount_point(path)?,
+                unique_id: None,
+            })
+        };
+        if self.pid.is_some() {
+            return fallback();
+        }
+        match statx_root_check(path) {
+            Some(check) => Ok(check),
+            None => fallback(),
+        }
+    }
+}
+
+/// What [`MountTable::check_mount_root`] found at a path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RootCheck {
+    /// Whether a mount is rooted there.
+    pub mounted: bool,
+    /// That mount's unique id (`None`: not mounted, or the implementation cannot tell).
+    pub unique_id: Option<u64>,
+}
+
+/// [`RootCheck`] from one statx asking for the unique mount id, `None` when the kernel cannot say
+/// whether the path is a mount root.
+fn statx_root_check(path: &Path) -> Option<RootCheck> {
+    use std::os::unix::ffi::OsStrExt;
+    const STATX_MNT_ID_UNIQUE: u32 = 0x4000; // include/uapi/linux/stat.h (Linux 6.8)
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    match statx_mask(
+        libc::AT_FDCWD,
+        &c_path,
+        0,
+        libc::STATX_BASIC_STATS | STATX_MNT_ID_UNIQUE,
+    ) {
+        Ok(st) => {
+            let mounted = mount_root_attr(&st)?;
+            let unique = st.stx_mask & STATX_MNT_ID_UNIQUE != 0;
+            Some(RootCheck {
+                mounted,
+                unique_id: (mounted && unique).then_some(st.stx_mnt_id),
+            })
+        }
+        Err(Errno::ENOENT | Errno::ENOTDIR) => Some(RootCheck {
+            mounted: false,
+            unique_id: None,
+        }),
+        Err(_) => None,
     }
 }
 
@@ -233,6 +297,16 @@ fn statx_flags(
     name: &std::ffi::CStr,
     extra: libc::c_int,
 ) -> Result<libc::statx, Errno> {
+    statx_mask(dirfd, name, extra, libc::STATX_BASIC_STATS)
+}
+
+/// [`statx_flags`] asking for the fields in `mask`.
+fn statx_mask(
+    dirfd: libc::c_int,
+    name: &std::ffi::CStr,
+    extra: libc::c_int,
+    mask: libc::c_uint,
+) -> Result<libc::statx, Errno> {
     let mut buf = std::mem::MaybeUninit::<libc::statx>::zeroed();
     // SAFETY: `name` is a valid NUL-terminated string, `dirfd` is AT_FDCWD or an fd the caller keeps open
     // for the call, and buf points to a writable statx struct that outlives the call.
@@ -241,7 +315,7 @@ fn statx_flags(
             dirfd,
             name.as_ptr(),
             libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT | extra,
-            libc::STATX_BASIC_STATS,
+            mask,
             buf.as_mut_ptr(),
         )
     };

@@ -5,8 +5,16 @@
 //! the user is removed durably before the last-use unpublish starts.
 //! Publishing for a container re-ensures every volume of this provider that
 //! a live container uses (ensure-all), repairing any found unpublished.
+//!
+//! Ensure-all costs O(volumes that may need work), not O(volumes in use): a launch checks only the
+//! volumes in its [`Attention`] — those whose mount the kernel reported detached ([`MountWatch`]:
+//! the provider remembers each published target's unique mount id), and those the provider's own
+//! operations left short of PUBLISHED with users (a failed publish or repair, a volume busy
+//! during a sweep). A watch that cannot say what changed (an overflow, the mountinfo poll seeing
+//! any change, no watch at all, the first sweep after a start) makes the sweep check every volume
+//! in use, as it always did.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,6 +22,7 @@ use std::time::{Duration, Instant};
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
+use crate::mount::{MountChanges, MountWatch, RootCheck, WatchMode};
 use crate::offload::blocking;
 use crate::provider::access::{self, Access};
 use crate::provider::error::ProviderError;
@@ -346,21 +355,39 @@ impl StorageProvider {
     }
 
     async fn sweep(&self, skip: &HashSet<&str>) -> Vec<(String, ProviderError)> {
-        let slots: Vec<(String, Arc<Slot>)> = self
-            .slots
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|(id, _)| !skip.contains(id.as_str()))
-            .map(|(id, s)| (id.clone(), s.clone()))
-            .collect();
+        let changes = self.watched.source.changes();
+        let to_check = self.watched.attention.lock().unwrap().take(changes);
+        let slots: Vec<(String, Arc<Slot>)> = {
+            let all = self.slots.lock().unwrap();
+            match &to_check {
+                ToCheck::Everything => all.iter().map(|(id, s)| (id.clone(), s.clone())).collect(),
+                ToCheck::Volumes(ids) => ids
+                    .iter()
+                    .filter_map(|id| Some((id.clone(), all.get(id)?.clone())))
+                    .collect(),
+            }
+        };
+        if slots.is_empty() {
+            return Vec::new();
+        }
         // A volume with an operation in flight is left to it: that operation ends in a
         // consistent state, and waiting for it would serialize every launch behind every other.
-        let mut held: Vec<(&str, tokio::sync::MutexGuard<'_, VolumeRecord>)> = slots
-            .iter()
-            .filter_map(|(id, slot)| Some((id.as_str(), slot.record.try_lock().ok()?)))
-            .filter(|(_, rec)| recovery_action(rec, self.config.policy) == Action::Republish)
-            .collect();
+        // It stays marked, so a later launch looks at it again; so does one this launch skips
+        // (the launch's own volumes, just checked by their publish: marked, since a full sweep
+        // forgets every mount it knew).
+        let mut held = Vec::new();
+        for (id, slot) in &slots {
+            let locked = (!skip.contains(id.as_str()))
+                .then(|| slot.record.try_lock().ok())
+                .flatten();
+            match locked {
+                Some(rec) if recovery_action(&rec, self.config.policy) == Action::Republish => {
+                    held.push((id.as_str(), rec))
+                }
+                Some(_) => {}
+                None => self.watched.mark(id),
+            }
+        }
         // Whether each published one is still mounted: one trip to the blocking pool for the
         // whole sweep (a statx each), not one per volume.
         let targets: Vec<(usize, PathBuf)> = held
@@ -370,11 +397,12 @@ impl StorageProvider {
             .map(|(i, (_, rec))| (i, self.mount_point(&rec.volume_id)))
             .collect();
         let table = self.table.clone();
+        let seen = self.watched.looks();
         let checked = blocking(move || {
             targets
                 .into_iter()
                 .map(|(i, t)| {
-                    let mounted = table.is_mount_root(&t);
+                    let mounted = table.check_mount_root(&t);
                     (i, t, mounted)
                 })
                 .collect::<Vec<_>>()
@@ -382,7 +410,11 @@ impl StorageProvider {
         .await;
         for (i, target, mounted) in checked {
             let rec = &mut held[i].1;
-            note_mount_check(rec, &target, mounted);
+            // Not mounted: the repair that follows learns the new mount.
+            if let Some(check) = mounted.as_ref().ok().filter(|c| c.mounted) {
+                self.watched.learn(&rec.volume_id, *check, seen);
+            }
+            note_mount_check(rec, &target, mounted.map(|c| c.mounted));
         }
         // Only what needs work gets a future: with a thousand volumes in use, a thousand
         // futures of `drive` (kilobytes each) for nothing cost more than the checks themselves.
@@ -390,10 +422,17 @@ impl StorageProvider {
             .iter_mut()
             .filter(|(_, rec)| !rec.rests_at(VolumeState::Published));
         let results = join_all(to_repair.map(|(id, rec)| async move {
-            self.drive(rec, VolumeState::Published)
-                .await
-                .err()
-                .map(|e| (id.to_string(), e))
+            let seen = self.watched.looks();
+            match self.drive(rec, VolumeState::Published).await {
+                Ok(_) => {
+                    self.learn_mount(rec, seen).await;
+                    None
+                }
+                Err(e) => {
+                    self.watched.mark(id);
+                    Some((id.to_string(), e))
+                }
+            }
         }))
         .await;
         let failures: Vec<_> = results.into_iter().flatten().collect();
@@ -403,6 +442,25 @@ impl StorageProvider {
         failures
     }
 
+    /// Remembers the mount id of a volume just published (one statx), so that the watch can name it
+    /// when it goes; a target found unmounted already, or whose id cannot be told, is marked for
+    /// the next sweep instead. `seen`: [`Watched::looks`] before the publish.
+    async fn learn_mount(&self, rec: &VolumeRecord, seen: u64) {
+        if !self.watched.wants_ids() {
+            return;
+        }
+        let (table, at) = (self.table.clone(), self.mount_point(&rec.volume_id));
+        match blocking(move || table.check_mount_root(&at)).await {
+            Ok(check) => self.watched.learn(&rec.volume_id, check, seen),
+            Err(_) => self.watched.mark(&rec.volume_id),
+        }
+    }
+
+    /// How this provider learns of its volumes unmounted behind its back (for `status` and the logs).
+    pub fn mount_watch_mode(&self) -> WatchMode {
+        self.watched.source.mode()
+    }
+
     /// Drives a volume to PUBLISHED and checks the mount table: a volume
     /// recorded as published whose target is not mounted is re-staged and
     /// re-published (both idempotent).
@@ -410,16 +468,31 @@ impl StorageProvider {
         &self,
         rec: &mut VolumeRecord,
     ) -> Result<bool, ProviderError> {
-        if rec.state == VolumeState::Published {
+        let seen = self.watched.looks();
+        let was_published = rec.state == VolumeState::Published;
+        if was_published {
             let target = self.mount_point(&rec.volume_id);
             // One statx, not a read of the whole table (which grows with
             // every mount on the node). An unreadable answer repairs nothing
             // on a guess.
             let (table, at) = (self.table.clone(), target.clone());
-            let mounted = blocking(move || table.is_mount_root(&at)).await;
-            note_mount_check(rec, &target, mounted);
+            let mounted = blocking(move || table.check_mount_root(&at)).await;
+            // Not mounted: the repair that follows learns the new mount.
+            if let Some(check) = mounted.as_ref().ok().filter(|c| c.mounted) {
+                self.watched.learn(&rec.volume_id, *check, seen);
+            }
+            note_mount_check(rec, &target, mounted.map(|c| c.mounted));
         }
-        self.drive(rec, VolumeState::Published).await
+        let drives = !rec.rests_at(VolumeState::Published);
+        let driven = self.drive(rec, VolumeState::Published).await;
+        match &driven {
+            // Published now: the watch is to know its new mount.
+            Ok(_) if drives => self.learn_mount(rec, seen).await,
+            Ok(_) => {}
+            // Left short of PUBLISHED while in use: the next launch retries it.
+            Err(_) => self.watched.mark(&rec.volume_id),
+        }
+        driven
     }
 
     /// After the last user left: unpublish under last-use, keep otherwise
@@ -446,6 +519,127 @@ impl StorageProvider {
                 tracing::warn!(error = %Chain(&e), "cannot read the mount table");
                 None
             }
+        }
+    }
+}
+
+/// A provider's watch of its published targets ([`MountWatch`]) and what it has learnt from it.
+#[derive(Debug)]
+pub(crate) struct Watched {
+    pub(crate) source: Box<dyn MountWatch>,
+    attention: std::sync::Mutex<Attention>,
+}
+
+impl Watched {
+    /// A watch whose first sweep checks every volume in use (nothing is known of them yet).
+    pub(crate) fn new(source: Box<dyn MountWatch>) -> Watched {
+        let wants_ids = source.mode() == WatchMode::Fanotify;
+        Watched {
+            source,
+            attention: std::sync::Mutex::new(Attention::new(wants_ids)),
+        }
+    }
+
+    /// How many times the watch has been read: taken before a mount check, handed to
+    /// [`learn`](Self::learn) after it.
+    pub(crate) fn looks(&self) -> u64 {
+        self.attention.lock().unwrap().looks
+    }
+
+    /// Whether the watch names mounts by id (so the ids of our targets are worth a statx).
+    pub(crate) fn wants_ids(&self) -> bool {
+        self.attention.lock().unwrap().wants_ids
+    }
+
+    pub(crate) fn learn(&self, volume: &str, check: RootCheck, seen: u64) {
+        self.attention.lock().unwrap().learn(volume, check, seen);
+    }
+
+    pub(crate) fn mark(&self, volume: &str) {
+        self.attention.lock().unwrap().mark(volume);
+    }
+}
+
+/// Which volumes the next sweep is to check. Pure: fed with what the watch said and what mount
+/// checks found, it decides; [`StorageProvider::sweep`] does the I/O.
+#[derive(Debug)]
+pub(crate) struct Attention {
+    /// Check every volume in use (the watch could not say what changed).
+    everything: bool,
+    /// Check these.
+    volumes: BTreeSet<String>,
+    /// Published targets by unique mount id (only when the watch names mounts by id).
+    by_mount: HashMap<u64, String>,
+    wants_ids: bool,
+    /// How many times [`take`](Self::take) has read the watch.
+    looks: u64,
+}
+
+/// What one sweep checks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum ToCheck {
+    Everything,
+    Volumes(BTreeSet<String>),
+}
+
+impl Attention {
+    pub(crate) fn new(wants_ids: bool) -> Attention {
+        Attention {
+            everything: true,
+            volumes: BTreeSet::new(),
+            by_mount: HashMap::new(),
+            wants_ids,
+            looks: 0,
+        }
+    }
+
+    /// What the next sweep checks, given what changed since the last one; the marks are taken (a
+    /// sweep marks again what it could not finish).
+    pub(crate) fn take(&mut self, changes: MountChanges) -> ToCheck {
+        self.looks += 1;
+        match changes {
+            MountChanges::Nothing => {}
+            MountChanges::Unknown => self.everything = true,
+            MountChanges::Detached(ids) => {
+                for id in ids {
+                    // Ids are never reused: a detached one is forgotten.
+                    if let Some(volume) = self.by_mount.remove(&id) {
+                        self.volumes.insert(volume);
+                    }
+                }
+            }
+        }
+        if std::mem::take(&mut self.everything) {
+            // The full sweep learns every published target's mount again.
+            self.by_mount.clear();
+            self.volumes.clear();
+            ToCheck::Everything
+        } else {
+            ToCheck::Volumes(std::mem::take(&mut self.volumes))
+        }
+    }
+
+    /// What a mount check of a published volume's target found, the check having started when the
+    /// watch had been read `seen` times. Its id is remembered, unless the watch was read since the
+    /// check began (that read may have carried the mount's detach, unrecognized), the id is
+    /// unknown or the target is not mounted: then the volume is checked again next time rather
+    /// than trusted.
+    pub(crate) fn learn(&mut self, volume: &str, check: RootCheck, seen: u64) {
+        if !self.wants_ids {
+            return;
+        }
+        match (check.mounted, check.unique_id) {
+            (true, Some(id)) if seen == self.looks => {
+                self.by_mount.insert(id, volume.to_string());
+            }
+            _ => self.mark(volume),
+        }
+    }
+
+    /// The next sweep checks `volume`.
+    pub(crate) fn mark(&mut self, volume: &str) {
+        if !self.everything {
+            self.volumes.insert(volume.to_string());
         }
     }
 }

@@ -212,25 +212,39 @@ pub struct StorageProvider {
     pub(crate) table: Arc<dyn MountTable>,
     pub(crate) report: Mutex<RecoveryReport>,
     pub(crate) sweeping: std::sync::atomic::AtomicBool,
+    /// What tells ensure-all which volumes to check ([`crate::provider::publish::Watched`]).
+    pub(crate) watched: crate::provider::publish::Watched,
 }
 
 impl StorageProvider {
     /// Starts the provider: validates its names, starts (or connects to)
     /// the plugin, loads every checkpoint and runs recovery.
     pub async fn start(config: ProviderConfig) -> Result<Arc<Self>, ProviderError> {
-        Self::start_with(
+        Self::start_watched(
             config,
             Arc::new(LinuxSyscall::new()),
             Arc::new(ProcMountTable::new()),
+            crate::mount::kernel_watch(),
         )
         .await
     }
 
-    /// [`start`](Self::start) with the mount seam injected.
+    /// [`start`](Self::start) with the mount seam injected, and no watch of the mount table (every
+    /// launch checks every volume in use).
     pub async fn start_with(
+        config: ProviderConfig,
+        sys: Arc<dyn Syscall>,
+        table: Arc<dyn MountTable>,
+    ) -> Result<Arc<Self>, ProviderError> {
+        Self::start_watched(config, sys, table, Box::new(crate::mount::NoWatch)).await
+    }
+
+    /// [`start_with`](Self::start_with), with `watch` telling ensure-all which volumes to check.
+    pub async fn start_watched(
         mut config: ProviderConfig,
         sys: Arc<dyn Syscall>,
         table: Arc<dyn MountTable>,
+        watch: Box<dyn crate::mount::MountWatch>,
     ) -> Result<Arc<Self>, ProviderError> {
         if let (Some(endpoint), PluginSource::Managed(_)) =
             (&config.controller_endpoint, &config.plugin)
@@ -329,6 +343,7 @@ impl StorageProvider {
             table,
             report: Mutex::new(RecoveryReport::default()),
             sweeping: std::sync::atomic::AtomicBool::new(false),
+            watched: crate::provider::publish::Watched::new(watch),
             config,
         });
         Self::recover(&provider).await?;

@@ -833,3 +833,285 @@ async fn with_the_controller_apart_controller_rpcs_go_to_it_and_node_rpcs_to_the
         assert_eq!(counted[rpc].finished, 1, "{rpc}: {counted:?}");
     }
 }
+
+/// A mount watch the test scripts: each look returns the next queued answer, then "nothing".
+#[derive(Debug, Default)]
+struct ScriptedWatch(Mutex<std::collections::VecDeque<crate::mount::MountChanges>>);
+
+impl ScriptedWatch {
+    fn then(&self, changes: crate::mount::MountChanges) {
+        self.0.lock().unwrap().push_back(changes);
+    }
+}
+
+impl crate::mount::MountWatch for Arc<ScriptedWatch> {
+    fn mode(&self) -> crate::mount::WatchMode {
+        crate::mount::WatchMode::Fanotify
+    }
+    fn changes(&self) -> crate::mount::MountChanges {
+        self.0
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(crate::mount::MountChanges::Nothing)
+    }
+}
+
+/// The fake table, counting the mount checks (statx, on the real one) asked of it.
+#[derive(Debug)]
+struct CountingTable {
+    inner: Arc<FakeSyscall>,
+    checks: std::sync::atomic::AtomicUsize,
+}
+
+impl CountingTable {
+    fn taken(&self) -> usize {
+        self.checks.swap(0, std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl MountTable for CountingTable {
+    fn mounts(&self) -> Result<Vec<crate::mount::MountInfo>, crate::mount::MountError> {
+        self.inner.mounts()
+    }
+    fn is_mount_root(&self, path: &Path) -> Result<bool, crate::mount::MountError> {
+        self.checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.is_mount_root(path)
+    }
+    fn check_mount_root(
+        &self,
+        path: &Path,
+    ) -> Result<crate::mount::RootCheck, crate::mount::MountError> {
+        self.checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.check_mount_root(path)
+    }
+}
+
+impl Bench {
+    /// A provider under last-use whose mount watch and mount checks the test holds.
+    async fn watched_provider(
+        &self,
+    ) -> (Arc<StorageProvider>, Arc<ScriptedWatch>, Arc<CountingTable>) {
+        let mut config = ProviderConfig::new(
+            "recorder.csi-isolator.io",
+            "unit",
+            &self.work,
+            PluginSource::Endpoint(self.endpoint.clone()),
+        );
+        config.boot_id = Some("boot-1".into());
+        let watch = Arc::new(ScriptedWatch::default());
+        let table = Arc::new(CountingTable {
+            inner: self.sys.clone(),
+            checks: Default::default(),
+        });
+        let provider = StorageProvider::start_watched(
+            config,
+            self.sys.clone(),
+            table.clone(),
+            Box::new(watch.clone()),
+        )
+        .await
+        .expect("start the provider with a scripted watch");
+        (provider, watch, table)
+    }
+}
+
+/// `n` volumes, each published for its own user; their ids.
+async fn volumes_in_use(provider: &StorageProvider, n: usize) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let r = provider
+            .create_volume(CreateSpec::new(format!("v{i}"), 1 << 20))
+            .await
+            .unwrap();
+        let id = r.disk.unwrap().source.unwrap().id.unwrap();
+        provider.publish(&id, &format!("user-{i}")).await.unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_a_watch_ensure_all_checks_only_the_volumes_whose_mount_was_detached() {
+    let bench = Bench::new().await;
+    let (provider, watch, table) = bench.watched_provider().await;
+    let ids = volumes_in_use(&provider, 4).await;
+    // Each publish learnt its mount.
+    assert_eq!(table.taken(), 4);
+    // The first sweep after a start knows nothing yet: it checks every volume in use.
+    provider.ensure_in_use(&HashSet::new()).await;
+    assert_eq!(table.taken(), 4);
+    bench.plugin.calls();
+    // Nothing changed: no check at all.
+    assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
+    assert_eq!(table.taken(), 0);
+    // A foreign mount goes (an id none of ours has): still nothing.
+    watch.then(crate::mount::MountChanges::Detached(vec![999_999]));
+    provider.ensure_in_use(&HashSet::new()).await;
+    assert_eq!(table.taken(), 0);
+    // Someone unmounts volume 2's target: the watch names its mount, the sweep checks it alone
+    // and repairs it.
+    let target = provider.mount_point(&ids[2]);
+    let id = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![999_998, id]));
+    assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
+    assert_eq!(
+        bench.plugin.calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    // One check of volume 2, one more to learn its new mount.
+    assert_eq!(table.taken(), 2);
+    for id in &ids {
+        assert!(bench.sys.is_mount_root(&provider.mount_point(id)).unwrap());
+    }
+    // Its new mount is known: unmounted again, it is found again.
+    let again = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    assert_ne!(again, id);
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![again]));
+    provider.ensure_in_use(&HashSet::new()).await;
+    assert_eq!(
+        bench.plugin.calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_that_cannot_say_what_changed_makes_the_sweep_check_everything() {
+    let bench = Bench::new().await;
+    let (provider, watch, table) = bench.watched_provider().await;
+    let ids = volumes_in_use(&provider, 3).await;
+    provider.ensure_in_use(&HashSet::new()).await;
+    table.taken();
+    bench.plugin.calls();
+    // An unmount the watch lost (an overflow): "unknown" checks all three and repairs the one.
+    bench
+        .sys
+        .unmount(&provider.mount_point(&ids[0]), false)
+        .unwrap();
+    watch.then(crate::mount::MountChanges::Unknown);
+    assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
+    assert_eq!(
+        bench.plugin.calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    assert!(table.taken() >= 3);
+    assert!(bench
+        .sys
+        .is_mount_root(&provider.mount_point(&ids[0]))
+        .unwrap());
+    // And the sweep after it knows every mount again: nothing to check.
+    provider.ensure_in_use(&HashSet::new()).await;
+    assert_eq!(table.taken(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_busy_or_skipped_during_a_sweep_stays_marked_for_the_next() {
+    let bench = Bench::new().await;
+    let (provider, watch, table) = bench.watched_provider().await;
+    let ids = volumes_in_use(&provider, 2).await;
+    provider.ensure_in_use(&HashSet::new()).await;
+    table.taken();
+    bench.plugin.calls();
+    let target = provider.mount_point(&ids[1]);
+    let id = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![id]));
+    // The launch that reads the detach is the one publishing volume 1 itself (skipped)...
+    let skip: HashSet<&str> = [ids[1].as_str()].into();
+    provider.ensure_in_use(&skip).await;
+    assert!(bench.plugin.calls().is_empty());
+    // ...then an operation holds it during the next sweep...
+    {
+        let slot = provider.slot(&ids[1]).unwrap();
+        let _busy = slot.record.lock().await;
+        provider.ensure_in_use(&HashSet::new()).await;
+        assert!(bench.plugin.calls().is_empty());
+    }
+    // ...and the one after repairs it.
+    assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
+    assert_eq!(
+        bench.plugin.calls(),
+        ["NodeStageVolume", "NodePublishVolume"]
+    );
+    assert!(bench.sys.is_mount_root(&target).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_repair_is_retried_by_the_next_launch_without_a_new_event() {
+    let bench = Bench::new().await;
+    let (provider, watch, table) = bench.watched_provider().await;
+    let ids = volumes_in_use(&provider, 2).await;
+    provider.ensure_in_use(&HashSet::new()).await;
+    table.taken();
+    bench.plugin.calls();
+    let target = provider.mount_point(&ids[0]);
+    let id = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![id]));
+    *bench.plugin.fail.lock().unwrap() = Some(("NodePublishVolume", 1));
+    let failures = provider.ensure_in_use(&HashSet::new()).await;
+    assert_eq!(failures.len(), 1, "{failures:?}");
+    bench.plugin.calls();
+    // No event this time: the provider's own mark brings it back.
+    assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
+    assert!(bench.plugin.calls().contains(&"NodePublishVolume"));
+    assert!(bench.sys.is_mount_root(&target).unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_launchs_own_volume_stays_watched_across_the_full_sweep_after_a_start() {
+    let bench = Bench::new().await;
+    let (provider, watch, _table) = bench.watched_provider().await;
+    let mut ids = Vec::new();
+    for name in ["a", "b"] {
+        let r = provider
+            .create_volume(CreateSpec::new(name, 1 << 20))
+            .await
+            .unwrap();
+        ids.push(r.disk.unwrap().source.unwrap().id.unwrap());
+    }
+    // The first launch publishes a; its sweep is the full one after the start, which skips a.
+    provider
+        .publish_for_container("c1", std::slice::from_ref(&ids[0]))
+        .await
+        .unwrap();
+    bench.plugin.calls();
+    let target = provider.mount_point(&ids[0]);
+    let id = bench
+        .sys
+        .check_mount_root(&target)
+        .unwrap()
+        .unique_id
+        .unwrap();
+    bench.sys.unmount(&target, false).unwrap();
+    watch.then(crate::mount::MountChanges::Detached(vec![id]));
+    provider
+        .publish_for_container("c2", std::slice::from_ref(&ids[1]))
+        .await
+        .unwrap();
+    assert!(bench.sys.is_mount_root(&target).unwrap(), "a repaired");
+}
