@@ -50,7 +50,7 @@ use csi_isolator::mount::{
 
 mod copy;
 mod grow;
-mod made;
+pub(crate) mod made;
 
 /// How volumes are backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -451,7 +451,7 @@ impl Backing {
         if let Some(parent) = vol_dir.parent() {
             private_dir(parent).map_err(io_step("create volumes directory", parent))?;
         }
-        made::volume_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
+        made::durable_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
         if block {
             let image = Self::raw_image(vol_dir);
             drop(made::create_image(&image, capacity).map_err(io_step("create image", &image))?);

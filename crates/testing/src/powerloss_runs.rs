@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::powerloss::{CrashState, Node, Op, Tree};
+use crate::powerloss::{check_promises, CrashState, Lost, Node, Op, Tree};
 
 /// The file names of the bundled plugin's images (ext4 and raw block).
 pub const IMAGE_NAMES: [&str; 2] = ["image.ext4", "image.raw"];
@@ -136,6 +136,31 @@ pub fn images_synced_before_their_record(ops: &[Op]) -> Result<usize, String> {
     Ok(checked)
 }
 
+/// [`check_promises`], except for a promise a later operation of the prefix undid through a
+/// directory above it: the rename of an ancestor (the plugin's delete renames a volume's or a
+/// snapshot's whole directory to a tombstone) or its rmdir. The model's checker allows only a
+/// later operation on the promised path itself; until it learns ancestors (a request to its
+/// owner), this is where that rule lives.
+pub fn promises_kept(ops: &[Op], state: &CrashState) -> Vec<Lost> {
+    let prefix = &ops[..state.point];
+    check_promises(ops, state)
+        .into_iter()
+        .filter(|lost| {
+            let path = Op::Promised(lost.promise.clone()).paths()[0].to_path_buf();
+            let last = prefix
+                .iter()
+                .rposition(|op| matches!(op, Op::Promised(_)) && op.paths()[0] == path)
+                .unwrap_or(0);
+            !prefix[last..].iter().any(|op| match op {
+                Op::Rename { from, .. } | Op::Rmdir { path: from } => {
+                    *from != path && path.starts_with(from)
+                }
+                _ => false,
+            })
+        })
+        .collect()
+}
+
 /// At most `max` of `states`, deterministically: evenly spaced over the run, the first and last
 /// always in (the states are in order of the cut, so every part of the run is sampled).
 pub fn sample_states(states: Vec<CrashState>, max: usize) -> Vec<CrashState> {
@@ -209,6 +234,38 @@ mod tests {
         assert!(err.contains("without an fsync of the image"), "{err}");
         let err = images_synced_before_their_record(&image_run(true, false)).unwrap_err();
         assert!(err.contains("directory is not synced"), "{err}");
+    }
+
+    /// A record whose directory was renamed to a tombstone afterwards may be gone; one whose
+    /// directory was not touched may not.
+    #[test]
+    fn a_promise_undone_by_renaming_its_directory_is_not_lost() {
+        let record = p("/w/v/volume.json");
+        let promise = Op::Promised(Promise::Written {
+            path: record.clone(),
+            bytes: b"{}".to_vec(),
+        });
+        let state = |point| CrashState {
+            point,
+            tree: [(p("/w"), Node::Dir(0o700))].into_iter().collect(),
+        };
+        let renamed = vec![
+            promise.clone(),
+            Op::Rename {
+                from: p("/w/v"),
+                to: p("/w/.deleted-v"),
+            },
+        ];
+        assert_eq!(check_promises(&renamed, &state(2)).len(), 1);
+        assert!(promises_kept(&renamed, &state(2)).is_empty());
+        let untouched = vec![
+            promise,
+            Op::Rename {
+                from: p("/w/other"),
+                to: p("/w/.deleted-other"),
+            },
+        ];
+        assert_eq!(promises_kept(&untouched, &state(2)).len(), 1);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! A new volume's storage made durable before CreateVolume answers, through the durable seam
 //! (`csi_isolator::durable`, recorded for the power-loss tests).
 //!
-//! Contract: once [`volume_dir`] returns, the volume's directory survives a power cut (its
+//! Contract: once [`durable_dir`] returns, the volume's (or snapshot's) directory survives a power cut (its
 //! parent is synced); once [`image`] returns, the image file holds `capacity` bytes with what
 //! mkfs wrote in them, fsynced, and its name in the volume directory is durable (the directory is
 //! synced); once [`data_dir`] returns, the dir backing's data directory is durable. The record
@@ -26,7 +26,7 @@ const IMAGE_MODE: u32 = 0o600;
 
 /// Makes `dir` (mode 0700; an existing one, left by an interrupted create, is kept) and makes its
 /// entry durable by syncing its parent, which must exist.
-pub fn volume_dir(dir: &Path) -> io::Result<()> {
+pub fn durable_dir(dir: &Path) -> io::Result<()> {
     match fs::DirBuilder::new()
         .mode(super::PRIVATE_DIR_MODE)
         .create(dir)
