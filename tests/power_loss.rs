@@ -714,3 +714,92 @@ async fn every_power_cut_of_day2_operations_keeps_what_returned() {
     );
     assert!(recovered >= 20, "too few crash states: {recovered}");
 }
+
+/// A loop volume's offline expansion (`volume expand` with the bundled plugin, the volume not
+/// published): the plugin marks the filesystem as smaller than its grown image for the next
+/// stage to grow. That marker is made durable before the plugin's record with the new capacity
+/// is promised (on the log), and in every crash state where that record holds the new capacity
+/// the marker is there: a power cut never leaves a filesystem smaller than the capacity
+/// ControllerExpandVolume answered with nothing to grow it.
+#[test]
+fn every_power_cut_of_a_loop_expansion_keeps_the_grow_marker_with_the_capacity() {
+    require_root();
+    let sb = Sandbox::new("powerloss-expand");
+    let log = sb.join("ops.jsonl");
+    std::fs::write(&log, b"").unwrap();
+    let r = Runner {
+        work: sb.mkdir("work"),
+        sockets: sb.join("s"),
+    };
+    r.ok(&["volume", "create", "v", "8M"], "create");
+    let base = powerloss::scan(&r.work);
+    let out = Command::new(CLI)
+        .arg("--work-dir")
+        .arg(&r.work)
+        .env("CSI_ISOLATOR_SOCKET_DIR", &r.sockets)
+        .env(LOG_ENV, &log)
+        .env_remove(CRASH_AFTER_WRITE_ENV)
+        .args(["volume", "expand", "v", "16M"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "recorded expand: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ops: Vec<Op> = read_log(&log)
+        .unwrap()
+        .into_iter()
+        .filter(|op| op.paths().iter().all(|p| p.starts_with(&r.work)))
+        .collect();
+    let marker_name = "filesystem-smaller-than-image";
+    let is_record =
+        |p: &Path| p.ends_with(PLUGIN_RECORD) && p.to_string_lossy().contains("/plugin/");
+    let record_at = ops
+        .iter()
+        .position(|op| match op {
+            Op::Promised(powerloss::Promise::Written { path, bytes }) if is_record(path) => {
+                serde_json::from_slice::<serde_json::Value>(bytes).unwrap()["capacity_bytes"]
+                    == 16 << 20
+            }
+            _ => false,
+        })
+        .expect("the plugin records the new capacity");
+    let marker_at = first_promise(&ops, |p| p.ends_with(marker_name));
+    assert!(
+        marker_at.is_some_and(|m| m < record_at),
+        "the grow marker is not durable before the record with the new capacity (marker promised at {marker_at:?}, record at {record_at})"
+    );
+    let record = ops[record_at].paths()[0].to_path_buf();
+    let marker = record.with_file_name(marker_name);
+    let base = with_unrecorded(base, &powerloss::scan(&r.work), &ops);
+    let states = crash_states(&base, &ops);
+    for state in &states {
+        let lost = promises_kept(&ops, state);
+        assert!(lost.is_empty(), "{}", lost[0]);
+        let Some(powerloss::Node::File(_, bytes)) = state.tree.get(&record) else {
+            panic!(
+                "power cut after op {}: the plugin's record is gone",
+                state.point
+            );
+        };
+        let Ok(rec) = serde_json::from_slice::<serde_json::Value>(bytes) else {
+            continue;
+        };
+        if rec["capacity_bytes"] == 16 << 20 {
+            assert!(
+                state.tree.contains_key(&marker),
+                "power cut after op {}: the record holds the new capacity, the grow marker is gone",
+                state.point
+            );
+        }
+    }
+    eprintln!(
+        "loop expansion: {} ops recorded, {} crash states checked",
+        ops.len(),
+        states.len()
+    );
+    r.ok(&["volume", "destroy", "v"], "destroy");
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
