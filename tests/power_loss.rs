@@ -2,14 +2,56 @@
 //! page and directory entry; after a power cut only what was made durable survives).
 //!
 //! A run is recorded at the durable seam (`csi_isolator::durable::record`: every write, fsync,
-//! create, rename, unlink, mkdir and directory fsync of the provider's checkpoints and of the
-//! bundled plugin's records, both processes appending to one log). From the log,
-//! `csi_isolator_testing::powerloss` builds every state a power cut after each operation could
-//! leave (its module doc states the model); each state must keep every promise (a durable
-//! operation that returned success), and, written back to disk, must recover: the plugin and
-//! a new provider process start from it with an empty mount table (a reboot), and then the
-//! provider and the plugin agree, no use that had returned success is lost, the volume still
-//! works and nothing is leaked.
+//! create, rename, unlink, mkdir and directory fsync of the isolator's container checkpoints,
+//! the provider's records and the bundled plugin's records and new storage, every process
+//! appending to one log). From the log, `csi_isolator_testing::powerloss` builds every state a
+//! power cut after each operation could leave (its module doc states the model); each state must
+//! keep every promise (a durable operation that returned success); then sampled states (evenly
+//! over the run, `powerloss_runs::sample_states`; each test prints how many it checked and how
+//! many it recovered), written back to disk, must recover with an empty mount table (a reboot).
+//! The runs:
+//! - create → publish → release through the CLI and the plugin (dir backing): every state
+//!   recovered; provider and plugin agree, no returned use lost, the volume works;
+//! - the isolator's path: `run` with the bundled plugin's loop backing (create, container
+//!   checkpoint, publish, launch, cleanup): a use the provider records always has its
+//!   container's isolator checkpoint; recovery by the next `run` leaves one volume (the one the
+//!   plugin recorded, once it had), unused, and no checkpoint, mount or loop device;
+//! - day-2 operations (modify, expand, snapshot create/delete, import, destroy, the destroy of an
+//!   import): what each returned command did is kept (parameters, size, snapshot, import,
+//!   removal), provider and plugin agree on volumes and snapshots;
+//! - a loop volume's offline expansion: the grow marker is durable wherever the plugin's record
+//!   holds the new capacity.
+//!
+//! Outside the model, and why that is sound:
+//! - a loop image's bytes (mkfs output, megabytes) are not recorded: the plugin fsyncs the image
+//!   and syncs its directory before the record naming it is promised (checked on the log,
+//!   `images_synced_before_their_record`), and a formatted image stands in where the model keeps
+//!   the image's name. Data a container writes and fsyncs inside a published loop volume reaches
+//!   the image through the loop driver (each ext4 flush becomes an fsync of the image file,
+//!   docs/benchmarks.md; an unmount at NodeUnstage flushes too): proving it survives needs a real
+//!   power cut of the host, which the seam cannot model; no test pretends to. For the dir
+//!   backing, a container's data is the host filesystem's business; the dir backing's snapshot
+//!   copies (`copy_tree`) are not fsynced, so a snapshot of a dir volume may lose data, not its
+//!   record, to a power cut (the test backing; the loop backing's copy is fsynced).
+//! - directories and files no recorded operation makes (the work dir's skeleton, the plugin's
+//!   log, lock files, `mounts/<id>`): taken as durable from the start; each is made again at
+//!   startup when missing.
+//! - best-effort removals left unrecorded and unsynced, each harmless if a power cut undoes it:
+//!   the provider's `remove_empty_dir` of a volume's staging and mount directories and the
+//!   `rmdir` of its emptied volume directory (empty directories; the provider's startup removes
+//!   a volume directory with no record and sweeps orphaned mount directories); the plugin's
+//!   removal of a deleted volume's or snapshot's tombstone and of a failed copy (the rename to
+//!   the tombstone is the durable step; the store finishes tombstones at its next open); the
+//!   freeze marker after a thaw (an extra, harmless thaw at the next start); sockets and their
+//!   temporary names (made afresh at every start); `run`'s sandbox directory (see below). The
+//!   grow marker's removal is recorded but not synced: one brought back costs the next stage an
+//!   e2fsck and a resize2fs with nothing to do. The isolator's `rmdir` of an emptied container
+//!   checkpoint directory is recorded and not synced (recovery removes an empty one).
+//! - known leak, not a durability one (SIGKILL shows it too): the sandbox directory
+//!   `sandboxes/<id>` of a `run` that did not finish is left by the next run's recovery (it
+//!   cleans the container up, not the directory); nothing is mounted in it.
+//!
+//! The tests that set the log's variable in this process's environment hold `LOG_ENV_LOCK`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -120,6 +162,10 @@ fn logged(log: &Path) -> usize {
     read_log(log).unwrap().len()
 }
 
+/// The most crash states of create → publish → release that are recovered one by one (the
+/// binary's tests together stay near a minute on the 2-core test machine).
+const CLI_STATES_RECOVERED: usize = 80;
+
 #[tokio::test(flavor = "current_thread")]
 async fn every_power_cut_of_create_publish_release_recovers() {
     require_root();
@@ -182,9 +228,15 @@ async fn every_power_cut_of_create_publish_release_recovers() {
     );
     let ops: Vec<Op> = all.into_iter().filter(|op| under(op)).collect();
     let base = with_unrecorded(base, &scan_all(), &ops);
-    let states = crash_states(&base, &ops);
+    let every = crash_states(&base, &ops);
+    let total = every.len();
+    for state in &every {
+        let lost = promises_kept(&ops, state);
+        assert!(lost.is_empty(), "{}", lost[0]);
+    }
+    let states = sample_states(every, CLI_STATES_RECOVERED);
     eprintln!(
-        "{} ops recorded (create {end_create}, publish {}, release {}), {} crash states",
+        "{} ops recorded (create {end_create}, publish {}, release {}), {total} crash states checked against the promises, {} sampled and recovered",
         ops.len(),
         end_publish - end_create,
         end_release - end_publish,
@@ -194,8 +246,6 @@ async fn every_power_cut_of_create_publish_release_recovers() {
     let mut recovered = 0;
     for state in &states {
         let k = state.point;
-        let lost = promises_kept(&ops, state);
-        assert!(lost.is_empty(), "{}", lost[0]);
         for r in &roots {
             powerloss::materialize(&state.tree, r).unwrap();
         }
@@ -243,13 +293,10 @@ async fn every_power_cut_of_create_publish_release_recovers() {
     plugin.kill();
     sb.assert_no_loop_devices();
     eprintln!(
-        "{recovered} power-loss crash states checked and recovered in {:.1?}",
+        "{recovered} power-loss crash states recovered in {:.1?}",
         started.elapsed()
     );
-    assert!(
-        recovered >= ops.len() / 2,
-        "too few crash states: {recovered}"
-    );
+    assert!(recovered >= 20, "too few crash states: {recovered}");
 }
 
 /// Whether the log holds the mkdir of the plugin's directory for volume `id`, durable (its
@@ -316,7 +363,7 @@ impl Runner {
 
 /// The most crash states of the isolator's path that are recovered one by one (each recovery
 /// is a `run` with a loop mount, 0.1 to 0.3 s on the 2-core test machine).
-const RUN_STATES_RECOVERED: usize = 96;
+const RUN_STATES_RECOVERED: usize = 48;
 
 /// The isolator's path: `csi-isolator run` with the bundled plugin (loop backing, ext4 image)
 /// creates a volume, checkpoints the container, publishes, launches a workload that writes
@@ -461,7 +508,7 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
             .unwrap()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
-            .filter(|n| !n.starts_with('.'))
+            .filter(|n| !n.starts_with('.') && !n.starts_with('+'))
             .collect();
         in_plugin.sort();
         assert_eq!(
@@ -489,15 +536,16 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
 }
 
 /// The most crash states of the day-2 run that are recovered one by one.
-const DAY2_STATES_RECOVERED: usize = 96;
+const DAY2_STATES_RECOVERED: usize = 64;
 
-/// The plugin's own entries (volume or snapshot directories, tombstones left out) under `dir`.
+/// The plugin's own entries (volume or snapshot directories) under `dir`; tombstones
+/// (`+deleted-…`, older `.deleted-…`) and temporary names left out.
 fn plugin_entries(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .map(|d| {
             d.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| !n.starts_with('.'))
+                .filter(|n| !n.starts_with('.') && !n.starts_with('+'))
                 .collect()
         })
         .unwrap_or_default();

@@ -34,7 +34,7 @@ pub fn durable_dir(dir: &Path) -> io::Result<()> {
         Ok(()) => record::record(|| Op::Mkdir {
             path: dir.to_path_buf(),
         }),
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && is_real_dir(dir) => {}
         Err(e) => return Err(e),
     }
     match dir.parent() {
@@ -48,7 +48,7 @@ pub fn durable_dir(dir: &Path) -> io::Result<()> {
 pub fn data_dir(data: &Path) -> io::Result<()> {
     match durable::create_dir(data) {
         Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && data.is_dir() => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && is_real_dir(data) => {}
         Err(e) => return Err(e),
     }
     match data.parent() {
@@ -88,5 +88,63 @@ pub fn sync_image(path: &Path) -> io::Result<()> {
     match path.parent() {
         Some(dir) => durable::sync_dir(dir),
         None => Ok(()),
+    }
+}
+
+/// Whether `path` is a directory itself (a symlink to one is not: nothing of a volume is reached
+/// through a link).
+fn is_real_dir(path: &Path) -> bool {
+    fs::symlink_metadata(path).is_ok_and(|m| m.is_dir())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_volume_directory_is_private_kept_when_there_and_never_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("vol-1");
+        durable_dir(&dir).unwrap();
+        let mode = fs::metadata(&dir).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, super::super::PRIVATE_DIR_MODE);
+        fs::write(dir.join("keep"), b"x").unwrap();
+        durable_dir(&dir).unwrap();
+        assert!(dir.join("keep").exists(), "an existing directory is kept");
+        let elsewhere = tmp.path().join("elsewhere");
+        fs::create_dir(&elsewhere).unwrap();
+        let link = tmp.path().join("vol-2");
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        assert!(
+            durable_dir(&link).is_err(),
+            "a symlink is not a volume directory"
+        );
+        // (`provision` makes the data directory only inside a directory `durable_dir` accepted.)
+        data_dir(&dir.join("data")).unwrap();
+        data_dir(&dir.join("data")).unwrap();
+        assert!(dir.join("data").is_dir());
+    }
+
+    #[test]
+    fn an_image_is_made_afresh_at_its_capacity_and_synced() {
+        let tmp = tempfile::tempdir().unwrap();
+        let image = tmp.path().join("image.ext4");
+        fs::write(&image, b"leftover of an interrupted create").unwrap();
+        drop(create_image(&image, 1 << 20).unwrap());
+        let meta = fs::metadata(&image).unwrap();
+        assert_eq!(meta.len(), 1 << 20);
+        assert_eq!(meta.permissions().mode() & 0o7777, IMAGE_MODE);
+        assert_eq!(
+            fs::read(&image)
+                .unwrap()
+                .iter()
+                .filter(|b| **b != 0)
+                .count(),
+            0,
+            "nothing of the leftover remains"
+        );
+        sync_image(&image).unwrap();
+        assert!(sync_image(&tmp.path().join("missing")).is_err());
     }
 }
