@@ -434,6 +434,13 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
         p.starts_with(&checkpoints) && p.ends_with("state.json")
     })
     .expect("the isolator checkpoints the container");
+    let container = ops[isolator_at].paths()[0]
+        .parent()
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
     let base = with_unrecorded(base, &fin, &ops);
     let all = powerloss::crash_states(&base, &ops);
     let total = all.len();
@@ -450,6 +457,7 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
     );
 
     let mut recovered = 0;
+    let mut cleaned = 0;
     for state in &states {
         let what = format!("power cut after op {}", state.point);
         powerloss::materialize(&state.tree, &r.work).unwrap();
@@ -469,20 +477,30 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
                 );
             }
         }
-        // Recovery, and the volume still works.
-        let out = r.ok(
-            &[
-                "run",
-                "--volume",
-                "v:8M:v",
-                "--",
-                "sh",
-                "-c",
-                "test -d v && echo ok",
-            ],
-            &what,
-        );
-        assert_eq!(out.trim(), "ok", "{what}");
+        // Recovery, and the volume still works; a container whose checkpoint survived is
+        // found and cleaned up (its use ended: it did not survive the reboot).
+        let out = r.cmd(&[
+            "run",
+            "--volume",
+            "v:8M:v",
+            "--",
+            "sh",
+            "-c",
+            "test -d v && echo ok",
+        ]);
+        let logs = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{what}: recovery run failed: {logs}");
+        assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "{what}");
+        if state
+            .tree
+            .contains_key(&checkpoints.join(&container).join("state.json"))
+        {
+            assert!(
+                logs.contains("cleaned up after an earlier run") && logs.contains(&container),
+                "{what}: the checkpointed container {container} was not recovered: {logs}"
+            );
+            cleaned += 1;
+        }
         let after = r.status(&what);
         let vols = after["volumes"].as_array().unwrap();
         assert_eq!(vols.len(), 1, "{what}: one volume: {after}");
@@ -529,10 +547,14 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
         recovered += 1;
     }
     eprintln!(
-        "run: {recovered} power-loss crash states recovered in {:.1?}",
+        "run: {recovered} power-loss crash states recovered ({cleaned} with the container's checkpoint, found and cleaned up) in {:.1?}",
         started.elapsed()
     );
     assert!(recovered >= 10, "too few crash states: {recovered}");
+    assert!(
+        cleaned > 0,
+        "no sampled state holds the container's checkpoint"
+    );
 }
 
 /// The most crash states of the day-2 run that are recovered one by one.
