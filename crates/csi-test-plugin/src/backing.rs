@@ -50,6 +50,7 @@ use csi_isolator::mount::{
 
 mod copy;
 mod grow;
+pub(crate) mod made;
 
 /// How volumes are backed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -445,12 +446,16 @@ impl Backing {
                 what: "block access",
             });
         }
-        private_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
+        // Durable before the record is written (see `made`): a CreateVolume that answered must
+        // not leave, after a power cut, a record without its directory or its image.
+        if let Some(parent) = vol_dir.parent() {
+            private_dir(parent).map_err(io_step("create volumes directory", parent))?;
+        }
+        made::durable_dir(vol_dir).map_err(io_step("create volume directory", vol_dir))?;
         if block {
             let image = Self::raw_image(vol_dir);
-            let file = fs::File::create(&image).map_err(io_step("create image", &image))?;
-            file.set_len(capacity)
-                .map_err(io_step("size image", &image))?;
+            drop(made::create_image(&image, capacity).map_err(io_step("create image", &image))?);
+            made::sync_image(&image).map_err(io_step("fsync image", &image))?;
             return Ok(());
         }
         match self.kind {
@@ -458,14 +463,14 @@ impl Backing {
                 // The volume's root as containers see it: its mode stays the usual one (0755 under
                 // the usual umask); the 0700 volume directory above it keeps host users out.
                 let data = Self::data_dir(vol_dir);
-                Ok(fs::create_dir_all(&data).map_err(io_step("create data directory", &data))?)
+                Ok(made::data_dir(&data).map_err(io_step("create data directory", &data))?)
             }
             BackingKind::Loop => {
                 let image = Self::image(vol_dir);
-                let file = fs::File::create(&image).map_err(io_step("create image", &image))?;
-                file.set_len(capacity)
-                    .map_err(io_step("size image", &image))?;
-                drop(file);
+                drop(
+                    made::create_image(&image, capacity)
+                        .map_err(io_step("create image", &image))?,
+                );
                 let program = mkfs_program(fs_type);
                 let mut mkfs = Command::new(&program);
                 if fs_type.starts_with("ext") {
@@ -501,7 +506,7 @@ impl Backing {
                         ),
                     });
                 }
-                Ok(())
+                Ok(made::sync_image(&image).map_err(io_step("fsync image", &image))?)
             }
         }
     }

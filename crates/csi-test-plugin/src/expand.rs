@@ -271,16 +271,22 @@ impl Plugin {
 /// not be yet; the next stage grows it offline ([`Plugin::grow_filesystem_before_stage`]).
 const FS_SMALLER_MARKER: &str = "filesystem-smaller-than-image";
 
+/// Durable (written atomically, the directory synced) before the image grows: a power cut that
+/// keeps the grown image and the record's new capacity but loses the marker would leave the
+/// filesystem smaller than the capacity ControllerExpandVolume answered, with no stage ever
+/// growing it.
 fn mark_filesystem_smaller(dir: &std::path::Path) -> Result<(), super::backing::BackingError> {
     let marker = dir.join(FS_SMALLER_MARKER);
-    std::fs::write(&marker, b"")
-        .map_err(csi_isolator::io_step::io_step("write marker", &marker))?;
+    csi_isolator::durable::write_atomic(&marker, b"", csi_isolator::workdir::PRIVATE_FILE_MODE)
+        .map_err(|e| csi_isolator::io_step::IoStep::new(e.step.as_str(), e.path, e.source))?;
     Ok(())
 }
 
 fn clear_filesystem_smaller(dir: &std::path::Path) -> Result<(), super::backing::BackingError> {
     let marker = dir.join(FS_SMALLER_MARKER);
-    match std::fs::remove_file(&marker) {
+    // Not synced: a marker a power cut brings back costs the next stage one e2fsck and a
+    // resize2fs with nothing to do.
+    match csi_isolator::durable::remove_file(&marker) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
             Err(csi_isolator::io_step::io_step("remove marker", &marker)(e).into())
         }

@@ -24,6 +24,7 @@ pub mod files;
 pub mod leaks;
 pub mod logs;
 pub mod powerloss;
+pub mod powerloss_runs;
 pub mod props;
 pub mod swarm;
 pub mod unprivileged;

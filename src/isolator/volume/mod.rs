@@ -185,7 +185,7 @@ impl VolumeIsolator {
         blocking(move || {
             checkpoint::remove_durable(&at)?;
             if let Some(dir) = at.parent() {
-                let _ = std::fs::remove_dir(dir);
+                let _ = crate::durable::remove_dir(dir);
             }
             Ok(())
         })

@@ -171,7 +171,7 @@ fn scan_checkpoints(work_dir: &Path) -> Vec<Scanned> {
             }
             Err(RecordRefusal::Unreadable(_)) => {
                 checkpoint::remove_stale_temps(&e.path());
-                let _ = std::fs::remove_dir(e.path());
+                let _ = crate::durable::remove_dir(&e.path());
             }
         }
     }

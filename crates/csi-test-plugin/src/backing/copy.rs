@@ -106,7 +106,12 @@ impl Backing {
         dst: &Path,
         quiesced: impl FnOnce(),
     ) -> Result<(), BackingError> {
-        super::private_dir(dst).map_err(io_step("create directory", dst))?;
+        // Durable before the record written into it (see `made`): a snapshot or a volume made
+        // from one that was answered must not vanish with its directory after a power cut.
+        if let Some(parent) = dst.parent() {
+            super::private_dir(parent).map_err(io_step("create directory", parent))?;
+        }
+        super::made::durable_dir(dst).map_err(io_step("create directory", dst))?;
         match self.kind {
             BackingKind::Dir => {
                 quiesced();
