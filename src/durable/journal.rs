@@ -748,15 +748,10 @@ pub fn write_back(
         step: "syncfs",
         source,
     })?;
-    for (path, bytes) in files {
-        super::promise(|| match bytes {
-            Some(bytes) => Promise::Written {
-                path: path.clone(),
-                bytes: bytes.clone(),
-            },
-            None => Promise::Removed { path: path.clone() },
-        });
-    }
+    // No promise per file: a file written back is not what its caller relies on alone (the
+    // next write-back may tear it before its own syncfs; the journal then still covers it).
+    // What the caller relies on is the journal's entries replayed over the files, which the
+    // journal's reset (a promise) and the store's own checks hold.
     crash_point();
     Ok(())
 }

@@ -546,6 +546,16 @@ pub fn check_promises(ops: &[Op], state: &CrashState) -> Vec<Lost> {
                         allowed.push(Some(Node::Dir(*m)));
                     }
                 }
+                // Appends (a journal's) keep what was written before them as a prefix.
+                Op::Append { path: p, .. } | Op::Truncate { path: p, .. } if p == path => {
+                    if let (Promise::Written { bytes, .. }, Some(Node::File(_, b))) =
+                        (promise, &found)
+                    {
+                        if b.starts_with(bytes) {
+                            allowed.push(found.clone());
+                        }
+                    }
+                }
                 _ => {}
             }
         }
