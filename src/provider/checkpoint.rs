@@ -442,6 +442,11 @@ impl VolumeJournal {
     /// (removals remove it and its directory when empty), makes that durable with one
     /// syncfs, then empties the journal (see [`crate::durable::journal`]). Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
+        if self.journal.size().entries == 0
+            && self.dirty.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+        {
+            return Ok(());
+        }
         let path = self.journal.path().to_path_buf();
         self.journal.compact(|| -> Result<(), CheckpointError> {
             let dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
