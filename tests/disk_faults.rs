@@ -84,8 +84,16 @@ async fn a_full_or_read_only_work_dir_fails_cleanly_and_recovers() {
         .unwrap()
         .to_string();
     let target = provider.mount_point(&id);
+    // The create's journal entry written back: the state file is there to be compared.
+    provider.compact_journal().await;
     let state_file = provider.layout().state_file(&id);
-    let before = std::fs::read(&state_file).unwrap();
+    let checkpoint = |p: &StorageProvider| {
+        csi_isolator::provider::checkpoint::read_state(p.layout(), &id)
+            .unwrap()
+            .expect("a checkpoint")
+    };
+    let before = checkpoint(&provider);
+    assert_eq!(std::fs::read(&state_file).unwrap(), before);
 
     // 1. Full: the intent cannot be written, so no RPC is sent.
     let filler = fill(&work);
@@ -95,11 +103,7 @@ async fn a_full_or_read_only_work_dir_fails_cleanly_and_recovers() {
     let rec = provider.volume(&id).await.unwrap();
     assert!(rec.users.is_empty(), "the use was not kept");
     assert_eq!(rec.state, VolumeState::Created);
-    assert_eq!(
-        std::fs::read(&state_file).unwrap(),
-        before,
-        "the checkpoint is untouched"
-    );
+    assert_eq!(checkpoint(&provider), before, "the checkpoint is untouched");
     assert!(!ProcMountTable::new().is_mount_point(&target).unwrap());
     assert!(
         !plugin.calls().iter().any(|c| c.starts_with("NodePublishVolume") || c.starts_with("ControllerPublishVolume")),

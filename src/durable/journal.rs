@@ -355,14 +355,11 @@ struct Queue {
     len: u64,
     /// The next entry's sequence number.
     next_seq: u64,
-    /// Frames queued, not yet written.
-    buf: Vec<u8>,
-    /// How many entries `buf` holds.
-    buf_entries: usize,
+    /// Payloads queued, not yet written (numbered when their batch is written, so that a
+    /// failed batch leaves no gap in the sequence).
+    pending: Vec<Vec<u8>>,
     /// The batch queued frames join.
     open_batch: u64,
-    /// Every batch up to this one is durable.
-    durable_batch: u64,
     /// A leader is writing a batch, or a compaction holds the journal.
     busy: bool,
     /// Why the journal is broken.
@@ -371,6 +368,11 @@ struct Queue {
     entries: u64,
     /// Batches written since the journal was opened.
     batches: u64,
+    /// Appenders whose payloads are in `pending`.
+    waiters: usize,
+    /// Batches written or failed (cut back, not broken): their first sequence number or why
+    /// they failed, and how many of their appenders have yet to learn it.
+    outcomes: std::collections::BTreeMap<u64, (Result<u64, String>, usize)>,
 }
 
 /// A journal open for appending (see the module doc).
@@ -453,14 +455,14 @@ impl Journal {
                 file: Some(file),
                 len: parsed.valid_len,
                 next_seq: parsed.first_seq + parsed.entries.len() as u64,
-                buf: Vec::new(),
-                buf_entries: 0,
+                pending: Vec::new(),
                 open_batch: 1,
-                durable_batch: 0,
                 busy: false,
                 broken: None,
                 entries: parsed.entries.len() as u64,
                 batches: 0,
+                waiters: 0,
+                outcomes: Default::default(),
             }),
             done: Condvar::new(),
             crash_point,
@@ -514,18 +516,28 @@ impl Journal {
         if let Some(reason) = &q.broken {
             return Err(self.broken(reason));
         }
-        let first = q.next_seq;
-        for p in payloads {
-            let seq = q.next_seq;
-            encode(seq, p, &mut q.buf);
-            q.next_seq += 1;
-            q.buf_entries += 1;
-        }
-        let last = q.next_seq - 1;
+        let at = q.pending.len() as u64;
+        q.pending.extend(payloads.iter().map(|p| p.to_vec()));
         let mine = q.open_batch;
+        q.waiters += 1;
         loop {
-            if q.durable_batch >= mine {
+            if let Some((outcome, left)) = q.outcomes.get_mut(&mine) {
+                let outcome = outcome.clone();
+                *left -= 1;
+                if *left == 0 {
+                    q.outcomes.remove(&mine);
+                }
                 drop(q);
+                let first = match outcome {
+                    Ok(batch_first) => batch_first + at,
+                    Err(reason) => {
+                        return Err(JournalError::Write {
+                            path: self.path.clone(),
+                            source: io::Error::other(reason),
+                        })
+                    }
+                };
+                let last = first + payloads.len() as u64 - 1;
                 for seq in first..=last {
                     super::promise(|| Promise::Journaled {
                         path: self.path.clone(),
@@ -550,8 +562,14 @@ impl Journal {
         q.busy = true;
         let batch = q.open_batch;
         q.open_batch += 1;
-        let buf = std::mem::take(&mut q.buf);
-        let n = std::mem::take(&mut q.buf_entries) as u64;
+        let pending = std::mem::take(&mut q.pending);
+        let n = pending.len() as u64;
+        let waiters = std::mem::take(&mut q.waiters);
+        let first = q.next_seq;
+        let mut buf = Vec::with_capacity(pending.iter().map(|p| p.len() + FRAME_HEAD).sum());
+        for (i, p) in pending.iter().enumerate() {
+            encode(first + i as u64, p, &mut buf);
+        }
         let offset = q.len;
         let Some(mut file) = q.file.take() else {
             q.busy = false;
@@ -587,12 +605,35 @@ impl Journal {
             Ok(()) => {
                 q.len += buf.len() as u64;
                 q.entries += n;
-                q.durable_batch = batch;
+                q.next_seq += n;
+                q.outcomes.insert(batch, (Ok(first), waiters));
                 q.batches += 1;
             }
             Err(reason) => {
-                tracing::error!(journal = %self.path.display(), error = %reason, "journal append failed: the journal is broken until a restart");
-                q.broken = Some(reason);
+                // The batch's appenders get the error. The tail is cut back to where the batch
+                // started, durably; if that fails too the tail is uncertain: broken.
+                let cut = q.file.as_ref().map(|f| {
+                    f.set_len(offset).and_then(|()| {
+                        record::record(|| Op::Truncate {
+                            path: self.path.clone(),
+                            len: offset,
+                        });
+                        f.sync_data()
+                    })
+                });
+                match cut {
+                    Some(Ok(())) => {
+                        record::record(|| Op::Fdatasync {
+                            path: self.path.clone(),
+                        });
+                        tracing::error!(journal = %self.path.display(), error = %reason, "journal append failed; its tail was cut back");
+                        q.outcomes.insert(batch, (Err(reason), waiters));
+                    }
+                    _ => {
+                        tracing::error!(journal = %self.path.display(), error = %reason, "journal append failed and its tail could not be cut: the journal is broken until a restart");
+                        q.broken = Some(reason);
+                    }
+                }
             }
         }
         self.done.notify_all();
@@ -616,7 +657,7 @@ impl Journal {
         }
         q.busy = true;
         // Frames queued now are written after the reset: the new file starts with them.
-        let first_seq = q.next_seq - q.buf_entries as u64;
+        let first_seq = q.next_seq;
         drop(q);
         let result = write_back().and_then(|()| self.reset(first_seq).map_err(E::from));
         let mut q = self.lock();

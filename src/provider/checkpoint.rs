@@ -443,7 +443,11 @@ impl VolumeJournal {
     /// syncfs, then empties the journal (see [`crate::durable::journal`]). Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
         if self.journal.size().entries == 0
-            && self.dirty.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
+            && self
+                .dirty
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
         {
             return Ok(());
         }
@@ -516,6 +520,16 @@ pub fn read_journal(layout: &Layout) -> Result<Journaled, CheckpointError> {
         None => Ok(BTreeMap::new()),
         Some((parsed, _)) => Ok(replay(&parsed.entries, crate::resource::encode_volume_id).0),
     }
+}
+
+/// A volume's checkpoint as a recovery would find it now: its journal's last complete entry,
+/// else its `volume.state`; `None`: neither (or removed).
+pub fn read_state(layout: &Layout, volume_id: &str) -> Result<Option<Vec<u8>>, CheckpointError> {
+    let dir = crate::resource::encode_volume_id(volume_id);
+    if let Some((_, state)) = read_journal(layout)?.remove(&dir) {
+        return Ok(state);
+    }
+    read(&layout.state_file(volume_id))
 }
 
 /// Folds `layout`'s journal into its state files (open, write back, reset), for a command
