@@ -17,8 +17,11 @@
 //! batch: the first to find no batch in flight leads, writes everything queued so far and
 //! syncs it; the others queue their frames meanwhile and wait on a condition variable; when
 //! the leader is done the next waiter whose frames are not yet written leads the next
-//! batch. A failed write or sync leaves the file's tail uncertain: the journal is then
-//! broken and every later append fails, until a restart recovers from its complete entries.
+//! batch. Entries are numbered when their batch is written. The file is opened for each batch
+//! and closed after it: no writable descriptor is held between batches. A failed
+//! batch is cut back to where it started (durably) and its appenders get the error; if the
+//! cut fails too the tail is uncertain: the journal is then broken and every later append
+//! fails, until a restart recovers from its complete entries.
 //!
 //! # Compaction
 //! [`Journal::compact`] holds the journal (no batch is written meanwhile; appends queue), runs
@@ -349,8 +352,6 @@ pub fn read(path: &Path) -> Result<Option<(Parsed, u64)>, JournalError> {
 
 /// The queue and the file, under the journal's lock.
 struct Queue {
-    /// The append handle; `None` while a leader writes with it.
-    file: Option<File>,
     /// The file's length.
     len: u64,
     /// The next entry's sequence number.
@@ -444,7 +445,8 @@ impl Journal {
                 parse(&header(1)).expect("a fresh header parses")
             }
         };
-        let file = open_append(path).map_err(|source| JournalError::Read {
+        // Checked openable for appending now; opened again for each batch.
+        let _ = open_append(path).map_err(|source| JournalError::Read {
             path: path.to_path_buf(),
             source,
         })?;
@@ -452,7 +454,6 @@ impl Journal {
             path: path.to_path_buf(),
             mode,
             queue: Mutex::new(Queue {
-                file: Some(file),
                 len: parsed.valid_len,
                 next_seq: parsed.first_seq + parsed.entries.len() as u64,
                 pending: Vec::new(),
@@ -571,11 +572,18 @@ impl Journal {
             encode(first + i as u64, p, &mut buf);
         }
         let offset = q.len;
-        let Some(mut file) = q.file.take() else {
-            q.busy = false;
-            q.broken = Some("its file was lost by an earlier failure".into());
-            self.done.notify_all();
-            return q;
+        // Opened for each batch and closed after: no writable descriptor is held between
+        // batches (an operator can remount the file system read-only while nothing is
+        // written).
+        let mut file = match open_append(&self.path) {
+            Ok(f) => f,
+            Err(e) => {
+                q.busy = false;
+                q.outcomes
+                    .insert(batch, (Err(format!("open: {e}")), waiters));
+                self.done.notify_all();
+                return q;
+            }
         };
         drop(q);
         let result = file
@@ -599,7 +607,6 @@ impl Journal {
             (self.crash_point)();
         }
         let mut q = self.lock();
-        q.file = Some(file);
         q.busy = false;
         match result {
             Ok(()) => {
@@ -612,7 +619,7 @@ impl Journal {
             Err(reason) => {
                 // The batch's appenders get the error. The tail is cut back to where the batch
                 // started, durably; if that fails too the tail is uncertain: broken.
-                let cut = q.file.as_ref().map(|f| {
+                let cut = Some(&file).map(|f| {
                     f.set_len(offset).and_then(|()| {
                         record::record(|| Op::Truncate {
                             path: self.path.clone(),
@@ -664,7 +671,7 @@ impl Journal {
         q.busy = false;
         match result {
             Ok(file) => {
-                q.file = Some(file);
+                drop(file);
                 q.len = HEADER_LEN as u64;
                 q.entries = 0;
             }
