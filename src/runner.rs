@@ -258,6 +258,7 @@ async fn run_with_provider(
         }
     }
     let recovered = step(stops, isolator.recover(&others)).await??;
+    remove_stale_sandboxes(&*table, &opts.work_dir, &isolator.checkpoint_root());
     if !recovered.cleaned.is_empty() {
         tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
     }
@@ -477,6 +478,25 @@ fn check_host_targets(opts: &RunOptions) -> Result<(), RunError> {
 fn mkdir(path: &Path) -> Result<(), RunError> {
     std::fs::create_dir_all(path)
         .map_err(|source| RunError::Io(IoStep::new("create directory", path, source)))
+}
+
+/// Removes the sandboxes of earlier runs that recovery is done with: we hold the work dir's
+/// lock, so no run is live, and a sandbox whose container has no checkpoint left (cleaned up
+/// just now, or killed before its first checkpoint) is only a killed run's leftover. One whose
+/// checkpoint is still there (its cleanup failed) is kept for the next run's recovery; an entry
+/// that is not a plain directory is left alone.
+fn remove_stale_sandboxes(table: &dyn MountTable, work_dir: &Path, checkpoint_root: &Path) {
+    let Ok(entries) =
+        std::fs::read_dir(work_dir.join(crate::isolator::checkpoint_paths::RUN_SANDBOXES))
+    else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if is_dir && !checkpoint_root.join(entry.file_name()).exists() {
+            remove_sandbox(table, &entry.path());
+        }
+    }
 }
 
 /// Removes the sandbox unless something is still mounted under it (then

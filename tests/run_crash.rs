@@ -1,8 +1,9 @@
 //! `csi-isolator run` killed (SIGKILL, by the crash-point hook) at every
 //! crash point of a launch and its cleanup; the next `run` on the work dir
 //! recovers. Afterwards: the volume is unpublished and unused, `status`
-//! finds no disagreement, nothing is mounted or running, and every line a
-//! workload wrote is still in the volume.
+//! finds no disagreement, nothing is mounted or running, no sandbox or
+//! container checkpoint is left, and every line a workload wrote is still
+//! in the volume.
 
 use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
@@ -117,6 +118,14 @@ fn run_killed_at_every_crash_point_is_recovered_by_the_next_run() {
             .map(|d| d.count())
             .unwrap_or(0);
         assert_eq!(left, 0, "point {n}: container checkpoints left");
+        // The killed run's sandbox went with its container (the third run removed its own).
+        let sandboxes: Vec<_> = std::fs::read_dir(work.join("sandboxes"))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(
+            sandboxes.is_empty(),
+            "point {n}: sandboxes left: {sandboxes:?}"
+        );
         sb.assert_no_mounts_under();
     }
     panic!("the run never completed");
