@@ -43,6 +43,10 @@ pub struct Point {
     pub serve_hwm_kib: u64,
     /// Wall time of `csi-isolator status --json` (the CLI process, plugin stats included).
     pub status: Samples,
+    /// Volumes the last of those runs reported "stats unavailable" for (timed out).
+    pub stats_unavailable: usize,
+    /// The same with `--no-stats`: the scan of the state alone.
+    pub status_no_stats: Samples,
     /// SIGKILL of serve, then spawn to its first answered Recover.
     pub restart: Duration,
     /// serve's VmRSS after the restart.
@@ -163,34 +167,10 @@ async fn measure_in(
         serve_dir.display()
     );
 
-    // status: the CLI process, as an operator runs it.
-    let mut status = Samples::new();
-    let mut status_volumes = 0;
-    for _ in 0..STATUS_RUNS {
-        let mut cmd = std::process::Command::new(bin);
-        cmd.arg("--work-dir")
-            .arg(serve_dir.join("work"))
-            .args(["status", "--json"])
-            .stdin(Stdio::null())
-            .stderr(Stdio::piped());
-        serve::in_namespace(&mut cmd, Some(&ns.ns));
-        let t = Instant::now();
-        let out = cmd.output().context("run csi-isolator status")?;
-        status.push(t.elapsed());
-        ensure!(
-            out.status.success(),
-            "csi-isolator status: {} ({})",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let json: serde_json::Value =
-            serde_json::from_slice(&out.stdout).context("parse status --json")?;
-        status_volumes = json["volumes"].as_array().map_or(0, |v| v.len());
-    }
-    ensure!(
-        status_volumes == volumes,
-        "status listed {status_volumes} volumes, {volumes} prepared"
-    );
+    // status: the CLI process, as an operator runs it, and with --no-stats.
+    let work = serve_dir.join("work");
+    let (status, stats_unavailable) = status_cli(bin, &work, volumes, &[], ns)?;
+    let (status_no_stats, _) = status_cli(bin, &work, volumes, &["--no-stats"], ns)?;
 
     // Restart: SIGKILL, then a new serve on the same work dir until it answers the
     // containerizer's Recover naming every container as still running.
@@ -234,12 +214,60 @@ async fn measure_in(
         serve_rss_kib,
         serve_hwm_kib,
         status,
+        stats_unavailable,
+        status_no_stats,
         restart,
         restarted_rss_kib,
         docker_setup,
         docker_rss_kib,
         docker_hwm_kib,
     })
+}
+
+/// [`STATUS_RUNS`] runs of `bin --work-dir WORK status --json EXTRA` in the namespace: their
+/// wall times and how many volumes the last one had no stats for. Each must list `volumes`
+/// volumes and exit 0 (every volume agrees with the mount table).
+fn status_cli(
+    bin: &Path,
+    work: &Path,
+    volumes: usize,
+    extra: &[&str],
+    ns: &Namespace,
+) -> Result<(Samples, usize)> {
+    let mut times = Samples::new();
+    let mut unavailable = 0;
+    for _ in 0..STATUS_RUNS {
+        let mut cmd = std::process::Command::new(bin);
+        cmd.arg("--work-dir")
+            .arg(work)
+            .args(["status", "--json"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped());
+        serve::in_namespace(&mut cmd, Some(&ns.ns));
+        let t = Instant::now();
+        let out = cmd.output().context("run csi-isolator status")?;
+        times.push(t.elapsed());
+        ensure!(
+            out.status.success(),
+            "csi-isolator status {extra:?}: {} ({})",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        let json: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("parse status --json")?;
+        let listed = json["volumes"].as_array().map_or(&[][..], |v| v.as_slice());
+        ensure!(
+            listed.len() == volumes,
+            "status {extra:?} listed {} volumes, {volumes} prepared",
+            listed.len()
+        );
+        unavailable = listed
+            .iter()
+            .filter(|v| v.get("stats_unavailable").is_some())
+            .count();
+    }
+    Ok((times, unavailable))
 }
 
 /// docker-plugin in the namespace given `volumes` Creates and Mounts: the time, its VmRSS and
@@ -335,31 +363,35 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         "\n7. NODE SCALE: real `serve` and `docker-plugin` holding N published volumes each (one shared mount namespace)"
     );
     println!(
-        "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>16}",
+        "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>16}",
         "N",
         "backing",
         "serve set",
         "serve RSS (HWM)",
         "status",
         "status",
+        "no stats",
+        "no stats",
         "restart",
         "RSS after",
         "dp set",
         "dp RSS (HWM)"
     );
     println!(
-        "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>16}",
-        "", "", "up", "MiB", "p50", "max", "", "restart", "up", "MiB"
+        "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>16}",
+        "", "", "up", "MiB", "p50", "max", "p50", "max", "", "restart", "up", "MiB"
     );
     for p in points {
         println!(
-            "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9.1}  {:>9} {:>16}",
+            "  {:>6} {:>7}  {:>9} {:>16}  {:>9} {:>9}  {:>9} {:>9}  {:>9} {:>9.1}  {:>9} {:>16}",
             p.volumes,
             p.backing,
             fmt_dur(p.serve_setup),
             format!("{:.1} ({:.1})", mib(p.serve_rss_kib), mib(p.serve_hwm_kib)),
             fmt_dur(p.status.p50()),
             fmt_dur(p.status.percentile(100.0)),
+            fmt_dur(p.status_no_stats.p50()),
+            fmt_dur(p.status_no_stats.percentile(100.0)),
             fmt_dur(p.restart),
             mib(p.restarted_rss_kib),
             fmt_dur(p.docker_setup),
@@ -369,6 +401,12 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
                 mib(p.docker_hwm_kib)
             ),
         );
+        if p.stats_unavailable > 0 {
+            println!(
+                "         status at {} {}: {} volumes without stats (not reached within the CLI's deadline)",
+                p.volumes, p.backing, p.stats_unavailable
+            );
+        }
         let at = format!("{} {}", p.volumes, p.backing);
         targets.push((
             format!("serve RSS, {at} < 64 MiB"),
@@ -392,8 +430,9 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         ));
     }
     println!(
-        "  (status: `csi-isolator status --json`, the CLI process, {STATUS_RUNS} runs, plugin stats included; restart: SIGKILL, \
-         then spawn to the first answered Recover; RSS after: VmRSS after the restart)"
+        "  (status: `csi-isolator status --json`, the CLI process, {STATUS_RUNS} runs, with the plugin's NodeGetVolumeStats of \
+         every volume and with --no-stats; restart: SIGKILL, then spawn to the answered Recover naming every container; \
+         RSS after: serve's VmRSS after the restart)"
     );
     let mut backings: Vec<&str> = points.iter().map(|p| p.backing.as_str()).collect();
     backings.dedup();
@@ -424,6 +463,13 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
                 g(
                     big.status.p50().as_secs_f64(),
                     small.status.p50().as_secs_f64(),
+                ),
+            ),
+            (
+                "status --no-stats p50",
+                g(
+                    big.status_no_stats.p50().as_secs_f64(),
+                    small.status_no_stats.p50().as_secs_f64(),
                 ),
             ),
             (
