@@ -32,6 +32,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+pub mod journal;
 pub mod record;
 
 use record::{Op, Promise};

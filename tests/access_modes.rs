@@ -52,7 +52,9 @@ async fn create(p: &StorageProvider, name: &str, mode: &str) -> Resource {
 
 /// The users and readers the volume's checkpoint on disk holds.
 fn on_disk(p: &StorageProvider, id: &str) -> (Vec<String>, Vec<String>) {
-    let bytes = std::fs::read(p.layout().state_file(id)).unwrap();
+    let bytes = csi_isolator::provider::checkpoint::read_state(p.layout(), id)
+        .unwrap()
+        .expect("a checkpoint");
     let json: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
     let list = |key: &str| -> Vec<String> {
         json[key]

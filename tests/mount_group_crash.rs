@@ -16,7 +16,6 @@ use csi_isolator::service::proto::{
     StatusRequest,
 };
 use csi_isolator_testing::crash::EndpointServeRuns;
-use csi_isolator_testing::files::files_named;
 use csi_isolator_testing::{require_root, Sandbox};
 
 const CLI: &str = env!("CARGO_BIN_EXE_csi-isolator");
@@ -78,11 +77,11 @@ async fn life(
     Ok(())
 }
 
-/// Every volume checkpoint under the work dir.
+/// Every volume checkpoint under the work dir (state files and the journal over them).
 fn records(work: &Path) -> Vec<VolumeRecord> {
-    files_named(work, "volume.state")
+    csi_isolator_testing::crash::volume_states(work)
         .into_iter()
-        .map(|path| serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap())
+        .map(|bytes| serde_json::from_slice(&bytes).unwrap())
         .collect()
 }
 

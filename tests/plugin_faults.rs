@@ -120,10 +120,12 @@ impl Rig {
             .map(|e| e.status.unwrap_or_default().published_node_ids)
     }
 
-    /// The volume's checkpoint as written on disk.
+    /// The volume's checkpoint as written on disk (its journal's last entry, else its state
+    /// file: what a recovery would read).
     fn state_file(&self, id: &str) -> VolumeRecord {
-        let path = self.provider.layout().state_file(id);
-        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+        let bytes = csi_isolator::provider::checkpoint::read_state(self.provider.layout(), id)
+            .unwrap_or_else(|e| panic!("read the checkpoint of {id}: {e}"))
+            .unwrap_or_else(|| panic!("no checkpoint of {id}"));
         serde_json::from_slice(&bytes).unwrap()
     }
 
@@ -426,6 +428,8 @@ async fn hostile_volume_ids_never_become_paths_unencoded() {
         layout.state_file(&id),
         layout.volumes_dir().join(&encoded).join("volume.state")
     );
+    // Written back by a compaction, under its encoded name.
+    rig.provider.compact_journal().await;
     assert!(layout.state_file(&id).is_file());
     // Nothing named after the id's path syntax appeared anywhere in the sandbox.
     let escaped = find_named(rig.sb.path(), "escape");
@@ -437,6 +441,11 @@ async fn hostile_volume_ids_never_become_paths_unencoded() {
     rig.provider.release(&id, "c1").await.unwrap();
     rig.assert_back_to_created(&id).await;
     rig.provider.destroy_volume(&id).await.unwrap();
+    // The removal is journaled; the compaction removes the state file and its directory.
+    assert!(csi_isolator::provider::checkpoint::read_state(&layout, &id)
+        .unwrap()
+        .is_none());
+    rig.provider.compact_journal().await;
     assert!(!layout.volumes_dir().join(&encoded).exists());
     assert!(!layout.mounts_dir().join(&encoded).exists());
     assert!(find_named(rig.sb.path(), "escape").is_empty());

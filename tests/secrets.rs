@@ -277,7 +277,12 @@ async fn each_operations_secrets_reach_exactly_its_rpcs_and_nowhere_else() {
     assert!(mp.exists());
     let metrics = p.client().metrics().encode_prometheus("csi_isolator");
     assert!(metrics.contains("NodeStageVolume"), "{metrics}");
-    let checkpoint = std::fs::read_to_string(p.layout().state_file(&id)).unwrap();
+    let checkpoint = String::from_utf8(
+        csi_isolator::provider::checkpoint::read_state(p.layout(), &id)
+            .unwrap()
+            .expect("a checkpoint"),
+    )
+    .unwrap();
     assert!(
         checkpoint.contains(s.volume_file.to_str().unwrap()),
         "the checkpoint holds the reference: {checkpoint}"

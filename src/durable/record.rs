@@ -74,6 +74,34 @@ pub enum Op {
         /// The directory.
         path: PathBuf,
     },
+    /// `bytes` were appended to an existing file at `offset` (its length before: a journal's
+    /// batch, [`super::journal`]).
+    Append {
+        /// The file.
+        path: PathBuf,
+        /// Where the bytes went (the file's length before).
+        offset: u64,
+        /// The bytes.
+        bytes: Vec<u8>,
+    },
+    /// A file was cut to `len` bytes (a journal's torn tail, [`super::journal`]).
+    Truncate {
+        /// The file.
+        path: PathBuf,
+        /// Its new length.
+        len: u64,
+    },
+    /// A file's data (and its size) were fdatasynced: for the model, what [`Op::Fsync`] does.
+    Fdatasync {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The file system holding `path` was synced (`syncfs(2)`): every change made on it
+    /// before, data and directory entries, is durable (a journal's write-back).
+    SyncFs {
+        /// A path on the file system.
+        path: PathBuf,
+    },
     /// A durable operation returned success to its caller: from here on a power cut must
     /// not undo it.
     Promised(Promise),
@@ -100,6 +128,14 @@ pub enum Promise {
         /// The directory.
         path: PathBuf,
     },
+    /// The journal at `path` holds the complete entry numbered `seq` (an append returned,
+    /// [`super::journal`]), until a later reset of the journal supersedes it.
+    Journaled {
+        /// The journal.
+        path: PathBuf,
+        /// The entry's sequence number.
+        seq: u64,
+    },
 }
 
 impl Op {
@@ -112,12 +148,17 @@ impl Op {
             | Op::Unlink { path }
             | Op::Mkdir { path }
             | Op::Rmdir { path }
-            | Op::FsyncDir { path } => vec![path],
+            | Op::FsyncDir { path }
+            | Op::Append { path, .. }
+            | Op::Truncate { path, .. }
+            | Op::Fdatasync { path }
+            | Op::SyncFs { path } => vec![path],
             Op::Rename { from, to } => vec![from, to],
             Op::Promised(
                 Promise::Written { path, .. }
                 | Promise::Removed { path }
-                | Promise::DirMade { path },
+                | Promise::DirMade { path }
+                | Promise::Journaled { path, .. },
             ) => vec![path],
         }
     }
@@ -262,6 +303,10 @@ mod tests {
                 Op::Mkdir { .. } => "mkdir",
                 Op::Rmdir { .. } => "rmdir",
                 Op::FsyncDir { .. } => "fsync_dir",
+                Op::Append { .. } => "append",
+                Op::Truncate { .. } => "truncate",
+                Op::Fdatasync { .. } => "fdatasync",
+                Op::SyncFs { .. } => "syncfs",
                 Op::Promised(_) => "promised",
             })
             .collect();

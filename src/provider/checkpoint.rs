@@ -12,16 +12,20 @@
 //! calls it right after each RPC returns and before its result is recorded,
 //! so that window is crashed at too.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use crate::durable::journal::{Journal, JournalError};
 use crate::durable::record::Promise;
 pub use crate::durable::remove_stale_temps;
 use crate::durable::{self, WriteStep};
+use crate::resource::Layout;
 use crate::workdir::PRIVATE_FILE_MODE;
 
 /// The environment variable that arms the crash point (tests only).
@@ -84,6 +88,14 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
+    /// The journal failed or was refused.
+    #[error("journal {path}: {reason}")]
+    Journal {
+        /// The journal.
+        path: PathBuf,
+        /// What failed, and what to do.
+        reason: String,
+    },
     /// Setting a corrupt checkpoint aside failed.
     #[error("set aside corrupt checkpoint {path}")]
     SetAside {
@@ -102,7 +114,7 @@ static FSYNCS: AtomicU64 = AtomicU64::new(0);
 /// How many fsync/fdatasync calls the checkpoint code has made in this
 /// process (files and directories), for the benchmarks.
 pub fn fsyncs() -> u64 {
-    FSYNCS.load(Ordering::SeqCst)
+    FSYNCS.load(Ordering::SeqCst) + crate::durable::journal::syncs()
 }
 
 /// Counts crash points (durable writes, and RPCs returned before their
@@ -249,6 +261,287 @@ pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     })
 }
 
+/// The provider's journal file, beside `volumes/` under `csi/<type>/<name>/`.
+pub const JOURNAL_FILE: &str = "journal";
+
+/// Compaction is due once the journal holds this many entries...
+pub const COMPACT_ENTRIES: u64 = 4096;
+/// ...or this many bytes.
+pub const COMPACT_BYTES: u64 = 16 << 20;
+
+/// The format of a journal entry's payload this build writes (its first byte).
+const ENTRY_FORMAT: u8 = 1;
+
+/// A journal entry of the provider: a volume's state file as it is now, or its removal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeEntry {
+    /// The volume id.
+    pub volume_id: String,
+    /// The state file's bytes; `None`: the volume was destroyed.
+    pub state: Option<Vec<u8>>,
+}
+
+impl VolumeEntry {
+    /// The payload: the format byte, 1 (a record) or 0 (a removal), the id's length (u32 LE),
+    /// the id, the state file's bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let id = self.volume_id.as_bytes();
+        let mut out = Vec::with_capacity(6 + id.len() + self.state.as_ref().map_or(0, Vec::len));
+        out.push(ENTRY_FORMAT);
+        out.push(u8::from(self.state.is_some()));
+        out.extend_from_slice(&(id.len() as u32).to_le_bytes());
+        out.extend_from_slice(id);
+        if let Some(state) = &self.state {
+            out.extend_from_slice(state);
+        }
+        out
+    }
+
+    /// Reads a payload back; `Err`: why it is not one this build reads (pure).
+    pub fn decode(payload: &[u8]) -> Result<VolumeEntry, String> {
+        let (&format, rest) = payload.split_first().ok_or("an empty entry")?;
+        if format != ENTRY_FORMAT {
+            return Err(format!(
+                "entry format {format}, this build reads {ENTRY_FORMAT}"
+            ));
+        }
+        let (&kind, rest) = rest.split_first().ok_or("an entry cut after its format")?;
+        if rest.len() < 4 {
+            return Err("an entry cut in its id length".into());
+        }
+        let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
+        let rest = &rest[4..];
+        if len == 0 || len > rest.len() {
+            return Err(format!(
+                "an id length of {len} in an entry of {} bytes",
+                payload.len()
+            ));
+        }
+        let volume_id = std::str::from_utf8(&rest[..len])
+            .map_err(|_| "an id that is not UTF-8")?
+            .to_string();
+        let state = match kind {
+            1 => Some(rest[len..].to_vec()),
+            0 if rest.len() == len => None,
+            0 => return Err("a removal with a body".into()),
+            k => return Err(format!("an entry of kind {k}")),
+        };
+        Ok(VolumeEntry { volume_id, state })
+    }
+}
+
+/// The state files as a journal leaves them, by volume directory name: the volume id and the
+/// bytes (`None`: removed).
+pub type Journaled = BTreeMap<String, (String, Option<Vec<u8>>)>;
+
+/// The journal's entries replayed over the state files found (pure): the last entry of a
+/// volume wins, a removal removes it, whatever its file held (a write-back cut by a power
+/// loss may have left it torn: the journal still covers it). Returns the state files as
+/// they now stand by volume directory name (`None`: removed), the volumes the journal
+/// touched, and the entries it could not read (reason). `dir_name` maps a volume id to its
+/// directory name.
+pub fn replay(
+    entries: &[crate::durable::journal::Entry],
+    dir_name: impl Fn(&str) -> String,
+) -> Replayed {
+    let mut last = BTreeMap::new();
+    let mut refused = Vec::new();
+    for e in entries {
+        match VolumeEntry::decode(&e.payload) {
+            Ok(v) => {
+                last.insert(dir_name(&v.volume_id), (v.volume_id, v.state));
+            }
+            Err(why) => refused.push(format!("journal entry {}: {why}", e.seq)),
+        }
+    }
+    (last, refused)
+}
+
+/// A journal replayed: the state files as it leaves them by volume directory name (volume id
+/// and bytes; `None`: removed), and the entries it could not read.
+pub type Replayed = (Journaled, Vec<String>);
+
+/// The provider's journal: every change of a volume's record is appended to it (durable at
+/// return, shared batches) and written back to the volume's `volume.state` lazily.
+pub struct VolumeJournal {
+    journal: Journal,
+    layout: Layout,
+    /// The volumes changed since the last compaction, with their last state.
+    dirty: Mutex<BTreeMap<String, Option<Vec<u8>>>>,
+}
+
+impl std::fmt::Debug for VolumeJournal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VolumeJournal")
+            .field("journal", &self.journal)
+            .finish()
+    }
+}
+
+fn journal_error(path: &Path, e: JournalError) -> CheckpointError {
+    CheckpointError::Journal {
+        path: path.to_path_buf(),
+        reason: crate::error_chain::full_message(&e),
+    }
+}
+
+impl VolumeJournal {
+    /// Opens `layout`'s journal (made when absent: a work dir of the release before the
+    /// journal has none), cutting a torn tail, and returns it with its replay over nothing
+    /// (see [`replay`]). The entries stay dirty until the next [`compact`](Self::compact).
+    pub fn open(
+        layout: &Layout,
+    ) -> Result<(VolumeJournal, Journaled, Vec<String>), CheckpointError> {
+        let path = layout.base().join(JOURNAL_FILE);
+        create_dir_durable(layout.base())?;
+        let (journal, parsed) = Journal::open(&path, PRIVATE_FILE_MODE, crash_point)
+            .map_err(|e| journal_error(&path, e))?;
+        let (found, refused) = replay(&parsed.entries, crate::resource::encode_volume_id);
+        let dirty = found
+            .values()
+            .map(|(id, state)| (id.clone(), state.clone()))
+            .collect();
+        Ok((
+            VolumeJournal {
+                journal,
+                layout: layout.clone(),
+                dirty: Mutex::new(dirty),
+            },
+            found,
+            refused,
+        ))
+    }
+
+    /// Appends the volume's state (`None`: its removal); returns once it is durable.
+    /// Compacts afterwards when the journal is over its limits. Blocking.
+    pub fn record(&self, volume_id: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
+        let entry = VolumeEntry {
+            volume_id: volume_id.to_string(),
+            state,
+        };
+        let payload = entry.encode();
+        // Marked dirty before the append: a compaction that runs meanwhile writes it back
+        // (at worst ahead of the append, as a write in progress may land before a crash).
+        self.dirty
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(entry.volume_id, entry.state);
+        self.journal
+            .append(&[&payload])
+            .map_err(|e| journal_error(self.journal.path(), e))?;
+        WRITES.fetch_add(1, Ordering::Relaxed);
+        crash_point();
+        let size = self.journal.size();
+        if crate::durable::journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES) {
+            self.compact()?;
+        }
+        Ok(())
+    }
+
+    /// Writes back every volume changed since the last compaction to its `volume.state`
+    /// (removals remove it and its directory when empty), makes that durable with one
+    /// syncfs, then empties the journal (see [`crate::durable::journal`]). Blocking.
+    pub fn compact(&self) -> Result<(), CheckpointError> {
+        if self.journal.size().entries == 0
+            && self
+                .dirty
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+        {
+            return Ok(());
+        }
+        let path = self.journal.path().to_path_buf();
+        self.journal.compact(|| -> Result<(), CheckpointError> {
+            let dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut files = Vec::with_capacity(dirty.len());
+            for (id, state) in &dirty {
+                let dir = self.layout.volume_dir(id);
+                if state.is_some() && !dir.is_dir() {
+                    durable::create_dir(&dir).map_err(|source| CheckpointError::CreateDir {
+                        path: dir.clone(),
+                        source,
+                    })?;
+                }
+                files.push((self.layout.state_file(id), state.clone()));
+            }
+            let written = crate::durable::journal::write_back(
+                &files,
+                PRIVATE_FILE_MODE,
+                self.layout.base(),
+                crash_point,
+            );
+            if let Err(e) = written {
+                // Still dirty: the next compaction writes them again.
+                let mut d = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+                for (id, state) in dirty {
+                    d.entry(id).or_insert(state);
+                }
+                return Err(CheckpointError::Write {
+                    path: e.path.clone(),
+                    source: io::Error::new(e.source.kind(), e.to_string()),
+                });
+            }
+            for (id, state) in &dirty {
+                if state.is_none() {
+                    // Best effort, as before the journal: an empty directory is harmless.
+                    let _ = fs::remove_dir(self.layout.volume_dir(id));
+                }
+            }
+            Ok(())
+        })?;
+        let _ = path;
+        Ok(())
+    }
+}
+
+impl From<JournalError> for CheckpointError {
+    fn from(e: JournalError) -> Self {
+        let path = match &e {
+            JournalError::Read { path, .. }
+            | JournalError::Refused { path, .. }
+            | JournalError::Write { path, .. }
+            | JournalError::Sync { path, .. }
+            | JournalError::Cut { path, .. }
+            | JournalError::TooLarge { path, .. }
+            | JournalError::Broken { path, .. }
+            | JournalError::Reset { path, .. } => path.clone(),
+        };
+        journal_error(&path, e)
+    }
+}
+
+/// What a reader without the lock (`status`, in another process) sees of `layout`'s
+/// journal: its complete entries replayed (see [`replay`]); nothing when there is none. It
+/// changes nothing: a torn tail is skipped, not cut.
+pub fn read_journal(layout: &Layout) -> Result<Journaled, CheckpointError> {
+    let path = layout.base().join(JOURNAL_FILE);
+    match crate::durable::journal::read(&path).map_err(|e| journal_error(&path, e))? {
+        None => Ok(BTreeMap::new()),
+        Some((parsed, _)) => Ok(replay(&parsed.entries, crate::resource::encode_volume_id).0),
+    }
+}
+
+/// A volume's checkpoint as a recovery would find it now: its journal's last complete entry,
+/// else its `volume.state`; `None`: neither (or removed).
+pub fn read_state(layout: &Layout, volume_id: &str) -> Result<Option<Vec<u8>>, CheckpointError> {
+    let dir = crate::resource::encode_volume_id(volume_id);
+    if let Some((_, state)) = read_journal(layout)?.remove(&dir) {
+        return Ok(state);
+    }
+    read(&layout.state_file(volume_id))
+}
+
+/// Folds `layout`'s journal into its state files (open, write back, reset), for a command
+/// that reads and writes state files directly with the work dir locked (`volume detach`).
+pub fn settle_journal(layout: &Layout) -> Result<(), CheckpointError> {
+    if !layout.base().join(JOURNAL_FILE).exists() {
+        return Ok(());
+    }
+    let (journal, _, _) = VolumeJournal::open(layout)?;
+    journal.compact()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -270,6 +563,98 @@ mod tests {
         remove_durable(&p).unwrap();
         remove_durable(&p).unwrap();
         assert!(read(&p).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_volume_entry_round_trips_and_a_hostile_one_is_refused() {
+        for e in [
+            VolumeEntry {
+                volume_id: "vol/1".into(),
+                state: Some(b"{}".to_vec()),
+            },
+            VolumeEntry {
+                volume_id: "x".into(),
+                state: Some(Vec::new()),
+            },
+            VolumeEntry {
+                volume_id: "gone".into(),
+                state: None,
+            },
+        ] {
+            assert_eq!(VolumeEntry::decode(&e.encode()).unwrap(), e);
+        }
+        let good = VolumeEntry {
+            volume_id: "v".into(),
+            state: None,
+        }
+        .encode();
+        assert!(VolumeEntry::decode(&[]).is_err());
+        assert!(VolumeEntry::decode(&[9]).unwrap_err().contains("format 9"));
+        let mut huge = good.clone();
+        huge[2..6].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(VolumeEntry::decode(&huge)
+            .unwrap_err()
+            .contains("id length"));
+        let mut body = good.clone();
+        body.push(b'x');
+        assert!(VolumeEntry::decode(&body).unwrap_err().contains("removal"));
+        let mut kind = good;
+        kind[1] = 5;
+        assert!(VolumeEntry::decode(&kind).is_err());
+    }
+
+    #[test]
+    fn the_last_entry_of_a_volume_wins_and_unreadable_entries_are_reported() {
+        use crate::durable::journal::Entry;
+        let e = |seq, id: &str, state: Option<&[u8]>| Entry {
+            seq,
+            payload: VolumeEntry {
+                volume_id: id.into(),
+                state: state.map(<[u8]>::to_vec),
+            }
+            .encode(),
+        };
+        let entries = vec![
+            e(1, "a", Some(b"1")),
+            e(2, "b", Some(b"1")),
+            e(3, "a", Some(b"2")),
+            e(4, "b", None),
+            Entry {
+                seq: 5,
+                payload: vec![42],
+            },
+        ];
+        let (found, refused) = replay(&entries, |id| format!("d-{id}"));
+        assert_eq!(found["d-a"], ("a".to_string(), Some(b"2".to_vec())));
+        assert_eq!(found["d-b"], ("b".to_string(), None));
+        assert_eq!(found.len(), 2);
+        assert_eq!(refused.len(), 1);
+        assert!(refused[0].contains("entry 5"));
+    }
+
+    /// Records go to the journal, not the state files, until a compaction writes them back;
+    /// a reopen replays what was not written back.
+    #[test]
+    fn records_are_written_back_at_compaction_and_replayed_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        fs::create_dir_all(layout.volumes_dir()).unwrap();
+        let (j, found, _) = VolumeJournal::open(&layout).unwrap();
+        assert!(found.is_empty());
+        j.record("a", Some(b"one".to_vec())).unwrap();
+        j.record("b", Some(b"x".to_vec())).unwrap();
+        j.record("a", Some(b"two".to_vec())).unwrap();
+        assert!(!layout.state_file("a").exists());
+        drop(j);
+        let (j, found, _) = VolumeJournal::open(&layout).unwrap();
+        assert_eq!(found.len(), 2);
+        j.compact().unwrap();
+        assert_eq!(fs::read(layout.state_file("a")).unwrap(), b"two");
+        j.record("b", None).unwrap();
+        assert!(layout.state_file("b").exists());
+        j.compact().unwrap();
+        assert!(!layout.volume_dir("b").exists());
+        assert!(read_journal(&layout).unwrap().is_empty());
     }
 
     #[test]

@@ -512,12 +512,13 @@ impl StorageProvider {
         }
         let layout = self.layout.clone();
         let id = rec.volume_id.clone();
+        let journal = self.journal.clone();
         blocking(move || {
             remove_empty_dir(&layout.staging_path(&id));
             remove_empty_dir(&layout.mount_dir(&id));
-            checkpoint::remove_durable(&layout.state_file(&id))?;
-            let _ = std::fs::remove_dir(layout.volume_dir(&id));
-            Ok(())
+            // The removal is journaled; the state file and its directory go at the next
+            // compaction.
+            journal.record(&id, None)
         })
         .await
         .map_err(|source| ProviderError::Checkpoint {

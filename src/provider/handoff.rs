@@ -118,7 +118,15 @@ pub async fn detach(
     let dir_name = encode_volume_id(volume);
     let read = {
         let path = path.clone();
-        blocking(move || checkpoint::read(&path)).await
+        let layout = layout.clone();
+        // The provider's journal folded into the state files first (the work dir is locked):
+        // the state file is then the truth, and the fence written to it is not undone by a
+        // later replay.
+        blocking(move || {
+            checkpoint::settle_journal(&layout)?;
+            checkpoint::read(&path)
+        })
+        .await
     }
     .map_err(|source| ProviderError::Checkpoint {
         volume: volume.to_string(),

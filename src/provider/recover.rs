@@ -1,13 +1,16 @@
 //! Loading checkpoints and recovering on start.
 //!
 //! In order: stale temporary files are removed; every `volume.state` is
+//! read and the provider's journal replayed over them (its last entry of a volume wins, a
+//! removal removes it: [`checkpoint::replay`]), then each volume is
 //! loaded (one that cannot be read is reported with its path and set aside,
 //! never dropped or overwritten); after a reboot (boot id changed) node-side
 //! states fall back to NODE_READY; interrupted creates are finished;
 //! interrupted destroys are finished; volumes in use are republished (and
 //! repaired if the mount table disagrees); interrupted steps of unused
 //! volumes are settled per the policy; orphaned mount directories are
-//! unmounted and removed. Each action is logged and kept in the report.
+//! unmounted and removed; last, the journal is compacted (written back to the state files and
+//! emptied). Each action is logged and kept in the report.
 //!
 //! The decisions are pure functions at the end of the file, table-tested:
 //! [`sort_found`] (what a volume directory holds: load, reset after a
@@ -96,6 +99,8 @@ impl StorageProvider {
         }
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
+        // What recovery replayed and changed goes to the state files; the journal starts empty.
+        self.compact_journal().await;
         Ok(())
     }
 
@@ -169,29 +174,43 @@ impl StorageProvider {
     fn load_records(&self) {
         let mounted = self.mounted_targets();
         let dir = self.layout.volumes_dir();
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            return;
-        };
+        let (journaled, refused) = self.replayed.lock().unwrap().take().unwrap_or_default();
         let mut report = self.report.lock().unwrap();
-        for entry in entries.flatten() {
+        for why in refused {
+            tracing::error!(error = %why, "journal entry skipped");
+            report.failures.push(("journal".into(), why));
+        }
+        // The state files, then the journal's entries over them.
+        let mut found_by_dir: std::collections::BTreeMap<String, Found> = Default::default();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             let vdir = entry.path();
             if !vdir.is_dir() {
                 continue;
             }
             checkpoint::remove_stale_temps(&vdir);
-            let path = vdir.join(STATE_FILE);
-            let found = match checkpoint::read(&path) {
+            let found = match checkpoint::read(&vdir.join(STATE_FILE)) {
                 Ok(Some(bytes)) => Found::StateFile(bytes),
                 Ok(None) => Found::NoStateFile,
                 Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
             };
+            found_by_dir.insert(entry.file_name().to_string_lossy().into_owned(), found);
+        }
+        for (dir_name, (_, state)) in journaled {
+            let found = match state {
+                Some(bytes) => Found::StateFile(bytes),
+                None => Found::NoStateFile,
+            };
+            found_by_dir.insert(dir_name, found);
+        }
+        for (dir_name, found) in found_by_dir {
+            let vdir = dir.join(&dir_name);
+            let path = vdir.join(STATE_FILE);
             let facts = Facts {
                 boot_id: &self.boot_id,
                 mounted: mounted.as_ref(),
                 layout: &self.layout,
             };
-            let (rec, reset) = match sort_found(&entry.file_name().to_string_lossy(), found, &facts)
-            {
+            let (rec, reset) = match sort_found(&dir_name, found, &facts) {
                 Sorted::RemoveDir => {
                     let _ = std::fs::remove_dir(&vdir);
                     continue;

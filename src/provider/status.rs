@@ -1,6 +1,8 @@
 //! A read-only view of every volume under a work dir, checked against the
-//! mount table: what `csi-isolator status` prints. It reads checkpoints and
-//! `/proc/self/mountinfo` only; it starts no plugin and changes nothing.
+//! mount table: what `csi-isolator status` prints. It reads checkpoints (each provider's
+//! `volume.state` files with its journal's complete entries over them: a running provider
+//! writes its state files back lazily) and `/proc/self/mountinfo` only; it starts no plugin
+//! and changes nothing (a journal's torn tail is skipped, not cut).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
@@ -9,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
+use crate::provider::checkpoint;
 use crate::provider::state::{ContentSource, Expansion, VolumeRecord, VolumeState};
 use crate::resource::{Layout, STATE_FILE};
 
@@ -111,21 +114,50 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
     let mut report = StatusReport::default();
     for (plugin_type, plugin_name) in plugins(&csi) {
         let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
-        let Ok(entries) = std::fs::read_dir(layout.volumes_dir()) else {
-            continue;
+        // The journal's complete entries, over the state files: the truth while a provider
+        // runs (its state files are written back lazily). A refused journal is reported and
+        // the state files shown alone.
+        let mut journaled = match checkpoint::read_journal(&layout) {
+            Ok(j) => j,
+            Err(e) => {
+                report.unreadable.push(UnreadableState {
+                    path: layout.base().join(checkpoint::JOURNAL_FILE),
+                    reason: crate::error_chain::full_message(&e),
+                });
+                Default::default()
+            }
         };
-        let mut dirs: Vec<_> = entries.flatten().map(|e| e.path()).collect();
+        let mut dirs: Vec<PathBuf> = std::fs::read_dir(layout.volumes_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        // A volume only the journal knows yet has no directory.
+        for name in journaled.keys() {
+            let dir = layout.volumes_dir().join(name);
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
         dirs.sort();
         for dir in dirs {
             collect_set_aside(&dir, &mut report);
             let path = dir.join(STATE_FILE);
-            let rec = match std::fs::read(&path) {
+            let dir_name = dir
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            let read = match journaled.remove(&dir_name) {
+                Some((_, Some(bytes))) => Ok(bytes),
+                Some((_, None)) => continue,
+                None => std::fs::read(&path),
+            };
+            let rec = match read {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => Err(e.to_string()),
-                Ok(b) => VolumeRecord::from_state_file(
-                    &b,
-                    &dir.file_name().unwrap_or_default().to_string_lossy(),
-                ),
+                Ok(b) => VolumeRecord::from_state_file(&b, &dir_name),
             };
             let rec = match rec {
                 Ok(r) => r,
@@ -297,5 +329,66 @@ mod tests {
             .unwrap()
             .contains("interrupted"));
         assert_eq!(report.unreadable.len(), 1);
+    }
+
+    /// The journal's entries win over the state files: a newer state, a volume only the
+    /// journal knows, a removal; a torn tail is skipped and left in place.
+    #[test]
+    fn the_journal_is_overlaid_on_the_state_files() {
+        use crate::durable::journal::{encode, header};
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        let rec = |id: &str, state: VolumeState| {
+            let mut r = VolumeRecord::new(id, Capability::default());
+            r.state = state;
+            serde_json::to_vec(&r).unwrap()
+        };
+        for id in ["old", "gone"] {
+            let p = layout.state_file(id);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, rec(id, VolumeState::Created)).unwrap();
+        }
+        let mut j = header(1);
+        let entries = [
+            checkpoint::VolumeEntry {
+                volume_id: "old".into(),
+                state: Some(rec("old", VolumeState::Published)),
+            },
+            checkpoint::VolumeEntry {
+                volume_id: "new".into(),
+                state: Some(rec("new", VolumeState::NodeReady)),
+            },
+            checkpoint::VolumeEntry {
+                volume_id: "gone".into(),
+                state: None,
+            },
+        ];
+        for (n, e) in entries.iter().enumerate() {
+            encode(n as u64 + 1, &e.encode(), &mut j);
+        }
+        j.extend_from_slice(&[7; 9]);
+        let jpath = layout.base().join(checkpoint::JOURNAL_FILE);
+        std::fs::write(&jpath, &j).unwrap();
+        let report = scan(dir.path(), &FakeSyscall::new()).unwrap();
+        let states: Vec<_> = report
+            .volumes
+            .iter()
+            .map(|v| (v.volume_id.as_str(), v.state))
+            .collect();
+        assert_eq!(
+            states,
+            [
+                ("new", VolumeState::NodeReady),
+                ("old", VolumeState::Published)
+            ]
+        );
+        assert!(report.unreadable.is_empty(), "{:?}", report.unreadable);
+        assert_eq!(std::fs::read(&jpath).unwrap(), j, "status changed nothing");
+        // A planted symlink in the journal's place is refused and reported, not followed.
+        std::fs::remove_file(&jpath).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("elsewhere"), &jpath).unwrap();
+        let report = scan(dir.path(), &FakeSyscall::new()).unwrap();
+        assert_eq!(report.unreadable.len(), 1);
+        assert!(report.unreadable[0].reason.contains("symlink"));
     }
 }

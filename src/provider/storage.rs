@@ -214,6 +214,11 @@ pub struct StorageProvider {
     pub(crate) sweeping: std::sync::atomic::AtomicBool,
     /// What tells ensure-all which volumes to check ([`crate::provider::publish::Watched`]).
     pub(crate) watched: crate::provider::publish::Watched,
+    /// The journal every record change is appended to ([`checkpoint::VolumeJournal`]).
+    pub(crate) journal: Arc<checkpoint::VolumeJournal>,
+    /// What the journal held at start, replayed (by volume directory name), and the entries
+    /// it could not read: taken by recovery.
+    pub(crate) replayed: Mutex<Option<checkpoint::Replayed>>,
 }
 
 impl StorageProvider {
@@ -297,6 +302,14 @@ impl StorageProvider {
                 .try_for_each(|dir| mkdir(dir, "create provider directory"))
         })
         .await?;
+        let (journal, found, refused) = {
+            let layout = layout.clone();
+            blocking(move || checkpoint::VolumeJournal::open(&layout)).await
+        }
+        .map_err(|source| ProviderError::Checkpoint {
+            volume: "(every volume: the provider's journal)".into(),
+            source,
+        })?;
         let (client, supervisor) = match (&config.plugin, early_client) {
             (_, Some(client)) => (client, None),
             (PluginSource::Endpoint(endpoint), None) => {
@@ -344,6 +357,8 @@ impl StorageProvider {
             report: Mutex::new(RecoveryReport::default()),
             sweeping: std::sync::atomic::AtomicBool::new(false),
             watched: crate::provider::publish::Watched::new(watch),
+            journal: Arc::new(journal),
+            replayed: Mutex::new(Some((found, refused))),
             config,
         });
         Self::recover(&provider).await?;
@@ -457,8 +472,18 @@ impl StorageProvider {
 
     /// Stops a managed plugin (SIGTERM, then SIGKILL after `grace`).
     pub async fn shutdown(&self, grace: Duration) {
+        self.compact_journal().await;
         if let Some(s) = &self.supervisor {
             s.stop(grace).await;
+        }
+    }
+
+    /// Writes the journal back to the state files and empties it (clean shutdown, and after
+    /// recovery). A failure is logged: the journal keeps its entries for the next start.
+    pub async fn compact_journal(&self) {
+        let journal = self.journal.clone();
+        if let Err(e) = blocking(move || journal.compact()).await {
+            tracing::error!(error = %crate::error_chain::Chain(&e), "cannot compact the provider's journal: its entries stay for the next start");
         }
     }
 
@@ -486,12 +511,14 @@ impl StorageProvider {
         slot
     }
 
-    /// Writes a volume's checkpoint, on the blocking pool (its fsyncs wait
-    /// for the disk); returns once it is durable.
+    /// Records a volume's checkpoint in the journal, on the blocking pool (its batch's
+    /// fdatasync waits for the disk); returns once it is durable. Its `volume.state` is
+    /// written back at the next compaction.
     pub(crate) async fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
-        let path = self.layout.state_file(&rec.volume_id);
-        blocking(move || checkpoint::write_atomic(&path, &bytes))
+        let journal = self.journal.clone();
+        let id = rec.volume_id.clone();
+        blocking(move || journal.record(&id, Some(bytes)))
             .await
             .map_err(|source| ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),
@@ -502,12 +529,12 @@ impl StorageProvider {
     /// [`persist`](Self::persist) from code already off the async workers.
     pub(crate) fn persist_here(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
-        checkpoint::write_atomic(&self.layout.state_file(&rec.volume_id), &bytes).map_err(
-            |source| ProviderError::Checkpoint {
+        self.journal
+            .record(&rec.volume_id, Some(bytes))
+            .map_err(|source| ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),
                 source,
-            },
-        )
+            })
     }
 
     /// The node id from NodeGetInfo, asked once.

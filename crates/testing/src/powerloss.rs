@@ -6,9 +6,15 @@
 //! before the run), except that an operation not yet made durable may be lost:
 //! - file data written but not fsynced (an [`Op::Fsync`] of the same file, by any name, later
 //!   in the prefix) may survive, be lost (the file empty) or be cut short (its first half);
+//! - data appended ([`Op::Append`]) and not yet synced (an [`Op::Fsync`] or [`Op::Fdatasync`]
+//!   of the file) may survive, be lost, be cut short, or be zeros (the size reached the disk,
+//!   the bytes did not); an earlier append lost under a later one kept leaves a hole of zeros;
+//!   a cut ([`Op::Truncate`]) not yet synced may be undone;
 //! - a directory entry change (create, mkdir, rename, unlink, rmdir) not yet made durable by
 //!   an [`Op::FsyncDir`] of its directory (both directories of a rename) may be present or
-//!   absent, independently of the others; a rename is atomic (both names or neither).
+//!   absent, independently of the others; a rename is atomic (both names or neither);
+//! - an [`Op::SyncFs`] makes every change before it durable (the tests keep to one file
+//!   system).
 //!
 //! A kept operation whose precondition a lost one broke (a rename of a name whose create was
 //! lost) does nothing. Every subset of the lost operations is enumerated when there are few
@@ -106,6 +112,8 @@ enum Fate {
     Lost,
     /// File data cut to its first half.
     Torn,
+    /// Appended data whose size reached the disk but not its bytes: zeros.
+    Zeroed,
 }
 
 /// A file system in replay: names to entries, files by inode.
@@ -177,7 +185,27 @@ impl Fs {
                         Fate::Kept => bytes.clone(),
                         Fate::Lost => Vec::new(),
                         Fate::Torn => bytes[..bytes.len() / 2].to_vec(),
+                        Fate::Zeroed => vec![0; bytes.len()],
                     };
+                }
+            }
+            Op::Append { offset, bytes, .. } => {
+                if let Some(data) = ino.and_then(|n| self.inodes.get_mut(&n)) {
+                    // An earlier append lost leaves a hole, read as zeros.
+                    let at = *offset as usize;
+                    data.1.truncate(at);
+                    data.1.resize(at, 0);
+                    match fate {
+                        Fate::Kept => data.1.extend_from_slice(bytes),
+                        Fate::Lost => {}
+                        Fate::Torn => data.1.extend_from_slice(&bytes[..bytes.len() / 2]),
+                        Fate::Zeroed => data.1.resize(at + bytes.len(), 0),
+                    }
+                }
+            }
+            Op::Truncate { len, .. } => {
+                if let Some(data) = ino.and_then(|n| self.inodes.get_mut(&n)) {
+                    data.1.truncate(*len as usize);
                 }
             }
             Op::Rename { from, to } => {
@@ -226,7 +254,11 @@ impl Fs {
                     self.names.remove(path);
                 }
             }
-            Op::Fsync { .. } | Op::FsyncDir { .. } | Op::Promised(_) => {}
+            Op::Fsync { .. }
+            | Op::Fdatasync { .. }
+            | Op::FsyncDir { .. }
+            | Op::SyncFs { .. }
+            | Op::Promised(_) => {}
         }
     }
 
@@ -262,7 +294,11 @@ fn analyse(base: &Tree, ops: &[Op]) -> Analysis {
     let mut ino = vec![None; ops.len()];
     for (i, op) in ops.iter().enumerate() {
         match op {
-            Op::Write { path, .. } | Op::Fsync { path } => {
+            Op::Write { path, .. }
+            | Op::Fsync { path }
+            | Op::Append { path, .. }
+            | Op::Truncate { path, .. }
+            | Op::Fdatasync { path } => {
                 if let Some(Ent::File(n)) = fs.names.get(path) {
                     ino[i] = Some(*n);
                 }
@@ -275,6 +311,12 @@ fn analyse(base: &Tree, ops: &[Op]) -> Analysis {
     let parent = |p: &Path| p.parent().map(Path::to_path_buf);
     let mut durable_at = vec![None; ops.len()];
     let mut changes = vec![false; ops.len()];
+    // A syncfs makes everything before it durable.
+    let syncfs_after = |i: usize| (i + 1..ops.len()).find(|&j| matches!(ops[j], Op::SyncFs { .. }));
+    let earliest = |a: Option<usize>, b: Option<usize>| match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
     for (i, op) in ops.iter().enumerate() {
         // The directories whose fsync makes an entry change durable.
         let dirs: Vec<PathBuf> = match op {
@@ -285,11 +327,14 @@ fn analyse(base: &Tree, ops: &[Op]) -> Analysis {
             Op::Rename { from, to } => parent(from).into_iter().chain(parent(to)).collect(),
             _ => Vec::new(),
         };
-        if let Op::Write { .. } = op {
+        if let Op::Write { .. } | Op::Append { .. } | Op::Truncate { .. } = op {
             changes[i] = true;
-            durable_at[i] = (i + 1..ops.len()).find(|&j| {
-                matches!(ops[j], Op::Fsync { .. }) && ino[j] == ino[i] && ino[i].is_some()
+            let synced = (i + 1..ops.len()).find(|&j| {
+                matches!(ops[j], Op::Fsync { .. } | Op::Fdatasync { .. })
+                    && ino[j] == ino[i]
+                    && ino[i].is_some()
             });
+            durable_at[i] = earliest(synced, syncfs_after(i));
         } else if !dirs.is_empty() {
             changes[i] = true;
             // Every directory must be synced after the op; durable at the last of them.
@@ -302,7 +347,7 @@ fn analyse(base: &Tree, ops: &[Op]) -> Analysis {
                     _ => None,
                 };
             }
-            durable_at[i] = at;
+            durable_at[i] = earliest(at, syncfs_after(i));
         }
     }
     Analysis {
@@ -337,6 +382,8 @@ pub fn crash_states(base: &Tree, ops: &[Op]) -> Vec<CrashState> {
         let fates_of = |i: usize| -> &'static [Fate] {
             if matches!(ops[i], Op::Write { .. }) {
                 &[Fate::Kept, Fate::Lost, Fate::Torn]
+            } else if matches!(ops[i], Op::Append { .. }) {
+                &[Fate::Kept, Fate::Lost, Fate::Torn, Fate::Zeroed]
             } else {
                 &[Fate::Kept, Fate::Lost]
             }
@@ -466,6 +513,17 @@ pub fn check_promises(ops: &[Op], state: &CrashState) -> Vec<Lost> {
                     allowed.push(Some(Node::Dir(*m)));
                 }
             }
+            Promise::Journaled { seq, .. } => {
+                // The file's complete entries hold the entry (and, by their sequence, every
+                // earlier one of this file).
+                if let Some(Node::File(_, bytes)) = &found {
+                    let holds = csi_isolator::durable::journal::parse(bytes)
+                        .is_ok_and(|p| p.entries.iter().any(|e| e.seq == *seq));
+                    if holds {
+                        allowed.push(found.clone());
+                    }
+                }
+            }
         }
         // What the later, unfinished operations on the path may leave there.
         let mut written: BTreeMap<&Path, &Vec<u8>> = BTreeMap::new();
@@ -486,6 +544,16 @@ pub fn check_promises(ops: &[Op], state: &CrashState) -> Vec<Lost> {
                 Op::Mkdir { path: p } if p == path => {
                     if let Some(Node::Dir(m)) = &found {
                         allowed.push(Some(Node::Dir(*m)));
+                    }
+                }
+                // Appends (a journal's) keep what was written before them as a prefix.
+                Op::Append { path: p, .. } | Op::Truncate { path: p, .. } if p == path => {
+                    if let (Promise::Written { bytes, .. }, Some(Node::File(_, b))) =
+                        (promise, &found)
+                    {
+                        if b.starts_with(bytes) {
+                            allowed.push(found.clone());
+                        }
                     }
                 }
                 _ => {}
@@ -690,6 +758,79 @@ mod tests {
         // At 10 pending ops, every subset.
         let at10 = states.iter().filter(|s| s.point == 10).count();
         assert_eq!(at10, 1 << 10);
+    }
+
+    fn journal_ops(sync: bool) -> (Tree, Vec<Op>) {
+        use csi_isolator::durable::journal::{encode, header};
+        let mut base = base();
+        base.insert(p("/w/j"), Node::File(0o600, header(1)));
+        let mut frame = Vec::new();
+        encode(1, b"entry", &mut frame);
+        let mut ops = vec![Op::Append {
+            path: p("/w/j"),
+            offset: header(1).len() as u64,
+            bytes: frame,
+        }];
+        if sync {
+            ops.push(Op::Fdatasync { path: p("/w/j") });
+        }
+        ops.push(Op::Promised(Promise::Journaled {
+            path: p("/w/j"),
+            seq: 1,
+        }));
+        (base, ops)
+    }
+
+    /// An append synced before its promise keeps it; before the sync the frame may be
+    /// whole, absent, cut short or zeros, and the parser takes only a whole one.
+    #[test]
+    fn a_synced_append_keeps_its_promise_and_an_unsynced_one_may_be_torn_or_zeroed() {
+        let (base, ops) = journal_ops(true);
+        assert!(lost_promises(&base, &ops).0.is_empty());
+        let at1: Vec<_> = crash_states(&base, &ops)
+            .into_iter()
+            .filter(|s| s.point == 1)
+            .collect();
+        assert_eq!(at1.len(), 4, "kept, lost, torn, zeroed");
+        let whole = at1
+            .iter()
+            .filter(|s| match s.tree.get(&p("/w/j")) {
+                Some(Node::File(_, b)) => {
+                    csi_isolator::durable::journal::parse(b)
+                        .unwrap()
+                        .entries
+                        .len()
+                        == 1
+                }
+                _ => false,
+            })
+            .count();
+        assert_eq!(whole, 1);
+    }
+
+    /// The planted bug: an append returned before its fdatasync.
+    #[test]
+    fn an_append_without_its_fdatasync_is_reported() {
+        let (base, ops) = journal_ops(false);
+        let (lost, _) = lost_promises(&base, &ops);
+        assert_eq!(lost.len(), 3, "lost, torn, zeroed: {lost:?}");
+    }
+
+    /// A syncfs makes every earlier change durable: renames and unsynced data alike.
+    #[test]
+    fn a_syncfs_makes_everything_before_it_durable() {
+        let mut ops = write_atomic_ops(&p("/w/.f.tmp-1-0"), &p("/w/f"), b"new");
+        ops.retain(|op| !matches!(op, Op::Fsync { .. } | Op::FsyncDir { .. }));
+        let promise = ops.pop().unwrap();
+        ops.push(Op::SyncFs { path: p("/w") });
+        ops.push(promise);
+        let (lost, n) = lost_promises(&base(), &ops);
+        assert!(lost.is_empty(), "{lost:?}");
+        assert!(n > 3);
+        // Before the syncfs, the renamed file may be empty: the write was not synced.
+        assert!(crash_states(&base(), &ops)
+            .iter()
+            .any(|s| s.tree.get(&p("/w/f")) == file(b"").as_ref()));
     }
 
     #[test]
