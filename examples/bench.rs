@@ -13,6 +13,11 @@
 //!    and the latency of a status scan;
 //! 6. what the default (loop) backing costs beside the directory backing:
 //!    `csi-isolator run` with a new volume and with an existing one;
+//! 7. node scale: a real `serve` and a real `docker-plugin` holding 1,000 and
+//!    `--node-scale` (10,000) volumes on the directory backing, and
+//!    `--node-scale-loop` (1,000) on the loop backing: RSS, the `status` CLI,
+//!    serve's restart after SIGKILL, and each figure's growth
+//!    (`--node-scale-only`: this section alone);
 //!
 //! and the targets with PASS or MISS. Everything lives in one unique temp
 //! dir that is unmounted and removed at the end, on error and on Ctrl-C.
@@ -20,12 +25,16 @@
 
 #[path = "bench/backing.rs"]
 mod backing;
+#[path = "bench/docker_api.rs"]
+mod docker_api;
 #[path = "bench/floor.rs"]
 mod floor;
 #[path = "bench/hold.rs"]
 mod hold;
 #[path = "bench/machine.rs"]
 mod machine;
+#[path = "bench/scale.rs"]
+mod scale;
 #[path = "bench/serve.rs"]
 mod serve;
 #[path = "bench/stats.rs"]
@@ -90,6 +99,17 @@ struct Args {
     /// quick: 2000; 0: not measured).
     #[arg(long)]
     scale_volumes: Option<usize>,
+    /// Section 7: the largest number of volumes serve and docker-plugin hold on the directory
+    /// backing, beside 1,000 (default 10000; quick: 2000; 0: section 7 not run).
+    #[arg(long)]
+    node_scale: Option<usize>,
+    /// Section 7: volumes on the loop backing (default 1000; quick: 200; 0: none). Each is a
+    /// loop device and an ext4 mount, held twice (serve and docker-plugin), one point after another.
+    #[arg(long)]
+    node_scale_loop: Option<usize>,
+    /// Run section 7 alone.
+    #[arg(long)]
+    node_scale_only: bool,
     /// Internal: be the serve-like child holding N volumes.
     #[arg(long, hide = true)]
     hold: Option<usize>,
@@ -111,10 +131,28 @@ struct Plan {
     hold: usize,
     /// Volumes in use for the second ensure-all measure (0: none).
     scale: usize,
+    /// Section 7's points: (volumes, backing), smallest first per backing.
+    node_scale: Vec<(usize, &'static str)>,
+    /// Section 7 alone.
+    node_scale_only: bool,
 }
 
 impl Plan {
-    fn new(quick: bool, hold: Option<usize>, scale: Option<usize>) -> Plan {
+    fn new(args: &Args) -> Plan {
+        let (quick, hold, scale) = (args.quick, args.hold_volumes, args.scale_volumes);
+        let mut node_scale = Vec::new();
+        let dir = args.node_scale.unwrap_or(if quick { 2000 } else { 10_000 });
+        if dir > 0 {
+            node_scale.extend([(dir.min(1000), "dir"), (dir, "dir")]);
+        }
+        let looped = args
+            .node_scale_loop
+            .unwrap_or(if quick { 200 } else { 1000 });
+        if looped > 0 {
+            node_scale.extend([(looped.min(1000), "loop"), (looped, "loop")]);
+        }
+        node_scale.dedup();
+        let node_scale_only = args.node_scale_only;
         if quick {
             Plan {
                 name: "quick",
@@ -125,6 +163,8 @@ impl Plan {
                 shared: (64, 1),
                 hold: hold.unwrap_or(1000),
                 scale: scale.unwrap_or(2000),
+                node_scale,
+                node_scale_only,
             }
         } else {
             Plan {
@@ -136,6 +176,8 @@ impl Plan {
                 shared: (64, 3),
                 hold: hold.unwrap_or(1000),
                 scale: scale.unwrap_or(10_000),
+                node_scale,
+                node_scale_only,
             }
         }
     }
@@ -174,7 +216,7 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .init();
-    let plan = Plan::new(args.quick, args.hold_volumes, args.scale_volumes);
+    let plan = Plan::new(&args);
     let plugin = match find_plugin(args.plugin.as_deref()) {
         Ok(p) => p,
         Err(e) => {
@@ -381,6 +423,8 @@ struct Results {
     scaled: Option<HoldReport>,
     served: std::result::Result<serve::ServeReport, String>,
     backing: backing::BackingReport,
+    /// Section 7's points.
+    node: Vec<scale::Point>,
 }
 
 /// Section 4, one row.
@@ -409,6 +453,17 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         VOLUME_BYTES >> 20
     );
     progress(&format!("temp dir {}", sandbox.path().display()));
+    let serve_bin = plugin.with_file_name("csi-isolator");
+    if plan.node_scale_only {
+        let node = measure_node_scale(plan, &serve_bin, sandbox).await?;
+        let rule = "-".repeat(112);
+        println!("{rule}\n{header}\n{rule}");
+        let mut targets = Vec::new();
+        scale::print(&node, &mut targets);
+        print_targets(plan, &targets, started.elapsed());
+        println!("{rule}");
+        return Ok(());
+    }
 
     let cold = start_provider(plugin, &work, "cold", UnpublishPolicy::LastUse, sandbox).await?;
     let warm = start_provider(plugin, &work, "warm", UnpublishPolicy::Keep, sandbox).await?;
@@ -419,7 +474,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     let pool = create_pool(&cold, "vol", pool_size).await?;
 
     progress(&format!(
-        "[1-2/6] publish: {} cold, {} warm, floor and provider interleaved",
+        "[1-2/7] publish: {} cold, {} warm, floor and provider interleaved",
         plan.cold, plan.warm
     ));
     let publish = measure_publish(plan, &cold, &warm, &mut floor, &pool).await?;
@@ -429,17 +484,17 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     stop_provider(&warm, sandbox).await;
 
     progress(&format!(
-        "[3/6] launch /bin/true with 0, 1, 8, 64 volumes, {} each",
+        "[3/7] launch /bin/true with 0, 1, 8, 64 volumes, {} each",
         plan.launch
     ));
     let launch = measure_launch(plan, &cold, &pool, &work, sandbox).await?;
 
-    progress("[4/6] concurrent containers through the isolator");
+    progress("[4/7] concurrent containers through the isolator");
     let conc = measure_concurrency(plan, &cold, &pool, &work, sandbox).await?;
     stop_provider(&cold, sandbox).await;
 
     progress(&format!(
-        "[5/6] serve-like child holding {} published volumes",
+        "[5/7] serve-like child holding {} published volumes",
         plan.hold
     ));
     let held = measure_hold(plan.hold, plugin, sandbox).await?;
@@ -452,7 +507,6 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     } else {
         None
     };
-    let serve_bin = plugin.with_file_name("csi-isolator");
     let served = if serve::available(&serve_bin) {
         progress(&format!(
             "  optional: csi-isolator serve with {} volumes prepared through its socket",
@@ -467,9 +521,10 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
 
     let runs = if plan.name == "quick" { 5 } else { 20 };
     progress(&format!(
-        "[6/6] backing cost: {runs} first and {runs} later `csi-isolator run`s per backing"
+        "[6/7] backing cost: {runs} first and {runs} later `csi-isolator run`s per backing"
     ));
     let backing = backing::measure(&serve_bin, &sandbox.join("backing"), runs)?;
+    let node = measure_node_scale(plan, &serve_bin, sandbox).await?;
 
     let results = Results {
         publish,
@@ -479,6 +534,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         scaled,
         served,
         backing,
+        node,
     };
     print_report(&header, plan, &results, started.elapsed());
     Ok(())
@@ -896,6 +952,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
         scaled,
         served,
         backing: backing_report,
+        node,
     } = results;
     let mut targets: Vec<(String, String, bool)> = Vec::new();
     let rule = "-".repeat(112);
@@ -1095,14 +1152,37 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     }
     print_ensure_all(held, scaled.as_ref(), &mut targets);
     backing::print(backing_report, &mut targets);
+    scale::print(node, &mut targets);
+    print_targets(plan, &targets, elapsed);
+    println!("{rule}");
+}
 
+fn print_targets(plan: &Plan, targets: &[(String, String, bool)], elapsed: Duration) {
     println!(
         "\nTARGETS ({} run, {:.0} s)",
         plan.name,
         elapsed.as_secs_f64()
     );
-    for (what, value, pass) in &targets {
+    for (what, value, pass) in targets {
         println!("  {:<54} {:>10}  {}", what, value, verdict(*pass));
     }
-    println!("{rule}");
+}
+
+/// Section 7: every point of [`Plan::node_scale`], one after another, each under its own dir.
+async fn measure_node_scale(
+    plan: &Plan,
+    bin: &Path,
+    sandbox: &Sandbox,
+) -> Result<Vec<scale::Point>> {
+    let mut points = Vec::new();
+    for &(volumes, backing) in &plan.node_scale {
+        progress(&format!(
+            "[7/7] node scale: serve and docker-plugin with {volumes} volumes on the {backing} backing"
+        ));
+        let dir = sandbox.join(format!("node-{backing}-{volumes}"));
+        points.push(scale::measure(bin, &dir, volumes, backing, sandbox).await?);
+        // Their files are not needed once measured (10,000 volumes' worth of directories).
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(points)
 }

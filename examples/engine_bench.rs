@@ -15,6 +15,8 @@
 //! dir; the host paths the engines make are restored (`csi_isolator_testing::engines`).
 
 // The benchmark's own helpers, shared with `bench`; not every one is used here.
+#[path = "bench/docker_api.rs"]
+mod docker_api;
 #[allow(dead_code)]
 #[path = "bench/machine.rs"]
 mod machine;
@@ -22,8 +24,6 @@ mod machine;
 #[path = "bench/stats.rs"]
 mod stats;
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::process::{Command, ExitCode, Output};
 use std::time::{Duration, Instant};
@@ -38,6 +38,7 @@ use csi_isolator_testing::engines::{
     DOCKER_PLUGINS_DIR, PODMAN_HOST_PATHS,
 };
 use csi_isolator_testing::{processes_mentioning, DockerPluginProcess, Sandbox};
+use docker_api::{call, call_ok, fan_out, mount_id};
 
 use machine::status_kib;
 use stats::{fmt_dur, ratio, verdict, Samples};
@@ -307,67 +308,6 @@ fn podman_section(args: &Args, bin: &str) -> Result<()> {
     Ok(())
 }
 
-/// One request to docker-plugin's socket (one per connection, as it serves them): the HTTP
-/// status and the body.
-fn call(socket: &Path, endpoint: &str, body: &str) -> Result<(u16, String)> {
-    let mut stream =
-        UnixStream::connect(socket).with_context(|| format!("connect {}", socket.display()))?;
-    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
-    write!(
-        stream,
-        "POST /{endpoint} HTTP/1.1\r\nHost: plugin\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut answer = String::new();
-    stream
-        .read_to_string(&mut answer)
-        .with_context(|| format!("read the answer to {endpoint}"))?;
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .with_context(|| format!("{endpoint}: no status line in {answer:?}"))?;
-    let body = answer
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    Ok((status, body))
-}
-
-fn call_ok(socket: &Path, endpoint: &str, body: &str) -> Result<String> {
-    let (status, answer) = call(socket, endpoint, body)?;
-    ensure!(status == 200, "{endpoint} {body}: {status} {answer}");
-    Ok(answer)
-}
-
-/// Runs `each(i)` for `0..count`, [`CONCURRENCY`] threads at once.
-fn fan_out(count: usize, each: impl Fn(usize) -> Result<()> + Sync) -> Result<()> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..CONCURRENCY)
-            .map(|_| {
-                s.spawn(|| -> Result<()> {
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                        if i >= count {
-                            return Ok(());
-                        }
-                        each(i)?;
-                    }
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .try_for_each(|w| w.join().expect("a worker panicked"))
-    })
-}
-
-fn mount_id(i: usize) -> String {
-    format!("{i:064x}")
-}
-
 fn memory_section(args: &Args, bin: &str) -> Result<()> {
     let sb = Sandbox::new("engine-bench-memory");
     let socket = sb.join("plugin/csi-isolator.sock");
@@ -377,7 +317,7 @@ fn memory_section(args: &Args, bin: &str) -> Result<()> {
     let pid = plugin.child.id().to_string();
     let count = args.volumes;
     let started = Instant::now();
-    let made = fan_out(count, |i| {
+    let made = fan_out(count, CONCURRENCY, |i| {
         let name = format!("m{i}");
         call_ok(
             &socket,
@@ -400,7 +340,7 @@ fn memory_section(args: &Args, bin: &str) -> Result<()> {
         .filter_map(|p| status_kib(&p.to_string(), "VmRSS:"))
         .collect();
     let started = Instant::now();
-    let undone = fan_out(count, |i| {
+    let undone = fan_out(count, CONCURRENCY, |i| {
         let name = format!("m{i}");
         // A volume whose Create failed has nothing to undo; the first error stands.
         let _ = call(
