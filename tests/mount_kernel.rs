@@ -510,6 +510,17 @@ fn loop_device_with_ext4() {
     let m = ProcMountTable::new().find(&mnt).unwrap().unwrap();
     assert_eq!(m.fs_type, "ext4");
     assert_eq!(m.source, dev.path.display().to_string());
+    // The filesystem's device names its backing file in sysfs, one read: the image, not another
+    // file; a device that is no loop device (the sandbox's own filesystem) is backed by nothing.
+    assert!(mount::is_backed_by(m.major, m.minor, &img));
+    assert!(!mount::is_backed_by(
+        m.major,
+        m.minor,
+        &sb.path.join("other.img")
+    ));
+    let host = std::os::unix::fs::MetadataExt::dev(&fs::metadata(&sb.path).unwrap());
+    let (major, minor) = (nix::sys::stat::major(host), nix::sys::stat::minor(host));
+    assert!(!mount::is_backed_by(major as u32, minor as u32, &img));
     write_file(&mnt.join("hello"), "ext4").unwrap();
     nix::unistd::sync();
 

@@ -319,20 +319,33 @@ pub fn list() -> Result<Vec<(PathBuf, PathBuf)>, MountError> {
             }
             Err(source) => return Err(MountError::LoopSysfs { path: file, source }),
         };
-        let mut text = text.as_slice();
-        if let Some(stripped) = text.strip_suffix(b"\n") {
-            text = stripped;
-        }
-        if let Some(stripped) = text.strip_suffix(b" (deleted)") {
-            text = stripped;
-        }
-        found.push((
-            Path::new("/dev").join(&name),
-            PathBuf::from(OsStr::from_bytes(text)),
-        ));
+        found.push((Path::new("/dev").join(&name), backing_path(&text)));
     }
     found.sort();
     Ok(found)
+}
+
+/// A `loop/backing_file` attribute's text as a path: the newline and the kernel's " (deleted)"
+/// suffix removed.
+fn backing_path(text: &[u8]) -> PathBuf {
+    let text = text.strip_suffix(b"\n").unwrap_or(text);
+    let text = text.strip_suffix(b" (deleted)").unwrap_or(text);
+    PathBuf::from(OsStr::from_bytes(text))
+}
+
+/// Whether the block device `major:minor` is a loop device backed by `file`: one read of its
+/// `/sys/dev/block/MAJOR:MINOR/loop/backing_file`, whatever the number of loop devices (a
+/// device that is no loop device, or not bound, is not). Compared as
+/// [`find_by_backing_file`] does.
+pub fn is_backed_by(major: u32, minor: u32, file: &Path) -> bool {
+    let attr = PathBuf::from(format!("/sys/dev/block/{major}:{minor}/loop/backing_file"));
+    match std::fs::read(attr) {
+        Ok(text) => {
+            let backing = backing_path(&text);
+            backing == canonical(file) || backing == file
+        }
+        Err(_) => false,
+    }
 }
 
 /// The absolute, symlink-free form of `path` when it exists, else `path` as given.

@@ -586,6 +586,24 @@ impl Backing {
         Some(flags.contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
     }
 
+    /// For a mount volume of the loop backing, when the mount root at `path` is a filesystem on
+    /// a loop device backed by the volume's image (the device `path` lives on, asked of sysfs:
+    /// one read, not a scan of every loop device nor a read of the mount table), whether it is
+    /// read-only; `None` otherwise, and callers then read the table. The table's answer is the
+    /// same ([`Self::is_volume`] compares the mount's device with the image's loop devices).
+    fn shows_loop_fs(&self, vol_dir: &Path, path: &Path) -> Option<bool> {
+        if self.kind != BackingKind::Loop || Self::is_block(vol_dir) {
+            return None;
+        }
+        let here = fs::symlink_metadata(path).ok()?;
+        let (major, minor) = split_dev(here.dev());
+        if !loopdev::is_backed_by(major, minor, &Self::image(vol_dir)) {
+            return None;
+        }
+        let flags = nix::sys::statvfs::statvfs(path).ok()?.flags();
+        Some(flags.contains(nix::sys::statvfs::FsFlags::ST_RDONLY))
+    }
+
     fn is_mount_root(&self, path: &Path) -> Result<bool, BackingError> {
         self.table
             .is_mount_root(path)
@@ -649,7 +667,10 @@ impl Backing {
         if !self.is_mount_root(&path)? {
             return Ok(MountState::NotMounted);
         }
-        if let Some(readonly) = self.shows_data_dir(vol_dir, &path) {
+        if let Some(readonly) = self
+            .shows_data_dir(vol_dir, &path)
+            .or_else(|| self.shows_loop_fs(vol_dir, &path))
+        {
             return Ok(MountState::Volume { readonly });
         }
         let mounts = self.mounts()?;
