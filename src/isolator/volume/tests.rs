@@ -273,7 +273,7 @@ impl Rig {
     }
 
     fn checkpoint(&self, container: &str) -> Option<ContainerRecord> {
-        let bytes = std::fs::read(checkpoint_path(&self.work, container)).ok()?;
+        let bytes = crate::isolator::journal::read_checkpoint(&self.work, container).unwrap()?;
         Some(serde_json::from_slice(&bytes).unwrap())
     }
 }
