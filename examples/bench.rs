@@ -435,6 +435,9 @@ struct ConcRow {
     runs: usize,
     throughput: f64,
     latency: Samples,
+    /// fsync/fdatasync/syncfs calls of this process (the isolator's and the provider's
+    /// checkpoints and journals) per container launch, over the whole burst.
+    fsyncs: f64,
 }
 
 async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
@@ -728,6 +731,7 @@ async fn burst(
 ) -> Result<ConcRow> {
     let mut latency = Samples::new();
     let mut wall = Duration::ZERO;
+    let f0 = checkpoint::fsyncs();
     for run in 0..runs {
         let start = Arc::new(tokio::sync::Barrier::new(n + 1));
         let mut tasks = Vec::with_capacity(n);
@@ -773,6 +777,7 @@ async fn burst(
         runs,
         throughput: (n * runs) as f64 / wall.as_secs_f64(),
         latency,
+        fsyncs: (checkpoint::fsyncs() - f0) as f64 / (n * runs) as f64,
     })
 }
 
@@ -1062,8 +1067,8 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
 
     println!("\n4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
     println!(
-        "  {:<22} {:>5} {:>10} {:>12} {:>11} {:>11}",
-        "containers", "runs", "volumes", "launches/s", "p50 lat", "p99 lat"
+        "  {:<22} {:>5} {:>10} {:>12} {:>11} {:>11} {:>13}",
+        "containers", "runs", "volumes", "launches/s", "p50 lat", "p99 lat", "fsyncs/launch"
     );
     for r in conc {
         let volumes = if r.label == "shared" {
@@ -1072,28 +1077,48 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
             "own each".to_string()
         };
         println!(
-            "  {:<22} {:>5} {:>10} {:>12.1} {:>11} {:>11}",
+            "  {:<22} {:>5} {:>10} {:>12.1} {:>11} {:>11} {:>13.2}",
             r.containers,
             r.runs,
             volumes,
             r.throughput,
             fmt_dur(r.latency.p50()),
-            fmt_dur(r.latency.p99())
+            fmt_dur(r.latency.p99()),
+            r.fsyncs
         );
     }
     println!("  (latency: from the burst's start to that container's cleanup done; launches/s: containers / wall time)");
+    println!("  (fsyncs/launch: the isolator's and the provider's together, this process, journal batches shared;");
+    println!("   the plugin's own, in its process, are not counted here: count them with");
+    println!("   `strace -f -c -e trace=fsync,fdatasync,syncfs -p <plugin pid>` over a burst)");
+    if let Some(c256) = conc
+        .iter()
+        .find(|r| r.label == "own" && r.containers == 256)
+    {
+        let ok = c256.fsyncs <= 1.5;
+        println!(
+            "  fsyncs per launch at 256: {:.2}   target <= 1.5: {}",
+            c256.fsyncs,
+            verdict(ok)
+        );
+        targets.push((
+            "fsyncs per launch at 256 (isolator + provider) <= 1.5".into(),
+            format!("{:.2}", c256.fsyncs),
+            ok,
+        ));
+    }
     let own = |n: usize| conc.iter().find(|r| r.label == "own" && r.containers == n);
     if let (Some(c16), Some(c256)) = (own(16), own(256)) {
         let r = c256.throughput / c16.throughput;
         println!(
-            "  throughput 256 vs 16: {:.0}%   target >= 70%: {}",
+            "  throughput 256 vs 16: {:.0}%   target >= 100%: {}",
             r * 100.0,
-            verdict(r >= 0.7)
+            verdict(r >= 1.0)
         );
         targets.push((
-            "256 concurrent >= 70% of the throughput of 16".into(),
+            "256 concurrent >= 100% of the throughput of 16".into(),
             format!("{:.0}%", r * 100.0),
-            r >= 0.7,
+            r >= 1.0,
         ));
     }
 

@@ -303,13 +303,23 @@ fn a_workload_left_by_a_killed_run_is_still_stopped_and_cleaned_up() {
     let root = work.join("isolators/volume/csi");
     let deadline = Instant::now() + Duration::from_secs(30);
     let (pid, start) = loop {
-        let found = std::fs::read_dir(&root).ok().and_then(|d| {
-            d.flatten().find_map(|e| {
-                let bytes = std::fs::read(e.path().join("state.json")).ok()?;
+        // The checkpoint as recovery reads it: the isolator's journal, then the files.
+        let journaled = csi_isolator::isolator::journal::read_journaled(&work).unwrap_or_default();
+        let files = std::fs::read_dir(&root)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| std::fs::read(e.path().join("state.json")).ok())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        let found = journaled
+            .into_values()
+            .flatten()
+            .chain(files)
+            .find_map(|bytes| {
                 let rec: ContainerRecord = serde_json::from_slice(&bytes).ok()?;
                 Some((rec.pid?, rec.pid_start?))
-            })
-        });
+            });
         if let Some(found) = found {
             break found;
         }

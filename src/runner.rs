@@ -242,13 +242,7 @@ async fn run_with_provider(
         kill_stale_workload(c).await;
     }
     let mut others: Vec<String> = others.into_iter().map(|c| c.container_id).collect();
-    let with_checkpoint: HashSet<String> = std::fs::read_dir(isolator.checkpoint_root())
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default();
+    let with_checkpoint: HashSet<String> = isolator.checkpointed_ids();
     for v in provider.volumes().await {
         for user in v.users {
             if !with_checkpoint.contains(&user) && !others.contains(&user) {

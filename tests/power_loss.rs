@@ -430,17 +430,23 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
         .unwrap()
         .to_string_lossy()
         .into_owned();
-    let isolator_at = first_promise(&ops, |p| {
-        p.starts_with(&checkpoints) && p.ends_with("state.json")
-    })
-    .expect("the isolator checkpoints the container");
-    let container = ops[isolator_at].paths()[0]
-        .parent()
-        .unwrap()
-        .file_name()
-        .unwrap()
-        .to_string_lossy()
-        .into_owned();
+    // The isolator's checkpoints go through its journal: its first promise is the container's
+    // first entry, and the journal the run leaves names the container (its removal last).
+    let isolator_journal = csi_isolator::isolator::journal::journal_path(&r.work);
+    let isolator_at = first_promise(&ops, |p| p == isolator_journal)
+        .expect("the isolator checkpoints the container");
+    let named = isolator_journaled(&fin, &isolator_journal);
+    assert_eq!(named.len(), 1, "one container journaled: {named:?}");
+    let container = named.keys().next().unwrap().clone();
+    assert_eq!(
+        named[&container], None,
+        "the run's cleanup journaled its removal"
+    );
+    let checkpointed =
+        |tree: &Tree, id: &str| match isolator_journaled(tree, &isolator_journal).remove(id) {
+            Some(state) => state.is_some(),
+            None => tree.contains_key(&checkpoints.join(id).join("state.json")),
+        };
     let base = with_unrecorded(base, &fin, &ops);
     let all = powerloss::crash_states(&base, &ops);
     let total = all.len();
@@ -471,7 +477,7 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
             for user in v["users"].as_array().unwrap() {
                 let user = user.as_str().unwrap();
                 assert!(
-                    state.tree.contains_key(&checkpoints.join(user).join("state.json")),
+                    checkpointed(&state.tree, user),
                     "{what}: the provider records a use by {user} of {} with no isolator checkpoint for it",
                     v["volume_id"]
                 );
@@ -491,10 +497,7 @@ fn every_power_cut_of_a_run_with_a_loop_volume_recovers() {
         let logs = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{what}: recovery run failed: {logs}");
         assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok", "{what}");
-        if state
-            .tree
-            .contains_key(&checkpoints.join(&container).join("state.json"))
-        {
+        if checkpointed(&state.tree, &container) {
             assert!(
                 logs.contains("cleaned up after an earlier run") && logs.contains(&container),
                 "{what}: the checkpointed container {container} was not recovered: {logs}"
@@ -872,4 +875,20 @@ fn every_power_cut_of_a_loop_expansion_keeps_the_grow_marker_with_the_capacity()
     r.ok(&["volume", "destroy", "v"], "destroy");
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
+}
+
+/// What the isolator's journal in `tree` says of each container (its complete entries
+/// replayed, as recovery reads them); nothing when the tree has no journal.
+fn isolator_journaled(
+    tree: &Tree,
+    journal: &Path,
+) -> std::collections::BTreeMap<String, Option<Vec<u8>>> {
+    match tree.get(journal) {
+        Some(powerloss::Node::File(_, bytes)) => {
+            let parsed = csi_isolator::durable::journal::parse(bytes)
+                .unwrap_or_else(|e| panic!("the isolator journal is refused: {e}"));
+            csi_isolator::isolator::journal::replay(&parsed.entries).0
+        }
+        _ => Default::default(),
+    }
 }

@@ -830,11 +830,25 @@ async fn crash_once(op: Op, n: u32) -> bool {
     w.stop_serve();
 
     // 2. The operation, on a serve armed to die at crash point n. The
-    //    containerizer recovers first (with every container it knows).
+    //    containerizer recovers first (with every container it knows). Recovery folds the
+    //    isolator's journal into its checkpoint files: its crash points (write-back, syncfs,
+    //    reset) are crashed at like the operation's, and the next serve must recover from them.
     w.start_serve(Some(n));
     let mut c = w.client().await;
-    w.recover(&mut c, w.known()).await;
-    let outcome = w.operate(op, &mut c).await;
+    let recovered = rpc(
+        "Recover",
+        c.recover(RecoverRequest {
+            known_container_ids: w.known(),
+        }),
+    )
+    .await;
+    let outcome = match recovered {
+        Ok(r) => {
+            assert!(r.corrupt.is_empty(), "{label}: {r:?}");
+            w.operate(op, &mut c).await
+        }
+        Err(s) => Err(format!("Recover ({s})")),
+    };
     drop(c);
     let mut serve = w.serve.take().unwrap();
     let crashed = match outcome {

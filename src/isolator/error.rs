@@ -117,6 +117,16 @@ pub enum IsolatorError {
         #[source]
         source: Box<CheckpointError>,
     },
+    /// The isolator's journal could not be opened or compacted (recovery stops: without it the
+    /// checkpoints on disk are not the whole truth).
+    #[error("isolator journal {path}: cannot fold it into the container checkpoints")]
+    Journal {
+        /// The journal.
+        path: PathBuf,
+        /// What failed (a refused journal says how to set it aside).
+        #[source]
+        source: Box<CheckpointError>,
+    },
     /// A path of the container's config would fail the checks recovery makes on the checkpoint:
     /// it is not recorded (nor anything published).
     #[error("container '{container}': checkpoint {path}: refused to record a path of the config (give the canonical absolute path of a directory of the container's own)")]

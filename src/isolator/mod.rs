@@ -19,6 +19,7 @@
 pub mod checkpoint_paths;
 pub mod error;
 pub mod hook;
+pub mod journal;
 pub mod launch_info;
 pub mod oci;
 pub mod ownership;

@@ -115,6 +115,7 @@ pub fn isolator_code(e: &IsolatorError) -> Code {
         IsolatorError::Namespace { source, .. } => launch_code(source),
         IsolatorError::Oci { source, .. } => oci_code(source),
         IsolatorError::Checkpoint { .. }
+        | IsolatorError::Journal { .. }
         | IsolatorError::Unmount { .. }
         | IsolatorError::Ownership { .. } => Code::Internal,
     }

@@ -3,7 +3,8 @@
 //! `cleanup`, `recover`).
 //!
 //! Invariants:
-//! - A container's checkpoint (`<work_dir>/isolators/volume/csi/<id>/state.json`)
+//! - A container's checkpoint (`<work_dir>/isolators/volume/csi/<id>/state.json`,
+//!   changed through the isolator's journal: [`crate::isolator::journal`])
 //!   is durable before its volumes are published, so a crash in between
 //!   leaves a record that `recover` cleans up; it is removed last at cleanup.
 //! - A failed prepare or update leaves nothing behind: what was published
@@ -30,6 +31,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
+use crate::isolator::journal::LazyJournal;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
 use crate::isolator::ownership;
@@ -44,8 +46,8 @@ use crate::provider::Manager;
 use crate::resource::Resource;
 
 pub use crate::isolator::record::{ContainerRecord, FORMAT_VERSION};
-pub(crate) use recover::checkpointed_in;
 pub use recover::IsolatorRecovery;
+pub(crate) use recover::{checkpointed_ids, checkpointed_in};
 
 type Entry = Arc<tokio::sync::Mutex<Option<ContainerRecord>>>;
 
@@ -59,6 +61,7 @@ pub struct VolumeIsolator {
     table: Arc<dyn MountTable>,
     processes: Arc<dyn Processes>,
     containers: Mutex<BTreeMap<String, Entry>>,
+    journal: Arc<LazyJournal>,
 }
 
 impl VolumeIsolator {
@@ -69,8 +72,10 @@ impl VolumeIsolator {
         sys: Arc<dyn Syscall>,
         table: Arc<dyn MountTable>,
     ) -> Self {
+        let work_dir = work_dir.into();
         VolumeIsolator {
-            work_dir: work_dir.into(),
+            journal: Arc::new(LazyJournal::new(&work_dir)),
+            work_dir,
             publisher: manager.clone(),
             manager,
             sys,
@@ -133,6 +138,12 @@ impl VolumeIsolator {
         &self.manager
     }
 
+    /// The ids of the containers checkpointed here, readable or not (the checkpoint
+    /// directories and the isolator's journal). Reads the file system in the caller's thread.
+    pub fn checkpointed_ids(&self) -> HashSet<String> {
+        checkpointed_ids(&self.work_dir)
+    }
+
     /// `<work_dir>/isolators/volume/csi`.
     pub fn checkpoint_root(&self) -> PathBuf {
         checkpoint_root(&self.work_dir)
@@ -163,38 +174,45 @@ impl VolumeIsolator {
         out
     }
 
-    /// Writes the container's checkpoint durably (temp file, fsync, rename, fsync of the
-    /// directory) on the blocking pool: the caller resumes once it is durable.
+    /// Appends the container's checkpoint to the isolator's journal on the blocking pool: the
+    /// caller resumes once it is durable (one fdatasync shared with concurrent containers).
     async fn persist(&self, rec: &ContainerRecord) -> Result<(), IsolatorError> {
-        let path = self.checkpoint_path(&rec.container_id);
         let bytes = serde_json::to_vec_pretty(rec).expect("a container record always serializes");
-        let at = path.clone();
-        blocking(move || checkpoint::write_atomic(&at, &bytes))
+        self.journal_record(&rec.container_id, Some(bytes)).await
+    }
+
+    /// Appends the container's removal to the isolator's journal (its file and directory go
+    /// too), on the blocking pool.
+    async fn forget(&self, container: &str) -> Result<(), IsolatorError> {
+        self.journal_record(container, None).await
+    }
+
+    async fn journal_record(
+        &self,
+        container: &str,
+        state: Option<Vec<u8>>,
+    ) -> Result<(), IsolatorError> {
+        let journal = self.journal.clone();
+        let id = container.to_string();
+        blocking(move || journal.get()?.record(&id, state))
             .await
             .map_err(|e| IsolatorError::Checkpoint {
-                container: rec.container_id.clone(),
-                path,
+                container: container.to_string(),
+                path: self.journal.path(),
                 source: Box::new(e),
             })
     }
 
-    /// Removes the container's checkpoint durably, then its directory, on the blocking pool.
-    async fn forget(&self, container: &str) -> Result<(), IsolatorError> {
-        let path = self.checkpoint_path(container);
-        let at = path.clone();
-        blocking(move || {
-            checkpoint::remove_durable(&at)?;
-            if let Some(dir) = at.parent() {
-                let _ = crate::durable::remove_dir(dir);
-            }
-            Ok(())
-        })
-        .await
-        .map_err(|e| IsolatorError::Checkpoint {
-            container: container.to_string(),
-            path,
-            source: Box::new(e),
-        })
+    /// Folds the isolator's journal into the container checkpoint files (write-back, one
+    /// syncfs, journal emptied): at recovery and at a clean shutdown. Blocking.
+    pub fn compact_journal(&self) -> Result<(), IsolatorError> {
+        self.journal
+            .get()
+            .and_then(|j| j.compact())
+            .map_err(|source| IsolatorError::Journal {
+                path: self.journal.path(),
+                source: Box::new(source),
+            })
     }
 
     /// Refuses read-write mounts of volumes published read-only or with a

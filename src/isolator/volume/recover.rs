@@ -41,10 +41,24 @@ impl VolumeIsolator {
         let known: HashSet<&str> = known.iter().map(String::as_str).collect();
         let mut report = IsolatorRecovery::default();
         let mut gone = Vec::new();
-        // The scan (reads, checks by fd, stale temps removed, bad checkpoints set aside) in one
-        // trip to the blocking pool; what it found is then loaded in order.
+        // The journal folded into the checkpoint files first (what it replays is then on disk,
+        // durably, and the journal empty), then the scan (reads, checks by fd, stale temps
+        // removed, bad checkpoints set aside), in one trip to the blocking pool; what it found
+        // is then loaded in order.
         let work_dir = self.work_dir.clone();
-        for found in blocking(move || scan_checkpoints(&work_dir)).await {
+        let journal = self.journal.clone();
+        let scanned = blocking(move || {
+            journal
+                .get()
+                .and_then(|j| j.compact())
+                .map_err(|source| IsolatorError::Journal {
+                    path: journal.path(),
+                    source: Box::new(source),
+                })?;
+            Ok::<_, IsolatorError>(scan_checkpoints(&work_dir))
+        })
+        .await?;
+        for found in scanned {
             match found {
                 Scanned::Record(rec) => {
                     let id = rec.container_id.clone();
@@ -178,22 +192,60 @@ fn scan_checkpoints(work_dir: &Path) -> Vec<Scanned> {
     out
 }
 
-/// The records [`VolumeIsolator::checkpointed`] lists, for the isolator of `work_dir`.
+/// The records [`VolumeIsolator::checkpointed`] lists, for the isolator of `work_dir`: the
+/// checkpoint files with the isolator's journal replayed over them (a container the journal
+/// names is as its last entry says, file or no file). A journal that cannot be read lists the
+/// files alone (and is logged): recovery, which needs it, then stops naming it.
 pub(crate) fn checkpointed_in(work_dir: &Path) -> Vec<ContainerRecord> {
-    let Ok(entries) = std::fs::read_dir(checkpoint_root(work_dir)) else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| read_record(work_dir, &e).ok())
-        .collect()
+    let mut journaled = journaled_or_logged(work_dir);
+    let mut out = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(checkpoint_root(work_dir)) {
+        for e in entries.flatten() {
+            let id = e.file_name().to_string_lossy().into_owned();
+            let found = match journaled.remove(&id) {
+                Some(None) => continue,
+                Some(Some(bytes)) => check_bytes(work_dir, &id, &bytes),
+                None => read_record(work_dir, &e),
+            };
+            out.extend(found.ok());
+        }
+    }
+    for (id, bytes) in journaled {
+        if let Some(bytes) = bytes {
+            out.extend(check_bytes(work_dir, &id, &bytes).ok());
+        }
+    }
+    out
+}
+
+/// The ids of the containers checkpointed in `work_dir`, readable or not: the checkpoint
+/// directories, and the containers the isolator's journal names, less those it removed.
+pub(crate) fn checkpointed_ids(work_dir: &Path) -> HashSet<String> {
+    let mut ids: HashSet<String> = std::fs::read_dir(checkpoint_root(work_dir))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    for (id, state) in journaled_or_logged(work_dir) {
+        match state {
+            Some(_) => ids.insert(id),
+            None => ids.remove(&id),
+        };
+    }
+    ids
+}
+
+fn journaled_or_logged(work_dir: &Path) -> crate::isolator::journal::Journaled {
+    crate::isolator::journal::read_journaled(work_dir).unwrap_or_else(|e| {
+        tracing::error!(error = %crate::error_chain::full_message(&e), "isolator journal unreadable: listing the checkpoint files alone");
+        Default::default()
+    })
 }
 
 /// Reads one container's checkpoint from its directory entry under the checkpoint root of
-/// `work_dir` and checks it: a real directory (not a symlink), a record that parses, of a format
-/// this build knows, for the container its directory names, whose paths pass
-/// [`checkpoint_paths::check_record`] and whose sandbox and host binds open by fd without a
-/// symlink. The error says why (for the report).
+/// `work_dir` and checks it: a real directory (not a symlink), then [`check_bytes`].
 fn read_record(work_dir: &Path, e: &std::fs::DirEntry) -> Result<ContainerRecord, RecordRefusal> {
     let id = e.file_name().to_string_lossy().into_owned();
     if !e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -201,7 +253,15 @@ fn read_record(work_dir: &Path, e: &std::fs::DirEntry) -> Result<ContainerRecord
     }
     let path = e.path().join("state.json");
     let bytes = read_checkpoint_file(&path).map_err(RecordRefusal::Unreadable)?;
-    let rec = serde_json::from_slice::<ContainerRecord>(&bytes)
+    check_bytes(work_dir, &id, &bytes)
+}
+
+/// Checks a checkpoint's bytes for container `id` (from its file or the journal): a record
+/// that parses, of a format this build knows, for the container `id` names, whose paths pass
+/// [`checkpoint_paths::check_record`] and whose sandbox and host binds open by fd without a
+/// symlink. The error says why (for the report).
+fn check_bytes(work_dir: &Path, id: &str, bytes: &[u8]) -> Result<ContainerRecord, RecordRefusal> {
+    let rec = serde_json::from_slice::<ContainerRecord>(bytes)
         .map_err(|e| RecordRefusal::Bad(e.to_string()))?;
     if rec.container_id != id {
         return Err(RecordRefusal::Bad(format!(

@@ -273,7 +273,7 @@ impl Rig {
     }
 
     fn checkpoint(&self, container: &str) -> Option<ContainerRecord> {
-        let bytes = std::fs::read(checkpoint_path(&self.work, container)).ok()?;
+        let bytes = crate::isolator::journal::read_checkpoint(&self.work, container).unwrap()?;
         Some(serde_json::from_slice(&bytes).unwrap())
     }
 }
@@ -618,4 +618,29 @@ async fn recover_cleans_up_the_gone_keeps_the_known_and_releases_stale_uses() {
     assert!(!bad.exists(), "the corrupt checkpoint is set aside");
     assert_eq!(second.containers().await.len(), 1);
     assert_eq!(rig.sys.calls(), []);
+}
+
+#[tokio::test]
+async fn a_work_dir_without_the_journal_recovers_from_its_files() {
+    let rig = Rig::new();
+    let iso = rig.isolator();
+    let data = rig.volume("vol-1", "data", VolumeMode::Rw);
+    iso.prepare("c1", rig.config(vec![data])).await.unwrap();
+    // Journaled, not yet written back.
+    assert!(!checkpoint_path(&rig.work, "c1").exists());
+    // The release before the journal: the files alone (folded in, then the journal gone).
+    iso.compact_journal().unwrap();
+    let journal = crate::isolator::journal::journal_path(&rig.work);
+    std::fs::remove_file(&journal).unwrap();
+    assert!(checkpoint_path(&rig.work, "c1").exists());
+    let second = rig.isolator();
+    assert_eq!(second.checkpointed().len(), 1);
+    let report = second.recover(&["c1".to_string()]).await.unwrap();
+    assert_eq!(report.recovered, ["c1"]);
+    assert!(report.corrupt.is_empty(), "{report:?}");
+    // And it goes on through a new journal.
+    second.cleanup("c1").await.unwrap();
+    assert!(journal.exists());
+    assert!(rig.checkpoint("c1").is_none());
+    assert!(!checkpoint_path(&rig.work, "c1").parent().unwrap().exists());
 }
