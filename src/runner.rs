@@ -252,7 +252,7 @@ async fn run_with_provider(
         }
     }
     let recovered = step(stops, isolator.recover(&others)).await??;
-    remove_stale_sandboxes(&*table, &opts.work_dir, &isolator.checkpoint_root());
+    remove_stale_sandboxes(&*table, &opts.work_dir, &isolator.checkpointed_ids());
     if !recovered.cleaned.is_empty() {
         tracing::warn!(containers = ?recovered.cleaned, "cleaned up after an earlier run that did not finish");
     }
@@ -479,7 +479,7 @@ fn mkdir(path: &Path) -> Result<(), RunError> {
 /// just now, or killed before its first checkpoint) is only a killed run's leftover. One whose
 /// checkpoint is still there (its cleanup failed) is kept for the next run's recovery; an entry
 /// that is not a plain directory is left alone.
-fn remove_stale_sandboxes(table: &dyn MountTable, work_dir: &Path, checkpoint_root: &Path) {
+fn remove_stale_sandboxes(table: &dyn MountTable, work_dir: &Path, checkpointed: &HashSet<String>) {
     let Ok(entries) =
         std::fs::read_dir(work_dir.join(crate::isolator::checkpoint_paths::RUN_SANDBOXES))
     else {
@@ -487,7 +487,8 @@ fn remove_stale_sandboxes(table: &dyn MountTable, work_dir: &Path, checkpoint_ro
     };
     for entry in entries.flatten() {
         let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-        if is_dir && !checkpoint_root.join(entry.file_name()).exists() {
+        let name = entry.file_name();
+        if is_dir && !name.to_str().is_some_and(|n| checkpointed.contains(n)) {
             remove_sandbox(table, &entry.path());
         }
     }
