@@ -891,6 +891,19 @@ impl MountTable for CountingTable {
 
 impl Bench {
     /// A provider under last-use whose mount watch and mount checks the test holds.
+    /// Unmounts `target` as someone else would, returning the unique id of the mount it was
+    /// (what the kernel's watch would report detached).
+    fn unmount_behind_the_back(&self, target: &std::path::Path) -> u64 {
+        let id = self
+            .sys
+            .check_mount_root(target)
+            .unwrap()
+            .unique_id
+            .unwrap();
+        self.sys.unmount(target, false).unwrap();
+        id
+    }
+
     async fn watched_provider(
         &self,
     ) -> (Arc<StorageProvider>, Arc<ScriptedWatch>, Arc<CountingTable>) {
@@ -954,13 +967,7 @@ async fn with_a_watch_ensure_all_checks_only_the_volumes_whose_mount_was_detache
     // Someone unmounts volume 2's target: the watch names its mount, the sweep checks it alone
     // and repairs it.
     let target = provider.mount_point(&ids[2]);
-    let id = bench
-        .sys
-        .check_mount_root(&target)
-        .unwrap()
-        .unique_id
-        .unwrap();
-    bench.sys.unmount(&target, false).unwrap();
+    let id = bench.unmount_behind_the_back(&target);
     watch.then(crate::mount::MountChanges::Detached(vec![999_998, id]));
     assert!(provider.ensure_in_use(&HashSet::new()).await.is_empty());
     assert_eq!(
@@ -973,14 +980,8 @@ async fn with_a_watch_ensure_all_checks_only_the_volumes_whose_mount_was_detache
         assert!(bench.sys.is_mount_root(&provider.mount_point(id)).unwrap());
     }
     // Its new mount is known: unmounted again, it is found again.
-    let again = bench
-        .sys
-        .check_mount_root(&target)
-        .unwrap()
-        .unique_id
-        .unwrap();
+    let again = bench.unmount_behind_the_back(&target);
     assert_ne!(again, id);
-    bench.sys.unmount(&target, false).unwrap();
     watch.then(crate::mount::MountChanges::Detached(vec![again]));
     provider.ensure_in_use(&HashSet::new()).await;
     assert_eq!(
@@ -1027,13 +1028,7 @@ async fn a_volume_busy_or_skipped_during_a_sweep_stays_marked_for_the_next() {
     table.taken();
     bench.plugin.calls();
     let target = provider.mount_point(&ids[1]);
-    let id = bench
-        .sys
-        .check_mount_root(&target)
-        .unwrap()
-        .unique_id
-        .unwrap();
-    bench.sys.unmount(&target, false).unwrap();
+    let id = bench.unmount_behind_the_back(&target);
     watch.then(crate::mount::MountChanges::Detached(vec![id]));
     // The launch that reads the detach is the one publishing volume 1 itself (skipped)...
     let skip: HashSet<&str> = [ids[1].as_str()].into();
@@ -1064,13 +1059,7 @@ async fn a_failed_repair_is_retried_by_the_next_launch_without_a_new_event() {
     table.taken();
     bench.plugin.calls();
     let target = provider.mount_point(&ids[0]);
-    let id = bench
-        .sys
-        .check_mount_root(&target)
-        .unwrap()
-        .unique_id
-        .unwrap();
-    bench.sys.unmount(&target, false).unwrap();
+    let id = bench.unmount_behind_the_back(&target);
     watch.then(crate::mount::MountChanges::Detached(vec![id]));
     *bench.plugin.fail.lock().unwrap() = Some(("NodePublishVolume", 1));
     let failures = provider.ensure_in_use(&HashSet::new()).await;
@@ -1101,13 +1090,7 @@ async fn a_launchs_own_volume_stays_watched_across_the_full_sweep_after_a_start(
         .unwrap();
     bench.plugin.calls();
     let target = provider.mount_point(&ids[0]);
-    let id = bench
-        .sys
-        .check_mount_root(&target)
-        .unwrap()
-        .unique_id
-        .unwrap();
-    bench.sys.unmount(&target, false).unwrap();
+    let id = bench.unmount_behind_the_back(&target);
     watch.then(crate::mount::MountChanges::Detached(vec![id]));
     provider
         .publish_for_container("c2", std::slice::from_ref(&ids[1]))
