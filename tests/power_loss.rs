@@ -147,13 +147,7 @@ impl Agent {
     }
 
     fn ok(&self, args: &[&str], what: &str) -> String {
-        let out = self.run(args);
-        assert!(
-            out.status.success(),
-            "{what}: csi-isolator {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        succeeded(self.run(args), args, what)
     }
 }
 
@@ -338,13 +332,7 @@ impl Runner {
     }
 
     fn ok(&self, args: &[&str], what: &str) -> String {
-        let out = self.cmd(args);
-        assert!(
-            out.status.success(),
-            "{what}: csi-isolator {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
+        succeeded(self.cmd(args), args, what)
     }
 
     /// `status --json`, which exits 1 when a checkpoint and the mount table disagree (as they
@@ -891,4 +879,14 @@ fn isolator_journaled(
         }
         _ => Default::default(),
     }
+}
+
+/// The stdout of a csi-isolator command that must have succeeded (`what` says which step).
+fn succeeded(out: Output, args: &[&str], what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what}: csi-isolator {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
 }

@@ -99,11 +99,7 @@ pub fn read_checkpoint(
     if let Some(state) = read_journaled(work_dir)?.remove(container) {
         return Ok(state);
     }
-    checkpoint::read(
-        &crate::isolator::volume::checkpoint_root(work_dir)
-            .join(container)
-            .join(STATE_FILE),
-    )
+    checkpoint::read(&checkpoint_root(work_dir).join(container).join(STATE_FILE))
 }
 
 /// The isolator's journal, open for appending (one writer: the work dir's lock).
@@ -127,7 +123,7 @@ impl ContainerJournal {
     /// stay dirty until the next [`compact`](Self::compact). Blocking.
     pub fn open(work_dir: &Path) -> Result<ContainerJournal, CheckpointError> {
         let path = journal_path(work_dir);
-        checkpoint::create_dir_durable(&crate::isolator::volume::checkpoint_root(work_dir))?;
+        checkpoint::create_dir_durable(&checkpoint_root(work_dir))?;
         let (journal, parsed) = Journal::open(&path, PRIVATE_FILE_MODE, crash_point)
             .map_err(|e| journal_error(&path, e))?;
         let (dirty, refused) = replay(&parsed.entries);
@@ -196,7 +192,7 @@ impl ContainerJournal {
     }
 
     fn state_file(&self, container: &str) -> PathBuf {
-        crate::isolator::volume::checkpoint_root(&self.work_dir)
+        checkpoint_root(&self.work_dir)
             .join(container)
             .join(STATE_FILE)
     }
@@ -304,6 +300,14 @@ impl LazyJournal {
     }
 }
 
+/// `<work_dir>/isolators/volume/csi`: one directory per container.
+pub(crate) fn checkpoint_root(work_dir: &Path) -> PathBuf {
+    work_dir
+        .join(crate::workdir::ISOLATORS_DIR)
+        .join("volume")
+        .join("csi")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -352,11 +356,7 @@ mod tests {
         let j = ContainerJournal::open(work).unwrap();
         j.record("c1", Some(b"{\"a\":1}".to_vec())).unwrap();
         j.record("c2", Some(b"{\"b\":2}".to_vec())).unwrap();
-        let file = |id: &str| {
-            crate::isolator::volume::checkpoint_root(work)
-                .join(id)
-                .join(STATE_FILE)
-        };
+        let file = |id: &str| checkpoint_root(work).join(id).join(STATE_FILE);
         assert!(!file("c1").exists(), "written back only at compaction");
         assert_eq!(
             read_journaled(work).unwrap()["c1"].as_deref(),
@@ -385,7 +385,7 @@ mod tests {
         let outside = dir.path().join("outside");
         std::fs::create_dir(&outside).unwrap();
         let j = ContainerJournal::open(&work).unwrap();
-        let root = crate::isolator::volume::checkpoint_root(&work);
+        let root = checkpoint_root(&work);
         std::os::unix::fs::symlink(&outside, root.join("c1")).unwrap();
         j.record("c1", Some(b"planted".to_vec())).unwrap();
         j.compact().unwrap();

@@ -15,6 +15,7 @@
 //! CSI plugin that records its calls.
 
 pub mod access;
+mod attention;
 pub mod bundled;
 pub mod checkpoint;
 mod create;

@@ -212,8 +212,8 @@ pub struct StorageProvider {
     pub(crate) table: Arc<dyn MountTable>,
     pub(crate) report: Mutex<RecoveryReport>,
     pub(crate) sweeping: std::sync::atomic::AtomicBool,
-    /// What tells ensure-all which volumes to check ([`crate::provider::publish::Watched`]).
-    pub(crate) watched: crate::provider::publish::Watched,
+    /// What tells ensure-all which volumes to check ([`crate::provider::attention::Watched`]).
+    pub(crate) watched: crate::provider::attention::Watched,
     /// The journal every record change is appended to ([`checkpoint::VolumeJournal`]).
     pub(crate) journal: Arc<checkpoint::VolumeJournal>,
     /// What the journal held at start, replayed (by volume directory name), and the entries
@@ -356,7 +356,7 @@ impl StorageProvider {
             table,
             report: Mutex::new(RecoveryReport::default()),
             sweeping: std::sync::atomic::AtomicBool::new(false),
-            watched: crate::provider::publish::Watched::new(watch),
+            watched: crate::provider::attention::Watched::new(watch),
             journal: Arc::new(journal),
             replayed: Mutex::new(Some((found, refused))),
             config,

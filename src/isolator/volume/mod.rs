@@ -31,6 +31,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::isolator::checkpoint_paths::{self, CheckpointPathError};
 use crate::isolator::error::IsolatorError;
+pub(crate) use crate::isolator::journal::checkpoint_root;
 use crate::isolator::journal::LazyJournal;
 use crate::isolator::launch_info::{ContainerConfig, LaunchInfo};
 use crate::isolator::oci::{self, OciPrepared};
@@ -273,14 +274,6 @@ impl VolumeIsolator {
         change(rec)?;
         self.persist(rec).await
     }
-}
-
-/// `<work_dir>/isolators/volume/csi`: one directory per container.
-pub(crate) fn checkpoint_root(work_dir: &Path) -> PathBuf {
-    work_dir
-        .join(crate::workdir::ISOLATORS_DIR)
-        .join("volume")
-        .join("csi")
 }
 
 /// A container's checkpoint file.
