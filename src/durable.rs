@@ -28,7 +28,7 @@
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -145,8 +145,38 @@ pub fn sync_dir(dir: &Path) -> io::Result<()> {
 /// Makes the directory `path` (its parent must exist). Not durable until its parent is
 /// synced ([`sync_dir`]).
 pub fn create_dir(path: &Path) -> io::Result<()> {
-    fs::create_dir(path)?;
+    create_dir_with_mode(path, 0o777)
+}
+
+/// [`create_dir`] with `mode` (before the umask) instead of 0777.
+pub fn create_dir_with_mode(path: &Path, mode: u32) -> io::Result<()> {
+    fs::DirBuilder::new().mode(mode).create(path)?;
     record::record(|| Op::Mkdir {
+        path: path.to_path_buf(),
+    });
+    Ok(())
+}
+
+/// Creates the file `path`, which must not exist, with `mode`, open for writing. Neither its
+/// data nor its name is durable until [`sync_file`] and [`sync_dir`] of its directory.
+pub fn create_new_file(path: &Path, mode: u32) -> io::Result<File> {
+    let file = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(path)?;
+    record::record(|| Op::Create {
+        path: path.to_path_buf(),
+        mode,
+    });
+    Ok(file)
+}
+
+/// fsyncs the file `path`: its data and size are durable (its name is its directory's,
+/// [`sync_dir`]).
+pub fn sync_file(path: &Path) -> io::Result<()> {
+    File::open(path)?.sync_all()?;
+    record::record(|| Op::Fsync {
         path: path.to_path_buf(),
     });
     Ok(())

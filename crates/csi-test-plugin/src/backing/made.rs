@@ -7,18 +7,16 @@
 //! synced); once [`data_dir`] returns, the dir backing's data directory is durable. The record
 //! the store writes afterwards therefore never names storage a power cut could take away.
 //!
-//! The seam has no "create an empty file" or "fsync a file" of its own (its `write_atomic`
-//! writes whole small files), so the image's create and fsync are reported to the recorder
-//! here; the image's bytes are not recorded (megabytes of mkfs output): the power-loss tests
-//! check that the fsync comes after the create and before the record's promise, and stand a
-//! formatted image in for it in every crash state where its name survives.
+//! The image's create and fsync go through the seam like the rest; its bytes are not recorded
+//! (megabytes of mkfs output): the power-loss tests check that the fsync comes after the create
+//! and before the record's promise, and stand a formatted image in for it in every crash state
+//! where its name survives.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 
-use csi_isolator::durable::{self, record, record::Op};
+use csi_isolator::durable;
 
 /// The mode of a new image: the owner's only (the 0700 volume directory already keeps others
 /// out; the file does not widen that).
@@ -27,31 +25,24 @@ const IMAGE_MODE: u32 = 0o600;
 /// Makes `dir` (mode 0700; an existing one, left by an interrupted create, is kept) and makes its
 /// entry durable by syncing its parent, which must exist.
 pub fn durable_dir(dir: &Path) -> io::Result<()> {
-    match fs::DirBuilder::new()
-        .mode(super::PRIVATE_DIR_MODE)
-        .create(dir)
-    {
-        Ok(()) => record::record(|| Op::Mkdir {
-            path: dir.to_path_buf(),
-        }),
+    made_dir(dir, super::PRIVATE_DIR_MODE)
+}
+
+/// Makes the dir backing's data directory `data` (the usual mode under the umask) in the
+/// (durable) volume directory and syncs that, so the data directory's entry is durable.
+pub fn data_dir(data: &Path) -> io::Result<()> {
+    made_dir(data, 0o777)
+}
+
+/// Makes `dir` with `mode`, keeping an existing real directory (never a symlink), then syncs its
+/// parent.
+fn made_dir(dir: &Path, mode: u32) -> io::Result<()> {
+    match durable::create_dir_with_mode(dir, mode) {
+        Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists && is_real_dir(dir) => {}
         Err(e) => return Err(e),
     }
     match dir.parent() {
-        Some(parent) => durable::sync_dir(parent),
-        None => Ok(()),
-    }
-}
-
-/// Makes the dir backing's data directory `data` in the (durable) volume directory and syncs
-/// that, so the data directory's entry is durable.
-pub fn data_dir(data: &Path) -> io::Result<()> {
-    match durable::create_dir(data) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && is_real_dir(data) => {}
-        Err(e) => return Err(e),
-    }
-    match data.parent() {
         Some(parent) => durable::sync_dir(parent),
         None => Ok(()),
     }
@@ -65,15 +56,7 @@ pub fn create_image(path: &Path, capacity: u64) -> io::Result<File> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
-    let file = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(IMAGE_MODE)
-        .open(path)?;
-    record::record(|| Op::Create {
-        path: path.to_path_buf(),
-        mode: IMAGE_MODE,
-    });
+    let file = durable::create_new_file(path, IMAGE_MODE)?;
     file.set_len(capacity)?;
     Ok(file)
 }
@@ -81,10 +64,7 @@ pub fn create_image(path: &Path, capacity: u64) -> io::Result<File> {
 /// fsyncs the image `path` (its size and whatever mkfs wrote, whether or not mkfs synced it
 /// itself), then its directory, so the image and its name are durable.
 pub fn sync_image(path: &Path) -> io::Result<()> {
-    File::open(path)?.sync_all()?;
-    record::record(|| Op::Fsync {
-        path: path.to_path_buf(),
-    });
+    durable::sync_file(path)?;
     match path.parent() {
         Some(dir) => durable::sync_dir(dir),
         None => Ok(()),
