@@ -26,11 +26,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::durable::journal::{self, Entry, Journal, JournalError};
-use crate::provider::checkpoint::{
-    self, crash_point, CheckpointError, VolumeEntry, COMPACT_BYTES, COMPACT_ENTRIES,
-};
-use crate::workdir::PRIVATE_FILE_MODE;
+use crate::durable::journal::{self, Entry};
+use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal};
 
 /// The journal's file name, in `<work_dir>/isolators/volume/`.
 pub const JOURNAL_FILE: &str = "journal";
@@ -72,13 +69,6 @@ pub fn replay(entries: &[Entry]) -> (Journaled, Vec<String>) {
     (out, refused)
 }
 
-fn journal_error(path: &Path, e: JournalError) -> CheckpointError {
-    CheckpointError::Journal {
-        path: path.to_path_buf(),
-        reason: crate::error_chain::full_message(&e),
-    }
-}
-
 /// What a reader sees of the journal of `work_dir`, without the lock and changing nothing: its
 /// complete entries replayed (a torn tail is skipped, not cut); nothing when there is none.
 pub fn read_journaled(work_dir: &Path) -> Result<Journaled, CheckpointError> {
@@ -103,19 +93,10 @@ pub fn read_checkpoint(
 }
 
 /// The isolator's journal, open for appending (one writer: the work dir's lock).
+#[derive(Debug)]
 pub struct ContainerJournal {
-    journal: Journal,
+    keyed: KeyedJournal,
     work_dir: PathBuf,
-    /// The containers changed since the last compaction, with their last state.
-    dirty: Mutex<Journaled>,
-}
-
-impl std::fmt::Debug for ContainerJournal {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ContainerJournal")
-            .field("journal", &self.journal)
-            .finish()
-    }
 }
 
 impl ContainerJournal {
@@ -124,22 +105,20 @@ impl ContainerJournal {
     pub fn open(work_dir: &Path) -> Result<ContainerJournal, CheckpointError> {
         let path = journal_path(work_dir);
         checkpoint::create_dir_durable(&checkpoint_root(work_dir))?;
-        let (journal, parsed) = Journal::open(&path, PRIVATE_FILE_MODE, crash_point)
-            .map_err(|e| journal_error(&path, e))?;
-        let (dirty, refused) = replay(&parsed.entries);
+        let (journal, entries) = KeyedJournal::open(&path)?;
+        let (dirty, refused) = replay(&entries);
         for why in refused {
             tracing::error!(journal = %path.display(), %why, "isolator journal: entry refused, not replayed");
         }
         Ok(ContainerJournal {
-            journal,
+            keyed: KeyedJournal::new(journal, dirty),
             work_dir: work_dir.to_path_buf(),
-            dirty: Mutex::new(dirty),
         })
     }
 
     /// The journal's path.
     pub fn path(&self) -> &Path {
-        self.journal.path()
+        self.keyed.path()
     }
 
     /// Appends the container's checkpoint (`None`: its removal); returns once it is durable.
@@ -147,19 +126,7 @@ impl ContainerJournal {
     /// afterwards when the journal is over its limits. Blocking.
     pub fn record(&self, container: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
         let removal = state.is_none();
-        let payload = VolumeEntry {
-            volume_id: container.to_string(),
-            state,
-        }
-        .encode();
-        // Marked dirty before the append, as the provider's: a compaction meanwhile writes it
-        // back (at worst ahead of the append, as a write in progress may land before a crash).
-        let entry = VolumeEntry::decode(&payload).expect("an entry just encoded decodes");
-        self.lock_dirty().insert(entry.volume_id, entry.state);
-        self.journal
-            .append(&[&payload])
-            .map_err(|e| journal_error(self.journal.path(), e))?;
-        crash_point();
+        self.keyed.append(container, state)?;
         if removal {
             let file = self.state_file(container);
             let dir = file.parent().expect("a checkpoint has a parent");
@@ -181,14 +148,10 @@ impl ContainerJournal {
                 let _ = crate::durable::remove_dir(dir);
             }
         }
-        if journal::due(self.journal.size(), COMPACT_ENTRIES, COMPACT_BYTES) {
+        if self.keyed.due() {
             self.compact()?;
         }
         Ok(())
-    }
-
-    fn lock_dirty(&self) -> std::sync::MutexGuard<'_, Journaled> {
-        self.dirty.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn state_file(&self, container: &str) -> PathBuf {
@@ -203,24 +166,19 @@ impl ContainerJournal {
     /// planted in its place) is not written through it: it is dropped, and the scan reports
     /// the directory. Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
-        if self.journal.size().entries == 0 && self.lock_dirty().is_empty() {
-            return Ok(());
-        }
-        self.journal.compact(|| -> Result<(), CheckpointError> {
-            let dirty = std::mem::take(&mut *self.lock_dirty());
-            let mut files = Vec::with_capacity(dirty.len());
-            for (id, state) in &dirty {
+        self.keyed
+            .compact(&volume_dir(&self.work_dir), |id, state| {
                 let file = self.state_file(id);
                 let dir = file.parent().expect("a checkpoint has a parent");
                 match std::fs::symlink_metadata(dir) {
                     Ok(m) if m.is_dir() => {}
                     Ok(_) => {
                         tracing::error!(path = %dir.display(), "isolator journal: a container's checkpoint directory is not a directory (a symlink?): not written back through it");
-                        continue;
+                        return Ok(None);
                     }
                     Err(e) if e.kind() == io::ErrorKind::NotFound => {
                         if state.is_none() {
-                            continue;
+                            return Ok(None);
                         }
                         crate::durable::create_dir(dir).map_err(|source| {
                             CheckpointError::CreateDir {
@@ -236,33 +194,8 @@ impl ContainerJournal {
                         })
                     }
                 }
-                files.push((file, state.clone()));
-            }
-            let written = journal::write_back(
-                &files,
-                PRIVATE_FILE_MODE,
-                &volume_dir(&self.work_dir),
-                crash_point,
-            );
-            if let Err(e) = written {
-                // Still dirty: the next compaction writes them again.
-                let mut d = self.lock_dirty();
-                for (id, state) in dirty {
-                    d.entry(id).or_insert(state);
-                }
-                return Err(CheckpointError::Write {
-                    path: e.path.clone(),
-                    source: io::Error::new(e.source.kind(), e.to_string()),
-                });
-            }
-            for (file, state) in &files {
-                if state.is_none() {
-                    // Best effort: an empty directory is harmless (the scan removes it).
-                    let _ = crate::durable::remove_dir(file.parent().expect("has a parent"));
-                }
-            }
-            Ok(())
-        })
+                Ok(Some(file))
+            })
     }
 }
 
@@ -311,6 +244,7 @@ pub(crate) fn checkpoint_root(work_dir: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::provider::checkpoint::VolumeEntry;
 
     fn entry(seq: u64, id: &str, state: Option<&[u8]>) -> Entry {
         Entry {

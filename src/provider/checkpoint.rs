@@ -361,28 +361,144 @@ pub fn replay(
 /// and bytes; `None`: removed), and the entries it could not read.
 pub type Replayed = (Journaled, Vec<String>);
 
-/// The provider's journal: every change of a volume's record is appended to it (durable at
-/// return, shared batches) and written back to the volume's `volume.state` lazily.
-pub struct VolumeJournal {
+/// A journal of keyed states (`VolumeEntry`s: a key and its bytes, or its removal), written back
+/// lazily to one file per key: what the provider's journal ([`VolumeJournal`]) and the
+/// isolator's (`isolator::journal::ContainerJournal`) share. Each says where a key's file is.
+pub(crate) struct KeyedJournal {
     journal: Journal,
-    layout: Layout,
-    /// The volumes changed since the last compaction, with their last state.
+    /// The keys changed since the last compaction, with their last state.
     dirty: Mutex<BTreeMap<String, Option<Vec<u8>>>>,
 }
 
-impl std::fmt::Debug for VolumeJournal {
+impl std::fmt::Debug for KeyedJournal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VolumeJournal")
+        f.debug_struct("KeyedJournal")
             .field("journal", &self.journal)
             .finish()
     }
 }
 
-fn journal_error(path: &Path, e: JournalError) -> CheckpointError {
+/// A journal error as a checkpoint error naming the journal.
+pub(crate) fn journal_error(path: &Path, e: JournalError) -> CheckpointError {
     CheckpointError::Journal {
         path: path.to_path_buf(),
         reason: crate::error_chain::full_message(&e),
     }
+}
+
+impl KeyedJournal {
+    /// Opens the journal at `path` (made when absent), cutting a torn tail; returns it and its
+    /// entries. Blocking.
+    pub(crate) fn open(
+        path: &Path,
+    ) -> Result<(Journal, Vec<crate::durable::journal::Entry>), CheckpointError> {
+        let (journal, parsed) = Journal::open(path, PRIVATE_FILE_MODE, crash_point)
+            .map_err(|e| journal_error(path, e))?;
+        Ok((journal, parsed.entries))
+    }
+
+    /// The opened journal, with the states its replay left dirty (written back at the next
+    /// [`compact`](Self::compact)).
+    pub(crate) fn new(journal: Journal, dirty: BTreeMap<String, Option<Vec<u8>>>) -> KeyedJournal {
+        KeyedJournal {
+            journal,
+            dirty: Mutex::new(dirty),
+        }
+    }
+
+    /// The journal's path.
+    pub(crate) fn path(&self) -> &Path {
+        self.journal.path()
+    }
+
+    fn lock_dirty(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Option<Vec<u8>>>> {
+        self.dirty.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Appends `key`'s state (`None`: its removal); returns once it is durable (a crash point).
+    /// Blocking.
+    pub(crate) fn append(&self, key: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
+        let entry = VolumeEntry {
+            volume_id: key.to_string(),
+            state,
+        };
+        let payload = entry.encode();
+        // Marked dirty before the append: a compaction that runs meanwhile writes it back
+        // (at worst ahead of the append, as a write in progress may land before a crash).
+        self.lock_dirty().insert(entry.volume_id, entry.state);
+        self.journal
+            .append(&[&payload])
+            .map_err(|e| journal_error(self.journal.path(), e))?;
+        WRITES.fetch_add(1, Ordering::Relaxed);
+        crash_point();
+        Ok(())
+    }
+
+    /// Whether the journal is over its limits (time to [`compact`](Self::compact)).
+    pub(crate) fn due(&self) -> bool {
+        crate::durable::journal::due(self.journal.size(), COMPACT_ENTRIES, COMPACT_BYTES)
+    }
+
+    /// Writes back every key changed since the last compaction to the file `file_of` names
+    /// (`None`: not written back, dropped), removals unlinking it and then its directory when
+    /// empty; makes that durable with one syncfs of `base`'s filesystem, then empties the
+    /// journal (see [`crate::durable::journal`]). A failed write-back keeps the keys dirty for
+    /// the next compaction. Blocking.
+    pub(crate) fn compact(
+        &self,
+        base: &Path,
+        mut file_of: impl FnMut(&str, &Option<Vec<u8>>) -> Result<Option<PathBuf>, CheckpointError>,
+    ) -> Result<(), CheckpointError> {
+        if self.journal.size().entries == 0 && self.lock_dirty().is_empty() {
+            return Ok(());
+        }
+        self.journal.compact(|| -> Result<(), CheckpointError> {
+            let dirty = std::mem::take(&mut *self.lock_dirty());
+            let mut files = Vec::with_capacity(dirty.len());
+            for (key, state) in &dirty {
+                match file_of(key, state) {
+                    Ok(Some(file)) => files.push((file, state.clone())),
+                    Ok(None) => {}
+                    Err(e) => {
+                        self.keep_dirty(dirty);
+                        return Err(e);
+                    }
+                }
+            }
+            let written =
+                crate::durable::journal::write_back(&files, PRIVATE_FILE_MODE, base, crash_point);
+            if let Err(e) = written {
+                self.keep_dirty(dirty);
+                return Err(CheckpointError::Write {
+                    path: e.path.clone(),
+                    source: io::Error::new(e.source.kind(), e.to_string()),
+                });
+            }
+            for (file, state) in &files {
+                if let (None, Some(dir)) = (state, file.parent()) {
+                    // Best effort: an empty directory is harmless.
+                    let _ = durable::remove_dir(dir);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Puts back what a failed compaction took (later changes win).
+    fn keep_dirty(&self, dirty: BTreeMap<String, Option<Vec<u8>>>) {
+        let mut d = self.lock_dirty();
+        for (key, state) in dirty {
+            d.entry(key).or_insert(state);
+        }
+    }
+}
+
+/// The provider's journal: every change of a volume's record is appended to it (durable at
+/// return, shared batches) and written back to the volume's `volume.state` lazily.
+#[derive(Debug)]
+pub struct VolumeJournal {
+    keyed: KeyedJournal,
+    layout: Layout,
 }
 
 impl VolumeJournal {
@@ -394,18 +510,16 @@ impl VolumeJournal {
     ) -> Result<(VolumeJournal, Journaled, Vec<String>), CheckpointError> {
         let path = layout.base().join(JOURNAL_FILE);
         create_dir_durable(layout.base())?;
-        let (journal, parsed) = Journal::open(&path, PRIVATE_FILE_MODE, crash_point)
-            .map_err(|e| journal_error(&path, e))?;
-        let (found, refused) = replay(&parsed.entries, crate::resource::encode_volume_id);
+        let (journal, entries) = KeyedJournal::open(&path)?;
+        let (found, refused) = replay(&entries, crate::resource::encode_volume_id);
         let dirty = found
             .values()
             .map(|(id, state)| (id.clone(), state.clone()))
             .collect();
         Ok((
             VolumeJournal {
-                journal,
+                keyed: KeyedJournal::new(journal, dirty),
                 layout: layout.clone(),
-                dirty: Mutex::new(dirty),
             },
             found,
             refused,
@@ -415,24 +529,8 @@ impl VolumeJournal {
     /// Appends the volume's state (`None`: its removal); returns once it is durable.
     /// Compacts afterwards when the journal is over its limits. Blocking.
     pub fn record(&self, volume_id: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
-        let entry = VolumeEntry {
-            volume_id: volume_id.to_string(),
-            state,
-        };
-        let payload = entry.encode();
-        // Marked dirty before the append: a compaction that runs meanwhile writes it back
-        // (at worst ahead of the append, as a write in progress may land before a crash).
-        self.dirty
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(entry.volume_id, entry.state);
-        self.journal
-            .append(&[&payload])
-            .map_err(|e| journal_error(self.journal.path(), e))?;
-        WRITES.fetch_add(1, Ordering::Relaxed);
-        crash_point();
-        let size = self.journal.size();
-        if crate::durable::journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES) {
+        self.keyed.append(volume_id, state)?;
+        if self.keyed.due() {
             self.compact()?;
         }
         Ok(())
@@ -442,56 +540,16 @@ impl VolumeJournal {
     /// (removals remove it and its directory when empty), makes that durable with one
     /// syncfs, then empties the journal (see [`crate::durable::journal`]). Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
-        if self.journal.size().entries == 0
-            && self
-                .dirty
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-        {
-            return Ok(());
-        }
-        let path = self.journal.path().to_path_buf();
-        self.journal.compact(|| -> Result<(), CheckpointError> {
-            let dirty = std::mem::take(&mut *self.dirty.lock().unwrap_or_else(|p| p.into_inner()));
-            let mut files = Vec::with_capacity(dirty.len());
-            for (id, state) in &dirty {
-                let dir = self.layout.volume_dir(id);
-                if state.is_some() && !dir.is_dir() {
-                    durable::create_dir(&dir).map_err(|source| CheckpointError::CreateDir {
-                        path: dir.clone(),
-                        source,
-                    })?;
-                }
-                files.push((self.layout.state_file(id), state.clone()));
+        self.keyed.compact(self.layout.base(), |id, state| {
+            let dir = self.layout.volume_dir(id);
+            if state.is_some() && !dir.is_dir() {
+                durable::create_dir(&dir).map_err(|source| CheckpointError::CreateDir {
+                    path: dir.clone(),
+                    source,
+                })?;
             }
-            let written = crate::durable::journal::write_back(
-                &files,
-                PRIVATE_FILE_MODE,
-                self.layout.base(),
-                crash_point,
-            );
-            if let Err(e) = written {
-                // Still dirty: the next compaction writes them again.
-                let mut d = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
-                for (id, state) in dirty {
-                    d.entry(id).or_insert(state);
-                }
-                return Err(CheckpointError::Write {
-                    path: e.path.clone(),
-                    source: io::Error::new(e.source.kind(), e.to_string()),
-                });
-            }
-            for (id, state) in &dirty {
-                if state.is_none() {
-                    // Best effort, as before the journal: an empty directory is harmless.
-                    let _ = fs::remove_dir(self.layout.volume_dir(id));
-                }
-            }
-            Ok(())
-        })?;
-        let _ = path;
-        Ok(())
+            Ok(Some(self.layout.state_file(id)))
+        })
     }
 }
 
