@@ -521,6 +521,11 @@ fn loop_device_with_ext4() {
     let host = std::os::unix::fs::MetadataExt::dev(&fs::metadata(&sb.path).unwrap());
     let (major, minor) = (nix::sys::stat::major(host), nix::sys::stat::minor(host));
     assert!(!mount::is_backed_by(major as u32, minor as u32, &img));
+    assert_eq!(
+        mount::backing_file_of(m.major, m.minor),
+        Some(fs::canonicalize(&img).unwrap())
+    );
+    assert_eq!(mount::backing_file_of(major as u32, minor as u32), None);
     write_file(&mnt.join("hello"), "ext4").unwrap();
     nix::unistd::sync();
 

@@ -338,14 +338,16 @@ fn backing_path(text: &[u8]) -> PathBuf {
 /// device that is no loop device, or not bound, is not). Compared as
 /// [`find_by_backing_file`] does.
 pub fn is_backed_by(major: u32, minor: u32, file: &Path) -> bool {
+    backing_file_of(major, minor)
+        .is_some_and(|backing| backing == canonical(file) || backing == file)
+}
+
+/// The backing file of the block device `major:minor` when it is a bound loop device: one read
+/// of `/sys/dev/block/MAJOR:MINOR/loop/backing_file`, whatever the number of loop devices;
+/// `None` for any other device, an unbound one, or one being torn down.
+pub fn backing_file_of(major: u32, minor: u32) -> Option<PathBuf> {
     let attr = PathBuf::from(format!("/sys/dev/block/{major}:{minor}/loop/backing_file"));
-    match std::fs::read(attr) {
-        Ok(text) => {
-            let backing = backing_path(&text);
-            backing == canonical(file) || backing == file
-        }
-        Err(_) => false,
-    }
+    std::fs::read(attr).ok().map(|text| backing_path(&text))
 }
 
 /// The absolute, symlink-free form of `path` when it exists, else `path` as given.

@@ -42,7 +42,8 @@ pub use fake::FakeSyscall;
 pub use fd::{fd_path, proc_fd_path};
 pub use linux::LinuxSyscall;
 pub use loopdev::{
-    attach, detach, find_backed_under, find_by_backing_file, is_backed_by, LoopDevice,
+    attach, backing_file_of, detach, find_backed_under, find_by_backing_file, is_backed_by,
+    LoopDevice,
 };
 pub use mountinfo::{
     entry_identity, parse_mountinfo, EntryIdentity, MountInfo, MountTable, ProcMountTable,

@@ -299,7 +299,7 @@ enum Identity {
         minor: u32,
         root: PathBuf,
     },
-    /// (major, minor) of the loop devices backed by the image.
+    /// (major, minor) of the mounted loop devices backed by the image.
     Loop { devices: Vec<(u32, u32)> },
     /// Binds of a block volume's loop device nodes: the mount holding each node (as the mount
     /// table shows it) and the node's path inside it.
@@ -534,15 +534,25 @@ impl Backing {
                 Ok(Identity::Block { nodes })
             }
             BackingKind::Loop => {
-                let mut devices = Vec::new();
-                for dev in self.loop_devices(vol_dir)? {
-                    match fs::metadata(&dev) {
-                        Ok(meta) => devices.push(split_dev(meta.rdev())),
-                        // Detached meanwhile.
-                        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                        Err(e) => return Err(io_step("stat loop device", &dev)(e).into()),
-                    }
-                }
+                // The devices of the mounted filesystems, each asked of sysfs whether the image
+                // backs it: one read per device mounted on the node, not a scan of every loop
+                // device node the host has made (those are never removed, and grow with every
+                // attach that finds none free).
+                let image = Self::image(vol_dir);
+                let wanted = [
+                    fs::canonicalize(&image).unwrap_or_else(|_| image.clone()),
+                    image,
+                ];
+                let mut seen = std::collections::BTreeSet::new();
+                let devices = mounts
+                    .iter()
+                    .map(|m| (m.major, m.minor))
+                    .filter(|dev| seen.insert(*dev))
+                    .filter(|&(major, minor)| {
+                        loopdev::backing_file_of(major, minor)
+                            .is_some_and(|backing| wanted.contains(&backing))
+                    })
+                    .collect();
                 Ok(Identity::Loop { devices })
             }
         }
@@ -923,7 +933,9 @@ impl Backing {
             if !self.is_mount_root(&path)? {
                 return Ok(true);
             }
-            if self.shows_data_dir(vol_dir, &path).is_some() {
+            if self.shows_data_dir(vol_dir, &path).is_some()
+                || self.shows_loop_fs(vol_dir, &path).is_some()
+            {
                 self.unmount_bounded(&path)?;
                 continue;
             }
@@ -971,8 +983,20 @@ impl Backing {
         })
     }
 
-    /// Detaches the volume's loop devices if none of its mounts is left (a no-op for dir).
+    /// Detaches a block volume's loop devices if none of its binds is left. A no-op for dir and
+    /// for a loop volume mounted as a filesystem: its device is attached with autoclear and
+    /// the kernel frees it at its last unmount, so there is nothing to look for (looking means
+    /// reading every loop device node of the host: [`Self::release_all`] does, for DeleteVolume).
     pub fn release_if_unused(&self, vol_dir: &Path) -> Result<(), BackingError> {
+        if !Self::is_block(vol_dir) {
+            return Ok(());
+        }
+        self.release_all(vol_dir)
+    }
+
+    /// Detaches every loop device of the volume if none of its mounts is left (a no-op for dir),
+    /// whatever its kind: DeleteVolume's, before it waits for them to run down.
+    pub fn release_all(&self, vol_dir: &Path) -> Result<(), BackingError> {
         if self.kind != BackingKind::Loop || !self.volume_mounts(vol_dir)?.is_empty() {
             return Ok(());
         }

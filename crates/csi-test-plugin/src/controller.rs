@@ -615,7 +615,7 @@ impl Plugin {
             )));
         }
         self.faults.stall(RPC);
-        self.backing.release_if_unused(&dir).map_err(backing_err)?;
+        self.backing.release_all(&dir).map_err(backing_err)?;
         self.backing.wait_loop_rundown(&dir).map_err(backing_err)?;
         self.store
             .remove(&record.id)
