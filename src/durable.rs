@@ -37,6 +37,21 @@ pub mod record;
 
 use record::{Op, Promise};
 
+/// fsyncs, fdatasyncs and syncfs made through the seam in this process (journals included).
+static SYNCS: AtomicU64 = AtomicU64::new(0);
+
+/// How many fsync, fdatasync and syncfs calls this process has made through the seam (files,
+/// directories, journal batches, write-backs), for the benchmarks; the bundled plugin reports
+/// its own when asked (`--report-syncs`).
+pub fn syncs() -> u64 {
+    SYNCS.load(Ordering::SeqCst)
+}
+
+/// Counts one sync about to be issued.
+fn counted() {
+    SYNCS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// What a temporary file's name holds after the target's name.
 const TEMP_MARK: &str = ".tmp-";
 
@@ -116,6 +131,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
                 path: tmp.clone(),
                 bytes: bytes.to_vec(),
             });
+            counted();
             file.sync_all().map_err(|e| (WriteStep::SyncFile, e))
         })
         .map(|()| record::record(|| Op::Fsync { path: tmp.clone() }));
@@ -135,7 +151,9 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
-    File::open(dir).and_then(|d| d.sync_all())?;
+    let dir_file = File::open(dir)?;
+    counted();
+    dir_file.sync_all()?;
     record::record(|| Op::FsyncDir {
         path: dir.to_path_buf(),
     });
@@ -175,7 +193,9 @@ pub fn create_new_file(path: &Path, mode: u32) -> io::Result<File> {
 /// fsyncs the file `path`: its data and size are durable (its name is its directory's,
 /// [`sync_dir`]).
 pub fn sync_file(path: &Path) -> io::Result<()> {
-    File::open(path)?.sync_all()?;
+    let file = File::open(path)?;
+    counted();
+    file.sync_all()?;
     record::record(|| Op::Fsync {
         path: path.to_path_buf(),
     });

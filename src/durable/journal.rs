@@ -17,11 +17,21 @@
 //! batch: the first to find no batch in flight leads, writes everything queued so far and
 //! syncs it; the others queue their frames meanwhile and wait on a condition variable; when
 //! the leader is done the next waiter whose frames are not yet written leads the next
-//! batch. Entries are numbered when their batch is written. The file is opened for each batch
-//! and closed after it: no writable descriptor is held between batches. A failed
-//! batch is cut back to where it started (durably) and its appenders get the error; if the
-//! cut fails too the tail is uncertain: the journal is then broken and every later append
-//! fails, until a restart recovers from its complete entries.
+//! batch. Entries are numbered when their batch is written.
+//!
+//! [`Journal::append_lazy`] is for an entry whose loss to a power cut costs nothing but
+//! redone work (a step's result after an idempotent RPC, which recovery re-issues from the
+//! durable intent before it): it queues its frames and returns without waiting for a sync.
+//! They are written at once when no batch is in flight, else by the leader in flight as soon
+//! as its batch is done (whenever no batch is in flight, nothing is left queued), and become
+//! durable with the next batch's `fdatasync` (which covers the whole file) or the next
+//! compaction. A lazy-only batch is a `write(2)` without a sync; it promises nothing. Order
+//! is kept: an entry appended after a lazy one, once durable, makes the lazy one durable too.
+//!
+//! The file is opened for each batch and closed after it: no writable descriptor is held
+//! between batches. A failed batch is cut back to where it started (durably) and its
+//! appenders get the error; if the cut fails too the tail is uncertain: the journal is then
+//! broken and every later append fails, until a restart recovers from its complete entries.
 //!
 //! # Compaction
 //! [`Journal::compact`] holds the journal (no batch is written meanwhile; appends queue), runs
@@ -47,7 +57,6 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use super::record::{self, Op, Promise};
@@ -66,13 +75,14 @@ pub const MAX_ENTRY: usize = 1 << 20;
 /// The largest journal read: a bigger file is refused, never read into memory.
 pub const MAX_FILE: u64 = 256 << 20;
 
-/// fdatasyncs, syncfs and the resets' fsyncs made by journals in this process.
-static SYNCS: AtomicU64 = AtomicU64::new(0);
-
-/// How many syncs (a batch's fdatasync, a write-back's syncfs, a reset's two fsyncs, a cut's
-/// fdatasync) the journals of this process have made, for the benchmarks.
-pub fn syncs() -> u64 {
-    SYNCS.load(Ordering::SeqCst)
+/// When an append returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Commit {
+    /// Once its entry is durable ([`Journal::append`]: a promise).
+    Durable,
+    /// At once, its entry written or queued; durable with the next synced batch
+    /// ([`Journal::append_lazy`]).
+    Lazy,
 }
 
 /// One complete entry.
@@ -369,7 +379,8 @@ struct Queue {
     entries: u64,
     /// Batches written since the journal was opened.
     batches: u64,
-    /// Appenders whose payloads are in `pending`.
+    /// Appenders whose payloads are in `pending` and who wait for them to be durable (lazy
+    /// appenders do not wait: a batch with none is written without a sync).
     waiters: usize,
     /// Batches written or failed (cut back, not broken): their first sequence number or why
     /// they failed, and how many of their appenders have yet to learn it.
@@ -440,7 +451,6 @@ impl Journal {
                         source,
                     }
                 })?;
-                SYNCS.fetch_add(2, Ordering::Relaxed);
                 // No crash point: a crash here or just before leaves the same (empty) state.
                 parse(&header(1)).expect("a fresh header parses")
             }
@@ -558,14 +568,51 @@ impl Journal {
         }
     }
 
-    /// Writes and syncs everything queued as one batch, the lock released meanwhile.
-    fn lead<'a>(&'a self, mut q: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
+    /// Appends `payloads` as consecutive entries without waiting for them to be durable (see
+    /// the module doc): written now when no batch is in flight, else right after it; durable
+    /// with the next batch's sync. Promises nothing. An error says they were not queued; a
+    /// failed write of a lazy-only batch is logged (the entries are lost, as to a power cut).
+    /// Blocking (it may write): call it from the blocking pool.
+    pub fn append_lazy(&self, payloads: &[&[u8]]) -> Result<(), JournalError> {
+        if let Some(p) = payloads.iter().find(|p| p.len() > MAX_ENTRY) {
+            return Err(JournalError::TooLarge {
+                path: self.path.clone(),
+                len: p.len(),
+            });
+        }
+        let mut q = self.lock();
+        if let Some(reason) = &q.broken {
+            return Err(self.broken(reason));
+        }
+        q.pending.extend(payloads.iter().map(|p| p.to_vec()));
+        if !q.busy {
+            drop(self.lead(q));
+        }
+        Ok(())
+    }
+
+    /// Writes what is queued as one batch (synced when an appender waits for it), the lock
+    /// released meanwhile; then, while only lazy frames are queued and no appender would lead
+    /// them, writes those too, so that nothing stays queued with no batch in flight.
+    fn lead<'a>(&'a self, q: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
+        let mut q = self.write_batch(q);
+        while !q.busy && q.broken.is_none() && q.waiters == 0 && !q.pending.is_empty() {
+            q = self.write_batch(q);
+        }
+        q
+    }
+
+    /// Writes everything queued as one batch, and syncs it when an appender waits for it, the
+    /// lock released meanwhile.
+    fn write_batch<'a>(&'a self, mut q: MutexGuard<'a, Queue>) -> MutexGuard<'a, Queue> {
         q.busy = true;
         let batch = q.open_batch;
         q.open_batch += 1;
         let pending = std::mem::take(&mut q.pending);
         let n = pending.len() as u64;
         let waiters = std::mem::take(&mut q.waiters);
+        // Lazy frames alone are written, not synced: the next synced batch covers them.
+        let sync = waiters > 0;
         let first = q.next_seq;
         let mut buf = Vec::with_capacity(pending.iter().map(|p| p.len() + FRAME_HEAD).sum());
         for (i, p) in pending.iter().enumerate() {
@@ -579,8 +626,12 @@ impl Journal {
             Ok(f) => f,
             Err(e) => {
                 q.busy = false;
-                q.outcomes
-                    .insert(batch, (Err(format!("open: {e}")), waiters));
+                let reason = format!("open: {e}");
+                if sync {
+                    q.outcomes.insert(batch, (Err(reason), waiters));
+                } else {
+                    tracing::error!(journal = %self.path.display(), error = %reason, "journal: lazy entries not written (recovery redoes what they recorded)");
+                }
                 self.done.notify_all();
                 return q;
             }
@@ -595,15 +646,19 @@ impl Journal {
                     offset,
                     bytes: buf.clone(),
                 });
-                SYNCS.fetch_add(1, Ordering::Relaxed);
-                file.sync_data().map_err(|e| format!("fdatasync: {e}"))
-            })
-            .map(|()| {
-                record::record(|| Op::Fdatasync {
-                    path: self.path.clone(),
-                })
+                if !sync {
+                    return Ok(());
+                }
+                super::counted();
+                file.sync_data()
+                    .map_err(|e| format!("fdatasync: {e}"))
+                    .map(|()| {
+                        record::record(|| Op::Fdatasync {
+                            path: self.path.clone(),
+                        })
+                    })
             });
-        if result.is_ok() {
+        if result.is_ok() && sync {
             (self.crash_point)();
         }
         let mut q = self.lock();
@@ -613,8 +668,10 @@ impl Journal {
                 q.len += buf.len() as u64;
                 q.entries += n;
                 q.next_seq += n;
-                q.outcomes.insert(batch, (Ok(first), waiters));
-                q.batches += 1;
+                if sync {
+                    q.outcomes.insert(batch, (Ok(first), waiters));
+                    q.batches += 1;
+                }
             }
             Err(reason) => {
                 // The batch's appenders get the error. The tail is cut back to where the batch
@@ -625,6 +682,7 @@ impl Journal {
                             path: self.path.clone(),
                             len: offset,
                         });
+                        super::counted();
                         f.sync_data()
                     })
                 });
@@ -634,7 +692,9 @@ impl Journal {
                             path: self.path.clone(),
                         });
                         tracing::error!(journal = %self.path.display(), error = %reason, "journal append failed; its tail was cut back");
-                        q.outcomes.insert(batch, (Err(reason), waiters));
+                        if sync {
+                            q.outcomes.insert(batch, (Err(reason), waiters));
+                        }
                     }
                     _ => {
                         tracing::error!(journal = %self.path.display(), error = %reason, "journal append failed and its tail could not be cut: the journal is broken until a restart");
@@ -669,25 +729,26 @@ impl Journal {
         let result = write_back().and_then(|()| self.reset(first_seq).map_err(E::from));
         let mut q = self.lock();
         q.busy = false;
-        match result {
+        let result = match result {
             Ok(file) => {
                 drop(file);
                 q.len = HEADER_LEN as u64;
                 q.entries = 0;
+                Ok(())
             }
-            Err(e) => {
-                self.done.notify_all();
-                return Err(e);
-            }
-        }
+            Err(e) => Err(e),
+        };
         self.done.notify_all();
-        Ok(())
+        // Lazy frames queued meanwhile, with no appender to lead them.
+        if q.waiters == 0 && !q.pending.is_empty() && q.broken.is_none() {
+            drop(self.lead(q));
+        }
+        result
     }
 
     /// Replaces the file by an empty journal starting at `first_seq`, durably, and opens it.
     fn reset(&self, first_seq: u64) -> Result<File, JournalError> {
         let written = super::write_atomic(&self.path, &header(first_seq), self.mode);
-        SYNCS.fetch_add(2, Ordering::Relaxed);
         if let Err(source) = written {
             if matches!(source.step, WriteStep::Rename | WriteStep::SyncDir) {
                 self.lock().broken = Some(format!("reset: {source}"));
@@ -725,7 +786,7 @@ fn cut(path: &Path, len: u64) -> Result<(), JournalError> {
         path: path.to_path_buf(),
         len,
     });
-    SYNCS.fetch_add(1, Ordering::Relaxed);
+    super::counted();
     file.sync_data().map_err(fail)?;
     record::record(|| Op::Fdatasync {
         path: path.to_path_buf(),
@@ -808,7 +869,7 @@ pub fn write_back(
 /// `syncfs(2)` of the file system holding `on`.
 pub fn sync_fs(on: &Path) -> io::Result<()> {
     let dir = File::open(on)?;
-    SYNCS.fetch_add(1, Ordering::Relaxed);
+    super::counted();
     rustix::fs::syncfs(&dir)?;
     record::record(|| Op::SyncFs {
         path: on.to_path_buf(),
@@ -951,6 +1012,57 @@ mod tests {
         // queued while the one before was written, so about 8 batches, far from 128.
         let batches = j.batches();
         assert!((8..=32).contains(&batches), "{batches} batches");
+    }
+
+    /// A lazy append is written at once and not synced; appends after it keep the sequence;
+    /// under concurrency every lazy entry is written, once, by the time the appends return.
+    #[test]
+    fn lazy_appends_are_written_in_order_without_a_sync_of_their_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal");
+        let (j, _) = Journal::open(&path, 0o600, nothing).unwrap();
+        j.append_lazy(&[b"x"]).unwrap();
+        assert_eq!(j.batches(), 0, "a lazy-only batch is not synced");
+        let (p, _) = read(&path).unwrap().unwrap();
+        assert_eq!(p.entries.len(), 1, "written at once");
+        assert_eq!(j.append(&[b"y"]).unwrap(), 2);
+        assert_eq!(j.batches(), 1);
+        assert!(matches!(
+            j.append_lazy(&[&vec![0u8; MAX_ENTRY + 1]]),
+            Err(JournalError::TooLarge { .. })
+        ));
+
+        fn slow_disk() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let path = dir.path().join("j2");
+        let (j, _) = Journal::open(&path, 0o600, slow_disk).unwrap();
+        let j = Arc::new(j);
+        let threads: Vec<_> = (0..8)
+            .map(|t| {
+                let j = j.clone();
+                std::thread::spawn(move || {
+                    for i in 0..6 {
+                        let p = format!("{t}-{i}");
+                        if (t + i) % 2 == 0 {
+                            j.append_lazy(&[p.as_bytes()]).unwrap();
+                        } else {
+                            j.append(&[p.as_bytes()]).unwrap();
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let (p, _) = read(&path).unwrap().unwrap();
+        let mut seen: Vec<_> = p.entries.iter().map(|e| e.payload.clone()).collect();
+        seen.sort();
+        seen.dedup();
+        assert_eq!(seen.len(), 48, "every entry written once");
+        assert_eq!(p.entries.len(), 48);
+        assert!(j.batches() <= 24, "{} synced batches", j.batches());
     }
 
     #[test]

@@ -6,6 +6,12 @@
 //!   (cleanup) is one journal entry, durable when [`ContainerJournal::record`] returns;
 //!   concurrent containers share a batch's one `fdatasync`. The entry is the provider's
 //!   ([`VolumeEntry`]: an id and the file's bytes, or a removal), keyed by container id.
+//! - A removal is appended lazily ([`Commit::Lazy`]: written at once, durable with the next
+//!   synced batch): one lost to a power cut brings back the checkpoint of a container whose
+//!   volumes were already released, and recovery cleans it up again (cleanup is idempotent;
+//!   after a reboot no container of the last boot survives). What must be durable first is the
+//!   provider's release, which the cleanup waits for before it: a use the provider records
+//!   always has its container's checkpoint.
 //! - The `state.json` files are the steady state as of the last compaction, each with its
 //!   format version as before. A compaction ([`ContainerJournal::compact`]: after recovery's
 //!   load, and when the journal passes the provider's limits) writes every container changed
@@ -26,7 +32,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::durable::journal::{self, Entry};
+use crate::durable::journal::{self, Commit, Entry};
 use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal};
 
 /// The journal's file name, in `<work_dir>/isolators/volume/`.
@@ -121,12 +127,17 @@ impl ContainerJournal {
         self.keyed.path()
     }
 
-    /// Appends the container's checkpoint (`None`: its removal); returns once it is durable.
-    /// A removal then unlinks the file and its directory (see the module doc). Compacts
-    /// afterwards when the journal is over its limits. Blocking.
-    pub fn record(&self, container: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
+    /// Appends the container's checkpoint (`None`: its removal); returns once it is durable,
+    /// or at once for [`Commit::Lazy`]. A removal then unlinks the file and its directory (see
+    /// the module doc). Compacts afterwards when the journal is over its limits. Blocking.
+    pub fn record(
+        &self,
+        container: &str,
+        state: Option<Vec<u8>>,
+        commit: Commit,
+    ) -> Result<(), CheckpointError> {
         let removal = state.is_none();
-        self.keyed.append(container, state)?;
+        self.keyed.append(container, state, commit)?;
         if removal {
             let file = self.state_file(container);
             let dir = file.parent().expect("a checkpoint has a parent");
@@ -152,6 +163,11 @@ impl ContainerJournal {
             self.compact()?;
         }
         Ok(())
+    }
+
+    /// How many synced batches (one fdatasync each) it has written since it was opened.
+    pub fn batches(&self) -> u64 {
+        self.keyed.batches()
     }
 
     fn state_file(&self, container: &str) -> PathBuf {
@@ -221,6 +237,11 @@ impl LazyJournal {
         journal_path(&self.work_dir)
     }
 
+    /// The journal if it is open (never opens it).
+    pub fn opened(&self) -> Option<Arc<ContainerJournal>> {
+        self.slot.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// The journal, opened now if it is not yet. Blocking.
     pub fn get(&self) -> Result<Arc<ContainerJournal>, CheckpointError> {
         let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
@@ -288,8 +309,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let work = dir.path();
         let j = ContainerJournal::open(work).unwrap();
-        j.record("c1", Some(b"{\"a\":1}".to_vec())).unwrap();
-        j.record("c2", Some(b"{\"b\":2}".to_vec())).unwrap();
+        j.record("c1", Some(b"{\"a\":1}".to_vec()), Commit::Durable)
+            .unwrap();
+        j.record("c2", Some(b"{\"b\":2}".to_vec()), Commit::Durable)
+            .unwrap();
         let file = |id: &str| checkpoint_root(work).join(id).join(STATE_FILE);
         assert!(!file("c1").exists(), "written back only at compaction");
         assert_eq!(
@@ -300,7 +323,7 @@ mod tests {
         assert_eq!(std::fs::read(file("c1")).unwrap(), b"{\"a\":1}");
         assert!(read_journaled(work).unwrap().is_empty());
         // A removal is journaled and the file and its directory go at once.
-        j.record("c1", None).unwrap();
+        j.record("c1", None, Commit::Lazy).unwrap();
         assert!(!file("c1").parent().unwrap().exists());
         assert_eq!(read_journaled(work).unwrap()["c1"], None);
         // Reopened (a restart): the entries are dirty again and a compaction settles them.
@@ -321,7 +344,8 @@ mod tests {
         let j = ContainerJournal::open(&work).unwrap();
         let root = checkpoint_root(&work);
         std::os::unix::fs::symlink(&outside, root.join("c1")).unwrap();
-        j.record("c1", Some(b"planted".to_vec())).unwrap();
+        j.record("c1", Some(b"planted".to_vec()), Commit::Durable)
+            .unwrap();
         j.compact().unwrap();
         assert!(!outside.join(STATE_FILE).exists());
         assert!(read_journaled(&work).unwrap().is_empty());

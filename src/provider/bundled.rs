@@ -22,6 +22,11 @@ pub fn bundled_plugin_path() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The key of the bundled plugin's GetPluginInfo manifest that reports, when it runs with
+/// `--report-syncs` (the benchmark), how many fsync, fdatasync and syncfs calls its process has
+/// made through the durable seam ([`crate::durable::syncs`]).
+pub const SYNCS_KEY: &str = "durable_syncs";
+
 /// A provider configuration for the bundled plugin managed under
 /// `work_dir`, with extra plugin arguments (e.g. `--backing loop`).
 pub fn bundled_config(

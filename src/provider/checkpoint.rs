@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::durable::journal::{Journal, JournalError};
+use crate::durable::journal::{Commit, Journal, JournalError};
 use crate::durable::record::Promise;
 pub use crate::durable::remove_stale_temps;
 use crate::durable::{self, WriteStep};
@@ -109,12 +109,10 @@ pub enum CheckpointError {
 
 static POINTS: AtomicU64 = AtomicU64::new(0);
 static WRITES: AtomicU64 = AtomicU64::new(0);
-static FSYNCS: AtomicU64 = AtomicU64::new(0);
-
-/// How many fsync/fdatasync calls the checkpoint code has made in this
-/// process (files and directories), for the benchmarks.
+/// How many fsync/fdatasync/syncfs calls this process has made through the durable seam
+/// (checkpoints, directories, journals), for the benchmarks.
 pub fn fsyncs() -> u64 {
-    FSYNCS.load(Ordering::SeqCst) + crate::durable::journal::syncs()
+    durable::syncs()
 }
 
 /// Counts crash points (durable writes, and RPCs returned before their
@@ -158,8 +156,6 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
             source: e.source,
         },
     })?;
-    // The file's fsync and the directory's.
-    FSYNCS.fetch_add(2, Ordering::Relaxed);
     WRITES.fetch_add(1, Ordering::Relaxed);
     crash_point();
     Ok(())
@@ -254,7 +250,6 @@ pub fn set_aside(path: &Path) -> Result<PathBuf, CheckpointError> {
 
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
-    FSYNCS.fetch_add(1, Ordering::Relaxed);
     durable::sync_dir(dir).map_err(|source| CheckpointError::SyncDir {
         path: dir.to_path_buf(),
         source,
@@ -415,9 +410,14 @@ impl KeyedJournal {
         self.dirty.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Appends `key`'s state (`None`: its removal); returns once it is durable (a crash point).
-    /// Blocking.
-    pub(crate) fn append(&self, key: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
+    /// Appends `key`'s state (`None`: its removal); returns once it is durable, or at once for
+    /// [`Commit::Lazy`] (see [`Journal::append_lazy`]). A crash point either way. Blocking.
+    pub(crate) fn append(
+        &self,
+        key: &str,
+        state: Option<Vec<u8>>,
+        commit: Commit,
+    ) -> Result<(), CheckpointError> {
         let entry = VolumeEntry {
             volume_id: key.to_string(),
             state,
@@ -426,12 +426,20 @@ impl KeyedJournal {
         // Marked dirty before the append: a compaction that runs meanwhile writes it back
         // (at worst ahead of the append, as a write in progress may land before a crash).
         self.lock_dirty().insert(entry.volume_id, entry.state);
-        self.journal
-            .append(&[&payload])
-            .map_err(|e| journal_error(self.journal.path(), e))?;
-        WRITES.fetch_add(1, Ordering::Relaxed);
+        match commit {
+            Commit::Durable => {
+                self.journal.append(&[&payload]).map(|_| ())?;
+                WRITES.fetch_add(1, Ordering::Relaxed);
+            }
+            Commit::Lazy => self.journal.append_lazy(&[&payload])?,
+        }
         crash_point();
         Ok(())
+    }
+
+    /// How many synced batches the journal has written since it was opened.
+    pub(crate) fn batches(&self) -> u64 {
+        self.journal.batches()
     }
 
     /// Whether the journal is over its limits (time to [`compact`](Self::compact)).
@@ -526,14 +534,24 @@ impl VolumeJournal {
         ))
     }
 
-    /// Appends the volume's state (`None`: its removal); returns once it is durable.
-    /// Compacts afterwards when the journal is over its limits. Blocking.
-    pub fn record(&self, volume_id: &str, state: Option<Vec<u8>>) -> Result<(), CheckpointError> {
-        self.keyed.append(volume_id, state)?;
+    /// Appends the volume's state (`None`: its removal); returns once it is durable, or at once
+    /// for [`Commit::Lazy`]. Compacts afterwards when the journal is over its limits. Blocking.
+    pub fn record(
+        &self,
+        volume_id: &str,
+        state: Option<Vec<u8>>,
+        commit: Commit,
+    ) -> Result<(), CheckpointError> {
+        self.keyed.append(volume_id, state, commit)?;
         if self.keyed.due() {
             self.compact()?;
         }
         Ok(())
+    }
+
+    /// How many synced batches (one fdatasync each) it has written since it was opened.
+    pub fn batches(&self) -> u64 {
+        self.keyed.batches()
     }
 
     /// Writes back every volume changed since the last compaction to its `volume.state`
@@ -699,16 +717,17 @@ mod tests {
         fs::create_dir_all(layout.volumes_dir()).unwrap();
         let (j, found, _) = VolumeJournal::open(&layout).unwrap();
         assert!(found.is_empty());
-        j.record("a", Some(b"one".to_vec())).unwrap();
-        j.record("b", Some(b"x".to_vec())).unwrap();
-        j.record("a", Some(b"two".to_vec())).unwrap();
+        j.record("a", Some(b"one".to_vec()), Commit::Durable)
+            .unwrap();
+        j.record("b", Some(b"x".to_vec()), Commit::Durable).unwrap();
+        j.record("a", Some(b"two".to_vec()), Commit::Lazy).unwrap();
         assert!(!layout.state_file("a").exists());
         drop(j);
         let (j, found, _) = VolumeJournal::open(&layout).unwrap();
         assert_eq!(found.len(), 2);
         j.compact().unwrap();
         assert_eq!(fs::read(layout.state_file("a")).unwrap(), b"two");
-        j.record("b", None).unwrap();
+        j.record("b", None, Commit::Durable).unwrap();
         assert!(layout.state_file("b").exists());
         j.compact().unwrap();
         assert!(!layout.volume_dir("b").exists());

@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
+use crate::durable::journal::Commit;
 use crate::offload::blocking;
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
@@ -518,7 +519,7 @@ impl StorageProvider {
             remove_empty_dir(&layout.mount_dir(&id));
             // The removal is journaled; the state file and its directory go at the next
             // compaction.
-            journal.record(&id, None)
+            journal.record(&id, None, Commit::Durable)
         })
         .await
         .map_err(|source| ProviderError::Checkpoint {

@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use crate::csi::proto;
 use crate::csi::{Capabilities, Client, ClientOptions, Secrets, Services};
+use crate::durable::journal::Commit;
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
@@ -478,6 +479,12 @@ impl StorageProvider {
         }
     }
 
+    /// How many synced batches (one fdatasync each) the provider's journal has written since
+    /// it was opened (for the benchmarks).
+    pub fn journal_batches(&self) -> u64 {
+        self.journal.batches()
+    }
+
     /// Writes the journal back to the state files and empties it (clean shutdown, and after
     /// recovery). A failure is logged: the journal keeps its entries for the next start.
     pub async fn compact_journal(&self) {
@@ -515,10 +522,21 @@ impl StorageProvider {
     /// fdatasync waits for the disk); returns once it is durable. Its `volume.state` is
     /// written back at the next compaction.
     pub(crate) async fn persist(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
+        self.persist_as(rec, Commit::Durable).await
+    }
+
+    /// [`persist`](Self::persist), returning at once for [`Commit::Lazy`]: for a record whose
+    /// loss to a power cut only makes recovery redo idempotent work from an intent already
+    /// durable (see [`drive`](Self::drive)).
+    pub(crate) async fn persist_as(
+        &self,
+        rec: &VolumeRecord,
+        commit: Commit,
+    ) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
         let journal = self.journal.clone();
         let id = rec.volume_id.clone();
-        blocking(move || journal.record(&id, Some(bytes)))
+        blocking(move || journal.record(&id, Some(bytes), commit))
             .await
             .map_err(|source| ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),
@@ -530,7 +548,7 @@ impl StorageProvider {
     pub(crate) fn persist_here(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
         let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
         self.journal
-            .record(&rec.volume_id, Some(bytes))
+            .record(&rec.volume_id, Some(bytes), Commit::Durable)
             .map_err(|source| ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),
                 source,
@@ -603,7 +621,9 @@ impl StorageProvider {
     /// The loop: decide ([`resume_point`] once, then [`next_step`] from the
     /// state, the goal and the plugin's capabilities), make the intent
     /// durable (first RPC only), send the RPC, move the record on; the final
-    /// state is written after the loop.
+    /// state is written after the loop, without waiting for it to be durable
+    /// when the intent was (see [`Commit::Lazy`]): the intent already
+    /// promises the goal.
     ///
     /// Returns whether it wrote the checkpoint (callers with other changes
     /// to the record, such as its users, persist them otherwise).
@@ -713,7 +733,16 @@ impl StorageProvider {
         }
         if dirty || rec.towards.is_some() {
             rec.towards = None;
-            self.persist(rec).await?;
+            // When this call made its intent durable, the result need not be: lost to a power
+            // cut, recovery finds the intent (the goal, the users) and re-issues the steps,
+            // all idempotent, to the same state. It is appended at once (a crash of the
+            // process loses nothing) and durable with the journal's next synced batch.
+            let commit = if intent {
+                Commit::Lazy
+            } else {
+                Commit::Durable
+            };
+            self.persist_as(rec, commit).await?;
             wrote = true;
         }
         if goal == VolumeState::Published && rec.expansion.is_some() {

@@ -12,14 +12,21 @@ impl Plugin {
         &self,
         _req: proto::GetPluginInfoRequest,
     ) -> Result<proto::GetPluginInfoResponse, PluginError> {
+        let mut manifest: std::collections::HashMap<String, String> = [(
+            "backing".to_string(),
+            self.backing.kind().as_str().to_string(),
+        )]
+        .into();
+        if self.config.report_syncs {
+            manifest.insert(
+                csi_isolator::provider::bundled::SYNCS_KEY.to_string(),
+                csi_isolator::durable::syncs().to_string(),
+            );
+        }
         Ok(proto::GetPluginInfoResponse {
             name: self.config.name.clone(),
             vendor_version: self.config.vendor_version.clone(),
-            manifest: [(
-                "backing".to_string(),
-                self.backing.kind().as_str().to_string(),
-            )]
-            .into(),
+            manifest,
         })
     }
 

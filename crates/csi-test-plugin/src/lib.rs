@@ -123,6 +123,10 @@ pub struct PluginConfig {
     pub faults_file: Option<PathBuf>,
     /// Append one line per RPC received to this file.
     pub log_calls: Option<PathBuf>,
+    /// GetPluginInfo's manifest reports `durable_syncs`: the fsync, fdatasync and syncfs
+    /// calls this process has made through csi-isolator's durable seam (its records, its
+    /// volumes' directories, its images), for the benchmark, which counts its own apart.
+    pub report_syncs: bool,
     /// CreateVolume parameters that must be present (with this value, when one is given):
     /// a create without them is refused with INVALID_ARGUMENT naming the key.
     pub required_parameters: Vec<RequiredParameter>,
@@ -298,6 +302,7 @@ impl PluginConfig {
             faults: Vec::new(),
             faults_file: None,
             log_calls: None,
+            report_syncs: false,
             required_parameters: Vec::new(),
             required_secrets: None,
             topology: std::collections::BTreeMap::new(),

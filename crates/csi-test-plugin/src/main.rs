@@ -150,6 +150,10 @@ struct Args {
     /// Append `<RPC> <volume_id or ->` per RPC received to this file.
     #[arg(long)]
     log_calls: Option<PathBuf>,
+    /// Report in GetPluginInfo's manifest (`durable_syncs`) how many fsync, fdatasync and
+    /// syncfs calls this process has made through the durable seam (for the benchmark).
+    #[arg(long)]
+    report_syncs: bool,
     /// Refuse a CreateVolume without these parameters (INVALID_ARGUMENT naming the key):
     /// `KEY[=VALUE],...`, a value when given must match. Every plugin echoes the parameters
     /// it got in the volume context as `parameter.<KEY>`.
@@ -231,6 +235,7 @@ fn config(args: Args) -> anyhow::Result<PluginConfig> {
     }
     config.faults_file = args.faults_file;
     config.log_calls = args.log_calls;
+    config.report_syncs = args.report_syncs;
     if let Some(text) = &args.require_parameters {
         config.required_parameters =
             csi_test_plugin::parse_required_parameters(text).map_err(anyhow::Error::msg)?;
