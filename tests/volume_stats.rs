@@ -1,6 +1,7 @@
 //! Volume stats and health (issue 15 item 2) against the real bundled plugin and real mounts:
 //! figures after writing N MiB (loop and dir backings), through `provider::stats`, serve's
-//! `/metrics` render (kubelet's gauges) and `csi-isolator status --json`; a damaged backing shown
+//! `/metrics` render (kubelet's gauges) and `csi-isolator status --stats --json` (plain `status`
+//! asks no plugin); a damaged backing shown
 //! abnormal; a plugin without GET_VOLUME_STATS showing nothing and no error; a plugin that hangs
 //! on NodeGetVolumeStats not holding up the others beyond the deadline.
 
@@ -275,7 +276,7 @@ async fn a_plugin_hanging_on_stats_times_out_and_the_others_show() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn status_json_shows_stats_from_the_running_managed_plugin() {
+async fn status_stats_shows_stats_from_the_running_managed_plugin() {
     require_root();
     let sb = Sandbox::new("stats-cli");
     let work = sb.mkdir("work");
@@ -288,7 +289,7 @@ async fn status_json_shows_stats_from_the_running_managed_plugin() {
         let work = work.clone();
         move || {
             csi_isolator_testing::isolator_command(env!("CARGO_BIN_EXE_csi-isolator"), &work)
-                .args(["status", "--json", "--plugin-socket-dir"])
+                .args(["status", "--stats", "--json", "--plugin-socket-dir"])
                 .arg(&socket_dir)
                 .output()
                 .unwrap()
@@ -320,7 +321,7 @@ async fn status_json_shows_stats_from_the_running_managed_plugin() {
         let socket_dir = work.parent().unwrap().join("s");
         move || {
             csi_isolator_testing::isolator_command(env!("CARGO_BIN_EXE_csi-isolator"), &work)
-                .args(["status", "--plugin-socket-dir"])
+                .args(["status", "--stats", "--plugin-socket-dir"])
                 .arg(&socket_dir)
                 .output()
                 .unwrap()
@@ -338,4 +339,68 @@ async fn status_json_shows_stats_from_the_running_managed_plugin() {
     finish(p, &[id]).await;
     sb.assert_no_mounts_under();
     sb.assert_no_loop_devices();
+}
+
+/// Stats are opt-in: plain `status` (and `--no-stats`, still accepted) sends no
+/// NodeGetVolumeStats to the running plugin and shows no usage; `--stats` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_status_asks_no_plugin_for_stats() {
+    require_root();
+    let sb = Sandbox::new("stats-opt-in");
+    let work = sb.mkdir("work");
+    let log = sb.join("calls.log");
+    let log_arg = format!("--log-calls={}", log.display());
+    let c = config(&work, "default", &["--backing", "dir", &log_arg]);
+    let socket_dir = c.socket_dir.clone();
+    let p = start(&sb, c).await;
+    let (id, _) = published(&p, "data", 16 * MIB).await;
+    let stats_calls = || {
+        std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.starts_with("NodeGetVolumeStats"))
+            .count()
+    };
+    let status = |extra: &'static [&'static str]| {
+        let (work, socket_dir) = (work.clone(), socket_dir.clone());
+        tokio::task::spawn_blocking(move || {
+            let out =
+                csi_isolator_testing::isolator_command(env!("CARGO_BIN_EXE_csi-isolator"), &work)
+                    .arg("status")
+                    .args(extra)
+                    .arg("--plugin-socket-dir")
+                    .arg(&socket_dir)
+                    .output()
+                    .unwrap();
+            assert!(out.status.success(), "status {extra:?}: {out:?}");
+            String::from_utf8(out.stdout).unwrap()
+        })
+    };
+    for extra in [
+        &["--json"][..],
+        &[],
+        &["--no-stats"],
+        &["--no-stats", "--json"],
+    ] {
+        let text = status(extra).await.unwrap();
+        assert!(
+            text.contains(&id),
+            "status {extra:?} lists the volume: {text}"
+        );
+        assert!(
+            !text.contains("usage:") && !text.contains("\"stats\"") && !text.contains("condition"),
+            "status {extra:?} shows no stats: {text}"
+        );
+        assert_eq!(
+            stats_calls(),
+            0,
+            "status {extra:?} asked the plugin for stats"
+        );
+    }
+    // The log is not vacuous: --stats asks, once per published volume.
+    let text = status(&["--stats", "--json"]).await.unwrap();
+    assert!(text.contains("\"bytes_total\""), "{text}");
+    assert_eq!(stats_calls(), 1);
+    finish(p, &[id]).await;
+    sb.assert_no_mounts_under();
 }

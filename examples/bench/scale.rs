@@ -1,6 +1,7 @@
 //! Node scale (issue 16): a real `csi-isolator serve` and a real `csi-isolator docker-plugin`
 //! holding N published volumes each, N = 1,000 and 10,000, on the directory backing and on the
-//! default (loop) one: their VmRSS/VmHWM, the wall time of the `csi-isolator status` CLI, and
+//! default (loop) one: their VmRSS/VmHWM, the wall time of the `csi-isolator status` CLI (the
+//! default, the state scan alone, and `--stats`, every published volume's NodeGetVolumeStats), and
 //! how long serve takes to answer again after a SIGKILL (its recovery of all N).
 //!
 //! Both run in one mount namespace held by a `sleep` child (a slave of the host's), so that
@@ -41,12 +42,12 @@ pub struct Point {
     pub serve_setup: Duration,
     pub serve_rss_kib: u64,
     pub serve_hwm_kib: u64,
-    /// Wall time of `csi-isolator status --json` (the CLI process, plugin stats included).
+    /// Wall time of `csi-isolator status --json` (the CLI process: the state scan, no RPC).
     pub status: Samples,
-    /// Volumes the last of those runs reported "stats unavailable" for (timed out).
+    /// The same with `--stats` (every published volume's NodeGetVolumeStats).
+    pub status_stats: Samples,
+    /// Volumes the last `--stats` run reported "stats unavailable" for (timed out).
     pub stats_unavailable: usize,
-    /// The same with `--no-stats`: the scan of the state alone.
-    pub status_no_stats: Samples,
     /// SIGKILL of serve, then spawn to its first answered Recover.
     pub restart: Duration,
     /// serve's VmRSS after the restart.
@@ -167,10 +168,10 @@ async fn measure_in(
         serve_dir.display()
     );
 
-    // status: the CLI process, as an operator runs it, and with --no-stats.
+    // status: the CLI process, as an operator runs it, and with --stats.
     let work = serve_dir.join("work");
-    let (status, stats_unavailable) = status_cli(bin, &work, volumes, &[], ns)?;
-    let (status_no_stats, _) = status_cli(bin, &work, volumes, &["--no-stats"], ns)?;
+    let (status, _) = status_cli(bin, &work, volumes, &[], ns)?;
+    let (status_stats, stats_unavailable) = status_cli(bin, &work, volumes, &["--stats"], ns)?;
 
     // Restart: SIGKILL, then a new serve on the same work dir until it answers the
     // containerizer's Recover naming every container as still running.
@@ -214,8 +215,8 @@ async fn measure_in(
         serve_rss_kib,
         serve_hwm_kib,
         status,
+        status_stats,
         stats_unavailable,
-        status_no_stats,
         restart,
         restarted_rss_kib,
         docker_setup,
@@ -225,7 +226,7 @@ async fn measure_in(
 }
 
 /// [`STATUS_RUNS`] runs of `bin --work-dir WORK status --json EXTRA` in the namespace: their
-/// wall times and how many volumes the last one had no stats for. Each must list `volumes`
+/// wall times and how many volumes the last one had no stats for (none without `--stats`). Each must list `volumes`
 /// volumes and exit 0 (every volume agrees with the mount table).
 fn status_cli(
     bin: &Path,
@@ -370,8 +371,8 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         "serve RSS (HWM)",
         "status",
         "status",
-        "no stats",
-        "no stats",
+        "--stats",
+        "--stats",
         "restart",
         "RSS after",
         "dp set",
@@ -390,8 +391,8 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
             format!("{:.1} ({:.1})", mib(p.serve_rss_kib), mib(p.serve_hwm_kib)),
             fmt_dur(p.status.p50()),
             fmt_dur(p.status.percentile(100.0)),
-            fmt_dur(p.status_no_stats.p50()),
-            fmt_dur(p.status_no_stats.percentile(100.0)),
+            fmt_dur(p.status_stats.p50()),
+            fmt_dur(p.status_stats.percentile(100.0)),
             fmt_dur(p.restart),
             mib(p.restarted_rss_kib),
             fmt_dur(p.docker_setup),
@@ -403,7 +404,7 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         );
         if p.stats_unavailable > 0 {
             println!(
-                "         status at {} {}: {} volumes without stats (not reached within the CLI's deadline)",
+                "         status --stats at {} {}: {} volumes without stats (not reached within the CLI's deadline)",
                 p.volumes, p.backing, p.stats_unavailable
             );
         }
@@ -430,8 +431,8 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         ));
     }
     println!(
-        "  (status: `csi-isolator status --json`, the CLI process, {STATUS_RUNS} runs, with the plugin's NodeGetVolumeStats of \
-         every volume and with --no-stats; restart: SIGKILL, then spawn to the answered Recover naming every container; \
+        "  (status: `csi-isolator status --json`, the CLI process, {STATUS_RUNS} runs: the state scan alone (the default), and \
+         with --stats, the plugin's NodeGetVolumeStats of every volume; restart: SIGKILL, then spawn to the answered Recover naming every container; \
          RSS after: serve's VmRSS after the restart)"
     );
     let mut backings: Vec<&str> = points.iter().map(|p| p.backing.as_str()).collect();
@@ -466,10 +467,10 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
                 ),
             ),
             (
-                "status --no-stats p50",
+                "status --stats p50",
                 g(
-                    big.status_no_stats.p50().as_secs_f64(),
-                    small.status_no_stats.p50().as_secs_f64(),
+                    big.status_stats.p50().as_secs_f64(),
+                    small.status_stats.p50().as_secs_f64(),
                 ),
             ),
             (

@@ -104,6 +104,11 @@ pub struct StatusReport {
 }
 
 /// Scans `<work_dir>/csi/*/*/volumes/*/volume.state` and compares with `table`.
+///
+/// Its cost is what a node's thousands of volumes make it: one read of the mount table, one of
+/// each provider's journal and one listing of its `volumes/`, then, per volume directory, a
+/// listing (for files set aside) and a read of the state file the journal does not cover, spread
+/// over a few threads ([`read_volume_dirs`]).
 pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, MountError> {
     let csi = work_dir.join("csi");
     let mounted: HashSet<PathBuf> = table
@@ -117,7 +122,7 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
         // The journal's complete entries, over the state files: the truth while a provider
         // runs (its state files are written back lazily). A refused journal is reported and
         // the state files shown alone.
-        let mut journaled = match checkpoint::read_journal(&layout) {
+        let journaled = match checkpoint::read_journal(&layout) {
             Ok(j) => j,
             Err(e) => {
                 report.unreadable.push(UnreadableState {
@@ -127,79 +132,166 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
                 Default::default()
             }
         };
-        let mut dirs: Vec<PathBuf> = std::fs::read_dir(layout.volumes_dir())
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path())
-            .collect();
-        // A volume only the journal knows yet has no directory.
-        for name in journaled.keys() {
-            let dir = layout.volumes_dir().join(name);
-            if !dirs.contains(&dir) {
-                dirs.push(dir);
+        let plugin = format!("{plugin_type}/{plugin_name}");
+        for found in read_volume_dirs(&layout.volumes_dir(), &journaled) {
+            report
+                .unreadable
+                .extend(found.set_aside.into_iter().map(|path| UnreadableState {
+                    path,
+                    reason: "set aside as corrupt by an earlier recovery".into(),
+                }));
+            let path = layout.volumes_dir().join(&found.dir_name).join(STATE_FILE);
+            let rec = match found.state {
+                None => continue,
+                Some(read) => read.and_then(|b| VolumeRecord::from_state_file(&b, &found.dir_name)),
+            };
+            match rec {
+                Ok(rec) => report
+                    .volumes
+                    .push(volume_status(&plugin, &layout, &mounted, rec)),
+                Err(reason) => report.unreadable.push(UnreadableState { path, reason }),
             }
-        }
-        dirs.sort();
-        for dir in dirs {
-            collect_set_aside(&dir, &mut report);
-            let path = dir.join(STATE_FILE);
-            let dir_name = dir
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            let read = match journaled.remove(&dir_name) {
-                Some((_, Some(bytes))) => Ok(bytes),
-                Some((_, None)) => continue,
-                None => std::fs::read(&path),
-            };
-            let rec = match read {
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => Err(e.to_string()),
-                Ok(b) => VolumeRecord::from_state_file(&b, &dir_name),
-            };
-            let rec = match rec {
-                Ok(r) => r,
-                Err(reason) => {
-                    report.unreadable.push(UnreadableState { path, reason });
-                    continue;
-                }
-            };
-            let target = layout.target_path(&rec.volume_id);
-            let is_mounted = mounted.contains(&target);
-            let staged = mounted.contains(&layout.staging_path(&rec.volume_id));
-            report.volumes.push(VolumeStatus {
-                plugin: format!("{plugin_type}/{plugin_name}"),
-                disagreement: disagreement(&rec, is_mounted),
-                volume_id: rec.volume_id,
-                name: rec.name,
-                state: rec.state,
-                capacity_bytes: rec.capacity_bytes,
-                capacity_enforced: rec
-                    .volume_context
-                    .get(CAPACITY_ENFORCED_KEY)
-                    .and_then(|v| v.parse().ok()),
-                users: rec.users,
-                parameters: rec.parameters,
-                imported: rec.pre_provisioned,
-                accessible_topology: rec.accessible_topology,
-                capability: rec.capability,
-                mount_group: rec.mount_group.filter(|_| rec.state.is_node_side()),
-                mount_point: target,
-                mounted: is_mounted,
-                staged,
-                stats: None,
-                condition: None,
-                stats_unavailable: None,
-                mutable_parameters: rec.mutable_parameters,
-                content_source: rec.content_source,
-                expansion: rec.expansion,
-                fenced: rec.fenced,
-            });
         }
     }
     Ok(report)
+}
+
+/// A volume's status from its record and the mount points in the table.
+fn volume_status(
+    plugin: &str,
+    layout: &Layout,
+    mounted: &HashSet<PathBuf>,
+    rec: VolumeRecord,
+) -> VolumeStatus {
+    let target = layout.target_path(&rec.volume_id);
+    let is_mounted = mounted.contains(&target);
+    let staged = mounted.contains(&layout.staging_path(&rec.volume_id));
+    VolumeStatus {
+        plugin: plugin.to_string(),
+        disagreement: disagreement(&rec, is_mounted),
+        volume_id: rec.volume_id,
+        name: rec.name,
+        state: rec.state,
+        capacity_bytes: rec.capacity_bytes,
+        capacity_enforced: rec
+            .volume_context
+            .get(CAPACITY_ENFORCED_KEY)
+            .and_then(|v| v.parse().ok()),
+        users: rec.users,
+        parameters: rec.parameters,
+        imported: rec.pre_provisioned,
+        accessible_topology: rec.accessible_topology,
+        capability: rec.capability,
+        mount_group: rec.mount_group.filter(|_| rec.state.is_node_side()),
+        mount_point: target,
+        mounted: is_mounted,
+        staged,
+        stats: None,
+        condition: None,
+        stats_unavailable: None,
+        mutable_parameters: rec.mutable_parameters,
+        content_source: rec.content_source,
+        expansion: rec.expansion,
+        fenced: rec.fenced,
+    }
+}
+
+/// What one directory of `volumes/` holds, as `status` reads it.
+#[derive(Debug, PartialEq)]
+struct FoundDir {
+    /// The directory's name (the encoded volume id).
+    dir_name: String,
+    /// Its state files set aside by an earlier recovery.
+    set_aside: Vec<PathBuf>,
+    /// Its state: the journal's last entry, else its `volume.state`'s bytes, or why they cannot
+    /// be read; `None`: neither (or the journal removed it).
+    state: Option<Result<Vec<u8>, String>>,
+}
+
+/// Volume directories per thread below which one thread reads them all.
+const DIRS_PER_THREAD: usize = 1024;
+/// At most this many threads read volume directories.
+const MAX_READ_THREADS: usize = 4;
+
+/// Every directory of `volumes` and every volume only the journal knows yet (it has no
+/// directory), by directory name, read with `journaled` over the state files. A node's
+/// thousands of directories are read by a few threads at once, each a contiguous run of the
+/// sorted names, so the answer's order is the names' order.
+fn read_volume_dirs(volumes: &Path, journaled: &checkpoint::Journaled) -> Vec<FoundDir> {
+    let mut names: BTreeSet<String> = std::fs::read_dir(volumes)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.extend(journaled.keys().cloned());
+    let names: Vec<String> = names.into_iter().collect();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_READ_THREADS)
+        .min(names.len().div_ceil(DIRS_PER_THREAD))
+        .max(1);
+    let read = |part: &[String]| -> Vec<FoundDir> {
+        part.iter()
+            .map(|name| read_volume_dir(volumes, name, journaled.get(name).map(|(_, s)| s)))
+            .collect()
+    };
+    if threads == 1 {
+        return read(&names);
+    }
+    let chunk = names.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = names
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || read(part)))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| p.join().expect("reading a volume directory does not panic"))
+            .collect()
+    })
+}
+
+/// One volume directory: one listing (its set-aside files, whether it has a state file), then
+/// the state file's read unless the journal covers it (`journaled`: the journal's last entry).
+fn read_volume_dir(
+    volumes: &Path,
+    dir_name: &str,
+    journaled: Option<&Option<Vec<u8>>>,
+) -> FoundDir {
+    let dir = volumes.join(dir_name);
+    let corrupt_prefix = format!("{STATE_FILE}.corrupt-");
+    let mut set_aside = Vec::new();
+    let mut has_state = None;
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        let mut found = false;
+        for e in entries.flatten() {
+            let name = e.file_name();
+            if name == STATE_FILE {
+                found = true;
+            } else if name.to_string_lossy().starts_with(&corrupt_prefix) {
+                set_aside.push(e.path());
+            }
+        }
+        has_state = Some(found);
+    }
+    set_aside.sort();
+    let state = match (journaled, has_state) {
+        (Some(entry), _) => entry.clone().map(Ok),
+        // Listed without a state file: nothing to read.
+        (None, Some(false)) => None,
+        // Listed with one, or not listable (the read says why).
+        (None, _) => match std::fs::read(dir.join(STATE_FILE)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => Some(Err(e.to_string())),
+            Ok(bytes) => Some(Ok(bytes)),
+        },
+    };
+    FoundDir {
+        dir_name: dir_name.to_string(),
+        set_aside,
+        state,
+    }
 }
 
 fn disagreement(rec: &VolumeRecord, mounted: bool) -> Option<String> {
@@ -217,21 +309,6 @@ fn disagreement(rec: &VolumeRecord, mounted: bool) -> Option<String> {
             Some("in use but not published".into())
         }
         _ => None,
-    }
-}
-
-fn collect_set_aside(dir: &Path, report: &mut StatusReport) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&format!("{STATE_FILE}.corrupt-")) {
-            report.unreadable.push(UnreadableState {
-                path: e.path(),
-                reason: "set aside as corrupt by an earlier recovery".into(),
-            });
-        }
     }
 }
 
@@ -331,6 +408,76 @@ mod tests {
         assert_eq!(report.unreadable.len(), 1);
     }
 
+    /// A state file's bytes: volume `id` in `state`.
+    fn rec(id: &str, state: VolumeState) -> Vec<u8> {
+        let mut r = VolumeRecord::new(id, Capability::default());
+        r.state = state;
+        serde_json::to_vec(&r).unwrap()
+    }
+
+    /// A node's thousands of volume directories are read by several threads: every one is
+    /// listed once, in the names' order, with the journal over its file and its set-aside files.
+    #[test]
+    fn many_volume_directories_are_read_in_parallel_in_order() {
+        use crate::durable::journal::{encode, header};
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        let n = 3 * DIRS_PER_THREAD + 7;
+        let id = |i: usize| format!("v{i:05}");
+        for i in 0..n {
+            let p = layout.state_file(&id(i));
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, rec(&id(i), VolumeState::Created)).unwrap();
+        }
+        // One set aside (its file gone), one removed and one moved on by the journal, one only
+        // the journal knows.
+        let aside = layout
+            .volume_dir(&id(5))
+            .join(format!("{STATE_FILE}.corrupt-1"));
+        std::fs::rename(layout.state_file(&id(5)), &aside).unwrap();
+        let mut j = header(1);
+        let entries = [
+            (id(7), None),
+            (id(n - 1), Some(rec(&id(n - 1), VolumeState::Published))),
+            (id(n + 1), Some(rec(&id(n + 1), VolumeState::NodeReady))),
+        ];
+        for (seq, (volume_id, state)) in entries.into_iter().enumerate() {
+            let e = checkpoint::VolumeEntry { volume_id, state };
+            encode(seq as u64 + 1, &e.encode(), &mut j);
+        }
+        std::fs::write(layout.base().join(checkpoint::JOURNAL_FILE), &j).unwrap();
+        let report = scan(dir.path(), &FakeSyscall::new()).unwrap();
+        let want: Vec<String> = (0..n)
+            .filter(|&i| i != 5 && i != 7)
+            .map(id)
+            .chain([id(n + 1)])
+            .collect();
+        let got: Vec<&str> = report
+            .volumes
+            .iter()
+            .map(|v| v.volume_id.as_str())
+            .collect();
+        assert_eq!(got, want);
+        let state_of = |i: usize| {
+            report
+                .volumes
+                .iter()
+                .find(|v| v.volume_id == id(i))
+                .unwrap()
+                .state
+        };
+        assert_eq!(state_of(n - 1), VolumeState::Published);
+        assert_eq!(state_of(n + 1), VolumeState::NodeReady);
+        assert_eq!(state_of(0), VolumeState::Created);
+        assert_eq!(
+            report.unreadable,
+            [UnreadableState {
+                path: aside,
+                reason: "set aside as corrupt by an earlier recovery".into()
+            }]
+        );
+    }
+
     /// The journal's entries win over the state files: a newer state, a volume only the
     /// journal knows, a removal; a torn tail is skipped and left in place.
     #[test]
@@ -338,11 +485,6 @@ mod tests {
         use crate::durable::journal::{encode, header};
         let dir = tempfile::tempdir().unwrap();
         let layout = Layout::new(dir.path(), "t", "n");
-        let rec = |id: &str, state: VolumeState| {
-            let mut r = VolumeRecord::new(id, Capability::default());
-            r.state = state;
-            serde_json::to_vec(&r).unwrap()
-        };
         for id in ["old", "gone"] {
             let p = layout.state_file(id);
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();

@@ -1,10 +1,15 @@
-//! `csi-isolator status [--json]`: every volume with its state, its users,
-//! its mount point and what the mount table says, disagreements flagged, and
-//! the usage and condition of each published volume whose managed plugin is
+//! `csi-isolator status [--json] [--stats]`: every volume with its state, its users,
+//! its mount point and what the mount table says, disagreements flagged; with `--stats`
+//! also the usage and condition of each published volume whose managed plugin is
 //! running (NodeGetVolumeStats, `csi_isolator::provider::stats`).
+//! Stats are opt-in: without `--stats` no plugin is called at all, so `status` costs the
+//! scan of the work dir alone (asking every plugin for every volume's stats takes seconds on a
+//! node with thousands of volumes). `--no-stats`, the opt-out of the releases that asked by
+//! default, is still accepted and does nothing.
 //! Read-only: starts no plugin and changes nothing; the work dir is
 //! checked first (`csi_isolator::workdir::verify`).
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -22,20 +27,24 @@ use super::{escaped, shown, shown_os};
 Examples:
   csi-isolator --work-dir /var/lib/csi-demo status
   csi-isolator status --json | jq '.volumes[] | select(.disagreement != null)'
-  csi-isolator status --json | jq '.volumes[] | {name, stats, condition}'
-Usage and condition come from the running managed plugin of each volume (a plugin
-started by serve, docker-plugin or run); serve's Status and /metrics also ask
-plugins reached by --plugin-endpoint.
+  csi-isolator status --stats --json | jq '.volumes[] | {name, stats, condition}'
+With --stats, usage and condition come from the running managed plugin of each volume
+(a plugin started by serve, docker-plugin or run); serve's Status and /metrics also ask
+plugins reached by --plugin-endpoint. Without it no plugin is called.
 Exit status: 0 when every volume agrees with the mount table, 1 otherwise.")]
 pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Do not ask the plugins for the volumes' usage and condition.
+    /// Also ask each published volume's running managed plugin for its usage and condition
+    /// (NodeGetVolumeStats, one call per volume: seconds on a node with thousands of volumes).
     #[arg(long)]
+    stats: bool,
+    /// Accepted for scripts written when stats were asked by default; does nothing.
+    #[arg(long, hide = true)]
     no_stats: bool,
-    /// Seconds one volume's NodeGetVolumeStats may take (a plugin that takes longer shows
-    /// "stats unavailable: timed out").
+    /// With --stats: seconds one volume's NodeGetVolumeStats may take (a plugin that takes
+    /// longer shows "stats unavailable: timed out").
     #[arg(long, default_value = "2", value_name = "SECS")]
     stats_timeout: u64,
     /// Where a managed plugin's socket is when the path under the work dir is too long
@@ -56,7 +65,7 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
     let report = match csi_isolator::workdir::verify(work_dir)? {
         Some(canonical) => {
             let mut report = scan(&canonical, &ProcMountTable::new())?;
-            if !args.no_stats {
+            if args.stats {
                 let deadline = Duration::from_secs(args.stats_timeout.max(1));
                 let clients = stats::managed_clients(
                     &canonical,
@@ -71,20 +80,21 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
         }
         None => StatusReport::default(),
     };
+    // Buffered: a node's thousands of volumes are one write, not a write per line.
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     if args.json {
-        outln!("{}", serde_json::to_string_pretty(&report)?);
+        serde_json::to_writer_pretty(&mut out, &report)?;
+        writeln!(out)?;
     } else {
-        outln!(
+        writeln!(
+            out,
             "{:<40} {:<24} {:<14} {:<20} {:<8} USERS",
-            "PLUGIN",
-            "VOLUME",
-            "NAME",
-            "STATE",
-            "MOUNTED"
-        );
+            "PLUGIN", "VOLUME", "NAME", "STATE", "MOUNTED"
+        )?;
         for v in &report.volumes {
             let users: Vec<_> = v.users.iter().map(|u| shown(u)).collect();
-            outln!(
+            writeln!(
+                out,
                 "{:<40} {:<24} {:<14} {:<20} {:<8} {}",
                 shown(&v.plugin),
                 shown(&v.volume_id),
@@ -96,22 +106,30 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
                 } else {
                     users.join(",")
                 }
-            );
-            outln!("    mount point: {}", shown_os(v.mount_point.as_os_str()));
+            )?;
+            writeln!(
+                out,
+                "    mount point: {}",
+                shown_os(v.mount_point.as_os_str())
+            )?;
             if let Some(size) = size_line(v.capacity_bytes, v.capacity_enforced) {
-                outln!("    size: {size}");
+                writeln!(out, "    size: {size}")?;
             }
             if let Some(usage) = usage_line(v) {
-                println!("    usage: {usage}");
+                writeln!(out, "    usage: {usage}")?;
             }
             if !v.accessible_topology.is_empty() {
-                outln!(
+                writeln!(
+                    out,
                     "    reachable from: {}",
                     csi_isolator::provider::topology::describe(&v.accessible_topology)
-                );
+                )?;
             }
             if let Some(gid) = v.mount_group {
-                outln!("    mount group: {gid} (volume_mount_group, the plugin's)");
+                writeln!(
+                    out,
+                    "    mount group: {gid} (volume_mount_group, the plugin's)"
+                )?;
             }
             if !v.mutable_parameters.is_empty() {
                 let pairs: Vec<String> = v
@@ -119,15 +137,16 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
                     .iter()
                     .map(|(k, val)| format!("{}={}", escaped(k), escaped(val)))
                     .collect();
-                outln!("    mutable parameters: {}", pairs.join(" "));
+                writeln!(out, "    mutable parameters: {}", pairs.join(" "))?;
             }
             if let Some(source) = &v.content_source {
                 let (how, name) = source.described();
-                outln!("    {how} '{}'", escaped(name));
+                writeln!(out, "    {how} '{}'", escaped(name))?;
             }
             if let Some(f) = &v.fenced {
                 let lost: Vec<_> = f.lost_users.iter().map(|u| shown(u)).collect();
-                outln!(
+                writeln!(
+                    out,
                     "    fenced from node {} ({}); lost uses: {}",
                     shown(&f.node),
                     escaped(&f.why),
@@ -136,26 +155,28 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
                     } else {
                         lost.join(",")
                     }
-                );
+                )?;
             }
             if let Some(e) = &v.expansion {
-                outln!("    expansion pending: {}", expand::pending_line(e));
+                writeln!(out, "    expansion pending: {}", expand::pending_line(e))?;
             }
             if let Some(d) = &v.disagreement {
-                outln!("    ! {}", escaped(d));
+                writeln!(out, "    ! {}", escaped(d))?;
             }
         }
         for u in &report.unreadable {
-            outln!(
+            writeln!(
+                out,
                 "! unreadable state {}: {}",
                 shown_os(u.path.as_os_str()),
                 escaped(&u.reason)
-            );
+            )?;
         }
         if report.volumes.is_empty() && report.unreadable.is_empty() {
-            outln!("(no volumes under {})", shown_os(work_dir.as_os_str()));
+            writeln!(out, "(no volumes under {})", shown_os(work_dir.as_os_str()))?;
         }
     }
+    out.flush()?;
     let healthy =
         report.unreadable.is_empty() && report.volumes.iter().all(|v| v.disagreement.is_none());
     Ok(if healthy {
