@@ -423,9 +423,15 @@ impl KeyedJournal {
             state,
         };
         let payload = entry.encode();
+        // Kept until the next compaction (up to COMPACT_ENTRIES keys): without the spare
+        // capacity a serializer's growth leaves (up to half of it).
+        let state = entry.state.map(|mut s| {
+            s.shrink_to_fit();
+            s
+        });
         // Marked dirty before the append: a compaction that runs meanwhile writes it back
         // (at worst ahead of the append, as a write in progress may land before a crash).
-        self.lock_dirty().insert(entry.volume_id, entry.state);
+        self.lock_dirty().insert(entry.volume_id, state);
         match commit {
             Commit::Durable => {
                 self.journal.append(&[&payload]).map(|_| ())?;
@@ -747,6 +753,23 @@ mod tests {
             .unwrap()
             .to_string_lossy()
             .starts_with("volume.state.corrupt-"));
+    }
+
+    #[test]
+    fn a_dirty_state_is_kept_without_spare_capacity() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, entries) = KeyedJournal::open(&dir.path().join("journal")).unwrap();
+        assert!(entries.is_empty());
+        let keyed = KeyedJournal::new(journal, BTreeMap::new());
+        let mut state = Vec::with_capacity(4096);
+        state.extend_from_slice(b"{\"format\":1}");
+        keyed.append("v1", Some(state)).unwrap();
+        keyed.append("v2", None).unwrap();
+        let dirty = keyed.lock_dirty();
+        let kept = dirty["v1"].as_ref().unwrap();
+        assert_eq!(kept.as_slice(), b"{\"format\":1}");
+        assert_eq!(kept.capacity(), kept.len());
+        assert_eq!(dirty["v2"], None);
     }
 
     #[test]

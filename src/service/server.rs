@@ -381,6 +381,7 @@ impl IsolatorService {
         }
         let report = self.isolator.recover(&req.known_container_ids).await?;
         tracing::info!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered");
+        give_back_free_heap();
         Ok(report.into())
     }
 
@@ -395,6 +396,41 @@ impl IsolatorService {
         let containers = self.isolator.containers().await;
         Ok(convert::status(report, &containers))
     }
+}
+
+/// Returns the allocator's free pages to the kernel (glibc's `malloc_trim`), once a recovery is
+/// done. Recovery reads every checkpoint of the node at once, on many blocking threads, each
+/// allocating in an arena of its own: what it frees stays in those arenas, below live
+/// allocations, where glibc's own trimming (the top of a heap only) does not reach. Measured
+/// at 10,000 containers in docs/benchmarks.md ("10,000 volumes"). Logs the resident size before
+/// and after.
+fn give_back_free_heap() {
+    #[cfg(target_env = "gnu")]
+    {
+        let before = resident_kib();
+        // SAFETY: malloc_trim takes the allocator's own locks and only releases free pages.
+        let released = unsafe { libc::malloc_trim(0) } != 0;
+        tracing::info!(
+            before_kib = ?before,
+            after_kib = ?resident_kib(),
+            released,
+            "free heap given back to the kernel after recovery"
+        );
+    }
+}
+
+/// This process's resident size (VmRSS), KiB.
+#[cfg(target_env = "gnu")]
+fn resident_kib() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {
