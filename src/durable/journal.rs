@@ -513,10 +513,10 @@ impl Journal {
         }
     }
 
-    /// Appends `payloads` as consecutive entries and returns once they are durable (see the
-    /// module doc), with the last one's sequence number. Blocking: call it from the blocking
-    /// pool.
-    pub fn append(&self, payloads: &[&[u8]]) -> Result<u64, JournalError> {
+    /// Queues `payloads` for the next batch (refusing an entry over [`MAX_ENTRY`] and a broken
+    /// journal before anything is queued); returns the queue, still locked, and where in the
+    /// pending batch they start.
+    fn queue_up(&self, payloads: &[&[u8]]) -> Result<(MutexGuard<'_, Queue>, u64), JournalError> {
         if let Some(p) = payloads.iter().find(|p| p.len() > MAX_ENTRY) {
             return Err(JournalError::TooLarge {
                 path: self.path.clone(),
@@ -529,6 +529,14 @@ impl Journal {
         }
         let at = q.pending.len() as u64;
         q.pending.extend(payloads.iter().map(|p| p.to_vec()));
+        Ok((q, at))
+    }
+
+    /// Appends `payloads` as consecutive entries and returns once they are durable (see the
+    /// module doc), with the last one's sequence number. Blocking: call it from the blocking
+    /// pool.
+    pub fn append(&self, payloads: &[&[u8]]) -> Result<u64, JournalError> {
+        let (mut q, at) = self.queue_up(payloads)?;
         let mine = q.open_batch;
         q.waiters += 1;
         loop {
@@ -574,17 +582,7 @@ impl Journal {
     /// failed write of a lazy-only batch is logged (the entries are lost, as to a power cut).
     /// Blocking (it may write): call it from the blocking pool.
     pub fn append_lazy(&self, payloads: &[&[u8]]) -> Result<(), JournalError> {
-        if let Some(p) = payloads.iter().find(|p| p.len() > MAX_ENTRY) {
-            return Err(JournalError::TooLarge {
-                path: self.path.clone(),
-                len: p.len(),
-            });
-        }
-        let mut q = self.lock();
-        if let Some(reason) = &q.broken {
-            return Err(self.broken(reason));
-        }
-        q.pending.extend(payloads.iter().map(|p| p.to_vec()));
+        let (q, _) = self.queue_up(payloads)?;
         if !q.busy {
             drop(self.lead(q));
         }

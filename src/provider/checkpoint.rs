@@ -763,8 +763,8 @@ mod tests {
         let keyed = KeyedJournal::new(journal, BTreeMap::new());
         let mut state = Vec::with_capacity(4096);
         state.extend_from_slice(b"{\"format\":1}");
-        keyed.append("v1", Some(state)).unwrap();
-        keyed.append("v2", None).unwrap();
+        keyed.append("v1", Some(state), Commit::Durable).unwrap();
+        keyed.append("v2", None, Commit::Lazy).unwrap();
         let dirty = keyed.lock_dirty();
         let kept = dirty["v1"].as_ref().unwrap();
         assert_eq!(kept.as_slice(), b"{\"format\":1}");
