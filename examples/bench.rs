@@ -591,13 +591,13 @@ async fn measure_publish(
         r.floor_cold.push(floor.cold(&mut floor_vols[i]).await?);
         let v = &pool[i];
         let container = format!("cold-{i}");
-        let (f0, w0) = (checkpoint::fsyncs(), checkpoint::durable_writes());
+        let (f0, w0) = (csi_isolator::durable::syncs(), checkpoint::durable_writes());
         let t0 = Instant::now();
         cold.publish(&v.id, &container)
             .await
             .with_context(|| format!("publish {} (cold)", v.id))?;
         r.cold.push(t0.elapsed());
-        fsyncs += checkpoint::fsyncs() - f0;
+        fsyncs += csi_isolator::durable::syncs() - f0;
         writes += checkpoint::durable_writes() - w0;
         cold.release(&v.id, &container).await?;
     }
@@ -616,13 +616,13 @@ async fn measure_publish(
     for i in 0..plan.warm {
         r.floor_warm.push(floor.warm(&fv).await?);
         let container = format!("warm-{i}");
-        let (f0, w0) = (checkpoint::fsyncs(), checkpoint::durable_writes());
+        let (f0, w0) = (csi_isolator::durable::syncs(), checkpoint::durable_writes());
         let t0 = Instant::now();
         warm.publish(&wv.id, &container)
             .await
             .with_context(|| format!("publish {} (warm)", wv.id))?;
         r.warm.push(t0.elapsed());
-        fsyncs += checkpoint::fsyncs() - f0;
+        fsyncs += csi_isolator::durable::syncs() - f0;
         writes += checkpoint::durable_writes() - w0;
         warm.release(&wv.id, &container).await?;
     }
@@ -757,7 +757,7 @@ async fn burst(
 ) -> Result<ConcRow> {
     let mut latency = Samples::new();
     let mut wall = Duration::ZERO;
-    let f0 = checkpoint::fsyncs();
+    let f0 = csi_isolator::durable::syncs();
     let (p0, i0) = (provider.journal_batches(), isolator.journal_batches());
     let plugin0 = plugin_syncs(provider).await;
     for run in 0..runs {
@@ -800,7 +800,7 @@ async fn burst(
         wall += last - t0;
     }
     let launches = (n * runs) as f64;
-    let all = checkpoint::fsyncs() - f0;
+    let all = csi_isolator::durable::syncs() - f0;
     let provider_journal = provider.journal_batches() - p0;
     let isolator_journal = isolator.journal_batches() - i0;
     let plugin1 = plugin_syncs(provider).await;

@@ -110,7 +110,6 @@ fn a_work_dir_of_the_release_before_the_journal_recovers() {
 /// cost 4 (2 atomic writes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_publishes_share_their_syncs() {
-    use csi_isolator::provider::checkpoint;
     use csi_isolator::provider::{CreateSpec, PluginSource, ProviderConfig, StorageProvider};
     use csi_isolator_testing::{plugin_bin, PluginProcess};
     require_root();
@@ -136,21 +135,21 @@ async fn concurrent_publishes_share_their_syncs() {
             .to_string();
         ids.push(id);
     }
-    let f0 = checkpoint::fsyncs();
+    let f0 = csi_isolator::durable::syncs();
     futures::future::join_all(ids.iter().map(|id| provider.publish(id, "c1")))
         .await
         .into_iter()
         .for_each(|r| {
             r.unwrap();
         });
-    let publish = (checkpoint::fsyncs() - f0) as f64 / N as f64;
-    let f0 = checkpoint::fsyncs();
+    let publish = (csi_isolator::durable::syncs() - f0) as f64 / N as f64;
+    let f0 = csi_isolator::durable::syncs();
     futures::future::join_all(ids.iter().map(|id| provider.release(id, "c1")))
         .await
         .into_iter()
         .for_each(|r| r.unwrap());
     provider.compact_journal().await;
-    let release = (checkpoint::fsyncs() - f0) as f64 / N as f64;
+    let release = (csi_isolator::durable::syncs() - f0) as f64 / N as f64;
     eprintln!(
         "{N} concurrent publishes: {publish:.2} syncs per publish; {N} releases and a compaction: {release:.2} per release (before the journal: 4 per publish)"
     );

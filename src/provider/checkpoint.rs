@@ -109,12 +109,6 @@ pub enum CheckpointError {
 
 static POINTS: AtomicU64 = AtomicU64::new(0);
 static WRITES: AtomicU64 = AtomicU64::new(0);
-/// How many fsync/fdatasync/syncfs calls this process has made through the durable seam
-/// (checkpoints, directories, journals), for the benchmarks.
-pub fn fsyncs() -> u64 {
-    durable::syncs()
-}
-
 /// Counts crash points (durable writes, and RPCs returned before their
 /// result is recorded) and, when the crash point is armed and this is the
 /// Nth one, kills the process on the spot.
