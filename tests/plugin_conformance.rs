@@ -3635,3 +3635,34 @@ async fn volume_condition_is_abnormal_once_the_backing_is_damaged(mut s: Suite) 
     assert!(!again.expect("VOLUME_CONDITION is offered").abnormal);
     s.cleanup().await;
 }
+
+/// The plugin's durable-sync count (`--report-syncs`, what the benchmark prints apart): absent
+/// from GetPluginInfo's manifest without the flag; with it, a number that grows across a
+/// CreateVolume (whose record is made durable before it answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugins_sync_count_is_reported_only_when_asked_and_grows_with_a_create() {
+    async fn syncs(s: &mut Suite) -> Option<u64> {
+        let info =
+            s.c.identity
+                .get_plugin_info(proto::GetPluginInfoRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+        info.manifest
+            .get(csi_isolator::provider::bundled::SYNCS_KEY)
+            .map(|v| v.parse().expect("the sync count is a number"))
+    }
+    let mut quiet = suite("dir").await;
+    assert_eq!(syncs(&mut quiet).await, None, "not reported unless asked");
+    quiet.cleanup().await;
+
+    let mut s = suite_with_flags("dir", None, &["--report-syncs"]).await;
+    let before = syncs(&mut s).await.expect("reported with --report-syncs");
+    s.create("sanity-syncs").await;
+    let after = syncs(&mut s).await.unwrap();
+    assert!(
+        after > before,
+        "a CreateVolume made its record durable: {before} -> {after} syncs"
+    );
+    s.cleanup().await;
+}
