@@ -51,9 +51,9 @@ pub use error::{NotReadyCause, ProviderError};
 pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };
-pub use manager::{Manager, MountGroups, PublishedVolume};
+pub use manager::{Manager, MountGroups, PublishedVolume, Republish, Republished};
 pub use mount_spec::{MountSpec, VolumeOptions};
-pub use publish::{UseOutcome, VolumeUse};
+pub use publish::{MountCheck, UseOutcome, VolumeUse};
 pub use rules::{validate_volume_name, MAX_NAME_BYTES};
 pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};

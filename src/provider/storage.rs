@@ -950,23 +950,8 @@ impl StorageProvider {
         path: &Path,
         what: &'static str,
     ) -> Result<(), ProviderError> {
-        let (sys, at) = (self.sys.clone(), path.to_path_buf());
-        match blocking(move || sys.harden_mount_root(&at)).await {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
-                Ok(())
-            }
-            Err(e) => Err(ProviderError::Io(IoStep::new(
-                if what == "staging" {
-                    "set nosuid,nodev on the staging mount"
-                } else {
-                    "set nosuid,nodev on the target mount"
-                },
-                path,
-                std::io::Error::other(e),
-            ))),
-        }
+        let (sys, volume, at) = (self.sys.clone(), volume.to_string(), path.to_path_buf());
+        blocking(move || harden_at(&*sys, &volume, &at, what)).await
     }
 
     /// The secrets the RPC `rpc` carries for a volume whose secrets file is `file` (none
@@ -1038,6 +1023,31 @@ impl StorageProvider {
 }
 
 /// Moves the record to the steady state after `step` (in memory).
+/// [`StorageProvider::harden`] in the caller's thread: `what` is "staging" or "target".
+pub(crate) fn harden_at(
+    sys: &dyn Syscall,
+    volume: &str,
+    path: &Path,
+    what: &'static str,
+) -> Result<(), ProviderError> {
+    match sys.harden_mount_root(path) {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
+            Ok(())
+        }
+        Err(e) => Err(ProviderError::Io(IoStep::new(
+            if what == "staging" {
+                "set nosuid,nodev on the staging mount"
+            } else {
+                "set nosuid,nodev on the target mount"
+            },
+            path,
+            std::io::Error::other(e),
+        ))),
+    }
+}
+
 fn advance(rec: &mut VolumeRecord, step: Step) {
     rec.state = step.to();
     if rec.state == VolumeState::Created {

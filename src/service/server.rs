@@ -381,7 +381,17 @@ impl IsolatorService {
             container_id(id)?;
         }
         let report = self.isolator.recover(&req.known_container_ids).await?;
-        tracing::info!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered");
+        // Counts: the ids of a node's thousands of containers would make one line of hundreds of
+        // kilobytes; they go to the debug level (and the answer carries them).
+        tracing::info!(
+            recovered = report.recovered.len(),
+            cleaned = report.cleaned.len(),
+            released_uses = report.released_uses.len(),
+            corrupt = report.corrupt.len(),
+            failures = report.failures.len(),
+            "isolator recovered"
+        );
+        tracing::debug!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered: containers");
         give_back_free_heap();
         Ok(report.into())
     }
