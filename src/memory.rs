@@ -84,6 +84,12 @@ mod tests {
 
     #[cfg(target_env = "gnu")]
     #[test]
+    fn glibc_takes_the_arena_cap() {
+        assert!(limit_arenas(), "mallopt(M_ARENA_MAX) refused");
+    }
+
+    #[cfg(target_env = "gnu")]
+    #[test]
     fn freed_memory_is_given_back_to_the_kernel() {
         // Many small blocks, freed but for the last (which pins the heap's top, so glibc's own
         // trim at free does not reach what lies below it): only malloc_trim returns those pages.

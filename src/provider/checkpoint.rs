@@ -784,6 +784,26 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_that_does_not_decode_is_skipped_at_compaction_and_the_rest_written_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = KeyedJournal::open(&dir.path().join("journal")).unwrap();
+        let keyed = KeyedJournal::new(journal);
+        keyed
+            .append("v1", Some(b"one".to_vec()), Commit::Durable)
+            .unwrap();
+        // A framed entry that is no volume entry (a foreign format byte).
+        keyed.journal.append(&[&[0xff, 1, 2, 3]]).unwrap();
+        keyed
+            .append("v2", Some(b"two".to_vec()), Commit::Durable)
+            .unwrap();
+        let file_of = |key: &str, _: &Option<Vec<u8>>| Ok(Some(dir.path().join(key)));
+        keyed.compact(dir.path(), file_of).unwrap();
+        assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"one");
+        assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"two");
+        assert_eq!(keyed.journal.size().entries, 0, "the journal was emptied");
+    }
+
+    #[test]
     fn stale_temps_are_removed() {
         let dir = tempfile::tempdir().unwrap();
         fs::write(dir.path().join(".volume.state.tmp-1-0"), b"x").unwrap();

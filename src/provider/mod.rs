@@ -53,7 +53,7 @@ pub use import::{
 };
 pub use manager::{Manager, MountGroups, PublishedVolume, Republish, Republished};
 pub use mount_spec::{MountSpec, VolumeOptions};
-pub use publish::{MountCheck, UseOutcome, VolumeUse};
+pub use publish::{UseOutcome, VolumeUse};
 pub use rules::{validate_volume_name, MAX_NAME_BYTES};
 pub use state::{AccessType, Capability, UnknownAccessType, VolumeRecord, VolumeState};
 pub use storage::{PluginSource, ProviderConfig, RecoveryReport, StorageProvider, UnpublishPolicy};

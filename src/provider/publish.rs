@@ -320,7 +320,7 @@ impl StorageProvider {
 
     /// [`publish_uses`](Self::publish_uses), its volumes at rest at PUBLISHED checked as `check`
     /// says; with [`MountCheck::Batched`], ensure-all is the caller's too.
-    pub async fn publish_uses_checked(
+    pub(crate) async fn publish_uses_checked(
         &self,
         container_id: &str,
         uses: &[VolumeUse],
@@ -547,7 +547,10 @@ impl StorageProvider {
     /// ([`ensure_published_all`](Self::ensure_published_all)), after any operation in flight on
     /// it, then every other volume in use as a launch's ensure-all checks them. Failures are
     /// logged and returned as (volume id, error).
-    pub async fn ensure_listed(&self, ids: &BTreeSet<String>) -> Vec<(String, ProviderError)> {
+    pub(crate) async fn ensure_listed(
+        &self,
+        ids: &BTreeSet<String>,
+    ) -> Vec<(String, ProviderError)> {
         let slots: Vec<(&str, Arc<Slot>)> = {
             let all = self.slots.lock().unwrap();
             ids.iter()
@@ -555,8 +558,8 @@ impl StorageProvider {
                 .collect()
         };
         let mut failures = {
-            // No operation waits for one volume while it holds another, so holding many here
-            // cannot deadlock.
+            // Taken in id order (`ids` is sorted), and nothing else waits for one volume while
+            // it holds another (the sweep only tries its locks): holding many cannot deadlock.
             let mut held = Vec::new();
             for (id, slot) in &slots {
                 let rec = slot.record.lock().await;
@@ -602,7 +605,7 @@ impl StorageProvider {
 /// When a publish checks that a volume recorded as published (at rest at PUBLISHED) is still
 /// mounted. A volume short of PUBLISHED is driven there at once either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MountCheck {
+pub(crate) enum MountCheck {
     /// At once (one statx), then ensure-all of the provider's other volumes in use: a launch.
     Now,
     /// Left to the caller, who publishes many containers' volumes and then checks them all at
