@@ -279,7 +279,7 @@ async fn a_relative_root_created_on_one_agent_is_mounted_on_another() {
     let rec = agent_x.provider.volume(&id).await.unwrap();
     agent_y
         .provider
-        .declare_volume(&id, Capability::default(), rec.volume_context.clone())
+        .declare_volume(&id, Capability::default(), rec.volume_context.to_btree())
         .await
         .unwrap();
     let c1 = config(&sb, "c1", vec![res.clone()], None);

@@ -137,7 +137,9 @@ impl StorageProvider {
         let lock = self.name_lock(&spec.name);
         let _guard = lock.lock().await;
         if let Some(rec) = self.find_by_name(&spec.name).await {
-            if let Some(key) = parameters::first_difference(&rec.parameters, &spec.parameters) {
+            if let Some(key) =
+                parameters::first_difference(&rec.parameters.to_btree(), &spec.parameters)
+            {
                 return Err(ProviderError::ParametersDiffer {
                     volume: spec.name.clone(),
                     key: crate::shown::shown(key).into_owned(),
@@ -330,7 +332,7 @@ impl StorageProvider {
         rec.accessible_topology = accessible_topology;
         rec.name = Some(spec.name.clone());
         rec.capacity_bytes = u64::try_from(volume.capacity_bytes).unwrap_or(0);
-        rec.parameters = spec.parameters.clone();
+        rec.parameters = spec.parameters.clone().into();
         rec.volume_context = volume.volume_context.into_iter().collect();
         rec.readonly = rec.capability.is_reader_only();
         rec.profile = spec.profile.clone();
@@ -436,7 +438,7 @@ impl StorageProvider {
         let mut rec = VolumeRecord::new(volume_id, capability);
         rec.pre_provisioned = true;
         rec.readonly = rec.capability.is_reader_only();
-        rec.volume_context = volume_context;
+        rec.volume_context = volume_context.into();
         rec.vendor = Some(self.vendor.clone());
         self.persist(&rec).await?;
         self.insert_slot(rec.clone());

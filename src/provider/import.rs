@@ -232,7 +232,7 @@ impl StorageProvider {
         rec.capacity_bytes = spec.capacity_bytes;
         rec.pre_provisioned = true;
         rec.readonly = rec.capability.is_reader_only();
-        rec.volume_context = spec.volume_context.clone();
+        rec.volume_context = spec.volume_context.clone().into();
         rec.vendor = Some(self.vendor.clone());
         rec.secrets_file = secrets_file.map(std::path::Path::to_path_buf);
         let rec = self.record_new(rec, &spec.name).await?;

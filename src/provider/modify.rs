@@ -88,21 +88,21 @@ impl StorageProvider {
             why,
         };
         let Some(asked) = plan(&rec, asked, has).map_err(refused)? else {
-            return Ok(rec.mutable_parameters.clone());
+            return Ok(rec.mutable_parameters.to_btree());
         };
         // One pending at a time: an interrupted one is finished first (what it asked was
         // accepted by the rule when it was made durable).
         self.continue_modify(&mut rec).await?;
-        if rec.modifying.as_ref() != Some(&asked) {
+        if !rec.modifying.as_ref().is_some_and(|m| *m == asked) {
             let before = rec.clone();
-            rec.modifying = Some(asked);
+            rec.modifying = Some(asked.into());
             if let Err(e) = self.persist(&rec).await {
                 *rec = before;
                 return Err(e);
             }
         }
         self.continue_modify(&mut rec).await?;
-        Ok(rec.mutable_parameters.clone())
+        Ok(rec.mutable_parameters.to_btree())
     }
 
     /// Sends the record's pending modification (if any) and records it done.
@@ -151,7 +151,7 @@ mod tests {
 
     fn record() -> VolumeRecord {
         let mut rec = VolumeRecord::new("v1", crate::provider::Capability::default());
-        rec.mutable_parameters = map(&[("tier", "standard")]);
+        rec.mutable_parameters = map(&[("tier", "standard")]).into();
         rec
     }
 
@@ -202,7 +202,7 @@ mod tests {
         assert_eq!(plan(&rec, &map(&[("tier", "standard")]), true), Ok(None));
         let asked = map(&[("tier", "fast"), ("iops", "10")]);
         assert_eq!(plan(&rec, &asked, true), Ok(Some(asked.clone())));
-        rec.modifying = Some(map(&[("iops", "5")]));
+        rec.modifying = Some(map(&[("iops", "5")]).into());
         assert_eq!(
             plan(&rec, &map(&[("tier", "standard")]), true),
             Ok(Some(map(&[("tier", "standard")])))

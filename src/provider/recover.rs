@@ -1,8 +1,8 @@
 //! Loading checkpoints and recovering on start.
 //!
-//! In order: stale temporary files are removed; every `volume.state` is
-//! read and the provider's journal replayed over them (its last entry of a volume wins, a
-//! removal removes it: [`checkpoint::replay`]), then each volume is
+//! In order: stale temporary files are removed; the provider's journal is replayed over the
+//! `volume.state` files (its last entry of a volume wins, a removal removes it:
+//! [`checkpoint::replay`]; a state file the journal overrides is not read), then each volume is
 //! loaded (one that cannot be read is reported with its path and set aside,
 //! never dropped or overwritten); after a reboot (boot id changed) node-side
 //! states fall back to NODE_READY; interrupted creates are finished;
@@ -242,37 +242,38 @@ impl StorageProvider {
     fn load_records(&self) {
         let mounted = self.mounted_targets();
         let dir = self.layout.volumes_dir();
-        let (journaled, refused) = self.replayed.lock().unwrap().take().unwrap_or_default();
+        let (mut journaled, refused) = self.replayed.lock().unwrap().take().unwrap_or_default();
         let mut report = self.report.lock().unwrap();
         for why in refused {
             tracing::error!(error = %why, "journal entry skipped");
             report.failures.push(("journal".into(), why));
         }
-        // The state files, then the journal's entries over them.
-        let mut found_by_dir: std::collections::BTreeMap<String, Found> = Default::default();
+        // Every volume directory and every volume the journal names, in order: the journal's
+        // last entry wins over the state file, which is then not read; otherwise the state
+        // file, read and sorted one at a time (10,000 files' bytes are never all held at once).
+        let mut on_disk = std::collections::BTreeSet::new();
         for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let vdir = entry.path();
-            if !vdir.is_dir() {
-                continue;
+            if entry.path().is_dir() {
+                on_disk.insert(entry.file_name().to_string_lossy().into_owned());
             }
-            checkpoint::remove_stale_temps(&vdir);
-            let found = match checkpoint::read(&vdir.join(STATE_FILE)) {
-                Ok(Some(bytes)) => Found::StateFile(bytes),
-                Ok(None) => Found::NoStateFile,
-                Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
-            };
-            found_by_dir.insert(entry.file_name().to_string_lossy().into_owned(), found);
         }
-        for (dir_name, (_, state)) in journaled {
-            let found = match state {
-                Some(bytes) => Found::StateFile(bytes),
-                None => Found::NoStateFile,
-            };
-            found_by_dir.insert(dir_name, found);
-        }
-        for (dir_name, found) in found_by_dir {
+        let names: std::collections::BTreeSet<String> =
+            on_disk.iter().chain(journaled.keys()).cloned().collect();
+        for dir_name in names {
             let vdir = dir.join(&dir_name);
             let path = vdir.join(STATE_FILE);
+            if on_disk.contains(&dir_name) {
+                checkpoint::remove_stale_temps(&vdir);
+            }
+            let found = match journaled.remove(&dir_name) {
+                Some((_, Some(bytes))) => Found::StateFile(bytes),
+                Some((_, None)) => Found::NoStateFile,
+                None => match checkpoint::read(&path) {
+                    Ok(Some(bytes)) => Found::StateFile(bytes),
+                    Ok(None) => Found::NoStateFile,
+                    Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
+                },
+            };
             let facts = Facts {
                 boot_id: &self.boot_id,
                 mounted: mounted.as_ref(),

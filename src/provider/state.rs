@@ -15,13 +15,13 @@
 //! A step whose capability the plugin lacks is skipped (the state moves on
 //! without an RPC).
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
 use crate::csi::proto;
+use crate::sorted::{SortedMap, SortedSet};
 
 /// The version of the `volume.state` format written by this build.
 pub const FORMAT_VERSION: u32 = 1;
@@ -569,13 +569,13 @@ pub struct VolumeRecord {
     pub capacity_bytes: u64,
     /// CreateVolume parameters.
     #[serde(default)]
-    pub parameters: BTreeMap<String, String>,
+    pub parameters: SortedMap,
     /// `volume_context` from CreateVolume, passed to every later call.
     #[serde(default)]
-    pub volume_context: BTreeMap<String, String>,
+    pub volume_context: SortedMap,
     /// `publish_context` from ControllerPublishVolume, passed to the node calls.
     #[serde(default)]
-    pub publish_context: BTreeMap<String, String>,
+    pub publish_context: SortedMap,
     /// The node id the volume was controller-published to.
     #[serde(default)]
     pub node_id: Option<String>,
@@ -593,12 +593,12 @@ pub struct VolumeRecord {
     pub readonly: bool,
     /// Containers using the volume; it is never unpublished while non-empty.
     #[serde(default)]
-    pub users: BTreeSet<String>,
+    pub users: SortedSet,
     /// The users that only read it (a subset of `users`); every other user writes. Empty in
     /// checkpoints of earlier versions, whose users therefore all count as writing. The
     /// access-mode rule (`provider::access`) reads it.
-    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
-    pub readers: BTreeSet<String>,
+    #[serde(default, skip_serializing_if = "SortedSet::is_empty")]
+    pub readers: SortedSet,
     /// A volume that existed in the plugin before and was declared by id:
     /// published and unpublished, never created or deleted by us.
     #[serde(default)]
@@ -641,12 +641,12 @@ pub struct VolumeRecord {
     pub expansion: Option<Expansion>,
     /// The volume's mutable parameters as the plugin last accepted them
     /// ([`crate::provider::modify`]).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub mutable_parameters: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "SortedMap::is_empty")]
+    pub mutable_parameters: SortedMap,
     /// A ControllerModifyVolume not known to be done: the parameters asked, durable before the
     /// RPC ([`crate::provider::modify`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub modifying: Option<BTreeMap<String, String>>,
+    pub modifying: Option<SortedMap>,
     /// The volume was taken from this node while it was away (`volume detach`, or the
     /// controller refused to publish it here again): recovery tears its node side down and
     /// never publishes it to the controller again for the uses it lost
@@ -725,15 +725,15 @@ impl VolumeRecord {
             state: VolumeState::Created,
             capability,
             capacity_bytes: 0,
-            parameters: BTreeMap::new(),
-            volume_context: BTreeMap::new(),
-            publish_context: BTreeMap::new(),
+            parameters: SortedMap::new(),
+            volume_context: SortedMap::new(),
+            publish_context: SortedMap::new(),
             node_id: None,
             accessible_topology: Vec::new(),
             boot_id: None,
             readonly: false,
-            users: BTreeSet::new(),
-            readers: BTreeSet::new(),
+            users: SortedSet::new(),
+            readers: SortedSet::new(),
             pre_provisioned: false,
             destroying: false,
             delete_imported: false,
@@ -744,7 +744,7 @@ impl VolumeRecord {
             expansion: None,
             mount_group: None,
             content_source: None,
-            mutable_parameters: BTreeMap::new(),
+            mutable_parameters: SortedMap::new(),
             modifying: None,
             fenced: None,
         }

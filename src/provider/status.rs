@@ -177,8 +177,8 @@ fn volume_status(
             .volume_context
             .get(CAPACITY_ENFORCED_KEY)
             .and_then(|v| v.parse().ok()),
-        users: rec.users,
-        parameters: rec.parameters,
+        users: rec.users.into_iter().collect(),
+        parameters: rec.parameters.into_iter().collect(),
         imported: rec.pre_provisioned,
         accessible_topology: rec.accessible_topology,
         capability: rec.capability,
@@ -189,7 +189,7 @@ fn volume_status(
         stats: None,
         condition: None,
         stats_unavailable: None,
-        mutable_parameters: rec.mutable_parameters,
+        mutable_parameters: rec.mutable_parameters.into_iter().collect(),
         content_source: rec.content_source,
         expansion: rec.expansion,
         fenced: rec.fenced,

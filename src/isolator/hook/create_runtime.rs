@@ -189,7 +189,7 @@ async fn create_with_provider(
         // exists is used as it was created.
         match (wanted.parameters.get(&v.source), existing) {
             (Some(set), _) => spec.parameters = set.clone(),
-            (None, Some(existing)) => spec.parameters = existing.parameters.clone(),
+            (None, Some(existing)) => spec.parameters = existing.parameters.to_btree(),
             (None, None) => {}
         }
         let res = provider
