@@ -211,7 +211,7 @@ impl ContainerJournal {
                     }
                 }
                 Ok(Some(file))
-            })
+            }, |_, _, _| Vec::new())
     }
 }
 

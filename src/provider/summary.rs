@@ -1,0 +1,821 @@
+//! What a provider's volume directories hold, as `status` reads them, and the summary of it the
+//! provider writes at each compaction, so that `status` need not read them one by one.
+//!
+//! # The full scan
+//! [`volume_dirs`] without a summary: every directory of `volumes/` and every volume only the
+//! journal knows, by directory name, each listed (its files set aside as corrupt by an earlier
+//! recovery, whether it has a `volume.state`) and its state file read unless the journal's entry
+//! covers it; a node's thousands are read by a few threads, each a contiguous run of the sorted
+//! names.
+//!
+//! # The summary: `csi/<type>/<name>/volumes.summary`, format version [`VERSION`]
+//! Written by the provider's compaction (`checkpoint::VolumeJournal::compact`) as one more file
+//! of its write-back: built before it, from the last summary (when current) with the changes
+//! being written back laid over it (else by the full scan), renamed into place, made durable by
+//! the write-back's one `syncfs` and only then followed by the journal's reset. It records what
+//! the full scan finds once that write-back is done (per directory, by name: its set-aside files
+//! and its state file's bytes) and `covers`: the journal's sequence number it reaches (every
+//! entry before it is in it; the reset journal starts there).
+//!
+//! A reader uses it only when it is current with the journal it read: the journal's complete
+//! entries run from `first` to `first + n` and `first ≤ covers ≤ first + n` ([`current`]: the
+//! journal was reset at it, or a crash came between the summary and the reset and the old
+//! journal is whole). It then lays the journal's complete entries over it (those before `covers`
+//! say again what it says; a crash before the reset may have left the directory of one of them
+//! unmade, and the entry still names the volume, as for the full scan), and lists
+//! `volumes/` once: a directory the summary does not name, or names and the listing does not
+//! show, is read as the full scan reads it. A summary that is absent, stale, torn (a CRC-32C
+//! covers the whole file), of another format version, over [`MAX_FILE`], not a regular file or a
+//! symlink (never followed) is not used: the full scan is, the same answer byte for byte.
+//!
+//! Whoever changes a volume directory outside a compaction removes the summary first, durably:
+//! `checkpoint::settle_journal` (commands that write state files themselves, `volume detach`)
+//! and recovery's setting aside of a corrupt state file. A provider's next compaction writes a
+//! new one (by the full scan, once).
+//!
+//! Layout: a header of [`HEADER_LEN`] bytes (the magic `CSIVSUM\n`, the version (u32 LE), four
+//! zero bytes, `covers` (u64 LE), the number of directories (u64 LE)); then per directory, in
+//! strictly increasing name order: its name (u32 LE length, bytes), the number of its set-aside
+//! files (u32 LE) and each name (u32 LE length, bytes), 0 (no state file) or 1 and the state
+//! file's bytes (u32 LE length, bytes); then the CRC-32C (u32 LE) of everything before it.
+//! Everything in it is checked as hostile input: lengths within the file, names single path
+//! components (set-aside ones `volume.state.corrupt-*`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::Path;
+
+use crate::durable::journal::crc32c;
+use crate::provider::checkpoint::Journaled;
+use crate::resource::STATE_FILE;
+
+/// The summary's file name, beside `volumes/` and `journal` under `csi/<type>/<name>/`.
+pub const SUMMARY_FILE: &str = "volumes.summary";
+/// The magic that starts a summary.
+pub const MAGIC: [u8; 8] = *b"CSIVSUM\n";
+/// The format version this build writes and the only one it reads.
+pub const VERSION: u32 = 1;
+/// The header's length.
+pub const HEADER_LEN: usize = 32;
+/// The largest summary read: a bigger file is refused, never read into memory.
+pub const MAX_FILE: u64 = 256 << 20;
+/// The longest directory or file name (NAME_MAX).
+const MAX_NAME: usize = 255;
+/// Volume directories per thread below which one thread reads them all.
+pub const DIRS_PER_THREAD: usize = 1024;
+/// At most this many threads read volume directories.
+const MAX_READ_THREADS: usize = 4;
+
+/// One directory of `volumes/` as `status` reads it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeDir {
+    /// Its name (the encoded volume id).
+    pub name: String,
+    /// The names of its state files set aside by an earlier recovery, sorted.
+    pub set_aside: Vec<OsString>,
+    /// Its state: the journal's last entry, else its `volume.state`'s bytes, or why they cannot
+    /// be read; `None`: neither (or the journal removed it).
+    pub state: Option<Result<Vec<u8>, String>>,
+}
+
+/// A summary read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Summary {
+    /// The journal's sequence number it reaches.
+    pub covers: u64,
+    /// Its directories, by name.
+    pub dirs: Vec<VolumeDir>,
+}
+
+/// Whether a summary covering up to `covers` is current with a journal whose complete entries
+/// run from `first` for `entries` (see the module doc; pure).
+pub fn current(covers: u64, first: u64, entries: u64) -> bool {
+    first <= covers && covers <= first.saturating_add(entries)
+}
+
+/// The summary's bytes (see the module doc; pure): `Err` names a directory whose state could
+/// not be read (a summary would not say the same as the full scan). Directories with neither
+/// state nor set-aside files are left out (the full scan shows nothing for them).
+pub fn encode(covers: u64, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
+    let kept: Vec<&VolumeDir> = dirs
+        .iter()
+        .filter(|d| d.state.is_some() || !d.set_aside.is_empty())
+        .collect();
+    let mut out = Vec::with_capacity(
+        HEADER_LEN
+            + kept
+                .iter()
+                .map(|d| {
+                    let state = d
+                        .state
+                        .as_ref()
+                        .map_or(0, |s| s.as_ref().map_or(0, Vec::len));
+                    d.name.len() + state + 16
+                })
+                .sum::<usize>()
+            + 4,
+    );
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&covers.to_le_bytes());
+    out.extend_from_slice(&(kept.len() as u64).to_le_bytes());
+    let put = |out: &mut Vec<u8>, bytes: &[u8]| {
+        out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
+        out.extend_from_slice(bytes);
+    };
+    for d in kept {
+        put(&mut out, d.name.as_bytes());
+        out.extend_from_slice(&(d.set_aside.len() as u32).to_le_bytes());
+        for name in &d.set_aside {
+            put(&mut out, name.as_bytes());
+        }
+        match &d.state {
+            None => out.push(0),
+            Some(Ok(state)) => {
+                out.push(1);
+                put(&mut out, state);
+            }
+            Some(Err(why)) => return Err(format!("volume directory {}: {why}", d.name)),
+        }
+    }
+    let crc = crc32c(&[&out]);
+    out.extend_from_slice(&crc.to_le_bytes());
+    Ok(out)
+}
+
+/// Reads a summary's bytes back, trusting nothing in them (see the module doc; pure).
+pub fn decode(bytes: &[u8]) -> Result<Summary, String> {
+    if bytes.len() < HEADER_LEN + 4 {
+        return Err(format!(
+            "{} bytes: shorter than a summary's header and checksum",
+            bytes.len()
+        ));
+    }
+    if bytes[..8] != MAGIC {
+        return Err("no summary magic at its start: not a volume summary".into());
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - 4);
+    let mut r = Reader { bytes: body, at: 8 };
+    let version = r.u32()?;
+    if version != VERSION {
+        return Err(format!(
+            "format version {version}, this build reads {VERSION}"
+        ));
+    }
+    if crc32c(&[body]) != u32::from_le_bytes(crc.try_into().expect("4 bytes")) {
+        return Err("its checksum does not match: torn or damaged".into());
+    }
+    if r.u32()? != 0 {
+        return Err("reserved header bytes are not zero".into());
+    }
+    let covers = r.u64()?;
+    let count = r.u64()?;
+    // Each directory takes at least 9 bytes: never trust the count for an allocation.
+    if count > (body.len() - HEADER_LEN) as u64 / 9 {
+        return Err(format!("{count} directories in {} bytes", bytes.len()));
+    }
+    let mut dirs: Vec<VolumeDir> = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        let name = std::str::from_utf8(r.name()?)
+            .map_err(|_| "a directory name that is not UTF-8".to_string())?
+            .to_string();
+        if let Some(last) = dirs.last() {
+            if last.name >= name {
+                return Err(format!(
+                    "directory {name:?} after {:?}: not in increasing order",
+                    last.name
+                ));
+            }
+        }
+        let asides = r.u32()?;
+        let mut set_aside = Vec::new();
+        for _ in 0..asides {
+            let aside = r.name()?;
+            if !aside.starts_with(format!("{STATE_FILE}.corrupt-").as_bytes()) {
+                return Err(format!(
+                    "a set-aside file {:?} in {name:?} not named {STATE_FILE}.corrupt-*",
+                    String::from_utf8_lossy(aside)
+                ));
+            }
+            set_aside.push(OsString::from_vec(aside.to_vec()));
+        }
+        let state = match r.take(1)?[0] {
+            0 => None,
+            1 => {
+                let len = r.u32()? as usize;
+                Some(Ok(r.take(len)?.to_vec()))
+            }
+            f => return Err(format!("a state flag of {f} in {name:?}")),
+        };
+        dirs.push(VolumeDir {
+            name,
+            set_aside,
+            state,
+        });
+    }
+    if r.at != body.len() {
+        return Err(format!(
+            "{} bytes after its last directory",
+            body.len() - r.at
+        ));
+    }
+    Ok(Summary { covers, dirs })
+}
+
+/// A cursor over a summary's bytes.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&end| end <= self.bytes.len())
+            .ok_or_else(|| format!("{n} bytes wanted at byte {}, past its end", self.at))?;
+        let out = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(out)
+    }
+
+    fn u32(&mut self) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4")))
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+
+    /// A name: one path component, not empty, `.` or `..`, without `/` or NUL.
+    fn name(&mut self) -> Result<&'a [u8], String> {
+        let len = self.u32()? as usize;
+        if len > MAX_NAME {
+            return Err(format!("a name of {len} bytes, over {MAX_NAME}"));
+        }
+        let name = self.take(len)?;
+        if name.is_empty()
+            || name == b"."
+            || name == b".."
+            || name.contains(&b'/')
+            || name.contains(&0)
+        {
+            return Err(format!(
+                "a name {:?} that is not one path component",
+                String::from_utf8_lossy(name)
+            ));
+        }
+        Ok(name)
+    }
+}
+
+/// Reads the summary at `path` (never following a symlink, refusing what is not a regular file
+/// or is over [`MAX_FILE`]): `Ok(None)` when there is none, `Err` why it is refused.
+pub fn read(path: &Path) -> Result<Option<Summary>, String> {
+    match crate::durable::read_capped(path, MAX_FILE) {
+        Ok(None) => Ok(None),
+        Ok(Some(bytes)) => decode(&bytes).map(Some),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// The summary at `path` if it is current with a journal whose complete entries run from
+/// `first` for `entries` ([`current`]); `None` otherwise, a refused one logged with a warning
+/// (the caller then reads the directories one by one).
+pub fn read_current(path: &Path, first: u64, entries: u64) -> Option<Summary> {
+    match read(path) {
+        Ok(Some(s)) if current(s.covers, first, entries) => Some(s),
+        Ok(Some(s)) => {
+            tracing::debug!(summary = %path.display(), covers = s.covers, first, entries,
+                "volume summary not current with the journal: reading every volume directory");
+            None
+        }
+        Ok(None) => None,
+        Err(why) => {
+            tracing::warn!(summary = %path.display(), %why,
+                "volume summary refused: reading every volume directory instead");
+            None
+        }
+    }
+}
+
+/// Every directory of `volumes` and every volume only `journaled` knows, by name, with
+/// `journaled` over the state files (see the module doc): from `summary` (current with the
+/// journal `journaled` replays)
+/// and one listing of `volumes`, reading only the directories the summary does not cover; without
+/// one, by the full scan. Either way the same answer. `per_thread`: directories per reading
+/// thread ([`DIRS_PER_THREAD`]).
+pub fn volume_dirs(
+    volumes: &Path,
+    summary: Option<Vec<VolumeDir>>,
+    journaled: &Journaled,
+    per_thread: usize,
+) -> Vec<VolumeDir> {
+    let listed: BTreeSet<String> = std::fs::read_dir(volumes)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let Some(summary) = summary else {
+        let mut names = listed;
+        names.extend(journaled.keys().cloned());
+        let names: Vec<String> = names.into_iter().collect();
+        return read_each(volumes, &names, journaled, per_thread);
+    };
+    let mut by_name: BTreeMap<String, Option<VolumeDir>> = listed
+        .iter()
+        .chain(journaled.keys())
+        .map(|n| (n.clone(), None))
+        .collect();
+    // Named by the summary and still there: its set-aside files are the summary's, its state
+    // the journal's entry or the summary's. Named and gone: as the full scan, which does not
+    // see it (unless the journal names it: read below).
+    for mut dir in summary.into_iter().filter(|d| listed.contains(&d.name)) {
+        if let Some((_, state)) = journaled.get(&dir.name) {
+            dir.state = state.clone().map(Ok);
+        }
+        by_name.insert(dir.name.clone(), Some(dir));
+    }
+    let unread: Vec<String> = by_name
+        .iter()
+        .filter(|(_, d)| d.is_none())
+        .map(|(n, _)| n.clone())
+        .collect();
+    let mut read = read_each(volumes, &unread, journaled, per_thread).into_iter();
+    by_name
+        .into_values()
+        .map(|d| d.unwrap_or_else(|| read.next().expect("one read per unread name")))
+        .collect()
+}
+
+/// [`read_volume_dir`] of each of `names` (sorted), in order, by up to [`MAX_READ_THREADS`]
+/// threads of at least `per_thread` directories each.
+fn read_each(
+    volumes: &Path,
+    names: &[String],
+    journaled: &Journaled,
+    per_thread: usize,
+) -> Vec<VolumeDir> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MAX_READ_THREADS)
+        .min(names.len().div_ceil(per_thread.max(1)))
+        .max(1);
+    let read = |part: &[String]| -> Vec<VolumeDir> {
+        part.iter()
+            .map(|name| read_volume_dir(volumes, name, journaled.get(name).map(|(_, s)| s)))
+            .collect()
+    };
+    if threads == 1 {
+        return read(names);
+    }
+    let chunk = names.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let parts: Vec<_> = names
+            .chunks(chunk)
+            .map(|part| scope.spawn(move || read(part)))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|p| p.join().expect("reading a volume directory does not panic"))
+            .collect()
+    })
+}
+
+/// One volume directory: one listing (its set-aside files, whether it has a state file), then
+/// the state file's read unless the journal covers it (`journaled`: the journal's last entry).
+fn read_volume_dir(volumes: &Path, name: &str, journaled: Option<&Option<Vec<u8>>>) -> VolumeDir {
+    let dir = volumes.join(name);
+    let corrupt_prefix = format!("{STATE_FILE}.corrupt-");
+    let mut set_aside = Vec::new();
+    let mut has_state = None;
+    if let Ok(entries) = std::fs::read_dir(&dir) {
+        let mut found = false;
+        for e in entries.flatten() {
+            let file = e.file_name();
+            if file == STATE_FILE {
+                found = true;
+            } else if file.to_string_lossy().starts_with(&corrupt_prefix) {
+                set_aside.push(file);
+            }
+        }
+        has_state = Some(found);
+    }
+    set_aside.sort();
+    let state = match (journaled, has_state) {
+        (Some(entry), _) => entry.clone().map(Ok),
+        // Listed without a state file: nothing to read.
+        (None, Some(false)) => None,
+        // Listed with one, or not listable (the read says why).
+        (None, _) => match std::fs::read(dir.join(STATE_FILE)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => Some(Err(e.to_string())),
+            Ok(bytes) => Some(Ok(bytes)),
+        },
+    };
+    VolumeDir {
+        name: name.to_string(),
+        set_aside,
+        state,
+    }
+}
+
+/// The summary a compaction writes for `layout` (see the module doc): `dirty` (the changes it
+/// writes back, by volume id; `None`: removed) over the last summary when it is current with
+/// the journal being compacted (its complete entries from `first` up to `covers`), else over the
+/// full scan. `None`: a directory could not be read, so no summary is written (and the last one
+/// is removed with the write-back).
+pub fn build(
+    layout: &crate::resource::Layout,
+    dirty: &BTreeMap<String, Option<Vec<u8>>>,
+    first: u64,
+    covers: u64,
+) -> Option<Vec<u8>> {
+    let path = layout.base().join(SUMMARY_FILE);
+    let last = read_current(&path, first, covers.saturating_sub(first)).map(|s| s.dirs);
+    let journaled: Journaled = dirty
+        .iter()
+        .map(|(id, state)| {
+            let name = crate::resource::encode_volume_id(id);
+            (name, (id.clone(), state.clone()))
+        })
+        .collect();
+    let dirs = volume_dirs(&layout.volumes_dir(), last, &journaled, DIRS_PER_THREAD);
+    match encode(covers, &dirs) {
+        Ok(bytes) => Some(bytes),
+        Err(why) => {
+            tracing::warn!(summary = %path.display(), %why,
+                "no volume summary written: status reads every volume directory until the next compaction");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::durable::journal::Commit;
+    use crate::mount::FakeSyscall;
+    use crate::provider::checkpoint::{self, VolumeJournal};
+    use crate::provider::state::{Capability, VolumeRecord, VolumeState};
+    use crate::provider::status::{scan_with, ScanOptions, StatusReport};
+    use crate::resource::Layout;
+
+    fn rec(id: &str, state: VolumeState, user: Option<&str>) -> Vec<u8> {
+        let mut r = VolumeRecord::new(id, Capability::default());
+        r.state = state;
+        r.users = user.iter().map(|u| u.to_string()).collect();
+        serde_json::to_vec_pretty(&r).unwrap()
+    }
+
+    /// Both scans of `work`, as `status --json` prints them; the summary's scan must say the
+    /// same as the full one. Returns whether the summary was current (used).
+    fn same_answer(work: &Path, layout: &Layout, table: &FakeSyscall, what: &str) -> bool {
+        let json = |r: StatusReport| serde_json::to_string_pretty(&r).unwrap();
+        let how = |use_summary| ScanOptions {
+            use_summary,
+            dirs_per_thread: 4,
+        };
+        let full = json(scan_with(work, table, how(false)).unwrap());
+        let fast = json(scan_with(work, table, how(true)).unwrap());
+        assert_eq!(
+            fast, full,
+            "{what}: the summary's answer differs from the full scan's"
+        );
+        match checkpoint::read_journal_entries(layout) {
+            Ok(Some(p)) => read_current(
+                &layout.base().join(SUMMARY_FILE),
+                p.first_seq,
+                p.entries.len() as u64,
+            )
+            .is_some(),
+            _ => false,
+        }
+    }
+
+    /// A small deterministic generator (xorshift): the same run every time.
+    struct Rng(u64);
+    impl Rng {
+        fn below(&mut self, n: u64) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0 % n
+        }
+    }
+
+    /// Generated work dirs: records, removals, journal tails (durable and lazy), compactions,
+    /// reopens (replay), creates in progress (a volume directory without its state file), files
+    /// set aside by a recovery, `volume detach`'s direct writes, directories made and removed
+    /// behind the provider's back, and a summary that is stale, torn, of another version,
+    /// older than the journal's first entry or newer than the journal: after every step the
+    /// summary's scan says what the full scan says, and the summary was current (used) in most
+    /// of them.
+    #[test]
+    fn the_summary_answers_as_the_full_scan_over_generated_work_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path();
+        let layout = Layout::new(work, "t", "n");
+        std::fs::create_dir_all(layout.volumes_dir()).unwrap();
+        let table = FakeSyscall::new();
+        let summary = layout.base().join(SUMMARY_FILE);
+        let jpath = layout.base().join(checkpoint::JOURNAL_FILE);
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut journal = Some(VolumeJournal::open(&layout).unwrap().0);
+        let states = [
+            VolumeState::Created,
+            VolumeState::NodeReady,
+            VolumeState::Published,
+            VolumeState::NodeStage,
+        ];
+        let (mut used, mut steps) = (0, 0);
+        let mut saved: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
+        for step in 0..400 {
+            let id = format!("v{}", rng.below(24));
+            let j = journal.as_ref().unwrap();
+            let what = match rng.below(20) {
+                0..=6 => {
+                    let s = states[rng.below(4) as usize];
+                    if s == VolumeState::Published {
+                        table.add_mount("x", &layout.target_path(&id), "ext4");
+                    }
+                    let user = (rng.below(2) == 0).then_some("c1");
+                    let commit = if rng.below(3) == 0 {
+                        Commit::Lazy
+                    } else {
+                        Commit::Durable
+                    };
+                    j.record(&id, Some(rec(&id, s, user)), commit).unwrap();
+                    format!("record {id} {s}")
+                }
+                7 | 8 => {
+                    j.record(&id, None, Commit::Durable).unwrap();
+                    format!("remove {id}")
+                }
+                9..=11 => {
+                    if rng.below(3) == 0 {
+                        saved.push((
+                            std::fs::read(&summary).unwrap_or_default(),
+                            std::fs::read(&jpath).unwrap(),
+                        ));
+                    }
+                    j.compact().unwrap();
+                    "compact".into()
+                }
+                12 => {
+                    drop(journal.take());
+                    journal = Some(VolumeJournal::open(&layout).unwrap().0);
+                    "reopen".into()
+                }
+                13 => {
+                    // A create in progress: its directory made, no state file yet.
+                    std::fs::create_dir_all(layout.volume_dir(&format!("new{step}"))).unwrap();
+                    "an empty volume directory".into()
+                }
+                14 => {
+                    // Recovery sets a corrupt state file aside (dropping the summary first).
+                    let p = layout.state_file(&id);
+                    if p.exists() {
+                        std::fs::write(&p, b"{torn").unwrap();
+                        j.drop_summary().unwrap();
+                        checkpoint::set_aside(&p).unwrap();
+                        std::fs::rename(
+                            layout.volume_dir(&id).join(
+                                std::fs::read_dir(layout.volume_dir(&id))
+                                    .unwrap()
+                                    .next()
+                                    .unwrap()
+                                    .unwrap()
+                                    .file_name(),
+                            ),
+                            layout
+                                .volume_dir(&id)
+                                .join(format!("{STATE_FILE}.corrupt-{step}")),
+                        )
+                        .unwrap();
+                    }
+                    format!("set aside {id}")
+                }
+                15 => {
+                    // `volume detach`: the journal settled, a state file written directly.
+                    drop(journal.take());
+                    checkpoint::settle_journal(&layout).unwrap();
+                    let p = layout.state_file(&id);
+                    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                    checkpoint::write_atomic(&p, &rec(&id, VolumeState::Created, None)).unwrap();
+                    journal = Some(VolumeJournal::open(&layout).unwrap().0);
+                    format!("detach writes {id}")
+                }
+                16 => {
+                    // Behind the provider's back: a directory made (an older release's volume)
+                    // or removed whole.
+                    let other = format!("w{}", rng.below(4));
+                    if rng.below(2) == 0 {
+                        let p = layout.state_file(&other);
+                        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                        std::fs::write(p, rec(&other, VolumeState::Created, None)).unwrap();
+                    } else {
+                        let _ = std::fs::remove_dir_all(layout.volume_dir(&other));
+                    }
+                    format!("made or removed {other} behind its back")
+                }
+                17 => {
+                    // A stale summary: an older one (with, or without, its own journal back).
+                    if let Some((s, jr)) = saved.get(rng.below(saved.len().max(1) as u64) as usize)
+                    {
+                        std::fs::write(&summary, s).unwrap();
+                        if rng.below(2) == 0 {
+                            drop(journal.take());
+                            std::fs::write(&jpath, jr).unwrap();
+                            journal = Some(VolumeJournal::open(&layout).unwrap().0);
+                        }
+                    }
+                    "an older summary".into()
+                }
+                18 => {
+                    // Torn or of another version.
+                    if let Some(mut b) = std::fs::read(&summary).ok().filter(|b| b.len() > 9) {
+                        let at = rng.below(b.len() as u64) as usize;
+                        if rng.below(2) == 0 {
+                            b[at] ^= 0x20;
+                        } else {
+                            b[8] = 2;
+                        }
+                        std::fs::write(&summary, b).unwrap();
+                    }
+                    "a damaged summary".into()
+                }
+                _ => {
+                    let _ = std::fs::remove_file(&summary);
+                    "no summary".into()
+                }
+            };
+            steps += 1;
+            if same_answer(work, &layout, &table, &format!("step {step}: {what}")) {
+                used += 1;
+            }
+        }
+        eprintln!("{steps} steps, the summary current (and used) after {used}");
+        // Destructive steps leave it stale until the next compaction: a third of the steps
+        // read it, the rest checked the fallback.
+        assert!(
+            used * 4 > steps,
+            "the summary was current in only {used} of {steps} steps"
+        );
+    }
+
+    /// The comparison can fail: a summary that is current but says something else than the
+    /// directories (a state file changed behind the provider's back without dropping it) is
+    /// what the summary's scan shows.
+    #[test]
+    fn a_current_summary_is_what_the_scan_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        std::fs::create_dir_all(layout.volumes_dir()).unwrap();
+        let (j, _, _) = VolumeJournal::open(&layout).unwrap();
+        j.record(
+            "a",
+            Some(rec("a", VolumeState::Created, None)),
+            Commit::Durable,
+        )
+        .unwrap();
+        j.compact().unwrap();
+        std::fs::write(
+            layout.state_file("a"),
+            rec("a", VolumeState::NodeReady, None),
+        )
+        .unwrap();
+        let how = |use_summary| ScanOptions {
+            use_summary,
+            dirs_per_thread: 4,
+        };
+        let table = FakeSyscall::new();
+        let fast = scan_with(dir.path(), &table, how(true)).unwrap();
+        let full = scan_with(dir.path(), &table, how(false)).unwrap();
+        assert_eq!(fast.volumes[0].state, VolumeState::Created);
+        assert_eq!(full.volumes[0].state, VolumeState::NodeReady);
+    }
+
+    #[test]
+    fn a_summary_round_trips_and_hostile_bytes_are_refused() {
+        let dirs = vec![
+            VolumeDir {
+                name: "a".into(),
+                set_aside: vec![],
+                state: Some(Ok(b"{}".to_vec())),
+            },
+            VolumeDir {
+                name: "b".into(),
+                set_aside: vec!["volume.state.corrupt-1".into()],
+                state: None,
+            },
+            VolumeDir {
+                name: "c".into(),
+                set_aside: vec![],
+                state: None,
+            },
+        ];
+        let bytes = encode(7, &dirs).unwrap();
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.covers, 7);
+        assert_eq!(back.dirs, dirs[..2], "an empty directory is left out");
+        let mut unreadable = dirs.clone();
+        unreadable[0].state = Some(Err("EIO".into()));
+        assert!(encode(7, &unreadable).unwrap_err().contains("EIO"));
+        // Every cut and every flipped byte is refused.
+        for n in 0..bytes.len() {
+            assert!(decode(&bytes[..n]).is_err(), "cut at {n}");
+            let mut b = bytes.clone();
+            b[n] ^= 1;
+            assert!(decode(&b).is_err(), "flip at {n}");
+        }
+        // Well-formed (checksummed) but hostile: a path in a name, names out of order, a
+        // set-aside name of another file, another version, a count no file could hold.
+        let with = |f: &dyn Fn(&mut Vec<VolumeDir>)| {
+            let mut d = dirs.clone();
+            f(&mut d);
+            decode(&encode(7, &d).unwrap()).unwrap_err()
+        };
+        assert!(with(&|d| d[0].name = "../x".into()).contains("path component"));
+        assert!(with(&|d| d[0].name = "..".into()).contains("path component"));
+        assert!(with(&|d| d.swap(0, 1)).contains("increasing order"));
+        assert!(with(&|d| d[1].set_aside = vec!["journal".into()]).contains("corrupt-*"));
+        let reseal = |mut b: Vec<u8>| {
+            let n = b.len() - 4;
+            let crc = crc32c(&[&b[..n]]);
+            b[n..].copy_from_slice(&crc.to_le_bytes());
+            b
+        };
+        let mut v2 = bytes.clone();
+        v2[8] = 2;
+        assert!(decode(&reseal(v2))
+            .unwrap_err()
+            .contains("format version 2"));
+        let mut many = bytes.clone();
+        many[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode(&reseal(many))
+            .unwrap_err()
+            .contains("directories in"));
+    }
+
+    /// The summary is a file the root daemon's `status` reads (docs/SECURITY.md): a symlink in
+    /// its place is never followed, a file over the limit never read, garbage refused; each is
+    /// ignored with a warning and the full scan answers.
+    #[test]
+    fn a_symlinked_oversized_or_garbage_summary_is_refused_and_the_full_scan_used() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = Layout::new(dir.path(), "t", "n");
+        std::fs::create_dir_all(layout.volumes_dir()).unwrap();
+        let (j, _, _) = VolumeJournal::open(&layout).unwrap();
+        j.record(
+            "real",
+            Some(rec("real", VolumeState::Created, None)),
+            Commit::Durable,
+        )
+        .unwrap();
+        j.compact().unwrap();
+        let path = layout.base().join(SUMMARY_FILE);
+        let current = std::fs::read(&path).unwrap();
+        // A current summary naming a volume that is not there, planted elsewhere and linked.
+        let lie = decode(&current).unwrap();
+        let mut dirs = lie.dirs.clone();
+        dirs.push(VolumeDir {
+            name: "zzz".into(),
+            set_aside: vec![],
+            state: Some(Ok(rec("zzz", VolumeState::Published, Some("c")))),
+        });
+        let planted = dir.path().join("planted");
+        std::fs::write(&planted, encode(lie.covers, &dirs).unwrap()).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink(&planted, &path).unwrap();
+        let table = FakeSyscall::new();
+        let ids = || -> Vec<String> {
+            crate::provider::status::scan(dir.path(), &table)
+                .unwrap()
+                .volumes
+                .into_iter()
+                .map(|v| v.volume_id)
+                .collect()
+        };
+        assert!(read(&path).unwrap_err().contains("symlink"));
+        assert_eq!(ids(), ["real"], "a symlinked summary was followed");
+        // Over the limit (sparse: never read).
+        std::fs::remove_file(&path).unwrap();
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(MAX_FILE + 1).unwrap();
+        assert!(read(&path).unwrap_err().contains("over the limit"));
+        assert_eq!(ids(), ["real"]);
+        // Garbage, and a directory in its place.
+        std::fs::write(&path, b"CSIVSUM\n garbage, not a summary").unwrap();
+        assert!(read(&path).is_err());
+        assert_eq!(ids(), ["real"]);
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(read(&path).unwrap_err().contains("regular file"));
+        assert_eq!(ids(), ["real"]);
+    }
+}
