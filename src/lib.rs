@@ -17,8 +17,9 @@
 //!
 //! Layers, lowest first; a module imports only from lower layers, never from its own or a higher one,
 //! so the module graph has no cycle (the `layers_import_only_downward` test checks it):
-//! 1. [`shown`], [`error_chain`], [`io_step`], `offload`: formatting helpers, the shared I/O-step
-//!    error and the one way blocking work leaves the async workers, importing nothing.
+//! 1. [`shown`], [`error_chain`], [`io_step`], `offload`, [`memory`]: formatting helpers, the shared
+//!    I/O-step error, the one way blocking work leaves the async workers and the process's own
+//!    memory (allocator set-up, resident sizes), importing nothing.
 //! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
 //! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
 //!    and the launcher use), [`workdir`], [`durable`] (the one atomic file write), [`csi`].
@@ -35,6 +36,7 @@ pub mod error_chain;
 pub mod io_step;
 pub mod isolator;
 pub mod launcher;
+pub mod memory;
 pub mod mount;
 mod offload;
 pub mod provider;
@@ -54,6 +56,7 @@ mod layering {
         ("error_chain", 1),
         ("io_step", 1),
         ("offload", 1),
+        ("memory", 1),
         ("resource", 2),
         ("mount", 3),
         ("workdir", 3),

@@ -1,6 +1,7 @@
-//! Blocking work off the async workers: one helper, [`blocking`], used by the provider and the
-//! isolator for every step that fsyncs, calls a mount syscall, reads the mount table or `/proc`,
-//! or sleeps between EBUSY retries. Imports nothing from the crate.
+//! Blocking work off the async workers: [`blocking`], used by the provider and the isolator for
+//! every step that fsyncs, calls a mount syscall, reads the mount table or `/proc`, or sleeps
+//! between EBUSY retries, and [`blocking_each`], the same for one small step on each of many
+//! items (a recovery's checks of every volume) in a few trips. Imports nothing from the crate.
 
 /// Runs blocking work (a checkpoint's fsyncs, a mount syscall, a statx, a
 /// read of the mount table or of a directory, an EBUSY retry's sleep) on
@@ -18,5 +19,109 @@ where
         Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
         // Only a runtime shutting down cancels a blocking task before it starts.
         Err(e) => panic!("blocking work cancelled: {e}"),
+    }
+}
+
+/// The fewest items a trip of [`blocking_each`] takes (when there are that many): below it, a
+/// thread's wake-up costs more than the work it carries (a statx, a mount_setattr).
+const MIN_PER_TRIP: usize = 128;
+/// The most trips [`blocking_each`] sends at once: enough to keep a few cores busy, few enough
+/// that a recovery of 10,000 volumes does not park dozens of threads on the same locks.
+const MAX_TRIPS: usize = 4;
+
+/// How [`blocking_each`] cuts `len` items into trips: consecutive ranges covering `0..len` in
+/// order, at most `max_trips` of them, each of at least `min_per_trip` items (all in one when
+/// there are fewer), their sizes differing by at most one.
+pub(crate) fn trips(
+    len: usize,
+    min_per_trip: usize,
+    max_trips: usize,
+) -> Vec<std::ops::Range<usize>> {
+    if len == 0 {
+        return Vec::new();
+    }
+    let count = (len / min_per_trip.max(1)).clamp(1, max_trips.max(1));
+    let (base, extra) = (len / count, len % count);
+    let mut start = 0;
+    (0..count)
+        .map(|i| {
+            let end = start + base + usize::from(i < extra);
+            let range = start..end;
+            start = end;
+            range
+        })
+        .collect()
+}
+
+/// Runs `work` on each item on the blocking pool, a few trips for all of them ([`trips`]) rather
+/// than one per item, and answers the results in the items' order. For many small blocking
+/// steps at once (recovery's mount checks and hardenings of every volume): one thread wake-up per
+/// chunk, not per item. A panic in the work is resumed in the caller.
+pub(crate) async fn blocking_each<T, R, F>(items: Vec<T>, work: F) -> Vec<R>
+where
+    T: Send + 'static,
+    R: Send + 'static,
+    F: Fn(T) -> R + Send + Sync + 'static,
+{
+    let work = std::sync::Arc::new(work);
+    let mut items = items.into_iter();
+    let sent = trips(items.len(), MIN_PER_TRIP, MAX_TRIPS)
+        .into_iter()
+        .map(|range| {
+            let chunk: Vec<T> = items.by_ref().take(range.len()).collect();
+            let work = work.clone();
+            blocking(move || chunk.into_iter().map(|item| work(item)).collect::<Vec<R>>())
+        });
+    futures::future::join_all(sent)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_are_cut_into_few_even_trips_in_order() {
+        // (items, fewest per trip, most trips, the trips' sizes)
+        let cases: [(usize, usize, usize, &[usize]); 9] = [
+            (0, 128, 4, &[]),
+            (1, 128, 4, &[1]),
+            (127, 128, 4, &[127]),
+            (255, 128, 4, &[255]),
+            (256, 128, 4, &[128, 128]),
+            (10_000, 128, 4, &[2500, 2500, 2500, 2500]),
+            (10_001, 128, 4, &[2501, 2500, 2500, 2500]),
+            (7, 2, 4, &[3, 2, 2]),
+            // Degenerate bounds still make one trip at least.
+            (5, 0, 0, &[5]),
+        ];
+        for (len, min, max, sizes) in cases {
+            let got = trips(len, min, max);
+            let got_sizes: Vec<usize> = got.iter().map(|r| r.len()).collect();
+            assert_eq!(got_sizes, sizes, "{len} items, {min} per trip, {max} trips");
+            // Consecutive, from 0 to len.
+            let mut at = 0;
+            for r in &got {
+                assert_eq!(r.start, at, "{len} items");
+                at = r.end;
+            }
+            assert_eq!(at, len, "{len} items");
+        }
+    }
+
+    #[tokio::test]
+    async fn each_item_is_worked_once_and_answered_in_order() {
+        for len in [0, 1, 300, 1000] {
+            let items: Vec<usize> = (0..len).collect();
+            let got = blocking_each(items, |i| i * 2).await;
+            assert_eq!(
+                got,
+                (0..len).map(|i| i * 2).collect::<Vec<_>>(),
+                "{len} items"
+            );
+        }
     }
 }

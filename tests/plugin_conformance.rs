@@ -237,6 +237,15 @@ impl Suite {
     }
 
     /// The capability the helpers carry: the suite's access type with its access mode.
+    async fn plugin_info(&mut self) -> proto::GetPluginInfoResponse {
+        self.c
+            .identity
+            .get_plugin_info(proto::GetPluginInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
     fn capability(&self) -> proto::VolumeCapability {
         let mut cap = self.access.clone();
         cap.access_mode = Some(proto::volume_capability::AccessMode {
@@ -567,12 +576,7 @@ both_backings!(
 // ---- Identity ----
 
 async fn identity_get_plugin_info_returns_appropriate_information(mut s: Suite) {
-    let info =
-        s.c.identity
-            .get_plugin_info(proto::GetPluginInfoRequest {})
-            .await
-            .unwrap()
-            .into_inner();
+    let info = s.plugin_info().await;
     assert!(
         !info.name.is_empty() && info.name.len() <= 63,
         "{}",
@@ -3633,5 +3637,32 @@ async fn volume_condition_is_abnormal_once_the_backing_is_damaged(mut s: Suite) 
     drop(restore);
     let (_, _, again) = stats_at(&mut s, &vol.volume_id, &target).await;
     assert!(!again.expect("VOLUME_CONDITION is offered").abnormal);
+    s.cleanup().await;
+}
+
+/// The plugin's durable-sync count (`--report-syncs`, what the benchmark prints apart): absent
+/// from GetPluginInfo's manifest without the flag; with it, a number that grows across a
+/// CreateVolume (whose record is made durable before it answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_plugins_sync_count_is_reported_only_when_asked_and_grows_with_a_create() {
+    async fn syncs(s: &mut Suite) -> Option<u64> {
+        s.plugin_info()
+            .await
+            .manifest
+            .get(csi_isolator::provider::bundled::SYNCS_KEY)
+            .map(|v| v.parse().expect("the sync count is a number"))
+    }
+    let mut quiet = suite("dir").await;
+    assert_eq!(syncs(&mut quiet).await, None, "not reported unless asked");
+    quiet.cleanup().await;
+
+    let mut s = suite_with_flags("dir", None, &["--report-syncs"]).await;
+    let before = syncs(&mut s).await.expect("reported with --report-syncs");
+    s.create("sanity-syncs").await;
+    let after = syncs(&mut s).await.unwrap();
+    assert!(
+        after > before,
+        "a CreateVolume made its record durable: {before} -> {after} syncs"
+    );
     s.cleanup().await;
 }

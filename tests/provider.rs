@@ -12,7 +12,7 @@ use csi_isolator::csi::proto;
 use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::bundled_config;
 use csi_isolator::provider::{
-    CreateSpec, Manager, PluginSource, ProviderConfig, ProviderError, StorageProvider,
+    CreateSpec, Manager, PluginSource, ProviderConfig, ProviderError, Republish, StorageProvider,
     UnpublishPolicy, VolumeState,
 };
 use csi_isolator::resource::Resource;
@@ -759,5 +759,55 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    sb.assert_no_mounts_under();
+}
+
+#[tokio::test]
+async fn a_batched_republish_repairs_unmounted_volumes_and_restores_lost_uses() {
+    require_root();
+    let sb = Sandbox::new("prov-republish");
+    let work = sb.mkdir("work");
+    let p = start(config(&work, "default", &[])).await;
+    let ra = create(&p, "va", 4 * MIB).await;
+    let rb = create(&p, "vb", 4 * MIB).await;
+    let (va, vb) = (
+        ra.source_id().unwrap().to_string(),
+        rb.source_id().unwrap().to_string(),
+    );
+    let mut m = Manager::new();
+    m.add(p.clone());
+    m.publish("c1", std::slice::from_ref(&ra)).await.unwrap();
+    m.publish("c2", std::slice::from_ref(&rb)).await.unwrap();
+    // va unmounted behind the provider's back; c2's use of vb lost (under last-use, vb goes down).
+    let (ta, tb) = (p.layout().target_path(&va), p.layout().target_path(&vb));
+    nix::mount::umount2(&ta, nix::mount::MntFlags::empty()).unwrap();
+    p.release(&vb, "c2").await.unwrap();
+    assert!(!is_mounted(&ta) && !is_mounted(&tb));
+    let mut stranger = ra.clone();
+    stranger.provider_id.as_mut().unwrap().value = "nobody".into();
+    let batch: Vec<Republish> = [("c1", ra.clone()), ("c2", rb.clone()), ("c3", stranger)]
+        .into_iter()
+        .map(|(c, r)| Republish {
+            container_id: c.to_string(),
+            resources: vec![r],
+            groups: Default::default(),
+        })
+        .collect();
+    let done = m.republish_all(&batch).await;
+    assert!(done.unensured.is_empty(), "{:?}", done.unensured);
+    assert!(done.containers[0].is_ok() && done.containers[1].is_ok());
+    let refused = done.containers[2].as_ref().unwrap_err();
+    assert!(refused.full_message().contains("nobody"), "{refused}");
+    // The batch's checks found va unmounted and repaired it; c2 is vb's user again.
+    assert!(is_mounted(&ta), "va repaired by the batch's mount checks");
+    assert!(is_mounted(&tb), "vb published again for c2");
+    let users = p.volume(&vb).await.unwrap().users;
+    assert!(users.contains("c2"), "{users:?}");
+    m.unpublish("c1", std::slice::from_ref(&ra)).await.unwrap();
+    m.unpublish("c2", std::slice::from_ref(&rb)).await.unwrap();
+    for id in [&va, &vb] {
+        p.destroy_volume(id).await.unwrap();
+    }
+    p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }

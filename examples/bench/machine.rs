@@ -48,11 +48,4 @@ pub fn file_system_of(path: &Path) -> Option<String> {
         .map(|m| format!("{} on {}", m.fs_type, m.source))
 }
 
-/// A `VmRSS:`-style field of /proc/<pid>/status, in KiB.
-pub fn status_kib(pid: &str, field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    text.lines()
-        .find(|l| l.starts_with(field))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-}
+pub use csi_isolator::memory::status_kib;

@@ -50,7 +50,9 @@ pub async fn measure(
     sandbox: &Sandbox,
 ) -> Result<ServeReport> {
     let socket = dir.join("isolator.sock");
-    let mut child = spawn(bin, dir, &socket, &[crate::backing_arg()], None)?;
+    // The bundled plugin's backing, as serve passes it on (serve has no backing of its own).
+    let backing = format!("--plugin-arg={}", crate::backing_arg());
+    let mut child = spawn(bin, dir, &socket, &[backing], None)?;
     let pid = child.id().context("serve pid")?;
     sandbox.track(pid);
     let result = drive(&socket, dir, count, pid, &mut child).await;

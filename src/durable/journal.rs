@@ -821,6 +821,17 @@ pub fn write_back(
     on: &Path,
     crash_point: fn(),
 ) -> Result<(), WriteBackError> {
+    write_files(files, mode, crash_point)?;
+    sync_written(on, crash_point)
+}
+
+/// [`write_back`]'s writes without its sync: nothing is durable until [`sync_written`] (for a
+/// caller that writes more files made of these, before the one sync).
+pub fn write_files(
+    files: &[(PathBuf, Option<Vec<u8>>)],
+    mode: u32,
+    crash_point: fn(),
+) -> Result<(), WriteBackError> {
     for (path, bytes) in files {
         let fail = |step, source| WriteBackError {
             path: path.clone(),
@@ -857,6 +868,11 @@ pub fn write_back(
         }
         crash_point();
     }
+    Ok(())
+}
+
+/// [`write_back`]'s one `syncfs(2)` of the file system holding `on`, then a crash point.
+pub fn sync_written(on: &Path, crash_point: fn()) -> Result<(), WriteBackError> {
     sync_fs(on).map_err(|source| WriteBackError {
         path: on.to_path_buf(),
         step: "syncfs",

@@ -107,17 +107,17 @@ pub struct ContainerJournal {
 
 impl ContainerJournal {
     /// Opens the journal of `work_dir` (made when absent), cutting a torn tail. Its entries
-    /// stay dirty until the next [`compact`](Self::compact). Blocking.
+    /// are written back at the next [`compact`](Self::compact). Blocking.
     pub fn open(work_dir: &Path) -> Result<ContainerJournal, CheckpointError> {
         let path = journal_path(work_dir);
         checkpoint::create_dir_durable(&checkpoint_root(work_dir))?;
         let (journal, entries) = KeyedJournal::open(&path)?;
-        let (dirty, refused) = replay(&entries);
+        let (_, refused) = replay(&entries);
         for why in refused {
             tracing::error!(journal = %path.display(), %why, "isolator journal: entry refused, not replayed");
         }
         Ok(ContainerJournal {
-            keyed: KeyedJournal::new(journal, dirty),
+            keyed: KeyedJournal::new(journal),
             work_dir: work_dir.to_path_buf(),
         })
     }
@@ -176,7 +176,7 @@ impl ContainerJournal {
             .join(STATE_FILE)
     }
 
-    /// Writes every container changed since the last compaction back to its `state.json`
+    /// Writes every container the journal holds back to its `state.json`
     /// (removals unlink it and its directory), makes that durable with one `syncfs`, then
     /// empties the journal. A container whose directory is not a real directory (a symlink
     /// planted in its place) is not written through it: it is dropped, and the scan reports
@@ -184,6 +184,12 @@ impl ContainerJournal {
     pub fn compact(&self) -> Result<(), CheckpointError> {
         self.keyed
             .compact(&volume_dir(&self.work_dir), |id, state| {
+                // The states come back from the journal's file: an id its replay at open
+                // refused is never made a path.
+                if let Err(e) = crate::resource::validate_container_id(id) {
+                    tracing::error!(id = %crate::shown::shown(id), error = %crate::error_chain::full_message(&e), "isolator journal: an entry with an invalid container id is not written back");
+                    return Ok(None);
+                }
                 let file = self.state_file(id);
                 let dir = file.parent().expect("a checkpoint has a parent");
                 match std::fs::symlink_metadata(dir) {
@@ -211,7 +217,7 @@ impl ContainerJournal {
                     }
                 }
                 Ok(Some(file))
-            }, |_, _, _| Vec::new())
+            }, |_, _| Vec::new())
     }
 }
 
@@ -332,6 +338,28 @@ mod tests {
         j.compact().unwrap();
         assert!(!file("c1").parent().unwrap().exists());
         assert_eq!(std::fs::read(file("c2")).unwrap(), b"{\"b\":2}");
+    }
+
+    #[test]
+    fn an_entry_with_an_invalid_container_id_is_never_made_a_path_at_compaction() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path();
+        let j = ContainerJournal::open(work).unwrap();
+        // Appended below the id check, as a damaged or planted journal would hold it.
+        j.keyed
+            .append("../escaped", Some(b"{}".to_vec()), Commit::Durable)
+            .unwrap();
+        j.record("c1", Some(b"{}".to_vec()), Commit::Durable)
+            .unwrap();
+        j.compact().unwrap();
+        let root = checkpoint_root(work);
+        assert!(!root.join("../escaped").exists());
+        assert!(!root.parent().unwrap().join("escaped").exists());
+        assert_eq!(
+            std::fs::read(root.join("c1").join(STATE_FILE)).unwrap(),
+            b"{}"
+        );
+        assert!(read_journaled(work).unwrap().is_empty());
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use futures::future::BoxFuture;
 
 use crate::mount::Hardening;
-use crate::provider::{Manager, MountGroups, ProviderError};
+use crate::provider::{Manager, MountGroups, ProviderError, Republish, Republished};
 use crate::resource::Resource;
 
 /// One volume's users, as its provider records them.
@@ -36,6 +36,11 @@ pub trait Publisher: Send + Sync + std::fmt::Debug {
         resources: &'a [Resource],
         groups: &'a MountGroups,
     ) -> BoxFuture<'a, Result<MountGroups, ProviderError>>;
+    /// Recovery's re-ensure of many containers: what [`publish`](Self::publish) does for each
+    /// (the groups answered aside), the mount checks of the volumes already published made once
+    /// for the whole batch. Answers each container's result, in the batch's order, and the
+    /// volumes those checks could not re-ensure (provider id, volume id, error).
+    fn republish<'a>(&'a self, batch: &'a [Republish]) -> BoxFuture<'a, Republished>;
     /// Ends `container`'s use of `resources` (unpublished on last use).
     fn unpublish<'a>(
         &'a self,
@@ -88,6 +93,10 @@ impl Publisher for Manager {
                 .filter_map(|p| Some(((p.provider_id, p.volume_id), p.mount_group?)))
                 .collect())
         })
+    }
+
+    fn republish<'a>(&'a self, batch: &'a [Republish]) -> BoxFuture<'a, Republished> {
+        Box::pin(self.republish_all(batch))
     }
 
     fn unpublish<'a>(

@@ -41,6 +41,15 @@ impl Watched {
     pub(crate) fn mark(&self, volume: &str) {
         self.attention.lock().unwrap().mark(volume);
     }
+
+    /// Reads the watch for a check of every volume in use that the caller makes itself, and
+    /// learns from ([`learn`](Self::learn), [`mark`](Self::mark)) as a sweep does: recovery's.
+    /// That check is the full sweep owed since the start, and covers whatever the watch said
+    /// until now, so what this read says is dropped.
+    pub(crate) fn take_for_full_check(&self) {
+        let changes = self.source.changes();
+        let _covered = self.attention.lock().unwrap().take(changes);
+    }
 }
 
 /// Which volumes the next sweep is to check. Pure: fed with what the watch said and what mount

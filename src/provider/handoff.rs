@@ -49,6 +49,22 @@ pub(crate) fn check_hold(state: VolumeState, towards: Option<VolumeState>) -> bo
     }
 }
 
+/// Whether recovery has a fence to take for `rec` ([`StorageProvider::take_fence`]): one its
+/// record holds and that is not torn down yet, or, with a controller apart
+/// (`controller_apart`), a record holding the volume on a node, which the controller is asked
+/// about. A volume being destroyed is destroyed, not fenced. Recovery asks only those.
+pub(crate) fn fence_to_take(rec: &VolumeRecord, controller_apart: bool) -> bool {
+    match &rec.fenced {
+        Some(fence) => !fence.torn_down,
+        None => {
+            rec.node_id.is_some()
+                && controller_apart
+                && !rec.destroying
+                && check_hold(rec.state, rec.towards)
+        }
+    }
+}
+
 /// What `volume detach` does, given the record found in the node's work dir.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DetachPlan {
@@ -229,7 +245,7 @@ impl StorageProvider {
         &self,
         rec: &mut VolumeRecord,
     ) -> Option<Result<&'static str, ProviderError>> {
-        if rec.fenced.as_ref().is_some_and(|f| f.torn_down) {
+        if !fence_to_take(rec, self.config.controller_endpoint.is_some()) {
             return None;
         }
         if rec.fenced.is_none() {
@@ -281,14 +297,9 @@ impl StorageProvider {
     /// a volume its record holds: one idempotent ControllerPublish, as the record asked it
     /// before. `Some(why)` for a FAILED_PRECONDITION (another node holds it); any other answer
     /// leaves the volume to the usual recovery.
+    /// Only asked of a record [`fence_to_take`] says may be held elsewhere.
     async fn held_elsewhere(&self, rec: &VolumeRecord) -> Option<String> {
         let node = rec.node_id.clone()?;
-        if self.config.controller_endpoint.is_none()
-            || rec.destroying
-            || !check_hold(rec.state, rec.towards)
-        {
-            return None;
-        }
         let secrets = self
             .secrets(
                 rec.secrets_file.as_deref(),
@@ -382,6 +393,45 @@ mod tests {
         ];
         for (state, towards, want) in cases {
             assert_eq!(check_hold(state, towards), want, "{state:?} {towards:?}");
+        }
+    }
+
+    #[test]
+    fn recovery_takes_a_fence_only_where_there_may_be_one() {
+        let fence = |torn_down| Fence {
+            node: "x".into(),
+            why: "detached".into(),
+            unpublished: true,
+            lost_users: BTreeSet::new(),
+            torn_down,
+        };
+        let rec = |node: bool, state, destroying, fenced: Option<Fence>| {
+            let mut r = VolumeRecord::new("v", Capability::default());
+            r.node_id = node.then(|| "x".to_string());
+            r.state = state;
+            r.destroying = destroying;
+            r.fenced = fenced;
+            r
+        };
+        #[rustfmt::skip]
+        let cases = [
+            // (record, controller apart, taken)
+            // A fence in the record is taken whatever the controller, until torn down.
+            (rec(true, V::Published, false, Some(fence(false))), false, true),
+            (rec(false, V::Created, false, Some(fence(false))), true, true),
+            (rec(true, V::Published, false, Some(fence(true))), true, false),
+            (rec(true, V::Created, false, Some(fence(true))), false, false),
+            // None yet: the controller apart is asked about a volume held on a node...
+            (rec(true, V::Published, false, None), true, true),
+            (rec(true, V::NodeReady, false, None), true, true),
+            // ... and only then.
+            (rec(true, V::Published, false, None), false, false),
+            (rec(false, V::Published, false, None), true, false),
+            (rec(true, V::Published, true, None), true, false),
+            (rec(true, V::Created, false, None), true, false),
+        ];
+        for (i, (r, controller_apart, want)) in cases.into_iter().enumerate() {
+            assert_eq!(fence_to_take(&r, controller_apart), want, "case {i}");
         }
     }
 

@@ -2,7 +2,7 @@
 //! `Resource.provider_id`. Resources without one (the agent's own disks)
 //! pass through untouched; an unknown provider id fails, naming it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -11,7 +11,7 @@ use futures::future::join_all;
 use crate::error_chain::Chain;
 use crate::provider::access::Access;
 use crate::provider::error::ProviderError;
-use crate::provider::publish::VolumeUse;
+use crate::provider::publish::{MountCheck, VolumeUse};
 use crate::provider::storage::StorageProvider;
 use crate::resource::Resource;
 
@@ -36,6 +36,32 @@ pub struct PublishedVolume {
 /// The group each volume of a publish is to be made accessible to, by (provider id, volume
 /// id): the workload's, chosen by the isolator's ownership rule. Volumes not in it ask none.
 pub type MountGroups = BTreeMap<(String, String), u32>;
+
+/// How many containers [`Manager::republish_all`] publishes at a time: enough to overlap the
+/// RPCs of volumes a crash left short of PUBLISHED, without a future per container of a node's
+/// thousands at once.
+pub const REPUBLISH_CONCURRENCY: usize = 64;
+
+/// One container of a batch [`Manager::republish_all`] re-ensures.
+#[derive(Clone, Debug, Default)]
+pub struct Republish {
+    /// The container.
+    pub container_id: String,
+    /// Its resources (provider ones are published, others pass).
+    pub resources: Vec<Resource>,
+    /// The group each volume is to be made accessible to ([`MountGroups`]).
+    pub groups: MountGroups,
+}
+
+/// What [`Manager::republish_all`] did.
+#[derive(Debug, Default)]
+pub struct Republished {
+    /// Each container's publish, in the batch's order.
+    pub containers: Vec<Result<(), ProviderError>>,
+    /// The volumes the batch's checks found not published and could not repair, as (provider
+    /// id, volume id, error).
+    pub unensured: Vec<(String, String, ProviderError)>,
+}
 
 /// Several providers side by side, keyed by provider id.
 #[derive(Debug, Default)]
@@ -117,6 +143,69 @@ impl Manager {
         resources: &[Resource],
         groups: &MountGroups,
     ) -> Result<Vec<PublishedVolume>, ProviderError> {
+        self.publish_checked(container_id, resources, groups, MountCheck::Now)
+            .await
+    }
+
+    /// Recovery's re-ensure of many containers: each container's resources published as
+    /// [`publish_with_groups`](Self::publish_with_groups) publishes them (its uses recorded, a
+    /// volume short of PUBLISHED driven there, a failure undoing only the uses it added), up to
+    /// [`REPUBLISH_CONCURRENCY`] containers at a time, but the mount checks of the volumes at
+    /// rest at PUBLISHED, and ensure-all, made once for the whole batch, per provider
+    /// ([`StorageProvider::ensure_listed`]): a few trips to the blocking pool, not one per
+    /// container.
+    pub async fn republish_all(&self, batch: &[Republish]) -> Republished {
+        let mut containers: Vec<Result<(), ProviderError>> = Vec::with_capacity(batch.len());
+        for wave in batch.chunks(REPUBLISH_CONCURRENCY) {
+            let published = join_all(wave.iter().map(|c| {
+                self.publish_checked(
+                    &c.container_id,
+                    &c.resources,
+                    &c.groups,
+                    MountCheck::Batched,
+                )
+            }))
+            .await;
+            containers.extend(published.into_iter().map(|r| r.map(|_| ())));
+        }
+        // What each provider is to check: every volume a container of the batch now uses.
+        let mut listed: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+        for (c, result) in batch.iter().zip(&containers) {
+            // Its publish routed them already: routing cannot fail now.
+            let routes = match result {
+                Ok(()) => self.route(&c.resources).unwrap_or_default(),
+                Err(_) => continue,
+            };
+            for (pid, vols) in routes {
+                listed
+                    .entry(pid)
+                    .or_default()
+                    .extend(vols.into_iter().map(|(_, id)| id));
+            }
+        }
+        let checked = join_all(listed.iter().map(|(pid, ids)| async move {
+            let failures = self.providers[pid].ensure_listed(ids).await;
+            failures
+                .into_iter()
+                .map(|(volume, e)| (pid.to_string(), volume, e))
+                .collect::<Vec<_>>()
+        }))
+        .await;
+        Republished {
+            containers,
+            unensured: checked.into_iter().flatten().collect(),
+        }
+    }
+
+    /// [`publish_with_groups`](Self::publish_with_groups), the volumes at rest at PUBLISHED
+    /// checked as `check` says.
+    async fn publish_checked(
+        &self,
+        container_id: &str,
+        resources: &[Resource],
+        groups: &MountGroups,
+        check: MountCheck,
+    ) -> Result<Vec<PublishedVolume>, ProviderError> {
         let routes = self.route(resources)?;
         let results = join_all(routes.iter().map(|(pid, vols)| async move {
             let provider = &self.providers[pid];
@@ -138,7 +227,7 @@ impl Manager {
                 })
                 .collect();
             provider
-                .publish_uses(container_id, &uses)
+                .publish_uses_checked(container_id, &uses, check)
                 .await
                 .map(|published| {
                     let added: Vec<String> = uses

@@ -8,7 +8,7 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing), `status.rs` and `summary.rs` (what `status` reads: the volume directories, in full or from the summary each compaction writes), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
+//! `manager.rs` (routing), `name_locks.rs` (per-name locks, dropped once unused), `status.rs` and `summary.rs` (what `status` reads: the volume directories, in full or from the summary each compaction writes), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
 //! front end), `access.rs` (which uses an access mode admits: pure, table-tested), `handoff.rs` (a volume
 //! another node holds, and a node fenced while it was away); `tests.rs`,
 //! the machine driven without root against an in-process
@@ -27,6 +27,7 @@ pub mod manager;
 pub mod modify;
 pub mod mount_group;
 pub mod mount_spec;
+mod name_locks;
 mod next_step;
 pub mod parameters;
 pub mod profiles;
@@ -51,7 +52,7 @@ pub use error::{NotReadyCause, ProviderError};
 pub use import::{
     validate_import, Listing, PluginVolume, LIST_PAGE_ENTRIES, MAX_IMPORT_ID_BYTES, MAX_LISTED,
 };
-pub use manager::{Manager, MountGroups, PublishedVolume};
+pub use manager::{Manager, MountGroups, PublishedVolume, Republish, Republished};
 pub use mount_spec::{MountSpec, VolumeOptions};
 pub use publish::{UseOutcome, VolumeUse};
 pub use rules::{validate_volume_name, MAX_NAME_BYTES};

@@ -13,8 +13,12 @@
 //! during a sweep). A watch that cannot say what changed (an overflow, the mountinfo poll seeing
 //! any change, no watch at all, the first sweep after a start) makes the sweep check every volume
 //! in use, as it always did.
+//!
+//! Recovery re-ensures every container of a node at once: its publishes leave the checks of the
+//! volumes already published to one batch for all of them ([`MountCheck::Batched`],
+//! [`StorageProvider::ensure_listed`]), a few trips to the blocking pool, not one per container.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +27,7 @@ use futures::future::join_all;
 
 use crate::error_chain::Chain;
 use crate::mount::WatchMode;
-use crate::offload::blocking;
+use crate::offload::{blocking, blocking_each};
 use crate::provider::access::{self, Access};
 use crate::provider::attention::ToCheck;
 use crate::provider::error::ProviderError;
@@ -88,6 +92,17 @@ impl StorageProvider {
         asked: &VolumeUse,
         container_id: &str,
     ) -> Result<UseOutcome, ProviderError> {
+        self.publish_one_checked(asked, container_id, MountCheck::Now)
+            .await
+    }
+
+    /// [`publish_one`](Self::publish_one), a volume at rest at PUBLISHED checked as `check` says.
+    async fn publish_one_checked(
+        &self,
+        asked: &VolumeUse,
+        container_id: &str,
+        check: MountCheck,
+    ) -> Result<UseOutcome, ProviderError> {
         let (volume_id, access) = (asked.volume_id.as_str(), asked.access);
         let slot = self.slot(volume_id)?;
         let mut rec = slot.record.lock().await;
@@ -135,7 +150,12 @@ impl StorageProvider {
         } else {
             rec.readers.remove(container_id)
         };
-        let outcome = match self.ensure_published(&mut rec).await {
+        let ensured = if check == MountCheck::Batched && rec.rests_at(VolumeState::Published) {
+            Ok(false)
+        } else {
+            self.ensure_published(&mut rec).await
+        };
+        let outcome = match ensured {
             Ok(false) if added || reader_changed => self.persist(&rec).await,
             Ok(_) => Ok(()),
             Err(e) => Err(e),
@@ -294,8 +314,24 @@ impl StorageProvider {
         container_id: &str,
         uses: &[VolumeUse],
     ) -> Result<Vec<UseOutcome>, ProviderError> {
+        self.publish_uses_checked(container_id, uses, MountCheck::Now)
+            .await
+    }
+
+    /// [`publish_uses`](Self::publish_uses), its volumes at rest at PUBLISHED checked as `check`
+    /// says; with [`MountCheck::Batched`], ensure-all is the caller's too.
+    pub(crate) async fn publish_uses_checked(
+        &self,
+        container_id: &str,
+        uses: &[VolumeUse],
+        check: MountCheck,
+    ) -> Result<Vec<UseOutcome>, ProviderError> {
         let volume_ids: Vec<String> = uses.iter().map(|u| u.volume_id.clone()).collect();
-        let results = join_all(uses.iter().map(|u| self.publish_one(u, container_id))).await;
+        let results = join_all(
+            uses.iter()
+                .map(|u| self.publish_one_checked(u, container_id, check)),
+        )
+        .await;
         if let Some(pos) = results.iter().position(|r| r.is_err()) {
             let added: Vec<&String> = volume_ids
                 .iter()
@@ -307,8 +343,10 @@ impl StorageProvider {
             let mut results = results;
             return Err(results.swap_remove(pos).unwrap_err());
         }
-        let skip: HashSet<&str> = volume_ids.iter().map(String::as_str).collect();
-        self.ensure_in_use(&skip).await;
+        if check == MountCheck::Now {
+            let skip: HashSet<&str> = volume_ids.iter().map(String::as_str).collect();
+            self.ensure_in_use(&skip).await;
+        }
         Ok(results.into_iter().map(Result::unwrap).collect())
     }
 
@@ -389,58 +427,7 @@ impl StorageProvider {
                 None => self.watched.mark(id),
             }
         }
-        // Whether each published one is still mounted: one trip to the blocking pool for the
-        // whole sweep (a statx each), not one per volume.
-        let targets: Vec<(usize, PathBuf)> = held
-            .iter()
-            .enumerate()
-            .filter(|(_, (_, rec))| rec.state == VolumeState::Published)
-            .map(|(i, (_, rec))| (i, self.mount_point(&rec.volume_id)))
-            .collect();
-        let table = self.table.clone();
-        let seen = self.watched.looks();
-        let checked = blocking(move || {
-            targets
-                .into_iter()
-                .map(|(i, t)| {
-                    let mounted = table.check_mount_root(&t);
-                    (i, t, mounted)
-                })
-                .collect::<Vec<_>>()
-        })
-        .await;
-        for (i, target, mounted) in checked {
-            let rec = &mut held[i].1;
-            // Not mounted: the repair that follows learns the new mount.
-            if let Some(check) = mounted.as_ref().ok().filter(|c| c.mounted) {
-                self.watched.learn(&rec.volume_id, *check, seen);
-            }
-            note_mount_check(rec, &target, mounted.map(|c| c.mounted));
-        }
-        // Only what needs work gets a future: with a thousand volumes in use, a thousand
-        // futures of `drive` (kilobytes each) for nothing cost more than the checks themselves.
-        let to_repair = held
-            .iter_mut()
-            .filter(|(_, rec)| !rec.rests_at(VolumeState::Published));
-        let results = join_all(to_repair.map(|(id, rec)| async move {
-            let seen = self.watched.looks();
-            match self.drive(rec, VolumeState::Published).await {
-                Ok(_) => {
-                    self.learn_mount(rec, seen).await;
-                    None
-                }
-                Err(e) => {
-                    self.watched.mark(id);
-                    Some((id.to_string(), e))
-                }
-            }
-        }))
-        .await;
-        let failures: Vec<_> = results.into_iter().flatten().collect();
-        for (id, e) in &failures {
-            tracing::error!(volume_id = %id, error = %Chain(e), "cannot re-ensure a volume in use");
-        }
-        failures
+        self.ensure_held(&mut held).await
     }
 
     /// Remembers the mount id of a volume just published (one statx), so that the watch can name it
@@ -469,31 +456,122 @@ impl StorageProvider {
         &self,
         rec: &mut VolumeRecord,
     ) -> Result<bool, ProviderError> {
+        self.ensure_published_all(&mut [rec])
+            .await
+            .pop()
+            .expect("one result per record")
+    }
+
+    /// [`ensure_published`](Self::ensure_published) of many records the caller holds: whether
+    /// each target recorded as published is still mounted is asked in a few trips to the
+    /// blocking pool for all of them (one statx each, [`blocking_each`]); then only those not at
+    /// rest at PUBLISHED (found unmounted, or short of it) are driven, concurrently. The watch
+    /// learns each mount found or made; one left short of PUBLISHED is marked for the next
+    /// sweep. Answers each record's result (whether it wrote its checkpoint), in order.
+    pub(crate) async fn ensure_published_all(
+        &self,
+        recs: &mut [&mut VolumeRecord],
+    ) -> Vec<Result<bool, ProviderError>> {
         let seen = self.watched.looks();
-        let was_published = rec.state == VolumeState::Published;
-        if was_published {
-            let target = self.mount_point(&rec.volume_id);
-            // One statx, not a read of the whole table (which grows with
-            // every mount on the node). An unreadable answer repairs nothing
-            // on a guess.
-            let (table, at) = (self.table.clone(), target.clone());
-            let mounted = blocking(move || table.check_mount_root(&at)).await;
+        let targets: Vec<(usize, PathBuf)> = recs
+            .iter()
+            .enumerate()
+            .filter(|(_, rec)| rec.state == VolumeState::Published)
+            .map(|(i, rec)| (i, self.mount_point(&rec.volume_id)))
+            .collect();
+        // One statx each, not a read of the whole table (which grows with every mount on the
+        // node). An unreadable answer repairs nothing on a guess.
+        let table = self.table.clone();
+        let checked = blocking_each(targets, move |(i, target)| {
+            let mounted = table.check_mount_root(&target);
+            (i, target, mounted)
+        })
+        .await;
+        for (i, target, mounted) in checked {
+            let rec = &mut *recs[i];
             // Not mounted: the repair that follows learns the new mount.
             if let Some(check) = mounted.as_ref().ok().filter(|c| c.mounted) {
                 self.watched.learn(&rec.volume_id, *check, seen);
             }
             note_mount_check(rec, &target, mounted.map(|c| c.mounted));
         }
-        let drives = !rec.rests_at(VolumeState::Published);
-        let driven = self.drive(rec, VolumeState::Published).await;
-        match &driven {
-            // Published now: the watch is to know its new mount.
-            Ok(_) if drives => self.learn_mount(rec, seen).await,
-            Ok(_) => {}
-            // Left short of PUBLISHED while in use: the next launch retries it.
-            Err(_) => self.watched.mark(&rec.volume_id),
+        // Only what needs work gets a future: with a thousand volumes in use, a thousand
+        // futures of `drive` (kilobytes each) for nothing cost more than the checks themselves.
+        let mut results: Vec<Result<bool, ProviderError>> =
+            recs.iter().map(|_| Ok(false)).collect();
+        let to_drive = recs
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, rec)| !rec.rests_at(VolumeState::Published));
+        let driven = join_all(to_drive.map(|(i, rec)| async move {
+            let driven = self.drive(rec, VolumeState::Published).await;
+            match &driven {
+                // Published now: the watch is to know its new mount.
+                Ok(_) => self.learn_mount(rec, seen).await,
+                // Left short of PUBLISHED while in use: the next launch retries it.
+                Err(_) => self.watched.mark(&rec.volume_id),
+            }
+            (i, driven)
+        }))
+        .await;
+        for (i, result) in driven {
+            results[i] = result;
         }
-        driven
+        results
+    }
+
+    /// [`ensure_published_all`](Self::ensure_published_all) of records held with their ids;
+    /// the failures, logged (they may belong to other containers' volumes), as (volume id, error).
+    async fn ensure_held(
+        &self,
+        held: &mut [(&str, tokio::sync::MutexGuard<'_, VolumeRecord>)],
+    ) -> Vec<(String, ProviderError)> {
+        let results = {
+            let mut recs: Vec<&mut VolumeRecord> =
+                held.iter_mut().map(|(_, rec)| &mut **rec).collect();
+            self.ensure_published_all(&mut recs).await
+        };
+        let failures: Vec<(String, ProviderError)> = held
+            .iter()
+            .zip(results)
+            .filter_map(|((id, _), result)| Some((id.to_string(), result.err()?)))
+            .collect();
+        for (id, e) in &failures {
+            tracing::error!(volume_id = %id, error = %Chain(e), "cannot re-ensure a volume in use");
+        }
+        failures
+    }
+
+    /// Ensure-all after publishes that left their mount checks to the caller
+    /// ([`MountCheck::Batched`]): each volume of `ids` in use is checked and repaired
+    /// ([`ensure_published_all`](Self::ensure_published_all)), after any operation in flight on
+    /// it, then every other volume in use as a launch's ensure-all checks them. Failures are
+    /// logged and returned as (volume id, error).
+    pub(crate) async fn ensure_listed(
+        &self,
+        ids: &BTreeSet<String>,
+    ) -> Vec<(String, ProviderError)> {
+        let slots: Vec<(&str, Arc<Slot>)> = {
+            let all = self.slots.lock().unwrap();
+            ids.iter()
+                .filter_map(|id| Some((id.as_str(), all.get(id)?.clone())))
+                .collect()
+        };
+        let mut failures = {
+            // Taken in id order (`ids` is sorted), and nothing else waits for one volume while
+            // it holds another (the sweep only tries its locks): holding many cannot deadlock.
+            let mut held = Vec::new();
+            for (id, slot) in &slots {
+                let rec = slot.record.lock().await;
+                if recovery_action(&rec, self.config.policy) == Action::Republish {
+                    held.push((*id, rec));
+                }
+            }
+            self.ensure_held(&mut held).await
+        };
+        let skip: HashSet<&str> = ids.iter().map(String::as_str).collect();
+        failures.extend(self.ensure_in_use(&skip).await);
+        failures
     }
 
     /// After the last user left: unpublish under last-use, keep otherwise
@@ -522,6 +600,17 @@ impl StorageProvider {
             }
         }
     }
+}
+
+/// When a publish checks that a volume recorded as published (at rest at PUBLISHED) is still
+/// mounted. A volume short of PUBLISHED is driven there at once either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MountCheck {
+    /// At once (one statx), then ensure-all of the provider's other volumes in use: a launch.
+    Now,
+    /// Left to the caller, who publishes many containers' volumes and then checks them all at
+    /// once with [`StorageProvider::ensure_listed`] (recovery's re-ensure of every container).
+    Batched,
 }
 
 /// One volume a container is to use ([`StorageProvider::publish_uses`]).

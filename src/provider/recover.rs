@@ -25,62 +25,119 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
-use crate::offload::blocking;
+use crate::offload::{blocking, blocking_each};
 use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
+use crate::provider::handoff::fence_to_take;
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{harden_at, Slot, StorageProvider, UnpublishPolicy};
 use crate::resource::encode_volume_id;
 use crate::resource::{Layout, STATE_FILE};
 
 impl StorageProvider {
     /// Recovery on start (see the module doc). The scans of the work dir and
     /// the mount table, and the unmounts of orphans, run on the blocking pool.
+    ///
+    /// Every volume's record is held from the first step to the last (nothing else runs on
+    /// the volumes before the provider is started), and each volume goes through the same
+    /// steps in the same order: its fence, its action, the hardening of its mounts, its
+    /// expansion and modification. Each step is taken for all volumes at once, and only the
+    /// volumes that have something to do get a future: the mount checks of the volumes to
+    /// republish and the hardenings are a few trips to the blocking pool for all of them
+    /// ([`crate::offload::blocking_each`]), not three per volume.
     pub(crate) async fn recover(self: &Arc<Self>) -> Result<(), ProviderError> {
         let this = self.clone();
         blocking(move || this.load_records()).await;
         self.finish_creates().await;
         self.recover_snapshots().await;
-        let slots: Vec<_> = self.slots.lock().unwrap().values().cloned().collect();
-        let outcomes = join_all(slots.into_iter().map(|slot| async move {
-            let mut rec = slot.record.lock().await;
-            let before = rec.state;
-            let fenced = self.take_fence(&mut rec).await;
-            let result = match fenced {
-                Some(done) => done,
-                None => match recovery_action(&rec, self.config.policy) {
-                    Action::FinishDestroy => self
-                        .finish_destroy(&mut rec)
-                        .await
-                        .map(|_| "finished destroy"),
-                    Action::Republish => self
-                        .ensure_published(&mut rec)
-                        .await
-                        .map(|_| "republished for its users"),
-                    Action::Settle { goal } => self
-                        .drive(&mut rec, goal)
-                        .await
-                        .map(|_| "settled (no users)"),
-                    Action::Leave => Ok("settled (no users)"),
-                },
-            };
-            if result.is_ok() && !rec.destroying {
-                self.harden_published(&rec.volume_id).await;
-                if rec.expansion.is_some() {
-                    self.finish_expansion(&mut rec).await;
-                }
-                if rec.modifying.is_some() {
-                    self.finish_modify(&mut rec).await;
-                }
+        let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
+        let mut held = Vec::with_capacity(slots.len());
+        for slot in &slots {
+            held.push(slot.record.lock().await);
+        }
+        let before: Vec<VolumeState> = held.iter().map(|rec| rec.state).collect();
+        let mut results: Vec<Option<Result<&'static str, ProviderError>>> =
+            held.iter().map(|_| None).collect();
+        // Fences: asked only of the records that may have one (the others would answer none).
+        let controller_apart = self.config.controller_endpoint.is_some();
+        let fenced = join_all(
+            held.iter_mut()
+                .enumerate()
+                .filter(|(_, rec)| fence_to_take(rec, controller_apart))
+                .map(|(i, rec)| async move { (i, self.take_fence(rec).await) }),
+        )
+        .await;
+        for (i, done) in fenced {
+            results[i] = done;
+        }
+        // Actions: the volumes in use republished together, the few others one future each.
+        let mut republish = Vec::new();
+        let mut others = Vec::new();
+        for (i, rec) in held.iter_mut().enumerate() {
+            if results[i].is_some() {
+                continue;
             }
-            (rec.volume_id.clone(), before, rec.state, result)
+            match recovery_action(rec, self.config.policy) {
+                Action::Republish => republish.push((i, &mut **rec)),
+                Action::Leave => results[i] = Some(Ok("settled (no users)")),
+                action => others.push((i, action, &mut **rec)),
+            }
+        }
+        let (indices, mut recs): (Vec<usize>, Vec<&mut VolumeRecord>) =
+            republish.into_iter().unzip();
+        if !recs.is_empty() {
+            // This checks every volume in use: the first sweep is done, not owed to the first
+            // launch after the start.
+            self.watched.take_for_full_check();
+        }
+        let ensured = self.ensure_published_all(&mut recs).await;
+        for (i, result) in indices.into_iter().zip(ensured) {
+            results[i] = Some(result.map(|_| "republished for its users"));
+        }
+        let done = join_all(others.into_iter().map(|(i, action, rec)| async move {
+            let result = match action {
+                Action::FinishDestroy => self.finish_destroy(rec).await.map(|_| "finished destroy"),
+                Action::Settle { goal } => {
+                    self.drive(rec, goal).await.map(|_| "settled (no users)")
+                }
+                Action::Republish | Action::Leave => unreachable!("sorted above"),
+            };
+            (i, result)
         }))
+        .await;
+        for (i, result) in done {
+            results[i] = Some(result);
+        }
+        // Then, for each volume recovered and not being destroyed: its mounts hardened, its
+        // expansion and modification taken up.
+        let carried_on: Vec<usize> = (0..held.len())
+            .filter(|&i| matches!(results[i], Some(Ok(_))) && !held[i].destroying)
+            .collect();
+        self.harden_published(carried_on.iter().map(|&i| held[i].volume_id.clone()))
+            .await;
+        join_all(
+            held.iter_mut()
+                .enumerate()
+                .filter(|(i, rec)| {
+                    carried_on.binary_search(i).is_ok()
+                        && (rec.expansion.is_some() || rec.modifying.is_some())
+                })
+                .map(|(_, rec)| async move {
+                    if rec.expansion.is_some() {
+                        self.finish_expansion(rec).await;
+                    }
+                    if rec.modifying.is_some() {
+                        self.finish_modify(rec).await;
+                    }
+                }),
+        )
         .await;
         {
             let mut report = self.report.lock().unwrap();
-            for (id, before, after, result) in outcomes {
-                match result {
+            for ((rec, before), result) in held.iter().zip(before).zip(results) {
+                let (id, after) = (&rec.volume_id, rec.state);
+                match result.expect("every volume has a result") {
                     Ok(what) if before != after => {
                         tracing::info!(volume_id = %id, %before, %after, "recovery: {what}");
                         report
@@ -92,11 +149,12 @@ impl StorageProvider {
                         tracing::error!(volume_id = %id, error = %Chain(&e), "recovery failed for volume");
                         report
                             .failures
-                            .push((id, crate::error_chain::full_message(&e)));
+                            .push((id.clone(), crate::error_chain::full_message(&e)));
                     }
                 }
             }
         }
+        drop(held);
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
         // What recovery replayed and changed goes to the state files; the journal starts empty.
@@ -156,18 +214,28 @@ impl StorageProvider {
         }
     }
 
-    /// A volume published by an older version (before host-side mounts were made nosuid,nodev) is
-    /// not published again when it needs nothing: its staging and target mounts, where they are
-    /// mount roots, are hardened here so an upgrade closes them too. Idempotent; a failure is logged
-    /// (the volume stays usable; the next publish tries again).
-    async fn harden_published(&self, volume_id: &str) {
-        for (path, what) in [
-            (self.layout.staging_path(volume_id), "staging"),
-            (self.layout.target_path(volume_id), "target"),
-        ] {
-            if let Err(e) = self.harden(volume_id, &path, what).await {
-                tracing::warn!(volume_id, error = %Chain(&e), "recovery: cannot set nosuid,nodev on a published volume's mount");
-            }
+    /// Volumes published by an older version (before host-side mounts were made nosuid,nodev)
+    /// are not published again when they need nothing: their staging and target mounts, where
+    /// they are mount roots, are hardened here so an upgrade closes them too, in a few trips to
+    /// the blocking pool for all of them. Idempotent; a failure is logged (the volume stays
+    /// usable; the next publish tries again).
+    async fn harden_published(&self, volume_ids: impl Iterator<Item = String>) {
+        let mounts: Vec<(String, PathBuf, &'static str)> = volume_ids
+            .flat_map(|id| {
+                [
+                    (self.layout.staging_path(&id), "staging"),
+                    (self.layout.target_path(&id), "target"),
+                ]
+                .map(|(path, what)| (id.clone(), path, what))
+            })
+            .collect();
+        let sys = self.sys.clone();
+        let failed = blocking_each(mounts, move |(id, path, what)| {
+            harden_at(&*sys, &id, &path, what).err().map(|e| (id, e))
+        })
+        .await;
+        for (volume_id, e) in failed.into_iter().flatten() {
+            tracing::warn!(%volume_id, error = %Chain(&e), "recovery: cannot set nosuid,nodev on a published volume's mount");
         }
     }
 

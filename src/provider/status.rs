@@ -126,11 +126,13 @@ impl Default for ScanOptions {
 
 /// Scans `<work_dir>/csi/*/*/volumes/*/volume.state` and compares with `table`.
 ///
-/// Its cost: one read of the mount table, then per provider one read of its journal, of its
-/// volume summary and one listing of its `volumes/` when the summary is current; else (an older
-/// release's work dir, or until the provider's next compaction after `volume detach`), per
-/// volume directory, a listing and a read of the state file the journal does not cover, spread
-/// over a few threads (see [`crate::provider::summary`]).
+/// Its cost: per provider one read of its journal, of its volume summary, one listing of its
+/// `volumes/` and one `statx` per state file the summary records (re-reading, as the full scan
+/// does, a directory whose state file changed since: status reads the truth) when the summary
+/// is current; else (an older release's work dir, or until the provider's next compaction after
+/// `volume detach`), per volume directory, a listing and a read of the state file the journal
+/// does not cover; spread over a few threads (see [`crate::provider::summary`]). Then one
+/// mount check per target and staging path ([`MountTable::mount_points_among`]).
 pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, MountError> {
     scan_with(work_dir, table, ScanOptions::default())
 }
@@ -165,7 +167,7 @@ pub fn scan_with(
                 let entries = entries.map(|p| p.entries).unwrap_or_default();
                 let (journaled, _) =
                     checkpoint::replay(&entries, crate::resource::encode_volume_id);
-                (journaled, summary.map(|s| s.dirs))
+                (journaled, summary)
             }
             Err(e) => {
                 report.unreadable.push(UnreadableState {
@@ -177,12 +179,16 @@ pub fn scan_with(
         };
         let plugin = format!("{plugin_type}/{plugin_name}");
         let volumes = layout.volumes_dir();
-        for found in summary::volume_dirs(&volumes, found_summary, &journaled, how.dirs_per_thread)
-        {
+        let (found, read) =
+            summary::volume_dirs(&volumes, found_summary, &journaled, how.dirs_per_thread);
+        tracing::debug!(plugin = %format!("{plugin_type}/{plugin_name}"), read,
+            "volume directories read one by one");
+        for found in found {
             let VolumeDir {
                 name,
                 set_aside,
                 state,
+                state_file: _,
             } = found;
             let dir = volumes.join(&name);
             report

@@ -164,8 +164,9 @@ pub(crate) struct Slot {
     /// The CreateVolume name (never changes), readable without the lock.
     pub(crate) name: Option<String>,
     /// A copy of the record's users, readable without waiting for an
-    /// operation in flight (updated whenever an operation ends).
-    pub(crate) users: Mutex<std::collections::BTreeSet<String>>,
+    /// operation in flight (updated whenever an operation ends): sorted, in a
+    /// boxed slice (a set's node costs ~300 bytes per volume at 10,000 volumes).
+    pub(crate) users: Mutex<Box<[Box<str>]>>,
     /// When its last user left, while the unpublish waits for
     /// [`ProviderConfig::unpublish_delay`] (in memory: a restart settles it at once).
     pub(crate) idle_since: Mutex<Option<std::time::Instant>>,
@@ -174,13 +175,22 @@ pub(crate) struct Slot {
 impl Slot {
     /// Refreshes the lock-free copy of the users.
     pub(crate) fn sync_users(&self, rec: &VolumeRecord) {
-        *self.users.lock().unwrap() = rec.users.clone();
+        *self.users.lock().unwrap() = users_copy(rec);
     }
 
     /// Whether `container` uses the volume (per the lock-free copy).
     pub(crate) fn has_user(&self, container: &str) -> bool {
-        self.users.lock().unwrap().contains(container)
+        self.users
+            .lock()
+            .unwrap()
+            .binary_search_by(|u| (**u).cmp(container))
+            .is_ok()
     }
+}
+
+/// The record's users, sorted (a set's order), as [`Slot::users`] keeps them.
+fn users_copy(rec: &VolumeRecord) -> Box<[Box<str>]> {
+    rec.users.iter().map(|u| Box::from(u.as_str())).collect()
 }
 
 /// What NodeGetInfo said of this node.
@@ -208,7 +218,7 @@ pub struct StorageProvider {
     pub(crate) node_info: tokio::sync::OnceCell<NodeInfo>,
     pub(crate) vendor: String,
     pub(crate) slots: Mutex<BTreeMap<String, Arc<Slot>>>,
-    pub(crate) name_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    pub(crate) name_locks: super::name_locks::NameLocks,
     pub(crate) sys: Arc<dyn Syscall>,
     pub(crate) table: Arc<dyn MountTable>,
     pub(crate) report: Mutex<RecoveryReport>,
@@ -352,7 +362,7 @@ impl StorageProvider {
             node_info: tokio::sync::OnceCell::new(),
             vendor,
             slots: Mutex::new(BTreeMap::new()),
-            name_locks: Mutex::new(HashMap::new()),
+            name_locks: Default::default(),
             sys,
             table,
             report: Mutex::new(RecoveryReport::default()),
@@ -510,7 +520,7 @@ impl StorageProvider {
         let id = rec.volume_id.clone();
         let slot = Arc::new(Slot {
             name: rec.name.clone(),
-            users: Mutex::new(rec.users.clone()),
+            users: Mutex::new(users_copy(&rec)),
             idle_since: Mutex::new(None),
             record: tokio::sync::Mutex::new(rec),
         });
@@ -940,23 +950,8 @@ impl StorageProvider {
         path: &Path,
         what: &'static str,
     ) -> Result<(), ProviderError> {
-        let (sys, at) = (self.sys.clone(), path.to_path_buf());
-        match blocking(move || sys.harden_mount_root(&at)).await {
-            Ok(true) => Ok(()),
-            Ok(false) => {
-                tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
-                Ok(())
-            }
-            Err(e) => Err(ProviderError::Io(IoStep::new(
-                if what == "staging" {
-                    "set nosuid,nodev on the staging mount"
-                } else {
-                    "set nosuid,nodev on the target mount"
-                },
-                path,
-                std::io::Error::other(e),
-            ))),
-        }
+        let (sys, volume, at) = (self.sys.clone(), volume.to_string(), path.to_path_buf());
+        blocking(move || harden_at(&*sys, &volume, &at, what)).await
     }
 
     /// The secrets the RPC `rpc` carries for a volume whose secrets file is `file` (none
@@ -1023,16 +1018,36 @@ impl StorageProvider {
     }
 
     pub(crate) fn name_lock(&self, name: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.name_locks
-            .lock()
-            .unwrap()
-            .entry(name.to_string())
-            .or_default()
-            .clone()
+        self.name_locks.get(name)
     }
 }
 
 /// Moves the record to the steady state after `step` (in memory).
+/// [`StorageProvider::harden`] in the caller's thread: `what` is "staging" or "target".
+pub(crate) fn harden_at(
+    sys: &dyn Syscall,
+    volume: &str,
+    path: &Path,
+    what: &'static str,
+) -> Result<(), ProviderError> {
+    match sys.harden_mount_root(path) {
+        Ok(true) => Ok(()),
+        Ok(false) => {
+            tracing::debug!(volume_id = volume, path = %path.display(), what, "not a mount root: nothing to harden");
+            Ok(())
+        }
+        Err(e) => Err(ProviderError::Io(IoStep::new(
+            if what == "staging" {
+                "set nosuid,nodev on the staging mount"
+            } else {
+                "set nosuid,nodev on the target mount"
+            },
+            path,
+            std::io::Error::other(e),
+        ))),
+    }
+}
+
 fn advance(rec: &mut VolumeRecord, step: Step) {
     rec.state = step.to();
     if rec.state == VolumeState::Created {

@@ -55,9 +55,11 @@ pub const SUMMARY_FILE: &str = "volumes.summary";
 /// The magic that starts a summary.
 pub const MAGIC: [u8; 8] = *b"CSIVSUM\n";
 /// The format version this build writes and the only one it reads.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// The header's length.
-pub const HEADER_LEN: usize = 32;
+pub const HEADER_LEN: usize = 48;
+/// The bytes of a state file's identity ([`FileId`]).
+const ID_LEN: usize = 48;
 /// The largest summary read: a bigger file is refused, never read into memory.
 pub const MAX_FILE: u64 = 256 << 20;
 /// The longest directory or file name (NAME_MAX).
@@ -77,6 +79,65 @@ pub struct VolumeDir {
     /// Its state: the journal's last entry, else its `volume.state`'s bytes, or why they cannot
     /// be read; `None`: neither (or the journal removed it).
     pub state: Option<Result<Vec<u8>, String>>,
+    /// The identity of the `volume.state` whose bytes `state` holds (taken from the open file
+    /// before its read); `None` when they are the journal's, or there are none.
+    pub state_file: Option<FileId>,
+}
+
+/// What tells a file's contents changed without reading them: its device and inode (a file
+/// renamed over it), size, and modification and change times in ns (a write in place; the
+/// change time cannot be set from user space). A write within the same tick of the file
+/// system's clock as the recorded times keeps them: see [`unchanged`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FileId {
+    /// `st_dev`.
+    pub dev: u64,
+    /// `st_ino`.
+    pub ino: u64,
+    /// `st_size`.
+    pub size: u64,
+    /// `st_mtime` in ns since the epoch.
+    pub mtime_ns: i128,
+    /// `st_ctime` in ns since the epoch.
+    pub ctime_ns: i128,
+}
+
+impl FileId {
+    /// The identity in `meta` (from `fstat`, or `statx` without following a symlink).
+    pub fn of(meta: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        FileId {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            size: meta.size(),
+            mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
+            ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
+/// Whether a state file whose identity is `now` still holds the bytes a summary recorded with
+/// `recorded`, the summary's reads having started at `read_at` (the file system's coarse clock,
+/// ns; pure). Identical identities prove it only when the recorded change time is before
+/// `read_at`: a write after the summary's read then gets a later change time (file systems
+/// stamp at least the coarse clock's time), while one in the same tick as a recent change
+/// would keep every field (the "racy" case; such an entry is read again).
+pub fn unchanged(recorded: &FileId, now: &FileId, read_at: i128) -> bool {
+    recorded == now && recorded.ctime_ns < read_at
+}
+
+/// The coarse real-time clock the file systems stamp files from, in ns since the epoch.
+pub fn coarse_now() -> i128 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec for the call's duration; the clock id is a
+    // constant the kernel knows (it fails only for an unknown id, checked below).
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    assert_eq!(rc, 0, "CLOCK_REALTIME_COARSE is always readable");
+    i128::from(ts.tv_sec) * 1_000_000_000 + i128::from(ts.tv_nsec)
 }
 
 /// A summary read back.
@@ -84,6 +145,8 @@ pub struct VolumeDir {
 pub struct Summary {
     /// The journal's sequence number it reaches.
     pub covers: u64,
+    /// When the reads it records started ([`coarse_now`]; see [`unchanged`]).
+    pub read_at: i128,
     /// Its directories, by name.
     pub dirs: Vec<VolumeDir>,
 }
@@ -97,7 +160,7 @@ pub fn current(covers: u64, first: u64, entries: u64) -> bool {
 /// The summary's bytes (see the module doc; pure): `Err` names a directory whose state could
 /// not be read (a summary would not say the same as the full scan). Directories with neither
 /// state nor set-aside files are left out (the full scan shows nothing for them).
-pub fn encode(covers: u64, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
+pub fn encode(covers: u64, read_at: i128, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
     let kept: Vec<&VolumeDir> = dirs
         .iter()
         .filter(|d| d.state.is_some() || !d.set_aside.is_empty())
@@ -111,7 +174,7 @@ pub fn encode(covers: u64, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
                         .state
                         .as_ref()
                         .map_or(0, |s| s.as_ref().map_or(0, Vec::len));
-                    d.name.len() + state + 16
+                    d.name.len() + state + ID_LEN + 16
                 })
                 .sum::<usize>()
             + 4,
@@ -121,6 +184,7 @@ pub fn encode(covers: u64, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
     out.extend_from_slice(&[0; 4]);
     out.extend_from_slice(&covers.to_le_bytes());
     out.extend_from_slice(&(kept.len() as u64).to_le_bytes());
+    out.extend_from_slice(&read_at.to_le_bytes());
     let put = |out: &mut Vec<u8>, bytes: &[u8]| {
         out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
         out.extend_from_slice(bytes);
@@ -131,13 +195,24 @@ pub fn encode(covers: u64, dirs: &[VolumeDir]) -> Result<Vec<u8>, String> {
         for name in &d.set_aside {
             put(&mut out, name.as_bytes());
         }
-        match &d.state {
-            None => out.push(0),
-            Some(Ok(state)) => {
+        match (&d.state, &d.state_file) {
+            (None, _) => out.push(0),
+            (Some(Ok(state)), Some(id)) => {
                 out.push(1);
+                for n in [id.dev, id.ino, id.size] {
+                    out.extend_from_slice(&n.to_le_bytes());
+                }
+                out.extend_from_slice(&id.mtime_ns.to_le_bytes());
+                out.extend_from_slice(&id.ctime_ns.to_le_bytes());
                 put(&mut out, state);
             }
-            Some(Err(why)) => return Err(format!("volume directory {}: {why}", d.name)),
+            (Some(Ok(_)), None) => {
+                return Err(format!(
+                    "volume directory {}: a state not read from its file",
+                    d.name
+                ))
+            }
+            (Some(Err(why)), _) => return Err(format!("volume directory {}: {why}", d.name)),
         }
     }
     let crc = crc32c(&[&out]);
@@ -172,6 +247,7 @@ pub fn decode(bytes: &[u8]) -> Result<Summary, String> {
     }
     let covers = r.u64()?;
     let count = r.u64()?;
+    let read_at = r.i128()?;
     // Each directory takes at least 9 bytes: never trust the count for an allocation.
     if count > (body.len() - HEADER_LEN) as u64 / 9 {
         return Err(format!("{count} directories in {} bytes", bytes.len()));
@@ -201,11 +277,18 @@ pub fn decode(bytes: &[u8]) -> Result<Summary, String> {
             }
             set_aside.push(OsString::from_vec(aside.to_vec()));
         }
-        let state = match r.take(1)?[0] {
-            0 => None,
+        let (state, state_file) = match r.take(1)?[0] {
+            0 => (None, None),
             1 => {
+                let id = FileId {
+                    dev: r.u64()?,
+                    ino: r.u64()?,
+                    size: r.u64()?,
+                    mtime_ns: r.i128()?,
+                    ctime_ns: r.i128()?,
+                };
                 let len = r.u32()? as usize;
-                Some(Ok(r.take(len)?.to_vec()))
+                (Some(Ok(r.take(len)?.to_vec())), Some(id))
             }
             f => return Err(format!("a state flag of {f} in {name:?}")),
         };
@@ -213,6 +296,7 @@ pub fn decode(bytes: &[u8]) -> Result<Summary, String> {
             name,
             set_aside,
             state,
+            state_file,
         });
     }
     if r.at != body.len() {
@@ -221,7 +305,11 @@ pub fn decode(bytes: &[u8]) -> Result<Summary, String> {
             body.len() - r.at
         ));
     }
-    Ok(Summary { covers, dirs })
+    Ok(Summary {
+        covers,
+        read_at,
+        dirs,
+    })
 }
 
 /// A cursor over a summary's bytes.
@@ -248,6 +336,10 @@ impl<'a> Reader<'a> {
 
     fn u64(&mut self) -> Result<u64, String> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8")))
+    }
+
+    fn i128(&mut self) -> Result<i128, String> {
+        Ok(i128::from_le_bytes(self.take(16)?.try_into().expect("16")))
     }
 
     /// A name: one path component, not empty, `.` or `..`, without `/` or NUL.
@@ -304,82 +396,101 @@ pub fn read_current(path: &Path, first: u64, entries: u64) -> Option<Summary> {
 
 /// Every directory of `volumes` and every volume only `journaled` knows, by name, with
 /// `journaled` over the state files (see the module doc): from `summary` (current with the
-/// journal `journaled` replays)
-/// and one listing of `volumes`, reading only the directories the summary does not cover; without
-/// one, by the full scan. Either way the same answer. `per_thread`: directories per reading
-/// thread ([`DIRS_PER_THREAD`]).
+/// journal `journaled` replays), one listing of `volumes` and one `statx` per state file the
+/// summary holds, reading only the directories it does not cover or whose state file is not the
+/// one it recorded ([`unchanged`]); without one, by the full scan. Either way the same answer.
+/// `per_thread`: directories per reading thread ([`DIRS_PER_THREAD`]). Also returns how many
+/// directories were read one by one.
 pub fn volume_dirs(
     volumes: &Path,
-    summary: Option<Vec<VolumeDir>>,
+    summary: Option<Summary>,
     journaled: &Journaled,
     per_thread: usize,
-) -> Vec<VolumeDir> {
+) -> (Vec<VolumeDir>, usize) {
     let listed: BTreeSet<String> = std::fs::read_dir(volumes)
         .into_iter()
         .flatten()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
-    let Some(summary) = summary else {
-        let mut names = listed;
-        names.extend(journaled.keys().cloned());
-        let names: Vec<String> = names.into_iter().collect();
-        return read_each(volumes, &names, journaled, per_thread);
-    };
+    // Each name with the summary's entry for it, if any.
     let mut by_name: BTreeMap<String, Option<VolumeDir>> = listed
         .iter()
         .chain(journaled.keys())
         .map(|n| (n.clone(), None))
         .collect();
-    // Named by the summary and still there: its set-aside files are the summary's, its state
-    // the journal's entry or the summary's. Named and gone: as the full scan, which does not
-    // see it (unless the journal names it: read below).
-    for mut dir in summary.into_iter().filter(|d| listed.contains(&d.name)) {
-        if let Some((_, state)) = journaled.get(&dir.name) {
-            dir.state = state.clone().map(Ok);
-        }
+    let read_at = summary.as_ref().map_or(i128::MIN, |s| s.read_at);
+    // Named by the summary and gone: as the full scan, which does not see it (unless the
+    // journal names it: read).
+    for dir in summary
+        .into_iter()
+        .flat_map(|s| s.dirs)
+        .filter(|d| listed.contains(&d.name))
+    {
         by_name.insert(dir.name.clone(), Some(dir));
     }
-    let unread: Vec<String> = by_name
-        .iter()
-        .filter(|(_, d)| d.is_none())
-        .map(|(n, _)| n.clone())
-        .collect();
-    let mut read = read_each(volumes, &unread, journaled, per_thread).into_iter();
-    by_name
-        .into_values()
-        .map(|d| d.unwrap_or_else(|| read.next().expect("one read per unread name")))
-        .collect()
+    let names: Vec<(String, Option<VolumeDir>)> = by_name.into_iter().collect();
+    let read_one = |(name, known): (String, Option<VolumeDir>)| -> (VolumeDir, bool) {
+        let journal = journaled.get(&name).map(|(_, s)| s);
+        match (known, journal) {
+            // The journal's entry over the summary's set-aside files: only a recovery (which
+            // removes the summary first) sets files aside.
+            (Some(mut dir), Some(state)) => {
+                dir.state = state.clone().map(Ok);
+                dir.state_file = None;
+                (dir, false)
+            }
+            (Some(dir), None) if still_recorded(volumes, &dir, read_at) => (dir, false),
+            (_, journal) => (read_volume_dir(volumes, &name, journal), true),
+        }
+    };
+    let found = in_parallel(names, per_thread, read_one);
+    let read = found.iter().filter(|(_, read)| *read).count();
+    (found.into_iter().map(|(dir, _)| dir).collect(), read)
 }
 
-/// [`read_volume_dir`] of each of `names` (sorted), in order, by up to [`MAX_READ_THREADS`]
-/// threads of at least `per_thread` directories each.
-fn read_each(
-    volumes: &Path,
-    names: &[String],
-    journaled: &Journaled,
+/// Whether the summary's entry `dir` is still what its directory holds: it names a state file
+/// whose identity is unchanged since the summary's reads (one `statx`, no link followed). An
+/// entry without a state file (set-aside files only: rare) is always read again.
+fn still_recorded(volumes: &Path, dir: &VolumeDir, read_at: i128) -> bool {
+    let Some(recorded) = &dir.state_file else {
+        return false;
+    };
+    match std::fs::symlink_metadata(volumes.join(&dir.name).join(STATE_FILE)) {
+        Ok(meta) => unchanged(recorded, &FileId::of(&meta), read_at),
+        Err(_) => false,
+    }
+}
+
+/// `f` of each of `items`, in order, by up to [`MAX_READ_THREADS`] threads of at least
+/// `per_thread` items each (each a contiguous run).
+fn in_parallel<T: Send, U: Send>(
+    mut items: Vec<T>,
     per_thread: usize,
-) -> Vec<VolumeDir> {
+    f: impl Fn(T) -> U + Sync,
+) -> Vec<U> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(MAX_READ_THREADS)
-        .min(names.len().div_ceil(per_thread.max(1)))
+        .min(items.len().div_ceil(per_thread.max(1)))
         .max(1);
-    let read = |part: &[String]| -> Vec<VolumeDir> {
-        part.iter()
-            .map(|name| read_volume_dir(volumes, name, journaled.get(name).map(|(_, s)| s)))
-            .collect()
-    };
     if threads == 1 {
-        return read(names);
+        return items.into_iter().map(f).collect();
     }
-    let chunk = names.len().div_ceil(threads);
+    let chunk = items.len().div_ceil(threads);
+    let mut parts = Vec::with_capacity(threads);
+    while items.len() > chunk {
+        let rest = items.split_off(chunk);
+        parts.push(std::mem::replace(&mut items, rest));
+    }
+    parts.push(items);
+    let f = &f;
     std::thread::scope(|scope| {
-        let parts: Vec<_> = names
-            .chunks(chunk)
-            .map(|part| scope.spawn(move || read(part)))
+        let running: Vec<_> = parts
+            .into_iter()
+            .map(|part| scope.spawn(move || part.into_iter().map(f).collect::<Vec<U>>()))
             .collect();
-        parts
+        running
             .into_iter()
             .flat_map(|p| p.join().expect("reading a volume directory does not panic"))
             .collect()
@@ -387,7 +498,9 @@ fn read_each(
 }
 
 /// One volume directory: one listing (its set-aside files, whether it has a state file), then
-/// the state file's read unless the journal covers it (`journaled`: the journal's last entry).
+/// the state file's read unless the journal covers it (`journaled`: the journal's last entry),
+/// with its identity from the open file, taken before the read (a write during the read then
+/// changes it later).
 fn read_volume_dir(volumes: &Path, name: &str, journaled: Option<&Option<Vec<u8>>>) -> VolumeDir {
     let dir = volumes.join(name);
     let corrupt_prefix = format!("{STATE_FILE}.corrupt-");
@@ -406,46 +519,53 @@ fn read_volume_dir(volumes: &Path, name: &str, journaled: Option<&Option<Vec<u8>
         has_state = Some(found);
     }
     set_aside.sort();
-    let state = match (journaled, has_state) {
-        (Some(entry), _) => entry.clone().map(Ok),
+    let (state, state_file) = match (journaled, has_state) {
+        (Some(entry), _) => (entry.clone().map(Ok), None),
         // Listed without a state file: nothing to read.
-        (None, Some(false)) => None,
+        (None, Some(false)) => (None, None),
         // Listed with one, or not listable (the read says why).
-        (None, _) => match std::fs::read(dir.join(STATE_FILE)) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => Some(Err(e.to_string())),
-            Ok(bytes) => Some(Ok(bytes)),
+        (None, _) => match read_with_id(&dir.join(STATE_FILE)) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+            Err(e) => (Some(Err(e.to_string())), None),
+            Ok((bytes, id)) => (Some(Ok(bytes)), Some(id)),
         },
     };
     VolumeDir {
         name: name.to_string(),
         set_aside,
         state,
+        state_file,
     }
 }
 
-/// The summary a compaction writes for `layout` (see the module doc): `dirty` (the changes it
-/// writes back, by volume id; `None`: removed) over the last summary when it is current with
-/// the journal being compacted (its complete entries from `first` up to `covers`), else over the
-/// full scan. `None`: a directory could not be read, so no summary is written (and the last one
-/// is removed with the write-back).
-pub fn build(
-    layout: &crate::resource::Layout,
-    dirty: &BTreeMap<String, Option<Vec<u8>>>,
-    first: u64,
-    covers: u64,
-) -> Option<Vec<u8>> {
+/// A file's bytes and its identity, taken from the open file before the read.
+fn read_with_id(path: &Path) -> std::io::Result<(Vec<u8>, FileId)> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.read_to_end(&mut bytes)?;
+    Ok((bytes, FileId::of(&meta)))
+}
+
+/// The summary a compaction writes for `layout` once its state files are written back (see the
+/// module doc): what the directories hold, from the last summary when it is current with the
+/// journal being compacted (its complete entries from `first` up to `covers`; each entry
+/// checked by its state file's identity, those written back read again), else by the full
+/// scan. `None`: a directory could not be read, so no summary is written (and the last one is
+/// removed with the write-back).
+pub fn build(layout: &crate::resource::Layout, first: u64, covers: u64) -> Option<Vec<u8>> {
+    // Before any read: a write after it gets a later change time.
+    let read_at = coarse_now();
     let path = layout.base().join(SUMMARY_FILE);
-    let last = read_current(&path, first, covers.saturating_sub(first)).map(|s| s.dirs);
-    let journaled: Journaled = dirty
-        .iter()
-        .map(|(id, state)| {
-            let name = crate::resource::encode_volume_id(id);
-            (name, (id.clone(), state.clone()))
-        })
-        .collect();
-    let dirs = volume_dirs(&layout.volumes_dir(), last, &journaled, DIRS_PER_THREAD);
-    match encode(covers, &dirs) {
+    let last = read_current(&path, first, covers.saturating_sub(first));
+    let (dirs, _) = volume_dirs(
+        &layout.volumes_dir(),
+        last,
+        &Journaled::new(),
+        DIRS_PER_THREAD,
+    );
+    match encode(covers, read_at, &dirs) {
         Ok(bytes) => Some(bytes),
         Err(why) => {
             tracing::warn!(summary = %path.display(), %why,
@@ -643,7 +763,7 @@ mod tests {
                         if rng.below(2) == 0 {
                             b[at] ^= 0x20;
                         } else {
-                            b[8] = 2;
+                            b[8] = 1;
                         }
                         std::fs::write(&summary, b).unwrap();
                     }
@@ -668,36 +788,127 @@ mod tests {
         );
     }
 
-    /// The comparison can fail: a summary that is current but says something else than the
-    /// directories (a state file changed behind the provider's back without dropping it) is
-    /// what the summary's scan shows.
+    /// Status reads the truth: a state file corrupted, truncated, replaced (renamed over, same
+    /// size), rewritten in place with the same size, or removed behind the provider's back
+    /// after a summary was written is read again (the summary's scan says what the full scan
+    /// says: the unreadable ones unreadable), while the unchanged ones are taken from the
+    /// summary with one statx each.
     #[test]
-    fn a_current_summary_is_what_the_scan_reads() {
+    fn state_files_changed_behind_the_summary_are_read_again() {
         let dir = tempfile::tempdir().unwrap();
-        let layout = Layout::new(dir.path(), "t", "n");
+        let work = dir.path();
+        let layout = Layout::new(work, "t", "n");
         std::fs::create_dir_all(layout.volumes_dir()).unwrap();
         let (j, _, _) = VolumeJournal::open(&layout).unwrap();
+        let ids = ["a", "b", "c", "d", "e", "f", "g", "h"];
+        for id in ids {
+            j.record(
+                id,
+                Some(rec(id, VolumeState::Created, None)),
+                Commit::Durable,
+            )
+            .unwrap();
+        }
+        j.compact().unwrap();
+        // Past the first summary's clock tick, a second compaction checks every entry again:
+        // none written since its reads began, all are trusted now.
+        std::thread::sleep(std::time::Duration::from_millis(30));
         j.record(
-            "a",
-            Some(rec("a", VolumeState::Created, None)),
+            "z",
+            Some(rec("z", VolumeState::Created, None)),
             Commit::Durable,
         )
         .unwrap();
         j.compact().unwrap();
-        std::fs::write(
-            layout.state_file("a"),
-            rec("a", VolumeState::NodeReady, None),
-        )
-        .unwrap();
-        let how = |use_summary| ScanOptions {
-            use_summary,
-            dirs_per_thread: 4,
-        };
         let table = FakeSyscall::new();
-        let fast = scan_with(dir.path(), &table, how(true)).unwrap();
-        let full = scan_with(dir.path(), &table, how(false)).unwrap();
-        assert_eq!(fast.volumes[0].state, VolumeState::Created);
-        assert_eq!(full.volumes[0].state, VolumeState::NodeReady);
+        let read_one_by_one = || {
+            let s = read(&layout.base().join(SUMMARY_FILE)).unwrap().unwrap();
+            volume_dirs(&layout.volumes_dir(), Some(s), &Journaled::new(), 4).1
+        };
+        assert!(same_answer(work, &layout, &table, "unchanged"));
+        assert!(
+            read_one_by_one() <= 1,
+            "only z (written in the last tick) is read again"
+        );
+
+        let state = |id: &str| layout.state_file(id);
+        std::fs::write(state("a"), b"{not json").unwrap();
+        let full = std::fs::read(state("b")).unwrap();
+        std::fs::write(state("b"), &full[..full.len() / 2]).unwrap();
+        let newer = String::from_utf8(full.clone())
+            .unwrap()
+            .replace("\"format\": 1", "\"format\": 9");
+        assert_eq!(newer.len(), full.len());
+        let planted = layout.volume_dir("c").join("planted");
+        std::fs::write(&planted, &newer).unwrap();
+        std::fs::rename(&planted, state("c")).unwrap();
+        // In place, the same size, at once: the same inode and size, only the times differ.
+        std::fs::write(state("d"), rec("d", VolumeState::NodeReady, None)).unwrap();
+        std::fs::remove_file(state("e")).unwrap();
+        std::fs::write(state("f"), &newer).unwrap();
+        assert!(same_answer(
+            work,
+            &layout,
+            &table,
+            "changed behind its back"
+        ));
+        assert!(
+            read_one_by_one() >= 6,
+            "the six changed ones are read again"
+        );
+        let report = scan_with(work, &table, ScanOptions::default()).unwrap();
+        let unreadable: BTreeSet<String> = report
+            .unreadable
+            .iter()
+            .map(|u| {
+                u.path
+                    .parent()
+                    .unwrap()
+                    .file_name()
+                    .unwrap()
+                    .to_string_lossy()
+                    .into()
+            })
+            .collect();
+        let names = |ids: &[&str]| -> BTreeSet<String> {
+            ids.iter()
+                .map(|id| crate::resource::encode_volume_id(id))
+                .collect()
+        };
+        assert_eq!(unreadable, names(&["a", "b", "c", "f"]), "{report:?}");
+        let d = report.volumes.iter().find(|v| v.volume_id == "d").unwrap();
+        assert_eq!(d.state, VolumeState::NodeReady);
+        assert!(report.volumes.iter().all(|v| v.volume_id != "e"));
+    }
+
+    #[test]
+    fn an_identity_proves_nothing_changed_only_when_recorded_before_the_reads() {
+        let id = FileId {
+            dev: 1,
+            ino: 2,
+            size: 3,
+            mtime_ns: 100,
+            ctime_ns: 100,
+        };
+        let other = |f: &dyn Fn(&mut FileId)| {
+            let mut o = id;
+            f(&mut o);
+            o
+        };
+        assert!(unchanged(&id, &id, 101));
+        // Changed in the same tick as the reads began (or later): a write after the read could
+        // have kept every field.
+        assert!(!unchanged(&id, &id, 100));
+        assert!(!unchanged(&id, &id, 99));
+        for changed in [
+            other(&|o| o.dev = 9),
+            other(&|o| o.ino = 9),
+            other(&|o| o.size = 9),
+            other(&|o| o.mtime_ns = 9),
+            other(&|o| o.ctime_ns = 101),
+        ] {
+            assert!(!unchanged(&id, &changed, 1000), "{changed:?}");
+        }
     }
 
     #[test]
@@ -707,25 +918,39 @@ mod tests {
                 name: "a".into(),
                 set_aside: vec![],
                 state: Some(Ok(b"{}".to_vec())),
+                state_file: Some(FileId {
+                    dev: 1,
+                    ino: 2,
+                    size: 2,
+                    mtime_ns: -3,
+                    ctime_ns: 1 << 70,
+                }),
             },
             VolumeDir {
                 name: "b".into(),
                 set_aside: vec!["volume.state.corrupt-1".into()],
                 state: None,
+                state_file: None,
             },
             VolumeDir {
                 name: "c".into(),
                 set_aside: vec![],
                 state: None,
+                state_file: None,
             },
         ];
-        let bytes = encode(7, &dirs).unwrap();
+        let bytes = encode(7, 5, &dirs).unwrap();
         let back = decode(&bytes).unwrap();
-        assert_eq!(back.covers, 7);
+        assert_eq!((back.covers, back.read_at), (7, 5));
         assert_eq!(back.dirs, dirs[..2], "an empty directory is left out");
         let mut unreadable = dirs.clone();
         unreadable[0].state = Some(Err("EIO".into()));
-        assert!(encode(7, &unreadable).unwrap_err().contains("EIO"));
+        assert!(encode(7, 5, &unreadable).unwrap_err().contains("EIO"));
+        let mut journaled = dirs.clone();
+        journaled[0].state_file = None;
+        assert!(encode(7, 5, &journaled)
+            .unwrap_err()
+            .contains("not read from its file"));
         // Every cut and every flipped byte is refused.
         for n in 0..bytes.len() {
             assert!(decode(&bytes[..n]).is_err(), "cut at {n}");
@@ -738,7 +963,7 @@ mod tests {
         let with = |f: &dyn Fn(&mut Vec<VolumeDir>)| {
             let mut d = dirs.clone();
             f(&mut d);
-            decode(&encode(7, &d).unwrap()).unwrap_err()
+            decode(&encode(7, 5, &d).unwrap()).unwrap_err()
         };
         assert!(with(&|d| d[0].name = "../x".into()).contains("path component"));
         assert!(with(&|d| d[0].name = "..".into()).contains("path component"));
@@ -750,11 +975,13 @@ mod tests {
             b[n..].copy_from_slice(&crc.to_le_bytes());
             b
         };
-        let mut v2 = bytes.clone();
-        v2[8] = 2;
-        assert!(decode(&reseal(v2))
-            .unwrap_err()
-            .contains("format version 2"));
+        for version in [1, 3] {
+            let mut other = bytes.clone();
+            other[8] = version;
+            assert!(decode(&reseal(other))
+                .unwrap_err()
+                .contains(&format!("format version {version}")));
+        }
         let mut many = bytes.clone();
         many[24..32].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode(&reseal(many))
@@ -787,9 +1014,10 @@ mod tests {
             name: "zzz".into(),
             set_aside: vec![],
             state: Some(Ok(rec("zzz", VolumeState::Published, Some("c")))),
+            state_file: dirs[0].state_file,
         });
         let planted = dir.path().join("planted");
-        std::fs::write(&planted, encode(lie.covers, &dirs).unwrap()).unwrap();
+        std::fs::write(&planted, encode(lie.covers, lie.read_at, &dirs).unwrap()).unwrap();
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink(&planted, &path).unwrap();
         let table = FakeSyscall::new();

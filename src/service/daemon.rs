@@ -230,7 +230,12 @@ async fn serve_with_provider(
 ) -> Result<(), ServeError> {
     let report = provider.recovery_report();
     if !report.actions.is_empty() || !report.failures.is_empty() {
-        tracing::warn!(actions = ?report.actions, failures = ?report.failures, "provider recovery");
+        // Counts: each action and failure was logged with its volume when it happened.
+        tracing::warn!(
+            actions = report.actions.len(),
+            failures = report.failures.len(),
+            "provider recovery"
+        );
     }
     let provider_id = provider.id().to_string();
     let isolator = Arc::new(VolumeIsolator::on_host(

@@ -28,6 +28,7 @@ use std::time::Instant;
 use tonic::{Code, Request, Response, Status};
 
 use crate::isolator::VolumeIsolator;
+use crate::memory;
 use crate::mount::MountTable;
 use crate::provider::snapshot::SourceName;
 use crate::provider::stats;
@@ -380,7 +381,17 @@ impl IsolatorService {
             container_id(id)?;
         }
         let report = self.isolator.recover(&req.known_container_ids).await?;
-        tracing::info!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered");
+        // Counts: the ids of a node's thousands of containers would make one line of hundreds of
+        // kilobytes; they go to the debug level (and the answer carries them).
+        tracing::info!(
+            recovered = report.recovered.len(),
+            cleaned = report.cleaned.len(),
+            released_uses = report.released_uses.len(),
+            corrupt = report.corrupt.len(),
+            failures = report.failures.len(),
+            "isolator recovered"
+        );
+        tracing::debug!(recovered = ?report.recovered, cleaned = ?report.cleaned, "isolator recovered: containers");
         give_back_free_heap();
         Ok(report.into())
     }
@@ -398,39 +409,19 @@ impl IsolatorService {
     }
 }
 
-/// Returns the allocator's free pages to the kernel (glibc's `malloc_trim`), once a recovery is
-/// done. Recovery reads every checkpoint of the node at once, on many blocking threads, each
-/// allocating in an arena of its own: what it frees stays in those arenas, below live
-/// allocations, where glibc's own trimming (the top of a heap only) does not reach. Measured
-/// at 10,000 containers in docs/benchmarks.md ("10,000 volumes"). Logs the resident size before
-/// and after.
+/// Returns the allocator's free pages to the kernel once a recovery is done. Recovery reads
+/// every checkpoint of the node at once, on many blocking threads: what they free stays in the
+/// allocator's arenas ([`crate::memory`]). Measured at 10,000 containers in docs/benchmarks.md
+/// ("10,000 volumes"). Logs the resident size before and after.
 fn give_back_free_heap() {
-    #[cfg(target_env = "gnu")]
-    {
-        let before = resident_kib();
-        // SAFETY: malloc_trim takes the allocator's own locks and only releases free pages.
-        let released = unsafe { libc::malloc_trim(0) } != 0;
-        tracing::info!(
-            before_kib = ?before,
-            after_kib = ?resident_kib(),
-            released,
-            "free heap given back to the kernel after recovery"
-        );
-    }
-}
-
-/// This process's resident size (VmRSS), KiB.
-#[cfg(target_env = "gnu")]
-fn resident_kib() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .ok()
+    let before = memory::resident_kib();
+    let released = memory::give_back_free_heap();
+    tracing::info!(
+        before_kib = ?before,
+        after_kib = ?memory::resident_kib(),
+        released,
+        "free heap given back to the kernel after recovery"
+    );
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> ServiceError {

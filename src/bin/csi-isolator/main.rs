@@ -51,6 +51,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Before any thread exists: the daemons' threads then share few arenas (see the module).
+    csi_isolator::memory::limit_arenas();
     let cli = Cli::parse();
     init_logging(cli.log_json);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

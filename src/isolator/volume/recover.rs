@@ -2,6 +2,7 @@
 
 use super::*;
 use crate::error_chain::Chain;
+use crate::provider::Republish;
 
 /// What `recover` found and did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -85,13 +86,14 @@ impl VolumeIsolator {
                 }
             }
         }
-        // Containers that live on keep their uses: put back any the
-        // providers lost (publish is idempotent and repairs unpublished ones).
-        // What each one's checkpoint uses, (provider, volume), is kept for
+        // Containers that live on keep their uses: put back any the providers lost (publish is
+        // idempotent and repairs unpublished ones), all in one batch whose mount checks are made
+        // once for all of them. What each one's checkpoint uses, (provider, volume), is kept for
         // the sweep below.
         let mut recorded: HashMap<String, HashSet<(String, String)>> = HashMap::new();
-        for id in report.recovered.clone() {
-            let (resources, asked) = match self.entry(&id).lock().await.as_ref() {
+        let mut batch = Vec::with_capacity(report.recovered.len());
+        for id in &report.recovered {
+            let (resources, groups) = match self.entry(id).lock().await.as_ref() {
                 // The groups its prepare asked for, so a volume staged again asks the same.
                 Some(r) => {
                     let user = r
@@ -107,17 +109,46 @@ impl VolumeIsolator {
                 }
                 None => Default::default(),
             };
-            let uses = resources
+            let uses: HashSet<(String, String)> = resources
                 .iter()
                 .filter(|r| r.is_disk())
                 .filter_map(|r| Some((r.provider_id()?.to_string(), r.source_id()?.to_string())))
                 .collect();
             recorded.insert(id.clone(), uses);
-            if let Err(e) = self.publisher.publish(&id, &resources, &asked).await {
-                tracing::error!(container_id = %id, error = %Chain(&e), "recovery: cannot re-ensure the container's volumes");
+            batch.push(Republish {
+                container_id: id.clone(),
+                resources,
+                groups,
+            });
+        }
+        let republished = self.publisher.republish(&batch).await;
+        for (c, result) in batch.iter().zip(republished.containers) {
+            if let Err(e) = result {
+                tracing::error!(container_id = %c.container_id, error = %Chain(&e), "recovery: cannot re-ensure the container's volumes");
                 report
                     .failures
-                    .push((id, crate::error_chain::full_message(&e)));
+                    .push((c.container_id.clone(), crate::error_chain::full_message(&e)));
+            }
+        }
+        // A volume the batch's checks could not re-ensure fails each container using it.
+        if !republished.unensured.is_empty() {
+            let mut users: HashMap<(&str, &str), Vec<&str>> = HashMap::new();
+            for (id, uses) in &recorded {
+                for (provider_id, volume_id) in uses {
+                    users
+                        .entry((provider_id.as_str(), volume_id.as_str()))
+                        .or_default()
+                        .push(id.as_str());
+                }
+            }
+            for (provider_id, volume_id, e) in &republished.unensured {
+                let key = (provider_id.as_str(), volume_id.as_str());
+                for id in users.get(&key).into_iter().flatten() {
+                    tracing::error!(container_id = %id, %volume_id, error = %Chain(e), "recovery: cannot re-ensure the container's volumes");
+                    report
+                        .failures
+                        .push((id.to_string(), crate::error_chain::full_message(e)));
+                }
             }
         }
         let live: HashSet<String> = known

@@ -99,6 +99,23 @@ impl Publisher for FakePublisher {
         })
     }
 
+    fn republish<'a>(
+        &'a self,
+        batch: &'a [crate::provider::Republish],
+    ) -> BoxFuture<'a, crate::provider::Republished> {
+        Box::pin(async move {
+            let mut containers = Vec::new();
+            for c in batch {
+                let published = self.publish(&c.container_id, &c.resources, &c.groups).await;
+                containers.push(published.map(|_| ()));
+            }
+            crate::provider::Republished {
+                containers,
+                unensured: Vec::new(),
+            }
+        })
+    }
+
     fn unpublish<'a>(
         &'a self,
         container: &'a str,

@@ -1,0 +1,112 @@
+//! The process's own memory: how the allocator is set up for a long-running daemon, giving its
+//! free pages back, and reading resident sizes from `/proc`.
+//!
+//! A node agent holding thousands of volumes runs work on many threads (tokio's workers and its
+//! blocking pool, up to dozens at a recovery). glibc gives each thread that allocates while
+//! another holds an arena an arena of its own, up to eight per core; what a thread frees stays
+//! in its arena, between live allocations, where glibc's trimming (the top of a heap only) does
+//! not reach. Measured in docs/benchmarks.md ("10,000 volumes"): capping the arenas and trimming
+//! after a recovery is what keeps the daemons' resident size in proportion to their live heap.
+//! Other allocators (musl) have no arenas to cap: there the calls are no-ops.
+
+/// The arenas a process may use: two are enough for a daemon whose threads mostly wait on I/O,
+/// and keep freed memory in few heaps.
+pub const MAX_ARENAS: i32 = 2;
+
+/// Caps the allocator's arenas at [`MAX_ARENAS`]. Call it first thing in `main`, before any
+/// thread starts (an arena made before stays). Returns whether the allocator took it.
+pub fn limit_arenas() -> bool {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallopt only changes the allocator's parameters, under its own lock.
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, MAX_ARENAS) != 0 }
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        false
+    }
+}
+
+/// Returns the allocator's free pages to the kernel (glibc's `malloc_trim`), after a burst of
+/// work that freed much (a recovery). Returns whether any memory was released.
+pub fn give_back_free_heap() -> bool {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: malloc_trim takes the allocator's own locks and only releases free pages.
+        unsafe { libc::malloc_trim(0) != 0 }
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        false
+    }
+}
+
+/// A `VmRSS:`-style field (name with its colon) of `/proc/<pid>/status` (`pid` may be `self`),
+/// in KiB; `None` when the process or the field is not there.
+pub fn status_kib(pid: &str, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    field_kib(&text, field)
+}
+
+/// This process's resident size (VmRSS), KiB.
+pub fn resident_kib() -> Option<u64> {
+    status_kib("self", "VmRSS:")
+}
+
+/// The value of `field` in the text of a `/proc/<pid>/status` file, in KiB.
+fn field_kib(status: &str, field: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_field_is_read_in_kib_and_only_by_its_whole_name() {
+        let text = "Name:\tx\nVmHWM:\t  2048 kB\nVmRSS:\t  1024 kB\nRssAnon:\t 512 kB\n";
+        assert_eq!(field_kib(text, "VmRSS:"), Some(1024));
+        assert_eq!(field_kib(text, "VmHWM:"), Some(2048));
+        assert_eq!(field_kib(text, "Rss:"), None);
+        assert_eq!(field_kib("VmRSS:\tlots kB\n", "VmRSS:"), None);
+    }
+
+    #[test]
+    fn this_process_has_a_resident_size() {
+        let kib = resident_kib().expect("/proc/self/status has VmRSS");
+        assert!(kib > 0);
+        assert_eq!(status_kib("0", "VmRSS:"), None, "no process 0 in /proc");
+    }
+
+    #[cfg(target_env = "gnu")]
+    #[test]
+    fn glibc_takes_the_arena_cap() {
+        assert!(limit_arenas(), "mallopt(M_ARENA_MAX) refused");
+    }
+
+    #[cfg(target_env = "gnu")]
+    #[test]
+    fn freed_memory_is_given_back_to_the_kernel() {
+        // Many small blocks, freed but for the last (which pins the heap's top, so glibc's own
+        // trim at free does not reach what lies below it): only malloc_trim returns those pages.
+        let mut blocks: Vec<Vec<u8>> = (0..4096).map(|_| vec![1u8; 16 * 1024]).collect();
+        let pin = vec![1u8; 64];
+        let before = resident_kib().unwrap();
+        blocks.drain(..4095);
+        let released = give_back_free_heap();
+        let after = resident_kib().unwrap();
+        assert!(
+            released,
+            "malloc_trim released nothing ({before} -> {after} KiB)"
+        );
+        assert!(
+            after + 32 * 1024 < before,
+            "resident {before} -> {after} KiB: the ~64 MiB freed was not given back"
+        );
+        drop((blocks, pin));
+    }
+}
