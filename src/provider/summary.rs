@@ -9,22 +9,26 @@
 //! names.
 //!
 //! # The summary: `csi/<type>/<name>/volumes.summary`, format version [`VERSION`]
-//! Written by the provider's compaction (`checkpoint::VolumeJournal::compact`) as one more file
-//! of its write-back: built before it, from the last summary (when current) with the changes
-//! being written back laid over it (else by the full scan), renamed into place, made durable by
-//! the write-back's one `syncfs` and only then followed by the journal's reset. It records what
-//! the full scan finds once that write-back is done (per directory, by name: its set-aside files
-//! and its state file's bytes) and `covers`: the journal's sequence number it reaches (every
-//! entry before it is in it; the reset journal starts there).
+//! Written by the provider's compaction (`checkpoint::VolumeJournal::compact`) once its state
+//! files are written and before the write-back's one `syncfs` ([`build`]): from the last summary
+//! (when current), each entry checked by its state file's identity (those just written back are
+//! read again), else by the full scan; renamed into place, made durable by that `syncfs` and only
+//! then followed by the journal's reset. It records what the full scan finds once that
+//! write-back is done (per directory, by name: its set-aside files, its state file's bytes and
+//! identity, [`FileId`]), `read_at`: the coarse clock's time its reads began ([`unchanged`]), and
+//! `covers`: the journal's sequence number it reaches (every entry before it is in it; the reset
+//! journal starts there).
 //!
 //! A reader uses it only when it is current with the journal it read: the journal's complete
 //! entries run from `first` to `first + n` and `first ≤ covers ≤ first + n` ([`current`]: the
 //! journal was reset at it, or a crash came between the summary and the reset and the old
 //! journal is whole). It then lays the journal's complete entries over it (those before `covers`
 //! say again what it says; a crash before the reset may have left the directory of one of them
-//! unmade, and the entry still names the volume, as for the full scan), and lists
-//! `volumes/` once: a directory the summary does not name, or names and the listing does not
-//! show, is read as the full scan reads it. A summary that is absent, stale, torn (a CRC-32C
+//! unmade, and the entry still names the volume, as for the full scan), lists `volumes/` once
+//! and `statx`es each state file the summary holds: a directory the summary does not name, names
+//! and the listing does not show, or whose state file is gone or not the one it recorded
+//! (changed behind the provider's back: status reads the truth), is read as the full scan reads
+//! it. A summary that is absent, stale, torn (a CRC-32C
 //! covers the whole file), of another format version, over [`MAX_FILE`], not a regular file or a
 //! symlink (never followed) is not used: the full scan is, the same answer byte for byte.
 //!
@@ -34,10 +38,11 @@
 //! new one (by the full scan, once).
 //!
 //! Layout: a header of [`HEADER_LEN`] bytes (the magic `CSIVSUM\n`, the version (u32 LE), four
-//! zero bytes, `covers` (u64 LE), the number of directories (u64 LE)); then per directory, in
-//! strictly increasing name order: its name (u32 LE length, bytes), the number of its set-aside
-//! files (u32 LE) and each name (u32 LE length, bytes), 0 (no state file) or 1 and the state
-//! file's bytes (u32 LE length, bytes); then the CRC-32C (u32 LE) of everything before it.
+//! zero bytes, `covers` (u64 LE), the number of directories (u64 LE), `read_at` (ns, i128 LE));
+//! then per directory, in strictly increasing name order: its name (u32 LE length, bytes), the
+//! number of its set-aside files (u32 LE) and each name (u32 LE length, bytes), 0 (no state
+//! file) or 1, the state file's identity (dev, inode, size: u64 LE; mtime, ctime: ns, i128 LE)
+//! and its bytes (u32 LE length, bytes); then the CRC-32C (u32 LE) of everything before it.
 //! Everything in it is checked as hostile input: lengths within the file, names single path
 //! components (set-aside ones `volume.state.corrupt-*`).
 
@@ -592,6 +597,15 @@ mod tests {
         serde_json::to_vec_pretty(&r).unwrap()
     }
 
+    fn record_created(j: &VolumeJournal, id: &str) {
+        j.record(
+            id,
+            Some(rec(id, VolumeState::Created, None)),
+            Commit::Durable,
+        )
+        .unwrap();
+    }
+
     /// Both scans of `work`, as `status --json` prints them; the summary's scan must say the
     /// same as the full one. Returns whether the summary was current (used).
     fn same_answer(work: &Path, layout: &Layout, table: &FakeSyscall, what: &str) -> bool {
@@ -802,23 +816,13 @@ mod tests {
         let (j, _, _) = VolumeJournal::open(&layout).unwrap();
         let ids = ["a", "b", "c", "d", "e", "f", "g", "h"];
         for id in ids {
-            j.record(
-                id,
-                Some(rec(id, VolumeState::Created, None)),
-                Commit::Durable,
-            )
-            .unwrap();
+            record_created(&j, id);
         }
         j.compact().unwrap();
         // Past the first summary's clock tick, a second compaction checks every entry again:
         // none written since its reads began, all are trusted now.
         std::thread::sleep(std::time::Duration::from_millis(30));
-        j.record(
-            "z",
-            Some(rec("z", VolumeState::Created, None)),
-            Commit::Durable,
-        )
-        .unwrap();
+        record_created(&j, "z");
         j.compact().unwrap();
         let table = FakeSyscall::new();
         let read_one_by_one = || {
@@ -998,12 +1002,7 @@ mod tests {
         let layout = Layout::new(dir.path(), "t", "n");
         std::fs::create_dir_all(layout.volumes_dir()).unwrap();
         let (j, _, _) = VolumeJournal::open(&layout).unwrap();
-        j.record(
-            "real",
-            Some(rec("real", VolumeState::Created, None)),
-            Commit::Durable,
-        )
-        .unwrap();
+        record_created(&j, "real");
         j.compact().unwrap();
         let path = layout.base().join(SUMMARY_FILE);
         let current = std::fs::read(&path).unwrap();
