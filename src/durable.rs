@@ -149,6 +149,65 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
     Ok(())
 }
 
+/// Why [`read_capped`] refused a file.
+#[derive(Debug, thiserror::Error)]
+pub enum CappedReadError {
+    /// A symlink stands at the path: never followed.
+    #[error("a symlink: never followed")]
+    Symlink,
+    /// Not a regular file (a directory, a fifo, a device).
+    #[error("not a regular file")]
+    NotRegular,
+    /// Over the caller's limit: never read into memory.
+    #[error("{len} bytes, over the limit of {max}")]
+    TooLarge {
+        /// Its length (at least).
+        len: u64,
+        /// The limit.
+        max: u64,
+    },
+    /// Opening or reading it failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+/// Reads the file at `path` for a reader that trusts nothing in it: opened without following a
+/// symlink (and without blocking on a fifo), refused unless it is a regular file of at most
+/// `max` bytes (checked before the read and again by the read itself, should it grow).
+/// `Ok(None)`: there is none.
+pub fn read_capped(path: &Path, max: u64) -> Result<Option<Vec<u8>>, CappedReadError> {
+    use std::io::Read;
+    let mut file = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(CappedReadError::Symlink),
+        Err(e) => return Err(e.into()),
+    };
+    let meta = file.metadata()?;
+    if !meta.is_file() {
+        return Err(CappedReadError::NotRegular);
+    }
+    if meta.len() > max {
+        return Err(CappedReadError::TooLarge {
+            len: meta.len(),
+            max,
+        });
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    (&mut file).take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(CappedReadError::TooLarge {
+            len: bytes.len() as u64,
+            max,
+        });
+    }
+    Ok(Some(bytes))
+}
+
 /// fsyncs a directory so that entries created, renamed or removed in it are durable.
 pub fn sync_dir(dir: &Path) -> io::Result<()> {
     let dir_file = File::open(dir)?;

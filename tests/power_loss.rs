@@ -59,6 +59,8 @@ use std::time::Instant;
 
 use csi_isolator::durable::record::{self, LOG_ENV};
 use csi_isolator::provider::checkpoint::CRASH_AFTER_WRITE_ENV;
+use csi_isolator::provider::status::{scan_with, ScanOptions};
+use csi_isolator::provider::summary::SUMMARY_FILE;
 use csi_isolator::provider::{VolumeRecord, VolumeState};
 use csi_isolator_testing::powerloss::{self, crash_states, lost_promises, read_log, Op, Tree};
 use csi_isolator_testing::powerloss_runs::{
@@ -228,6 +230,41 @@ async fn every_power_cut_of_create_publish_release_recovers() {
         let lost = promises_kept(&ops, state);
         assert!(lost.is_empty(), "{}", lost[0]);
     }
+    // The volume summary's crash points (its write in each compaction's write-back, before the
+    // syncfs and the journal's reset): in every state a power cut could leave, `status` through
+    // the summary says what the full scan says.
+    let mut summaries = 0;
+    let scratch = sb.mkdir("status-scratch");
+    for state in &every {
+        let mut tree = powerloss::Tree::new();
+        for (path, node) in state.tree.range(agent.work.clone()..) {
+            if !path.starts_with(&agent.work) {
+                break;
+            }
+            tree.insert(
+                scratch.join(path.strip_prefix(&agent.work).unwrap()),
+                node.clone(),
+            );
+        }
+        summaries += usize::from(tree.keys().any(|p| p.ends_with(SUMMARY_FILE)));
+        powerloss::materialize(&tree, &scratch).unwrap();
+        let scan = |use_summary| {
+            let how = ScanOptions {
+                use_summary,
+                ..ScanOptions::default()
+            };
+            let table = csi_isolator::mount::FakeSyscall::new();
+            serde_json::to_string(&scan_with(&scratch, &table, how).unwrap()).unwrap()
+        };
+        assert_eq!(
+            scan(true),
+            scan(false),
+            "power cut after op {}: status through the summary differs from the full scan",
+            state.point
+        );
+    }
+    eprintln!("{total} crash states: status through the summary as the full scan ({summaries} with a summary)");
+    assert!(summaries > 0, "no crash state holds a volume summary");
     let states = sample_states(every, CLI_STATES_RECOVERED);
     eprintln!(
         "{} ops recorded (create {end_create}, publish {}, release {}), {total} crash states checked against the promises, {} sampled and recovered",

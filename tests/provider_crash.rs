@@ -104,6 +104,24 @@ async fn plugin_view(plugin: &PluginProcess, id: &str, target: &Path) -> (bool, 
     (entry.is_some(), controller_published, node_published)
 }
 
+/// `status` read through the volume summary (when current) and by the full scan answer alike.
+fn same_status(agent: &Agent, n: u32) {
+    use csi_isolator::provider::status::{scan_with, ScanOptions};
+    let table = ProcMountTable::new();
+    let scan = |use_summary| {
+        let how = ScanOptions {
+            use_summary,
+            ..ScanOptions::default()
+        };
+        serde_json::to_string(&scan_with(&agent.work, &table, how).unwrap()).unwrap()
+    };
+    assert_eq!(
+        scan(true),
+        scan(false),
+        "write {n}: status through the summary differs from the full scan"
+    );
+}
+
 /// No temporary files, no create intents, no orphaned mount directories.
 fn assert_tidy(agent: &Agent, records: &[VolumeRecord]) {
     let layout = agent.layout();
@@ -227,7 +245,11 @@ async fn crash_once(op: &Op, n: u32) -> bool {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // The volume summary has its crash points with the compaction's: whatever a crash left,
+    // `status` from it says what the full scan says, before and after the recovery.
+    same_status(&agent, n);
     let records = agent.recover();
+    same_status(&agent, n);
     assert_tidy(&agent, &records);
     let work = agent.work.clone();
     match op {

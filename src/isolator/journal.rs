@@ -217,7 +217,7 @@ impl ContainerJournal {
                     }
                 }
                 Ok(Some(file))
-            })
+            }, |_, _| Vec::new())
     }
 }
 

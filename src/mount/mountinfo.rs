@@ -109,6 +109,14 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
         self.is_mount_point(path)
     }
 
+    /// [`is_mount_point`](Self::is_mount_point) of each of `paths`, for a reader asking about
+    /// thousands at once (`status`): by default one read of the table and a set lookup each;
+    /// an implementation that can tell whether a path is a mount root without the table (whose
+    /// size grows with every mount on the node) answers each path on its own.
+    fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
+        Ok(mount_points_in(self.mounts()?, paths))
+    }
+
     /// [`is_mount_root`](Self::is_mount_root), with the unique id of the mount rooted there where the
     /// implementation can tell it (statx `STATX_MNT_ID_UNIQUE`, Linux 6.8): the id fanotify mount
     /// events name ([`crate::mount::watch`]). The default knows no id.
@@ -127,6 +135,13 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
             .rev()
             .find(|m| m.mount_point == path))
     }
+}
+
+/// Which of `paths` some mount of `mounts` has as its mount point: one set, a lookup each.
+fn mount_points_in(mounts: Vec<MountInfo>, paths: &[&Path]) -> Vec<bool> {
+    let points: std::collections::HashSet<PathBuf> =
+        mounts.into_iter().map(|m| m.mount_point).collect();
+    paths.iter().map(|p| points.contains(*p)).collect()
 }
 
 /// The real mount table of a process, read from `/proc/self/mountinfo` or `/proc/<pid>/mountinfo`.
@@ -173,6 +188,43 @@ impl MountTable for ProcMountTable {
         match statx_mount_root(path) {
             Some(answer) => Ok(answer),
             None => self.is_mount_point(path),
+        }
+    }
+
+    /// One statx per path (no sync with a remote file system, no automount), never the table:
+    /// at 20,000 mounts the kernel takes longer to print the table than the statx take. Falls
+    /// back to the table, once, when the kernel cannot say (before Linux 5.8) or for another
+    /// process's table.
+    fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
+        let by_statx = || -> Option<Vec<bool>> {
+            if self.pid.is_some() {
+                return None;
+            }
+            // Each asked relative to its grandparent, opened once for a run of paths that share
+            // it (a provider's `mounts/`): a walk of two components, not of the whole path.
+            let mut dir: Option<(&Path, std::fs::File)> = None;
+            paths
+                .iter()
+                .map(|p| {
+                    let Some(grand) = p.parent().and_then(Path::parent) else {
+                        return statx_mount_root_nosync(None, p);
+                    };
+                    if dir.as_ref().is_none_or(|(d, _)| *d != grand) {
+                        dir = std::fs::File::open(grand).ok().map(|f| (grand, f));
+                    }
+                    match &dir {
+                        Some((d, f)) => statx_mount_root_nosync(
+                            Some(f),
+                            p.strip_prefix(d).expect("under its grandparent"),
+                        ),
+                        None => statx_mount_root_nosync(None, p),
+                    }
+                })
+                .collect()
+        };
+        match by_statx() {
+            Some(answers) => Ok(answers),
+            None => Ok(mount_points_in(self.mounts()?, paths)),
         }
     }
 
@@ -236,6 +288,21 @@ fn statx_mount_root(path: &Path) -> Option<bool> {
     use std::os::unix::ffi::OsStrExt;
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     match statx_nofollow(libc::AT_FDCWD, &c_path) {
+        Ok(st) => mount_root_attr(&st),
+        Err(Errno::ENOENT | Errno::ENOTDIR) => Some(false),
+        Err(_) => None,
+    }
+}
+
+/// [`statx_mount_root`] of `path` (relative to `dir` when given) for a reader that must not
+/// block on a file system: no attributes asked, none synced with a remote server
+/// (`AT_STATX_DONT_SYNC`).
+fn statx_mount_root_nosync(dir: Option<&std::fs::File>, path: &Path) -> Option<bool> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let dirfd = dir.map_or(libc::AT_FDCWD, |d| d.as_raw_fd());
+    match statx_mask(dirfd, &c_path, libc::AT_STATX_DONT_SYNC, 0) {
         Ok(st) => mount_root_attr(&st),
         Err(Errno::ENOENT | Errno::ENOTDIR) => Some(false),
         Err(_) => None,

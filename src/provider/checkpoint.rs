@@ -328,8 +328,8 @@ pub type Journaled = BTreeMap<String, (String, Option<Vec<u8>>)>;
 /// they now stand by volume directory name (`None`: removed), the volumes the journal
 /// touched, and the entries it could not read (reason). `dir_name` maps a volume id to its
 /// directory name.
-pub fn replay(
-    entries: &[crate::durable::journal::Entry],
+pub fn replay<'a>(
+    entries: impl IntoIterator<Item = &'a crate::durable::journal::Entry>,
     dir_name: impl Fn(&str) -> String,
 ) -> Replayed {
     let mut last = BTreeMap::new();
@@ -435,7 +435,9 @@ impl KeyedJournal {
 
     /// Writes back every key the journal holds (its last entry) to the file `file_of` names
     /// (`None`: not written back, dropped), removals unlinking it and then its directory when
-    /// empty; makes that durable with one syncfs of `base`'s filesystem, then empties the
+    /// empty, then the files `also` makes once those are written (given the journal's span: the
+    /// sequence number of its first entry, and the one after its last, the reset journal's
+    /// first); makes all of it durable with one syncfs of `base`'s filesystem, then empties the
     /// journal (see [`crate::durable::journal`]). The states are read back from the journal's
     /// file while it is held (appends meanwhile wait and go to the new file); an entry this
     /// build cannot read is logged and skipped, as at open. On a failure the journal stays as
@@ -444,6 +446,7 @@ impl KeyedJournal {
         &self,
         base: &Path,
         mut file_of: impl FnMut(&str, &Option<Vec<u8>>) -> Result<Option<PathBuf>, CheckpointError>,
+        also: impl FnOnce(u64, u64) -> Vec<WrittenBack>,
     ) -> Result<(), CheckpointError> {
         if self.journal.size().entries == 0 {
             return Ok(());
@@ -455,11 +458,18 @@ impl KeyedJournal {
                     files.push((file, state));
                 }
             }
-            crate::durable::journal::write_back(&files, PRIVATE_FILE_MODE, base, crash_point)
-                .map_err(|e| CheckpointError::Write {
-                    path: e.path.clone(),
-                    source: io::Error::new(e.source.kind(), e.to_string()),
-                })?;
+            let failed = |e: crate::durable::journal::WriteBackError| CheckpointError::Write {
+                path: e.path.clone(),
+                source: io::Error::new(e.source.kind(), e.to_string()),
+            };
+            use crate::durable::journal::{sync_written, write_files};
+            write_files(&files, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
+            // Steady while the compaction holds the journal; `also` reads the files just
+            // written (before the one sync: made durable with them).
+            let first = self.journal.first_seq();
+            let more = also(first, first + self.journal.size().entries);
+            write_files(&more, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
+            sync_written(base, crash_point).map_err(failed)?;
             for (file, state) in &files {
                 if let (None, Some(dir)) = (state, file.parent()) {
                     // Best effort: an empty directory is harmless.
@@ -494,8 +504,12 @@ impl KeyedJournal {
     }
 }
 
+/// A file a compaction writes back: its bytes, or `None` to remove it.
+pub(crate) type WrittenBack = (PathBuf, Option<Vec<u8>>);
+
 /// The provider's journal: every change of a volume's record is appended to it (durable at
-/// return, shared batches) and written back to the volume's `volume.state` lazily.
+/// return, shared batches) and written back to the volume's `volume.state` lazily, with the
+/// volume summary `status` reads ([`crate::provider::summary`]).
 #[derive(Debug)]
 pub struct VolumeJournal {
     keyed: KeyedJournal,
@@ -544,19 +558,38 @@ impl VolumeJournal {
     }
 
     /// Writes back every volume changed since the last compaction to its `volume.state`
-    /// (removals remove it and its directory when empty), makes that durable with one
-    /// syncfs, then empties the journal (see [`crate::durable::journal`]). Blocking.
+    /// (removals remove it and its directory when empty) and the volume summary, makes that
+    /// durable with one syncfs, then empties the journal (see [`crate::durable::journal`]).
+    /// Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
-        self.keyed.compact(self.layout.base(), |id, state| {
-            let dir = self.layout.volume_dir(id);
+        self.compact_as(true)
+    }
+
+    /// [`compact`](Self::compact), writing the summary or (`summary` false) removing it.
+    fn compact_as(&self, summary: bool) -> Result<(), CheckpointError> {
+        let layout = &self.layout;
+        let file_of = |id: &str, state: &Option<Vec<u8>>| {
+            let dir = layout.volume_dir(id);
             if state.is_some() && !dir.is_dir() {
                 durable::create_dir(&dir).map_err(|source| CheckpointError::CreateDir {
                     path: dir.clone(),
                     source,
                 })?;
             }
-            Ok(Some(self.layout.state_file(id)))
+            Ok(Some(layout.state_file(id)))
+        };
+        self.keyed.compact(layout.base(), file_of, |first, covers| {
+            let bytes = summary
+                .then(|| crate::provider::summary::build(layout, first, covers))
+                .flatten();
+            vec![(summary_path(layout), bytes)]
         })
+    }
+
+    /// Removes the volume summary, durably: for whoever changes a volume directory outside a
+    /// compaction (recovery setting a corrupt state file aside), before that change.
+    pub fn drop_summary(&self) -> Result<(), CheckpointError> {
+        remove_durable(&summary_path(&self.layout))
     }
 }
 
@@ -576,15 +609,28 @@ impl From<JournalError> for CheckpointError {
     }
 }
 
+/// `layout`'s volume summary (see [`crate::provider::summary`]).
+fn summary_path(layout: &Layout) -> PathBuf {
+    layout.base().join(crate::provider::summary::SUMMARY_FILE)
+}
+
 /// What a reader without the lock (`status`, in another process) sees of `layout`'s
-/// journal: its complete entries replayed (see [`replay`]); nothing when there is none. It
-/// changes nothing: a torn tail is skipped, not cut.
-pub fn read_journal(layout: &Layout) -> Result<Journaled, CheckpointError> {
+/// journal: its complete entries; `None` when there is none. It changes nothing: a torn tail
+/// is skipped, not cut.
+pub fn read_journal_entries(
+    layout: &Layout,
+) -> Result<Option<crate::durable::journal::Parsed>, CheckpointError> {
     let path = layout.base().join(JOURNAL_FILE);
-    match crate::durable::journal::read(&path).map_err(|e| journal_error(&path, e))? {
-        None => Ok(BTreeMap::new()),
-        Some((parsed, _)) => Ok(replay(&parsed.entries, crate::resource::encode_volume_id).0),
-    }
+    let read = crate::durable::journal::read(&path).map_err(|e| journal_error(&path, e))?;
+    Ok(read.map(|(parsed, _)| parsed))
+}
+
+/// [`read_journal_entries`] replayed (see [`replay`]); nothing when there is none.
+pub fn read_journal(layout: &Layout) -> Result<Journaled, CheckpointError> {
+    Ok(match read_journal_entries(layout)? {
+        None => BTreeMap::new(),
+        Some(parsed) => replay(&parsed.entries, crate::resource::encode_volume_id).0,
+    })
 }
 
 /// A volume's checkpoint as a recovery would find it now: its journal's last complete entry,
@@ -597,14 +643,16 @@ pub fn read_state(layout: &Layout, volume_id: &str) -> Result<Option<Vec<u8>>, C
     read(&layout.state_file(volume_id))
 }
 
-/// Folds `layout`'s journal into its state files (open, write back, reset), for a command
-/// that reads and writes state files directly with the work dir locked (`volume detach`).
+/// Folds `layout`'s journal into its state files (open, write back, reset) and removes the
+/// volume summary, for a command that reads and writes state files directly with the work dir
+/// locked (`volume detach`): the summary would no longer say what they hold.
 pub fn settle_journal(layout: &Layout) -> Result<(), CheckpointError> {
+    remove_durable(&summary_path(layout))?;
     if !layout.base().join(JOURNAL_FILE).exists() {
         return Ok(());
     }
     let (journal, _, _) = VolumeJournal::open(layout)?;
-    journal.compact()
+    journal.compact_as(false)
 }
 
 #[cfg(test)]
@@ -757,7 +805,9 @@ mod tests {
             .unwrap();
         fs::write(dir.path().join("v3"), b"old").unwrap();
         keyed.append("v3", None, Commit::Durable).unwrap();
-        keyed.compact(dir.path(), file_of).unwrap();
+        keyed
+            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .unwrap();
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"last");
         assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"kept");
         assert!(
@@ -778,7 +828,9 @@ mod tests {
         let (journal, entries) = KeyedJournal::open(&path).unwrap();
         assert_eq!(entries.len(), 1);
         let keyed = KeyedJournal::new(journal);
-        keyed.compact(dir.path(), file_of).unwrap();
+        keyed
+            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .unwrap();
         assert_eq!(fs::read(dir.path().join("v4")).unwrap(), b"from before");
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"last");
     }
@@ -797,7 +849,9 @@ mod tests {
             .append("v2", Some(b"two".to_vec()), Commit::Durable)
             .unwrap();
         let file_of = |key: &str, _: &Option<Vec<u8>>| Ok(Some(dir.path().join(key)));
-        keyed.compact(dir.path(), file_of).unwrap();
+        keyed
+            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .unwrap();
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"one");
         assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"two");
         assert_eq!(keyed.journal.size().entries, 0, "the journal was emptied");

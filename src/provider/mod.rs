@@ -8,7 +8,7 @@
 //! durable writes; the layout they go in is [`crate::resource::Layout`]), `supervisor.rs` (the
 //! managed plugin process), `storage.rs` (the provider and its transitions),
 //! `create.rs`, `publish.rs`, `recover.rs` (one lifecycle step each),
-//! `manager.rs` (routing), `name_locks.rs` (per-name locks, dropped once unused), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
+//! `manager.rs` (routing), `name_locks.rs` (per-name locks, dropped once unused), `status.rs` and `summary.rs` (what `status` reads: the volume directories, in full or from the summary each compaction writes), `mount_group.rs` (which group a volume is staged with: pure), `mount_spec.rs` (the one parser of a volume's options, for every
 //! front end), `access.rs` (which uses an access mode admits: pure, table-tested), `handoff.rs` (a volume
 //! another node holds, and a node fenced while it was away); `tests.rs`,
 //! the machine driven without root against an in-process
@@ -40,6 +40,7 @@ pub mod state;
 pub mod stats;
 pub mod status;
 pub mod storage;
+pub mod summary;
 pub mod supervisor;
 #[cfg(test)]
 mod tests;

@@ -290,7 +290,11 @@ impl StorageProvider {
                     continue;
                 }
                 Sorted::Corrupt(reason) => {
-                    match checkpoint::set_aside(&path) {
+                    match self
+                        .journal
+                        .drop_summary()
+                        .and_then(|()| checkpoint::set_aside(&path))
+                    {
                         Ok(aside) => {
                             let e = ProviderError::CorruptState {
                                 path: path.clone(),

@@ -1,10 +1,11 @@
 //! A read-only view of every volume under a work dir, checked against the
 //! mount table: what `csi-isolator status` prints. It reads checkpoints (each provider's
 //! `volume.state` files with its journal's complete entries over them: a running provider
-//! writes its state files back lazily) and `/proc/self/mountinfo` only; it starts no plugin
-//! and changes nothing (a journal's torn tail is skipped, not cut).
+//! writes its state files back lazily; from the provider's volume summary when it is current,
+//! see [`crate::provider::summary`]) and `/proc/self/mountinfo` only; it starts no plugin and
+//! changes nothing (a journal's torn tail is skipped, not cut).
 
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -13,6 +14,7 @@ use crate::csi::CAPACITY_ENFORCED_KEY;
 use crate::mount::{MountError, MountTable};
 use crate::provider::checkpoint;
 use crate::provider::state::{ContentSource, Expansion, VolumeRecord, VolumeState};
+use crate::provider::summary::{self, VolumeDir};
 use crate::resource::{Layout, STATE_FILE};
 
 /// One volume as its checkpoint and the mount table see it.
@@ -103,27 +105,70 @@ pub struct StatusReport {
     pub unreadable: Vec<UnreadableState>,
 }
 
+/// How [`scan_with`] reads the volume directories.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScanOptions {
+    /// Use a provider's volume summary when it is current (else, and when false, every
+    /// directory is read: the full scan). The answer is the same.
+    pub use_summary: bool,
+    /// Directories per reading thread ([`summary::DIRS_PER_THREAD`]; lower in tests).
+    pub dirs_per_thread: usize,
+}
+
+impl Default for ScanOptions {
+    fn default() -> Self {
+        ScanOptions {
+            use_summary: true,
+            dirs_per_thread: summary::DIRS_PER_THREAD,
+        }
+    }
+}
+
 /// Scans `<work_dir>/csi/*/*/volumes/*/volume.state` and compares with `table`.
 ///
-/// Its cost is what a node's thousands of volumes make it: one read of the mount table, one of
-/// each provider's journal and one listing of its `volumes/`, then, per volume directory, a
-/// listing (for files set aside) and a read of the state file the journal does not cover, spread
-/// over a few threads ([`read_volume_dirs`]).
+/// Its cost: per provider one read of its journal, of its volume summary, one listing of its
+/// `volumes/` and one `statx` per state file the summary records (re-reading, as the full scan
+/// does, a directory whose state file changed since: status reads the truth) when the summary
+/// is current; else (an older release's work dir, or until the provider's next compaction after
+/// `volume detach`), per volume directory, a listing and a read of the state file the journal
+/// does not cover; spread over a few threads (see [`crate::provider::summary`]). Then one
+/// mount check per target and staging path ([`MountTable::mount_points_among`]).
 pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, MountError> {
+    scan_with(work_dir, table, ScanOptions::default())
+}
+
+/// [`scan`], reading the volume directories as `how` says.
+pub fn scan_with(
+    work_dir: &Path,
+    table: &dyn MountTable,
+    how: ScanOptions,
+) -> Result<StatusReport, MountError> {
     let csi = work_dir.join("csi");
-    let mounted: HashSet<PathBuf> = table
-        .mounts_under(&csi)?
-        .into_iter()
-        .map(|m| m.mount_point)
-        .collect();
     let mut report = StatusReport::default();
+    // Every volume's record first, then one question to the table about all their mount points.
+    let mut records: Vec<(String, Layout, VolumeRecord)> = Vec::new();
     for (plugin_type, plugin_name) in plugins(&csi) {
         let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
         // The journal's complete entries, over the state files: the truth while a provider
         // runs (its state files are written back lazily). A refused journal is reported and
         // the state files shown alone.
-        let journaled = match checkpoint::read_journal(&layout) {
-            Ok(j) => j,
+        let (journaled, found_summary) = match checkpoint::read_journal_entries(&layout) {
+            Ok(entries) => {
+                let summary = entries.as_ref().filter(|_| how.use_summary).and_then(|p| {
+                    summary::read_current(
+                        &layout.base().join(summary::SUMMARY_FILE),
+                        p.first_seq,
+                        p.entries.len() as u64,
+                    )
+                });
+                // All of them, over a summary too: those it covers say again what it says, and a
+                // crash between its write and the journal's reset may have left a volume
+                // directory its entry names unmade (the full scan then finds it by the entry).
+                let entries = entries.map(|p| p.entries).unwrap_or_default();
+                let (journaled, _) =
+                    checkpoint::replay(&entries, crate::resource::encode_volume_id);
+                (journaled, summary)
+            }
             Err(e) => {
                 report.unreadable.push(UnreadableState {
                     path: layout.base().join(checkpoint::JOURNAL_FILE),
@@ -133,41 +178,71 @@ pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, Mou
             }
         };
         let plugin = format!("{plugin_type}/{plugin_name}");
-        for found in read_volume_dirs(&layout.volumes_dir(), &journaled) {
+        let volumes = layout.volumes_dir();
+        let (found, read) =
+            summary::volume_dirs(&volumes, found_summary, &journaled, how.dirs_per_thread);
+        tracing::debug!(plugin = %format!("{plugin_type}/{plugin_name}"), read,
+            "volume directories read one by one");
+        for found in found {
+            let VolumeDir {
+                name,
+                set_aside,
+                state,
+                state_file: _,
+            } = found;
+            let dir = volumes.join(&name);
             report
                 .unreadable
-                .extend(found.set_aside.into_iter().map(|path| UnreadableState {
-                    path,
+                .extend(set_aside.into_iter().map(|file| UnreadableState {
+                    path: dir.join(file),
                     reason: "set aside as corrupt by an earlier recovery".into(),
                 }));
-            let path = layout.volumes_dir().join(&found.dir_name).join(STATE_FILE);
-            let rec = match found.state {
+            let rec = match state {
                 None => continue,
-                Some(read) => read.and_then(|b| VolumeRecord::from_state_file(&b, &found.dir_name)),
+                Some(read) => read.and_then(|b| VolumeRecord::from_state_file(&b, &name)),
             };
             match rec {
-                Ok(rec) => report
-                    .volumes
-                    .push(volume_status(&plugin, &layout, &mounted, rec)),
-                Err(reason) => report.unreadable.push(UnreadableState { path, reason }),
+                Ok(rec) => records.push((plugin.clone(), layout.clone(), rec)),
+                Err(reason) => report.unreadable.push(UnreadableState {
+                    path: dir.join(STATE_FILE),
+                    reason,
+                }),
             }
         }
     }
+    let points: Vec<[PathBuf; 2]> = records
+        .iter()
+        .map(|(_, layout, rec)| {
+            [
+                layout.target_path(&rec.volume_id),
+                layout.staging_path(&rec.volume_id),
+            ]
+        })
+        .collect();
+    let asked: Vec<&Path> = points.iter().flatten().map(PathBuf::as_path).collect();
+    let answers = table.mount_points_among(&asked)?;
+    report.volumes = records
+        .into_iter()
+        .zip(points)
+        .zip(answers.chunks(2))
+        .map(|(((plugin, _, rec), [target, _]), mounted)| {
+            volume_status(plugin, target, mounted[0], mounted[1], rec)
+        })
+        .collect();
     Ok(report)
 }
 
-/// A volume's status from its record and the mount points in the table.
+/// A volume's status from its record and whether its mount point (`target`) and its staging
+/// path are mount points.
 fn volume_status(
-    plugin: &str,
-    layout: &Layout,
-    mounted: &HashSet<PathBuf>,
+    plugin: String,
+    target: PathBuf,
+    is_mounted: bool,
+    staged: bool,
     rec: VolumeRecord,
 ) -> VolumeStatus {
-    let target = layout.target_path(&rec.volume_id);
-    let is_mounted = mounted.contains(&target);
-    let staged = mounted.contains(&layout.staging_path(&rec.volume_id));
     VolumeStatus {
-        plugin: plugin.to_string(),
+        plugin,
         disagreement: disagreement(&rec, is_mounted),
         volume_id: rec.volume_id,
         name: rec.name,
@@ -193,104 +268,6 @@ fn volume_status(
         content_source: rec.content_source,
         expansion: rec.expansion,
         fenced: rec.fenced,
-    }
-}
-
-/// What one directory of `volumes/` holds, as `status` reads it.
-#[derive(Debug, PartialEq)]
-struct FoundDir {
-    /// The directory's name (the encoded volume id).
-    dir_name: String,
-    /// Its state files set aside by an earlier recovery.
-    set_aside: Vec<PathBuf>,
-    /// Its state: the journal's last entry, else its `volume.state`'s bytes, or why they cannot
-    /// be read; `None`: neither (or the journal removed it).
-    state: Option<Result<Vec<u8>, String>>,
-}
-
-/// Volume directories per thread below which one thread reads them all.
-const DIRS_PER_THREAD: usize = 1024;
-/// At most this many threads read volume directories.
-const MAX_READ_THREADS: usize = 4;
-
-/// Every directory of `volumes` and every volume only the journal knows yet (it has no
-/// directory), by directory name, read with `journaled` over the state files. A node's
-/// thousands of directories are read by a few threads at once, each a contiguous run of the
-/// sorted names, so the answer's order is the names' order.
-fn read_volume_dirs(volumes: &Path, journaled: &checkpoint::Journaled) -> Vec<FoundDir> {
-    let mut names: BTreeSet<String> = std::fs::read_dir(volumes)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
-    names.extend(journaled.keys().cloned());
-    let names: Vec<String> = names.into_iter().collect();
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_READ_THREADS)
-        .min(names.len().div_ceil(DIRS_PER_THREAD))
-        .max(1);
-    let read = |part: &[String]| -> Vec<FoundDir> {
-        part.iter()
-            .map(|name| read_volume_dir(volumes, name, journaled.get(name).map(|(_, s)| s)))
-            .collect()
-    };
-    if threads == 1 {
-        return read(&names);
-    }
-    let chunk = names.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let parts: Vec<_> = names
-            .chunks(chunk)
-            .map(|part| scope.spawn(move || read(part)))
-            .collect();
-        parts
-            .into_iter()
-            .flat_map(|p| p.join().expect("reading a volume directory does not panic"))
-            .collect()
-    })
-}
-
-/// One volume directory: one listing (its set-aside files, whether it has a state file), then
-/// the state file's read unless the journal covers it (`journaled`: the journal's last entry).
-fn read_volume_dir(
-    volumes: &Path,
-    dir_name: &str,
-    journaled: Option<&Option<Vec<u8>>>,
-) -> FoundDir {
-    let dir = volumes.join(dir_name);
-    let corrupt_prefix = format!("{STATE_FILE}.corrupt-");
-    let mut set_aside = Vec::new();
-    let mut has_state = None;
-    if let Ok(entries) = std::fs::read_dir(&dir) {
-        let mut found = false;
-        for e in entries.flatten() {
-            let name = e.file_name();
-            if name == STATE_FILE {
-                found = true;
-            } else if name.to_string_lossy().starts_with(&corrupt_prefix) {
-                set_aside.push(e.path());
-            }
-        }
-        has_state = Some(found);
-    }
-    set_aside.sort();
-    let state = match (journaled, has_state) {
-        (Some(entry), _) => entry.clone().map(Ok),
-        // Listed without a state file: nothing to read.
-        (None, Some(false)) => None,
-        // Listed with one, or not listable (the read says why).
-        (None, _) => match std::fs::read(dir.join(STATE_FILE)) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-            Err(e) => Some(Err(e.to_string())),
-            Ok(bytes) => Some(Ok(bytes)),
-        },
-    };
-    FoundDir {
-        dir_name: dir_name.to_string(),
-        set_aside,
-        state,
     }
 }
 
@@ -422,7 +399,9 @@ mod tests {
         use crate::durable::journal::{encode, header};
         let dir = tempfile::tempdir().unwrap();
         let layout = Layout::new(dir.path(), "t", "n");
-        let n = 3 * DIRS_PER_THREAD + 7;
+        // Lowered so that a few dozen directories take several threads, as thousands do.
+        let per_thread = 8;
+        let n = 3 * per_thread + 7;
         let id = |i: usize| format!("v{i:05}");
         for i in 0..n {
             let p = layout.state_file(&id(i));
@@ -446,7 +425,11 @@ mod tests {
             encode(seq as u64 + 1, &e.encode(), &mut j);
         }
         std::fs::write(layout.base().join(checkpoint::JOURNAL_FILE), &j).unwrap();
-        let report = scan(dir.path(), &FakeSyscall::new()).unwrap();
+        let how = ScanOptions {
+            use_summary: false,
+            dirs_per_thread: per_thread,
+        };
+        let report = scan_with(dir.path(), &FakeSyscall::new(), how).unwrap();
         let want: Vec<String> = (0..n)
             .filter(|&i| i != 5 && i != 7)
             .map(id)
