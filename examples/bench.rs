@@ -19,6 +19,8 @@
 //!    serve's restart after SIGKILL, and each figure's growth
 //!    (`--node-scale-only`: this section alone);
 //!
+//! (`--burst-only`: section 4 alone.)
+//!
 //! and the targets with PASS or MISS. Everything lives in one unique temp
 //! dir that is unmounted and removed at the end, on error and on Ctrl-C.
 //! It needs root (mounts, mount namespaces).
@@ -110,6 +112,9 @@ struct Args {
     /// Run section 7 alone.
     #[arg(long)]
     node_scale_only: bool,
+    /// Run section 4 (the concurrent launches) alone.
+    #[arg(long, conflicts_with = "node_scale_only")]
+    burst_only: bool,
     /// Internal: be the serve-like child holding N volumes.
     #[arg(long, hide = true)]
     hold: Option<usize>,
@@ -135,6 +140,8 @@ struct Plan {
     node_scale: Vec<(usize, &'static str)>,
     /// Section 7 alone.
     node_scale_only: bool,
+    /// Section 4 alone.
+    burst_only: bool,
 }
 
 impl Plan {
@@ -152,7 +159,7 @@ impl Plan {
             node_scale.extend([(looped.min(1000), "loop"), (looped, "loop")]);
         }
         node_scale.dedup();
-        let node_scale_only = args.node_scale_only;
+        let (node_scale_only, burst_only) = (args.node_scale_only, args.burst_only);
         if quick {
             Plan {
                 name: "quick",
@@ -165,6 +172,7 @@ impl Plan {
                 scale: scale.unwrap_or(2000),
                 node_scale,
                 node_scale_only,
+                burst_only,
             }
         } else {
             Plan {
@@ -178,6 +186,7 @@ impl Plan {
                 scale: scale.unwrap_or(10_000),
                 node_scale,
                 node_scale_only,
+                burst_only,
             }
         }
     }
@@ -488,6 +497,26 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         println!("{rule}\n{header}\n{rule}");
         let mut targets = Vec::new();
         scale::print(&node, &mut targets);
+        print_targets(plan, &targets, started.elapsed());
+        println!("{rule}");
+        return Ok(());
+    }
+
+    if plan.burst_only {
+        let provider =
+            start_provider(plugin, &work, "cold", UnpublishPolicy::LastUse, sandbox).await?;
+        progress(&format!(
+            "creating {} volumes (not timed)",
+            plan.max_containers()
+        ));
+        let pool = create_pool(&provider, "vol", plan.max_containers()).await?;
+        progress("[4/7] concurrent containers through the isolator");
+        let conc = measure_concurrency(plan, &provider, &pool, &work, sandbox).await?;
+        stop_provider(&provider, sandbox).await;
+        let rule = "-".repeat(112);
+        println!("{rule}\n{header}\n{rule}");
+        let mut targets = Vec::new();
+        print_concurrency(&conc, &mut targets);
         print_targets(plan, &targets, started.elapsed());
         println!("{rule}");
         return Ok(());
@@ -1107,7 +1136,72 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
         ));
     }
 
-    println!("\n4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
+    println!();
+    print_concurrency(conc, &mut targets);
+
+    let mib = |kib: u64| kib as f64 / 1024.0;
+    println!(
+        "\n5. SERVE-LIKE PROCESS holding {} published volumes (child process: provider in process, managed plugin; own mount namespace)",
+        held.volumes
+    );
+    println!(
+        "  setup: {} creates + publishes (16 at a time) in {:.1} s; mount table then {} lines",
+        held.volumes,
+        held.setup_ms / 1e3,
+        held.mounts
+    );
+    let rss_ok = mib(held.vm_rss_kib) < 50.0;
+    println!(
+        "  VmRSS {:.1} MiB (peak VmHWM {:.1} MiB); plugin VmRSS {:.1} MiB   target < 50 MiB: {}",
+        mib(held.vm_rss_kib),
+        mib(held.vm_hwm_kib),
+        mib(held.plugin_rss_kib),
+        verdict(rss_ok)
+    );
+    let us = |v: f64| fmt_dur(Duration::from_secs_f64(v / 1e6));
+    println!(
+        "  status scan (provider::status::scan, {} volumes mounted): p50 {}  p99 {}  (50 runs)",
+        held.scan_volumes,
+        us(held.scan_p50_us),
+        us(held.scan_p99_us)
+    );
+    println!(
+        "  with all {} in use: publish() new user p50 {} p99 {}; publish_for_container() (ensure-all) p50 {} p99 {}  (20 runs)",
+        held.volumes,
+        us(held.publish_p50_us),
+        us(held.publish_p99_us),
+        us(held.pfc_p50_us),
+        us(held.pfc_p99_us)
+    );
+    targets.push((
+        format!("{} published volumes under 50 MiB RSS", held.volumes),
+        format!("{:.1} MiB", mib(held.vm_rss_kib)),
+        rss_ok,
+    ));
+    match served {
+        Ok(s) => println!(
+            "  optional, real `csi-isolator serve` ({} volumes created + prepared via its socket in {:.1} s): \
+             VmRSS {:.1} MiB (VmHWM {:.1} MiB)",
+            s.volumes,
+            s.setup.as_secs_f64(),
+            mib(s.vm_rss_kib),
+            mib(s.vm_hwm_kib)
+        ),
+        Err(e) => println!("  optional `csi-isolator serve`: not measured ({e})"),
+    }
+    if held.volumes < 1000 {
+        println!("  (fewer than the 1,000 volumes of the target: --hold-volumes)");
+    }
+    print_ensure_all(held, scaled.as_ref(), &mut targets);
+    backing::print(backing_report, &mut targets);
+    scale::print(node, &mut targets);
+    print_targets(plan, &targets, elapsed);
+    println!("{rule}");
+}
+
+/// Section 4's table and its targets.
+fn print_concurrency(conc: &[ConcRow], targets: &mut Vec<(String, String, bool)>) {
+    println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
     println!(
         "  {:<12} {:>4} {:>9} {:>11} {:>9} {:>9} {:>13} {:>20} {:>7}",
         "containers",
@@ -1177,65 +1271,6 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
             r >= 1.0,
         ));
     }
-
-    let mib = |kib: u64| kib as f64 / 1024.0;
-    println!(
-        "\n5. SERVE-LIKE PROCESS holding {} published volumes (child process: provider in process, managed plugin; own mount namespace)",
-        held.volumes
-    );
-    println!(
-        "  setup: {} creates + publishes (16 at a time) in {:.1} s; mount table then {} lines",
-        held.volumes,
-        held.setup_ms / 1e3,
-        held.mounts
-    );
-    let rss_ok = mib(held.vm_rss_kib) < 50.0;
-    println!(
-        "  VmRSS {:.1} MiB (peak VmHWM {:.1} MiB); plugin VmRSS {:.1} MiB   target < 50 MiB: {}",
-        mib(held.vm_rss_kib),
-        mib(held.vm_hwm_kib),
-        mib(held.plugin_rss_kib),
-        verdict(rss_ok)
-    );
-    let us = |v: f64| fmt_dur(Duration::from_secs_f64(v / 1e6));
-    println!(
-        "  status scan (provider::status::scan, {} volumes mounted): p50 {}  p99 {}  (50 runs)",
-        held.scan_volumes,
-        us(held.scan_p50_us),
-        us(held.scan_p99_us)
-    );
-    println!(
-        "  with all {} in use: publish() new user p50 {} p99 {}; publish_for_container() (ensure-all) p50 {} p99 {}  (20 runs)",
-        held.volumes,
-        us(held.publish_p50_us),
-        us(held.publish_p99_us),
-        us(held.pfc_p50_us),
-        us(held.pfc_p99_us)
-    );
-    targets.push((
-        format!("{} published volumes under 50 MiB RSS", held.volumes),
-        format!("{:.1} MiB", mib(held.vm_rss_kib)),
-        rss_ok,
-    ));
-    match served {
-        Ok(s) => println!(
-            "  optional, real `csi-isolator serve` ({} volumes created + prepared via its socket in {:.1} s): \
-             VmRSS {:.1} MiB (VmHWM {:.1} MiB)",
-            s.volumes,
-            s.setup.as_secs_f64(),
-            mib(s.vm_rss_kib),
-            mib(s.vm_hwm_kib)
-        ),
-        Err(e) => println!("  optional `csi-isolator serve`: not measured ({e})"),
-    }
-    if held.volumes < 1000 {
-        println!("  (fewer than the 1,000 volumes of the target: --hold-volumes)");
-    }
-    print_ensure_all(held, scaled.as_ref(), &mut targets);
-    backing::print(backing_report, &mut targets);
-    scale::print(node, &mut targets);
-    print_targets(plan, &targets, elapsed);
-    println!("{rule}");
 }
 
 fn print_targets(plan: &Plan, targets: &[(String, String, bool)], elapsed: Duration) {

@@ -712,7 +712,7 @@ impl Plugin {
                 record
                     .published_nodes
                     .insert(req.node_id.clone(), publication);
-                self.save(RPC, &record)?;
+                self.save_use(RPC, &record)?;
             }
         }
         Ok(proto::ControllerPublishVolumeResponse {
@@ -745,7 +745,7 @@ impl Plugin {
             record.published_nodes.remove(&req.node_id);
         }
         if record.published_nodes.len() != before {
-            self.save(RPC, &record)?;
+            self.save_use(RPC, &record)?;
         }
         Ok(proto::ControllerUnpublishVolumeResponse {})
     }

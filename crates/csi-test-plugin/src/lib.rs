@@ -661,13 +661,30 @@ impl Plugin {
     }
 
     pub(crate) fn save(&self, rpc: &'static str, record: &VolumeRecord) -> Result<(), PluginError> {
-        self.store
-            .save(record)
-            .map_err(|source| PluginError::Store {
-                rpc,
-                volume_id: record.id.clone(),
-                source,
-            })
+        Self::stored(rpc, record, self.store.save(record))
+    }
+
+    /// Durably records a known volume's change of use (ControllerPublish, NodeStage,
+    /// NodePublish and their reverses) in the store's use journal, whose appends share their
+    /// syncs ([`store::Store::save_use`]).
+    pub(crate) fn save_use(
+        &self,
+        rpc: &'static str,
+        record: &VolumeRecord,
+    ) -> Result<(), PluginError> {
+        Self::stored(rpc, record, self.store.save_use(record))
+    }
+
+    fn stored(
+        rpc: &'static str,
+        record: &VolumeRecord,
+        saved: Result<(), StoreError>,
+    ) -> Result<(), PluginError> {
+        saved.map_err(|source| PluginError::Store {
+            rpc,
+            volume_id: record.id.clone(),
+            source,
+        })
     }
 }
 
@@ -711,10 +728,16 @@ impl PluginService {
     /// Opens the plugin's store under the configured work dir.
     pub fn new(mut config: PluginConfig) -> Result<PluginService, PluginError> {
         multinode::check_config(&mut config)?;
-        let store = Store::open(&config.work_dir).map_err(|source| PluginError::OpenStore {
-            path: config.work_dir.clone(),
-            source,
-        })?;
+        // A controller's record files are read by node plugins: written through.
+        let writes = match config.mode {
+            PluginMode::Controller => store::Writes::Through,
+            PluginMode::Both | PluginMode::Node => store::Writes::Journaled,
+        };
+        let store =
+            Store::open(&config.work_dir, writes).map_err(|source| PluginError::OpenStore {
+                path: config.work_dir.clone(),
+                source,
+            })?;
         let faults = Faults::new(
             config.faults.clone(),
             config.faults_file.clone(),

@@ -201,7 +201,7 @@ impl Plugin {
             Some(_) => Ok(()),
             None => {
                 uses(record).insert(key.to_string(), cap);
-                self.save(rpc, record)
+                self.save_use(rpc, record)
             }
         }
     }
@@ -345,7 +345,7 @@ impl Plugin {
                     .map_err(err())?;
                 give_group(RPC, &record.id, &staged, group, readonly)?;
                 record.staged.insert(req.staging_target_path.clone(), cap);
-                self.save(RPC, &record)?;
+                self.save_use(RPC, &record)?;
                 tracing::info!(volume_id = %record.id, staging = %staging.display(), readonly, "volume staged");
                 Ok(proto::NodeStageVolumeResponse {})
             }
@@ -402,7 +402,7 @@ impl Plugin {
             }
         }
         if record.staged.remove(&req.staging_target_path).is_some() {
-            self.save(RPC, &record)?;
+            self.save_use(RPC, &record)?;
         }
         self.forget_if_unused(RPC, &record)?;
         Ok(proto::NodeUnstageVolumeResponse {})
@@ -496,7 +496,7 @@ impl Plugin {
                     .map_err(err())?;
                 give_group(RPC, &record.id, &target, group, readonly)?;
                 record.published.insert(req.target_path.clone(), cap);
-                self.save(RPC, &record)?;
+                self.save_use(RPC, &record)?;
                 tracing::info!(volume_id = %record.id, target = %target.display(), readonly, "volume published");
                 Ok(proto::NodePublishVolumeResponse {})
             }
@@ -530,7 +530,7 @@ impl Plugin {
         }
         self.backing.unpublish(&dir, &target).map_err(err())?;
         if record.published.remove(&req.target_path).is_some() {
-            self.save(RPC, &record)?;
+            self.save_use(RPC, &record)?;
         }
         self.forget_if_unused(RPC, &record)?;
         Ok(proto::NodeUnpublishVolumeResponse {})
