@@ -318,9 +318,8 @@ impl VolumeEntry {
     }
 }
 
-/// The state files as a journal leaves them, by volume directory name: the volume id and the
-/// bytes (`None`: removed).
-pub type Journaled = BTreeMap<String, (String, Option<Vec<u8>>)>;
+/// The state files as a journal leaves them (defined beside the summary, which reads them).
+pub use crate::provider::summary::Journaled;
 
 /// The journal's entries replayed over the state files found (pure): the last entry of a
 /// volume wins, a removal removes it, whatever its file held (a write-back cut by a power

@@ -52,8 +52,12 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::Path;
 
 use crate::durable::journal::crc32c;
-use crate::provider::checkpoint::Journaled;
 use crate::resource::STATE_FILE;
+
+/// The state files as a journal leaves them, by volume directory name: the volume id and the
+/// bytes (`None`: removed). The provider's journal (`checkpoint`) builds it; the summary and
+/// recovery read it.
+pub type Journaled = BTreeMap<String, (String, Option<Vec<u8>>)>;
 
 /// The summary's file name, beside `volumes/` and `journal` under `csi/<type>/<name>/`.
 pub const SUMMARY_FILE: &str = "volumes.summary";
