@@ -673,6 +673,7 @@ fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
     use std::os::unix::process::ExitStatusExt;
     require_root();
     let mut point = 1;
+    let mut fence_durable_from = None;
     loop {
         let sb = Sandbox::new(&format!("two-nodes-detach-crash-{point}"));
         let mut cl = Cluster::start_with(&sb, &["--backing", "dir"]);
@@ -697,13 +698,34 @@ fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
             "point {point}: {}",
             text(&out.stderr)
         );
-        // The fence is durable from the first point on: the rerun needs no --force.
+        // The first points are the journal's settling (write-back, the summary's removal), before
+        // the fence: a rerun is refused without --force there, as before the first run, and
+        // fences nothing. From the fence's write on, the fence is durable: the rerun needs no
+        // --force, at that point and at every later one.
         let out = detach(&cl, &x_work, &id, "node-x", &[]);
-        assert!(
-            out.status.success(),
-            "rerun after point {point}: {}",
-            text(&out.stderr)
-        );
+        if out.status.success() {
+            fence_durable_from.get_or_insert(point);
+        } else {
+            assert!(
+                fence_durable_from.is_none(),
+                "rerun after point {point} refused, yet the fence was durable after point {:?}: {}",
+                fence_durable_from,
+                text(&out.stderr)
+            );
+            assert!(
+                text(&out.stderr).contains("give --force"),
+                "rerun after point {point}: {}",
+                text(&out.stderr)
+            );
+            let rec = status_of(&cl.x, &id);
+            assert!(rec["fenced"].is_null(), "point {point}: {rec}");
+            let out = detach(&cl, &x_work, &id, "node-x", &["--force"]);
+            assert!(
+                out.status.success(),
+                "forced rerun after point {point}: {}",
+                text(&out.stderr)
+            );
+        }
         let rec = status_of(&cl.x, &id);
         assert_eq!(rec["fenced"]["unpublished"], true, "point {point}: {rec}");
         assert!(cl.published_nodes(&id).is_empty(), "point {point}");
@@ -719,6 +741,10 @@ fn a_detach_killed_at_each_crash_point_is_finished_by_a_rerun() {
         clean_up(&sb, &cl);
         if !crashed {
             assert!(point > 3, "three crash points at least, got {}", point - 1);
+            assert!(
+                fence_durable_from.is_some_and(|p| p < point),
+                "no crash point left the fence durable: {fence_durable_from:?}"
+            );
             break;
         }
         point += 1;
