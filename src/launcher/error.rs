@@ -276,8 +276,8 @@ pub enum LaunchError {
         /// The kernel's answer.
         errno: Errno,
     },
-    /// fork failed.
-    #[error("fork {program:?}: {errno}")]
+    /// Starting the child (its stack's mapping or the clone) failed.
+    #[error("start {program:?} (clone): {errno}")]
     Fork {
         /// The program.
         program: OsString,

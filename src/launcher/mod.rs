@@ -15,9 +15,9 @@
 //! is the launcher's plus [`LaunchSpec::env`]; the program is looked up in that environment's `PATH` (inside
 //! the rootfs, if any) the way `execvp` does (without its `/bin/sh` fallback for `ENOEXEC`).
 //!
-//! # Design: build the namespace on a thread, fork from that thread
-//! The parent is a multi-threaded tokio process. A child forked from it may only do async-signal-safe work
-//! until exec: another thread may have held the allocator's or any other lock at the moment of the fork.
+//! # Design: build the namespace on a thread, start the child from that thread
+//! The parent is a multi-threaded tokio process. A child started from it may only do async-signal-safe work
+//! until exec: another thread may have held the allocator's or any other lock at the moment of the clone.
 //! Yet resolving targets by fd and reporting useful errors allocates. And the resolution cannot simply be
 //! done in the parent and handed over as O_PATH fds: an fd opened in the host namespace names a *host*
 //! mount, and after the child's `unshare(CLONE_NEWNS)` the kernel refuses to attach onto a mount of another
@@ -46,12 +46,17 @@
 //! 6. With a rootfs: `pivot_root(".", ".")` from inside it and a lazy unmount of the old root. pivot_root
 //!    moves the root of every task whose root was the old one *in this namespace*: only this thread.
 //! 7. With a pid namespace: `unshare(CLONE_NEWPID)`, so the next child of this thread is pid 1 there.
-//! 8. fork, from this thread. The child inherits this thread's namespaces, root and cwd. It runs only
-//!    [`exec`]'s child code: reset the signal mask and SIGPIPE, mount a new proc on the prepared fd (it must
-//!    be the child, as proc shows the pid namespace of whoever mounts it), `fchdir` to the prepared cwd fd,
-//!    `execve` each PATH candidate prepared before the fork. Every C string, pointer array and fd was
-//!    prepared before the fork; the child allocates nothing and takes no lock. A failure is written as a
-//!    fixed-size (step, errno) record to a close-on-exec pipe; the thread reads EOF on a successful exec.
+//! 8. The child started from this thread with `clone(CLONE_VM | CLONE_VFORK)` ([`exec::spawn`], the way
+//!    `posix_spawn` starts one: no page table is copied, where a `fork` of a daemon holding thousands of
+//!    volumes copied them all on every launch), every signal blocked in this thread across the clone. The
+//!    child inherits this thread's namespaces, root and cwd, and runs in the process's memory on a stack of
+//!    its own while this thread is suspended until it has exec'd or exited. It runs only [`exec`]'s child
+//!    code: reset the handled signals to their default, the signal mask and SIGPIPE, mount a new proc on the
+//!    prepared fd (it must be the child, as proc shows the pid namespace of whoever mounts it), `fchdir` to
+//!    the prepared cwd fd, `execve` each PATH candidate prepared before the clone. Every C string, pointer
+//!    array and fd was prepared before; the child allocates nothing, takes no lock and writes to no memory
+//!    but its own stack. A failure is written as a fixed-size (step, errno) record to a close-on-exec pipe;
+//!    the thread reads EOF on a successful exec.
 //!
 //! The thread then ends; the namespace lives on with the workload and vanishes with it, or with the
 //! thread if a step failed first. The process's other threads never changed namespace.
@@ -108,11 +113,11 @@ pub struct Credentials {
 }
 
 /// Starts `spec`'s workload (see the module doc) and returns once it has exec'd with all mounts in place,
-/// every mount-related call made through `sys` (the forked child's own `/proc` mount excepted: it is made
+/// every mount-related call made through `sys` (the child's own `/proc` mount excepted: it is made
 /// with async-signal-safe raw calls). Blocking: async callers use `spawn_blocking`.
 #[tracing::instrument(skip(sys, spec), fields(program = ?spec.argv.first(), sandbox = %spec.sandbox.display(), rootfs = ?spec.rootfs, mounts = spec.mounts.len(), pid_namespace = spec.pid_namespace))]
 pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchError> {
-    // Everything the forked child will need, built here, long before the fork.
+    // Everything the child will need, built here, long before the clone.
     let plan = exec::ExecPlan::new(&spec.argv, std::env::vars_os(), &spec.env, spec.user)?;
     setup::check_roots(spec)?;
     // A rootfs given through a symlink is resolved once, here: every later step (the self-bind, the sandbox
@@ -131,7 +136,7 @@ pub fn launch(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<Launched, LaunchEr
     let launched = std::thread::scope(|scope| {
         let handle = std::thread::Builder::new()
             .name("csi-launcher".to_string())
-            .spawn_scoped(scope, || setup::build_and_fork(sys, spec, &plan))
+            .spawn_scoped(scope, || setup::build_and_start(sys, spec, &plan))
             .map_err(|source| LaunchError::SpawnThread { source })?;
         handle.join().map_err(|_| LaunchError::ThreadPanicked)?
     })?;

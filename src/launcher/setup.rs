@@ -1,4 +1,4 @@
-//! The launcher thread: builds the container's mount namespace on a dedicated thread, then forks the
+//! The launcher thread: builds the container's mount namespace on a dedicated thread, then starts the
 //! workload from that thread (see the module doc of [`super`] for why).
 
 use std::ffi::OsString;
@@ -480,8 +480,8 @@ pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
 }
 
 /// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
-/// allocate, except the forked child (see [`exec::run_child`]).
-pub(super) fn build_and_fork(
+/// allocate, except the child (see [`exec::run_child`]).
+pub(super) fn build_and_start(
     sys: &dyn Syscall,
     spec: &LaunchSpec,
     plan: &ExecPlan,
@@ -623,7 +623,7 @@ pub(super) fn build_and_fork(
             errno,
         })?;
     }
-    fork_exec(plan, proc_dir, cwd, cwd_shown)
+    start_and_wait(plan, proc_dir, cwd, cwd_shown)
 }
 
 /// pivot_root into the (self-bound) rootfs, the way pivot_root(2) suggests: change into it,
@@ -650,9 +650,9 @@ fn pivot(sys: &dyn Syscall, rootfs: &Path) -> Result<(), LaunchError> {
     })
 }
 
-/// Forks the workload from this thread and waits until it has exec'd (the status pipe closes) or reported
+/// Starts the workload from this thread ([`exec::spawn`]) and waits until it has exec'd (the status pipe closes) or reported
 /// why it could not.
-fn fork_exec(
+fn start_and_wait(
     plan: &ExecPlan,
     proc_dir: Option<OwnedFd>,
     cwd: OwnedFd,
@@ -662,19 +662,13 @@ fn fork_exec(
         nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|errno| LaunchError::Pipe { errno })?;
     let child_plan = ChildPlan::new(plan, proc_dir, cwd, write_end);
 
-    // SAFETY: fork in a multi-threaded process: the child only runs exec::run_child, which makes raw,
-    // async-signal-safe syscalls on data prepared above (no allocation, no locks) and ends in execve or
-    // _exit.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(LaunchError::Fork {
-            program: OsString::from(plan.program()),
-            errno: Errno::last(),
-        });
-    }
-    if pid == 0 {
-        exec::run_child(&child_plan);
-    }
+    // The child only runs exec::run_child, which makes raw, async-signal-safe syscalls on data
+    // prepared above (no allocation, no locks) and ends in execve or _exit; spawn returns once it
+    // has.
+    let pid = exec::spawn(&child_plan).map_err(|errno| LaunchError::Fork {
+        program: OsString::from(plan.program()),
+        errno,
+    })?;
     let pid = Pid::from_raw(pid);
     drop(child_plan);
 
