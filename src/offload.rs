@@ -1,7 +1,9 @@
 //! Blocking work off the async workers: [`blocking`], used by the provider and the isolator for
 //! every step that fsyncs, calls a mount syscall, reads the mount table or `/proc`, or sleeps
 //! between EBUSY retries, and [`blocking_each`], the same for one small step on each of many
-//! items (a recovery's checks of every volume) in a few trips. Imports nothing from the crate.
+//! items (a recovery's checks of every volume) in a few trips, and [`scoped_each`], its
+//! synchronous sibling for a command's own threads (`status` reading and parsing thousands of
+//! records). Imports nothing from the crate.
 
 /// Runs blocking work (a checkpoint's fsyncs, a mount syscall, a statx, a
 /// read of the mount table or of a directory, an EBUSY retry's sleep) on
@@ -79,9 +81,82 @@ where
         .collect()
 }
 
+/// The most threads [`scoped_each`] starts.
+const MAX_SCOPED_THREADS: usize = 4;
+
+/// `work` of each of `items`, answered in the items' order, on up to [`MAX_SCOPED_THREADS`]
+/// scoped threads (no more than the CPUs), each a consecutive run of at least `min_per_thread`
+/// items ([`trips`]); on the calling thread alone when there are fewer. For a synchronous
+/// caller with thousands of small independent steps (`status`: a statx, a read, a parse each).
+/// A panic in the work is resumed in the caller.
+pub(crate) fn scoped_each<T, R, F>(items: Vec<T>, min_per_thread: usize, work: F) -> Vec<R>
+where
+    T: Send,
+    R: Send,
+    F: Fn(T) -> R + Sync,
+{
+    scoped_runs(items, min_per_thread, |run| {
+        run.into_iter().map(&work).collect()
+    })
+}
+
+/// [`scoped_each`] for work that wants its items a run at a time (to keep something open
+/// across a run: a directory the items' paths are relative to): `work` gets each run and
+/// answers one result per item, in order.
+pub(crate) fn scoped_runs<T, R, F>(items: Vec<T>, min_per_thread: usize, work: F) -> Vec<R>
+where
+    T: Send,
+    R: Send,
+    F: Fn(Vec<T>) -> Vec<R> + Sync,
+{
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let runs = trips(items.len(), min_per_thread, MAX_SCOPED_THREADS.min(cpus));
+    if runs.len() <= 1 {
+        return work(items);
+    }
+    let mut items = items.into_iter();
+    let work = &work;
+    std::thread::scope(|scope| {
+        let running: Vec<_> = runs
+            .into_iter()
+            .map(|range| {
+                let run: Vec<T> = items.by_ref().take(range.len()).collect();
+                scope.spawn(move || work(run))
+            })
+            .collect();
+        running
+            .into_iter()
+            .flat_map(|thread| match thread.join() {
+                Ok(answers) => answers,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn scoped_items_are_worked_once_in_order_across_threads() {
+        for (len, min) in [(0, 4), (1, 4), (7, 4), (1000, 8), (10_001, 128)] {
+            let items: Vec<usize> = (0..len).collect();
+            let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+            let got = scoped_each(items, min, |i| {
+                threads.lock().unwrap().insert(std::thread::current().id());
+                i * 2
+            });
+            assert_eq!(got, (0..len).map(|i| i * 2).collect::<Vec<_>>(), "{len}");
+            let used = threads.into_inner().unwrap().len();
+            let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let want = trips(len, min, MAX_SCOPED_THREADS.min(cpus)).len().max(1);
+            assert!(
+                len == 0 || used == want,
+                "{len} items: {used} threads, want {want}"
+            );
+        }
+    }
 
     #[test]
     fn items_are_cut_into_few_even_trips_in_order() {

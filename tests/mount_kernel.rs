@@ -134,6 +134,49 @@ fn bind_mount_and_readonly_remount() {
     sb.assert_clean();
 }
 
+/// `status` asks about thousands of mount points at once: the statx answers, given by a few
+/// threads a run of paths each, are the table's, in the paths' order.
+#[test]
+fn thousands_of_mount_points_are_answered_as_the_table_says() {
+    let sb = Sandbox::new();
+    let sys = LinuxSyscall;
+    let src = sb.mkdir("src");
+    // Two providers' `mounts/`, 2,500 volumes each, a target and a staging path per volume
+    // (10,000 paths: several runs); a few of them bind-mounted, spread over every run.
+    let mut paths = Vec::new();
+    for provider in ["a", "b"] {
+        for i in 0..2500 {
+            for leaf in ["target", "staging"] {
+                paths.push(sb.mkdir(&format!("{provider}/mounts/v{i:04}/{leaf}")));
+            }
+        }
+    }
+    let mounted: Vec<usize> = (0..paths.len()).step_by(997).collect();
+    for &i in &mounted {
+        sys.bind_mount(&src, &paths[i], false).unwrap();
+    }
+    // One that does not exist, one that is not a mount point's parent: both false.
+    paths.push(sb.path.join("a/mounts/gone/target"));
+    let asked: Vec<&Path> = paths.iter().map(PathBuf::as_path).collect();
+    let table = ProcMountTable::new();
+    let answers = table.mount_points_among(&asked).unwrap();
+    let expected: Vec<bool> = (0..asked.len()).map(|i| mounted.contains(&i)).collect();
+    assert_eq!(answers, expected);
+    // The same as the default answer from the whole table.
+    let listed: std::collections::HashSet<PathBuf> = table
+        .mounts()
+        .unwrap()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .collect();
+    let from_table: Vec<bool> = asked.iter().map(|p| listed.contains(*p)).collect();
+    assert_eq!(answers, from_table);
+    for &i in &mounted {
+        sys.unmount(&paths[i], false).unwrap();
+    }
+    sb.assert_clean();
+}
+
 #[test]
 fn readonly_remount_keeps_locked_flags() {
     let sb = Sandbox::new();

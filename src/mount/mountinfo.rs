@@ -144,6 +144,10 @@ fn mount_points_in(mounts: Vec<MountInfo>, paths: &[&Path]) -> Vec<bool> {
     paths.iter().map(|p| points.contains(*p)).collect()
 }
 
+/// Paths per thread below which [`ProcMountTable::mount_points_among`] asks them all on one
+/// thread (a statx is a few microseconds: a thread costs more below this).
+const STATX_PER_THREAD: usize = 2048;
+
 /// The real mount table of a process, read from `/proc/self/mountinfo` or `/proc/<pid>/mountinfo`.
 #[derive(Clone, Debug, Default)]
 pub struct ProcMountTable {
@@ -196,15 +200,15 @@ impl MountTable for ProcMountTable {
     /// back to the table, once, when the kernel cannot say (before Linux 5.8) or for another
     /// process's table.
     fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
-        let by_statx = || -> Option<Vec<bool>> {
-            if self.pid.is_some() {
-                return None;
-            }
-            // Each asked relative to its grandparent, opened once for a run of paths that share
-            // it (a provider's `mounts/`): a walk of two components, not of the whole path.
+        if self.pid.is_some() {
+            return Ok(mount_points_in(self.mounts()?, paths));
+        }
+        // Each asked relative to its grandparent, opened once for a run of paths that share it
+        // (a provider's `mounts/`): a walk of two components, not of the whole path. Thousands
+        // of paths are asked by a few threads, a run each.
+        let by_statx = |run: Vec<&Path>| -> Vec<Option<bool>> {
             let mut dir: Option<(&Path, std::fs::File)> = None;
-            paths
-                .iter()
+            run.into_iter()
                 .map(|p| {
                     let Some(grand) = p.parent().and_then(Path::parent) else {
                         return statx_mount_root_nosync(None, p);
@@ -222,7 +226,11 @@ impl MountTable for ProcMountTable {
                 })
                 .collect()
         };
-        match by_statx() {
+        let answers: Option<Vec<bool>> =
+            crate::offload::scoped_runs(paths.to_vec(), STATX_PER_THREAD, by_statx)
+                .into_iter()
+                .collect();
+        match answers {
             Some(answers) => Ok(answers),
             None => Ok(mount_points_in(self.mounts()?, paths)),
         }

@@ -183,13 +183,18 @@ pub fn scan_with(
             summary::volume_dirs(&volumes, found_summary, &journaled, how.dirs_per_thread);
         tracing::debug!(plugin = %format!("{plugin_type}/{plugin_name}"), read,
             "volume directories read one by one");
-        for found in found {
+        // The records parsed by a few threads (thousands of JSON documents).
+        let parsed = crate::offload::scoped_each(found, how.dirs_per_thread, |found| {
             let VolumeDir {
                 name,
                 set_aside,
                 state,
                 state_file: _,
             } = found;
+            let rec = state.map(|read| read.and_then(|b| VolumeRecord::from_state_file(&b, &name)));
+            (name, set_aside, rec)
+        });
+        for (name, set_aside, rec) in parsed {
             let dir = volumes.join(&name);
             report
                 .unreadable
@@ -197,10 +202,7 @@ pub fn scan_with(
                     path: dir.join(file),
                     reason: "set aside as corrupt by an earlier recovery".into(),
                 }));
-            let rec = match state {
-                None => continue,
-                Some(read) => read.and_then(|b| VolumeRecord::from_state_file(&b, &name)),
-            };
+            let Some(rec) = rec else { continue };
             match rec {
                 Ok(rec) => records.push((plugin.clone(), layout.clone(), rec)),
                 Err(reason) => report.unreadable.push(UnreadableState {

@@ -73,10 +73,9 @@ const ID_LEN: usize = 48;
 pub const MAX_FILE: u64 = 256 << 20;
 /// The longest directory or file name (NAME_MAX).
 const MAX_NAME: usize = 255;
-/// Volume directories per thread below which one thread reads them all.
+/// Volume directories per thread below which one thread reads them all (at most
+/// [`crate::offload::scoped_each`]'s threads).
 pub const DIRS_PER_THREAD: usize = 1024;
-/// At most this many threads read volume directories.
-const MAX_READ_THREADS: usize = 4;
 
 /// One directory of `volumes/` as `status` reads it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -122,6 +121,19 @@ impl FileId {
             size: meta.size(),
             mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
             ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+
+    /// The identity in `st` (from `fstatat` without following a symlink): the same fields as
+    /// [`FileId::of`].
+    pub fn of_stat(st: &nix::sys::stat::FileStat) -> FileId {
+        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        FileId {
+            dev: st.st_dev,
+            ino: st.st_ino,
+            size: st.st_size as u64,
+            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
+            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
         }
     }
 }
@@ -439,6 +451,8 @@ pub fn volume_dirs(
         by_name.insert(dir.name.clone(), Some(dir));
     }
     let names: Vec<(String, Option<VolumeDir>)> = by_name.into_iter().collect();
+    // The state files' statx relative to `volumes/`, opened once: a walk of two components each.
+    let volumes_fd = std::fs::File::open(volumes).ok();
     let read_one = |(name, known): (String, Option<VolumeDir>)| -> (VolumeDir, bool) {
         let journal = journaled.get(&name).map(|(_, s)| s);
         match (known, journal) {
@@ -449,11 +463,13 @@ pub fn volume_dirs(
                 dir.state_file = None;
                 (dir, false)
             }
-            (Some(dir), None) if still_recorded(volumes, &dir, read_at) => (dir, false),
+            (Some(dir), None) if still_recorded(volumes_fd.as_ref(), volumes, &dir, read_at) => {
+                (dir, false)
+            }
             (_, journal) => (read_volume_dir(volumes, &name, journal), true),
         }
     };
-    let found = in_parallel(names, per_thread, read_one);
+    let found = crate::offload::scoped_each(names, per_thread, read_one);
     let read = found.iter().filter(|(_, read)| *read).count();
     (found.into_iter().map(|(dir, _)| dir).collect(), read)
 }
@@ -461,49 +477,29 @@ pub fn volume_dirs(
 /// Whether the summary's entry `dir` is still what its directory holds: it names a state file
 /// whose identity is unchanged since the summary's reads (one `statx`, no link followed). An
 /// entry without a state file (set-aside files only: rare) is always read again.
-fn still_recorded(volumes: &Path, dir: &VolumeDir, read_at: i128) -> bool {
+fn still_recorded(
+    volumes_fd: Option<&std::fs::File>,
+    volumes: &Path,
+    dir: &VolumeDir,
+    read_at: i128,
+) -> bool {
     let Some(recorded) = &dir.state_file else {
         return false;
     };
-    match std::fs::symlink_metadata(volumes.join(&dir.name).join(STATE_FILE)) {
-        Ok(meta) => unchanged(recorded, &FileId::of(&meta), read_at),
-        Err(_) => false,
-    }
-}
-
-/// `f` of each of `items`, in order, by up to [`MAX_READ_THREADS`] threads of at least
-/// `per_thread` items each (each a contiguous run).
-fn in_parallel<T: Send, U: Send>(
-    mut items: Vec<T>,
-    per_thread: usize,
-    f: impl Fn(T) -> U + Sync,
-) -> Vec<U> {
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(MAX_READ_THREADS)
-        .min(items.len().div_ceil(per_thread.max(1)))
-        .max(1);
-    if threads == 1 {
-        return items.into_iter().map(f).collect();
-    }
-    let chunk = items.len().div_ceil(threads);
-    let mut parts = Vec::with_capacity(threads);
-    while items.len() > chunk {
-        let rest = items.split_off(chunk);
-        parts.push(std::mem::replace(&mut items, rest));
-    }
-    parts.push(items);
-    let f = &f;
-    std::thread::scope(|scope| {
-        let running: Vec<_> = parts
-            .into_iter()
-            .map(|part| scope.spawn(move || part.into_iter().map(f).collect::<Vec<U>>()))
-            .collect();
-        running
-            .into_iter()
-            .flat_map(|p| p.join().expect("reading a volume directory does not panic"))
-            .collect()
-    })
+    let relative = Path::new(&dir.name).join(STATE_FILE);
+    let now = match volumes_fd {
+        Some(fd) => nix::sys::stat::fstatat(
+            fd,
+            relative.as_path(),
+            nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+        )
+        .ok()
+        .map(|st| FileId::of_stat(&st)),
+        None => std::fs::symlink_metadata(volumes.join(&relative))
+            .ok()
+            .map(|meta| FileId::of(&meta)),
+    };
+    now.is_some_and(|now| unchanged(recorded, &now, read_at))
 }
 
 /// One volume directory: one listing (its set-aside files, whether it has a state file), then
