@@ -177,6 +177,42 @@ fn thousands_of_mount_points_are_answered_as_the_table_says() {
     sb.assert_clean();
 }
 
+/// The kernel says whether a mount has children (`listmount`, no table), and a sweep beneath a
+/// volume's mount point trusts it: nothing beneath, nothing read or unmounted; a mount beneath
+/// (as a container's rshared copy leaves), swept, the mount point itself kept.
+#[test]
+fn child_mounts_are_asked_of_the_kernel_and_the_sweep_beneath_follows() {
+    let sb = Sandbox::new();
+    let sys = LinuxSyscall;
+    let src = sb.mkdir("src");
+    let inner = sb.mkdir("src/inner");
+    let other = sb.mkdir("other");
+    let target = sb.mkdir("target");
+    let table = ProcMountTable::new();
+    // Not a mount root: the kernel is not asked.
+    assert_eq!(table.has_child_mounts(&target).unwrap(), None);
+    sys.bind_mount(&src, &target, false).unwrap();
+    assert_eq!(table.has_child_mounts(&target).unwrap(), Some(false));
+    assert_eq!(
+        mount::unmount_all_beneath(&sys, &table, &target).unwrap(),
+        0
+    );
+    sys.bind_mount(&other, &target.join("inner"), false)
+        .unwrap();
+    // A child of a child: the first level says so.
+    sys.bind_mount(&src, &target.join("inner"), false).unwrap();
+    assert_eq!(table.has_child_mounts(&target).unwrap(), Some(true));
+    assert_eq!(table.has_child_mounts(&inner).unwrap(), None);
+    assert_eq!(
+        mount::unmount_all_beneath(&sys, &table, &target).unwrap(),
+        2
+    );
+    assert_eq!(table.has_child_mounts(&target).unwrap(), Some(false));
+    assert!(table.is_mount_point(&target).unwrap());
+    sys.unmount(&target, false).unwrap();
+    sb.assert_clean();
+}
+
 #[test]
 fn readonly_remount_keeps_locked_flags() {
     let sb = Sandbox::new();

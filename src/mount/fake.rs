@@ -823,6 +823,18 @@ impl MountTable for FakeSyscall {
         Ok(self.lock().table.clone())
     }
 
+    /// As the kernel's `listmount` answers: for a mount root, whether any mount lies strictly
+    /// beneath it; for any other path, cannot tell.
+    fn has_child_mounts(&self, path: &Path) -> Result<Option<bool>, MountError> {
+        if self.find(path)?.is_none() {
+            return Ok(None);
+        }
+        let state = self.lock();
+        Ok(Some(state.table.iter().any(|m| {
+            m.mount_point != path && m.mount_point.starts_with(path)
+        })))
+    }
+
     /// The simulated table's mount id stands for the unique id (the fake never reuses one).
     fn check_mount_root(&self, path: &Path) -> Result<crate::mount::RootCheck, MountError> {
         let top = self.find(path)?;

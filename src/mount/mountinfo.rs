@@ -127,6 +127,15 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
         })
     }
 
+    /// Whether anything is mounted beneath the mount rooted at `path` (its child mounts), when
+    /// the implementation can tell without reading the table: `Some(false)` proves that nothing
+    /// is (so a sweep beneath `path` has nothing to do). `None`: it cannot tell (`path` is not a
+    /// mount root, the kernel cannot say, another process's table); the caller reads the table.
+    /// The default cannot tell.
+    fn has_child_mounts(&self, _path: &Path) -> Result<Option<bool>, MountError> {
+        Ok(None)
+    }
+
     /// The topmost mount at `path` (the last one in table order), if any.
     fn find(&self, path: &Path) -> Result<Option<MountInfo>, MountError> {
         Ok(self
@@ -236,6 +245,18 @@ impl MountTable for ProcMountTable {
         }
     }
 
+    /// One statx (the mount's unique id) and one `listmount` asking for one child id (Linux
+    /// 6.8), not the table, which grows with every mount on the node: a volume's unpublish asks
+    /// it, so a burst of launches would otherwise read the table once per container.
+    fn has_child_mounts(&self, path: &Path) -> Result<Option<bool>, MountError> {
+        if self.pid.is_some() {
+            return Ok(None);
+        }
+        Ok(statx_root_check(path)
+            .and_then(|check| check.unique_id)
+            .and_then(has_child_mount_ids))
+    }
+
     /// The same one statx, also asking for the mount's unique id.
     fn check_mount_root(&self, path: &Path) -> Result<RootCheck, MountError> {
         let fallback = || {
@@ -289,6 +310,44 @@ fn statx_root_check(path: &Path) -> Option<RootCheck> {
         }),
         Err(_) => None,
     }
+}
+
+/// `struct mnt_id_req` of `listmount(2)` (include/uapi/linux/mount.h), its first version.
+#[repr(C)]
+struct MntIdReq {
+    size: u32,
+    spare: u32,
+    mnt_id: u64,
+    param: u64,
+}
+
+/// `listmount`'s number: the same on every architecture of the unified syscall table (Linux 6.8).
+const SYS_LISTMOUNT: libc::c_long = 458;
+
+/// Whether the mount with unique id `unique_id` has a child mount in this thread's mount
+/// namespace: `listmount` asked for at most one child id. `None` when the kernel cannot say
+/// (before Linux 6.8: ENOSYS; the mount gone meanwhile: ENOENT).
+fn has_child_mount_ids(unique_id: u64) -> Option<bool> {
+    let req = MntIdReq {
+        size: std::mem::size_of::<MntIdReq>() as u32,
+        spare: 0,
+        mnt_id: unique_id,
+        param: 0,
+    };
+    let mut ids = [0u64; 1];
+    // SAFETY: listmount(const struct mnt_id_req *req, u64 *mnt_ids, size_t nr_mnt_ids,
+    // unsigned int flags): `req` is a live, initialised request of the size it states; `ids` is
+    // a writable array of the one element the call is told it holds.
+    let n = unsafe {
+        libc::syscall(
+            SYS_LISTMOUNT,
+            &req as *const MntIdReq,
+            ids.as_mut_ptr(),
+            ids.len(),
+            0u32,
+        )
+    };
+    (n >= 0).then_some(n > 0)
 }
 
 /// `Some(is a mount root)` from statx, `None` when the kernel cannot say.

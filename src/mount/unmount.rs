@@ -109,6 +109,10 @@ pub fn unmount_all_beneath(
     table: &dyn MountTable,
     prefix: &Path,
 ) -> Result<usize, MountError> {
+    // Nearly always nothing is: asked of the kernel without the table when it can say.
+    if table.has_child_mounts(prefix)? == Some(false) {
+        return Ok(0);
+    }
     sweep(sys, table, prefix, false)
 }
 
@@ -351,5 +355,39 @@ mod tests {
             0
         );
         assert!(fake.calls().is_empty());
+    }
+
+    /// A sweep beneath a mount point that has no child mount asks the table nothing and
+    /// unmounts nothing; one with children sweeps them and leaves the mount point itself.
+    #[test]
+    fn a_sweep_beneath_a_mount_without_children_is_skipped() {
+        let fake = FakeSyscall::new();
+        layout(&fake);
+        assert_eq!(
+            fake.has_child_mounts(Path::new("/w/ab")).unwrap(),
+            Some(false)
+        );
+        assert_eq!(
+            fake.has_child_mounts(Path::new("/w/a")).unwrap(),
+            Some(true)
+        );
+        // Not a mount root: cannot tell.
+        assert_eq!(fake.has_child_mounts(Path::new("/w")).unwrap(), None);
+        fake.clear_calls();
+        assert_eq!(
+            unmount_all_beneath(&fake, &fake, Path::new("/w/ab")).unwrap(),
+            0
+        );
+        assert!(fake.calls().is_empty());
+        // b twice (stacked), c, x.
+        assert_eq!(
+            unmount_all_beneath(&fake, &fake, Path::new("/w/a")).unwrap(),
+            4
+        );
+        assert!(fake.is_mount_point(Path::new("/w/a")).unwrap());
+        assert_eq!(
+            fake.has_child_mounts(Path::new("/w/a")).unwrap(),
+            Some(false)
+        );
     }
 }
