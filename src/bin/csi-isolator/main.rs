@@ -51,8 +51,9 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    // Before any thread exists: the daemons' threads then share few arenas (see the module).
-    csi_isolator::memory::limit_arenas();
+    // Before any thread exists: the daemons' threads then share few arenas, and big transient
+    // blocks go back to the kernel when freed (see the module).
+    csi_isolator::memory::set_up_allocator();
     let cli = Cli::parse();
     init_logging(cli.log_json);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
