@@ -104,7 +104,10 @@ pub async fn run(work_dir: &Path, args: DockerPluginArgs) -> anyhow::Result<Exit
         ..EngineOptions::new(endpoint)
     });
     let shutdown = super::stop_signal()?;
+    // What bursts of work free goes back to the kernel while the daemon runs (ends with it).
+    let give_back = tokio::spawn(csi_isolator::memory::give_back_while_running());
     docker_plugin::run(opts, announce, shutdown).await?;
+    give_back.abort();
     Ok(ExitCode::SUCCESS)
 }
 

@@ -86,7 +86,10 @@ pub async fn run(work_dir: &Path, args: ServeArgs) -> anyhow::Result<ExitCode> {
         ..ServiceLimits::default()
     };
     let shutdown = super::stop_signal()?;
+    // What bursts of work free goes back to the kernel while the daemon runs (ends with it).
+    let give_back = tokio::spawn(csi_isolator::memory::give_back_while_running());
     service::serve(opts, announce, shutdown).await?;
+    give_back.abort();
     Ok(ExitCode::SUCCESS)
 }
 
