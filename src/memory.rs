@@ -53,41 +53,109 @@ pub fn give_back_free_heap() -> bool {
     }
 }
 
-/// How often a daemon looks whether to give free pages back ([`give_back_while_running`]).
-pub const GIVE_BACK_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-/// The growth of the resident size since the last give-back that makes the next one worth its
-/// cost (a walk of the allocator's free lists under its locks: a few ms at 10,000 volumes).
-pub const GIVE_BACK_AFTER_GROWTH_KIB: u64 = 4 * 1024;
+/// How often a daemon looks whether to give free pages back ([`give_back_while_running`]): a
+/// look is one read of `/proc/self/status`; a give-back, only after growth, a few ms.
+pub const GIVE_BACK_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+/// How much more resident memory, or more free heap, since the last give-back makes the next
+/// one worth its cost (a walk of the allocator's free lists under its locks: a few ms at 10,000
+/// volumes).
+pub const GIVE_BACK_AFTER_KIB: u64 = 4 * 1024;
 
-/// Whether to give free pages back now (pure): the resident size `now_kib` grew by at least
-/// `growth_kib` since the last give-back left it at `last_kib` (none yet: always).
-pub fn give_back_due(last_kib: Option<u64>, now_kib: u64, growth_kib: u64) -> bool {
-    last_kib.is_none_or(|last| now_kib >= last.saturating_add(growth_kib))
+/// What a look sees: the resident size and the allocator's free heap (freed blocks it keeps).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizes {
+    /// VmRSS, KiB.
+    pub resident_kib: u64,
+    /// Free bytes in the allocator's heaps (glibc's `mallinfo2().fordblks`), KiB.
+    pub free_kib: u64,
+}
+
+/// What the looks since the last give-back remember: the resident size it left, and the lowest
+/// free heap seen since (a block freed after that lowest point was resident when freed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Since {
+    resident_kib: u64,
+    free_low_kib: u64,
+}
+
+impl Since {
+    /// Right after a give-back that left `sizes`.
+    pub fn given_back(sizes: Sizes) -> Since {
+        Since {
+            resident_kib: sizes.resident_kib,
+            free_low_kib: sizes.free_kib,
+        }
+    }
+}
+
+/// One look's decision (pure): `Ok(())` to give back now; else the memory of the looks so far.
+/// Due with no give-back yet, when the resident size grew by `threshold_kib` since the last one,
+/// or when the free heap rose by `threshold_kib` over its lowest point since (memory freed since,
+/// resident until given back: a burst's buffers, a compaction's summary, a mount table read).
+pub fn give_back_due(since: Option<Since>, now: Sizes, threshold_kib: u64) -> Result<(), Since> {
+    let Some(since) = since else {
+        return Ok(());
+    };
+    let free_low_kib = since.free_low_kib.min(now.free_kib);
+    if now.resident_kib >= since.resident_kib.saturating_add(threshold_kib)
+        || now.free_kib >= free_low_kib.saturating_add(threshold_kib)
+    {
+        return Ok(());
+    }
+    Err(Since {
+        free_low_kib,
+        ..since
+    })
+}
+
+/// The resident size and the free heap now (`None`: not known: no `/proc`, or an allocator
+/// other than glibc's).
+pub fn sizes() -> Option<Sizes> {
+    Some(Sizes {
+        resident_kib: resident_kib()?,
+        free_kib: free_heap_kib()?,
+    })
+}
+
+/// The free bytes the allocator keeps in its heaps, KiB (glibc's `mallinfo2`).
+pub fn free_heap_kib() -> Option<u64> {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallinfo2 takes the allocator's own locks and returns a plain struct.
+        let info = unsafe { libc::mallinfo2() };
+        Some(info.fordblks as u64 / 1024)
+    }
+    #[cfg(not(target_env = "gnu"))]
+    {
+        None
+    }
 }
 
 /// One look of [`give_back_while_running`]: gives the free heap back when [`give_back_due`],
-/// and answers the resident size to compare the next look with (unchanged when not due).
-pub fn give_back_if_grown(last_kib: Option<u64>) -> Option<u64> {
-    let now = resident_kib()?;
-    if !give_back_due(last_kib, now, GIVE_BACK_AFTER_GROWTH_KIB) {
-        return last_kib;
+/// and answers what the next look compares with (`None`: the sizes are not known).
+pub fn give_back_if_due(since: Option<Since>) -> Option<Since> {
+    let now = sizes()?;
+    match give_back_due(since, now, GIVE_BACK_AFTER_KIB) {
+        Ok(()) => {
+            give_back_free_heap();
+            sizes().map(Since::given_back)
+        }
+        Err(since) => Some(since),
     }
-    give_back_free_heap();
-    resident_kib()
 }
 
 /// For `serve` and `docker-plugin`, for as long as they run: every [`GIVE_BACK_EVERY`], the
-/// free heap is given back to the kernel if the resident size grew since the last time. What a
-/// burst of work frees (the calls of thousands of containers, a journal's compaction, a mount
-/// table read) otherwise stays resident between live blocks: at 10,000 volumes, 17 MiB of
-/// serve's 82 (docs/benchmarks.md). Each look runs on tokio's blocking pool.
+/// free heap is given back to the kernel when [`give_back_due`]. What a burst of work frees (the
+/// calls of thousands of containers, a journal's compaction, a mount table read) otherwise stays
+/// resident between live blocks: at 10,000 volumes, 17 MiB of serve's 82 (docs/benchmarks.md).
+/// Each look runs on tokio's blocking pool.
 pub async fn give_back_while_running() {
-    let mut last = None;
+    let mut since = None;
     loop {
         tokio::time::sleep(GIVE_BACK_EVERY).await;
-        last = tokio::task::spawn_blocking(move || give_back_if_grown(last))
+        since = tokio::task::spawn_blocking(move || give_back_if_due(since))
             .await
-            .unwrap_or(last);
+            .unwrap_or(since);
     }
 }
 
@@ -170,34 +238,53 @@ mod tests {
     }
 
     #[test]
-    fn free_pages_are_given_back_once_and_again_only_after_growth() {
-        let growth = 4096;
-        assert!(give_back_due(None, 10_000, growth));
-        assert!(!give_back_due(Some(10_000), 10_000, growth));
-        assert!(!give_back_due(Some(10_000), 14_095, growth));
-        assert!(give_back_due(Some(10_000), 14_096, growth));
-        // Shrunk since (freed and given back by the allocator itself): not due.
-        assert!(!give_back_due(Some(10_000), 9_000, growth));
-        assert!(give_back_due(Some(u64::MAX), u64::MAX, growth));
+    fn free_pages_are_given_back_first_then_after_growth_or_frees() {
+        let t = 4096;
+        let at = |resident_kib, free_kib| Sizes {
+            resident_kib,
+            free_kib,
+        };
+        assert_eq!(give_back_due(None, at(10_000, 500), t), Ok(()));
+        let since = Since::given_back(at(10_000, 500));
+        // Nothing changed, or not enough.
+        let since = give_back_due(Some(since), at(14_095, 4_595), t).unwrap_err();
+        // Grew: due.
+        assert_eq!(give_back_due(Some(since), at(14_096, 500), t), Ok(()));
+        // The free heap dropped to 100 (blocks reused) and rose again by 4 MiB: freed since.
+        let since = give_back_due(Some(since), at(10_000, 100), t).unwrap_err();
+        assert_eq!(give_back_due(Some(since), at(10_000, 4_196), t), Ok(()));
+        let since = give_back_due(Some(since), at(10_000, 4_195), t).unwrap_err();
+        // Shrunk (the allocator gave back on its own): not due.
+        assert!(give_back_due(Some(since), at(9_000, 0), t).is_err());
+        assert_eq!(
+            give_back_due(
+                Some(Since::given_back(at(u64::MAX, u64::MAX))),
+                at(u64::MAX, u64::MAX),
+                t
+            ),
+            Ok(())
+        );
     }
 
-    /// A daemon's look after a burst gives the freed pages back; a look with no growth since
-    /// does nothing.
+    /// A daemon's look after a burst gives the freed pages back, though the resident size did
+    /// not grow since the last look (the burst came and went between two looks); a look with
+    /// nothing freed since does nothing.
     #[cfg(target_env = "gnu")]
     #[test]
     fn a_look_after_a_burst_gives_the_freed_pages_back() {
-        let first = give_back_if_grown(None).expect("a resident size");
         let mut blocks: Vec<Vec<u8>> = (0..4096).map(|_| vec![1u8; 16 * 1024]).collect();
         let pin = vec![1u8; 64];
-        let grown = resident_kib().unwrap();
-        assert!(grown >= first + 32 * 1024, "{first} -> {grown} KiB");
+        // The last look was at the top of the burst.
+        let since = give_back_if_due(None).expect("sizes");
+        let top = resident_kib().unwrap();
         blocks.drain(..4095);
-        let after = give_back_if_grown(Some(first)).expect("a resident size");
+        let since = give_back_if_due(Some(since)).expect("sizes");
+        let after = resident_kib().unwrap();
         assert!(
-            after + 32 * 1024 < grown,
-            "resident {first} -> {grown} -> {after} KiB: the ~64 MiB freed was not given back"
+            after + 32 * 1024 < top,
+            "resident {top} -> {after} KiB: the ~64 MiB freed was not given back"
         );
-        assert_eq!(give_back_if_grown(Some(after)), Some(after));
+        assert_eq!(give_back_if_due(Some(since)), Some(since));
         drop((blocks, pin));
     }
 
