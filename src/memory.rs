@@ -54,7 +54,8 @@ pub fn give_back_free_heap() -> bool {
 }
 
 /// How often a daemon looks whether to give free pages back ([`give_back_while_running`]): a
-/// look is one read of `/proc/self/status`; a give-back, only after growth, a few ms.
+/// look is one read of `/proc/self/status` and a walk of the allocator's free lists
+/// (`mallinfo`); a give-back, only when due, a few ms.
 pub const GIVE_BACK_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
 /// How much more resident memory, or more free heap, since the last give-back makes the next
 /// one worth its cost (a walk of the allocator's free lists under its locks: a few ms at 10,000
@@ -66,7 +67,7 @@ pub const GIVE_BACK_AFTER_KIB: u64 = 4 * 1024;
 pub struct Sizes {
     /// VmRSS, KiB.
     pub resident_kib: u64,
-    /// Free bytes in the allocator's heaps (glibc's `mallinfo2().fordblks`), KiB.
+    /// Free bytes in the allocator's heaps (glibc's `mallinfo().fordblks`), KiB.
     pub free_kib: u64,
 }
 
@@ -117,13 +118,17 @@ pub fn sizes() -> Option<Sizes> {
     })
 }
 
-/// The free bytes the allocator keeps in its heaps, KiB (glibc's `mallinfo2`).
+/// The free bytes the allocator keeps in its heaps, KiB (glibc's `mallinfo`: the older call, so
+/// that the daemons still load with a C library older than 2.33, where `mallinfo2` came; its
+/// counters are `int`s, read as unsigned: right below 4 GiB of free heap).
 pub fn free_heap_kib() -> Option<u64> {
     #[cfg(target_env = "gnu")]
     {
-        // SAFETY: mallinfo2 takes the allocator's own locks and returns a plain struct.
-        let info = unsafe { libc::mallinfo2() };
-        Some(info.fordblks as u64 / 1024)
+        // SAFETY: mallinfo takes the allocator's own locks, walks its free lists and returns a
+        // plain struct.
+        #[allow(deprecated)]
+        let info = unsafe { libc::mallinfo() };
+        Some(u64::from(info.fordblks as u32) / 1024)
     }
     #[cfg(not(target_env = "gnu"))]
     {
@@ -150,6 +155,10 @@ pub fn give_back_if_due(since: Option<Since>) -> Option<Since> {
 /// resident between live blocks: at 10,000 volumes, 17 MiB of serve's 82 (docs/benchmarks.md).
 /// Each look runs on tokio's blocking pool.
 pub async fn give_back_while_running() {
+    // Another allocator (musl) has nothing to give back this way: no looks.
+    if free_heap_kib().is_none() {
+        return;
+    }
     let mut since = None;
     loop {
         tokio::time::sleep(GIVE_BACK_EVERY).await;

@@ -184,7 +184,9 @@ async fn every_power_cut_of_create_publish_release_recovers() {
     let base = scan_all();
     // The plugin's own start (its use journal made or compacted at open) is in the base scan,
     // not in the recorded run: the log starts again here (every process appends with O_APPEND,
-    // so their next records land at the new end).
+    // so their next records land at the new end). So that start is not cut by a power loss in
+    // this test; the use journal's compaction is, in the plugin store's own test
+    // (`store::tests::a_power_cut_loses_no_change_that_returned`).
     std::fs::write(&log, b"").unwrap();
     let start = logged(&log);
     let created: serde_json::Value =

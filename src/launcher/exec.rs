@@ -279,6 +279,8 @@ fn page_size() -> usize {
 /// launch: the cost of a burst of launches grew with the daemon's memory). The child runs
 /// [`run_child`] in this process's memory on a stack of its own; this thread is suspended until
 /// the child has exec'd or exited, so when `spawn` returns the child no longer touches our memory.
+/// A workload that runs as another user (`--user`) is forked instead: a task sharing the daemon's
+/// memory never changes its credentials.
 /// Every signal is blocked in this thread across the clone, so that no handler of this process
 /// runs in the child; the child resets the handled ones to their default before it unblocks.
 /// Returns the child's pid.
@@ -296,18 +298,34 @@ pub fn spawn(plan: &ChildPlan<'_>) -> Result<libc::pid_t, Errno> {
     if blocked != 0 {
         return Err(Errno::from_raw(blocked));
     }
-    // SAFETY: clone(fn, stack, flags, arg): `child_entry` never returns into our code (it ends in
-    // execve or _exit); `stack.top()` is the top of a live mapping that outlives the child's use
-    // of it (CLONE_VFORK: clone returns only once the child has exec'd or exited); `arg` points at
-    // the plan, which this thread keeps alive and does not touch while it is suspended. SIGCHLD as
-    // the exit signal makes the child an ordinary child for waitpid.
-    let pid = unsafe {
-        libc::clone(
-            child_entry,
-            stack.top(),
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            plan as *const ChildPlan<'_> as *mut libc::c_void,
-        )
+    let pid = if plan.exec.user.is_some() {
+        // A workload that runs as another user is forked, memory copied: its credentials change
+        // before its execve, and a task that shares the daemon's memory must never run as
+        // another uid (the kernel would mark the shared memory by fs.suid_dumpable, and that
+        // uid could reach the daemon's memory between the change and the execve).
+        // SAFETY: fork in a multi-threaded process: the child only runs run_child, which makes
+        // raw, async-signal-safe syscalls on data prepared before (no allocation, no locks) and
+        // ends in execve or _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            run_child(plan);
+        }
+        pid
+    } else {
+        // SAFETY: clone(fn, stack, flags, arg): `child_entry` never returns into our code (it
+        // ends in execve or _exit); `stack.top()` is the top of a live mapping that outlives the
+        // child's use of it (CLONE_VFORK: clone returns only once the child has exec'd or
+        // exited); `arg` points at the plan, which this thread keeps alive and does not touch
+        // while it is suspended. SIGCHLD as the exit signal makes the child an ordinary child
+        // for waitpid.
+        unsafe {
+            libc::clone(
+                child_entry,
+                stack.top(),
+                libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+                plan as *const ChildPlan<'_> as *mut libc::c_void,
+            )
+        }
     };
     let cloned = Errno::last();
     // SAFETY: as above; restores the mask saved before the clone.
@@ -326,15 +344,13 @@ extern "C" fn child_entry(arg: *mut libc::c_void) -> libc::c_int {
     run_child(plan)
 }
 
-/// The highest signal number (SIGRTMAX on Linux).
-const LAST_SIGNAL: libc::c_int = 64;
-
 /// Resets every signal this process handles to its default, in the child only (it has its own
 /// copy of the dispositions: no CLONE_SIGHAND), so that no handler of the daemon's runs in the
 /// child's shared memory once the child unblocks signals. Ignored signals stay ignored, as across
 /// exec. Errors (SIGKILL, SIGSTOP, the C library's own signals) are skipped. Async-signal-safe.
 fn reset_handlers() {
-    for signal in 1..=LAST_SIGNAL {
+    // SIGRTMAX is the C library's answer (64 on most architectures, 127 on MIPS): a plain value.
+    for signal in 1..=libc::SIGRTMAX() {
         // SAFETY: sigaction is plain old data for which all-zero is a valid value.
         let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
         // SAFETY: sigaction(sig, NULL, &old) only writes the live `current`.
@@ -353,7 +369,8 @@ fn reset_handlers() {
 }
 
 /// The child's whole life between clone and exec. Only raw syscalls on prepared data:
-/// async-signal-safe, and nothing written to memory but its own stack (it shares the parent's).
+/// async-signal-safe, and nothing written to memory but its own stack and the C library's
+/// thread-local errno of the suspended thread (it shares the parent's memory).
 pub fn run_child(plan: &ChildPlan<'_>) -> ! {
     reset_handlers();
     // The launcher thread's mask was inherited from whoever spawned it (and [`spawn`] blocked every
@@ -580,8 +597,9 @@ mod tests {
 
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("status");
-        // The child's SigBlk and its SIGUSR1 fate: the workload sends itself SIGUSR1, which must
-        // kill it (the default), not run the daemon's handler.
+        // The child's SigBlk (spawn blocked every signal around the clone: the child must start
+        // with none), and SIGUSR1 at its default in the workload (execve resets a caught signal
+        // in any case: this does not show reset_handlers, whose window is before the execve).
         let script = format!(
             "grep ^SigBlk: /proc/self/status > {0}; kill -USR1 $$; echo survived >> {0}",
             out.display()
@@ -606,6 +624,57 @@ mod tests {
             assert_eq!(libc::sigismember(&after, libc::SIGUSR2), 1);
             assert_eq!(libc::sigismember(&after, libc::SIGTERM), 0);
         }
+    }
+
+    /// A workload that runs as another user is forked (its credentials change before execve:
+    /// it must not share the daemon's memory), and still reports as the clone path does.
+    #[test]
+    fn a_workload_of_another_user_starts_and_runs_as_that_user() {
+        if !nix::unistd::geteuid().is_root() {
+            panic!("this test changes the child's uid: run it as root");
+        }
+        use std::io::Read;
+        let dir = tempfile::tempdir().unwrap();
+        // The child (nobody) reaches its file through the temp dir.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let out = dir.path().join("id");
+        std::fs::File::create(&out).unwrap();
+        std::os::unix::fs::chown(&out, Some(65534), Some(65534)).unwrap();
+        let script = format!("id -u > {0}; id -g >> {0}", out.display());
+        let argv: Vec<OsString> = ["/bin/sh", "-c", &script].iter().map(|a| os(a)).collect();
+        let user = Credentials {
+            uid: 65534,
+            gid: 65534,
+        };
+        let plan = ExecPlan::new(&argv, std::env::vars_os(), &[], Some(user)).expect("plan");
+        // SAFETY: as below.
+        let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
+        assert_eq!(dumpable, 1, "the test process starts dumpable");
+        let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let cwd: OwnedFd = std::fs::File::open("/").unwrap().into();
+        let child = ChildPlan::new(&plan, None, cwd, write_end);
+        let pid = spawn(&child).expect("spawn");
+        drop(child);
+        let mut record = Vec::new();
+        std::fs::File::from(read_end)
+            .read_to_end(&mut record)
+            .unwrap();
+        assert!(record.is_empty(), "exec failed: {record:?}");
+        let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None).unwrap();
+        assert!(
+            matches!(status, nix::sys::wait::WaitStatus::Exited(_, 0)),
+            "{status:?}"
+        );
+        assert_eq!(std::fs::read_to_string(&out).unwrap(), "65534\n65534\n");
+        // The daemon's own credentials are untouched, and so is its memory's dumpable mark (a
+        // child sharing the memory that changed uid would have set it to fs.suid_dumpable).
+        assert!(nix::unistd::geteuid().is_root());
+        // SAFETY: prctl(PR_GET_DUMPABLE) takes no pointer and returns the flag.
+        assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE) }, dumpable);
     }
 
     #[test]

@@ -245,16 +245,17 @@ impl MountTable for ProcMountTable {
         }
     }
 
-    /// One statx (the mount's unique id) and one `listmount` asking for one child id (Linux
-    /// 6.8), not the table, which grows with every mount on the node: a volume's unpublish asks
-    /// it, so a burst of launches would otherwise read the table once per container.
+    /// Two statx (the unique ids of the mount at `path` and of the one its parent directory is
+    /// on), one `statmount` (the former's parent) and one `listmount` asking for one child id
+    /// (Linux 6.8), not the table, which grows with every mount on the node: a volume's unpublish
+    /// asks it, so a burst of launches would otherwise read the table once per container. Only
+    /// for a mount attached directly on its directory: with another mount stacked on it, what is
+    /// beneath the lower one is not the top one's children, and the table is read.
     fn has_child_mounts(&self, path: &Path) -> Result<Option<bool>, MountError> {
         if self.pid.is_some() {
             return Ok(None);
         }
-        Ok(statx_root_check(path)
-            .and_then(|check| check.unique_id)
-            .and_then(has_child_mount_ids))
+        Ok(unstacked_mount_id(path).and_then(has_child_mount_ids))
     }
 
     /// The same one statx, also asking for the mount's unique id.
@@ -288,7 +289,6 @@ pub struct RootCheck {
 /// whether the path is a mount root.
 fn statx_root_check(path: &Path) -> Option<RootCheck> {
     use std::os::unix::ffi::OsStrExt;
-    const STATX_MNT_ID_UNIQUE: u32 = 0x4000; // include/uapi/linux/stat.h (Linux 6.8)
     let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     match statx_mask(
         libc::AT_FDCWD,
@@ -323,6 +323,69 @@ struct MntIdReq {
 
 /// `listmount`'s number: the same on every architecture of the unified syscall table (Linux 6.8).
 const SYS_LISTMOUNT: libc::c_long = 458;
+/// `statmount`'s number, as above.
+const SYS_STATMOUNT: libc::c_long = 457;
+/// `STATMOUNT_MNT_BASIC`: the mount's ids and its parent's.
+const STATMOUNT_MNT_BASIC: u64 = 0x2;
+/// `STATX_MNT_ID_UNIQUE` (include/uapi/linux/stat.h, Linux 6.8).
+const STATX_MNT_ID_UNIQUE: u32 = 0x4000;
+
+/// The unique id of the mount at `path` (no symlink followed, no sync with a remote server), or
+/// of the mount `path` lies on when `root` is false; `None` when `root` is asked and `path` is
+/// not a mount root, or when the kernel cannot say.
+fn statx_unique_id(path: &Path, root: bool) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let st = statx_mask(
+        libc::AT_FDCWD,
+        &c_path,
+        libc::AT_SYMLINK_NOFOLLOW | libc::AT_STATX_DONT_SYNC,
+        STATX_MNT_ID_UNIQUE,
+    )
+    .ok()?;
+    if st.stx_mask & STATX_MNT_ID_UNIQUE == 0 || (root && mount_root_attr(&st) != Some(true)) {
+        return None;
+    }
+    Some(st.stx_mnt_id)
+}
+
+/// The parent's unique id of the mount with unique id `unique_id` (`statmount`, Linux 6.8).
+fn parent_mount_id(unique_id: u64) -> Option<u64> {
+    let req = MntIdReq {
+        size: std::mem::size_of::<MntIdReq>() as u32,
+        spare: 0,
+        mnt_id: unique_id,
+        param: STATMOUNT_MNT_BASIC,
+    };
+    // struct statmount: size (u32), spare (u32), mask (u64), sb_dev_major, sb_dev_minor (u32),
+    // sb_magic (u64), sb_flags, fs_type (u32), mnt_id (u64, word 5), mnt_parent_id (u64, word
+    // 6), ...; room for all of it and its strings.
+    let mut buf = [0u64; 128];
+    // SAFETY: statmount(const struct mnt_id_req *req, struct statmount *buf, size_t bufsize,
+    // unsigned int flags): `req` is live and initialised, `buf` is a writable, 8-byte aligned
+    // buffer of the size given.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_STATMOUNT,
+            &req as *const MntIdReq,
+            buf.as_mut_ptr(),
+            std::mem::size_of_val(&buf),
+            0u32,
+        )
+    };
+    let asked = buf[1] & STATMOUNT_MNT_BASIC != 0;
+    (rc == 0 && asked && buf[5] == unique_id).then_some(buf[6])
+}
+
+/// The unique id of the mount rooted at `path` when it is attached directly on that directory:
+/// its parent is the mount `path`'s parent directory lies on. `None` when `path` is not a mount
+/// root, when another mount is stacked on the one attached there (the top one's parent is then
+/// the lower one), or when the kernel cannot say.
+fn unstacked_mount_id(path: &Path) -> Option<u64> {
+    let top = statx_unique_id(path, true)?;
+    let on = statx_unique_id(path.parent()?, false)?;
+    (parent_mount_id(top)? == on).then_some(top)
+}
 
 /// Whether the mount with unique id `unique_id` has a child mount in this thread's mount
 /// namespace: `listmount` asked for at most one child id. `None` when the kernel cannot say
