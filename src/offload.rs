@@ -138,6 +138,18 @@ where
 mod tests {
     use super::*;
 
+    /// A panic on one of the scoped threads reaches the caller (after every thread is joined),
+    /// with its own message.
+    #[test]
+    #[should_panic(expected = "item 700 refused")]
+    fn a_panic_in_a_scoped_run_is_resumed_in_the_caller() {
+        let items: Vec<usize> = (0..1000).collect();
+        scoped_each(items, 8, |i| {
+            assert!(i != 700, "item {i} refused");
+            i
+        });
+    }
+
     #[test]
     fn scoped_items_are_worked_once_in_order_across_threads() {
         for (len, min) in [(0, 4), (1, 4), (7, 4), (1000, 8), (10_001, 128)] {

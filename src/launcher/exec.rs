@@ -285,7 +285,11 @@ fn page_size() -> usize {
 /// runs in the child; the child resets the handled ones to their default before it unblocks.
 /// Returns the child's pid.
 pub fn spawn(plan: &ChildPlan<'_>) -> Result<libc::pid_t, Errno> {
-    let stack = ChildStack::map()?;
+    // Only the clone runs on a stack of its own (a forked child has its copy of this one).
+    let stack = match plan.exec.user {
+        Some(_) => None,
+        None => Some(ChildStack::map()?),
+    };
     // SAFETY: sigset_t is a plain bit array for which all-zero is a valid value; sigfillset then
     // initialises it properly through the valid pointer.
     let mut all: libc::sigset_t = unsafe { std::mem::zeroed() };
@@ -298,20 +302,7 @@ pub fn spawn(plan: &ChildPlan<'_>) -> Result<libc::pid_t, Errno> {
     if blocked != 0 {
         return Err(Errno::from_raw(blocked));
     }
-    let pid = if plan.exec.user.is_some() {
-        // A workload that runs as another user is forked, memory copied: its credentials change
-        // before its execve, and a task that shares the daemon's memory must never run as
-        // another uid (the kernel would mark the shared memory by fs.suid_dumpable, and that
-        // uid could reach the daemon's memory between the change and the execve).
-        // SAFETY: fork in a multi-threaded process: the child only runs run_child, which makes
-        // raw, async-signal-safe syscalls on data prepared before (no allocation, no locks) and
-        // ends in execve or _exit.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            run_child(plan);
-        }
-        pid
-    } else {
+    let pid = if let Some(stack) = &stack {
         // SAFETY: clone(fn, stack, flags, arg): `child_entry` never returns into our code (it
         // ends in execve or _exit); `stack.top()` is the top of a live mapping that outlives the
         // child's use of it (CLONE_VFORK: clone returns only once the child has exec'd or
@@ -326,6 +317,19 @@ pub fn spawn(plan: &ChildPlan<'_>) -> Result<libc::pid_t, Errno> {
                 plan as *const ChildPlan<'_> as *mut libc::c_void,
             )
         }
+    } else {
+        // A workload that runs as another user is forked, memory copied: its credentials change
+        // before its execve, and a task that shares the daemon's memory must never run as
+        // another uid (the kernel would mark the shared memory by fs.suid_dumpable, and that
+        // uid could reach the daemon's memory between the change and the execve).
+        // SAFETY: fork in a multi-threaded process: the child only runs run_child, which makes
+        // raw, async-signal-safe syscalls on data prepared before (no allocation, no locks) and
+        // ends in execve or _exit.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            run_child(plan);
+        }
+        pid
     };
     let cloned = Errno::last();
     // SAFETY: as above; restores the mask saved before the clone.
@@ -553,11 +557,19 @@ mod tests {
     }
 
     /// Spawns `argv` with a status pipe and the cwd `/`, as the launcher thread does; returns the
-    /// pid, the status record read (empty: exec'd) and the exit status.
+    /// status record read (empty: exec'd) and the exit status.
     fn spawn_and_wait(argv: &[&str]) -> (Vec<u8>, nix::sys::wait::WaitStatus) {
+        spawn_as_and_wait(argv, None)
+    }
+
+    /// [`spawn_and_wait`], the workload running as `user` when given.
+    fn spawn_as_and_wait(
+        argv: &[&str],
+        user: Option<Credentials>,
+    ) -> (Vec<u8>, nix::sys::wait::WaitStatus) {
         use std::io::Read;
         let argv: Vec<OsString> = argv.iter().map(|a| os(a)).collect();
-        let plan = ExecPlan::new(&argv, std::env::vars_os(), &[], None).expect("plan");
+        let plan = ExecPlan::new(&argv, std::env::vars_os(), &[], user).expect("plan");
         let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
         let cwd: OwnedFd = std::fs::File::open("/").unwrap().into();
         let child = ChildPlan::new(&plan, None, cwd, write_end);
@@ -633,7 +645,6 @@ mod tests {
         if !nix::unistd::geteuid().is_root() {
             panic!("this test changes the child's uid: run it as root");
         }
-        use std::io::Read;
         let dir = tempfile::tempdir().unwrap();
         // The child (nobody) reaches its file through the temp dir.
         std::fs::set_permissions(
@@ -645,26 +656,15 @@ mod tests {
         std::fs::File::create(&out).unwrap();
         std::os::unix::fs::chown(&out, Some(65534), Some(65534)).unwrap();
         let script = format!("id -u > {0}; id -g >> {0}", out.display());
-        let argv: Vec<OsString> = ["/bin/sh", "-c", &script].iter().map(|a| os(a)).collect();
         let user = Credentials {
             uid: 65534,
             gid: 65534,
         };
-        let plan = ExecPlan::new(&argv, std::env::vars_os(), &[], Some(user)).expect("plan");
         // SAFETY: as below.
         let dumpable = unsafe { libc::prctl(libc::PR_GET_DUMPABLE) };
         assert_eq!(dumpable, 1, "the test process starts dumpable");
-        let (read_end, write_end) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
-        let cwd: OwnedFd = std::fs::File::open("/").unwrap().into();
-        let child = ChildPlan::new(&plan, None, cwd, write_end);
-        let pid = spawn(&child).expect("spawn");
-        drop(child);
-        let mut record = Vec::new();
-        std::fs::File::from(read_end)
-            .read_to_end(&mut record)
-            .unwrap();
+        let (record, status) = spawn_as_and_wait(&["/bin/sh", "-c", &script], Some(user));
         assert!(record.is_empty(), "exec failed: {record:?}");
-        let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid), None).unwrap();
         assert!(
             matches!(status, nix::sys::wait::WaitStatus::Exited(_, 0)),
             "{status:?}"

@@ -321,6 +321,19 @@ struct MntIdReq {
     param: u64,
 }
 
+impl MntIdReq {
+    /// A request about the mount with unique id `mnt_id` (`param`: statmount's mask; listmount's
+    /// last id answered, 0 to start).
+    fn new(mnt_id: u64, param: u64) -> MntIdReq {
+        MntIdReq {
+            size: std::mem::size_of::<MntIdReq>() as u32,
+            spare: 0,
+            mnt_id,
+            param,
+        }
+    }
+}
+
 /// `listmount`'s number: the same on every architecture of the unified syscall table (Linux 6.8).
 const SYS_LISTMOUNT: libc::c_long = 458;
 /// `statmount`'s number, as above.
@@ -351,12 +364,7 @@ fn statx_unique_id(path: &Path, root: bool) -> Option<u64> {
 
 /// The parent's unique id of the mount with unique id `unique_id` (`statmount`, Linux 6.8).
 fn parent_mount_id(unique_id: u64) -> Option<u64> {
-    let req = MntIdReq {
-        size: std::mem::size_of::<MntIdReq>() as u32,
-        spare: 0,
-        mnt_id: unique_id,
-        param: STATMOUNT_MNT_BASIC,
-    };
+    let req = MntIdReq::new(unique_id, STATMOUNT_MNT_BASIC);
     // struct statmount: size (u32), spare (u32), mask (u64), sb_dev_major, sb_dev_minor (u32),
     // sb_magic (u64), sb_flags, fs_type (u32), mnt_id (u64, word 5), mnt_parent_id (u64, word
     // 6), ...; room for all of it and its strings.
@@ -391,12 +399,7 @@ fn unstacked_mount_id(path: &Path) -> Option<u64> {
 /// namespace: `listmount` asked for at most one child id. `None` when the kernel cannot say
 /// (before Linux 6.8: ENOSYS; the mount gone meanwhile: ENOENT).
 fn has_child_mount_ids(unique_id: u64) -> Option<bool> {
-    let req = MntIdReq {
-        size: std::mem::size_of::<MntIdReq>() as u32,
-        spare: 0,
-        mnt_id: unique_id,
-        param: 0,
-    };
+    let req = MntIdReq::new(unique_id, 0);
     let mut ids = [0u64; 1];
     // SAFETY: listmount(const struct mnt_id_req *req, u64 *mnt_ids, size_t nr_mnt_ids,
     // unsigned int flags): `req` is a live, initialised request of the size it states; `ids` is
