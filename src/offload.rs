@@ -1,9 +1,9 @@
 //! Blocking work off the async workers: [`blocking`], used by the provider and the isolator for
 //! every step that fsyncs, calls a mount syscall, reads the mount table or `/proc`, or sleeps
 //! between EBUSY retries, and [`blocking_each`], the same for one small step on each of many
-//! items (a recovery's checks of every volume) in a few trips, and [`scoped_each`], its
-//! synchronous sibling for a command's own threads (`status` reading and parsing thousands of
-//! records). Imports nothing from the crate.
+//! items (a recovery's checks of every volume) in a few trips, and [`scoped_runs`], its
+//! synchronous sibling for a command's own threads (`status` checking, reading and parsing
+//! thousands of records). Imports nothing from the crate.
 
 /// Runs blocking work (a checkpoint's fsyncs, a mount syscall, a statx, a
 /// read of the mount table or of a directory, an EBUSY retry's sleep) on
@@ -81,28 +81,17 @@ where
         .collect()
 }
 
-/// The most threads [`scoped_each`] starts.
+/// The most threads [`scoped_runs`] starts.
 const MAX_SCOPED_THREADS: usize = 4;
 
-/// `work` of each of `items`, answered in the items' order, on up to [`MAX_SCOPED_THREADS`]
-/// scoped threads (no more than the CPUs), each a consecutive run of at least `min_per_thread`
-/// items ([`trips`]); on the calling thread alone when there are fewer. For a synchronous
-/// caller with thousands of small independent steps (`status`: a statx, a read, a parse each).
-/// A panic in the work is resumed in the caller.
-pub(crate) fn scoped_each<T, R, F>(items: Vec<T>, min_per_thread: usize, work: F) -> Vec<R>
-where
-    T: Send,
-    R: Send,
-    F: Fn(T) -> R + Sync,
-{
-    scoped_runs(items, min_per_thread, |run| {
-        run.into_iter().map(&work).collect()
-    })
-}
-
-/// [`scoped_each`] for work that wants its items a run at a time (to keep something open
-/// across a run: a directory the items' paths are relative to): `work` gets each run and
-/// answers one result per item, in order.
+/// `work` of `items`, a run at a time (to keep something open across a run: a directory the
+/// items' paths are relative to), answered in the items' order: on up to
+/// [`MAX_SCOPED_THREADS`] scoped threads (no more than the CPUs), each a consecutive run of at
+/// least `min_per_thread` items ([`trips`]); on the calling thread alone when there are fewer.
+/// For a synchronous caller with thousands of small independent steps (`status`: a statx, a
+/// read, a parse each). `work` answers one result per item of its run, or fewer when it sums a
+/// run up (in order: the runs' answers are concatenated). A panic in the work is resumed in the
+/// caller.
 pub(crate) fn scoped_runs<T, R, F>(items: Vec<T>, min_per_thread: usize, work: F) -> Vec<R>
 where
     T: Send,
@@ -144,9 +133,10 @@ mod tests {
     #[should_panic(expected = "item 700 refused")]
     fn a_panic_in_a_scoped_run_is_resumed_in_the_caller() {
         let items: Vec<usize> = (0..1000).collect();
-        scoped_each(items, 8, |i| {
-            assert!(i != 700, "item {i} refused");
-            i
+        scoped_runs(items, 8, |run| {
+            run.into_iter()
+                .inspect(|&i| assert!(i != 700, "item {i} refused"))
+                .collect()
         });
     }
 
@@ -155,9 +145,9 @@ mod tests {
         for (len, min) in [(0, 4), (1, 4), (7, 4), (1000, 8), (10_001, 128)] {
             let items: Vec<usize> = (0..len).collect();
             let threads = std::sync::Mutex::new(std::collections::HashSet::new());
-            let got = scoped_each(items, min, |i| {
+            let got = scoped_runs(items, min, |run| {
                 threads.lock().unwrap().insert(std::thread::current().id());
-                i * 2
+                run.into_iter().map(|i| i * 2).collect()
             });
             assert_eq!(got, (0..len).map(|i| i * 2).collect::<Vec<_>>(), "{len}");
             let used = threads.into_inner().unwrap().len();

@@ -168,6 +168,8 @@ async fn measure_in(
         serve_dir.display()
     );
 
+    pause_for_profiling(&serve_dir, pid, ns).await?;
+
     // status: the CLI process, as an operator runs it, and with --stats.
     let work = serve_dir.join("work");
     let (status, _) = status_cli(bin, &work, volumes, &[], ns)?;
@@ -223,6 +225,28 @@ async fn measure_in(
         docker_rss_kib,
         docker_hwm_kib,
     })
+}
+
+/// With `CSI_BENCH_PAUSE=FILE` in the environment (for profiling `status` and a restart by
+/// hand), creates FILE after a point's setup, says where everything is, and waits (at most an
+/// hour) until FILE is removed.
+async fn pause_for_profiling(serve_dir: &Path, pid: u32, ns: &Namespace) -> Result<()> {
+    let Some(file) = std::env::var_os("CSI_BENCH_PAUSE") else {
+        return Ok(());
+    };
+    let file = Path::new(&file);
+    std::fs::write(file, b"").with_context(|| format!("create {}", file.display()))?;
+    eprintln!(
+        "paused: serve {pid} on {} in the mount namespace of pid {}; remove {} to go on",
+        serve_dir.display(),
+        ns.child.id(),
+        file.display()
+    );
+    let deadline = Instant::now() + Duration::from_secs(3600);
+    while file.exists() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    Ok(())
 }
 
 /// [`STATUS_RUNS`] runs of `bin --work-dir WORK status --json EXTRA` in the namespace: their

@@ -105,6 +105,66 @@ pub struct StatusReport {
     pub unreadable: Vec<UnreadableState>,
 }
 
+impl StatusReport {
+    /// The report as `serde_json::to_writer_pretty` writes it, byte for byte, its volumes
+    /// serialized by a few threads (a node's 10,000 are megabytes of JSON), each into a buffer
+    /// of its own, written in order.
+    pub fn write_pretty_json(&self, out: &mut dyn std::io::Write) -> std::io::Result<()> {
+        out.write_all(b"{\n  \"volumes\": ")?;
+        write_pretty_array(out, &self.volumes)?;
+        out.write_all(b",\n  \"unreadable\": ")?;
+        write_pretty_array(out, &self.unreadable)?;
+        out.write_all(b"\n}")
+    }
+}
+
+/// Items serialized in a pretty JSON array that is a field of the top-level object (so each
+/// item is indented by two levels), as `serde_json`'s pretty printer writes it.
+fn write_pretty_array<T: Serialize + Sync>(
+    out: &mut dyn std::io::Write,
+    items: &[T],
+) -> std::io::Result<()> {
+    if items.is_empty() {
+        return out.write_all(b"[]");
+    }
+    let refs: Vec<&T> = items.iter().collect();
+    let runs = crate::offload::scoped_runs(refs, ITEMS_PER_WRITER, |run| vec![pretty_run(run)]);
+    out.write_all(b"[\n")?;
+    for (i, text) in runs.into_iter().enumerate() {
+        if i > 0 {
+            out.write_all(b",\n")?;
+        }
+        out.write_all(&text?)?;
+    }
+    out.write_all(b"\n  ]")
+}
+
+/// A run of an array's items as [`write_pretty_array`] writes them, without the brackets.
+fn pretty_run<T: Serialize>(run: Vec<&T>) -> std::io::Result<Vec<u8>> {
+    let mut text = Vec::new();
+    let mut one = Vec::new();
+    for item in run {
+        one.clear();
+        serde_json::to_writer_pretty(&mut one, item).map_err(std::io::Error::from)?;
+        if !text.is_empty() {
+            text.extend_from_slice(b",\n");
+        }
+        // Two levels in: JSON text holds a newline only between tokens (one in a string is
+        // escaped), so each line gains the indent.
+        text.extend_from_slice(b"    ");
+        for line in one.split_inclusive(|&b| b == b'\n') {
+            text.extend_from_slice(line);
+            if line.ends_with(b"\n") {
+                text.extend_from_slice(b"    ");
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// Items per serializing thread of [`StatusReport::write_pretty_json`].
+const ITEMS_PER_WRITER: usize = 1024;
+
 /// How [`scan_with`] reads the volume directories.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ScanOptions {
@@ -145,8 +205,6 @@ pub fn scan_with(
 ) -> Result<StatusReport, MountError> {
     let csi = work_dir.join("csi");
     let mut report = StatusReport::default();
-    // Every volume's record first, then one question to the table about all their mount points.
-    let mut records: Vec<(String, Layout, VolumeRecord)> = Vec::new();
     for (plugin_type, plugin_name) in plugins(&csi) {
         let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
         // The journal's complete entries, over the state files: the truth while a provider
@@ -179,59 +237,78 @@ pub fn scan_with(
         };
         let plugin = format!("{plugin_type}/{plugin_name}");
         let volumes = layout.volumes_dir();
-        let (found, read) =
-            summary::volume_dirs(&volumes, found_summary, &journaled, how.dirs_per_thread);
-        tracing::debug!(plugin = %format!("{plugin_type}/{plugin_name}"), read,
-            "volume directories read one by one");
-        // The records parsed by a few threads (thousands of JSON documents).
-        let parsed = crate::offload::scoped_each(found, how.dirs_per_thread, |found| {
-            let VolumeDir {
-                name,
-                set_aside,
-                state,
-                state_file: _,
-            } = found;
-            let rec = state.map(|read| read.and_then(|b| VolumeRecord::from_state_file(&b, &name)));
-            (name, set_aside, rec)
+        // Thousands of directories checked (or read), their records parsed and their mount
+        // points asked, by a few threads, a run of directories each.
+        let plan = summary::plan(&volumes, found_summary, &journaled);
+        report.volumes.reserve(plan.names.len());
+        let runs = crate::offload::scoped_runs(plan.names, how.dirs_per_thread, |run| {
+            let found = summary::resolve(&volumes, &journaled, plan.read_at, run);
+            let read = found.iter().filter(|(_, read)| *read).count();
+            let found = found.into_iter().map(|(dir, _)| dir).collect();
+            vec![(read, scan_run(&plugin, &layout, table, found))]
         });
-        for (name, set_aside, rec) in parsed {
-            let dir = volumes.join(&name);
-            report
-                .unreadable
-                .extend(set_aside.into_iter().map(|file| UnreadableState {
-                    path: dir.join(file),
-                    reason: "set aside as corrupt by an earlier recovery".into(),
-                }));
-            let Some(rec) = rec else { continue };
-            match rec {
-                Ok(rec) => records.push((plugin.clone(), layout.clone(), rec)),
-                Err(reason) => report.unreadable.push(UnreadableState {
-                    path: dir.join(STATE_FILE),
-                    reason,
-                }),
-            }
+        let mut read = 0;
+        for (run_read, run) in runs {
+            let (unreadable, volumes) = run?;
+            read += run_read;
+            report.unreadable.extend(unreadable);
+            report.volumes.extend(volumes);
+        }
+        tracing::debug!(%plugin, read, "volume directories read one by one");
+    }
+    Ok(report)
+}
+
+/// One run of a provider's volume directories: each record parsed, then one question to the
+/// table about all their mount points. What could not be read (set-aside files, states), and
+/// the volumes, in the run's order.
+fn scan_run(
+    plugin: &str,
+    layout: &Layout,
+    table: &dyn MountTable,
+    run: Vec<VolumeDir>,
+) -> Result<(Vec<UnreadableState>, Vec<VolumeStatus>), MountError> {
+    let volumes = layout.volumes_dir();
+    let mut unreadable = Vec::new();
+    let mut parsed = Vec::with_capacity(run.len());
+    for found in run {
+        let VolumeDir {
+            name,
+            set_aside,
+            state,
+            state_file: _,
+        } = found;
+        let rec = state.map(|read| read.and_then(|b| VolumeRecord::from_state_file(&b, &name)));
+        unreadable.extend(set_aside.into_iter().map(|file| UnreadableState {
+            path: volumes.join(&name).join(file),
+            reason: "set aside as corrupt by an earlier recovery".into(),
+        }));
+        match rec {
+            Some(Ok(rec)) => parsed.push((name, rec)),
+            Some(Err(reason)) => unreadable.push(UnreadableState {
+                path: volumes.join(&name).join(STATE_FILE),
+                reason,
+            }),
+            None => {}
         }
     }
-    let points: Vec<[PathBuf; 2]> = records
+    // Its directory's name is its encoded id (`from_state_file` checked).
+    let mounts = layout.mounts_dir();
+    let points: Vec<[PathBuf; 2]> = parsed
         .iter()
-        .map(|(_, layout, rec)| {
-            [
-                layout.target_path(&rec.volume_id),
-                layout.staging_path(&rec.volume_id),
-            ]
-        })
+        .map(|(name, _)| Layout::mount_points_named(&mounts, name))
         .collect();
     let asked: Vec<&Path> = points.iter().flatten().map(PathBuf::as_path).collect();
     let answers = table.mount_points_among(&asked)?;
-    report.volumes = records
+    let statuses = parsed
         .into_iter()
         .zip(points)
         .zip(answers.chunks(2))
-        .map(|(((plugin, _, rec), [target, _]), mounted)| {
-            volume_status(plugin, target, mounted[0], mounted[1], rec)
+        .map(|(((_, rec), [target, _]), mounted)| {
+            volume_status(plugin.to_string(), target, mounted[0], mounted[1], rec)
         })
         .collect();
-    Ok(report)
+    Ok((unreadable, statuses))
 }
 
 /// A volume's status from its record and whether its mount point (`target`) and its staging
@@ -385,6 +462,53 @@ mod tests {
             .unwrap()
             .contains("interrupted"));
         assert_eq!(report.unreadable.len(), 1);
+    }
+
+    /// The report's own writer says what serde_json's pretty printer says, byte for byte:
+    /// empty lists, one item, and more items than one writing thread takes.
+    #[test]
+    fn the_report_is_written_as_serde_json_writes_it() {
+        let volume = |i: usize| {
+            let mut rec = VolumeRecord::new(format!("v{i}"), Capability::default());
+            rec.state = VolumeState::Published;
+            rec.users = [format!("c{i}"), "line\nbreak \"quoted\"".to_string()]
+                .into_iter()
+                .collect();
+            rec.parameters = [("k".to_string(), "v\tw".to_string())]
+                .into_iter()
+                .collect();
+            volume_status(
+                "t/n".into(),
+                PathBuf::from(format!("/m/{i}")),
+                true,
+                i % 2 == 0,
+                rec,
+            )
+        };
+        let unreadable = |i: usize| UnreadableState {
+            path: PathBuf::from(format!("/w/v{i}/volume.state")),
+            reason: "EIO\n".into(),
+        };
+        for (volumes, unreadables) in [
+            (0, 0),
+            (1, 0),
+            (0, 1),
+            (2, 3),
+            (ITEMS_PER_WRITER * 3 + 1, 2),
+        ] {
+            let report = StatusReport {
+                volumes: (0..volumes).map(volume).collect(),
+                unreadable: (0..unreadables).map(unreadable).collect(),
+            };
+            let mut ours = Vec::new();
+            report.write_pretty_json(&mut ours).unwrap();
+            let theirs = serde_json::to_vec_pretty(&report).unwrap();
+            assert!(
+                ours == theirs,
+                "{volumes} volumes, {unreadables} unreadable: {}",
+                String::from_utf8_lossy(&ours[..ours.len().min(400)])
+            );
+        }
     }
 
     /// A state file's bytes: volume `id` in `state`.

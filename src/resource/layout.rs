@@ -118,6 +118,14 @@ impl Layout {
         target_under(&self.mounts_dir(), volume_id)
     }
 
+    /// [`Self::target_path`] and [`Self::staging_path`] of the volume whose directory name is
+    /// `enc` (its id already encoded: a name `volumes/` lists), under `mounts`, the
+    /// [`Self::mounts_dir`] a caller asking about thousands computed once.
+    pub fn mount_points_named(mounts: &Path, enc: &str) -> [PathBuf; 2] {
+        let dir = mounts.join(enc);
+        [dir.join(TARGET), dir.join(STAGING)]
+    }
+
     /// `creating/`.
     pub fn creating_dir(&self) -> PathBuf {
         self.base.join("creating")
@@ -195,6 +203,14 @@ mod tests {
         ];
         for (got, rel) in cases {
             assert_eq!(got, Path::new(base).join(rel));
+        }
+        // The same paths from an encoded directory name, as `status` builds them.
+        for id in ["a/b", "..", "v1"] {
+            assert_eq!(
+                Layout::mount_points_named(&l.mounts_dir(), &encode_volume_id(id)),
+                [l.target_path(id), l.staging_path(id)],
+                "{id}"
+            );
         }
     }
 

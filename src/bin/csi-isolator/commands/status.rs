@@ -80,10 +80,11 @@ pub async fn run(work_dir: &Path, args: StatusArgs) -> anyhow::Result<ExitCode> 
         }
         None => StatusReport::default(),
     };
-    // Buffered: a node's thousands of volumes are one write, not a write per line.
-    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    // Buffered: a node's thousands of volumes (megabytes of JSON) are a few large writes, not a
+    // write per line.
+    let mut out = std::io::BufWriter::with_capacity(256 << 10, std::io::stdout().lock());
     if args.json {
-        serde_json::to_writer_pretty(&mut out, &report)?;
+        report.write_pretty_json(&mut out)?;
         writeln!(out)?;
     } else {
         writeln!(
