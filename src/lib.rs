@@ -17,10 +17,11 @@
 //!
 //! Layers, lowest first; a module imports only from lower layers, never from its own or a higher one,
 //! so the module graph has no cycle (the `layers_import_only_downward` test checks it):
-//! 1. [`shown`], [`error_chain`], [`io_step`], `offload`, [`memory`], [`sorted`]: formatting
-//!    helpers, the shared I/O-step error, the one way blocking work leaves the async workers, the
-//!    process's own memory (allocator set-up, resident sizes) and the small sorted collections
-//!    records keep by the thousand, importing nothing.
+//! 1. [`shown`], [`error_chain`], [`io_step`], `offload`, `phases`, [`memory`], [`sorted`]:
+//!    formatting helpers, the shared I/O-step error, the one way blocking work leaves the async
+//!    workers, the timing of a long step's phases for its log line, the process's own memory
+//!    (allocator set-up, resident sizes) and the small sorted collections records keep by the
+//!    thousand, importing nothing.
 //! 2. [`resource`]: the resource model and its syntax (including `--volume` and sizes).
 //! 3. [`mount`] (with the description of a volume's bind into a container, which both the isolator
 //!    and the launcher use), [`workdir`], [`durable`] (the one atomic file write), [`csi`].
@@ -40,6 +41,7 @@ pub mod launcher;
 pub mod memory;
 pub mod mount;
 mod offload;
+mod phases;
 pub mod provider;
 pub mod resource;
 pub mod runner;
@@ -58,6 +60,7 @@ mod layering {
         ("error_chain", 1),
         ("io_step", 1),
         ("offload", 1),
+        ("phases", 1),
         ("memory", 1),
         ("sorted", 1),
         ("resource", 2),

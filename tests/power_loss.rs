@@ -182,7 +182,7 @@ async fn every_power_cut_of_create_publish_release_recovers() {
     let roots = [agent.work.clone(), pwork.clone()];
     let scan_all = || -> Tree { roots.iter().flat_map(|r| powerloss::scan(r)).collect() };
     let base = scan_all();
-    // The plugin's own start (its use journal made or compacted at open) is in the base scan,
+    // The plugin's own start (its use journal made, or compacted at open when due) is in the base scan,
     // not in the recorded run: the log starts again here (every process appends with O_APPEND,
     // so their next records land at the new end). So that start is not cut by a power loss in
     // this test; the use journal's compaction is, in the plugin store's own test

@@ -198,6 +198,7 @@ async fn measure_in(
         answer.recovered.len()
     );
     let restarted_rss_kib = status_kib(&pid.to_string(), "VmRSS:").unwrap_or(0);
+    pause_for_profiling(&serve_dir, pid, ns).await?;
     let still = ns.mounts_under(&serve_dir)?;
     ensure!(
         still >= volumes,
@@ -228,8 +229,8 @@ async fn measure_in(
 }
 
 /// With `CSI_BENCH_PAUSE=FILE` in the environment (for profiling `status` and a restart by
-/// hand), creates FILE after a point's setup, says where everything is, and waits (at most an
-/// hour) until FILE is removed.
+/// hand), creates FILE after a point's setup and again after its restart, says where everything
+/// is, and waits (at most an hour) each time until FILE is removed.
 async fn pause_for_profiling(serve_dir: &Path, pid: u32, ns: &Namespace) -> Result<()> {
     let Some(file) = std::env::var_os("CSI_BENCH_PAUSE") else {
         return Ok(());

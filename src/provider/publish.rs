@@ -588,16 +588,19 @@ impl StorageProvider {
             None => Ok(false),
         }
     }
+}
 
-    /// Mount points of this provider's targets per the mount table (`None`
-    /// if it cannot be read: then nothing is "repaired" on a guess).
-    pub(crate) fn mounted_targets(&self) -> Option<HashSet<PathBuf>> {
-        match self.table.mounts_under(&self.layout.mounts_dir()) {
-            Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
-            Err(e) => {
-                tracing::warn!(error = %Chain(&e), "cannot read the mount table");
-                None
-            }
+/// Mount points of a provider's targets (under `layout`'s mounts) per `table` (`None` if it
+/// cannot be read: then nothing is "repaired" on a guess).
+pub(crate) fn mounted_targets(
+    table: &dyn crate::mount::MountTable,
+    layout: &crate::resource::Layout,
+) -> Option<HashSet<PathBuf>> {
+    match table.mounts_under(&layout.mounts_dir()) {
+        Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
+        Err(e) => {
+            tracing::warn!(error = %Chain(&e), "cannot read the mount table");
+            None
         }
     }
 }

@@ -5,7 +5,8 @@
 //! [`checkpoint::replay`]; a state file the journal overrides is not read), then each volume is
 //! loaded (one that cannot be read is reported with its path and set aside,
 //! never dropped or overwritten); after a reboot (boot id changed) node-side
-//! states fall back to NODE_READY; interrupted creates are finished;
+//! states fall back to NODE_READY. That much needs no plugin: [`load_records`] runs while the
+//! plugin starts (`StorageProvider::start`). Then interrupted creates are finished;
 //! interrupted destroys are finished; volumes in use are republished (and
 //! repaired if the mount table disagrees); interrupted steps of unused
 //! volumes are settled per the policy; orphaned mount directories are
@@ -25,13 +26,18 @@ use std::sync::Arc;
 use futures::future::join_all;
 
 use crate::error_chain::Chain;
+use crate::mount::MountTable;
 use crate::offload::{blocking, blocking_each};
+use crate::phases::PhaseTimes;
 use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::handoff::fence_to_take;
+use crate::provider::publish::mounted_targets;
 use crate::provider::state::{VolumeRecord, VolumeState};
-use crate::provider::storage::{harden_at, Slot, StorageProvider, UnpublishPolicy};
+use crate::provider::storage::{
+    harden_at, persist_to, RecoveryReport, Slot, StorageProvider, UnpublishPolicy,
+};
 use crate::resource::encode_volume_id;
 use crate::resource::{Layout, STATE_FILE};
 
@@ -47,8 +53,7 @@ impl StorageProvider {
     /// republish and the hardenings are a few trips to the blocking pool for all of them
     /// ([`crate::offload::blocking_each`]), not three per volume.
     pub(crate) async fn recover(self: &Arc<Self>) -> Result<(), ProviderError> {
-        let this = self.clone();
-        blocking(move || this.load_records()).await;
+        let mut took = PhaseTimes::start();
         self.finish_creates().await;
         self.recover_snapshots().await;
         let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
@@ -91,6 +96,7 @@ impl StorageProvider {
             // launch after the start.
             self.watched.take_for_full_check();
         }
+        took.mark("fences");
         let ensured = self.ensure_published_all(&mut recs).await;
         for (i, result) in indices.into_iter().zip(ensured) {
             results[i] = Some(result.map(|_| "republished for its users"));
@@ -111,11 +117,13 @@ impl StorageProvider {
         }
         // Then, for each volume recovered and not being destroyed: its mounts hardened, its
         // expansion and modification taken up.
+        took.mark("republish");
         let carried_on: Vec<usize> = (0..held.len())
             .filter(|&i| matches!(results[i], Some(Ok(_))) && !held[i].destroying)
             .collect();
         self.harden_published(carried_on.iter().map(|&i| held[i].volume_id.clone()))
             .await;
+        took.mark("harden");
         join_all(
             held.iter_mut()
                 .enumerate()
@@ -154,11 +162,15 @@ impl StorageProvider {
                 }
             }
         }
+        let volumes = held.len();
         drop(held);
         let this = self.clone();
         blocking(move || this.remove_orphans()).await;
+        took.mark("orphans");
         // What recovery replayed and changed goes to the state files; the journal starts empty.
         self.compact_journal().await;
+        took.mark("compact");
+        tracing::info!(plugin = %self.plugin, volumes, took = %took, "provider recovered");
         Ok(())
     }
 
@@ -236,98 +248,6 @@ impl StorageProvider {
         .await;
         for (volume_id, e) in failed.into_iter().flatten() {
             tracing::warn!(%volume_id, error = %Chain(&e), "recovery: cannot set nosuid,nodev on a published volume's mount");
-        }
-    }
-
-    fn load_records(&self) {
-        let mounted = self.mounted_targets();
-        let dir = self.layout.volumes_dir();
-        let (mut journaled, refused) = self.replayed.lock().unwrap().take().unwrap_or_default();
-        let mut report = self.report.lock().unwrap();
-        for why in refused {
-            tracing::error!(error = %why, "journal entry skipped");
-            report.failures.push(("journal".into(), why));
-        }
-        // Every volume directory and every volume the journal names, in order: the journal's
-        // last entry wins over the state file, which is then not read; otherwise the state
-        // file, read and sorted one at a time (10,000 files' bytes are never all held at once).
-        let mut on_disk = std::collections::BTreeSet::new();
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            if entry.path().is_dir() {
-                on_disk.insert(entry.file_name().to_string_lossy().into_owned());
-            }
-        }
-        let names: std::collections::BTreeSet<String> =
-            on_disk.iter().chain(journaled.keys()).cloned().collect();
-        for dir_name in names {
-            let vdir = dir.join(&dir_name);
-            let path = vdir.join(STATE_FILE);
-            if on_disk.contains(&dir_name) {
-                checkpoint::remove_stale_temps(&vdir);
-            }
-            let found = match journaled.remove(&dir_name) {
-                Some((_, Some(bytes))) => Found::StateFile(bytes),
-                Some((_, None)) => Found::NoStateFile,
-                None => match checkpoint::read(&path) {
-                    Ok(Some(bytes)) => Found::StateFile(bytes),
-                    Ok(None) => Found::NoStateFile,
-                    Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
-                },
-            };
-            let facts = Facts {
-                boot_id: &self.boot_id,
-                mounted: mounted.as_ref(),
-                layout: &self.layout,
-            };
-            let (rec, reset) = match sort_found(&dir_name, found, &facts) {
-                Sorted::RemoveDir => {
-                    let _ = std::fs::remove_dir(&vdir);
-                    continue;
-                }
-                Sorted::Unreadable(reason) => {
-                    tracing::error!(path = %path.display(), error = %reason, "cannot read volume state");
-                    report.failures.push((path.display().to_string(), reason));
-                    continue;
-                }
-                Sorted::Corrupt(reason) => {
-                    match self
-                        .journal
-                        .drop_summary()
-                        .and_then(|()| checkpoint::set_aside(&path))
-                    {
-                        Ok(aside) => {
-                            let e = ProviderError::CorruptState {
-                                path: path.clone(),
-                                aside: aside.clone(),
-                                reason: reason.clone(),
-                            };
-                            tracing::error!(error = %Chain(&e), "volume state set aside");
-                            report.corrupt.push((path, aside, reason));
-                        }
-                        Err(e) => {
-                            tracing::error!(path = %path.display(), error = %Chain(&e), "cannot set aside corrupt state");
-                            report.failures.push((path.display().to_string(), reason));
-                        }
-                    }
-                    continue;
-                }
-                Sorted::Load {
-                    record,
-                    reset_by_reboot,
-                } => (*record, reset_by_reboot),
-            };
-            if let Some(was) = reset {
-                tracing::warn!(volume_id = %rec.volume_id, state = %was,
-                    "node rebooted since the last transition: node-side state reset to NODE_READY");
-                report
-                    .actions
-                    .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
-                if let Err(e) = self.persist_here(&rec) {
-                    tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot record reboot reset");
-                }
-            }
-            report.loaded += 1;
-            self.insert_slot(rec);
         }
     }
 
@@ -476,6 +396,125 @@ impl StorageProvider {
             .filter_map(|s| s.name.clone())
             .collect()
     }
+}
+
+/// What recovery's first step reads and writes, none of it the plugin: it runs while the plugin
+/// starts ([`load_records`]).
+pub(crate) struct Disk<'a> {
+    /// The provider's layout.
+    pub(crate) layout: &'a Layout,
+    /// Its journal (a reboot's reset is recorded in it; a corrupt state file's setting aside
+    /// drops the volume summary).
+    pub(crate) journal: &'a checkpoint::VolumeJournal,
+    /// The mount table (which volumes are still mounted).
+    pub(crate) table: &'a dyn MountTable,
+    /// This boot's id.
+    pub(crate) boot_id: &'a str,
+}
+
+/// What [`load_records`] found: the records the provider holds, and the report so far.
+pub(crate) struct Loaded {
+    /// Every volume's record, in directory-name order.
+    pub(crate) records: Vec<VolumeRecord>,
+    /// The journal entries skipped, the state files unreadable or set aside, the reboot resets.
+    pub(crate) report: RecoveryReport,
+}
+
+/// Recovery's first step, on a blocking thread: every volume directory and every volume the
+/// journal names (`replayed`, the journal as the provider opened it), sorted by what this boot
+/// and the mount table say ([`sort_found`]).
+pub(crate) fn load_records(disk: Disk<'_>, replayed: checkpoint::Replayed) -> Loaded {
+    let mounted = mounted_targets(disk.table, disk.layout);
+    let dir = disk.layout.volumes_dir();
+    let (mut journaled, refused) = replayed;
+    let mut report = RecoveryReport::default();
+    let mut records = Vec::new();
+    for why in refused {
+        tracing::error!(error = %why, "journal entry skipped");
+        report.failures.push(("journal".into(), why));
+    }
+    // Every volume directory and every volume the journal names, in order: the journal's
+    // last entry wins over the state file, which is then not read; otherwise the state
+    // file, read and sorted one at a time (10,000 files' bytes are never all held at once).
+    let mut on_disk = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+        if entry.path().is_dir() {
+            on_disk.insert(entry.file_name().to_string_lossy().into_owned());
+        }
+    }
+    let names: std::collections::BTreeSet<String> =
+        on_disk.iter().chain(journaled.keys()).cloned().collect();
+    for dir_name in names {
+        let vdir = dir.join(&dir_name);
+        let path = vdir.join(STATE_FILE);
+        if on_disk.contains(&dir_name) {
+            checkpoint::remove_stale_temps(&vdir);
+        }
+        let found = match journaled.remove(&dir_name) {
+            Some((_, Some(bytes))) => Found::StateFile(bytes),
+            Some((_, None)) => Found::NoStateFile,
+            None => match checkpoint::read(&path) {
+                Ok(Some(bytes)) => Found::StateFile(bytes),
+                Ok(None) => Found::NoStateFile,
+                Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
+            },
+        };
+        let facts = Facts {
+            boot_id: disk.boot_id,
+            mounted: mounted.as_ref(),
+            layout: disk.layout,
+        };
+        let (rec, reset) = match sort_found(&dir_name, found, &facts) {
+            Sorted::RemoveDir => {
+                let _ = std::fs::remove_dir(&vdir);
+                continue;
+            }
+            Sorted::Unreadable(reason) => {
+                tracing::error!(path = %path.display(), error = %reason, "cannot read volume state");
+                report.failures.push((path.display().to_string(), reason));
+                continue;
+            }
+            Sorted::Corrupt(reason) => {
+                match disk
+                    .journal
+                    .drop_summary()
+                    .and_then(|()| checkpoint::set_aside(&path))
+                {
+                    Ok(aside) => {
+                        let e = ProviderError::CorruptState {
+                            path: path.clone(),
+                            aside: aside.clone(),
+                            reason: reason.clone(),
+                        };
+                        tracing::error!(error = %Chain(&e), "volume state set aside");
+                        report.corrupt.push((path, aside, reason));
+                    }
+                    Err(e) => {
+                        tracing::error!(path = %path.display(), error = %Chain(&e), "cannot set aside corrupt state");
+                        report.failures.push((path.display().to_string(), reason));
+                    }
+                }
+                continue;
+            }
+            Sorted::Load {
+                record,
+                reset_by_reboot,
+            } => (*record, reset_by_reboot),
+        };
+        if let Some(was) = reset {
+            tracing::warn!(volume_id = %rec.volume_id, state = %was,
+                "node rebooted since the last transition: node-side state reset to NODE_READY");
+            report
+                .actions
+                .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
+            if let Err(e) = persist_to(disk.journal, &rec) {
+                tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot record reboot reset");
+            }
+        }
+        report.loaded += 1;
+        records.push(rec);
+    }
+    Loaded { records, report }
 }
 
 /// What a volume directory held when recovery looked: the I/O's answer,

@@ -227,9 +227,6 @@ pub struct StorageProvider {
     pub(crate) watched: crate::provider::attention::Watched,
     /// The journal every record change is appended to ([`checkpoint::VolumeJournal`]).
     pub(crate) journal: Arc<checkpoint::VolumeJournal>,
-    /// What the journal held at start, replayed (by volume directory name), and the entries
-    /// it could not read: taken by recovery.
-    pub(crate) replayed: Mutex<Option<checkpoint::Replayed>>,
 }
 
 impl StorageProvider {
@@ -321,23 +318,33 @@ impl StorageProvider {
             volume: "(every volume: the provider's journal)".into(),
             source,
         })?;
-        let (client, supervisor) = match (&config.plugin, early_client) {
-            (_, Some(client)) => (client, None),
-            (PluginSource::Endpoint(endpoint), None) => {
-                (connect(endpoint, &config, &plugin).await?, None)
-            }
-            (PluginSource::Managed(cmd), None) => {
-                let sup = Supervisor::start(
-                    plugin.clone(),
-                    cmd.clone(),
-                    layout.plugin_socket(&config.socket_dir),
-                    layout.plugin_dir().join("plugin.log"),
-                    config.ready_timeout,
-                )
-                .await?;
-                (connect(&sup.endpoint(), &config, &plugin).await?, Some(sup))
-            }
+        let journal = Arc::new(journal);
+        let boot_id = config.boot_id.clone().unwrap_or_else(current_boot_id);
+        // Recovery's first step needs no plugin: it reads the volumes while the plugin starts
+        // (at 10,000 volumes each takes about half a second). Both finish before either's error
+        // is returned, so a failed start cuts no step short.
+        let loading = {
+            let (layout, journal, table, boot_id) = (
+                layout.clone(),
+                journal.clone(),
+                table.clone(),
+                boot_id.clone(),
+            );
+            blocking(move || {
+                let disk = crate::provider::recover::Disk {
+                    layout: &layout,
+                    journal: &journal,
+                    table: &*table,
+                    boot_id: &boot_id,
+                };
+                crate::provider::recover::load_records(disk, (found, refused))
+            })
         };
+        let (plugin_started, loaded) = tokio::join!(
+            Self::reach_plugin(&config, &plugin, &layout, early_client),
+            loading
+        );
+        let (client, supervisor) = plugin_started?;
         let vendor = client
             .get_plugin_info(proto::GetPluginInfoRequest {})
             .await
@@ -358,22 +365,51 @@ impl StorageProvider {
             client,
             controller,
             supervisor,
-            boot_id: config.boot_id.clone().unwrap_or_else(current_boot_id),
+            boot_id,
             node_info: tokio::sync::OnceCell::new(),
             vendor,
             slots: Mutex::new(BTreeMap::new()),
             name_locks: Default::default(),
             sys,
             table,
-            report: Mutex::new(RecoveryReport::default()),
+            report: Mutex::new(loaded.report),
             sweeping: std::sync::atomic::AtomicBool::new(false),
             watched: crate::provider::attention::Watched::new(watch),
-            journal: Arc::new(journal),
-            replayed: Mutex::new(Some((found, refused))),
+            journal,
             config,
         });
+        for rec in loaded.records {
+            provider.insert_slot(rec);
+        }
         Self::recover(&provider).await?;
         Ok(provider)
+    }
+
+    /// The provider's plugin, started and ready (a managed one, with its supervisor) or
+    /// connected to (`early`: the client already made to ask the plugin's type).
+    async fn reach_plugin(
+        config: &ProviderConfig,
+        plugin: &str,
+        layout: &Layout,
+        early: Option<Client>,
+    ) -> Result<(Client, Option<Supervisor>), ProviderError> {
+        Ok(match (&config.plugin, early) {
+            (_, Some(client)) => (client, None),
+            (PluginSource::Endpoint(endpoint), None) => {
+                (connect(endpoint, config, plugin).await?, None)
+            }
+            (PluginSource::Managed(cmd), None) => {
+                let sup = Supervisor::start(
+                    plugin.to_string(),
+                    cmd.clone(),
+                    layout.plugin_socket(&config.socket_dir),
+                    layout.plugin_dir().join("plugin.log"),
+                    config.ready_timeout,
+                )
+                .await?;
+                (connect(&sup.endpoint(), config, plugin).await?, Some(sup))
+            }
+        })
     }
 
     /// The provider id its resources carry.
@@ -548,17 +584,6 @@ impl StorageProvider {
         let id = rec.volume_id.clone();
         blocking(move || journal.record(&id, Some(bytes), commit))
             .await
-            .map_err(|source| ProviderError::Checkpoint {
-                volume: rec.volume_id.clone(),
-                source,
-            })
-    }
-
-    /// [`persist`](Self::persist) from code already off the async workers.
-    pub(crate) fn persist_here(&self, rec: &VolumeRecord) -> Result<(), ProviderError> {
-        let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
-        self.journal
-            .record(&rec.volume_id, Some(bytes), Commit::Durable)
             .map_err(|source| ProviderError::Checkpoint {
                 volume: rec.volume_id.clone(),
                 source,
@@ -1221,6 +1246,21 @@ pub(crate) fn target_mismatch(
         AccessType::Block if !kind.is_block_device() => Some("the target is not a block device"),
         _ => None,
     }
+}
+
+/// Records a volume's checkpoint in `journal`, durably, in the caller's thread: what
+/// [`StorageProvider::persist`] does from code already off the async workers (recovery's load).
+pub(crate) fn persist_to(
+    journal: &checkpoint::VolumeJournal,
+    rec: &VolumeRecord,
+) -> Result<(), ProviderError> {
+    let bytes = serde_json::to_vec_pretty(rec).expect("a volume record always serializes");
+    journal
+        .record(&rec.volume_id, Some(bytes), Commit::Durable)
+        .map_err(|source| ProviderError::Checkpoint {
+            volume: rec.volume_id.clone(),
+            source,
+        })
 }
 
 #[cfg(test)]

@@ -278,7 +278,10 @@ impl Inner {
         while start.elapsed() < self.ready_timeout {
             if self.socket.exists() {
                 match probe(&self.socket).await {
-                    Ok(true) => return Ok(()),
+                    Ok(true) => {
+                        tracing::info!(plugin = %self.plugin, waited_ms = start.elapsed().as_millis(), "plugin ready");
+                        return Ok(());
+                    }
                     Ok(false) => last = NotReadyCause::NotReadyYet,
                     Err(e) => last = e,
                 }

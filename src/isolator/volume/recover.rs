@@ -39,26 +39,29 @@ impl VolumeIsolator {
     /// by recovered containers whose checkpoint does not have the volume
     /// (an update interrupted by a crash), are released.
     pub async fn recover(&self, known: &[String]) -> Result<IsolatorRecovery, IsolatorError> {
+        let mut took = crate::phases::PhaseTimes::start();
         let known: HashSet<&str> = known.iter().map(String::as_str).collect();
         let mut report = IsolatorRecovery::default();
         let mut gone = Vec::new();
         // The journal folded into the checkpoint files first (what it replays is then on disk,
         // durably, and the journal empty), then the scan (reads, checks by fd, stale temps
-        // removed, bad checkpoints set aside), in one trip to the blocking pool; what it found
-        // is then loaded in order.
-        let work_dir = self.work_dir.clone();
+        // removed, bad checkpoints set aside), on the blocking pool; what it found is then
+        // loaded in order.
         let journal = self.journal.clone();
-        let scanned = blocking(move || {
+        blocking(move || {
             journal
                 .get()
                 .and_then(|j| j.compact())
                 .map_err(|source| IsolatorError::Journal {
                     path: journal.path(),
                     source: Box::new(source),
-                })?;
-            Ok::<_, IsolatorError>(scan_checkpoints(&work_dir))
+                })
         })
         .await?;
+        took.mark("compact");
+        let work_dir = self.work_dir.clone();
+        let scanned = blocking(move || scan_checkpoints(&work_dir)).await;
+        took.mark("scan");
         for found in scanned {
             match found {
                 Scanned::Record(rec) => {
@@ -86,6 +89,7 @@ impl VolumeIsolator {
                 }
             }
         }
+        took.mark("clean up");
         // Containers that live on keep their uses: put back any the providers lost (publish is
         // idempotent and repairs unpublished ones), all in one batch whose mount checks are made
         // once for all of them. What each one's checkpoint uses, (provider, volume), is kept for
@@ -121,7 +125,9 @@ impl VolumeIsolator {
                 groups,
             });
         }
+        took.mark("gather");
         let republished = self.publisher.republish(&batch).await;
+        took.mark("republish");
         for (c, result) in batch.iter().zip(republished.containers) {
             if let Err(e) = result {
                 tracing::error!(container_id = %c.container_id, error = %Chain(&e), "recovery: cannot re-ensure the container's volumes");
@@ -168,6 +174,8 @@ impl VolumeIsolator {
                     .push((user.to_string(), crate::error_chain::full_message(&e))),
             }
         }
+        took.mark("release");
+        tracing::info!(containers = report.recovered.len(), took = %took, "isolator recovery done");
         Ok(report)
     }
 }
@@ -185,42 +193,55 @@ enum Scanned {
 /// be trusted is set aside (nothing is done through a symlink: not even that), an empty directory
 /// removed. Blocks on the file system.
 fn scan_checkpoints(work_dir: &Path) -> Vec<Scanned> {
-    let mut out = Vec::new();
     let Ok(entries) = std::fs::read_dir(checkpoint_root(work_dir)) else {
-        return out;
+        return Vec::new();
     };
-    for e in entries.flatten() {
-        let path = e.path().join("state.json");
-        match read_record(work_dir, &e) {
-            Ok(rec) => {
-                checkpoint::remove_stale_temps(&e.path());
-                out.push(Scanned::Record(rec));
-            }
-            // Nothing is done through a symlink: not even setting it aside.
-            Err(RecordRefusal::NotADirectory) => {
-                let reason = "the container's checkpoint directory is not a directory (a symlink?): left alone".to_string();
-                tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
-                out.push(Scanned::Refused(e.path(), reason));
-            }
-            Err(RecordRefusal::Bad(reason)) => {
-                checkpoint::remove_stale_temps(&e.path());
-                tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
-                let _ = checkpoint::set_aside(&path);
-                out.push(Scanned::Refused(path, reason));
-            }
-            Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
-                checkpoint::remove_stale_temps(&e.path());
-                tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
-                let _ = checkpoint::set_aside(&path);
-                out.push(Scanned::Refused(path, reason));
-            }
-            Err(RecordRefusal::Unreadable(_)) => {
-                checkpoint::remove_stale_temps(&e.path());
-                let _ = crate::durable::remove_dir(&e.path());
-            }
+    // A node's thousands of directories, each on its own: a few threads, a run each, answers in
+    // the listing's order.
+    let entries: Vec<std::fs::DirEntry> = entries.flatten().collect();
+    crate::offload::scoped_runs(entries, CHECKPOINTS_PER_THREAD, |run| {
+        run.iter().filter_map(|e| scan_one(work_dir, e)).collect()
+    })
+}
+
+/// Container directories per scanning thread of [`scan_checkpoints`].
+const CHECKPOINTS_PER_THREAD: usize = 512;
+
+/// One container directory of [`scan_checkpoints`]: its record, or why it is refused (`None`:
+/// an empty one, removed).
+fn scan_one(work_dir: &Path, e: &std::fs::DirEntry) -> Option<Scanned> {
+    let path = e.path().join("state.json");
+    match read_record(work_dir, e) {
+        Ok(rec) => {
+            checkpoint::remove_stale_temps(&e.path());
+            Some(Scanned::Record(rec))
+        }
+        // Nothing is done through a symlink: not even setting it aside.
+        Err(RecordRefusal::NotADirectory) => {
+            let reason =
+                "the container's checkpoint directory is not a directory (a symlink?): left alone"
+                    .to_string();
+            tracing::error!(path = %e.path().display(), %reason, "container checkpoint refused");
+            Some(Scanned::Refused(e.path(), reason))
+        }
+        Err(RecordRefusal::Bad(reason)) => {
+            checkpoint::remove_stale_temps(&e.path());
+            tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+            let _ = checkpoint::set_aside(&path);
+            Some(Scanned::Refused(path, reason))
+        }
+        Err(RecordRefusal::Unreadable(reason)) if path.exists() => {
+            checkpoint::remove_stale_temps(&e.path());
+            tracing::error!(path = %path.display(), %reason, "container checkpoint set aside");
+            let _ = checkpoint::set_aside(&path);
+            Some(Scanned::Refused(path, reason))
+        }
+        Err(RecordRefusal::Unreadable(_)) => {
+            checkpoint::remove_stale_temps(&e.path());
+            let _ = crate::durable::remove_dir(&e.path());
+            None
         }
     }
-    out
 }
 
 /// The records [`VolumeIsolator::checkpointed`] lists, for the isolator of `work_dir`: the
@@ -395,6 +416,85 @@ fn read_checkpoint_file(path: &std::path::Path) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node's thousands of container directories are scanned by a few threads: each is
+    /// answered once, in the listing's order, and each kind handled as alone (a good checkpoint
+    /// loaded, a bad one set aside, an empty directory removed, a symlink left alone).
+    #[test]
+    fn thousands_of_checkpoints_are_scanned_in_order_on_a_few_threads() {
+        let work = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let root = checkpoint_root(work.path());
+        std::fs::create_dir_all(&root).unwrap();
+        let count = CHECKPOINTS_PER_THREAD * 2 + 300;
+        for i in 0..count {
+            let id = format!("c{i:05}");
+            let dir = root.join(&id);
+            match i % 4 {
+                0 => {
+                    std::fs::create_dir(&dir).unwrap();
+                    let config = crate::isolator::ContainerConfig {
+                        sandbox: elsewhere.path().join(&id),
+                        ..Default::default()
+                    };
+                    let rec = ContainerRecord::new(&id, config, Vec::new());
+                    std::fs::write(dir.join("state.json"), serde_json::to_vec(&rec).unwrap())
+                        .unwrap();
+                }
+                1 => {
+                    std::fs::create_dir(&dir).unwrap();
+                    std::fs::write(dir.join("state.json"), b"{\"format").unwrap();
+                }
+                2 => std::fs::create_dir(&dir).unwrap(),
+                _ => std::os::unix::fs::symlink(elsewhere.path(), &dir).unwrap(),
+            }
+        }
+        let listed: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        let scanned = scan_checkpoints(work.path());
+        let answered: Vec<String> = scanned
+            .iter()
+            .map(|found| match found {
+                Scanned::Record(rec) => rec.container_id.clone(),
+                Scanned::Refused(path, _) => {
+                    let dir = if path.ends_with("state.json") {
+                        path.parent().unwrap()
+                    } else {
+                        path.as_path()
+                    };
+                    dir.file_name().unwrap().to_string_lossy().into_owned()
+                }
+            })
+            .collect();
+        let kind = |id: &str| id[1..].parse::<usize>().unwrap() % 4;
+        let want: Vec<String> = listed.into_iter().filter(|id| kind(id) != 2).collect();
+        assert_eq!(
+            answered, want,
+            "every directory but the empty ones, in listing order"
+        );
+        for (found, id) in scanned.iter().zip(&want) {
+            match (found, kind(id)) {
+                (Scanned::Record(_), 0) => {}
+                (Scanned::Refused(_, why), 1) => assert!(!why.is_empty()),
+                (Scanned::Refused(_, why), 3) => assert!(why.contains("symlink"), "{why}"),
+                (other, k) => panic!("{id} (kind {k}): {:?}", matches!(other, Scanned::Record(_))),
+            }
+            let dir = root.join(id);
+            match kind(id) {
+                1 => assert!(!dir.join("state.json").exists(), "{id}: set aside"),
+                3 => assert!(dir.symlink_metadata().unwrap().file_type().is_symlink()),
+                _ => {}
+            }
+        }
+        for i in (2..count).step_by(4) {
+            assert!(
+                !root.join(format!("c{i:05}")).exists(),
+                "empty c{i:05} removed"
+            );
+        }
+    }
 
     #[test]
     fn stale_uses_table() {
