@@ -590,21 +590,6 @@ impl StorageProvider {
     }
 }
 
-/// Mount points of a provider's targets (under `layout`'s mounts) per `table` (`None` if it
-/// cannot be read: then nothing is "repaired" on a guess).
-pub(crate) fn mounted_targets(
-    table: &dyn crate::mount::MountTable,
-    layout: &crate::resource::Layout,
-) -> Option<HashSet<PathBuf>> {
-    match table.mounts_under(&layout.mounts_dir()) {
-        Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
-        Err(e) => {
-            tracing::warn!(error = %Chain(&e), "cannot read the mount table");
-            None
-        }
-    }
-}
-
 /// When a publish checks that a volume recorded as published (at rest at PUBLISHED) is still
 /// mounted. A volume short of PUBLISHED is driven there at once either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

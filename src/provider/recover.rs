@@ -5,7 +5,7 @@
 //! [`checkpoint::replay`]; a state file the journal overrides is not read), then each volume is
 //! loaded (one that cannot be read is reported with its path and set aside,
 //! never dropped or overwritten); after a reboot (boot id changed) node-side
-//! states fall back to NODE_READY. That much needs no plugin: [`load_records`] runs while the
+//! states fall back to NODE_READY. That much needs no plugin: `StorageProvider::load_records` runs while the
 //! plugin starts (`StorageProvider::start`). Then interrupted creates are finished;
 //! interrupted destroys are finished; volumes in use are republished (and
 //! repaired if the mount table disagrees); interrupted steps of unused
@@ -33,7 +33,6 @@ use crate::provider::checkpoint;
 use crate::provider::create::CreateIntent;
 use crate::provider::error::ProviderError;
 use crate::provider::handoff::fence_to_take;
-use crate::provider::publish::mounted_targets;
 use crate::provider::state::{VolumeRecord, VolumeState};
 use crate::provider::storage::{
     harden_at, persist_to, RecoveryReport, Slot, StorageProvider, UnpublishPolicy,
@@ -398,21 +397,19 @@ impl StorageProvider {
     }
 }
 
-/// What recovery's first step reads and writes, none of it the plugin: it runs while the plugin
-/// starts ([`load_records`]).
-pub(crate) struct Disk<'a> {
-    /// The provider's layout.
-    pub(crate) layout: &'a Layout,
-    /// Its journal (a reboot's reset is recorded in it; a corrupt state file's setting aside
-    /// drops the volume summary).
-    pub(crate) journal: &'a checkpoint::VolumeJournal,
-    /// The mount table (which volumes are still mounted).
-    pub(crate) table: &'a dyn MountTable,
-    /// This boot's id.
-    pub(crate) boot_id: &'a str,
+/// Mount points of a provider's targets (under `layout`'s mounts) per `table` (`None` if it
+/// cannot be read: then nothing is "repaired" on a guess).
+fn mounted_targets(table: &dyn MountTable, layout: &Layout) -> Option<HashSet<PathBuf>> {
+    match table.mounts_under(&layout.mounts_dir()) {
+        Ok(m) => Some(m.into_iter().map(|m| m.mount_point).collect()),
+        Err(e) => {
+            tracing::warn!(error = %Chain(&e), "cannot read the mount table");
+            None
+        }
+    }
 }
 
-/// What [`load_records`] found: the records the provider holds, and the report so far.
+/// What `StorageProvider::load_records` found: the records the provider holds, and the report so far.
 pub(crate) struct Loaded {
     /// Every volume's record, in directory-name order.
     pub(crate) records: Vec<VolumeRecord>,
@@ -420,101 +417,110 @@ pub(crate) struct Loaded {
     pub(crate) report: RecoveryReport,
 }
 
-/// Recovery's first step, on a blocking thread: every volume directory and every volume the
-/// journal names (`replayed`, the journal as the provider opened it), sorted by what this boot
-/// and the mount table say ([`sort_found`]).
-pub(crate) fn load_records(disk: Disk<'_>, replayed: checkpoint::Replayed) -> Loaded {
-    let mounted = mounted_targets(disk.table, disk.layout);
-    let dir = disk.layout.volumes_dir();
-    let (mut journaled, refused) = replayed;
-    let mut report = RecoveryReport::default();
-    let mut records = Vec::new();
-    for why in refused {
-        tracing::error!(error = %why, "journal entry skipped");
-        report.failures.push(("journal".into(), why));
-    }
-    // Every volume directory and every volume the journal names, in order: the journal's
-    // last entry wins over the state file, which is then not read; otherwise the state
-    // file, read and sorted one at a time (10,000 files' bytes are never all held at once).
-    let mut on_disk = std::collections::BTreeSet::new();
-    for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-        if entry.path().is_dir() {
-            on_disk.insert(entry.file_name().to_string_lossy().into_owned());
+impl StorageProvider {
+    /// Recovery's first step, on a blocking thread, before the provider exists (it runs while
+    /// the plugin starts: none of it needs the plugin): every volume directory of `layout` and
+    /// every volume the journal names (`replayed`, the journal as the provider opened it), sorted
+    /// by what this boot (`boot_id`) and the mount table say ([`sort_found`]). A reboot's reset is
+    /// recorded in `journal`; a corrupt state file's setting aside drops the volume summary.
+    pub(crate) fn load_records(
+        layout: &Layout,
+        journal: &checkpoint::VolumeJournal,
+        table: &dyn MountTable,
+        boot_id: &str,
+        replayed: checkpoint::Replayed,
+    ) -> Loaded {
+        let mounted = mounted_targets(table, layout);
+        let dir = layout.volumes_dir();
+        let (mut journaled, refused) = replayed;
+        let mut report = RecoveryReport::default();
+        let mut records = Vec::new();
+        for why in refused {
+            tracing::error!(error = %why, "journal entry skipped");
+            report.failures.push(("journal".into(), why));
         }
-    }
-    let names: std::collections::BTreeSet<String> =
-        on_disk.iter().chain(journaled.keys()).cloned().collect();
-    for dir_name in names {
-        let vdir = dir.join(&dir_name);
-        let path = vdir.join(STATE_FILE);
-        if on_disk.contains(&dir_name) {
-            checkpoint::remove_stale_temps(&vdir);
+        // Every volume directory and every volume the journal names, in order: the journal's
+        // last entry wins over the state file, which is then not read; otherwise the state
+        // file, read and sorted one at a time (10,000 files' bytes are never all held at once).
+        let mut on_disk = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            if entry.path().is_dir() {
+                on_disk.insert(entry.file_name().to_string_lossy().into_owned());
+            }
         }
-        let found = match journaled.remove(&dir_name) {
-            Some((_, Some(bytes))) => Found::StateFile(bytes),
-            Some((_, None)) => Found::NoStateFile,
-            None => match checkpoint::read(&path) {
-                Ok(Some(bytes)) => Found::StateFile(bytes),
-                Ok(None) => Found::NoStateFile,
-                Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
-            },
-        };
-        let facts = Facts {
-            boot_id: disk.boot_id,
-            mounted: mounted.as_ref(),
-            layout: disk.layout,
-        };
-        let (rec, reset) = match sort_found(&dir_name, found, &facts) {
-            Sorted::RemoveDir => {
-                let _ = std::fs::remove_dir(&vdir);
-                continue;
+        let names: std::collections::BTreeSet<String> =
+            on_disk.iter().chain(journaled.keys()).cloned().collect();
+        for dir_name in names {
+            let vdir = dir.join(&dir_name);
+            let path = vdir.join(STATE_FILE);
+            if on_disk.contains(&dir_name) {
+                checkpoint::remove_stale_temps(&vdir);
             }
-            Sorted::Unreadable(reason) => {
-                tracing::error!(path = %path.display(), error = %reason, "cannot read volume state");
-                report.failures.push((path.display().to_string(), reason));
-                continue;
-            }
-            Sorted::Corrupt(reason) => {
-                match disk
-                    .journal
-                    .drop_summary()
-                    .and_then(|()| checkpoint::set_aside(&path))
-                {
-                    Ok(aside) => {
-                        let e = ProviderError::CorruptState {
-                            path: path.clone(),
-                            aside: aside.clone(),
-                            reason: reason.clone(),
-                        };
-                        tracing::error!(error = %Chain(&e), "volume state set aside");
-                        report.corrupt.push((path, aside, reason));
-                    }
-                    Err(e) => {
-                        tracing::error!(path = %path.display(), error = %Chain(&e), "cannot set aside corrupt state");
-                        report.failures.push((path.display().to_string(), reason));
-                    }
+            let found = match journaled.remove(&dir_name) {
+                Some((_, Some(bytes))) => Found::StateFile(bytes),
+                Some((_, None)) => Found::NoStateFile,
+                None => match checkpoint::read(&path) {
+                    Ok(Some(bytes)) => Found::StateFile(bytes),
+                    Ok(None) => Found::NoStateFile,
+                    Err(e) => Found::Unreadable(crate::error_chain::full_message(&e)),
+                },
+            };
+            let facts = Facts {
+                boot_id,
+                mounted: mounted.as_ref(),
+                layout,
+            };
+            let (rec, reset) = match sort_found(&dir_name, found, &facts) {
+                Sorted::RemoveDir => {
+                    let _ = std::fs::remove_dir(&vdir);
+                    continue;
                 }
-                continue;
+                Sorted::Unreadable(reason) => {
+                    tracing::error!(path = %path.display(), error = %reason, "cannot read volume state");
+                    report.failures.push((path.display().to_string(), reason));
+                    continue;
+                }
+                Sorted::Corrupt(reason) => {
+                    match journal
+                        .drop_summary()
+                        .and_then(|()| checkpoint::set_aside(&path))
+                    {
+                        Ok(aside) => {
+                            let e = ProviderError::CorruptState {
+                                path: path.clone(),
+                                aside: aside.clone(),
+                                reason: reason.clone(),
+                            };
+                            tracing::error!(error = %Chain(&e), "volume state set aside");
+                            report.corrupt.push((path, aside, reason));
+                        }
+                        Err(e) => {
+                            tracing::error!(path = %path.display(), error = %Chain(&e), "cannot set aside corrupt state");
+                            report.failures.push((path.display().to_string(), reason));
+                        }
+                    }
+                    continue;
+                }
+                Sorted::Load {
+                    record,
+                    reset_by_reboot,
+                } => (*record, reset_by_reboot),
+            };
+            if let Some(was) = reset {
+                tracing::warn!(volume_id = %rec.volume_id, state = %was,
+                    "node rebooted since the last transition: node-side state reset to NODE_READY");
+                report
+                    .actions
+                    .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
+                if let Err(e) = persist_to(journal, &rec) {
+                    tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot record reboot reset");
+                }
             }
-            Sorted::Load {
-                record,
-                reset_by_reboot,
-            } => (*record, reset_by_reboot),
-        };
-        if let Some(was) = reset {
-            tracing::warn!(volume_id = %rec.volume_id, state = %was,
-                "node rebooted since the last transition: node-side state reset to NODE_READY");
-            report
-                .actions
-                .push(format!("{}: {was} -> NODE_READY (reboot)", rec.volume_id));
-            if let Err(e) = persist_to(disk.journal, &rec) {
-                tracing::error!(volume_id = %rec.volume_id, error = %Chain(&e), "cannot record reboot reset");
-            }
+            report.loaded += 1;
+            records.push(rec);
         }
-        report.loaded += 1;
-        records.push(rec);
+        Loaded { records, report }
     }
-    Loaded { records, report }
 }
 
 /// What a volume directory held when recovery looked: the I/O's answer,

@@ -331,13 +331,7 @@ impl StorageProvider {
                 boot_id.clone(),
             );
             blocking(move || {
-                let disk = crate::provider::recover::Disk {
-                    layout: &layout,
-                    journal: &journal,
-                    table: &*table,
-                    boot_id: &boot_id,
-                };
-                crate::provider::recover::load_records(disk, (found, refused))
+                Self::load_records(&layout, &journal, &*table, &boot_id, (found, refused))
             })
         };
         let (plugin_started, loaded) = tokio::join!(
