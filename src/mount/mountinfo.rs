@@ -225,8 +225,9 @@ impl MountTable for ProcMountTable {
     /// at 20,000 mounts the kernel takes longer to print the table than the statx take. Each
     /// path is asked relative to its grandparent, opened once for a run of paths that share it
     /// (a provider's `mounts/`): a walk of two components, not of the whole path. On the
-    /// caller's thread (`status` spreads its volumes over a few). Falls back to the table, once,
-    /// when the kernel cannot say (before Linux 5.8) or for another process's table.
+    /// caller's thread (`status` spreads its volumes over a few, each asking for its own run).
+    /// Falls back to the table, once per call, when the kernel cannot say (before Linux 5.8) or
+    /// for another process's table.
     fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
         if self.pid.is_some() {
             return Ok(mount_points_in(self.mounts()?, paths));

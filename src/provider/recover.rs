@@ -55,6 +55,7 @@ impl StorageProvider {
         let mut took = PhaseTimes::start();
         self.finish_creates().await;
         self.recover_snapshots().await;
+        took.mark("intents");
         let slots: Vec<Arc<Slot>> = self.slots.lock().unwrap().values().cloned().collect();
         let mut held = Vec::with_capacity(slots.len());
         for slot in &slots {

@@ -338,7 +338,13 @@ impl StorageProvider {
             Self::reach_plugin(&config, &plugin, &layout, early_client),
             loading
         );
-        let (client, supervisor) = plugin_started?;
+        // What the load did on disk is done either way: a start that fails from here on says
+        // it in the log, since no recovery report will (the next start finds it done).
+        let lost = |e: ProviderError| {
+            log_report_of_failed_start(&plugin, &loaded.report);
+            e
+        };
+        let (client, supervisor) = plugin_started.map_err(lost)?;
         let vendor = client
             .get_plugin_info(proto::GetPluginInfoRequest {})
             .await
@@ -346,12 +352,13 @@ impl StorageProvider {
             .map_err(|source| ProviderError::Plugin {
                 plugin: plugin.clone(),
                 source,
-            })?;
+            })
+            .map_err(lost)?;
         let controller = match &config.controller_endpoint {
             None => client.clone(),
-            Some(endpoint) => {
-                connect_controller(endpoint, &config, &plugin, &client, &vendor).await?
-            }
+            Some(endpoint) => connect_controller(endpoint, &config, &plugin, &client, &vendor)
+                .await
+                .map_err(lost)?,
         };
         let provider = Arc::new(StorageProvider {
             plugin,
@@ -1239,6 +1246,19 @@ pub(crate) fn target_mismatch(
         AccessType::Mount if !kind.is_dir() => Some("the target is not a directory"),
         AccessType::Block if !kind.is_block_device() => Some("the target is not a block device"),
         _ => None,
+    }
+}
+
+/// Logs what recovery's load changed on disk (`report`) when the provider's start then failed
+/// (its plugin could not be reached): the report is not kept, and the next start finds those
+/// changes already made.
+fn log_report_of_failed_start(plugin: &str, report: &RecoveryReport) {
+    for (path, aside, reason) in &report.corrupt {
+        tracing::warn!(%plugin, path = %path.display(), aside = %aside.display(), %reason,
+            "start failed after recovery set this corrupt volume state aside");
+    }
+    for action in &report.actions {
+        tracing::warn!(%plugin, %action, "start failed after recovery made this change");
     }
 }
 

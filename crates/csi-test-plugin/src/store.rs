@@ -448,7 +448,8 @@ fn replay(
 impl Store {
     /// Opens (creating if needed) the store under `work_dir`, deletes the leftovers of
     /// interrupted creates and removals, and loads every record: the journal's (see the module
-    /// doc) over the files, then written back (compaction) with `writes` journaled.
+    /// doc) over the files, written back (compaction) only when the journal is due, or with
+    /// `writes` through (the journal then goes).
     pub fn open(work_dir: &Path, writes: Writes) -> Result<Store, StoreError> {
         let root = work_dir.join("volumes");
         super::backing::private_dir(&root)
