@@ -729,7 +729,21 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
     );
 
     // It runs but never serves its socket: refused after the ready timeout, and the process
-    // is killed (nothing of it is left running).
+    // is killed (nothing of it is left running). Recovery's load, which runs while the plugin
+    // starts, has still finished: a corrupt state file is set aside, not left half-handled.
+    let volumes: Vec<_> = std::fs::read_dir(work.join("csi"))
+        .unwrap()
+        .map(|t| t.unwrap().path().join("default").join("volumes"))
+        .filter(|v| v.is_dir())
+        .collect();
+    assert_eq!(
+        volumes.len(),
+        1,
+        "the failed start made its provider's directories"
+    );
+    let bad = volumes[0].join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::write(bad.join("volume.state"), b"{").unwrap();
     let mut c = config(&work, "default", &[]);
     c.ready_timeout = Duration::from_millis(300);
     // A copy of sleep under the sandbox, so its command line names the sandbox.
@@ -747,6 +761,14 @@ async fn a_managed_plugin_that_cannot_start_or_never_gets_ready_fails_the_start_
     );
     // The last cause, typed and shown once by the chain.
     assert!(err.ends_with(": its socket was not created"), "{err}");
+    let left: Vec<String> = std::fs::read_dir(&bad)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        left.len() == 1 && left[0].starts_with("volume.state.corrupt-"),
+        "{left:?}"
+    );
     assert!(
         started.elapsed() >= Duration::from_millis(300),
         "it did wait"

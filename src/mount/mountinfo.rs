@@ -346,6 +346,23 @@ impl MntIdReq {
             param,
         }
     }
+
+    /// `statmount` or `listmount` (`call`) of this request into `out`, whose length the call is
+    /// told in bytes (statmount's `bufsize`) or, `in_ids`, in ids (listmount's `nr_mnt_ids`):
+    /// either way taken from `out` itself. The syscall's answer (-1: see errno).
+    fn ask(&self, call: libc::c_long, out: &mut [u64], in_ids: bool) -> libc::c_long {
+        let len = if in_ids {
+            out.len()
+        } else {
+            std::mem::size_of_val(out)
+        };
+        // SAFETY: statmount(const struct mnt_id_req *req, struct statmount *buf, size_t bufsize,
+        // unsigned int flags) and listmount(const struct mnt_id_req *req, u64 *mnt_ids, size_t
+        // nr_mnt_ids, unsigned int flags): `self` is a live, initialised request of the size it
+        // states; `out` is a writable, 8-byte aligned buffer whose length is given in the unit
+        // the call counts in.
+        unsafe { libc::syscall(call, self as *const MntIdReq, out.as_mut_ptr(), len, 0u32) }
+    }
 }
 
 /// `listmount`'s number: the same on every architecture of the unified syscall table (Linux 6.8).
@@ -383,18 +400,7 @@ fn parent_mount_id(unique_id: u64) -> Option<u64> {
     // sb_magic (u64), sb_flags, fs_type (u32), mnt_id (u64, word 5), mnt_parent_id (u64, word
     // 6), ...; room for all of it and its strings.
     let mut buf = [0u64; 128];
-    // SAFETY: statmount(const struct mnt_id_req *req, struct statmount *buf, size_t bufsize,
-    // unsigned int flags): `req` is live and initialised, `buf` is a writable, 8-byte aligned
-    // buffer of the size given.
-    let rc = unsafe {
-        libc::syscall(
-            SYS_STATMOUNT,
-            &req as *const MntIdReq,
-            buf.as_mut_ptr(),
-            std::mem::size_of_val(&buf),
-            0u32,
-        )
-    };
+    let rc = req.ask(SYS_STATMOUNT, &mut buf, false);
     let asked = buf[1] & STATMOUNT_MNT_BASIC != 0;
     (rc == 0 && asked && buf[5] == unique_id).then_some(buf[6])
 }
@@ -415,18 +421,7 @@ fn unstacked_mount_id(path: &Path) -> Option<u64> {
 fn has_child_mount_ids(unique_id: u64) -> Option<bool> {
     let req = MntIdReq::new(unique_id, 0);
     let mut ids = [0u64; 1];
-    // SAFETY: listmount(const struct mnt_id_req *req, u64 *mnt_ids, size_t nr_mnt_ids,
-    // unsigned int flags): `req` is a live, initialised request of the size it states; `ids` is
-    // a writable array of the one element the call is told it holds.
-    let n = unsafe {
-        libc::syscall(
-            SYS_LISTMOUNT,
-            &req as *const MntIdReq,
-            ids.as_mut_ptr(),
-            ids.len(),
-            0u32,
-        )
-    };
+    let n = req.ask(SYS_LISTMOUNT, &mut ids, true);
     (n >= 0).then_some(n > 0)
 }
 

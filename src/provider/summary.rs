@@ -113,29 +113,16 @@ pub struct FileId {
 }
 
 impl FileId {
-    /// The identity in `meta` (from `fstat`, or `statx` without following a symlink).
-    pub fn of(meta: &std::fs::Metadata) -> FileId {
-        use std::os::unix::fs::MetadataExt;
-        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
-        FileId {
-            dev: meta.dev(),
-            ino: meta.ino(),
-            size: meta.size(),
-            mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
-            ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
-        }
-    }
-
-    /// The identity in `st` (from `fstatat` without following a symlink): the same fields as
-    /// [`FileId::of`].
+    /// The identity in `st` (from `fstat`, or `fstatat`/`lstat` without following a symlink).
     pub fn of_stat(st: &nix::sys::stat::FileStat) -> FileId {
-        let ns = |s: i64, n: i64| i128::from(s) * 1_000_000_000 + i128::from(n);
+        // Whatever width the C library gives the time fields.
+        let ns = |s: i128, n: i128| s * 1_000_000_000 + n;
         FileId {
             dev: st.st_dev,
             ino: st.st_ino,
             size: st.st_size as u64,
-            mtime_ns: ns(st.st_mtime, st.st_mtime_nsec),
-            ctime_ns: ns(st.st_ctime, st.st_ctime_nsec),
+            mtime_ns: ns(st.st_mtime.into(), st.st_mtime_nsec.into()),
+            ctime_ns: ns(st.st_ctime.into(), st.st_ctime_nsec.into()),
         }
     }
 }
@@ -549,9 +536,9 @@ fn still_recorded(
         )
         .ok()
         .map(|st| FileId::of_stat(&st)),
-        None => std::fs::symlink_metadata(volumes.join(&relative))
+        None => nix::sys::stat::lstat(&volumes.join(&relative))
             .ok()
-            .map(|meta| FileId::of(&meta)),
+            .map(|st| FileId::of_stat(&st)),
     };
     now.is_some_and(|now| unchanged(recorded, &now, read_at))
 }
@@ -601,10 +588,10 @@ fn read_volume_dir(volumes: &Path, name: &str, journaled: Option<&Option<Vec<u8>
 fn read_with_id(path: &Path) -> std::io::Result<(Vec<u8>, FileId)> {
     use std::io::Read;
     let mut file = std::fs::File::open(path)?;
-    let meta = file.metadata()?;
-    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    let id = FileId::of_stat(&nix::sys::stat::fstat(&file)?);
+    let mut bytes = Vec::with_capacity(id.size as usize);
     file.read_to_end(&mut bytes)?;
-    Ok((bytes, FileId::of(&meta)))
+    Ok((bytes, id))
 }
 
 /// The summary a compaction writes for `layout` once its state files are written back (see the
