@@ -113,14 +113,15 @@ where
                 scope.spawn(move || work(run))
             })
             .collect();
-        running
-            .into_iter()
-            .flat_map(|thread| match thread.join() {
-                Ok(answers) => answers,
-                Err(panic) => std::panic::resume_unwind(panic),
-            })
-            .collect()
+        running.into_iter().flat_map(joined).collect()
     })
+}
+
+/// What a scoped thread answered; its panic resumed in the caller.
+pub(crate) fn joined<T>(thread: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    thread
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 #[cfg(test)]

@@ -134,19 +134,20 @@ fn bind_mount_and_readonly_remount() {
     sb.assert_clean();
 }
 
-/// `status` asks about thousands of mount points at once: the statx answers, given by a few
-/// threads a run of paths each, are the table's, in the paths' order.
+/// `status` asks about thousands of mount points at once, each volume's target and staging path
+/// under its provider's `mounts/`: the statx answers are the table's, entry by entry.
 #[test]
 fn thousands_of_mount_points_are_answered_as_the_table_says() {
     let sb = Sandbox::new();
     let sys = LinuxSyscall;
     let src = sb.mkdir("src");
-    // Two providers' `mounts/`, 2,500 volumes each, a target and a staging path per volume
-    // (10,000 paths: several runs); a few of them bind-mounted, spread over every run.
+    let leaves = ["target", "staging"];
+    // Two providers' `mounts/`, 2,500 volumes each, a target and a staging path per volume; a
+    // few of them bind-mounted, spread over both.
     let mut paths = Vec::new();
     for provider in ["a", "b"] {
         for i in 0..2500 {
-            for leaf in ["target", "staging"] {
+            for leaf in leaves {
                 paths.push(sb.mkdir(&format!("{provider}/mounts/v{i:04}/{leaf}")));
             }
         }
@@ -155,22 +156,37 @@ fn thousands_of_mount_points_are_answered_as_the_table_says() {
     for &i in &mounted {
         sys.bind_mount(&src, &paths[i], false).unwrap();
     }
-    // One that does not exist, one that is not a mount point's parent: both false.
-    paths.push(sb.path.join("a/mounts/gone/target"));
-    let asked: Vec<&Path> = paths.iter().map(PathBuf::as_path).collect();
     let table = ProcMountTable::new();
-    let answers = table.mount_points_among(&asked).unwrap();
-    let expected: Vec<bool> = (0..asked.len()).map(|i| mounted.contains(&i)).collect();
-    assert_eq!(answers, expected);
-    // The same as the default answer from the whole table.
     let listed: std::collections::HashSet<PathBuf> = table
         .mounts()
         .unwrap()
         .into_iter()
         .map(|m| m.mount_point)
         .collect();
-    let from_table: Vec<bool> = asked.iter().map(|p| listed.contains(*p)).collect();
-    assert_eq!(answers, from_table);
+    let names: Vec<String> = (0..2500).map(|i| format!("v{i:04}")).collect();
+    for (p, provider) in ["a", "b"].into_iter().enumerate() {
+        // Every volume, and one whose directory does not exist (both false).
+        let mut entries: Vec<&str> = names.iter().map(String::as_str).collect();
+        entries.push("gone");
+        let dir = sb.path.join(provider).join("mounts");
+        let answers = table.mount_points_beneath(&dir, &entries, &leaves).unwrap();
+        let expected: Vec<bool> = (0..2500 * 2)
+            .map(|i| mounted.contains(&(p * 5000 + i)))
+            .chain([false, false])
+            .collect();
+        assert_eq!(answers, expected, "{provider}");
+        // The same as the default answer from the whole table.
+        let from_table: Vec<bool> = entries
+            .iter()
+            .flat_map(|e| leaves.map(|leaf| listed.contains(&dir.join(e).join(leaf))))
+            .collect();
+        assert_eq!(answers, from_table, "{provider}");
+    }
+    // A `mounts/` that does not exist: every answer false (from the table).
+    let none = table
+        .mount_points_beneath(&sb.path.join("c/mounts"), &["v0000"], &leaves)
+        .unwrap();
+    assert_eq!(none, [false, false]);
     for &i in &mounted {
         sys.unmount(&paths[i], false).unwrap();
     }

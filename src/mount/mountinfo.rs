@@ -8,7 +8,7 @@
 //! keep their exact bytes (a non-UTF-8 mount point anywhere in the table must not break readers).
 
 use std::ffi::OsString;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -109,12 +109,20 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
         self.is_mount_point(path)
     }
 
-    /// [`is_mount_point`](Self::is_mount_point) of each of `paths`, for a reader asking about
-    /// thousands at once (`status`): by default one read of the table and a set lookup each;
-    /// an implementation that can tell whether a path is a mount root without the table (whose
-    /// size grows with every mount on the node) answers each path on its own.
-    fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
-        Ok(mount_points_in(self.mounts()?, paths))
+    /// Whether `dir/<entry>/<leaf>` is a mount point ([`is_mount_point`](Self::is_mount_point)),
+    /// for every entry of `entries` and every leaf of `leaves`, entry by entry (the answer for
+    /// `entries[i]` and `leaves[j]` at `i * leaves.len() + j`): for a reader asking about
+    /// thousands at once (`status`: each volume's target and staging path under its provider's
+    /// `mounts/`). By default one read of the table and a set lookup each; an implementation that
+    /// can tell whether a path is a mount root without the table (whose size grows with every
+    /// mount on the node) answers each on its own.
+    fn mount_points_beneath(
+        &self,
+        dir: &Path,
+        entries: &[&str],
+        leaves: &[&str],
+    ) -> Result<Vec<bool>, MountError> {
+        Ok(mount_points_in(self.mounts()?, dir, entries, leaves))
     }
 
     /// [`is_mount_root`](Self::is_mount_root), with the unique id of the mount rooted there where the
@@ -146,32 +154,20 @@ pub trait MountTable: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Which of `paths` some mount of `mounts` has as its mount point: one set, a lookup each.
-fn mount_points_in(mounts: Vec<MountInfo>, paths: &[&Path]) -> Vec<bool> {
+/// [`MountTable::mount_points_beneath`] answered from `mounts`: one set, a lookup each.
+fn mount_points_in(
+    mounts: Vec<MountInfo>,
+    dir: &Path,
+    entries: &[&str],
+    leaves: &[&str],
+) -> Vec<bool> {
     let points: std::collections::HashSet<PathBuf> =
         mounts.into_iter().map(|m| m.mount_point).collect();
-    paths.iter().map(|p| points.contains(*p)).collect()
-}
-
-/// `path` cut before its last two components, on the separator (pure; byte by byte, not by
-/// `Path::components`, which costs more than the statx it saves at 20,000 paths): the
-/// grandparent and what is below it, which resolves there as the whole path does. `None` for a
-/// path with fewer than three separators' worth of components or ending in a separator.
-fn split_grandparent(path: &Path) -> Option<(&Path, &Path)> {
-    let bytes = path.as_os_str().as_bytes();
-    if bytes.last() == Some(&b'/') {
-        return None;
-    }
-    let last = bytes.iter().rposition(|&b| b == b'/')?;
-    let cut = bytes[..last].iter().rposition(|&b| b == b'/')?;
-    let (grand, below) = (&bytes[..cut], &bytes[cut + 1..]);
-    if grand.is_empty() || below.starts_with(b"/") {
-        return None;
-    }
-    Some((
-        Path::new(std::ffi::OsStr::from_bytes(grand)),
-        Path::new(std::ffi::OsStr::from_bytes(below)),
-    ))
+    entries
+        .iter()
+        .flat_map(|entry| leaves.iter().map(move |leaf| dir.join(entry).join(leaf)))
+        .map(|path| points.contains(&path))
+        .collect()
 }
 
 /// The real mount table of a process, read from `/proc/self/mountinfo` or `/proc/<pid>/mountinfo`.
@@ -222,41 +218,44 @@ impl MountTable for ProcMountTable {
     }
 
     /// One statx per path (no sync with a remote file system, no automount), never the table:
-    /// at 20,000 mounts the kernel takes longer to print the table than the statx take. Each
-    /// path is asked relative to its grandparent, opened once for a run of paths that share it
-    /// (a provider's `mounts/`): a walk of two components, not of the whole path. On the
-    /// caller's thread (`status` spreads its volumes over a few, each asking for its own run).
-    /// Falls back to the table, once per call, when the kernel cannot say (before Linux 5.8) or
-    /// for another process's table.
-    fn mount_points_among(&self, paths: &[&Path]) -> Result<Vec<bool>, MountError> {
+    /// at 20,000 mounts the kernel takes longer to print the table than the statx take. `dir` is
+    /// opened once and each `<entry>/<leaf>` asked relative to it (a walk of two components, the
+    /// name built in one reused buffer: no path allocated per question). On the caller's thread
+    /// (`status` spreads its volumes over a few, each asking for its own run). Falls back to the
+    /// table, once per call, when `dir` cannot be opened, when the kernel cannot say (before
+    /// Linux 5.8), or for another process's table.
+    fn mount_points_beneath(
+        &self,
+        dir: &Path,
+        entries: &[&str],
+        leaves: &[&str],
+    ) -> Result<Vec<bool>, MountError> {
+        let from_table = || Ok(mount_points_in(self.mounts()?, dir, entries, leaves));
         if self.pid.is_some() {
-            return Ok(mount_points_in(self.mounts()?, paths));
+            return from_table();
         }
-        let mut dir: Option<(&[u8], std::fs::File)> = None;
-        let answers: Option<Vec<bool>> = paths
-            .iter()
-            .map(|p| {
-                let Some((grand, relative)) = split_grandparent(p) else {
-                    return statx_mount_root_nosync(None, p);
+        let Ok(opened) = std::fs::File::open(dir) else {
+            return from_table();
+        };
+        let mut name = Vec::with_capacity(128);
+        let mut answers = Vec::with_capacity(entries.len() * leaves.len());
+        for entry in entries {
+            for leaf in leaves {
+                name.clear();
+                name.extend_from_slice(entry.as_bytes());
+                name.push(b'/');
+                name.extend_from_slice(leaf.as_bytes());
+                name.push(0);
+                let Ok(c_name) = std::ffi::CStr::from_bytes_with_nul(&name) else {
+                    return from_table();
                 };
-                if dir
-                    .as_ref()
-                    .is_none_or(|(d, _)| *d != grand.as_os_str().as_bytes())
-                {
-                    dir = std::fs::File::open(grand)
-                        .ok()
-                        .map(|f| (grand.as_os_str().as_bytes(), f));
+                match statx_mount_root_nosync(&opened, c_name) {
+                    Some(answer) => answers.push(answer),
+                    None => return from_table(),
                 }
-                match &dir {
-                    Some((_, f)) => statx_mount_root_nosync(Some(f), relative),
-                    None => statx_mount_root_nosync(None, p),
-                }
-            })
-            .collect();
-        match answers {
-            Some(answers) => Ok(answers),
-            None => Ok(mount_points_in(self.mounts()?, paths)),
+            }
         }
+        Ok(answers)
     }
 
     /// Two statx (the unique ids of the mount at `path` and of the one its parent directory is
@@ -436,15 +435,12 @@ fn statx_mount_root(path: &Path) -> Option<bool> {
     }
 }
 
-/// [`statx_mount_root`] of `path` (relative to `dir` when given) for a reader that must not
-/// block on a file system: no attributes asked, none synced with a remote server
-/// (`AT_STATX_DONT_SYNC`).
-fn statx_mount_root_nosync(dir: Option<&std::fs::File>, path: &Path) -> Option<bool> {
+/// [`statx_mount_root`] of `name`, relative to `dir`, for a reader that must not block on a file
+/// system: no attributes asked, none synced with a remote server (`AT_STATX_DONT_SYNC`).
+/// `Some(false)` when there is no such entry.
+fn statx_mount_root_nosync(dir: &std::fs::File, name: &std::ffi::CStr) -> Option<bool> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
-    let dirfd = dir.map_or(libc::AT_FDCWD, |d| d.as_raw_fd());
-    match statx_mask(dirfd, &c_path, libc::AT_STATX_DONT_SYNC, 0) {
+    match statx_mask(dir.as_raw_fd(), name, libc::AT_STATX_DONT_SYNC, 0) {
         Ok(st) => mount_root_attr(&st),
         Err(Errno::ENOENT | Errno::ENOTDIR) => Some(false),
         Err(_) => None,
@@ -654,34 +650,22 @@ fn unescape(bytes: &[u8]) -> Result<Vec<u8>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
 
     #[test]
-    fn a_path_is_cut_before_its_last_two_components_or_not_at_all() {
-        // (path, the grandparent and what is below it)
-        let cases: [(&str, Option<(&str, &str)>); 10] = [
-            (
-                "/w/csi/t/n/mounts/v1/target",
-                Some(("/w/csi/t/n/mounts", "v1/target")),
-            ),
-            ("/a/b/c", Some(("/a", "b/c"))),
-            ("a/b/c", Some(("a", "b/c"))),
-            ("/a/b/../c", Some(("/a/b", "../c"))),
-            ("/a//b/c", Some(("/a/", "b/c"))),
-            // Too short, or cut where the rest would not resolve as the whole path does.
-            ("/b/c", None),
-            ("b/c", None),
-            ("/a/b/c/", None),
-            ("/a/b//c", None),
-            ("", None),
-        ];
-        for (path, want) in cases {
-            let got = split_grandparent(Path::new(path));
-            let got = got.map(|(g, b)| (g.to_str().unwrap(), b.to_str().unwrap()));
-            assert_eq!(got, want, "{path}");
-            if let Some((grand, below)) = want {
-                assert_eq!(Path::new(grand).join(below), Path::new(path), "{path}");
-            }
-        }
+    fn the_default_answers_entry_by_entry_from_the_table() {
+        let mounts = parse_mountinfo(
+            b"40 1 8:1 / /w/mounts/b/staging rw - ext4 /dev/vda rw\n\
+              41 1 8:1 / /w/mounts/a/target rw - ext4 /dev/vda rw\n",
+        )
+        .unwrap();
+        let answers = mount_points_in(
+            mounts,
+            Path::new("/w/mounts"),
+            &["a", "b", "c"],
+            &["target", "staging"],
+        );
+        assert_eq!(answers, [true, false, false, true, false, false]);
     }
 
     #[test]

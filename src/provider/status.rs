@@ -192,7 +192,7 @@ impl Default for ScanOptions {
 /// is current; else (an older release's work dir, or until the provider's next compaction after
 /// `volume detach`), per volume directory, a listing and a read of the state file the journal
 /// does not cover; spread over a few threads (see [`crate::provider::summary`]). Then one
-/// mount check per target and staging path ([`MountTable::mount_points_among`]).
+/// mount check per target and staging path ([`MountTable::mount_points_beneath`]).
 pub fn scan(work_dir: &Path, table: &dyn MountTable) -> Result<StatusReport, MountError> {
     scan_with(work_dir, table, ScanOptions::default())
 }
@@ -207,17 +207,29 @@ pub fn scan_with(
     let mut report = StatusReport::default();
     for (plugin_type, plugin_name) in plugins(&csi) {
         let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
+        let volumes = layout.volumes_dir();
+        let summary_path = layout.base().join(summary::SUMMARY_FILE);
+        // Three reads that need none of the others, side by side: the listing of `volumes/`
+        // (thousands of entries), the summary (megabytes) and the journal.
+        let (listed, read_summary, journal) = std::thread::scope(|s| {
+            let listing = s.spawn(|| summary::list(&volumes));
+            let summary = how
+                .use_summary
+                .then(|| s.spawn(|| summary::read(&summary_path)));
+            let journal = checkpoint::read_journal_entries(&layout);
+            (
+                crate::offload::joined(listing),
+                summary.map(crate::offload::joined),
+                journal,
+            )
+        });
         // The journal's complete entries, over the state files: the truth while a provider
         // runs (its state files are written back lazily). A refused journal is reported and
         // the state files shown alone.
-        let (journaled, found_summary) = match checkpoint::read_journal_entries(&layout) {
+        let (journaled, found_summary) = match journal {
             Ok(entries) => {
-                let summary = entries.as_ref().filter(|_| how.use_summary).and_then(|p| {
-                    summary::read_current(
-                        &layout.base().join(summary::SUMMARY_FILE),
-                        p.first_seq,
-                        p.entries.len() as u64,
-                    )
+                let summary = entries.as_ref().zip(read_summary).and_then(|(p, read)| {
+                    summary::keep_current(&summary_path, read, p.first_seq, p.entries.len() as u64)
                 });
                 // All of them, over a summary too: those it covers say again what it says, and a
                 // crash between its write and the journal's reset may have left a volume
@@ -236,11 +248,9 @@ pub fn scan_with(
             }
         };
         let plugin = format!("{plugin_type}/{plugin_name}");
-        let volumes = layout.volumes_dir();
         // Thousands of directories checked (or read), their records parsed and their mount
         // points asked, by a few threads, a run of directories each.
-        let plan = summary::plan(&volumes, found_summary, &journaled);
-        report.volumes.reserve(plan.names.len());
+        let plan = summary::plan(listed, found_summary, &journaled);
         let runs = crate::offload::scoped_runs(plan.names, how.dirs_per_thread, |run| {
             let found = summary::resolve(&volumes, &journaled, plan.read_at, run);
             let read = found.iter().filter(|(_, read)| *read).count();
@@ -252,7 +262,13 @@ pub fn scan_with(
             let (unreadable, volumes) = run?;
             read += run_read;
             report.unreadable.extend(unreadable);
-            report.volumes.extend(volumes);
+            // The first run's volumes taken as they are (megabytes not copied), the others
+            // appended (a large buffer grows in place).
+            if report.volumes.is_empty() {
+                report.volumes = volumes;
+            } else {
+                report.volumes.extend(volumes);
+            }
         }
         tracing::debug!(%plugin, read, "volume directories read one by one");
     }
@@ -292,19 +308,16 @@ fn scan_run(
             None => {}
         }
     }
-    // Its directory's name is its encoded id (`from_state_file` checked).
+    // Its directory's name is its encoded id (`from_state_file` checked): its mount points are
+    // asked relative to `mounts/`, each volume's target and staging path, in that order.
     let mounts = layout.mounts_dir();
-    let points: Vec<[PathBuf; 2]> = parsed
-        .iter()
-        .map(|(name, _)| Layout::mount_points_named(&mounts, name))
-        .collect();
-    let asked: Vec<&Path> = points.iter().flatten().map(PathBuf::as_path).collect();
-    let answers = table.mount_points_among(&asked)?;
+    let names: Vec<&str> = parsed.iter().map(|(name, _)| name.as_str()).collect();
+    let answers = table.mount_points_beneath(&mounts, &names, &Layout::MOUNT_POINTS)?;
     let statuses = parsed
         .into_iter()
-        .zip(points)
         .zip(answers.chunks(2))
-        .map(|(((_, rec), [target, _]), mounted)| {
+        .map(|((name, rec), mounted)| {
+            let target = Layout::target_named(&mounts, &name);
             volume_status(plugin.to_string(), target, mounted[0], mounted[1], rec)
         })
         .collect();

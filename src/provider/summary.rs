@@ -389,7 +389,17 @@ pub fn read(path: &Path) -> Result<Option<Summary>, String> {
 /// `first` for `entries` ([`current`]); `None` otherwise, a refused one logged with a warning
 /// (the caller then reads the directories one by one).
 pub fn read_current(path: &Path, first: u64, entries: u64) -> Option<Summary> {
-    match read(path) {
+    keep_current(path, read(path), first, entries)
+}
+
+/// [`read_current`] of what [`read`] answered for `path` (read before the journal, or beside it).
+pub fn keep_current(
+    path: &Path,
+    read: Result<Option<Summary>, String>,
+    first: u64,
+    entries: u64,
+) -> Option<Summary> {
+    match read {
         Ok(Some(s)) if current(s.covers, first, entries) => Some(s),
         Ok(Some(s)) => {
             tracing::debug!(summary = %path.display(), covers = s.covers, first, entries,
@@ -418,7 +428,7 @@ pub fn volume_dirs(
     journaled: &Journaled,
     per_thread: usize,
 ) -> (Vec<VolumeDir>, usize) {
-    let plan = plan(volumes, summary, journaled);
+    let plan = plan(list(volumes), summary, journaled);
     let found = crate::offload::scoped_runs(plan.names, per_thread, |run| {
         resolve(volumes, journaled, plan.read_at, run)
     });
@@ -442,10 +452,9 @@ pub struct Named {
     known: Option<VolumeDir>,
 }
 
-/// Every name listed in `volumes` or journaled, in order, each listed one with the summary's
-/// entry for it if any (a named one that is gone is not used: the full scan does not see it,
-/// unless the journal names it: read). One listing; three sorted sequences merged.
-pub fn plan(volumes: &Path, summary: Option<Summary>, journaled: &Journaled) -> Plan {
+/// The names `volumes` lists, sorted (none when it cannot be listed: the journal may still name
+/// volumes).
+pub fn list(volumes: &Path) -> Vec<String> {
     let mut listed: Vec<String> = std::fs::read_dir(volumes)
         .into_iter()
         .flatten()
@@ -454,6 +463,13 @@ pub fn plan(volumes: &Path, summary: Option<Summary>, journaled: &Journaled) -> 
         .collect();
     listed.sort_unstable();
     listed.dedup();
+    listed
+}
+
+/// Every name `listed` (by [`list`]) or journaled, in order, each listed one with the summary's
+/// entry for it if any (a named one that is gone is not used: the full scan does not see it,
+/// unless the journal names it: read). Three sorted sequences merged.
+pub fn plan(listed: Vec<String>, summary: Option<Summary>, journaled: &Journaled) -> Plan {
     let read_at = summary.as_ref().map_or(i128::MIN, |s| s.read_at);
     let mut known = summary.into_iter().flat_map(|s| s.dirs).peekable();
     let mut listed = listed.into_iter().peekable();

@@ -118,12 +118,19 @@ impl Layout {
         target_under(&self.mounts_dir(), volume_id)
     }
 
-    /// [`Self::target_path`] and [`Self::staging_path`] of the volume whose directory name is
-    /// `enc` (its id already encoded: a name `volumes/` lists), under `mounts`, the
-    /// [`Self::mounts_dir`] a caller asking about thousands computed once.
-    pub fn mount_points_named(mounts: &Path, enc: &str) -> [PathBuf; 2] {
-        let dir = mounts.join(enc);
-        [dir.join(TARGET), dir.join(STAGING)]
+    /// The last components of [`Self::target_path`] and [`Self::staging_path`], in that order:
+    /// the mount points of a volume's directory under [`Self::mounts_dir`].
+    pub const MOUNT_POINTS: [&'static str; 2] = [TARGET, STAGING];
+
+    /// [`Self::target_path`] of the volume whose directory name is `enc` (its id already
+    /// encoded: a name `volumes/` lists), under `mounts`, the [`Self::mounts_dir`] a caller
+    /// asking about thousands computed once.
+    pub fn target_named(mounts: &Path, enc: &str) -> PathBuf {
+        let mut path = PathBuf::with_capacity(mounts.as_os_str().len() + enc.len() + 8);
+        path.push(mounts);
+        path.push(enc);
+        path.push(TARGET);
+        path
     }
 
     /// `creating/`.
@@ -206,8 +213,15 @@ mod tests {
         }
         // The same paths from an encoded directory name, as `status` builds them.
         for id in ["a/b", "..", "v1"] {
+            let (mounts, enc) = (l.mounts_dir(), encode_volume_id(id));
             assert_eq!(
-                Layout::mount_points_named(&l.mounts_dir(), &encode_volume_id(id)),
+                Layout::target_named(&mounts, &enc),
+                l.target_path(id),
+                "{id}"
+            );
+            let [target, staging] = Layout::MOUNT_POINTS.map(|leaf| mounts.join(&enc).join(leaf));
+            assert_eq!(
+                [target, staging],
                 [l.target_path(id), l.staging_path(id)],
                 "{id}"
             );
