@@ -115,6 +115,15 @@ struct Args {
     /// Run section 4 (the concurrent launches) alone.
     #[arg(long, conflicts_with = "node_scale_only")]
     burst_only: bool,
+    /// Section 4's bursts instead of the default ones, as CONTAINERS:RUNS,... (e.g. `16:64` or
+    /// `16:5,256:2`), for profiling one size at a time. The 256-vs-16 target is judged only when
+    /// both sizes run.
+    #[arg(long, value_parser = parse_bursts)]
+    bursts: Option<Vec<(usize, usize)>>,
+    /// Section 4 without the launch: each container is prepared and cleaned up, but no
+    /// namespace is made and no workload runs (what the isolator and its plugin cost alone).
+    #[arg(long)]
+    burst_without_launch: bool,
     /// Internal: be the serve-like child holding N volumes.
     #[arg(long, hide = true)]
     hold: Option<usize>,
@@ -142,6 +151,8 @@ struct Plan {
     node_scale_only: bool,
     /// Section 4 alone.
     burst_only: bool,
+    /// Section 4 launches each container's workload (else prepare and cleanup only).
+    launch_in_burst: bool,
 }
 
 impl Plan {
@@ -160,7 +171,8 @@ impl Plan {
         }
         node_scale.dedup();
         let (node_scale_only, burst_only) = (args.node_scale_only, args.burst_only);
-        if quick {
+        let launch_in_burst = !args.burst_without_launch;
+        let mut plan = if quick {
             Plan {
                 name: "quick",
                 cold: 30,
@@ -173,6 +185,7 @@ impl Plan {
                 node_scale,
                 node_scale_only,
                 burst_only,
+                launch_in_burst,
             }
         } else {
             Plan {
@@ -187,13 +200,34 @@ impl Plan {
                 node_scale,
                 node_scale_only,
                 burst_only,
+                launch_in_burst,
             }
+        };
+        if let Some(bursts) = &args.bursts {
+            plan.concurrency = bursts.clone();
         }
+        plan
     }
 
     fn max_containers(&self) -> usize {
         self.concurrency.iter().map(|(c, _)| *c).max().unwrap_or(1)
     }
+}
+
+/// `--bursts`: CONTAINERS:RUNS pairs, comma-separated, each at least 1.
+fn parse_bursts(text: &str) -> Result<Vec<(usize, usize)>, String> {
+    text.split(',')
+        .map(|pair| {
+            let (containers, runs) = pair
+                .split_once(':')
+                .ok_or_else(|| format!("{pair:?}: expected CONTAINERS:RUNS, e.g. 16:5"))?;
+            let number = |v: &str| match v.trim().parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(format!("{pair:?}: {v:?} is not a count of at least 1")),
+            };
+            Ok((number(containers)?, number(runs)?))
+        })
+        .collect()
 }
 
 fn main() -> ExitCode {
@@ -516,7 +550,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         let rule = "-".repeat(112);
         println!("{rule}\n{header}\n{rule}");
         let mut targets = Vec::new();
-        print_concurrency(&conc, &mut targets);
+        print_concurrency(plan, &conc, &mut targets);
         print_targets(plan, &targets, started.elapsed());
         println!("{rule}");
         return Ok(());
@@ -734,12 +768,14 @@ async fn measure_launch(
     Ok(measured)
 }
 
-/// One container through the whole pipeline; returns when it is cleaned up.
+/// One container through the whole pipeline (without `launch`: prepared and cleaned up, no
+/// namespace, no workload); returns when it is cleaned up.
 async fn container(
     isolator: Arc<VolumeIsolator>,
     id: String,
     config: ContainerConfig,
     start: Arc<tokio::sync::Barrier>,
+    launch: bool,
 ) -> Result<Instant> {
     start.wait().await;
     let sandbox = config.sandbox.clone();
@@ -754,6 +790,9 @@ async fn container(
         ..Default::default()
     };
     let ran = async {
+        if !launch {
+            return anyhow::Ok(());
+        }
         let mut launched = tokio::task::spawn_blocking(move || {
             launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
         })
@@ -774,16 +813,29 @@ async fn container(
     Ok(Instant::now())
 }
 
-/// `runs` bursts of `n` containers; `volume(j)` is container j's volume (of `provider`).
+/// What every burst of section 4 runs through.
+struct Bursts<'a> {
+    plan: &'a Plan,
+    isolator: Arc<VolumeIsolator>,
+    provider: &'a StorageProvider,
+    sandbox: &'a Sandbox,
+}
+
+/// `runs` bursts of `n` containers; `volume(j)` is container j's volume (of the provider); each
+/// container's workload launched as the plan says.
 async fn burst(
-    isolator: &Arc<VolumeIsolator>,
-    provider: &StorageProvider,
+    on: &Bursts<'_>,
     label: &str,
     n: usize,
     runs: usize,
     volume: impl Fn(usize) -> Resource,
-    sandbox: &Sandbox,
 ) -> Result<ConcRow> {
+    let Bursts {
+        plan,
+        isolator,
+        provider,
+        sandbox,
+    } = on;
     let mut latency = Samples::new();
     let mut wall = Duration::ZERO;
     let f0 = csi_isolator::durable::syncs();
@@ -806,6 +858,7 @@ async fn burst(
                 id,
                 config,
                 start.clone(),
+                plan.launch_in_burst,
             )));
         }
         let t0 = Instant::now();
@@ -864,49 +917,24 @@ async fn measure_concurrency(
         Arc::new(LinuxSyscall::new()),
         Arc::new(ProcMountTable::new()),
     ));
-    // One untimed container first.
-    burst(
-        &isolator,
+    let on = Bursts {
+        plan,
+        isolator,
         provider,
-        "warmup",
-        1,
-        1,
-        |_| pool[0].resource.clone(),
         sandbox,
-    )
-    .await?;
+    };
+    // One untimed container first.
+    burst(&on, "warmup", 1, 1, |_| pool[0].resource.clone()).await?;
     let mut rows = Vec::new();
     for &(n, runs) in &plan.concurrency {
         progress(&format!("  {n} containers x {runs} runs, own volume each"));
-        rows.push(
-            burst(
-                &isolator,
-                provider,
-                "own",
-                n,
-                runs,
-                |j| pool[j].resource.clone(),
-                sandbox,
-            )
-            .await?,
-        );
+        rows.push(burst(&on, "own", n, runs, |j| pool[j].resource.clone()).await?);
     }
     let (n, runs) = plan.shared;
     progress(&format!(
         "  {n} containers x {runs} runs, one shared volume"
     ));
-    rows.push(
-        burst(
-            &isolator,
-            provider,
-            "shared",
-            n,
-            runs,
-            |_| pool[0].resource.clone(),
-            sandbox,
-        )
-        .await?,
-    );
+    rows.push(burst(&on, "shared", n, runs, |_| pool[0].resource.clone()).await?);
     let left = provider
         .volumes()
         .await
@@ -1137,7 +1165,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     }
 
     println!();
-    print_concurrency(conc, &mut targets);
+    print_concurrency(plan, conc, &mut targets);
 
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
@@ -1199,9 +1227,19 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     println!("{rule}");
 }
 
-/// Section 4's table and its targets.
-fn print_concurrency(conc: &[ConcRow], targets: &mut Vec<(String, String, bool)>) {
-    println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
+/// Section 4's table and its targets (judged only when each container was launched).
+fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, String, bool)>) {
+    if plan.launch_in_burst {
+        println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
+    } else {
+        println!("4. CONCURRENCY WITHOUT THE LAUNCH (--burst-without-launch): containers started at once; each: isolator.prepare (publish) + isolator.cleanup (unpublish); no namespace, no workload; the targets are not judged");
+    }
+    let mut targets_if_launched = Vec::new();
+    let targets = if plan.launch_in_burst {
+        targets
+    } else {
+        &mut targets_if_launched
+    };
     println!(
         "  {:<12} {:>4} {:>9} {:>11} {:>9} {:>9} {:>13} {:>20} {:>7}",
         "containers",

@@ -250,9 +250,12 @@ async fn pause_for_profiling(serve_dir: &Path, pid: u32, ns: &Namespace) -> Resu
     Ok(())
 }
 
-/// [`STATUS_RUNS`] runs of `bin --work-dir WORK status --json EXTRA` in the namespace: their
-/// wall times and how many volumes the last one had no stats for (none without `--stats`). Each must list `volumes`
-/// volumes and exit 0 (every volume agrees with the mount table).
+/// [`STATUS_RUNS`] runs of `bin --work-dir WORK status --json EXTRA > FILE` in the namespace:
+/// their wall times and how many volumes the last one had no stats for (none without
+/// `--stats`). Each must list `volumes` volumes and exit 0 (every volume agrees with the mount
+/// table). The report (megabytes at 10,000) goes to a file beside WORK, as an operator's
+/// `> FILE` sends it, and is read after the clock stops: a pipe would time this process's own
+/// reading of it too, on the same two cores.
 fn status_cli(
     bin: &Path,
     work: &Path,
@@ -262,18 +265,24 @@ fn status_cli(
 ) -> Result<(Samples, usize)> {
     let mut times = Samples::new();
     let mut unavailable = 0;
+    let report = work.with_file_name("status.json");
     for _ in 0..STATUS_RUNS {
+        let file = std::fs::File::create(&report)
+            .with_context(|| format!("create {}", report.display()))?;
         let mut cmd = std::process::Command::new(bin);
         cmd.arg("--work-dir")
             .arg(work)
             .args(["status", "--json"])
             .args(extra)
             .stdin(Stdio::null())
+            .stdout(file)
             .stderr(Stdio::piped());
         serve::in_namespace(&mut cmd, Some(&ns.ns));
         let t = Instant::now();
         let out = cmd.output().context("run csi-isolator status")?;
         times.push(t.elapsed());
+        let stdout =
+            std::fs::read(&report).with_context(|| format!("read {}", report.display()))?;
         ensure!(
             out.status.success(),
             "csi-isolator status {extra:?}: {} ({})",
@@ -281,7 +290,7 @@ fn status_cli(
             String::from_utf8_lossy(&out.stderr).trim()
         );
         let json: serde_json::Value =
-            serde_json::from_slice(&out.stdout).context("parse status --json")?;
+            serde_json::from_slice(&stdout).context("parse status --json")?;
         let listed = json["volumes"].as_array().map_or(&[][..], |v| v.as_slice());
         ensure!(
             listed.len() == volumes,
@@ -456,7 +465,7 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
         ));
     }
     println!(
-        "  (status: `csi-isolator status --json`, the CLI process, {STATUS_RUNS} runs: the state scan alone (the default), and \
+        "  (status: `csi-isolator status --json > FILE`, the CLI process, {STATUS_RUNS} runs: the state scan alone (the default), and \
          with --stats, the plugin's NodeGetVolumeStats of every volume; restart: SIGKILL, then spawn to the answered Recover naming every container; \
          RSS after: serve's VmRSS after the restart)"
     );
