@@ -118,7 +118,7 @@ struct Args {
     /// Section 4's bursts instead of the default ones, as CONTAINERS:RUNS,... (e.g. `16:64` or
     /// `16:5,256:2`), for profiling one size at a time. The 256-vs-16 target is judged only when
     /// both sizes run.
-    #[arg(long, value_parser = parse_bursts)]
+    #[arg(long, value_parser = parse_burst, value_delimiter = ',')]
     bursts: Option<Vec<(usize, usize)>>,
     /// Section 4 without the launch: each container is prepared and cleaned up, but no
     /// namespace is made and no workload runs (what the isolator and its plugin cost alone).
@@ -214,20 +214,16 @@ impl Plan {
     }
 }
 
-/// `--bursts`: CONTAINERS:RUNS pairs, comma-separated, each at least 1.
-fn parse_bursts(text: &str) -> Result<Vec<(usize, usize)>, String> {
-    text.split(',')
-        .map(|pair| {
-            let (containers, runs) = pair
-                .split_once(':')
-                .ok_or_else(|| format!("{pair:?}: expected CONTAINERS:RUNS, e.g. 16:5"))?;
-            let number = |v: &str| match v.trim().parse::<usize>() {
-                Ok(n) if n > 0 => Ok(n),
-                _ => Err(format!("{pair:?}: {v:?} is not a count of at least 1")),
-            };
-            Ok((number(containers)?, number(runs)?))
-        })
-        .collect()
+/// One pair of `--bursts`: CONTAINERS:RUNS, each at least 1.
+fn parse_burst(pair: &str) -> Result<(usize, usize), String> {
+    let (containers, runs) = pair
+        .split_once(':')
+        .ok_or_else(|| format!("{pair:?}: expected CONTAINERS:RUNS, e.g. 16:5"))?;
+    let number = |v: &str| match v.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{pair:?}: {v:?} is not a count of at least 1")),
+    };
+    Ok((number(containers)?, number(runs)?))
 }
 
 fn main() -> ExitCode {
@@ -1240,6 +1236,13 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
     } else {
         &mut targets_if_launched
     };
+    let judged = |ok: bool| {
+        if plan.launch_in_burst {
+            verdict(ok).to_string()
+        } else {
+            "not judged (no launch)".to_string()
+        }
+    };
     println!(
         "  {:<12} {:>4} {:>9} {:>11} {:>9} {:>9} {:>13} {:>20} {:>7}",
         "containers",
@@ -1285,7 +1288,7 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
         println!(
             "  fsyncs per launch at 256: {:.2}   target <= 1.5: {}   (the plugin's own, apart: {})",
             c256.fsyncs,
-            verdict(ok),
+            judged(ok),
             c256.plugin_fsyncs
                 .map_or("not reported".to_string(), |p| format!("{p:.2}"))
         );
@@ -1301,7 +1304,7 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
         println!(
             "  throughput 256 vs 16: {:.0}%   target >= 100%: {}",
             r * 100.0,
-            verdict(r >= 1.0)
+            judged(r >= 1.0)
         );
         targets.push((
             "256 concurrent >= 100% of the throughput of 16".into(),

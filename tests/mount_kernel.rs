@@ -182,11 +182,34 @@ fn thousands_of_mount_points_are_answered_as_the_table_says() {
             .collect();
         assert_eq!(answers, from_table, "{provider}");
     }
-    // A `mounts/` that does not exist: every answer false (from the table).
+    // A `mounts/` that does not exist: every answer false; no entry: no answer.
     let none = table
         .mount_points_beneath(&sb.path.join("c/mounts"), &["v0000"], &leaves)
         .unwrap();
     assert_eq!(none, [false, false]);
+    let dir = sb.path.join("a/mounts");
+    assert!(table
+        .mount_points_beneath(&dir, &[], &leaves)
+        .unwrap()
+        .is_empty());
+    // The answers are the statx's, not the table's: a target hidden under a later mount over its
+    // volume's directory is listed by the table, but the path no longer reaches it.
+    let hidden = sb.path.join("a/mounts/v0000");
+    sys.bind_mount(&src, &hidden, false).unwrap();
+    let answers = table
+        .mount_points_beneath(&dir, &["v0000"], &leaves)
+        .unwrap();
+    assert_eq!(answers, [false, false]);
+    assert!(
+        table.is_mount_point(&paths[0]).unwrap(),
+        "the table lists it"
+    );
+    // An entry that is not one component is answered from the table.
+    let answers = table
+        .mount_points_beneath(&sb.path.join("a"), &["mounts/v0000"], &["target"])
+        .unwrap();
+    assert_eq!(answers, [true]);
+    sys.unmount(&hidden, false).unwrap();
     for &i in &mounted {
         sys.unmount(&paths[i], false).unwrap();
     }

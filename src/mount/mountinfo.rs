@@ -221,9 +221,10 @@ impl MountTable for ProcMountTable {
     /// at 20,000 mounts the kernel takes longer to print the table than the statx take. `dir` is
     /// opened once and each `<entry>/<leaf>` asked relative to it (a walk of two components, the
     /// name built in one reused buffer: no path allocated per question). On the caller's thread
-    /// (`status` spreads its volumes over a few, each asking for its own run). Falls back to the
-    /// table, once per call, when `dir` cannot be opened, when the kernel cannot say (before
-    /// Linux 5.8), or for another process's table.
+    /// (`status` spreads its volumes over a few, each asking for its own run). A `dir` that does
+    /// not exist has nothing mounted beneath it. Falls back to the table, once per call, when
+    /// `dir` cannot be opened for another reason, when an entry or leaf is not one component,
+    /// when the kernel cannot say (before Linux 5.8), or for another process's table.
     fn mount_points_beneath(
         &self,
         dir: &Path,
@@ -231,12 +232,26 @@ impl MountTable for ProcMountTable {
         leaves: &[&str],
     ) -> Result<Vec<bool>, MountError> {
         let from_table = || Ok(mount_points_in(self.mounts()?, dir, entries, leaves));
+        if entries.is_empty() || leaves.is_empty() {
+            return Ok(Vec::new());
+        }
         if self.pid.is_some() {
             return from_table();
         }
-        let Ok(opened) = std::fs::File::open(dir) else {
-            return from_table();
+        let opened = match std::fs::File::open(dir) {
+            Ok(opened) => opened,
+            // Nothing beneath a directory that is not there: nothing mounted.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ENOTDIR)) => {
+                return Ok(vec![false; entries.len() * leaves.len()]);
+            }
+            Err(_) => return from_table(),
         };
+        // One component each: an empty one or one with a separator would not resolve beneath
+        // `dir` as the table's answer assumes.
+        let one = |c: &&str| !c.is_empty() && !c.contains('/');
+        if !entries.iter().all(one) || !leaves.iter().all(one) {
+            return from_table();
+        }
         let mut name = Vec::with_capacity(128);
         let mut answers = Vec::with_capacity(entries.len() * leaves.len());
         for entry in entries {
