@@ -1230,12 +1230,8 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
     } else {
         println!("4. CONCURRENCY WITHOUT THE LAUNCH (--burst-without-launch): containers started at once; each: isolator.prepare (publish) + isolator.cleanup (unpublish); no namespace, no workload; the targets are not judged");
     }
-    let mut targets_if_launched = Vec::new();
-    let targets = if plan.launch_in_burst {
-        targets
-    } else {
-        &mut targets_if_launched
-    };
+    // Without the launch, the targets are printed but not judged.
+    let mut judged_here = Vec::new();
     let judged = |ok: bool| {
         if plan.launch_in_burst {
             verdict(ok).to_string()
@@ -1292,7 +1288,7 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
             c256.plugin_fsyncs
                 .map_or("not reported".to_string(), |p| format!("{p:.2}"))
         );
-        targets.push((
+        judged_here.push((
             "fsyncs per launch at 256 (isolator + provider) <= 1.5".into(),
             format!("{:.2}", c256.fsyncs),
             ok,
@@ -1306,11 +1302,14 @@ fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, S
             r * 100.0,
             judged(r >= 1.0)
         );
-        targets.push((
+        judged_here.push((
             "256 concurrent >= 100% of the throughput of 16".into(),
             format!("{:.0}%", r * 100.0),
             r >= 1.0,
         ));
+    }
+    if plan.launch_in_burst {
+        targets.extend(judged_here);
     }
 }
 

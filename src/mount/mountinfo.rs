@@ -235,7 +235,10 @@ impl MountTable for ProcMountTable {
         if entries.is_empty() || leaves.is_empty() {
             return Ok(Vec::new());
         }
-        if self.pid.is_some() {
+        // One component each (not empty, no separator, no NUL): anything else would not
+        // resolve beneath `dir` as the table's answer assumes.
+        let one = |c: &&str| !c.is_empty() && !c.contains(['/', '\0']);
+        if self.pid.is_some() || !entries.iter().all(one) || !leaves.iter().all(one) {
             return from_table();
         }
         let opened = match std::fs::File::open(dir) {
@@ -246,12 +249,6 @@ impl MountTable for ProcMountTable {
             }
             Err(_) => return from_table(),
         };
-        // One component each: an empty one or one with a separator would not resolve beneath
-        // `dir` as the table's answer assumes.
-        let one = |c: &&str| !c.is_empty() && !c.contains('/');
-        if !entries.iter().all(one) || !leaves.iter().all(one) {
-            return from_table();
-        }
         let mut name = Vec::with_capacity(128);
         let mut answers = Vec::with_capacity(entries.len() * leaves.len());
         for entry in entries {
@@ -261,9 +258,8 @@ impl MountTable for ProcMountTable {
                 name.push(b'/');
                 name.extend_from_slice(leaf.as_bytes());
                 name.push(0);
-                let Ok(c_name) = std::ffi::CStr::from_bytes_with_nul(&name) else {
-                    return from_table();
-                };
+                let c_name = std::ffi::CStr::from_bytes_with_nul(&name)
+                    .expect("components checked for NUL above");
                 match statx_mount_root_nosync(&opened, c_name) {
                     Some(answer) => answers.push(answer),
                     None => return from_table(),

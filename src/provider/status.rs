@@ -209,19 +209,16 @@ pub fn scan_with(
         let layout = Layout::new(work_dir, &plugin_type, &plugin_name);
         let volumes = layout.volumes_dir();
         let summary_path = layout.base().join(summary::SUMMARY_FILE);
-        // Three reads that need none of the others, side by side: the listing of `volumes/`
-        // (thousands of entries), the summary (megabytes) and the journal.
-        let (listed, read_summary, journal) = std::thread::scope(|s| {
-            let listing = s.spawn(|| summary::list(&volumes));
-            let summary = how
-                .use_summary
-                .then(|| s.spawn(|| summary::read(&summary_path)));
-            let journal = checkpoint::read_journal_entries(&layout);
-            (
-                crate::offload::joined(listing),
-                summary.map(crate::offload::joined),
-                journal,
-            )
+        // The journal first, then the listing of `volumes/` (thousands of entries) and the
+        // summary (megabytes) side by side. Not the listing before the journal: a compaction
+        // between the two makes a volume's directory and then drops its journal entry, and a
+        // volume neither listed nor journaled would be missing from the report.
+        let journal = checkpoint::read_journal_entries(&layout);
+        let want_summary = how.use_summary && matches!(journal, Ok(Some(_)));
+        let (listed, read_summary) = std::thread::scope(|s| {
+            let summary = want_summary.then(|| s.spawn(|| summary::read(&summary_path)));
+            let listed = summary::list(&volumes);
+            (listed, summary.map(crate::offload::joined))
         });
         // The journal's complete entries, over the state files: the truth while a provider
         // runs (its state files are written back lazily). A refused journal is reported and

@@ -947,6 +947,50 @@ mod tests {
         assert!(report.volumes.iter().all(|v| v.volume_id != "e"));
     }
 
+    /// `status` answers from a current summary, not from the state files alone: a summary entry
+    /// whose recorded identity matches its (unchanged) state file is what the report shows,
+    /// even where it says something else than the file (planted here; a real summary never
+    /// does). Without the summary, the file.
+    #[test]
+    fn status_answers_from_a_current_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path();
+        let layout = Layout::new(work, "t", "n");
+        std::fs::create_dir_all(layout.volumes_dir()).unwrap();
+        let (j, _, _) = VolumeJournal::open(&layout).unwrap();
+        for id in ["a", "b"] {
+            record_created(&j, id);
+        }
+        j.compact().unwrap();
+        // Past the summary's clock tick, so that its identities are trusted.
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        record_created(&j, "z");
+        j.compact().unwrap();
+        let path = layout.base().join(SUMMARY_FILE);
+        let mut summary = read(&path).unwrap().unwrap();
+        let a = crate::resource::encode_volume_id("a");
+        let entry = summary.dirs.iter_mut().find(|d| d.name == a).unwrap();
+        assert!(
+            entry.state_file.is_some(),
+            "the summary records a's identity"
+        );
+        entry.state = Some(Ok(rec("a", VolumeState::NodeReady, None).into()));
+        let planted = encode(summary.covers, summary.read_at, &summary.dirs).unwrap();
+        std::fs::write(&path, planted).unwrap();
+        let table = FakeSyscall::new();
+        let state_of = |use_summary| {
+            let how = ScanOptions {
+                use_summary,
+                ..ScanOptions::default()
+            };
+            let report = scan_with(work, &table, how).unwrap();
+            let a = report.volumes.iter().find(|v| v.volume_id == "a").unwrap();
+            a.state
+        };
+        assert_eq!(state_of(true), VolumeState::NodeReady, "from the summary");
+        assert_eq!(state_of(false), VolumeState::Created, "from the state file");
+    }
+
     #[test]
     fn an_identity_proves_nothing_changed_only_when_recorded_before_the_reads() {
         let id = FileId {

@@ -50,7 +50,7 @@ const STAGING: &str = "staging";
 /// `<mounts_root>/<enc id>/target`: where a CSI volume is mounted, under
 /// any mount root (the provider's own, or one a resource names).
 pub(super) fn target_under(mounts_root: &Path, volume_id: &str) -> PathBuf {
-    mounts_root.join(encode_volume_id(volume_id)).join(TARGET)
+    Layout::target_named(mounts_root, &encode_volume_id(volume_id))
 }
 
 /// Paths of one provider (one plugin `type`/`name`).
@@ -126,7 +126,9 @@ impl Layout {
     /// encoded: a name `volumes/` lists), under `mounts`, the [`Self::mounts_dir`] a caller
     /// asking about thousands computed once.
     pub fn target_named(mounts: &Path, enc: &str) -> PathBuf {
-        let mut path = PathBuf::with_capacity(mounts.as_os_str().len() + enc.len() + 8);
+        // Sized once: the two separators and the components.
+        let len = mounts.as_os_str().len() + enc.len() + TARGET.len() + 2;
+        let mut path = PathBuf::with_capacity(len);
         path.push(mounts);
         path.push(enc);
         path.push(TARGET);
