@@ -36,11 +36,12 @@ fn slow_disk() {
 }
 
 /// A key-value store on the journal: `files/<key>` hold the written-back values, the journal
-/// the changes since (`k=v`, or `k` for a removal).
+/// the changes since (`k=v`, or `k` for a removal). A compaction writes back each key's last
+/// entry in the journal's file, as the product's keyed journals do: never an in-memory copy,
+/// whose order two threads setting one key could make differ from the journal's.
 struct Store {
     root: PathBuf,
     journal: Journal,
-    values: Mutex<BTreeMap<String, Option<String>>>,
 }
 
 fn payload(key: &str, value: Option<&str>) -> Vec<u8> {
@@ -99,35 +100,21 @@ impl Store {
             files.insert(name, std::fs::read(e.path()).unwrap());
         }
         let (journal, parsed) = Journal::open(&root.join("journal"), 0o600, slow_disk).unwrap();
-        let (state, touched) = replay(files, &parsed.entries);
+        let (state, _) = replay(files, &parsed.entries);
         let store = Store {
             root: root.to_path_buf(),
             journal,
-            values: Mutex::new(
-                touched
-                    .iter()
-                    .map(|k| (k.clone(), state.get(k).cloned()))
-                    .collect(),
-            ),
         };
         store.compact();
         (store, state)
     }
 
     fn set(&self, key: &str, value: Option<&str>) -> u64 {
-        self.values
-            .lock()
-            .unwrap()
-            .insert(key.to_string(), value.map(str::to_string));
         self.journal.append(&[&payload(key, value)]).unwrap()
     }
 
     /// [`set`](Self::set) without waiting for the entry to be durable.
     fn set_lazy(&self, key: &str, value: &str) {
-        self.values
-            .lock()
-            .unwrap()
-            .insert(key.to_string(), Some(value.to_string()));
         self.journal
             .append_lazy(&[&payload(key, Some(value))])
             .unwrap();
@@ -149,8 +136,16 @@ impl Store {
     ) {
         self.journal
             .compact(|| {
-                let dirty = std::mem::take(&mut *self.values.lock().unwrap());
-                let files: Vec<_> = dirty
+                // The journal is held: its file is steady, appends meanwhile wait.
+                let entries = journal::read(self.journal.path())?
+                    .map(|(parsed, _)| parsed.entries)
+                    .unwrap_or_default();
+                let mut last = BTreeMap::new();
+                for e in &entries {
+                    let (k, v) = unpayload(&e.payload);
+                    last.insert(k, v);
+                }
+                let files: Vec<_> = last
                     .into_iter()
                     .map(|(k, v)| (files_dir(&self.root).join(k), v.map(String::into_bytes)))
                     .collect();
