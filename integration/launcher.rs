@@ -336,6 +336,115 @@ fn rootfs_pivot_shows_volumes_and_the_sandbox() {
     assert_clean(&sb, &before);
 }
 
+/// The mount namespaces this process holds an fd of, other than its own: (fd, link).
+fn other_mount_namespaces(pid: &str) -> Vec<(u32, String)> {
+    let own = fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+    fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| {
+            let link = fs::read_link(e.path()).ok()?;
+            let fd = e.file_name().to_str()?.parse().ok()?;
+            (link.to_string_lossy().starts_with("mnt:[") && link != own)
+                .then(|| (fd, link.to_string_lossy().into_owned()))
+        })
+        .collect()
+}
+
+/// A container with a rootfs is built in a namespace unshared from the launch seed, which holds
+/// two private mounts (its tmpfs and this process's /proc), not from the test's namespace: the
+/// seed exists once a rootfs launch has run, holds exactly that, is close-on-exec, and the
+/// workload holds no fd of it; the workload's mounts are its own (rootfs, sandbox, volume, proc).
+#[test]
+fn a_rootfs_container_is_built_from_the_seed() {
+    require_root();
+    let sb = Sandbox::new("launch-seed");
+    let sandbox = sb.mkdir("sandbox");
+    let rootfs = busybox_rootfs(&sb, "rootfs");
+    let data = sb.mkdir("vol-data");
+    let before = host_mount_points(&sb);
+    assert!(
+        other_mount_namespaces("self").is_empty(),
+        "a namespace fd before any launch"
+    );
+
+    let mut spec = shell(&sandbox, "echo up > ready; exec sleep 30");
+    spec.env = vec![(OsString::from("PATH"), OsString::from("/bin"))];
+    spec.rootfs = Some(rootfs.clone());
+    spec.pid_namespace = true;
+    spec.mounts = vec![volume(
+        &data,
+        TargetRoot::Rootfs,
+        "data",
+        "/data",
+        false,
+        "vol-data",
+    )];
+    let mut launched = start(&sb, &spec);
+    wait_for_file(&sandbox.join("ready"));
+
+    let mut seen = mount_points_of(launched.pid());
+    seen.sort();
+    let want: Vec<PathBuf> = ["/", "/data", "/mnt/mesos/sandbox", "/proc"]
+        .iter()
+        .map(PathBuf::from)
+        .collect();
+    assert_eq!(seen, want, "the workload's mounts");
+    assert!(
+        other_mount_namespaces(&launched.pid().to_string()).is_empty(),
+        "the workload holds a mount namespace fd"
+    );
+
+    let seeds = other_mount_namespaces("self");
+    assert_eq!(seeds.len(), 1, "the seed, held once: {seeds:?}");
+    let (fd, _) = seeds[0];
+    // SAFETY: the fd is this process's, open for as long as the process runs (the seed's).
+    let seed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd as i32) };
+    let flags = nix::fcntl::fcntl(seed, nix::fcntl::FcntlArg::F_GETFD).unwrap();
+    assert!(
+        nix::fcntl::FdFlag::from_bits_truncate(flags).contains(nix::fcntl::FdFlag::FD_CLOEXEC),
+        "the seed's fd is inherited by children"
+    );
+    let table = csi_isolator::mount::ns::in_namespace(
+        &csi_isolator::mount::LinuxSyscall::new(),
+        seed,
+        "read-seed",
+        |_| fs::read_to_string("/proc/thread-self/mountinfo").unwrap(),
+    )
+    .unwrap();
+    let lines: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split(' ').collect::<Vec<_>>())
+        .collect();
+    assert_eq!(lines.len(), 2, "the seed's mounts: {table}");
+    let at = |point: &str| {
+        lines
+            .iter()
+            .find(|f| f[4] == point)
+            .unwrap_or_else(|| panic!("{point} in the seed: {table}"))
+    };
+    let root = at("/");
+    let dash = root.iter().position(|f| *f == "-").unwrap();
+    assert_eq!(
+        &root[dash + 1..dash + 3],
+        ["tmpfs", "csi-isolator-seed"],
+        "{table}"
+    );
+    for flag in ["nosuid", "nodev", "noexec"] {
+        assert!(root[5].split(',').any(|f| f == flag), "{flag}: {table}");
+    }
+    assert_eq!(at("/proc")[dash + 1], "proc", "{table}");
+    for f in &lines {
+        // Optional fields (shared:N, master:N) sit between the options and the "-".
+        let dash = f.iter().position(|x| *x == "-").unwrap();
+        assert_eq!(dash, 6, "a seed mount is not private: {table}");
+    }
+
+    launched.kill(Signal::SIGKILL).unwrap();
+    let _ = launched.wait();
+    assert_clean(&sb, &before);
+}
+
 #[test]
 fn symlinked_targets_stay_inside_the_rootfs() {
     require_root();

@@ -94,6 +94,12 @@ pub enum LaunchError {
         /// The kernel's answer.
         errno: Errno,
     },
+    /// Entering the launch seed's mount namespace failed.
+    #[error("enter the launch seed's mount namespace")]
+    EnterSeed {
+        /// The mount error.
+        source: MountError,
+    },
     /// Making `/` recursively slave in the new mount namespace failed.
     #[error("make / recursively slave")]
     MakeRootSlave {
@@ -434,6 +440,7 @@ impl LaunchError {
             | LaunchError::Kill { errno, .. }
             | LaunchError::OpenNamespace { errno, .. } => Some(*errno),
             LaunchError::MakeRootSlave { source }
+            | LaunchError::EnterSeed { source }
             | LaunchError::CloneSource { source, .. }
             | LaunchError::SetReadonly { source, .. }
             | LaunchError::ShareHostMountPoint { source, .. }

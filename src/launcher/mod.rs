@@ -61,6 +61,22 @@
 //! The thread then ends; the namespace lives on with the workload and vanishes with it, or with the
 //! thread if a step failed first. The process's other threads never changed namespace.
 //!
+//! # A container with a rootfs starts from the seed
+//! Step 1 copies every mount of the daemon's namespace, two per volume published on the node, and the
+//! workload's exit tears the copy down: a launch's cost would grow with the node's volumes (about 50 ms
+//! at 10,000 on the benchmark machine, docs/benchmarks.md), and a burst of launches would wait on the
+//! kernel's namespace lock for each other's copies. A container with a rootfs sees none of those mounts
+//! once pivoted, so when the process's launch seed exists (the `seed` module: a private namespace holding a tmpfs
+//! and a bind of `/proc`, made once), it is built differently: every volume's source, the rootfs and the
+//! sandbox are cloned as detached trees in the daemon's namespace first (host mount points shared for
+//! rslave/rshared volumes before, as in step 1), then the thread enters the seed and unshares from it
+//! (a copy of two mounts), attaches the rootfs on the seed's `/rootfs` and the sandbox inside it, both
+//! made recursively slave (what step 2 does to `/`), then the volumes with their own propagation, and
+//! pivots (step 6 detaches the seed's copy). The workload gets the same mounts either way. Without a
+//! seed (a kernel without `open_tree`, or a seed that could not be made: logged once) it is built as
+//! above. A container without a rootfs runs on the host's paths: its namespace must be a copy of the
+//! daemon's, and step 1 stands.
+//!
 //! [`launch`] blocks (mount work and waiting for exec): call it from `tokio::task::spawn_blocking` in async
 //! code. [`Launched::wait`] blocks too; [`Launched::wait_async`] waits on a pidfd through tokio's reactor.
 
@@ -68,6 +84,7 @@ pub mod error;
 pub mod exec;
 pub mod inject;
 pub mod process;
+mod seed;
 mod setup;
 
 use std::ffi::OsString;

@@ -10,7 +10,7 @@ use nix::fcntl::OFlag;
 use nix::unistd::Pid;
 
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
-use super::{LaunchError, LaunchSpec, Launched, VolumeRef};
+use super::{seed, LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
     self, ns, Hardening, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
     VolumePropagation, SANDBOX_IN_ROOTFS,
@@ -423,7 +423,20 @@ fn apply(
     how: Resolve,
     cloned: Option<DetachedTree>,
 ) -> Result<(), LaunchError> {
-    let at = VolumeRef::new(mount, root);
+    apply_shown(sys, mount, root, root, how, cloned)
+}
+
+/// [`apply`] with the target resolved inside `root` (a path in this namespace), errors naming `shown`
+/// (the root as the host names it).
+fn apply_shown(
+    sys: &dyn Syscall,
+    mount: &VolumeMount,
+    root: &Path,
+    shown: &Path,
+    how: Resolve,
+    cloned: Option<DetachedTree>,
+) -> Result<(), LaunchError> {
+    let at = VolumeRef::new(mount, shown);
     let clone = match cloned {
         Some(clone) => clone,
         None => clone_source(sys, mount, &at)?,
@@ -480,12 +493,18 @@ pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
 }
 
 /// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
-/// allocate, except the child (see [`exec::run_child`]).
+/// allocate, except the child (see [`exec::run_child`]). A container with a rootfs is built in a namespace
+/// unshared from the launch seed when there is one ([`from_seed`]), else from the daemon's.
 pub(super) fn build_and_start(
     sys: &dyn Syscall,
     spec: &LaunchSpec,
     plan: &ExecPlan,
 ) -> Result<Launched, LaunchError> {
+    if let Some(rootfs) = &spec.rootfs {
+        if let Some(seed) = seed::seed(sys) {
+            return from_seed(sys, spec, plan, rootfs, seed);
+        }
+    }
     // Still in the host's namespace: a volume asked with rslave or rshared needs its host mount point
     // shared, so that the new namespace's copy of it is a peer (see the module doc of `super`).
     for m in spec.mounts.iter() {
@@ -626,22 +645,133 @@ pub(super) fn build_and_start(
     start_and_wait(plan, proc_dir, cwd, cwd_shown)
 }
 
+/// A container with a rootfs, built in a namespace unshared from the launch seed (see the module doc of
+/// [`seed`]): in the daemon's namespace, each volume's host mount point shared if its propagation asks
+/// it, then every volume's source, the rootfs and the sandbox cloned as detached trees (all sources before
+/// anything is attached: a missing one fails first); then the seed entered and a namespace of this thread's
+/// own unshared from it (a copy of the seed's two mounts, not of the daemon's); the rootfs attached on the
+/// seed's [`seed::ROOTFS`] and the sandbox at [`SANDBOX_IN_ROOTFS`] resolved by fd inside it, both made
+/// recursively slave (host mount events under them flow in, none flow out: as `/` made rslave does in the
+/// daemon's copy), then the volumes, each with its own propagation, the proc mount point, and the pivot.
+/// The workload sees the same mounts either way.
+fn from_seed(
+    sys: &dyn Syscall,
+    spec: &LaunchSpec,
+    plan: &ExecPlan,
+    rootfs: &Path,
+    seed: BorrowedFd<'_>,
+) -> Result<Launched, LaunchError> {
+    let mut clones = Vec::with_capacity(spec.mounts.len());
+    for m in &spec.mounts {
+        let at = VolumeRef::new(m, target_root(spec, m));
+        share_host(sys, m, &at)?;
+        clones.push(clone_source(sys, m, &at)?);
+    }
+    let bind_rootfs = |source| LaunchError::BindRootfs {
+        rootfs: rootfs.to_path_buf(),
+        source,
+    };
+    let bind_sandbox = |source| LaunchError::BindSandbox {
+        sandbox: spec.sandbox.clone(),
+        rootfs: rootfs.to_path_buf(),
+        source: Box::new(source),
+    };
+    let rootfs_tree = sys.open_tree_clone(rootfs, true).map_err(bind_rootfs)?;
+    let sandbox_tree = sys
+        .open_tree_clone(&spec.sandbox, true)
+        .map_err(bind_sandbox)?;
+
+    ns::unshare_fs().map_err(|errno| LaunchError::Unshare {
+        namespace: "fs",
+        errno,
+    })?;
+    sys.enter_mount_namespace(seed)
+        .map_err(|source| LaunchError::EnterSeed { source })?;
+    ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
+        namespace: "mount namespace",
+        errno,
+    })?;
+
+    let in_seed = Path::new(seed::ROOTFS);
+    let attach_tree = |tree: BorrowedFd<'_>, target: BorrowedFd<'_>| -> Result<(), MountError> {
+        sys.move_mount_to_fd(tree, target)?;
+        match sys.set_propagation_by_fd(tree, Propagation::Slave, true) {
+            Err(e) if e.errno() == Some(Errno::ENOSYS) => {
+                sys.set_propagation(&mount::proc_fd_path(tree), Propagation::Slave, true)
+            }
+            other => other,
+        }
+    };
+    let mount_point = open_dir(in_seed).map_err(bind_rootfs)?;
+    attach_tree(rootfs_tree.as_fd(), mount_point.as_fd()).map_err(bind_rootfs)?;
+    // Resolved by fd in the attached rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
+    let sandbox_at = mount::create_in_root(in_seed, Path::new(SANDBOX_IN_ROOTFS), false)
+        .map_err(bind_sandbox)?;
+    attach_tree(sandbox_tree.as_fd(), sandbox_at.as_fd()).map_err(bind_sandbox)?;
+    // The sandbox as bound in the rootfs, named through its attached tree's fd.
+    let in_sandbox = mount::proc_fd_path(sandbox_tree.as_fd());
+    for (m, clone) in spec.mounts.iter().zip(clones) {
+        let (root, shown) = match m.root {
+            TargetRoot::Sandbox => (in_sandbox.as_path(), spec.sandbox.as_path()),
+            TargetRoot::Rootfs => (in_seed, rootfs),
+            // Refused up front by check_roots; refuse again rather than guess.
+            TargetRoot::Host => {
+                check_roots(spec)?;
+                continue;
+            }
+        };
+        apply_shown(sys, m, root, shown, Resolve::Create, Some(clone))?;
+    }
+
+    let proc_dir = if spec.pid_namespace {
+        Some(
+            mount::create_in_root(in_seed, Path::new("proc"), false).map_err(|source| {
+                LaunchError::OpenDir {
+                    what: "proc mount point",
+                    path: rootfs.join("proc"),
+                    source,
+                }
+            })?,
+        )
+    } else {
+        None
+    };
+    pivot_shown(sys, in_seed, rootfs)?;
+    if spec.pid_namespace {
+        ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
+            namespace: "pid namespace",
+            errno,
+        })?;
+    }
+    start_and_wait(
+        plan,
+        proc_dir,
+        sandbox_tree,
+        PathBuf::from(SANDBOX_IN_ROOTFS),
+    )
+}
+
 /// pivot_root into the (self-bound) rootfs, the way pivot_root(2) suggests: change into it,
 /// `pivot_root(".", ".")` stacks the old root on top of it, and a lazy unmount of "." drops the old root.
 /// Only this thread's root and cwd change: nothing else lives in this mount namespace.
 fn pivot(sys: &dyn Syscall, rootfs: &Path) -> Result<(), LaunchError> {
+    pivot_shown(sys, rootfs, rootfs)
+}
+
+/// [`pivot`] into `rootfs` (a path in this namespace), its errors naming `shown` (the rootfs on the host).
+fn pivot_shown(sys: &dyn Syscall, rootfs: &Path, shown: &Path) -> Result<(), LaunchError> {
     nix::unistd::chdir(rootfs).map_err(|errno| LaunchError::Chdir {
-        path: rootfs.to_path_buf(),
+        path: shown.to_path_buf(),
         errno,
     })?;
     sys.pivot_root(Path::new("."), Path::new("."))
         .map_err(|source| LaunchError::PivotRoot {
-            rootfs: rootfs.to_path_buf(),
+            rootfs: shown.to_path_buf(),
             source,
         })?;
     sys.unmount(Path::new("."), true)
         .map_err(|source| LaunchError::DetachOldRoot {
-            rootfs: rootfs.to_path_buf(),
+            rootfs: shown.to_path_buf(),
             source,
         })?;
     nix::unistd::chdir("/").map_err(|errno| LaunchError::Chdir {

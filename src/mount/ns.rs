@@ -3,7 +3,9 @@
 //! (a new `/proc`).
 //!
 //! Contract:
-//! - [`in_namespace`] is the only place a thread enters another process's mount namespace: a fresh,
+//! - [`in_namespace`] is the only place a thread enters another process's mount namespace (the
+//!   launcher's threads enter the process's own launch seed, and unshare from it at
+//!   once): a fresh,
 //!   short-lived thread does `unshare(CLONE_FS)` and `setns` *through the injected [`Syscall`]*, runs the
 //!   work with that same seam and ends, so no other thread of the process ever changes namespace. The seam
 //!   keeps no per-thread state ([`super::LinuxSyscall`] is a unit struct; each call acts on the thread that
