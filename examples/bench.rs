@@ -124,6 +124,10 @@ struct Args {
     /// namespace is made and no workload runs (what the isolator and its plugin cost alone).
     #[arg(long)]
     burst_without_launch: bool,
+    /// Section 4's workloads on the host's paths (no rootfs: the launch copies the bench's whole
+    /// mount namespace) instead of pivoted into a busybox rootfs, as an engine's containers are.
+    #[arg(long)]
+    burst_host_paths: bool,
     /// Internal: be the serve-like child holding N volumes.
     #[arg(long, hide = true)]
     hold: Option<usize>,
@@ -153,6 +157,8 @@ struct Plan {
     burst_only: bool,
     /// Section 4 launches each container's workload (else prepare and cleanup only).
     launch_in_burst: bool,
+    /// Section 4's workloads pivot into a busybox rootfs (else they run on the host's paths).
+    burst_in_rootfs: bool,
 }
 
 impl Plan {
@@ -172,6 +178,7 @@ impl Plan {
         node_scale.dedup();
         let (node_scale_only, burst_only) = (args.node_scale_only, args.burst_only);
         let launch_in_burst = !args.burst_without_launch;
+        let burst_in_rootfs = !args.burst_host_paths;
         let mut plan = if quick {
             Plan {
                 name: "quick",
@@ -186,6 +193,7 @@ impl Plan {
                 node_scale_only,
                 burst_only,
                 launch_in_burst,
+                burst_in_rootfs,
             }
         } else {
             Plan {
@@ -201,6 +209,7 @@ impl Plan {
                 node_scale_only,
                 burst_only,
                 launch_in_burst,
+                burst_in_rootfs,
             }
         };
         if let Some(bursts) = &args.bursts {
@@ -775,6 +784,7 @@ async fn container(
 ) -> Result<Instant> {
     start.wait().await;
     let sandbox = config.sandbox.clone();
+    let rootfs = config.rootfs.clone();
     let info = isolator
         .prepare(&id, config)
         .await
@@ -782,6 +792,7 @@ async fn container(
     let spec = LaunchSpec {
         argv: vec![OsString::from("/bin/true")],
         sandbox,
+        rootfs,
         mounts: info.mounts,
         ..Default::default()
     };
@@ -815,6 +826,8 @@ struct Bursts<'a> {
     isolator: Arc<VolumeIsolator>,
     provider: &'a StorageProvider,
     sandbox: &'a Sandbox,
+    /// The workloads' rootfs (`None`: on the host's paths).
+    rootfs: Option<PathBuf>,
 }
 
 /// `runs` bursts of `n` containers; `volume(j)` is container j's volume (of the provider); each
@@ -831,6 +844,7 @@ async fn burst(
         isolator,
         provider,
         sandbox,
+        rootfs,
     } = on;
     let mut latency = Samples::new();
     let mut wall = Duration::ZERO;
@@ -846,7 +860,7 @@ async fn burst(
             let config = ContainerConfig {
                 resources: vec![volume(j).with_volume("data", VolumeMode::Rw)],
                 sandbox: dir,
-                rootfs: None,
+                rootfs: rootfs.clone(),
                 user: None,
             };
             tasks.push(tokio::spawn(container(
@@ -913,11 +927,15 @@ async fn measure_concurrency(
         Arc::new(LinuxSyscall::new()),
         Arc::new(ProcMountTable::new()),
     ));
+    let rootfs = plan
+        .burst_in_rootfs
+        .then(|| csi_isolator_testing::busybox_rootfs(sandbox, "burst-rootfs"));
     let on = Bursts {
         plan,
         isolator,
         provider,
         sandbox,
+        rootfs,
     };
     // One untimed container first.
     burst(&on, "warmup", 1, 1, |_| pool[0].resource.clone()).await?;
@@ -1226,7 +1244,12 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
 /// Section 4's table and its targets (judged only when each container was launched).
 fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, String, bool)>) {
     if plan.launch_in_burst {
-        println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch /bin/true + wait + isolator.cleanup (unpublish)");
+        let workload = if plan.burst_in_rootfs {
+            "/bin/true pivoted into a busybox rootfs"
+        } else {
+            "/bin/true on the host's paths (--burst-host-paths)"
+        };
+        println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch {workload} + wait + isolator.cleanup (unpublish)");
     } else {
         println!("4. CONCURRENCY WITHOUT THE LAUNCH (--burst-without-launch): containers started at once; each: isolator.prepare (publish) + isolator.cleanup (unpublish); no namespace, no workload; the targets are not judged");
     }

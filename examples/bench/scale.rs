@@ -32,6 +32,8 @@ const STATUS_TARGET: Duration = Duration::from_millis(100);
 const RESTART_TARGET: Duration = Duration::from_secs(2);
 /// Runs of the status CLI per point.
 const STATUS_RUNS: usize = 5;
+/// Runs of `true` and of `unshare -m true` per point (a new mount namespace's cost).
+const NEW_NS_RUNS: usize = 20;
 
 /// One point: N volumes on one backing.
 #[derive(Clone, Debug)]
@@ -48,6 +50,14 @@ pub struct Point {
     pub status_stats: Samples,
     /// Volumes the last `--stats` run reported "stats unavailable" for (timed out).
     pub stats_unavailable: usize,
+    /// Mounts in the namespace (every volume's staging and target, and the host's).
+    pub mounts: usize,
+    /// `unshare -m true` run in the namespace: a new mount namespace copied from it and torn
+    /// down, as every container launch makes (this project's launcher, runc, any engine), with
+    /// the process's start and exit.
+    pub new_ns: Samples,
+    /// `true` run in the namespace the same way: the process's start and exit alone.
+    pub plain: Samples,
     /// SIGKILL of serve, then spawn to its first answered Recover.
     pub restart: Duration,
     /// serve's VmRSS after the restart.
@@ -79,15 +89,24 @@ impl Namespace {
     }
 
     /// Mounts at or below `dir` in this namespace.
+    fn mountinfo(&self) -> Result<String> {
+        std::fs::read_to_string(format!("/proc/{}/mountinfo", self.child.id()))
+            .context("read the holder's mountinfo")
+    }
+
     fn mounts_under(&self, dir: &Path) -> Result<usize> {
-        let text = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.child.id()))
-            .context("read the holder's mountinfo")?;
+        let text = self.mountinfo()?;
         let dir = dir.to_string_lossy();
         Ok(text
             .lines()
             .filter_map(|l| l.split(' ').nth(4))
             .filter(|p| p.starts_with(&*dir))
             .count())
+    }
+
+    /// Every mount of the namespace.
+    fn mounts(&self) -> Result<usize> {
+        Ok(self.mountinfo()?.lines().count())
     }
 
     fn end(mut self, sandbox: &Sandbox) {
@@ -174,6 +193,8 @@ async fn measure_in(
     let work = serve_dir.join("work");
     let (status, _) = status_cli(bin, &work, volumes, &[], ns)?;
     let (status_stats, stats_unavailable) = status_cli(bin, &work, volumes, &["--stats"], ns)?;
+    let mounts = ns.mounts()?;
+    let (new_ns, plain) = new_namespace_cost(ns)?;
 
     // Restart: SIGKILL, then a new serve on the same work dir until it answers the
     // containerizer's Recover naming every container as still running.
@@ -220,12 +241,48 @@ async fn measure_in(
         status,
         status_stats,
         stats_unavailable,
+        mounts,
+        new_ns,
+        plain,
         restart,
         restarted_rss_kib,
         docker_setup,
         docker_rss_kib,
         docker_hwm_kib,
     })
+}
+
+/// What a new mount namespace costs in `ns`, as a container launch makes one: `unshare -m true`
+/// and `true`, [`NEW_NS_RUNS`] of each, taken in turn, each spawned into `ns`; returns both.
+fn new_namespace_cost(ns: &Namespace) -> Result<(Samples, Samples)> {
+    let mut new_ns = Samples::new();
+    let mut plain = Samples::new();
+    for _ in 0..NEW_NS_RUNS {
+        for (argv, into) in [
+            (&["unshare", "-m", "true"][..], &mut new_ns),
+            (&["true"][..], &mut plain),
+        ] {
+            let mut cmd = std::process::Command::new(argv[0]);
+            cmd.args(&argv[1..])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped());
+            serve::in_namespace(&mut cmd, Some(&ns.ns));
+            let t = Instant::now();
+            let out = cmd
+                .output()
+                .with_context(|| format!("run {}", argv.join(" ")))?;
+            into.push(t.elapsed());
+            ensure!(
+                out.status.success(),
+                "{}: {} ({})",
+                argv.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+    }
+    Ok((new_ns, plain))
 }
 
 /// With `CSI_BENCH_PAUSE=FILE` in the environment (for profiling `status` and a restart by
@@ -469,6 +526,19 @@ pub fn print(points: &[Point], targets: &mut Vec<(String, String, bool)>) {
          with --stats, the plugin's NodeGetVolumeStats of every volume; restart: SIGKILL, then spawn to the answered Recover naming every container; \
          RSS after: serve's VmRSS after the restart)"
     );
+    for p in points {
+        let new_ns = p.new_ns.p50().saturating_sub(p.plain.p50());
+        println!(
+            "  a new mount namespace at {} {} ({} mounts in it): {} (`unshare -m true` p50 {} against `true` {}, {NEW_NS_RUNS} runs each): \
+             the kernel copies and tears down every mount, in every container launch of any engine; not a target",
+            p.volumes,
+            p.backing,
+            p.mounts,
+            fmt_dur(new_ns),
+            fmt_dur(p.new_ns.p50()),
+            fmt_dur(p.plain.p50()),
+        );
+    }
     let mut backings: Vec<&str> = points.iter().map(|p| p.backing.as_str()).collect();
     backings.dedup();
     for b in backings {
