@@ -282,8 +282,26 @@ async fn pid_namespace_makes_the_workload_pid_1() {
 
 #[test]
 fn rootfs_pivot_shows_volumes_and_the_sandbox() {
+    rootfs_pivot("launch-rootfs");
+    assert_eq!(other_mount_namespaces("self").len(), 1, "no launch seed");
+}
+
+/// The same with the launch seed switched off (`CSI_ISOLATOR_LAUNCH_SEED=off`): the namespace is
+/// copied from the test's, and no seed is made.
+#[test]
+fn rootfs_pivot_without_the_launch_seed() {
+    // Before any launch of this process (each test runs in its own).
+    std::env::set_var(launcher::SEED_ENV, "off");
+    rootfs_pivot("launch-rootfs-noseed");
+    assert!(
+        other_mount_namespaces("self").is_empty(),
+        "a launch seed was made"
+    );
+}
+
+fn rootfs_pivot(label: &str) {
     require_root();
-    let sb = Sandbox::new("launch-rootfs");
+    let sb = Sandbox::new(label);
     let sandbox = sb.mkdir("sandbox");
     let rootfs = busybox_rootfs(&sb, "images/rootfs");
     let data = sb.mkdir("vol-data");

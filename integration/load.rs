@@ -230,8 +230,6 @@ fn seed() -> u64 {
     }
 }
 
-/// This process's open fds as (fd, what it points at), leaving out the one
-/// used to list them.
 /// `fds` without the launcher's seed: the one mount namespace fd the launcher holds for the
 /// process's life once it has launched a container with a rootfs (at most one, checked).
 fn without_seed(fds: &[(i32, String)]) -> Vec<(i32, String)> {
@@ -247,6 +245,8 @@ fn without_seed(fds: &[(i32, String)]) -> Vec<(i32, String)> {
     rest
 }
 
+/// This process's open fds as (fd, what it points at), leaving out the one
+/// used to list them.
 fn open_fds() -> Vec<(i32, String)> {
     let me = format!("/proc/{}/fd", std::process::id());
     let mut fds: Vec<(i32, String)> = fs::read_dir("/proc/self/fd")
@@ -730,13 +730,13 @@ async fn check_consistent(ctx: &Ctx, live: &[Container], base_fds: &[(i32, Strin
     // Each live workload's `Launched` holds one pidfd, and the launcher holds its seed's
     // namespace (one fd for the process's life, made at the first launch with a rootfs, if
     // there was none before); nothing else may have stayed open.
-    let fds = without_seed(&open_fds());
+    let (fds, base) = (without_seed(&open_fds()), without_seed(base_fds));
     assert_eq!(
         fds.len(),
-        without_seed(base_fds).len() + live.len(),
-        "{label}: fds of the test process: {} before the run, one pidfd per live workload ({}); \
-         now {fds:?}, before {base_fds:?}",
-        base_fds.len(),
+        base.len() + live.len(),
+        "{label}: fds of the test process (the launch seed aside): {} before the run, one pidfd \
+         per live workload ({}); now {fds:?}, before {base:?}",
+        base.len(),
         live.len()
     );
     println!(

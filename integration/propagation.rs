@@ -172,8 +172,22 @@ async fn a_host_mount_made_later_under_the_volume_reaches_an_rslave_container_an
 #[tokio::test]
 async fn a_mount_an_rshared_container_makes_under_its_volume_reaches_the_host_and_is_swept_at_release(
 ) {
+    rshared_round_trip("prop-rshared").await;
+}
+
+/// The same with the launch seed switched off (`CSI_ISOLATOR_LAUNCH_SEED=off`): the pivoted
+/// container's namespace is copied from the test's, the other path's order (rshared sandbox
+/// volumes attached after the sandbox's bind into the rootfs).
+#[tokio::test]
+async fn the_same_rshared_round_trip_without_the_launch_seed() {
+    // Before any launch of this process (each test runs in its own).
+    std::env::set_var(csi_isolator::launcher::SEED_ENV, "off");
+    rshared_round_trip("prop-rshared-noseed").await;
+}
+
+async fn rshared_round_trip(label: &str) {
     require_root();
-    let sb = Sandbox::new("prop-rshared");
+    let sb = Sandbox::new(label);
     let before = host_mount_points(&sb);
     let agent = Agent::start(&sb, "work", &[]).await;
     let rootfs = busybox_rootfs(&sb, "rootfs");

@@ -6,7 +6,9 @@
 //! [`launch`] returns only once the workload has exec'd with every mount of [`LaunchSpec::mounts`] in place,
 //! or with the error of the first step that failed, naming the step and the volume or path. On failure no
 //! mount is left anywhere: everything was made in a mount namespace that dies with the failed attempt, and
-//! the host's mount table is never changed (`/` is made recursively slave before the first mount), except
+//! the host's mount table is never changed (`/` is made recursively slave before the first mount; with a
+//! rootfs and a launch seed, the namespace is a copy of the private seed, the rootfs and sandbox attached
+//! recursively slave), except
 //! that a volume asked with rslave or rshared propagation has its host mount point made shared first
 //! (idempotent; see [`share_host`]). Targets
 //! are resolved by fd inside their root (sandbox, rootfs, or `/` for host targets, which must exist), so a
@@ -73,8 +75,8 @@
 //! (a copy of two mounts), attaches the rootfs on the seed's `/rootfs` and the sandbox inside it, both
 //! made recursively slave (what step 2 does to `/`), then the volumes with their own propagation, and
 //! pivots (step 6 detaches the seed's copy). The workload gets the same mounts either way. Without a
-//! seed (a kernel without `open_tree`, or a seed that could not be made: logged once) it is built as
-//! above. A container without a rootfs runs on the host's paths: its namespace must be a copy of the
+//! seed (`CSI_ISOLATOR_LAUNCH_SEED=off`, a kernel without `open_tree`, or a seed that could not be
+//! made) it is built as above. A container without a rootfs runs on the host's paths: its namespace must be a copy of the
 //! daemon's, and step 1 stands.
 //!
 //! [`launch`] blocks (mount work and waiting for exec): call it from `tokio::task::spawn_blocking` in async
@@ -92,6 +94,7 @@ use std::path::PathBuf;
 
 pub use error::{LaunchError, StillMounted, VolumeRef};
 pub use process::Launched;
+pub use seed::SEED_ENV;
 pub use setup::{clone_source, set_propagation, set_propagation_of, share_host, DetachedTree};
 
 use crate::mount::{Syscall, VolumeMount};

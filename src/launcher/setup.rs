@@ -17,7 +17,7 @@ use crate::mount::{
 };
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.
-fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
+pub(super) fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
     nix::fcntl::open(
         path,
         OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
@@ -187,16 +187,25 @@ pub fn set_propagation_of(
     propagation: VolumePropagation,
     at: &VolumeRef,
 ) -> Result<(), LaunchError> {
-    match sys.set_propagation_by_fd(tree, propagation.kernel(), true) {
-        Ok(()) => Ok(()),
+    propagate_by_fd(sys, tree, propagation.kernel()).map_err(|source| LaunchError::SetPropagation {
+        at: Box::new(at.clone()),
+        propagation: propagation.as_str(),
+        source,
+    })
+}
+
+/// The attached tree `tree` given `propagation`, recursively: through its fd (`mount_setattr`), by
+/// its `/proc/self/fd` path before Linux 5.12.
+fn propagate_by_fd(
+    sys: &dyn Syscall,
+    tree: BorrowedFd<'_>,
+    propagation: Propagation,
+) -> Result<(), MountError> {
+    match sys.set_propagation_by_fd(tree, propagation, true) {
         Err(e) if e.errno() == Some(Errno::ENOSYS) => {
-            set_propagation(sys, &mount::proc_fd_path(tree), propagation, at)
+            sys.set_propagation(&mount::proc_fd_path(tree), propagation, true)
         }
-        Err(source) => Err(LaunchError::SetPropagation {
-            at: Box::new(at.clone()),
-            propagation: propagation.as_str(),
-            source,
-        }),
+        other => other,
     }
 }
 
@@ -446,7 +455,7 @@ fn apply_shown(
     tracing::debug!(
         volume_id = mount.volume_id.as_deref().unwrap_or("-"),
         container_path = %mount.container_path,
-        root = %root.display(),
+        root = %shown.display(),
         readonly = mount.readonly,
         "volume mounted"
     );
@@ -492,9 +501,10 @@ pub(super) fn check_roots(spec: &LaunchSpec) -> Result<(), LaunchError> {
     Ok(())
 }
 
-/// The body of the launcher thread. Runs in a fresh mount namespace of this thread only; everything here may
-/// allocate, except the child (see [`exec::run_child`]). A container with a rootfs is built in a namespace
-/// unshared from the launch seed when there is one ([`from_seed`]), else from the daemon's.
+/// The body of the launcher thread: builds the workload's mount namespace, of this thread only (unshared
+/// from the daemon's; for a container with a rootfs, from the launch seed when there is one:
+/// [`from_seed`]), and starts the workload in it. Everything here may allocate, except the child (see
+/// [`exec::run_child`]).
 pub(super) fn build_and_start(
     sys: &dyn Syscall,
     spec: &LaunchSpec,
@@ -507,10 +517,7 @@ pub(super) fn build_and_start(
     }
     // Still in the host's namespace: a volume asked with rslave or rshared needs its host mount point
     // shared, so that the new namespace's copy of it is a peer (see the module doc of `super`).
-    for m in spec.mounts.iter() {
-        let root = target_root(spec, m);
-        share_host(sys, m, &VolumeRef::new(m, root))?;
-    }
+    share_hosts(sys, spec)?;
     ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "mount namespace",
         errno,
@@ -558,24 +565,13 @@ pub(super) fn build_and_start(
     let mut cwd: Option<OwnedFd> = None;
     if let Some(rootfs) = &spec.rootfs {
         // pivot_root needs the new root to be a mount point.
-        let rootfs_fd = open_dir(rootfs).map_err(|source| LaunchError::BindRootfs {
-            rootfs: rootfs.clone(),
-            source,
-        })?;
-        bind_tree(sys, rootfs, rootfs_fd.as_fd()).map_err(|source| LaunchError::BindRootfs {
-            rootfs: rootfs.clone(),
-            source,
-        })?;
+        open_dir(rootfs)
+            .and_then(|rootfs_fd| bind_tree(sys, rootfs, rootfs_fd.as_fd()))
+            .map_err(|source| bind_rootfs_error(rootfs, source))?;
         // Resolved by fd in the (now bound) rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
-        let bind_sandbox = || -> Result<OwnedFd, MountError> {
-            let target = mount::create_in_root(rootfs, Path::new(SANDBOX_IN_ROOTFS), false)?;
-            bind_tree(sys, &spec.sandbox, target.as_fd())
-        };
-        let sandbox_tree = bind_sandbox().map_err(|source| LaunchError::BindSandbox {
-            sandbox: spec.sandbox.clone(),
-            rootfs: rootfs.clone(),
-            source: Box::new(source),
-        })?;
+        let sandbox_tree = mount::create_in_root(rootfs, Path::new(SANDBOX_IN_ROOTFS), false)
+            .and_then(|target| bind_tree(sys, &spec.sandbox, target.as_fd()))
+            .map_err(|source| bind_sandbox_error(spec, rootfs, source))?;
         // The rest of the sandbox volumes, resolved inside the sandbox as bound in the rootfs.
         let in_rootfs = mount::proc_fd_path(sandbox_tree.as_fd());
         for &i in &sandbox_mounts[late_from..] {
@@ -605,22 +601,7 @@ pub(super) fn build_and_start(
 
     // The new proc must show the new pid namespace, so the child mounts it; its mount point is resolved
     // here, by fd (inside the rootfs, or the namespace's own /proc without one).
-    let proc_dir = if spec.pid_namespace {
-        let fd = match &spec.rootfs {
-            Some(rootfs) => mount::create_in_root(rootfs, Path::new("proc"), false),
-            None => open_dir(Path::new("/proc")),
-        };
-        Some(fd.map_err(|source| LaunchError::OpenDir {
-            what: "proc mount point",
-            path: match &spec.rootfs {
-                Some(rootfs) => rootfs.join("proc"),
-                None => PathBuf::from("/proc"),
-            },
-            source,
-        })?)
-    } else {
-        None
-    };
+    let proc_dir = proc_mount_point(spec, spec.rootfs.as_deref().map(|r| (r, r)))?;
     let (cwd, cwd_shown) = match cwd {
         Some(fd) => (fd, PathBuf::from(SANDBOX_IN_ROOTFS)),
         None => (
@@ -634,14 +615,9 @@ pub(super) fn build_and_start(
     };
 
     if let Some(rootfs) = &spec.rootfs {
-        pivot(sys, rootfs)?;
+        pivot_shown(sys, rootfs, rootfs)?;
     }
-    if spec.pid_namespace {
-        ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
-            namespace: "pid namespace",
-            errno,
-        })?;
-    }
+    unshare_pid(spec)?;
     start_and_wait(plan, proc_dir, cwd, cwd_shown)
 }
 
@@ -661,88 +637,66 @@ fn from_seed(
     rootfs: &Path,
     seed: BorrowedFd<'_>,
 ) -> Result<Launched, LaunchError> {
-    let mut clones = Vec::with_capacity(spec.mounts.len());
+    // Every host mount point shared before any clone: a volume's source may lie under another's.
+    share_hosts(sys, spec)?;
+    let mut clones: Vec<Option<DetachedTree>> = Vec::with_capacity(spec.mounts.len());
     for m in &spec.mounts {
-        let at = VolumeRef::new(m, target_root(spec, m));
-        share_host(sys, m, &at)?;
-        clones.push(clone_source(sys, m, &at)?);
+        clones.push(Some(clone_source(
+            sys,
+            m,
+            &VolumeRef::new(m, target_root(spec, m)),
+        )?));
     }
-    let bind_rootfs = |source| LaunchError::BindRootfs {
-        rootfs: rootfs.to_path_buf(),
-        source,
-    };
-    let bind_sandbox = |source| LaunchError::BindSandbox {
-        sandbox: spec.sandbox.clone(),
-        rootfs: rootfs.to_path_buf(),
-        source: Box::new(source),
-    };
-    let rootfs_tree = sys.open_tree_clone(rootfs, true).map_err(bind_rootfs)?;
+    let rootfs_tree = sys
+        .open_tree_clone(rootfs, true)
+        .map_err(|source| bind_rootfs_error(rootfs, source))?;
     let sandbox_tree = sys
         .open_tree_clone(&spec.sandbox, true)
-        .map_err(bind_sandbox)?;
+        .map_err(|source| bind_sandbox_error(spec, rootfs, source))?;
 
-    ns::unshare_fs().map_err(|errno| LaunchError::Unshare {
-        namespace: "fs",
-        errno,
-    })?;
-    sys.enter_mount_namespace(seed)
-        .map_err(|source| LaunchError::EnterSeed { source })?;
+    ns::enter(sys, seed, "csi-launcher").map_err(|source| LaunchError::EnterSeed { source })?;
     ns::unshare_mount_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "mount namespace",
         errno,
     })?;
 
+    // Both trees recursively slave before any volume is attached under them (as `/` in the other
+    // path): host mount events under them flow in, none flow out; each volume then gets its own.
     let in_seed = Path::new(seed::ROOTFS);
-    let attach_tree = |tree: BorrowedFd<'_>, target: BorrowedFd<'_>| -> Result<(), MountError> {
+    let attach_slave = |tree: BorrowedFd<'_>, target: BorrowedFd<'_>| -> Result<(), MountError> {
         sys.move_mount_to_fd(tree, target)?;
-        match sys.set_propagation_by_fd(tree, Propagation::Slave, true) {
-            Err(e) if e.errno() == Some(Errno::ENOSYS) => {
-                sys.set_propagation(&mount::proc_fd_path(tree), Propagation::Slave, true)
-            }
-            other => other,
-        }
+        propagate_by_fd(sys, tree, Propagation::Slave)
     };
-    let mount_point = open_dir(in_seed).map_err(bind_rootfs)?;
-    attach_tree(rootfs_tree.as_fd(), mount_point.as_fd()).map_err(bind_rootfs)?;
+    open_dir(in_seed)
+        .and_then(|mount_point| attach_slave(rootfs_tree.as_fd(), mount_point.as_fd()))
+        .map_err(|source| bind_rootfs_error(rootfs, source))?;
     // Resolved by fd in the attached rootfs: a symlinked /mnt cannot send the sandbox elsewhere.
-    let sandbox_at = mount::create_in_root(in_seed, Path::new(SANDBOX_IN_ROOTFS), false)
-        .map_err(bind_sandbox)?;
-    attach_tree(sandbox_tree.as_fd(), sandbox_at.as_fd()).map_err(bind_sandbox)?;
+    mount::create_in_root(in_seed, Path::new(SANDBOX_IN_ROOTFS), false)
+        .and_then(|at| attach_slave(sandbox_tree.as_fd(), at.as_fd()))
+        .map_err(|source| bind_sandbox_error(spec, rootfs, source))?;
     // The sandbox as bound in the rootfs, named through its attached tree's fd.
     let in_sandbox = mount::proc_fd_path(sandbox_tree.as_fd());
-    for (m, clone) in spec.mounts.iter().zip(clones) {
-        let (root, shown) = match m.root {
-            TargetRoot::Sandbox => (in_sandbox.as_path(), spec.sandbox.as_path()),
-            TargetRoot::Rootfs => (in_seed, rootfs),
-            // Refused up front by check_roots; refuse again rather than guess.
-            TargetRoot::Host => {
-                check_roots(spec)?;
+    // Sandbox volumes first, then the rootfs's, as the other path attaches them.
+    for wanted in [TargetRoot::Sandbox, TargetRoot::Rootfs, TargetRoot::Host] {
+        for (i, m) in spec.mounts.iter().enumerate() {
+            if m.root != wanted {
                 continue;
             }
-        };
-        apply_shown(sys, m, root, shown, Resolve::Create, Some(clone))?;
+            let (root, shown) = match m.root {
+                TargetRoot::Sandbox => (in_sandbox.as_path(), spec.sandbox.as_path()),
+                TargetRoot::Rootfs => (in_seed, rootfs),
+                // Refused up front by check_roots; refuse again rather than guess.
+                TargetRoot::Host => {
+                    return Err(check_roots(spec).expect_err("a host target with a rootfs"))
+                }
+            };
+            apply_shown(sys, m, root, shown, Resolve::Create, clones[i].take())?;
+        }
     }
 
-    let proc_dir = if spec.pid_namespace {
-        Some(
-            mount::create_in_root(in_seed, Path::new("proc"), false).map_err(|source| {
-                LaunchError::OpenDir {
-                    what: "proc mount point",
-                    path: rootfs.join("proc"),
-                    source,
-                }
-            })?,
-        )
-    } else {
-        None
-    };
+    let proc_dir = proc_mount_point(spec, Some((in_seed, rootfs)))?;
     pivot_shown(sys, in_seed, rootfs)?;
-    if spec.pid_namespace {
-        ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
-            namespace: "pid namespace",
-            errno,
-        })?;
-    }
+    unshare_pid(spec)?;
     start_and_wait(
         plan,
         proc_dir,
@@ -751,15 +705,78 @@ fn from_seed(
     )
 }
 
+/// Before any clone, in the daemon's namespace: the host mount point of every volume asked with
+/// rslave or rshared propagation made shared, so that its clones are peers (see the module doc of
+/// `super`).
+fn share_hosts(sys: &dyn Syscall, spec: &LaunchSpec) -> Result<(), LaunchError> {
+    for m in spec.mounts.iter() {
+        share_host(sys, m, &VolumeRef::new(m, target_root(spec, m)))?;
+    }
+    Ok(())
+}
+
+/// The rootfs could not be bound (or attached) as the container's root.
+fn bind_rootfs_error(rootfs: &Path, source: MountError) -> LaunchError {
+    LaunchError::BindRootfs {
+        rootfs: rootfs.to_path_buf(),
+        source,
+    }
+}
+
+/// The sandbox could not be bound into the rootfs.
+fn bind_sandbox_error(spec: &LaunchSpec, rootfs: &Path, source: MountError) -> LaunchError {
+    LaunchError::BindSandbox {
+        sandbox: spec.sandbox.clone(),
+        rootfs: rootfs.to_path_buf(),
+        source: Box::new(source),
+    }
+}
+
+/// The mount point of the pid namespace's new proc, when there is one: opened by fd inside the
+/// rootfs (`rootfs`: its path in this namespace, and as the host names it), or the namespace's own
+/// `/proc` without one.
+fn proc_mount_point(
+    spec: &LaunchSpec,
+    rootfs: Option<(&Path, &Path)>,
+) -> Result<Option<OwnedFd>, LaunchError> {
+    if !spec.pid_namespace {
+        return Ok(None);
+    }
+    let fd = match rootfs {
+        Some((root, _)) => mount::create_in_root(root, Path::new("proc"), false),
+        None => open_dir(Path::new("/proc")),
+    };
+    fd.map(Some).map_err(|source| LaunchError::OpenDir {
+        what: "proc mount point",
+        path: match rootfs {
+            Some((_, shown)) => shown.join("proc"),
+            None => PathBuf::from("/proc"),
+        },
+        source,
+    })
+}
+
+/// With a pid namespace, `unshare(CLONE_NEWPID)`: the next child of this thread is its pid 1.
+fn unshare_pid(spec: &LaunchSpec) -> Result<(), LaunchError> {
+    if !spec.pid_namespace {
+        return Ok(());
+    }
+    ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
+        namespace: "pid namespace",
+        errno,
+    })
+}
+
 /// pivot_root into the (self-bound) rootfs, the way pivot_root(2) suggests: change into it,
 /// `pivot_root(".", ".")` stacks the old root on top of it, and a lazy unmount of "." drops the old root.
 /// Only this thread's root and cwd change: nothing else lives in this mount namespace.
-fn pivot(sys: &dyn Syscall, rootfs: &Path) -> Result<(), LaunchError> {
-    pivot_shown(sys, rootfs, rootfs)
-}
-
-/// [`pivot`] into `rootfs` (a path in this namespace), its errors naming `shown` (the rootfs on the host).
-fn pivot_shown(sys: &dyn Syscall, rootfs: &Path, shown: &Path) -> Result<(), LaunchError> {
+///
+/// `rootfs` is a path in this namespace; errors name `shown` (the rootfs as the host names it).
+pub(super) fn pivot_shown(
+    sys: &dyn Syscall,
+    rootfs: &Path,
+    shown: &Path,
+) -> Result<(), LaunchError> {
     nix::unistd::chdir(rootfs).map_err(|errno| LaunchError::Chdir {
         path: shown.to_path_buf(),
         errno,

@@ -3,11 +3,11 @@
 //! (a new `/proc`).
 //!
 //! Contract:
-//! - [`in_namespace`] is the only place a thread enters another process's mount namespace (the
-//!   launcher's threads enter the process's own launch seed, and unshare from it at
-//!   once): a fresh,
-//!   short-lived thread does `unshare(CLONE_FS)` and `setns` *through the injected [`Syscall`]*, runs the
-//!   work with that same seam and ends, so no other thread of the process ever changes namespace. The seam
+//! - [`in_namespace`] is the only place a thread enters another process's mount namespace: a
+//!   fresh, short-lived thread does `unshare(CLONE_FS)` and `setns` *through the injected
+//!   [`Syscall`]* ([`enter`], the one way any thread enters a namespace: the launcher's own thread
+//!   also uses it for the process's launch seed, to unshare from it at once), runs the work with
+//!   that same seam and ends, so no thread but such dedicated ones ever changes namespace. The seam
 //!   keeps no per-thread state ([`super::LinuxSyscall`] is a unit struct; each call acts on the thread that
 //!   makes it), so the one shared object serves the namespace thread too. The caller blocks until the thread
 //!   is joined: async code calls it from `tokio::task::spawn_blocking`, never on a runtime worker.
@@ -59,11 +59,7 @@ pub fn in_namespace<T: Send>(
         let handle = std::thread::Builder::new()
             .name(thread.to_string())
             .spawn_scoped(scope, move || {
-                unshare_fs().map_err(|errno| MountError::UnshareFs {
-                    thread: thread.to_string(),
-                    errno,
-                })?;
-                sys.enter_mount_namespace(ns_fd)?;
+                enter(sys, ns_fd, thread)?;
                 Ok(work(sys))
             })
             .map_err(|source| MountError::SpawnNamespaceThread {
@@ -76,6 +72,17 @@ pub fn in_namespace<T: Send>(
                 thread: thread.to_string(),
             })?
     })
+}
+
+/// Moves the calling thread (named `thread` in errors) into the mount namespace `ns_fd`:
+/// `unshare(CLONE_FS)`, which `setns(CLONE_NEWNS)` requires, then `setns` through `sys`. Only a
+/// thread of its own, which ends without going back, may call it ([`in_namespace`], the launcher).
+pub fn enter(sys: &dyn Syscall, ns_fd: BorrowedFd<'_>, thread: &str) -> Result<(), MountError> {
+    unshare_fs().map_err(|errno| MountError::UnshareFs {
+        thread: thread.to_string(),
+        errno,
+    })?;
+    sys.enter_mount_namespace(ns_fd)
 }
 
 /// Opens `/proc/<pid>/ns/mnt`, the mount namespace of process `pid` (close-on-exec).
