@@ -86,6 +86,7 @@ pub mod error;
 pub mod exec;
 pub mod inject;
 pub mod process;
+mod root;
 mod seed;
 mod setup;
 

@@ -44,7 +44,7 @@ use std::sync::{Mutex, OnceLock};
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
 
-use super::setup::{open_dir, pivot_shown};
+use super::root::{open_dir, pivot_shown};
 use super::LaunchError;
 use crate::mount::{ns, MountError, MountFlags, Propagation, Syscall};
 

@@ -10,26 +10,12 @@ use nix::fcntl::OFlag;
 use nix::unistd::Pid;
 
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
+use super::root::{open_dir, pivot_shown};
 use super::{seed, LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
     self, ns, Hardening, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
     VolumePropagation, SANDBOX_IN_ROOTFS,
 };
-
-/// An O_PATH, close-on-exec fd of a trusted host directory.
-pub(super) fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
-    nix::fcntl::open(
-        path,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        nix::sys::stat::Mode::empty(),
-    )
-    .map_err(|errno| MountError::Resolve {
-        step: "open",
-        root: path.to_path_buf(),
-        path: PathBuf::new(),
-        errno,
-    })
-}
 
 /// How a volume's target is found inside its root.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -763,36 +749,6 @@ fn unshare_pid(spec: &LaunchSpec) -> Result<(), LaunchError> {
     }
     ns::unshare_pid_namespace().map_err(|errno| LaunchError::Unshare {
         namespace: "pid namespace",
-        errno,
-    })
-}
-
-/// pivot_root into the (self-bound) rootfs, the way pivot_root(2) suggests: change into it,
-/// `pivot_root(".", ".")` stacks the old root on top of it, and a lazy unmount of "." drops the old root.
-/// Only this thread's root and cwd change: nothing else lives in this mount namespace.
-///
-/// `rootfs` is a path in this namespace; errors name `shown` (the rootfs as the host names it).
-pub(super) fn pivot_shown(
-    sys: &dyn Syscall,
-    rootfs: &Path,
-    shown: &Path,
-) -> Result<(), LaunchError> {
-    nix::unistd::chdir(rootfs).map_err(|errno| LaunchError::Chdir {
-        path: shown.to_path_buf(),
-        errno,
-    })?;
-    sys.pivot_root(Path::new("."), Path::new("."))
-        .map_err(|source| LaunchError::PivotRoot {
-            rootfs: shown.to_path_buf(),
-            source,
-        })?;
-    sys.unmount(Path::new("."), true)
-        .map_err(|source| LaunchError::DetachOldRoot {
-            rootfs: shown.to_path_buf(),
-            source,
-        })?;
-    nix::unistd::chdir("/").map_err(|errno| LaunchError::Chdir {
-        path: PathBuf::from("/"),
         errno,
     })
 }
