@@ -719,12 +719,31 @@ impl Journal {
         &self,
         write_back: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), E> {
+        self.compact_when(|_| true, write_back).map(|_| ())
+    }
+
+    /// [`compact`](Self::compact) only if `due` holds of the journal's size once it is held
+    /// (no other compaction running); returns whether it compacted. Callers that each saw the
+    /// journal due after their append (a burst of them, returning from one batch) compact it
+    /// once: the others find it reset.
+    pub fn compact_when<E: From<JournalError>>(
+        &self,
+        due: impl FnOnce(Size) -> bool,
+        write_back: impl FnOnce() -> Result<(), E>,
+    ) -> Result<bool, E> {
         let mut q = self.lock();
         while q.busy {
             q = self.done.wait(q).unwrap_or_else(|p| p.into_inner());
         }
         if let Some(reason) = &q.broken {
             return Err(self.broken(reason).into());
+        }
+        let size = Size {
+            entries: q.entries,
+            bytes: q.len,
+        };
+        if !due(size) {
+            return Ok(false);
         }
         q.busy = true;
         // Frames queued now are written after the reset: the new file starts with them.
@@ -738,7 +757,7 @@ impl Journal {
                 drop(file);
                 q.len = HEADER_LEN as u64;
                 q.entries = 0;
-                Ok(())
+                Ok(true)
             }
             Err(e) => Err(e),
         };
@@ -982,6 +1001,40 @@ mod tests {
         let mut h = header(1);
         h[8..12].copy_from_slice(&2u32.to_le_bytes());
         assert!(parse(&h).unwrap_err().contains("version 2"));
+    }
+
+    #[test]
+    fn callers_that_all_saw_the_journal_due_compact_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal");
+        let (j, _) = Journal::open(&path, 0o600, nothing).unwrap();
+        j.append(&[b"a", b"b", b"c", b"d"]).unwrap();
+        let due = |s: Size| due(s, 4, 1 << 20);
+        assert!(due(j.size()));
+        let write_backs = std::sync::atomic::AtomicUsize::new(0);
+        let compacted: Vec<bool> = std::thread::scope(|scope| {
+            let runs: Vec<_> = (0..8)
+                .map(|_| {
+                    scope.spawn(|| {
+                        j.compact_when(due, || {
+                            write_backs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            Ok::<(), JournalError>(())
+                        })
+                        .unwrap()
+                    })
+                })
+                .collect();
+            runs.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        assert_eq!(compacted.iter().filter(|c| **c).count(), 1, "{compacted:?}");
+        assert_eq!(write_backs.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(j.size().entries, 0);
+        // Not due: nothing written back, the entry stays.
+        j.append(&[b"e"]).unwrap();
+        assert!(!j
+            .compact_when(due, || -> Result<(), JournalError> { panic!("ran") })
+            .unwrap());
+        assert_eq!(j.size().entries, 1);
     }
 
     #[test]

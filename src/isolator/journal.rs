@@ -33,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use crate::durable::journal::{self, Commit, Entry};
-use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal};
+use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal, When};
 
 /// The journal's file name, in `<work_dir>/isolators/volume/`.
 pub const JOURNAL_FILE: &str = "journal";
@@ -160,7 +160,7 @@ impl ContainerJournal {
             }
         }
         if self.keyed.due() {
-            self.compact()?;
+            self.compact_when(When::Due)?;
         }
         Ok(())
     }
@@ -182,8 +182,13 @@ impl ContainerJournal {
     /// planted in its place) is not written through it: it is dropped, and the scan reports
     /// the directory. Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
+        self.compact_when(When::Always)
+    }
+
+    /// [`compact`](Self::compact) `when` it is wanted, judged once the journal is held.
+    fn compact_when(&self, when: When) -> Result<(), CheckpointError> {
         self.keyed
-            .compact(&volume_dir(&self.work_dir), |id, state| {
+            .compact_when(when, &volume_dir(&self.work_dir), |id, state| {
                 // The states come back from the journal's file: an id its replay at open
                 // refused is never made a path.
                 if let Err(e) = crate::resource::validate_container_id(id) {

@@ -440,43 +440,52 @@ impl KeyedJournal {
     /// journal (see [`crate::durable::journal`]). The states are read back from the journal's
     /// file while it is held (appends meanwhile wait and go to the new file); an entry this
     /// build cannot read is logged and skipped, as at open. On a failure the journal stays as
-    /// it was, for the next compaction. Blocking.
-    pub(crate) fn compact(
+    /// it was, for the next compaction. Blocking. Runs `when` it is wanted, judged once the
+    /// journal is held: a caller that saw it [`due`](Self::due) compacts only if no other did
+    /// meanwhile ([`When::Due`]).
+    pub(crate) fn compact_when(
         &self,
+        when: When,
         base: &Path,
         mut file_of: impl FnMut(&str, &Option<Vec<u8>>) -> Result<Option<PathBuf>, CheckpointError>,
         also: impl FnOnce(u64, u64) -> Vec<WrittenBack>,
     ) -> Result<(), CheckpointError> {
-        if self.journal.size().entries == 0 {
+        let wanted = |size: crate::durable::journal::Size| match when {
+            When::Always => size.entries > 0,
+            When::Due => crate::durable::journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES),
+        };
+        if !wanted(self.journal.size()) {
             return Ok(());
         }
-        self.journal.compact(|| -> Result<(), CheckpointError> {
-            let mut files = Vec::new();
-            for (key, state) in self.last_states()? {
-                if let Some(file) = file_of(&key, &state)? {
-                    files.push((file, state));
+        self.journal
+            .compact_when(wanted, || -> Result<(), CheckpointError> {
+                let mut files = Vec::new();
+                for (key, state) in self.last_states()? {
+                    if let Some(file) = file_of(&key, &state)? {
+                        files.push((file, state));
+                    }
                 }
-            }
-            let failed = |e: crate::durable::journal::WriteBackError| CheckpointError::Write {
-                path: e.path.clone(),
-                source: io::Error::new(e.source.kind(), e.to_string()),
-            };
-            use crate::durable::journal::{sync_written, write_files};
-            write_files(&files, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
-            // Steady while the compaction holds the journal; `also` reads the files just
-            // written (before the one sync: made durable with them).
-            let first = self.journal.first_seq();
-            let more = also(first, first + self.journal.size().entries);
-            write_files(&more, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
-            sync_written(base, crash_point).map_err(failed)?;
-            for (file, state) in &files {
-                if let (None, Some(dir)) = (state, file.parent()) {
-                    // Best effort: an empty directory is harmless.
-                    let _ = durable::remove_dir(dir);
+                let failed = |e: crate::durable::journal::WriteBackError| CheckpointError::Write {
+                    path: e.path.clone(),
+                    source: io::Error::new(e.source.kind(), e.to_string()),
+                };
+                use crate::durable::journal::{sync_written, write_files};
+                write_files(&files, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
+                // Steady while the compaction holds the journal; `also` reads the files just
+                // written (before the one sync: made durable with them).
+                let first = self.journal.first_seq();
+                let more = also(first, first + self.journal.size().entries);
+                write_files(&more, PRIVATE_FILE_MODE, crash_point).map_err(failed)?;
+                sync_written(base, crash_point).map_err(failed)?;
+                for (file, state) in &files {
+                    if let (None, Some(dir)) = (state, file.parent()) {
+                        // Best effort: an empty directory is harmless.
+                        let _ = durable::remove_dir(dir);
+                    }
                 }
-            }
-            Ok(())
-        })
+                Ok(())
+            })?;
+        Ok(())
     }
 
     /// The last state of each key in the journal's file (read as [`read_journal`] does: no
@@ -501,6 +510,16 @@ impl KeyedJournal {
         }
         Ok(last)
     }
+}
+
+/// When a compaction runs, judged once the journal is held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum When {
+    /// Whenever the journal holds an entry (a clean shutdown, after recovery).
+    Always,
+    /// Only while it is over its limits: the appenders that each saw it due after their
+    /// append compact it once, not once each.
+    Due,
 }
 
 /// A file a compaction writes back: its bytes, or `None` to remove it.
@@ -546,7 +565,7 @@ impl VolumeJournal {
     ) -> Result<(), CheckpointError> {
         self.keyed.append(volume_id, state, commit)?;
         if self.keyed.due() {
-            self.compact()?;
+            self.compact_as(true, When::Due)?;
         }
         Ok(())
     }
@@ -561,11 +580,12 @@ impl VolumeJournal {
     /// durable with one syncfs, then empties the journal (see [`crate::durable::journal`]).
     /// Blocking.
     pub fn compact(&self) -> Result<(), CheckpointError> {
-        self.compact_as(true)
+        self.compact_as(true, When::Always)
     }
 
-    /// [`compact`](Self::compact), writing the summary or (`summary` false) removing it.
-    fn compact_as(&self, summary: bool) -> Result<(), CheckpointError> {
+    /// [`compact`](Self::compact), writing the summary or (`summary` false) removing it, `when`
+    /// it is wanted.
+    fn compact_as(&self, summary: bool, when: When) -> Result<(), CheckpointError> {
         let layout = &self.layout;
         let file_of = |id: &str, state: &Option<Vec<u8>>| {
             let dir = layout.volume_dir(id);
@@ -577,12 +597,13 @@ impl VolumeJournal {
             }
             Ok(Some(layout.state_file(id)))
         };
-        self.keyed.compact(layout.base(), file_of, |first, covers| {
-            let bytes = summary
-                .then(|| crate::provider::summary::build(layout, first, covers))
-                .flatten();
-            vec![(summary_path(layout), bytes)]
-        })
+        self.keyed
+            .compact_when(when, layout.base(), file_of, |first, covers| {
+                let bytes = summary
+                    .then(|| crate::provider::summary::build(layout, first, covers))
+                    .flatten();
+                vec![(summary_path(layout), bytes)]
+            })
     }
 
     /// Removes the volume summary, durably: for whoever changes a volume directory outside a
@@ -651,7 +672,7 @@ pub fn settle_journal(layout: &Layout) -> Result<(), CheckpointError> {
         return Ok(());
     }
     let (journal, _, _) = VolumeJournal::open(layout)?;
-    journal.compact_as(false)
+    journal.compact_as(false, When::Always)
 }
 
 #[cfg(test)]
@@ -805,7 +826,7 @@ mod tests {
         fs::write(dir.path().join("v3"), b"old").unwrap();
         keyed.append("v3", None, Commit::Durable).unwrap();
         keyed
-            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .compact_when(When::Always, dir.path(), file_of, |_, _| Vec::new())
             .unwrap();
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"last");
         assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"kept");
@@ -828,7 +849,7 @@ mod tests {
         assert_eq!(entries.len(), 1);
         let keyed = KeyedJournal::new(journal);
         keyed
-            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .compact_when(When::Always, dir.path(), file_of, |_, _| Vec::new())
             .unwrap();
         assert_eq!(fs::read(dir.path().join("v4")).unwrap(), b"from before");
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"last");
@@ -849,7 +870,7 @@ mod tests {
             .unwrap();
         let file_of = |key: &str, _: &Option<Vec<u8>>| Ok(Some(dir.path().join(key)));
         keyed
-            .compact(dir.path(), file_of, |_, _| Vec::new())
+            .compact_when(When::Always, dir.path(), file_of, |_, _| Vec::new())
             .unwrap();
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"one");
         assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"two");

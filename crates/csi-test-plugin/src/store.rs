@@ -642,7 +642,7 @@ impl Store {
         }
         if journal::due(use_journal.journal.size(), COMPACT_ENTRIES, COMPACT_BYTES) {
             // The change is durable in the journal: a failed compaction leaves it there.
-            if let Err(e) = self.compact() {
+            if let Err(e) = self.compact_when(true) {
                 let e = csi_isolator::error_chain::full_message(&e);
                 tracing::warn!(error = %e, "record journal: compaction failed, retried when due again");
             }
@@ -713,11 +713,19 @@ impl Store {
     /// Writes every record the journal holds back to its file, then empties the journal;
     /// nothing changes meanwhile (the gate). Without a journal, nothing to do.
     fn compact(&self) -> Result<(), StoreError> {
+        self.compact_when(false)
+    }
+
+    /// [`compact`](Self::compact); with `only_due`, only if the journal is still over its limits
+    /// once the gate is held: the changes that each saw it due after their append (a burst of
+    /// them, returning from one batch) compact it once, not once each.
+    fn compact_when(&self, only_due: bool) -> Result<(), StoreError> {
         let Some(use_journal) = &self.journal else {
             return Ok(());
         };
         let _gate = use_journal.gate.write().unwrap_or_else(|p| p.into_inner());
-        if use_journal.journal.size().entries == 0 {
+        let size = use_journal.journal.size();
+        if size.entries == 0 || (only_due && !journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES)) {
             return Ok(());
         }
         let mut dirty = use_journal.dirty.lock().unwrap_or_else(|p| p.into_inner());
