@@ -62,24 +62,19 @@ fn unpayload(p: &[u8]) -> (String, Option<String>) {
 /// The store's state: the files, then the journal's entries over them, last one winning (a
 /// file the journal covers is replaced whatever it holds: a write-back cut by the power may
 /// have left it empty or torn). Pure.
-fn replay(
-    files: BTreeMap<String, Vec<u8>>,
-    entries: &[Entry],
-) -> (BTreeMap<String, String>, BTreeSet<String>) {
+fn replay(files: BTreeMap<String, Vec<u8>>, entries: &[Entry]) -> BTreeMap<String, String> {
     let mut state: BTreeMap<String, String> = files
         .into_iter()
         .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
         .collect();
-    let mut touched = BTreeSet::new();
     for e in entries {
         let (k, v) = unpayload(&e.payload);
         match v {
-            Some(v) => state.insert(k.clone(), v),
+            Some(v) => state.insert(k, v),
             None => state.remove(&k),
         };
-        touched.insert(k);
     }
-    (state, touched)
+    state
 }
 
 fn files_dir(root: &Path) -> PathBuf {
@@ -100,7 +95,7 @@ impl Store {
             files.insert(name, std::fs::read(e.path()).unwrap());
         }
         let (journal, parsed) = Journal::open(&root.join("journal"), 0o600, slow_disk).unwrap();
-        let (state, _) = replay(files, &parsed.entries);
+        let state = replay(files, &parsed.entries);
         let store = Store {
             root: root.to_path_buf(),
             journal,
@@ -273,7 +268,7 @@ fn recovered_from(tree: &Tree, root: &Path) -> BTreeMap<String, String> {
         Some(Node::File(_, b)) => journal::parse(b).expect("a journal header").entries,
         _ => Vec::new(),
     };
-    replay(files, &entries).0
+    replay(files, &entries)
 }
 
 /// The values a state loses: for each key, the value of its last append that had returned

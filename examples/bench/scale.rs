@@ -88,12 +88,13 @@ impl Namespace {
         Ok(Namespace { child, ns })
     }
 
-    /// Mounts at or below `dir` in this namespace.
+    /// The namespace's mount table.
     fn mountinfo(&self) -> Result<String> {
         std::fs::read_to_string(format!("/proc/{}/mountinfo", self.child.id()))
             .context("read the holder's mountinfo")
     }
 
+    /// Mounts at or below `dir` in this namespace.
     fn mounts_under(&self, dir: &Path) -> Result<usize> {
         let text = self.mountinfo()?;
         let dir = dir.to_string_lossy();

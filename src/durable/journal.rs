@@ -410,6 +410,26 @@ pub struct Size {
     pub bytes: u64,
 }
 
+/// When a compaction runs, judged once the journal is held ([`Journal::compact_when`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum When {
+    /// Whenever the journal holds an entry (a clean shutdown, after recovery).
+    Always,
+    /// Only while it is over its limits: the appenders that each saw it due after their
+    /// append compact it once, not once each.
+    Due,
+}
+
+impl When {
+    /// Whether a journal of `size` is to be compacted, under the limits for [`When::Due`] (pure).
+    pub fn holds(self, size: Size, max_entries: u64, max_bytes: u64) -> bool {
+        match self {
+            When::Always => size.entries > 0,
+            When::Due => due(size, max_entries, max_bytes),
+        }
+    }
+}
+
 /// Whether a journal of `size` is due for compaction under the limits (pure).
 pub fn due(size: Size, max_entries: u64, max_bytes: u64) -> bool {
     size.entries >= max_entries || size.bytes >= max_bytes
@@ -1001,6 +1021,16 @@ mod tests {
         let mut h = header(1);
         h[8..12].copy_from_slice(&2u32.to_le_bytes());
         assert!(parse(&h).unwrap_err().contains("version 2"));
+    }
+
+    #[test]
+    fn always_wants_any_entry_and_due_only_a_journal_over_its_limits() {
+        let size = |entries, bytes| Size { entries, bytes };
+        assert!(!When::Always.holds(size(0, 64), 4, 100));
+        assert!(When::Always.holds(size(1, 64), 4, 100));
+        assert!(!When::Due.holds(size(3, 99), 4, 100));
+        assert!(When::Due.holds(size(4, 64), 4, 100));
+        assert!(When::Due.holds(size(1, 100), 4, 100));
     }
 
     #[test]

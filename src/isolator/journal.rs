@@ -32,8 +32,8 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use crate::durable::journal::{self, Commit, Entry};
-use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal, When};
+use crate::durable::journal::{self, Commit, Entry, When};
+use crate::provider::checkpoint::{self, journal_error, CheckpointError, KeyedJournal};
 
 /// The journal's file name, in `<work_dir>/isolators/volume/`.
 pub const JOURNAL_FILE: &str = "journal";

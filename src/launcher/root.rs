@@ -12,9 +12,14 @@ use crate::mount::{MountError, Syscall};
 
 /// An O_PATH, close-on-exec fd of a trusted host directory.
 pub(super) fn open_dir(path: &Path) -> Result<OwnedFd, MountError> {
+    open_path(path, OFlag::O_DIRECTORY)
+}
+
+/// An O_PATH, close-on-exec fd of a trusted host path, with the flags `extra` too.
+pub(super) fn open_path(path: &Path, extra: OFlag) -> Result<OwnedFd, MountError> {
     nix::fcntl::open(
         path,
-        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        OFlag::O_PATH | OFlag::O_CLOEXEC | extra,
         nix::sys::stat::Mode::empty(),
     )
     .map_err(|errno| MountError::Resolve {

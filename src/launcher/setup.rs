@@ -10,7 +10,7 @@ use nix::fcntl::OFlag;
 use nix::unistd::Pid;
 
 use super::exec::{self, ChildPlan, ExecPlan, REPORT_LEN};
-use super::root::{open_dir, pivot_shown};
+use super::root::{open_dir, open_path, pivot_shown};
 use super::{seed, LaunchError, LaunchSpec, Launched, VolumeRef};
 use crate::mount::{
     self, ns, Hardening, MountError, MountFlags, Propagation, Syscall, TargetRoot, VolumeMount,
@@ -385,21 +385,8 @@ pub(crate) fn attach(
                 .map_err(attach_err)?;
             // The target fd still names the covered directory; its path now leads to the new mount.
             let path = mount::fd_path(target).map_err(ro_err)?;
-            let top_fd = open_dir(&path)
-                .or_else(|_| {
-                    nix::fcntl::open(
-                        &path,
-                        OFlag::O_PATH | OFlag::O_CLOEXEC,
-                        nix::sys::stat::Mode::empty(),
-                    )
-                    .map_err(|errno| MountError::Resolve {
-                        step: "open",
-                        root: path.clone(),
-                        path: PathBuf::new(),
-                        errno,
-                    })
-                })
-                .map_err(ro_err)?;
+            // Named only through /proc/self/fd: a directory or a file alike.
+            let top_fd = open_path(&path, OFlag::empty()).map_err(ro_err)?;
             let top = mount::proc_fd_path(top_fd.as_fd());
             if !set.is_empty() || !clear.is_empty() {
                 sys.remount_bind_with(&top, set, clear).map_err(ro_err)?;
@@ -662,21 +649,21 @@ fn from_seed(
         .map_err(|source| bind_sandbox_error(spec, rootfs, source))?;
     // The sandbox as bound in the rootfs, named through its attached tree's fd.
     let in_sandbox = mount::proc_fd_path(sandbox_tree.as_fd());
-    // Sandbox volumes first, then the rootfs's, as the other path attaches them.
-    for wanted in [TargetRoot::Sandbox, TargetRoot::Rootfs, TargetRoot::Host] {
+    // Sandbox volumes first, then the rootfs's, as the other path attaches them (a host target
+    // with a rootfs was refused up front by check_roots).
+    let roots = [
+        (
+            TargetRoot::Sandbox,
+            in_sandbox.as_path(),
+            spec.sandbox.as_path(),
+        ),
+        (TargetRoot::Rootfs, in_seed, rootfs),
+    ];
+    for (wanted, root, shown) in roots {
         for (i, m) in spec.mounts.iter().enumerate() {
-            if m.root != wanted {
-                continue;
+            if m.root == wanted {
+                apply_shown(sys, m, root, shown, Resolve::Create, clones[i].take())?;
             }
-            let (root, shown) = match m.root {
-                TargetRoot::Sandbox => (in_sandbox.as_path(), spec.sandbox.as_path()),
-                TargetRoot::Rootfs => (in_seed, rootfs),
-                // Refused up front by check_roots; refuse again rather than guess.
-                TargetRoot::Host => {
-                    return Err(check_roots(spec).expect_err("a host target with a rootfs"))
-                }
-            };
-            apply_shown(sys, m, root, shown, Resolve::Create, clones[i].take())?;
         }
     }
 

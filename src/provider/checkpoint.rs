@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::durable::journal::{Commit, Journal, JournalError};
+use crate::durable::journal::{Commit, Journal, JournalError, When};
 use crate::durable::record::Promise;
 pub use crate::durable::remove_stale_temps;
 use crate::durable::{self, WriteStep};
@@ -450,13 +450,7 @@ impl KeyedJournal {
         mut file_of: impl FnMut(&str, &Option<Vec<u8>>) -> Result<Option<PathBuf>, CheckpointError>,
         also: impl FnOnce(u64, u64) -> Vec<WrittenBack>,
     ) -> Result<(), CheckpointError> {
-        let wanted = |size: crate::durable::journal::Size| match when {
-            When::Always => size.entries > 0,
-            When::Due => crate::durable::journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES),
-        };
-        if !wanted(self.journal.size()) {
-            return Ok(());
-        }
+        let wanted = |size| when.holds(size, COMPACT_ENTRIES, COMPACT_BYTES);
         self.journal
             .compact_when(wanted, || -> Result<(), CheckpointError> {
                 let mut files = Vec::new();
@@ -510,16 +504,6 @@ impl KeyedJournal {
         }
         Ok(last)
     }
-}
-
-/// When a compaction runs, judged once the journal is held.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum When {
-    /// Whenever the journal holds an entry (a clean shutdown, after recovery).
-    Always,
-    /// Only while it is over its limits: the appenders that each saw it due after their
-    /// append compact it once, not once each.
-    Due,
 }
 
 /// A file a compaction writes back: its bytes, or `None` to remove it.
@@ -875,6 +859,58 @@ mod tests {
         assert_eq!(fs::read(dir.path().join("v1")).unwrap(), b"one");
         assert_eq!(fs::read(dir.path().join("v2")).unwrap(), b"two");
         assert_eq!(keyed.journal.size().entries, 0, "the journal was emptied");
+    }
+
+    /// A burst of appenders that each saw the journal due after their append: one compaction,
+    /// not one each (the 256-container burst compacted 227 times in a row before).
+    #[test]
+    fn appenders_that_all_saw_the_journal_due_compact_it_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let (journal, _) = KeyedJournal::open(&dir.path().join("journal")).unwrap();
+        let keyed = KeyedJournal::new(journal);
+        let payloads: Vec<Vec<u8>> = (0..COMPACT_ENTRIES)
+            .map(|i| {
+                VolumeEntry {
+                    volume_id: format!("v{}", i % 4),
+                    state: Some(i.to_string().into_bytes()),
+                }
+                .encode()
+            })
+            .collect();
+        let refs: Vec<&[u8]> = payloads.iter().map(Vec::as_slice).collect();
+        keyed.journal.append(&refs).unwrap();
+        assert!(keyed.due());
+        let compactions = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..8 {
+                scope.spawn(|| {
+                    let file_of = |key: &str, _: &Option<Vec<u8>>| Ok(Some(dir.path().join(key)));
+                    keyed
+                        .compact_when(When::Due, dir.path(), file_of, |_, _| {
+                            compactions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            Vec::new()
+                        })
+                        .unwrap();
+                });
+            }
+        });
+        assert_eq!(compactions.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert_eq!(keyed.journal.size().entries, 0);
+        let last = (COMPACT_ENTRIES - 1).to_string().into_bytes();
+        assert_eq!(fs::read(dir.path().join("v3")).unwrap(), last);
+        // Below the limits, a compaction asked when due writes nothing back.
+        keyed
+            .append("v0", Some(b"new".to_vec()), Commit::Durable)
+            .unwrap();
+        keyed
+            .compact_when(
+                When::Due,
+                dir.path(),
+                |_: &str, _: &Option<Vec<u8>>| panic!("written back"),
+                |_, _| Vec::new(),
+            )
+            .unwrap();
+        assert_eq!(keyed.journal.size().entries, 1);
     }
 
     #[test]

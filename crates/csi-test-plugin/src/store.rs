@@ -52,7 +52,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::backing::BackingKind;
 use csi_isolator::durable;
-use csi_isolator::durable::journal::{self, Journal, JournalError};
+use csi_isolator::durable::journal::{self, Journal, JournalError, When};
 use csi_isolator::io_step::IoStep;
 use csi_isolator::resource::encode_volume_id;
 use csi_isolator::workdir::PRIVATE_FILE_MODE;
@@ -642,7 +642,7 @@ impl Store {
         }
         if journal::due(use_journal.journal.size(), COMPACT_ENTRIES, COMPACT_BYTES) {
             // The change is durable in the journal: a failed compaction leaves it there.
-            if let Err(e) = self.compact_when(true) {
+            if let Err(e) = self.compact_when(When::Due) {
                 let e = csi_isolator::error_chain::full_message(&e);
                 tracing::warn!(error = %e, "record journal: compaction failed, retried when due again");
             }
@@ -713,19 +713,19 @@ impl Store {
     /// Writes every record the journal holds back to its file, then empties the journal;
     /// nothing changes meanwhile (the gate). Without a journal, nothing to do.
     fn compact(&self) -> Result<(), StoreError> {
-        self.compact_when(false)
+        self.compact_when(When::Always)
     }
 
-    /// [`compact`](Self::compact); with `only_due`, only if the journal is still over its limits
-    /// once the gate is held: the changes that each saw it due after their append (a burst of
-    /// them, returning from one batch) compact it once, not once each.
-    fn compact_when(&self, only_due: bool) -> Result<(), StoreError> {
+    /// [`compact`](Self::compact) `when` it is wanted, judged once the gate is held: the changes
+    /// that each saw the journal due after their append (a burst of them, returning from one
+    /// batch) compact it once ([`When::Due`]), not once each.
+    fn compact_when(&self, when: When) -> Result<(), StoreError> {
         let Some(use_journal) = &self.journal else {
             return Ok(());
         };
         let _gate = use_journal.gate.write().unwrap_or_else(|p| p.into_inner());
         let size = use_journal.journal.size();
-        if size.entries == 0 || (only_due && !journal::due(size, COMPACT_ENTRIES, COMPACT_BYTES)) {
+        if !when.holds(size, COMPACT_ENTRIES, COMPACT_BYTES) {
             return Ok(());
         }
         let mut dirty = use_journal.dirty.lock().unwrap_or_else(|p| p.into_inner());
