@@ -16,11 +16,34 @@ where
     F: FnOnce() -> T + Send + 'static,
     T: Send + 'static,
 {
-    match tokio::task::spawn_blocking(work).await {
-        Ok(value) => value,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        // Only a runtime shutting down cancels a blocking task before it starts.
-        Err(e) => panic!("blocking work cancelled: {e}"),
+    start_blocking(work).wait().await
+}
+
+/// Blocking work started at once on tokio's blocking pool, its result waited for later
+/// ([`Started::wait`]): for work a caller needs done only a step later, such as directories
+/// made while an intent is written and an RPC is sent. A caller waits for it before it
+/// returns, so that no work of its outlives it unseen.
+pub(crate) fn start_blocking<T, F>(work: F) -> Started<T>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    Started(tokio::task::spawn_blocking(work))
+}
+
+/// Blocking work under way ([`start_blocking`]).
+#[must_use = "wait for the work before returning"]
+pub(crate) struct Started<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Started<T> {
+    /// Waits for the work's result; a panic in the work is resumed in the caller.
+    pub(crate) async fn wait(self) -> T {
+        match self.0.await {
+            Ok(value) => value,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // Only a runtime shutting down cancels a blocking task before it starts.
+            Err(e) => panic!("blocking work cancelled: {e}"),
+        }
     }
 }
 
@@ -201,5 +224,29 @@ mod tests {
                 "{len} items"
             );
         }
+    }
+
+    /// Started work runs without being waited for (the caller goes on meanwhile), and its
+    /// result is answered by `wait`.
+    #[tokio::test]
+    async fn started_work_runs_before_it_is_waited_for() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let started = start_blocking(move || {
+            tx.send(()).unwrap();
+            7
+        });
+        // Not waited for yet: the work still runs (bounded, never forever).
+        let ran = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert!(ran.is_ok(), "the work did not run before it was waited for");
+        assert_eq!(started.wait().await, 7);
+    }
+
+    #[tokio::test]
+    #[should_panic(expected = "directory refused")]
+    async fn a_panic_in_started_work_is_resumed_by_wait() {
+        let answer: u8 = start_blocking(|| -> u8 { panic!("directory refused") })
+            .wait()
+            .await;
+        unreachable!("answered {answer}");
     }
 }

@@ -147,7 +147,12 @@ impl Rig {
             Some(Vec::new()),
             "the plugin still has volume {id} published to a node"
         );
-        assert!(!self.provider.layout().staging_path(id).exists());
+        // The staging directory lives as long as the volume: nothing mounted there, nothing in it.
+        let staging = self.provider.layout().staging_path(id);
+        assert!(!is_mounted(&staging), "{} still staged", staging.display());
+        if let Ok(entries) = std::fs::read_dir(&staging) {
+            assert_eq!(entries.count(), 0, "{} empty", staging.display());
+        }
         self.sb.assert_no_mounts_under();
     }
 

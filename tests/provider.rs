@@ -85,6 +85,21 @@ async fn publish_unpublish_in_combination(controller_publish: bool, stage: bool)
 
     let res = create(&p, "v", 16 * MIB).await;
     let id = res.source_id().unwrap().to_string();
+    // The volume's directories live as long as it does: made with it (the staging directory
+    // only for a plugin that stages), kept between stages, so that a publish makes none.
+    let (dir, staging) = (p.layout().mount_dir(&id), p.layout().staging_path(&id));
+    let private_dir = |path: &Path| {
+        use std::os::unix::fs::PermissionsExt;
+        let meta = std::fs::symlink_metadata(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        assert!(meta.is_dir(), "{path:?} is a directory");
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o700, "{path:?}");
+    };
+    private_dir(&dir);
+    assert_eq!(
+        staging.exists(),
+        stage,
+        "staging directory made with the volume: {stage}"
+    );
     let mp = p.publish(&id, "c1").await.unwrap();
     assert_eq!(mp, p.layout().target_path(&id));
     assert!(is_mounted(&mp), "target mounted");
@@ -93,27 +108,48 @@ async fn publish_unpublish_in_combination(controller_publish: bool, stage: bool)
     p.release(&id, "c1").await.unwrap();
     assert!(!is_mounted(&mp));
     assert_eq!(p.volume(&id).await.unwrap().state, VolumeState::Created);
+    if stage {
+        private_dir(&staging);
+        assert!(!is_mounted(&staging), "nothing left mounted at {staging:?}");
+        assert_eq!(
+            std::fs::read_dir(&staging).unwrap().count(),
+            0,
+            "{staging:?} empty"
+        );
+    }
+    // Gone (a volume of an older version, or removed by hand): the next publish makes them.
+    if stage {
+        std::fs::remove_dir(&staging).unwrap();
+    }
+    std::fs::remove_dir(&dir).unwrap();
+    let mp = p.publish(&id, "c2").await.unwrap();
+    assert!(is_mounted(&mp), "target mounted again");
+    assert_eq!(std::fs::read(mp.join("hello")).unwrap(), b"world");
+    private_dir(&dir);
+    p.release(&id, "c2").await.unwrap();
     p.destroy_volume(&id).await.unwrap();
     assert!(p.volume(&id).await.is_none());
     assert!(!p.layout().state_file(&id).exists());
     assert!(!p.layout().mount_dir(&id).exists());
     p.shutdown(Duration::from_secs(5)).await;
 
+    let mut cycle = Vec::new();
+    if controller_publish {
+        cycle.push("ControllerPublishVolume");
+    }
+    if stage {
+        cycle.push("NodeStageVolume");
+    }
+    cycle.push("NodePublishVolume");
+    cycle.push("NodeUnpublishVolume");
+    if stage {
+        cycle.push("NodeUnstageVolume");
+    }
+    if controller_publish {
+        cycle.push("ControllerUnpublishVolume");
+    }
     let mut expected = vec!["CreateVolume"];
-    if controller_publish {
-        expected.push("ControllerPublishVolume");
-    }
-    if stage {
-        expected.push("NodeStageVolume");
-    }
-    expected.push("NodePublishVolume");
-    expected.push("NodeUnpublishVolume");
-    if stage {
-        expected.push("NodeUnstageVolume");
-    }
-    if controller_publish {
-        expected.push("ControllerUnpublishVolume");
-    }
+    expected.extend(cycle.iter().chain(&cycle));
     expected.push("DeleteVolume");
     assert_eq!(lifecycle_calls(&log), expected);
     sb.assert_no_mounts_under();

@@ -178,7 +178,8 @@ fn status_of(node: &Node, volume_id: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("{} records {volume_id}", node.id))
 }
 
-/// Nothing of the volume on `node`: no mounts, no staging or target directory.
+/// Nothing of the volume on `node`: no mounts, no target directory, and its staging directory
+/// (which lives as long as the volume) empty.
 fn nothing_on(node: &Node) {
     assert!(
         mount_points_under(&node.work).is_empty(),
@@ -190,14 +191,14 @@ fn nothing_on(node: &Node) {
     let left: Vec<PathBuf> = walk(&mounts)
         .into_iter()
         .filter(|p| {
-            p.components().any(|c| c.as_os_str() == "mounts")
-                && p.file_name()
-                    .is_some_and(|n| n == "staging" || n == "target")
+            let under_mounts = p.components().any(|c| c.as_os_str() == "mounts");
+            let staged = p.parent().and_then(Path::file_name) == Some("staging".as_ref());
+            under_mounts && (p.file_name().is_some_and(|n| n == "target") || staged)
         })
         .collect();
     assert!(
         left.is_empty(),
-        "no staging or target dir on {}: {left:?}",
+        "no target dir, nothing in a staging dir on {}: {left:?}",
         node.id
     );
 }

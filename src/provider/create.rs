@@ -379,6 +379,7 @@ impl StorageProvider {
         name: &str,
     ) -> Result<VolumeRecord, ProviderError> {
         self.persist(&rec).await?;
+        self.make_volume_dirs(&rec.volume_id).await;
         self.remove_intent(name).await?;
         self.insert_slot(rec.clone());
         Ok(rec)
@@ -441,6 +442,7 @@ impl StorageProvider {
         rec.volume_context = volume_context.into();
         rec.vendor = Some(self.vendor.clone());
         self.persist(&rec).await?;
+        self.make_volume_dirs(&rec.volume_id).await;
         self.insert_slot(rec.clone());
         Ok(self.resource_for(&rec))
     }

@@ -112,6 +112,32 @@ pub(crate) fn next_step(
     }
 }
 
+/// The directories the CO creates on the node for the plugin (CSI: the staging path itself,
+/// the target's parent), as a forward operation needs them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct NodeDirs {
+    /// `mounts/<id>/staging`, for NodeStageVolume.
+    pub(crate) staging: bool,
+    /// `mounts/<id>`, the target's parent, for NodePublishVolume.
+    pub(crate) mount: bool,
+}
+
+/// The directories an operation whose first RPC is `first`, going to `goal`, will need, made
+/// (or found: they live with the volume) beside its first RPC rather than before each step: the
+/// staging path when it stages (`stage_unstage`: the plugin offers it, and a NodeStage lies
+/// ahead), the mount directory when it publishes. None going back.
+pub(crate) fn node_dirs(first: Step, goal: VolumeState, stage_unstage: bool) -> NodeDirs {
+    let reaches = |state: VolumeState| goal.rank() >= state.rank();
+    let forward = first.is_forward();
+    NodeDirs {
+        staging: forward
+            && stage_unstage
+            && first != Step::NodePublish
+            && reaches(VolumeState::VolReady),
+        mount: forward && reaches(VolumeState::Published),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,6 +338,45 @@ mod tests {
                 resume_point(state, towards, goal),
                 expected,
                 "{state} towards {towards:?}, now going to {goal}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_forward_operation_makes_the_directories_of_the_steps_ahead_and_none_going_back() {
+        let both = NodeDirs {
+            staging: true,
+            mount: true,
+        };
+        let mount = NodeDirs {
+            staging: false,
+            mount: true,
+        };
+        let staging = NodeDirs {
+            staging: true,
+            mount: false,
+        };
+        let none = NodeDirs::default();
+        #[rustfmt::skip]
+        let cases = [
+            // (first RPC, goal, STAGE_UNSTAGE_VOLUME, directories)
+            (S::ControllerPublish, Published, true, both),
+            (S::ControllerPublish, Published, false, mount),
+            (S::ControllerPublish, VolReady, true, staging),
+            (S::ControllerPublish, NodeReady, true, none),
+            (S::NodeStage, Published, true, both),
+            (S::NodeStage, VolReady, true, staging),
+            (S::NodePublish, Published, true, mount),
+            (S::NodePublish, Published, false, mount),
+            (S::NodeUnpublish, VolReady, true, none),
+            (S::NodeUnstage, Created, true, none),
+            (S::ControllerUnpublish, Created, true, none),
+        ];
+        for (first, goal, stage, dirs) in cases {
+            assert_eq!(
+                node_dirs(first, goal, stage),
+                dirs,
+                "{first:?} to {goal:?}, stage {stage}"
             );
         }
     }

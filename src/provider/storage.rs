@@ -20,7 +20,7 @@
 
 use crate::error_chain::Chain;
 use crate::io_step::IoStep;
-use crate::offload::blocking;
+use crate::offload::{blocking, start_blocking, Started};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -32,7 +32,7 @@ use crate::durable::journal::Commit;
 use crate::mount::{LinuxSyscall, MountTable, ProcMountTable, Syscall};
 use crate::provider::checkpoint;
 use crate::provider::error::ProviderError;
-use crate::provider::next_step::{next_step, resume_point, Next, StepCaps};
+use crate::provider::next_step::{next_step, node_dirs, resume_point, Next, NodeDirs, StepCaps};
 use crate::provider::state::{AccessType, Step, VolumeRecord, VolumeState};
 use crate::provider::supervisor::{PluginCommand, Supervisor};
 use crate::provider::topology;
@@ -696,6 +696,8 @@ impl StorageProvider {
         let mut wrote = false;
         let mut dirty = false;
         let mut intent = false;
+        let mut dirs = NodeDirs::default();
+        let mut making: Option<Started<Result<(), ProviderError>>> = None;
         loop {
             let caps = self.step_caps();
             let mut next = next_step(rec.state, goal, caps, false);
@@ -749,15 +751,27 @@ impl StorageProvider {
                 if goal.rank() >= VolumeState::VolReady.rank() {
                     rec.boot_id = Some(self.boot_id.clone());
                 }
+                // The directories the steps ahead need (a volume's live as long as it does,
+                // see `make_volume_dirs`: this only finds them, unless an older version or a
+                // failure left them unmade) are made while the first RPC is sent, and waited
+                // for before the step that needs them.
+                dirs = node_dirs(step, goal, caps.stage_unstage);
                 if let Err(e) = self.persist(rec).await {
                     *rec = before;
                     return Err(e);
                 }
                 intent = true;
                 wrote = true;
+                making = self.start_node_dirs(&rec.volume_id, dirs);
+            }
+            if matches!(step, Step::NodeStage | Step::NodePublish) {
+                if let Some(Err(e)) = wait_for(making.take()).await {
+                    return Err(self.after_failed_step(rec, &before, step, e).await);
+                }
             }
             tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
-            if let Err(e) = self.call(rec, step).await {
+            if let Err(e) = self.call(rec, step, dirs).await {
+                wait_for(making.take()).await;
                 return Err(self.after_failed_step(rec, &before, step, e).await);
             }
             // The RPC is done but not yet recorded: a crash here is the
@@ -766,6 +780,10 @@ impl StorageProvider {
             checkpoint::crash_point();
             advance(rec, step);
             tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
+        }
+        // Made for a step the plugin replaced meanwhile no longer has: done before returning.
+        if let Some(Err(e)) = wait_for(making.take()).await {
+            tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "directories not made, and not needed");
         }
         if dirty || rec.towards.is_some() {
             rec.towards = None;
@@ -815,7 +833,53 @@ impl StorageProvider {
         }
     }
 
-    async fn call(&self, rec: &mut VolumeRecord, step: Step) -> Result<(), ProviderError> {
+    /// Starts making the directories `dirs` of a volume's (see [`node_dirs`]) in one trip off
+    /// the async workers, the staging path and the mount directory (closed to other users when
+    /// an earlier version left it open); `None` when there are none to make.
+    fn start_node_dirs(
+        &self,
+        volume_id: &str,
+        dirs: NodeDirs,
+    ) -> Option<Started<Result<(), ProviderError>>> {
+        if dirs == NodeDirs::default() {
+            return None;
+        }
+        let staging = self.layout.staging_path(volume_id);
+        let mount_dir = self.layout.mount_dir(volume_id);
+        Some(start_blocking(move || {
+            if dirs.staging {
+                mkdir(&staging, "create staging directory")?;
+            }
+            if dirs.mount {
+                mkdir(&mount_dir, "create mount directory")?;
+                close_dir(&mount_dir)?;
+            }
+            Ok(())
+        }))
+    }
+
+    /// Makes a new volume's directories on this node (see [`NodeDirs`]), which live as long as
+    /// the volume, so that its publishes do not (a stage or a publish makes one found missing).
+    /// A failure is logged, not returned: the volume is recorded already, and its first publish
+    /// makes them or says why it cannot.
+    pub(crate) async fn make_volume_dirs(&self, volume_id: &str) {
+        let dirs = NodeDirs {
+            staging: self.step_caps().stage_unstage,
+            mount: true,
+        };
+        if let Some(Err(e)) = wait_for(self.start_node_dirs(volume_id, dirs)).await {
+            tracing::warn!(volume_id, error = %Chain(&e), "cannot make the new volume's directories yet: its first publish will");
+        }
+    }
+
+    /// Sends `step`'s RPC for the volume and records what it answers; `dirs`: the directories
+    /// already made for it with the operation's intent (any other is made here).
+    async fn call(
+        &self,
+        rec: &mut VolumeRecord,
+        step: Step,
+        dirs: NodeDirs,
+    ) -> Result<(), ProviderError> {
         let id = rec.volume_id.clone();
         let secrets = self
             .secrets(rec.secrets_file.as_deref(), &id, step.rpc())
@@ -855,8 +919,15 @@ impl StorageProvider {
                 rec.fenced = None;
             }
             Step::NodeStage => {
-                let dir = staging.clone();
-                blocking(move || mkdir(&dir, "create staging directory")).await?;
+                if !dirs.staging {
+                    let staging = NodeDirs {
+                        staging: true,
+                        mount: false,
+                    };
+                    wait_for(self.start_node_dirs(&rec.volume_id, staging))
+                        .await
+                        .transpose()?;
+                }
                 self.client
                     .node_stage_volume(proto::NodeStageVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -874,12 +945,15 @@ impl StorageProvider {
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
-                let mount_dir = self.layout.mount_dir(&rec.volume_id);
-                blocking(move || {
-                    mkdir(&mount_dir, "create mount directory")?;
-                    close_dir(&mount_dir)
-                })
-                .await?;
+                if !dirs.mount {
+                    let mount = NodeDirs {
+                        staging: false,
+                        mount: true,
+                    };
+                    wait_for(self.start_node_dirs(&rec.volume_id, mount))
+                        .await
+                        .transpose()?;
+                }
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -902,16 +976,21 @@ impl StorageProvider {
                 // The plugin creates the target (the CO only its parent): an
                 // answer of success with no target, or with a target of
                 // another kind than the volume's, is not to be trusted.
-                let made = target.clone();
-                let found = blocking(move || std::fs::symlink_metadata(&made).ok()).await;
-                if let Some(wrong) = target_mismatch(rec.capability.access_type, found.as_ref()) {
-                    return Err(ProviderError::PluginMisbehaved {
-                        volume: rec.volume_id.clone(),
-                        rpc: step.rpc(),
-                        what: format!("reported success but {wrong} at {}", target.display()),
-                    });
-                }
-                self.harden(&rec.volume_id, &target, "target").await?;
+                // One trip: the target checked, then hardened.
+                let (sys, volume, at) = (self.sys.clone(), rec.volume_id.clone(), target.clone());
+                let (access, rpc) = (rec.capability.access_type, step.rpc());
+                blocking(move || {
+                    let found = std::fs::symlink_metadata(&at).ok();
+                    if let Some(wrong) = target_mismatch(access, found.as_ref()) {
+                        return Err(ProviderError::PluginMisbehaved {
+                            volume,
+                            rpc,
+                            what: format!("reported success but {wrong} at {}", at.display()),
+                        });
+                    }
+                    harden_at(&*sys, &volume, &at, "target")
+                })
+                .await?;
             }
             Step::NodeUnpublish => {
                 self.sweep_beneath(&rec.volume_id, &target).await?;
@@ -946,7 +1025,8 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
-                blocking(move || remove_empty_dir(&staging)).await;
+                let volume = rec.volume_id.clone();
+                blocking(move || renew_staging_dir(&volume, &staging)).await;
             }
             Step::ControllerUnpublish => {
                 let node_id = match &rec.node_id {
@@ -1208,6 +1288,28 @@ fn close_dir(dir: &Path) -> Result<(), ProviderError> {
             source,
         ))
     })
+}
+
+/// The result of work started before, if any ([`Started::wait`]).
+async fn wait_for<T>(started: Option<Started<T>>) -> Option<T> {
+    match started {
+        Some(work) => Some(work.wait().await),
+        None => None,
+    }
+}
+
+/// After NodeUnstage: the staging directory removed, then made again, empty, for the volume's
+/// next stage (so that a publish makes none). The removal is what detaches a copy of the old
+/// staging mount that another mount namespace kept (a container's, copied while the volume
+/// was staged): the kernel detaches every mount on a removed directory in every namespace,
+/// and such a copy would keep the volume's filesystem mounted after its unstage. A directory
+/// the plugin left something in is kept as it is; one that cannot be made again is made by the
+/// next stage (logged).
+fn renew_staging_dir(volume: &str, staging: &Path) {
+    remove_empty_dir(staging);
+    if let Err(e) = mkdir(staging, "make the staging directory again") {
+        tracing::debug!(volume_id = volume, error = %Chain(&e), "the next stage makes it");
+    }
 }
 
 /// Removes a directory we created if it is empty. `rmdir` never removes
