@@ -1,6 +1,7 @@
 //! Blocking work off the async workers: [`blocking`], used by the provider and the isolator for
 //! every step that fsyncs, calls a mount syscall, reads the mount table or `/proc`, or sleeps
-//! between EBUSY retries, and [`blocking_each`], the same for one small step on each of many
+//! between EBUSY retries ([`start_blocking`]: the same, waited for a step later), and
+//! [`blocking_each`], the same for one small step on each of many
 //! items (a recovery's checks of every volume) in a few trips, and [`scoped_runs`], its
 //! synchronous sibling for a command's own threads (`status` checking, reading and parsing
 //! thousands of records). Imports nothing from the crate.

@@ -34,8 +34,10 @@
 //!   copies (`copy_tree`) are not fsynced, so a snapshot of a dir volume may lose data, not its
 //!   record, to a power cut (the test backing; the loop backing's copy is fsynced).
 //! - directories and files no recorded operation makes (the work dir's skeleton, the plugin's
-//!   log, lock files, `mounts/<id>`): taken as durable from the start; each is made again at
-//!   startup when missing.
+//!   log, lock files): taken as durable from the start; each is made again at startup when
+//!   missing. A volume's `mounts/<id>` and `mounts/<id>/staging`, made unsynced at its create
+//!   and (staging) again after each unstage: a power cut that undoes them costs the next
+//!   publish their making (it makes any it does not find).
 //! - best-effort removals left unrecorded and unsynced, each harmless if a power cut undoes it:
 //!   the provider's `remove_empty_dir` of a volume's staging and mount directories and the
 //!   `rmdir` of its emptied volume directory (empty directories; the provider's startup removes

@@ -126,6 +126,9 @@ async fn publish_unpublish_in_combination(controller_publish: bool, stage: bool)
     assert!(is_mounted(&mp), "target mounted again");
     assert_eq!(std::fs::read(mp.join("hello")).unwrap(), b"world");
     private_dir(&dir);
+    if stage {
+        private_dir(&staging);
+    }
     p.release(&id, "c2").await.unwrap();
     p.destroy_volume(&id).await.unwrap();
     assert!(p.volume(&id).await.is_none());

@@ -379,8 +379,8 @@ impl StorageProvider {
         name: &str,
     ) -> Result<VolumeRecord, ProviderError> {
         self.persist(&rec).await?;
-        self.make_volume_dirs(&rec.volume_id).await;
         self.remove_intent(name).await?;
+        self.make_volume_dirs(&rec.volume_id).await;
         self.insert_slot(rec.clone());
         Ok(rec)
     }

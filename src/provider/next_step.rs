@@ -122,6 +122,21 @@ pub(crate) struct NodeDirs {
     pub(crate) mount: bool,
 }
 
+impl NodeDirs {
+    pub(crate) const NONE: NodeDirs = NodeDirs {
+        staging: false,
+        mount: false,
+    };
+    pub(crate) const STAGING: NodeDirs = NodeDirs {
+        staging: true,
+        mount: false,
+    };
+    pub(crate) const MOUNT: NodeDirs = NodeDirs {
+        staging: false,
+        mount: true,
+    };
+}
+
 /// The directories an operation whose first RPC is `first`, going to `goal`, will need, made
 /// (or found: they live with the volume) beside its first RPC rather than before each step: the
 /// staging path when it stages (`stage_unstage`: the plugin offers it, and a NodeStage lies
@@ -344,19 +359,15 @@ mod tests {
 
     #[test]
     fn a_forward_operation_makes_the_directories_of_the_steps_ahead_and_none_going_back() {
-        let both = NodeDirs {
-            staging: true,
-            mount: true,
-        };
-        let mount = NodeDirs {
-            staging: false,
-            mount: true,
-        };
-        let staging = NodeDirs {
-            staging: true,
-            mount: false,
-        };
-        let none = NodeDirs::default();
+        let (both, mount, staging, none) = (
+            NodeDirs {
+                staging: true,
+                mount: true,
+            },
+            NodeDirs::MOUNT,
+            NodeDirs::STAGING,
+            NodeDirs::NONE,
+        );
         #[rustfmt::skip]
         let cases = [
             // (first RPC, goal, STAGE_UNSTAGE_VOLUME, directories)

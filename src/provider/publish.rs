@@ -27,7 +27,7 @@ use futures::future::join_all;
 
 use crate::error_chain::Chain;
 use crate::mount::WatchMode;
-use crate::offload::{blocking, blocking_each};
+use crate::offload::blocking_each;
 use crate::provider::access::{self, Access};
 use crate::provider::attention::ToCheck;
 use crate::provider::error::ProviderError;
@@ -430,20 +430,6 @@ impl StorageProvider {
         self.ensure_held(&mut held).await
     }
 
-    /// Remembers the mount id of a volume just published (one statx), so that the watch can name it
-    /// when it goes; a target found unmounted already, or whose id cannot be told, is marked for
-    /// the next sweep instead. `seen`: [`Watched::looks`] before the publish.
-    async fn learn_mount(&self, rec: &VolumeRecord, seen: u64) {
-        if !self.watched.wants_ids() {
-            return;
-        }
-        let (table, at) = (self.table.clone(), self.mount_point(&rec.volume_id));
-        match blocking(move || table.check_mount_root(&at)).await {
-            Ok(check) => self.watched.learn(&rec.volume_id, check, seen),
-            Err(_) => self.watched.mark(&rec.volume_id),
-        }
-    }
-
     /// How this provider learns of its volumes unmounted behind its back (for `status` and the logs).
     pub fn mount_watch_mode(&self) -> WatchMode {
         self.watched.source.mode()
@@ -506,8 +492,8 @@ impl StorageProvider {
         let driven = join_all(to_drive.map(|(i, rec)| async move {
             let driven = self.drive(rec, VolumeState::Published).await;
             match &driven {
-                // Published now: the watch is to know its new mount.
-                Ok(_) => self.learn_mount(rec, seen).await,
+                // Published now: NodePublish's step told the watch its new mount (`call`).
+                Ok(_) => {}
                 // Left short of PUBLISHED while in use: the next launch retries it.
                 Err(_) => self.watched.mark(&rec.volume_id),
             }

@@ -693,11 +693,29 @@ impl StorageProvider {
         }
         let before = rec.clone();
         rec.state = resume_point(rec.state, rec.towards, goal);
+        let mut dirs = DirWork::default();
+        let driven = self.drive_steps(rec, goal, before, &mut dirs).await;
+        // None of the operation's work goes on after it: directories made for a step it did
+        // not reach (it failed first, or the plugin replaced meanwhile has no such step).
+        if let Err(e) = std::mem::take(&mut dirs).finish().await {
+            tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "directories not made, and not needed");
+        }
+        driven
+    }
+
+    /// [`drive`](Self::drive)'s loop, from the resume point: `before`, the record as it was;
+    /// `dirs`, the making of the node's directories the steps need, started beside the first
+    /// RPC (`drive` waits for what is left of it).
+    async fn drive_steps(
+        &self,
+        rec: &mut VolumeRecord,
+        goal: VolumeState,
+        before: VolumeRecord,
+        dirs: &mut DirWork,
+    ) -> Result<bool, ProviderError> {
         let mut wrote = false;
         let mut dirty = false;
         let mut intent = false;
-        let mut dirs = NodeDirs::default();
-        let mut making: Option<Started<Result<(), ProviderError>>> = None;
         loop {
             let caps = self.step_caps();
             let mut next = next_step(rec.state, goal, caps, false);
@@ -753,25 +771,23 @@ impl StorageProvider {
                 }
                 // The directories the steps ahead need (a volume's live as long as it does,
                 // see `make_volume_dirs`: this only finds them, unless an older version or a
-                // failure left them unmade) are made while the first RPC is sent, and waited
-                // for before the step that needs them.
-                dirs = node_dirs(step, goal, caps.stage_unstage);
+                // failure left them unmade) are made while the intent is written and the
+                // first RPC sent, and waited for by the step that needs them. Empty private
+                // directories of a volume already recorded: nothing depends on their order.
+                *dirs =
+                    self.start_node_dirs(&rec.volume_id, node_dirs(step, goal, caps.stage_unstage));
                 if let Err(e) = self.persist(rec).await {
                     *rec = before;
                     return Err(e);
                 }
                 intent = true;
                 wrote = true;
-                making = self.start_node_dirs(&rec.volume_id, dirs);
             }
-            if matches!(step, Step::NodeStage | Step::NodePublish) {
-                if let Some(Err(e)) = wait_for(making.take()).await {
-                    return Err(self.after_failed_step(rec, &before, step, e).await);
-                }
+            if let Err(e) = dirs.ready_for(step).await {
+                return Err(self.after_failed_step(rec, &before, step, e).await);
             }
             tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
-            if let Err(e) = self.call(rec, step, dirs).await {
-                wait_for(making.take()).await;
+            if let Err(e) = self.call(rec, step, dirs.asked).await {
                 return Err(self.after_failed_step(rec, &before, step, e).await);
             }
             // The RPC is done but not yet recorded: a crash here is the
@@ -780,10 +796,6 @@ impl StorageProvider {
             checkpoint::crash_point();
             advance(rec, step);
             tracing::info!(volume_id = %rec.volume_id, rpc = step.rpc(), state = %rec.state, "transition done");
-        }
-        // Made for a step the plugin replaced meanwhile no longer has: done before returning.
-        if let Some(Err(e)) = wait_for(making.take()).await {
-            tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "directories not made, and not needed");
         }
         if dirty || rec.towards.is_some() {
             rec.towards = None;
@@ -833,29 +845,36 @@ impl StorageProvider {
         }
     }
 
-    /// Starts making the directories `dirs` of a volume's (see [`node_dirs`]) in one trip off
-    /// the async workers, the staging path and the mount directory (closed to other users when
-    /// an earlier version left it open); `None` when there are none to make.
-    fn start_node_dirs(
-        &self,
-        volume_id: &str,
-        dirs: NodeDirs,
-    ) -> Option<Started<Result<(), ProviderError>>> {
-        if dirs == NodeDirs::default() {
-            return None;
+    /// Starts making the directories `asked` of a volume's (see [`node_dirs`]) in one trip off
+    /// the async workers: the mount directory (closed to other users when an earlier version
+    /// left it open) and the staging path, each found when it exists.
+    fn start_node_dirs(&self, volume_id: &str, asked: NodeDirs) -> DirWork {
+        if asked == NodeDirs::NONE {
+            return DirWork::default();
         }
         let staging = self.layout.staging_path(volume_id);
         let mount_dir = self.layout.mount_dir(volume_id);
-        Some(start_blocking(move || {
-            if dirs.staging {
-                mkdir(&staging, "create staging directory")?;
-            }
-            if dirs.mount {
-                mkdir(&mount_dir, "create mount directory")?;
-                close_dir(&mount_dir)?;
-            }
-            Ok(())
-        }))
+        DirWork {
+            asked,
+            task: Some(start_blocking(move || DirsMade {
+                mount: if asked.mount {
+                    mkdir(&mount_dir, "create mount directory").and_then(|()| close_dir(&mount_dir))
+                } else {
+                    Ok(())
+                },
+                staging: if asked.staging {
+                    mkdir(&staging, "create staging directory")
+                } else {
+                    Ok(())
+                },
+            })),
+            made: None,
+        }
+    }
+
+    /// The directories `asked` of a volume's, made (or found) now; the first failure.
+    async fn make_node_dirs(&self, volume_id: &str, asked: NodeDirs) -> Result<(), ProviderError> {
+        self.start_node_dirs(volume_id, asked).finish().await
     }
 
     /// Makes a new volume's directories on this node (see [`NodeDirs`]), which live as long as
@@ -863,11 +882,11 @@ impl StorageProvider {
     /// A failure is logged, not returned: the volume is recorded already, and its first publish
     /// makes them or says why it cannot.
     pub(crate) async fn make_volume_dirs(&self, volume_id: &str) {
-        let dirs = NodeDirs {
+        let asked = NodeDirs {
             staging: self.step_caps().stage_unstage,
             mount: true,
         };
-        if let Some(Err(e)) = wait_for(self.start_node_dirs(volume_id, dirs)).await {
+        if let Err(e) = self.make_node_dirs(volume_id, asked).await {
             tracing::warn!(volume_id, error = %Chain(&e), "cannot make the new volume's directories yet: its first publish will");
         }
     }
@@ -920,13 +939,8 @@ impl StorageProvider {
             }
             Step::NodeStage => {
                 if !dirs.staging {
-                    let staging = NodeDirs {
-                        staging: true,
-                        mount: false,
-                    };
-                    wait_for(self.start_node_dirs(&rec.volume_id, staging))
-                        .await
-                        .transpose()?;
+                    self.make_node_dirs(&rec.volume_id, NodeDirs::STAGING)
+                        .await?;
                 }
                 self.client
                     .node_stage_volume(proto::NodeStageVolumeRequest {
@@ -946,14 +960,10 @@ impl StorageProvider {
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
                 if !dirs.mount {
-                    let mount = NodeDirs {
-                        staging: false,
-                        mount: true,
-                    };
-                    wait_for(self.start_node_dirs(&rec.volume_id, mount))
-                        .await
-                        .transpose()?;
+                    self.make_node_dirs(&rec.volume_id, NodeDirs::MOUNT).await?;
                 }
+                // The watch's reads before the mount is made: see `Watched::learn`.
+                let seen = self.watched.looks();
                 self.client
                     .node_publish_volume(proto::NodePublishVolumeRequest {
                         volume_id: rec.volume_id.clone(),
@@ -976,10 +986,13 @@ impl StorageProvider {
                 // The plugin creates the target (the CO only its parent): an
                 // answer of success with no target, or with a target of
                 // another kind than the volume's, is not to be trusted.
-                // One trip: the target checked, then hardened.
-                let (sys, volume, at) = (self.sys.clone(), rec.volume_id.clone(), target.clone());
+                // One trip: the target checked, hardened, and its mount's id asked for the
+                // watch (when it names mounts by id), so that it can name the mount when it goes.
+                let (sys, table) = (self.sys.clone(), self.table.clone());
+                let (volume, at) = (rec.volume_id.clone(), target.clone());
                 let (access, rpc) = (rec.capability.access_type, step.rpc());
-                blocking(move || {
+                let wants_ids = self.watched.wants_ids();
+                let learned = blocking(move || {
                     let found = std::fs::symlink_metadata(&at).ok();
                     if let Some(wrong) = target_mismatch(access, found.as_ref()) {
                         return Err(ProviderError::PluginMisbehaved {
@@ -988,9 +1001,16 @@ impl StorageProvider {
                             what: format!("reported success but {wrong} at {}", at.display()),
                         });
                     }
-                    harden_at(&*sys, &volume, &at, "target")
+                    harden_at(&*sys, &volume, &at, "target")?;
+                    Ok(wants_ids.then(|| table.check_mount_root(&at)))
                 })
                 .await?;
+                match learned {
+                    Some(Ok(check)) => self.watched.learn(&rec.volume_id, check, seen),
+                    // Its id cannot be told: the next sweep checks it.
+                    Some(Err(_)) => self.watched.mark(&rec.volume_id),
+                    None => {}
+                }
             }
             Step::NodeUnpublish => {
                 self.sweep_beneath(&rec.volume_id, &target).await?;
@@ -1290,11 +1310,58 @@ fn close_dir(dir: &Path) -> Result<(), ProviderError> {
     })
 }
 
-/// The result of work started before, if any ([`Started::wait`]).
-async fn wait_for<T>(started: Option<Started<T>>) -> Option<T> {
-    match started {
-        Some(work) => Some(work.wait().await),
-        None => None,
+/// The making of a volume's node directories for one operation ([`node_dirs`]): started beside
+/// its first RPC ([`StorageProvider::start_node_dirs`]), waited for by the step that needs them
+/// ([`ready_for`](Self::ready_for)), and by [`StorageProvider::drive`] before it returns
+/// ([`finish`](Self::finish)), so that none of it outlives the operation.
+#[derive(Default)]
+struct DirWork {
+    /// The directories asked for (a step makes any other it needs itself).
+    asked: NodeDirs,
+    task: Option<Started<DirsMade>>,
+    made: Option<DirsMade>,
+}
+
+/// What making each directory came to, apart: a step fails only on its own.
+struct DirsMade {
+    mount: Result<(), ProviderError>,
+    staging: Result<(), ProviderError>,
+}
+
+impl DirWork {
+    /// Waits for the directory `step` needs, when it was asked for: its failure (or none).
+    async fn ready_for(&mut self, step: Step) -> Result<(), ProviderError> {
+        let asked = match step {
+            Step::NodeStage => self.asked.staging,
+            Step::NodePublish => self.asked.mount,
+            _ => false,
+        };
+        if !asked {
+            return Ok(());
+        }
+        if let Some(task) = self.task.take() {
+            self.made = Some(task.wait().await);
+        }
+        let Some(made) = self.made.as_mut() else {
+            return Ok(());
+        };
+        let result = if step == Step::NodeStage {
+            &mut made.staging
+        } else {
+            &mut made.mount
+        };
+        std::mem::replace(result, Ok(()))
+    }
+
+    /// Waits for whatever is still under way: the first failure no step took yet.
+    async fn finish(mut self) -> Result<(), ProviderError> {
+        if let Some(task) = self.task.take() {
+            self.made = Some(task.wait().await);
+        }
+        match self.made {
+            Some(made) => made.mount.and(made.staging),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1306,7 +1373,14 @@ async fn wait_for<T>(started: Option<Started<T>>) -> Option<T> {
 /// the plugin left something in is kept as it is; one that cannot be made again is made by the
 /// next stage (logged).
 fn renew_staging_dir(volume: &str, staging: &Path) {
-    remove_empty_dir(staging);
+    match std::fs::symlink_metadata(staging) {
+        Ok(meta) if meta.is_dir() => remove_empty_dir(staging),
+        Ok(_) => {
+            tracing::warn!(volume_id = volume, path = %staging.display(), "the staging path is not a directory (the plugin left it?): left as it is; the next stage fails on it");
+            return;
+        }
+        Err(_) => {}
+    }
     if let Err(e) = mkdir(staging, "make the staging directory again") {
         tracing::debug!(volume_id = volume, error = %Chain(&e), "the next stage makes it");
     }

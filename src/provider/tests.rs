@@ -585,6 +585,45 @@ async fn a_volume_waiting_out_its_unpublish_delay_is_unpublished_by_the_next_sta
     );
 }
 
+/// A volume's directories live as long as it does (made at its create); a staging path that
+/// cannot be made (a file stands there) fails the stage before NodeStageVolume is sent, naming
+/// the step and the path, and nothing of the use is kept; once it is gone, the next publish
+/// makes the directory and goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_staging_directory_that_cannot_be_made_fails_the_stage_before_its_rpc() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::LastUse).await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let staging = provider.layout().staging_path(&id);
+    assert!(staging.is_dir(), "made with the volume");
+    bench.plugin.calls();
+
+    std::fs::remove_dir(&staging).unwrap();
+    std::fs::write(&staging, b"in the way").unwrap();
+    let err = provider.publish(&id, "c1").await.unwrap_err();
+    let text = crate::error_chain::full_message(&err);
+    assert!(text.contains("create staging directory"), "{text}");
+    assert!(text.contains(&staging.display().to_string()), "{text}");
+    let calls = bench.plugin.calls();
+    assert!(
+        !calls.contains(&"NodeStageVolume") && !calls.contains(&"NodePublishVolume"),
+        "no node RPC without its staging directory: {calls:?}"
+    );
+    let rec = provider.volume(&id).await.unwrap();
+    assert!(rec.users.is_empty(), "a failed publish adds no user");
+    assert_eq!(rec.state, VolumeState::Created, "undone: {rec:?}");
+
+    std::fs::remove_file(&staging).unwrap();
+    let target = provider.publish(&id, "c1").await.unwrap();
+    assert!(bench.sys.is_mount_root(&target).unwrap(), "published");
+    assert!(staging.is_dir(), "made again by the publish");
+    assert!(bench.plugin.calls().contains(&"NodeStageVolume"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_stage_is_undone_to_where_the_policy_keeps_the_volume() {
     for (policy, undone) in [
