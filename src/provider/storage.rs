@@ -787,7 +787,7 @@ impl StorageProvider {
                 return Err(self.after_failed_step(rec, &before, step, e).await);
             }
             tracing::debug!(volume_id = %rec.volume_id, rpc = step.rpc(), "sending");
-            if let Err(e) = self.call(rec, step, dirs.asked).await {
+            if let Err(e) = self.call(rec, step, goal, dirs.asked).await {
                 return Err(self.after_failed_step(rec, &before, step, e).await);
             }
             // The RPC is done but not yet recorded: a crash here is the
@@ -891,12 +891,14 @@ impl StorageProvider {
         }
     }
 
-    /// Sends `step`'s RPC for the volume and records what it answers; `dirs`: the directories
-    /// already made for it with the operation's intent (any other is made here).
+    /// Sends `step`'s RPC for the volume, on its way to `goal`, and records what it answers;
+    /// `dirs`: the directories already made for it with the operation's intent (any other is
+    /// made here).
     async fn call(
         &self,
         rec: &mut VolumeRecord,
         step: Step,
+        goal: VolumeState,
         dirs: NodeDirs,
     ) -> Result<(), ProviderError> {
         let id = rec.volume_id.clone();
@@ -955,7 +957,12 @@ impl StorageProvider {
                     })
                     .await
                     .map_err(csi)?;
-                self.harden(&rec.volume_id, &staging, "staging").await?;
+                // An operation that goes on to publish hardens the staging mount in
+                // NodePublish's one trip, with the target (a failed NodePublish is rolled back,
+                // unstaging it); one that stops here hardens it now.
+                if goal != VolumeState::Published {
+                    self.harden(&rec.volume_id, &staging, "staging").await?;
+                }
             }
             Step::NodePublish => {
                 // The CO creates only the parent; the plugin creates the target.
@@ -987,9 +994,10 @@ impl StorageProvider {
                 // answer of success with no target, or with a target of
                 // another kind than the volume's, is not to be trusted.
                 // One trip: the target checked, hardened, and its mount's id asked for the
-                // watch (when it names mounts by id), so that it can name the mount when it goes.
+                // watch (when it names mounts by id), so that it can name the mount when it
+                // goes; the staging mount hardened too (again, when an earlier operation did).
                 let (sys, table) = (self.sys.clone(), self.table.clone());
-                let (volume, at) = (rec.volume_id.clone(), target.clone());
+                let (volume, at, staged) = (rec.volume_id.clone(), target.clone(), staging.clone());
                 let (access, rpc) = (rec.capability.access_type, step.rpc());
                 let wants_ids = self.watched.wants_ids();
                 let learned = blocking(move || {
@@ -1002,6 +1010,9 @@ impl StorageProvider {
                         });
                     }
                     harden_at(&*sys, &volume, &at, "target")?;
+                    if stage {
+                        harden_at(&*sys, &volume, &staged, "staging")?;
+                    }
                     Ok(wants_ids.then(|| table.check_mount_root(&at)))
                 })
                 .await?;
