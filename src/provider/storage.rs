@@ -993,9 +993,10 @@ impl StorageProvider {
                 // The plugin creates the target (the CO only its parent): an
                 // answer of success with no target, or with a target of
                 // another kind than the volume's, is not to be trusted.
-                // One trip: the target checked, hardened, and its mount's id asked for the
-                // watch (when it names mounts by id), so that it can name the mount when it
-                // goes; the staging mount hardened too (again, when an earlier operation did).
+                // One trip: the target checked, the staging mount hardened (again, when an
+                // earlier operation did), then the target, and the target's mount id asked for
+                // the watch (when it names mounts by id), so that it can name the mount when it
+                // goes.
                 let (sys, table) = (self.sys.clone(), self.table.clone());
                 let (volume, at, staged) = (rec.volume_id.clone(), target.clone(), staging.clone());
                 let (access, rpc) = (rec.capability.access_type, step.rpc());
@@ -1009,10 +1010,10 @@ impl StorageProvider {
                             what: format!("reported success but {wrong} at {}", at.display()),
                         });
                     }
-                    harden_at(&*sys, &volume, &at, "target")?;
                     if stage {
                         harden_at(&*sys, &volume, &staged, "staging")?;
                     }
+                    harden_at(&*sys, &volume, &at, "target")?;
                     Ok(wants_ids.then(|| table.check_mount_root(&at)))
                 })
                 .await?;
