@@ -357,7 +357,7 @@ fn a_symlinked_persistent_volume_path_is_refused_by_name_and_nothing_is_mounted(
 }
 
 /// The provider, driving any plugin (here the real plugin, external), asks the mount seam to harden the
-/// staging path after NodeStageVolume and the target after NodePublishVolume (recorded by the fake seam),
+/// staging path, then the target, after NodePublishVolume (recorded by the fake seam),
 /// and makes its `mounts/<id>` 0700; the plugin's own directories are 0700 too.
 #[test]
 fn the_provider_hardens_any_plugins_mounts_and_keeps_its_directories_private() {

@@ -476,8 +476,11 @@ impl StorageProvider {
         for (i, target, mounted) in checked {
             let rec = &mut *recs[i];
             // Not mounted: the repair that follows learns the new mount.
-            if let Some(check) = mounted.as_ref().ok().filter(|c| c.mounted) {
-                self.watched.learn(&rec.volume_id, *check, seen);
+            match &mounted {
+                Ok(check) if check.mounted => self.watched.learn(&rec.volume_id, *check, seen),
+                Ok(_) => {}
+                // Cannot be told: the next sweep checks it again.
+                Err(_) => self.watched.mark(&rec.volume_id),
             }
             note_mount_check(rec, &target, mounted.map(|c| c.mounted));
         }

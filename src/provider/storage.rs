@@ -700,6 +700,14 @@ impl StorageProvider {
         if let Err(e) = std::mem::take(&mut dirs).finish().await {
             tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "directories not made, and not needed");
         }
+        if driven.is_err() && goal == VolumeState::Published {
+            // A NodeStage of this operation left its mount's nosuid,nodev to NodePublish's trip,
+            // which a failure may have skipped: set now (nothing when nothing is mounted there).
+            let staging = self.layout.staging_path(&rec.volume_id);
+            if let Err(e) = self.harden(&rec.volume_id, &staging, "staging").await {
+                tracing::warn!(volume_id = %rec.volume_id, error = %Chain(&e), "after a failed publish, cannot set nosuid,nodev on the staging mount");
+            }
+        }
         driven
     }
 
@@ -958,8 +966,8 @@ impl StorageProvider {
                     .await
                     .map_err(csi)?;
                 // An operation that goes on to publish hardens the staging mount in
-                // NodePublish's one trip, with the target (a failed NodePublish is rolled back,
-                // unstaging it); one that stops here hardens it now.
+                // NodePublish's one trip, before the target (`drive` does it when the operation
+                // fails before that trip); one that stops here hardens it now.
                 if goal != VolumeState::Published {
                     self.harden(&rec.volume_id, &staging, "staging").await?;
                 }
@@ -1010,9 +1018,9 @@ impl StorageProvider {
                             what: format!("reported success but {wrong} at {}", at.display()),
                         });
                     }
-                    if stage {
-                        harden_at(&*sys, &volume, &staged, "staging")?;
-                    }
+                    // Whatever the plugin offers now (one that staged may have been replaced by
+                    // one without staging): nothing is changed unless a mount is rooted there.
+                    harden_at(&*sys, &volume, &staged, "staging")?;
                     harden_at(&*sys, &volume, &at, "target")?;
                     Ok(wants_ids.then(|| table.check_mount_root(&at)))
                 })

@@ -585,6 +585,38 @@ async fn a_volume_waiting_out_its_unpublish_delay_is_unpublished_by_the_next_sta
     );
 }
 
+/// An operation that goes on to publish leaves the staging mount's nosuid,nodev to NodePublish's
+/// trip; when NodePublish fails and the policy keeps the volume staged, the staging mount is
+/// hardened all the same before the publish answers its error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_node_publish_leaves_the_staging_mount_hardened() {
+    let bench = Bench::new().await;
+    let provider = bench.provider(UnpublishPolicy::Keep).await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let staging = provider.layout().staging_path(&id);
+    bench.plugin.calls();
+    *bench.plugin.fail.lock().unwrap() = Some(("NodePublishVolume", 1));
+    provider.publish(&id, "c1").await.unwrap_err();
+    let rec = provider.volume(&id).await.unwrap();
+    assert_eq!(rec.state, VolumeState::VolReady, "kept staged: {rec:?}");
+    let mount = bench
+        .sys
+        .find(&staging)
+        .unwrap()
+        .expect("the staging mount is kept");
+    for flag in ["nosuid", "nodev"] {
+        assert!(
+            mount.mount_options.iter().any(|o| o == flag),
+            "{flag} on the kept staging mount: {:?}",
+            mount.mount_options
+        );
+    }
+}
+
 /// A volume's directories live as long as it does (made at its create); a staging path that
 /// cannot be made (a file stands there) fails the stage before NodeStageVolume is sent, naming
 /// the step and the path, and nothing of the use is kept; once it is gone, the next publish
