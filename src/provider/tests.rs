@@ -455,6 +455,18 @@ impl Drop for Bench {
     }
 }
 
+/// A provider under `policy` with one volume created, the recorder's log emptied: its id.
+async fn with_a_volume(bench: &Bench, policy: UnpublishPolicy) -> (Arc<StorageProvider>, String) {
+    let provider = bench.provider(policy).await;
+    let resource = provider
+        .create_volume(CreateSpec::new("data", 1 << 20))
+        .await
+        .unwrap();
+    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    bench.plugin.calls();
+    (provider, id)
+}
+
 /// The state written on disk for `volume_id`, as a restarted provider would read it.
 async fn state_on_disk(bench: &Bench, volume_id: &str) -> VolumeState {
     let provider = bench.provider(UnpublishPolicy::Keep).await;
@@ -591,14 +603,8 @@ async fn a_volume_waiting_out_its_unpublish_delay_is_unpublished_by_the_next_sta
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_node_publish_leaves_the_staging_mount_hardened() {
     let bench = Bench::new().await;
-    let provider = bench.provider(UnpublishPolicy::Keep).await;
-    let resource = provider
-        .create_volume(CreateSpec::new("data", 1 << 20))
-        .await
-        .unwrap();
-    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let (provider, id) = with_a_volume(&bench, UnpublishPolicy::Keep).await;
     let staging = provider.layout().staging_path(&id);
-    bench.plugin.calls();
     *bench.plugin.fail.lock().unwrap() = Some(("NodePublishVolume", 1));
     provider.publish(&id, "c1").await.unwrap_err();
     let rec = provider.volume(&id).await.unwrap();
@@ -624,15 +630,9 @@ async fn a_failed_node_publish_leaves_the_staging_mount_hardened() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_staging_directory_that_cannot_be_made_fails_the_stage_before_its_rpc() {
     let bench = Bench::new().await;
-    let provider = bench.provider(UnpublishPolicy::LastUse).await;
-    let resource = provider
-        .create_volume(CreateSpec::new("data", 1 << 20))
-        .await
-        .unwrap();
-    let id = resource.disk.unwrap().source.unwrap().id.unwrap();
+    let (provider, id) = with_a_volume(&bench, UnpublishPolicy::LastUse).await;
     let staging = provider.layout().staging_path(&id);
     assert!(staging.is_dir(), "made with the volume");
-    bench.plugin.calls();
 
     std::fs::remove_dir(&staging).unwrap();
     std::fs::write(&staging, b"in the way").unwrap();
@@ -663,13 +663,7 @@ async fn a_failed_stage_is_undone_to_where_the_policy_keeps_the_volume() {
         (UnpublishPolicy::Keep, false),
     ] {
         let bench = Bench::new().await;
-        let provider = bench.provider(policy).await;
-        let resource = provider
-            .create_volume(CreateSpec::new("data", 1 << 20))
-            .await
-            .unwrap();
-        let id = resource.disk.unwrap().source.unwrap().id.unwrap();
-        bench.plugin.calls();
+        let (provider, id) = with_a_volume(&bench, policy).await;
         // INTERNAL is final: not retried, and the error names what the plugin said.
         *bench.plugin.fail.lock().unwrap() = Some(("NodeStageVolume", 1));
         let err = provider.publish(&id, "c1").await.unwrap_err();
