@@ -233,3 +233,35 @@ fn build(sys: &dyn Syscall) -> Result<OwnedFd, SeedError> {
     tracing::debug!("launch seed made");
     Ok(fd)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A shortage (memory, fds, threads, a signal) is tried again at the next launch; anything
+    /// else the kernel answers (no such call, no privilege, a refusal) turns the seed off for
+    /// the process's life.
+    #[test]
+    fn only_a_shortage_is_tried_again() {
+        let call = |errno| SeedError::Call {
+            step: "unshare",
+            errno,
+        };
+        #[rustfmt::skip]
+        let cases = [
+            (call(Errno::ENOMEM), false),
+            (call(Errno::EMFILE), false),
+            (call(Errno::ENFILE), false),
+            (call(Errno::EAGAIN), false),
+            (call(Errno::EINTR), false),
+            (SeedError::Thread, false),
+            (call(Errno::ENOSYS), true),
+            (call(Errno::EPERM), true),
+            (call(Errno::EINVAL), true),
+            (call(Errno::EACCES), true),
+        ];
+        for (error, permanent) in cases {
+            assert_eq!(for_good(&error), permanent, "{error}");
+        }
+    }
+}

@@ -123,10 +123,6 @@ pub(crate) struct NodeDirs {
 }
 
 impl NodeDirs {
-    pub(crate) const NONE: NodeDirs = NodeDirs {
-        staging: false,
-        mount: false,
-    };
     pub(crate) const STAGING: NodeDirs = NodeDirs {
         staging: true,
         mount: false,
@@ -138,7 +134,7 @@ impl NodeDirs {
 }
 
 /// The directories an operation whose first RPC is `first`, going to `goal`, will need, made
-/// (or found: they live with the volume) beside its first RPC rather than before each step: the
+/// (or found: they live with the volume) with its intent rather than before each step: the
 /// staging path when it stages (`stage_unstage`: the plugin offers it, and a NodeStage lies
 /// ahead), the mount directory when it publishes. None going back.
 pub(crate) fn node_dirs(first: Step, goal: VolumeState, stage_unstage: bool) -> NodeDirs {
@@ -366,7 +362,7 @@ mod tests {
             },
             NodeDirs::MOUNT,
             NodeDirs::STAGING,
-            NodeDirs::NONE,
+            NodeDirs::default(),
         );
         #[rustfmt::skip]
         let cases = [

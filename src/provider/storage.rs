@@ -697,7 +697,7 @@ impl StorageProvider {
         let driven = self.drive_steps(rec, goal, before, &mut dirs).await;
         // None of the operation's work goes on after it: directories made for a step it did
         // not reach (it failed first, or the plugin replaced meanwhile has no such step).
-        if let Err(e) = std::mem::take(&mut dirs).finish().await {
+        if let Err(e) = dirs.finish().await {
             tracing::debug!(volume_id = %rec.volume_id, error = %Chain(&e), "directories not made, and not needed");
         }
         if driven.is_err() && goal == VolumeState::Published {
@@ -712,8 +712,8 @@ impl StorageProvider {
     }
 
     /// [`drive`](Self::drive)'s loop, from the resume point: `before`, the record as it was;
-    /// `dirs`, the making of the node's directories the steps need, started beside the first
-    /// RPC (`drive` waits for what is left of it).
+    /// `dirs`, the making of the node's directories the steps need, started with the intent
+    /// (`drive` waits for what is left of it).
     async fn drive_steps(
         &self,
         rec: &mut VolumeRecord,
@@ -857,26 +857,23 @@ impl StorageProvider {
     /// the async workers: the mount directory (closed to other users when an earlier version
     /// left it open) and the staging path, each found when it exists.
     fn start_node_dirs(&self, volume_id: &str, asked: NodeDirs) -> DirWork {
-        if asked == NodeDirs::NONE {
+        if asked == NodeDirs::default() {
             return DirWork::default();
         }
         let staging = self.layout.staging_path(volume_id);
         let mount_dir = self.layout.mount_dir(volume_id);
         DirWork {
             asked,
-            task: Some(start_blocking(move || DirsMade {
-                mount: if asked.mount {
-                    mkdir(&mount_dir, "create mount directory").and_then(|()| close_dir(&mount_dir))
-                } else {
-                    Ok(())
-                },
-                staging: if asked.staging {
-                    mkdir(&staging, "create staging directory")
-                } else {
-                    Ok(())
-                },
+            task: Some(start_blocking(move || {
+                if asked.mount {
+                    mkdir(&mount_dir, "create mount directory")?;
+                    close_dir(&mount_dir)?;
+                }
+                if asked.staging {
+                    mkdir(&staging, "create staging directory")?;
+                }
+                Ok(())
             })),
-            made: None,
         }
     }
 
@@ -1330,56 +1327,39 @@ fn close_dir(dir: &Path) -> Result<(), ProviderError> {
     })
 }
 
-/// The making of a volume's node directories for one operation ([`node_dirs`]): started beside
-/// its first RPC ([`StorageProvider::start_node_dirs`]), waited for by the step that needs them
-/// ([`ready_for`](Self::ready_for)), and by [`StorageProvider::drive`] before it returns
+/// The making of a volume's node directories for one operation ([`node_dirs`]): started with
+/// its intent ([`StorageProvider::start_node_dirs`]), waited for by the first step that needs
+/// them ([`ready_for`](Self::ready_for)), and by [`StorageProvider::drive`] before it returns
 /// ([`finish`](Self::finish)), so that none of it outlives the operation.
 #[derive(Default)]
 struct DirWork {
     /// The directories asked for (a step makes any other it needs itself).
     asked: NodeDirs,
-    task: Option<Started<DirsMade>>,
-    made: Option<DirsMade>,
-}
-
-/// What making each directory came to, apart: a step fails only on its own.
-struct DirsMade {
-    mount: Result<(), ProviderError>,
-    staging: Result<(), ProviderError>,
+    task: Option<Started<Result<(), ProviderError>>>,
 }
 
 impl DirWork {
-    /// Waits for the directory `step` needs, when it was asked for: its failure (or none).
+    /// Waits for the directories when `step` needs one of them: their failure fails the first
+    /// node step, before its RPC (nothing is sent that a later step would fail for).
     async fn ready_for(&mut self, step: Step) -> Result<(), ProviderError> {
-        let asked = match step {
+        let needs = match step {
             Step::NodeStage => self.asked.staging,
             Step::NodePublish => self.asked.mount,
             _ => false,
         };
-        if !asked {
-            return Ok(());
+        match self.task.take() {
+            Some(task) if needs => task.wait().await,
+            still => {
+                self.task = still;
+                Ok(())
+            }
         }
-        if let Some(task) = self.task.take() {
-            self.made = Some(task.wait().await);
-        }
-        let Some(made) = self.made.as_mut() else {
-            return Ok(());
-        };
-        let result = if step == Step::NodeStage {
-            &mut made.staging
-        } else {
-            &mut made.mount
-        };
-        std::mem::replace(result, Ok(()))
     }
 
-    /// Waits for whatever is still under way: the first failure no step took yet.
-    async fn finish(mut self) -> Result<(), ProviderError> {
-        if let Some(task) = self.task.take() {
-            self.made = Some(task.wait().await);
-        }
-        match self.made {
-            Some(made) => made.mount.and(made.staging),
+    /// Waits for whatever is still under way: its failure, when no step took it.
+    async fn finish(self) -> Result<(), ProviderError> {
+        match self.task {
+            Some(task) => task.wait().await,
             None => Ok(()),
         }
     }
@@ -1393,13 +1373,18 @@ impl DirWork {
 /// the plugin left something in is kept as it is; one that cannot be made again is made by the
 /// next stage (logged).
 fn renew_staging_dir(volume: &str, staging: &Path) {
-    match std::fs::symlink_metadata(staging) {
-        Ok(meta) if meta.is_dir() => remove_empty_dir(staging),
-        Ok(_) => {
+    match std::fs::remove_dir(staging) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
             tracing::warn!(volume_id = volume, path = %staging.display(), "the staging path is not a directory (the plugin left it?): left as it is; the next stage fails on it");
             return;
         }
-        Err(_) => {}
+        // Not empty (or still a mount point): kept, and there to be found.
+        Err(e) => {
+            tracing::debug!(volume_id = volume, path = %staging.display(), error = %Chain(&e), "staging directory kept");
+            return;
+        }
     }
     if let Err(e) = mkdir(staging, "make the staging directory again") {
         tracing::debug!(volume_id = volume, error = %Chain(&e), "the next stage makes it");
