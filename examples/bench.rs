@@ -27,6 +27,8 @@
 
 #[path = "bench/backing.rs"]
 mod backing;
+#[path = "bench/burst.rs"]
+mod burst;
 #[path = "bench/docker_api.rs"]
 mod docker_api;
 #[path = "bench/floor.rs"]
@@ -48,18 +50,18 @@ use std::process::{ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use clap::Parser;
 use futures::{StreamExt, TryStreamExt};
 use tokio::io::AsyncBufReadExt;
 
 use csi_isolator::isolator::targets::volume_mounts;
-use csi_isolator::isolator::{ContainerConfig, VolumeIsolator};
+use csi_isolator::isolator::ContainerConfig;
 use csi_isolator::launcher::{self, LaunchSpec};
-use csi_isolator::mount::{LinuxSyscall, MountTable, ProcMountTable};
+use csi_isolator::mount::{MountTable, ProcMountTable};
 use csi_isolator::provider::bundled::{bundled_config, bundled_plugin_path, BUNDLED_BINARY};
 use csi_isolator::provider::checkpoint;
-use csi_isolator::provider::{CreateSpec, Manager, StorageProvider, UnpublishPolicy};
+use csi_isolator::provider::{CreateSpec, StorageProvider, UnpublishPolicy};
 use csi_isolator::resource::{Resource, VolumeMode};
 use csi_isolator_testing::Sandbox;
 
@@ -119,8 +121,9 @@ struct Args {
     #[arg(long, conflicts_with_all = ["node_scale_only", "burst_only"])]
     publish_only: bool,
     /// Section 4's bursts instead of the default ones, as CONTAINERS:RUNS,... (e.g. `16:64` or
-    /// `16:5,256:2`), for profiling one size at a time. The 256-vs-16 target is judged only when
-    /// both sizes run.
+    /// `16:32,256:2`), for profiling one size at a time. The sizes' runs are interleaved, each
+    /// size's spread evenly through the section. The 256-vs-16 target is judged only when both
+    /// sizes run.
     #[arg(long, value_parser = parse_burst, value_delimiter = ',')]
     bursts: Option<Vec<(usize, usize)>>,
     /// Section 4 without the launch: each container is prepared and cleaned up, but no
@@ -208,7 +211,7 @@ impl Plan {
                 cold: 200,
                 warm: 500,
                 launch: 200,
-                concurrency: vec![(1, 20), (16, 5), (64, 3), (256, 2)],
+                concurrency: vec![(1, 20), (16, 32), (64, 8), (256, 2)],
                 shared: (64, 3),
                 hold: hold.unwrap_or(1000),
                 scale: scale.unwrap_or(10_000),
@@ -478,7 +481,7 @@ struct PublishResults {
 struct Results {
     publish: PublishResults,
     launch: Vec<(usize, Samples)>,
-    conc: Vec<ConcRow>,
+    conc: Vec<burst::ConcRow>,
     held: HoldReport,
     /// The same child with [`Plan::scale`] volumes (`None`: not measured).
     scaled: Option<HoldReport>,
@@ -486,39 +489,6 @@ struct Results {
     backing: backing::BackingReport,
     /// Section 7's points.
     node: Vec<scale::Point>,
-}
-
-/// Section 4, one row.
-#[derive(Debug)]
-struct ConcRow {
-    label: String,
-    containers: usize,
-    runs: usize,
-    throughput: f64,
-    latency: Samples,
-    /// fsync/fdatasync/syncfs calls of this process (the isolator's and the provider's
-    /// checkpoints and journals) per container launch, over the whole burst.
-    fsyncs: f64,
-    /// Of those: the provider's journal batches, the isolator's, and the rest (state files,
-    /// directories, compactions), per launch.
-    by_source: (f64, f64, f64),
-    /// The plugin's own, in its process (its report, `--report-syncs`), per launch; `None`
-    /// when it could not be asked.
-    plugin_fsyncs: Option<f64>,
-}
-
-/// The syncs the bundled plugin reports having made (GetPluginInfo's manifest, when it runs
-/// with `--report-syncs`).
-async fn plugin_syncs(provider: &StorageProvider) -> Option<u64> {
-    let info = provider
-        .client()
-        .get_plugin_info(csi_isolator::csi::proto::GetPluginInfoRequest {})
-        .await
-        .ok()?;
-    info.manifest
-        .get(csi_isolator::provider::bundled::SYNCS_KEY)?
-        .parse()
-        .ok()
 }
 
 async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
@@ -558,12 +528,12 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
         ));
         let pool = create_pool(&provider, "vol", plan.max_containers()).await?;
         progress("[4/7] concurrent containers through the isolator");
-        let conc = measure_concurrency(plan, &provider, &pool, &work, sandbox).await?;
+        let conc = burst::measure(plan, &provider, &pool, &work, sandbox).await?;
         stop_provider(&provider, sandbox).await;
         let rule = "-".repeat(112);
         println!("{rule}\n{header}\n{rule}");
         let mut targets = Vec::new();
-        print_concurrency(plan, &conc, &mut targets);
+        burst::print(plan, &conc, &mut targets);
         print_targets(plan, &targets, started.elapsed());
         println!("{rule}");
         return Ok(());
@@ -608,7 +578,7 @@ async fn run(plan: &Plan, plugin: &Path, sandbox: &Sandbox) -> Result<()> {
     let launch = measure_launch(plan, &cold, &pool, &work, sandbox).await?;
 
     progress("[4/7] concurrent containers through the isolator");
-    let conc = measure_concurrency(plan, &cold, &pool, &work, sandbox).await?;
+    let conc = burst::measure(plan, &cold, &pool, &work, sandbox).await?;
     stop_provider(&cold, sandbox).await;
 
     progress(&format!(
@@ -793,194 +763,6 @@ async fn measure_launch(
     .context("launch thread")??;
     provider.release_container(holder).await?;
     Ok(measured)
-}
-
-/// One container through the whole pipeline (without `launch`: prepared and cleaned up, no
-/// namespace, no workload); returns when it is cleaned up.
-async fn container(
-    isolator: Arc<VolumeIsolator>,
-    id: String,
-    config: ContainerConfig,
-    start: Arc<tokio::sync::Barrier>,
-    launch: bool,
-) -> Result<Instant> {
-    start.wait().await;
-    let sandbox = config.sandbox.clone();
-    let rootfs = config.rootfs.clone();
-    let info = isolator
-        .prepare(&id, config)
-        .await
-        .with_context(|| format!("prepare {id}"))?;
-    let spec = LaunchSpec {
-        argv: vec![OsString::from("/bin/true")],
-        sandbox,
-        rootfs,
-        mounts: info.mounts,
-        ..Default::default()
-    };
-    let ran = async {
-        if !launch {
-            return anyhow::Ok(());
-        }
-        let mut launched = tokio::task::spawn_blocking(move || {
-            launcher::launch(&csi_isolator::mount::LinuxSyscall::new(), &spec)
-        })
-        .await
-        .context("launch thread")?
-        .with_context(|| format!("launch {id}"))?;
-        let status = launched.wait_async().await?;
-        ensure!(status.success(), "/bin/true in {id}: {status}");
-        anyhow::Ok(())
-    }
-    .await;
-    let cleaned = isolator
-        .cleanup(&id)
-        .await
-        .with_context(|| format!("cleanup {id}"));
-    ran?;
-    cleaned?;
-    Ok(Instant::now())
-}
-
-/// What every burst of section 4 runs through.
-struct Bursts<'a> {
-    plan: &'a Plan,
-    isolator: Arc<VolumeIsolator>,
-    provider: &'a StorageProvider,
-    sandbox: &'a Sandbox,
-    /// The workloads' rootfs (`None`: on the host's paths).
-    rootfs: Option<PathBuf>,
-}
-
-/// `runs` bursts of `n` containers; `volume(j)` is container j's volume (of the provider); each
-/// container's workload launched as the plan says.
-async fn burst(
-    on: &Bursts<'_>,
-    label: &str,
-    n: usize,
-    runs: usize,
-    volume: impl Fn(usize) -> Resource,
-) -> Result<ConcRow> {
-    let Bursts {
-        plan,
-        isolator,
-        provider,
-        sandbox,
-        rootfs,
-    } = on;
-    let mut latency = Samples::new();
-    let mut wall = Duration::ZERO;
-    let f0 = csi_isolator::durable::syncs();
-    let (p0, i0) = (provider.journal_batches(), isolator.journal_batches());
-    let plugin0 = plugin_syncs(provider).await;
-    for run in 0..runs {
-        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
-        let mut tasks = Vec::with_capacity(n);
-        for j in 0..n {
-            let id = format!("{label}-{n}-r{run}-{j}");
-            let dir = sandbox.mkdir(format!("sandboxes/{id}"));
-            let config = ContainerConfig {
-                resources: vec![volume(j).with_volume("data", VolumeMode::Rw)],
-                sandbox: dir,
-                rootfs: rootfs.clone(),
-                user: None,
-            };
-            tasks.push(tokio::spawn(container(
-                isolator.clone(),
-                id,
-                config,
-                start.clone(),
-                plan.launch_in_burst,
-            )));
-        }
-        let t0 = Instant::now();
-        start.wait().await;
-        let mut last = t0;
-        let mut first_err = None;
-        for t in tasks {
-            match t.await.context("container task")? {
-                Ok(done) => {
-                    latency.push(done - t0);
-                    last = last.max(done);
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = first_err {
-            return Err(e);
-        }
-        wall += last - t0;
-    }
-    let launches = (n * runs) as f64;
-    let all = csi_isolator::durable::syncs() - f0;
-    let provider_journal = provider.journal_batches() - p0;
-    let isolator_journal = isolator.journal_batches() - i0;
-    let plugin1 = plugin_syncs(provider).await;
-    Ok(ConcRow {
-        label: label.to_string(),
-        containers: n,
-        runs,
-        throughput: launches / wall.as_secs_f64(),
-        latency,
-        fsyncs: all as f64 / launches,
-        by_source: (
-            provider_journal as f64 / launches,
-            isolator_journal as f64 / launches,
-            (all - provider_journal - isolator_journal) as f64 / launches,
-        ),
-        plugin_fsyncs: plugin0.zip(plugin1).map(|(a, b)| (b - a) as f64 / launches),
-    })
-}
-
-async fn measure_concurrency(
-    plan: &Plan,
-    provider: &Arc<StorageProvider>,
-    pool: &[Vol],
-    work: &Path,
-    sandbox: &Sandbox,
-) -> Result<Vec<ConcRow>> {
-    let mut manager = Manager::new();
-    manager.add(provider.clone());
-    let isolator = Arc::new(VolumeIsolator::new(
-        work,
-        Arc::new(manager),
-        Arc::new(LinuxSyscall::new()),
-        Arc::new(ProcMountTable::new()),
-    ));
-    let rootfs = plan
-        .burst_in_rootfs
-        .then(|| csi_isolator_testing::busybox_rootfs(sandbox, "burst-rootfs"));
-    let on = Bursts {
-        plan,
-        isolator,
-        provider,
-        sandbox,
-        rootfs,
-    };
-    // One untimed container first.
-    burst(&on, "warmup", 1, 1, |_| pool[0].resource.clone()).await?;
-    let mut rows = Vec::new();
-    for &(n, runs) in &plan.concurrency {
-        progress(&format!("  {n} containers x {runs} runs, own volume each"));
-        rows.push(burst(&on, "own", n, runs, |j| pool[j].resource.clone()).await?);
-    }
-    let (n, runs) = plan.shared;
-    progress(&format!(
-        "  {n} containers x {runs} runs, one shared volume"
-    ));
-    rows.push(burst(&on, "shared", n, runs, |_| pool[0].resource.clone()).await?);
-    let left = provider
-        .volumes()
-        .await
-        .into_iter()
-        .filter(|r| !r.users.is_empty())
-        .count();
-    if left != 0 {
-        bail!("{left} volumes still have users after the concurrency runs");
-    }
-    Ok(rows)
 }
 
 async fn measure_hold(count: usize, plugin: &Path, sandbox: &Sandbox) -> Result<HoldReport> {
@@ -1211,7 +993,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     }
 
     println!();
-    print_concurrency(plan, conc, &mut targets);
+    burst::print(plan, conc, &mut targets);
 
     let mib = |kib: u64| kib as f64 / 1024.0;
     println!(
@@ -1274,100 +1056,6 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
 }
 
 /// Section 4's table and its targets (judged only when each container was launched).
-fn print_concurrency(plan: &Plan, conc: &[ConcRow], targets: &mut Vec<(String, String, bool)>) {
-    if plan.launch_in_burst {
-        let workload = if plan.burst_in_rootfs {
-            "/bin/true pivoted into a busybox rootfs"
-        } else {
-            "/bin/true on the host's paths (--burst-host-paths)"
-        };
-        println!("4. CONCURRENCY: containers started at once; each: isolator.prepare (publish) + launch {workload} + wait + isolator.cleanup (unpublish)");
-    } else {
-        println!("4. CONCURRENCY WITHOUT THE LAUNCH (--burst-without-launch): containers started at once; each: isolator.prepare (publish) + isolator.cleanup (unpublish); no namespace, no workload; the targets are not judged");
-    }
-    // Without the launch, the targets are printed but not judged.
-    let mut judged_here = Vec::new();
-    let judged = |ok: bool| {
-        if plan.launch_in_burst {
-            verdict(ok).to_string()
-        } else {
-            "not judged (no launch)".to_string()
-        }
-    };
-    println!(
-        "  {:<12} {:>4} {:>9} {:>11} {:>9} {:>9} {:>13} {:>20} {:>7}",
-        "containers",
-        "runs",
-        "volumes",
-        "launches/s",
-        "p50 lat",
-        "p99 lat",
-        "fsyncs/launch",
-        "prov.j/isol.j/other",
-        "plugin"
-    );
-    for r in conc {
-        let volumes = if r.label == "shared" {
-            "1 shared".to_string()
-        } else {
-            "own each".to_string()
-        };
-        let (pj, ij, other) = r.by_source;
-        println!(
-            "  {:<12} {:>4} {:>9} {:>11.1} {:>9} {:>9} {:>13.2} {:>20} {:>7}",
-            r.containers,
-            r.runs,
-            volumes,
-            r.throughput,
-            fmt_dur(r.latency.p50()),
-            fmt_dur(r.latency.p99()),
-            r.fsyncs,
-            format!("{pj:.2}/{ij:.2}/{other:.2}"),
-            r.plugin_fsyncs
-                .map_or("?".to_string(), |p| format!("{p:.2}"))
-        );
-    }
-    println!("  (latency: from the burst's start to that container's cleanup done; launches/s: containers / wall time)");
-    println!("  (fsyncs/launch: the isolator's and the provider's together, this process, journal batches shared;");
-    println!("   by source: the provider's journal batches / the isolator's / the rest (state files, directories,");
-    println!("   compactions); plugin: the bundled plugin's own, in its process, as it reports them, not in the total)");
-    if let Some(c256) = conc
-        .iter()
-        .find(|r| r.label == "own" && r.containers == 256)
-    {
-        let ok = c256.fsyncs <= 1.5;
-        println!(
-            "  fsyncs per launch at 256: {:.2}   target <= 1.5: {}   (the plugin's own, apart: {})",
-            c256.fsyncs,
-            judged(ok),
-            c256.plugin_fsyncs
-                .map_or("not reported".to_string(), |p| format!("{p:.2}"))
-        );
-        judged_here.push((
-            "fsyncs per launch at 256 (isolator + provider) <= 1.5".into(),
-            format!("{:.2}", c256.fsyncs),
-            ok,
-        ));
-    }
-    let own = |n: usize| conc.iter().find(|r| r.label == "own" && r.containers == n);
-    if let (Some(c16), Some(c256)) = (own(16), own(256)) {
-        let r = c256.throughput / c16.throughput;
-        println!(
-            "  throughput 256 vs 16: {:.0}%   target >= 100%: {}",
-            r * 100.0,
-            judged(r >= 1.0)
-        );
-        judged_here.push((
-            "256 concurrent >= 100% of the throughput of 16".into(),
-            format!("{:.0}%", r * 100.0),
-            r >= 1.0,
-        ));
-    }
-    if plan.launch_in_burst {
-        targets.extend(judged_here);
-    }
-}
-
 fn print_targets(plan: &Plan, targets: &[(String, String, bool)], elapsed: Duration) {
     println!(
         "\nTARGETS ({} run, {:.0} s)",
