@@ -1055,7 +1055,7 @@ fn print_report(header: &str, plan: &Plan, results: &Results, elapsed: Duration)
     println!("{rule}");
 }
 
-/// Section 4's table and its targets (judged only when each container was launched).
+/// The targets' summary: each judged target, its figure and PASS or MISS.
 fn print_targets(plan: &Plan, targets: &[(String, String, bool)], elapsed: Duration) {
     println!(
         "\nTARGETS ({} run, {:.0} s)",

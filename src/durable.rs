@@ -155,9 +155,11 @@ pub const WRITERS: usize = 8;
 
 /// [`write_atomic`] of each `(path, bytes)` of `files`, up to [`WRITERS`] at a time (each file
 /// on its own, with its own syncs: a file's contract is [`write_atomic`]'s; nothing is said of
-/// their order). On the first error no further file is started and that error is returned;
-/// every file written before it stays written. For a caller that needs many files durable
-/// before its next step (a journal's write-back) and must not wait for their syncs one by one.
+/// their order). After an error no writer starts another file (one already started finishes)
+/// and the first error recorded is returned; every file written stays written. A writer thread
+/// the system refuses is no error: the calling thread writes instead. For a caller that needs
+/// many files durable before its next step (a journal's write-back) and must not wait for
+/// their syncs one by one.
 pub fn write_atomic_each(files: &[(PathBuf, Vec<u8>)], mode: u32) -> Result<(), AtomicWriteError> {
     if files.len() <= 1 {
         return files
@@ -167,24 +169,32 @@ pub fn write_atomic_each(files: &[(PathBuf, Vec<u8>)], mode: u32) -> Result<(), 
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed = std::sync::atomic::AtomicBool::new(false);
     let first_error = std::sync::Mutex::new(None);
+    let write = || {
+        while !failed.load(Ordering::Relaxed) {
+            let Some((path, bytes)) = files.get(next.fetch_add(1, Ordering::Relaxed)) else {
+                return;
+            };
+            if let Err(e) = write_atomic(path, bytes, mode) {
+                failed.store(true, Ordering::Relaxed);
+                first_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .get_or_insert(e);
+                return;
+            }
+        }
+    };
     std::thread::scope(|scope| {
+        let write = &write;
         for _ in 0..WRITERS.min(files.len()) {
-            scope.spawn(|| {
-                while !failed.load(Ordering::Relaxed) {
-                    let Some((path, bytes)) = files.get(next.fetch_add(1, Ordering::Relaxed))
-                    else {
-                        return;
-                    };
-                    if let Err(e) = write_atomic(path, bytes, mode) {
-                        failed.store(true, Ordering::Relaxed);
-                        first_error
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .get_or_insert(e);
-                        return;
-                    }
-                }
-            });
+            let spawned = std::thread::Builder::new()
+                .name("write-back".into())
+                .spawn_scoped(scope, write);
+            if spawned.is_err() {
+                // No thread to be had (a pids limit): this one writes what is left.
+                write();
+                break;
+            }
         }
     });
     match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {

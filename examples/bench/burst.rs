@@ -52,8 +52,11 @@ pub struct ConcRow {
 
 /// The order of section 4's runs: for each run, the index in `sizes` (CONTAINERS, RUNS) of the
 /// size it runs. Run k (from 0) of a size with r runs takes its place at (2k+1)/2r of the way
-/// through the section; a tie goes to the size listed first. Each size appears exactly its RUNS
-/// times, and its runs' mean place is the middle of the section, whatever the others'.
+/// through the section. Ties before the middle go to the size listed first, after it to the
+/// size listed last, so that the order mirrors around the middle (`16:2,256:2` runs 16, 256,
+/// 256, 16); sizes tied at the middle itself (each with an odd number of runs) keep their
+/// listed order. Each size appears exactly its RUNS times, and, but for those, its runs' mean
+/// place is the middle of the section, whatever the others'.
 pub fn schedule(sizes: &[(usize, usize)]) -> Vec<usize> {
     // (numerator, denominator, size index): (2k+1)/(2r), compared exactly.
     let mut slots: Vec<(u128, u128, usize)> = sizes
@@ -63,7 +66,16 @@ pub fn schedule(sizes: &[(usize, usize)]) -> Vec<usize> {
             (0..runs).map(move |k| (2 * k as u128 + 1, 2 * runs as u128, i))
         })
         .collect();
-    slots.sort_by(|a, b| (a.0 * b.1).cmp(&(b.0 * a.1)).then(a.2.cmp(&b.2)));
+    slots.sort_by(|a, b| {
+        (a.0 * b.1).cmp(&(b.0 * a.1)).then_with(|| {
+            // Tied: at the same place, so the same side of the middle.
+            if 2 * a.0 > a.1 {
+                b.2.cmp(&a.2)
+            } else {
+                a.2.cmp(&b.2)
+            }
+        })
+    });
     slots.into_iter().map(|(_, _, i)| i).collect()
 }
 
@@ -431,22 +443,29 @@ mod tests {
         (0..order.len()).filter(|&p| order[p] == size).collect()
     }
 
-    #[test]
-    fn every_run_is_scheduled_once_and_each_size_centred() {
-        let sizes = [(1, 20), (16, 32), (64, 8), (256, 2)];
-        let order = schedule(&sizes);
-        assert_eq!(order.len(), 62);
-        let last = (order.len() - 1) as f64;
+    /// Every run once; each size's mean place the middle (no size ties at the middle here).
+    fn assert_centred(sizes: &[(usize, usize)]) {
+        let order = schedule(sizes);
+        assert_eq!(order.len(), sizes.iter().map(|&(_, r)| r).sum::<usize>());
+        let middle = (order.len() - 1) as f64 / 2.0;
         for (i, &(_, runs)) in sizes.iter().enumerate() {
             let at = places(&order, i);
             assert_eq!(at.len(), runs, "size {i}");
             let mean = at.iter().sum::<usize>() as f64 / runs as f64;
-            // Centred within one place of the middle (the ties and the rounding of places).
             assert!(
-                (mean - last / 2.0).abs() <= 1.0,
-                "size {i}: mean place {mean} of 0..={last}"
+                (mean - middle).abs() < 1e-9,
+                "{sizes:?}: size {i}'s mean place {mean}, the middle {middle}: {order:?}"
             );
         }
+    }
+
+    #[test]
+    fn every_run_is_scheduled_once_and_each_size_centred() {
+        // The full plan's, without ties; then ties before and after the middle.
+        assert_centred(&[(1, 20), (16, 32), (64, 8), (256, 2)]);
+        assert_centred(&[(16, 2), (256, 2)]);
+        assert_centred(&[(16, 4), (64, 4), (256, 2)]);
+        assert_centred(&[(16, 32), (256, 2)]);
     }
 
     #[test]
@@ -460,11 +479,16 @@ mod tests {
     }
 
     #[test]
-    fn a_tie_goes_to_the_size_listed_first_and_one_size_runs_in_order() {
-        assert_eq!(schedule(&[(16, 1), (256, 1)]), vec![0, 1]);
-        assert_eq!(schedule(&[(256, 1), (16, 1)]), vec![0, 1]);
-        assert_eq!(schedule(&[(16, 3)]), vec![0, 0, 0]);
+    fn ties_mirror_around_the_middle() {
+        assert_eq!(schedule(&[(16, 2), (256, 2)]), vec![0, 1, 1, 0]);
+        assert_eq!(schedule(&[(256, 2), (16, 2)]), vec![0, 1, 1, 0]);
+        // At the middle itself: listed order (the quick plan's).
+        assert_eq!(
+            schedule(&[(1, 3), (16, 1), (64, 1), (256, 1)]),
+            vec![0, 0, 1, 2, 3, 0]
+        );
         assert_eq!(schedule(&[(16, 2), (256, 1)]), vec![0, 1, 0]);
+        assert_eq!(schedule(&[(16, 3)]), vec![0, 0, 0]);
         assert!(schedule(&[]).is_empty());
     }
 }

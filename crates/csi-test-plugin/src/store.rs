@@ -69,7 +69,8 @@ pub const JOURNAL_FILE: &str = "volumes.journal";
 pub const JOURNAL_ENTRY_VERSION: u32 = 1;
 
 /// Entries after which the use journal is compacted (6 per launch: once in about 1,400
-/// launches; a compaction's `syncfs` waits for every dirty page of the file system).
+/// launches; a compaction writes every record file the journal changed back, and every change
+/// waits for it).
 const COMPACT_ENTRIES: u64 = 8192;
 
 /// Bytes after which the use journal is compacted.
