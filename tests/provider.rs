@@ -873,3 +873,69 @@ async fn a_batched_republish_repairs_unmounted_volumes_and_restores_lost_uses() 
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }
+
+/// A copy of a volume's mounts that another mount namespace took while the volume was in use
+/// (any process that unshares one on the host: a runtime, a service with a private `/tmp`) is
+/// detached when the volume is released: the plugin removes the target (CSI), and the provider
+/// renews the staging directory, whose removal is what detaches the staging mount's copies.
+/// Without that, the copy kept the volume's file system mounted after NodeUnstage, the loop
+/// device stayed busy, and the next stage mounted the same image a second time.
+#[tokio::test]
+async fn a_copy_of_the_volumes_mounts_in_another_namespace_is_detached_at_release() {
+    require_root();
+    let sb = Sandbox::new("prov-copy");
+    let work = sb.mkdir("work");
+    let p = start(config(&work, "default", &["--backing=loop"])).await;
+    let res = create(&p, "v", 32 * MIB).await;
+    let id = res.source_id().unwrap().to_string();
+    let target = p.publish(&id, "c1").await.unwrap();
+    std::fs::write(target.join("data"), b"kept").unwrap();
+    let staging = p.layout().staging_path(&id);
+
+    // A process in a copy of this namespace, its mounts private: no unmount here reaches it.
+    let mut holder = sb
+        .spawn(std::process::Command::new("unshare").args([
+            "--mount",
+            "--propagation",
+            "private",
+            "sleep",
+            "60",
+        ]))
+        .expect("spawn unshare");
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
+    let pid = holder.id().to_string();
+    let started = std::time::Instant::now();
+    while ns(&pid) == ns("self") && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_ne!(ns(&pid), ns("self"), "the holder never left this namespace");
+    let copy = ProcMountTable::for_pid(holder.id());
+    for (what, path) in [("staging", &staging), ("target", &target)] {
+        assert!(
+            copy.find(path).unwrap().is_some(),
+            "the copy holds the {what} mount at {}",
+            path.display()
+        );
+    }
+
+    p.release(&id, "c1").await.unwrap();
+    for (what, path) in [("staging", &staging), ("target", &target)] {
+        assert!(
+            copy.find(path).unwrap().is_none(),
+            "the {what} mount at {} is still mounted in the other namespace after the release",
+            path.display()
+        );
+    }
+    // Staged and published again: what was written, the file system mounted once.
+    let target = p.publish(&id, "c2").await.unwrap();
+    assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+    p.release(&id, "c2").await.unwrap();
+
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    sb.untrack(holder.id());
+    p.destroy_volume(&id).await.unwrap();
+    p.shutdown(Duration::from_secs(5)).await;
+    sb.assert_no_mounts_under();
+    sb.assert_no_loop_devices();
+}
