@@ -151,11 +151,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
 
 /// How many [`write_atomic_each`] writes at a time: its syncs wait on the disk, not the CPU,
 /// and a disk serves several at once.
-pub const WRITERS: usize = 8;
+pub(crate) const WRITERS: usize = 8;
 
 /// [`write_atomic`] of each `(path, bytes)` of `files`, up to [`WRITERS`] at a time (each file
 /// on its own, with its own syncs: a file's contract is [`write_atomic`]'s; nothing is said of
-/// their order). After an error no writer starts another file (one already started finishes)
+/// their order). After an error each writer takes no further file once it sees it (one it started finishes)
 /// and the first error recorded is returned; every file written stays written. A writer thread
 /// the system refuses is no error: the calling thread writes instead. For a caller that needs
 /// many files durable before its next step (a journal's write-back) and must not wait for

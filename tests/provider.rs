@@ -902,13 +902,26 @@ async fn a_copy_of_the_volumes_mounts_in_another_namespace_is_detached_at_releas
             "60",
         ]))
         .expect("spawn unshare");
-    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).ok();
-    let pid = holder.id().to_string();
+    // Its mounts are private once `unshare` has made them so and executed `sleep`.
+    let comm = format!("/proc/{}/comm", holder.id());
     let started = std::time::Instant::now();
-    while ns(&pid) == ns("self") && started.elapsed() < Duration::from_secs(10) {
+    while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
+        assert!(
+            holder.try_wait().unwrap().is_none(),
+            "unshare --mount exited before its workload started"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "unshare --mount did not start its workload within 10 s"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_ne!(ns(&pid), ns("self"), "the holder never left this namespace");
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/mnt")).unwrap();
+    assert_ne!(
+        ns(&holder.id().to_string()),
+        ns("self"),
+        "the holder has its own namespace"
+    );
     let copy = ProcMountTable::for_pid(holder.id());
     for (what, path) in [("staging", &staging), ("target", &target)] {
         assert!(
@@ -926,7 +939,9 @@ async fn a_copy_of_the_volumes_mounts_in_another_namespace_is_detached_at_releas
             path.display()
         );
     }
-    // Staged and published again: what was written, the file system mounted once.
+    // Nothing holds the volume's file system any more: its loop device is gone with it.
+    sb.assert_no_loop_devices();
+    // Staged and published again: what was written is there.
     let target = p.publish(&id, "c2").await.unwrap();
     assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
     p.release(&id, "c2").await.unwrap();

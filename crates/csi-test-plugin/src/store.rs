@@ -26,8 +26,8 @@
 //! change (or none: removed). The record files then lag the journal: [`Store::open`] reads the
 //! journal first and takes a journaled directory's record from it (not from its file), and
 //! compaction (when the journal is due, at an append or at open) writes every journaled record back to its
-//! file (`write_atomic` each: a `syncfs` would wait for the whole file system's dirty pages)
-//! before it empties the journal. Every other change (a create, an expansion, a modification) is written through
+//! file (`write_atomic` each, several at a time: `durable::write_atomic_each`; a `syncfs` would
+//! wait for the whole file system's dirty pages) before it empties the journal. Every other change (a create, an expansion, a modification) is written through
 //! to the file as before, and to the journal too while the journal holds entries of that
 //! directory (a later entry must win over an earlier one at replay); a removal while it does is
 //! journaled before the tombstone, so an earlier entry never brings a removed volume's record
