@@ -42,6 +42,18 @@ async fn create(p: &StorageProvider, name: &str, bytes: u64) -> Resource {
         .unwrap_or_else(|e| panic!("create {name}: {e}"))
 }
 
+/// As root: a sandbox named `name`, a provider on the bundled plugin's loop backing in it, and
+/// one 32 MiB volume created: its id.
+async fn with_a_loop_volume(name: &str) -> (Sandbox, Arc<StorageProvider>, String) {
+    require_root();
+    let sb = Sandbox::new(name);
+    let work = sb.mkdir("work");
+    let p = start(config(&work, "default", &["--backing=loop"])).await;
+    let res = create(&p, "v", 32 * MIB).await;
+    let id = res.source_id().unwrap().to_string();
+    (sb, p, id)
+}
+
 fn lifecycle_calls(log: &Path) -> Vec<String> {
     const LIFECYCLE: [&str; 8] = [
         "CreateVolume",
@@ -181,12 +193,7 @@ async fn rpc_order_without_controller_publish_or_stage() {
 
 #[tokio::test]
 async fn loop_backed_volume_keeps_data_across_publishes() {
-    require_root();
-    let sb = Sandbox::new("prov-loop");
-    let work = sb.mkdir("work");
-    let p = start(config(&work, "default", &["--backing=loop"])).await;
-    let res = create(&p, "v", 32 * MIB).await;
-    let id = res.source_id().unwrap().to_string();
+    let (sb, p, id) = with_a_loop_volume("prov-loop").await;
     let mp = p.publish(&id, "c1").await.unwrap();
     let fs = ProcMountTable::new().find(&mp).unwrap().unwrap().fs_type;
     assert_eq!(fs, "ext4");
@@ -882,12 +889,7 @@ async fn a_batched_republish_repairs_unmounted_volumes_and_restores_lost_uses() 
 /// device stayed busy, and the next stage mounted the same image a second time.
 #[tokio::test]
 async fn a_copy_of_the_volumes_mounts_in_another_namespace_is_detached_at_release() {
-    require_root();
-    let sb = Sandbox::new("prov-copy");
-    let work = sb.mkdir("work");
-    let p = start(config(&work, "default", &["--backing=loop"])).await;
-    let res = create(&p, "v", 32 * MIB).await;
-    let id = res.source_id().unwrap().to_string();
+    let (sb, p, id) = with_a_loop_volume("prov-copy").await;
     let target = p.publish(&id, "c1").await.unwrap();
     std::fs::write(target.join("data"), b"kept").unwrap();
     let staging = p.layout().staging_path(&id);
