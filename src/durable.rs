@@ -149,23 +149,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8], mode: u32) -> Result<(), AtomicWr
     Ok(())
 }
 
-/// How many [`write_atomic_each`] writes at a time: its syncs wait on the disk, not the CPU,
-/// and a disk serves several at once.
-pub(crate) const WRITERS: usize = 8;
+/// How many [`write_atomic_each`] writes at a time (the calling thread among them): its syncs
+/// wait on the disk, not the CPU, and a disk serves several at once.
+const WRITERS: usize = 8;
 
 /// [`write_atomic`] of each `(path, bytes)` of `files`, up to [`WRITERS`] at a time (each file
 /// on its own, with its own syncs: a file's contract is [`write_atomic`]'s; nothing is said of
-/// their order). After an error each writer takes no further file once it sees it (one it started finishes)
-/// and the first error recorded is returned; every file written stays written. A writer thread
-/// the system refuses is no error: the calling thread writes instead. For a caller that needs
-/// many files durable before its next step (a journal's write-back) and must not wait for
-/// their syncs one by one.
+/// their order). The calling thread is one of the writers; a helper thread the system refuses
+/// is no error (fewer write at once). After an error each writer takes no further file once it
+/// sees it (one it started finishes), and the first error recorded is returned; every file
+/// written stays written. For a caller that needs many files durable before its next step (a
+/// journal's write-back) and must not wait for their syncs one by one.
 pub fn write_atomic_each(files: &[(PathBuf, Vec<u8>)], mode: u32) -> Result<(), AtomicWriteError> {
-    if files.len() <= 1 {
-        return files
-            .iter()
-            .try_for_each(|(path, bytes)| write_atomic(path, bytes, mode));
-    }
     let next = std::sync::atomic::AtomicUsize::new(0);
     let failed = std::sync::atomic::AtomicBool::new(false);
     let first_error = std::sync::Mutex::new(None);
@@ -186,16 +181,16 @@ pub fn write_atomic_each(files: &[(PathBuf, Vec<u8>)], mode: u32) -> Result<(), 
     };
     std::thread::scope(|scope| {
         let write = &write;
-        for _ in 0..WRITERS.min(files.len()) {
+        for _ in 1..WRITERS.min(files.len()) {
             let spawned = std::thread::Builder::new()
                 .name("write-back".into())
                 .spawn_scoped(scope, write);
+            // No thread to be had (a pids limit): the ones started and this one do it all.
             if spawned.is_err() {
-                // No thread to be had (a pids limit): this one writes what is left.
-                write();
                 break;
             }
         }
+        write();
     });
     match first_error.into_inner().unwrap_or_else(|p| p.into_inner()) {
         Some(e) => Err(e),

@@ -353,8 +353,12 @@ async fn keep_policy_stays_published_until_destroyed() {
     let mp = p.publish(&id, "c1").await.unwrap();
     p.release(&id, "c1").await.unwrap();
     assert!(is_mounted(&mp), "keep: stays published");
+    let dir = p.layout().mount_dir(&id);
     p.destroy_volume(&id).await.unwrap();
     assert!(!is_mounted(&mp));
+    // Destroyed while staged: its staging directory removed at the unstage, not made again,
+    // and its mount directory with it.
+    assert!(!dir.exists(), "{} left after the destroy", dir.display());
     p.shutdown(Duration::from_secs(5)).await;
     sb.assert_no_mounts_under();
 }

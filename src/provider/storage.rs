@@ -865,12 +865,14 @@ impl StorageProvider {
         DirWork {
             asked,
             task: Some(start_blocking(move || {
-                if asked.mount {
-                    mkdir(&mount_dir, "create mount directory")?;
-                    close_dir(&mount_dir)?;
-                }
+                // The staging path's making makes (or finds) its parent, the mount directory.
                 if asked.staging {
                     mkdir(&staging, "create staging directory")?;
+                } else if asked.mount {
+                    mkdir(&mount_dir, "create mount directory")?;
+                }
+                if asked.mount {
+                    close_dir(&mount_dir)?;
                 }
                 Ok(())
             })),
@@ -1062,8 +1064,16 @@ impl StorageProvider {
                     })
                     .await;
                 gone_is_done(result, &rec.volume_id, step).map_err(csi)?;
-                let volume = rec.volume_id.clone();
-                blocking(move || renew_staging_dir(&volume, &staging)).await;
+                if rec.destroying {
+                    // Removed (which detaches the copies), not made again: the delete follows.
+                    blocking(move || {
+                        remove_empty_dir(&staging);
+                    })
+                    .await;
+                } else {
+                    let volume = rec.volume_id.clone();
+                    blocking(move || renew_staging_dir(&volume, &staging)).await;
+                }
             }
             Step::ControllerUnpublish => {
                 let node_id = match &rec.node_id {
@@ -1365,39 +1375,39 @@ impl DirWork {
     }
 }
 
-/// After NodeUnstage: the staging directory removed, then made again, empty, for the volume's
-/// next stage (so that a publish makes none). The removal is what detaches a copy of the old
+/// After NodeUnstage (of a volume not being destroyed, whose staging directory is only
+/// removed): the staging directory removed, then made again, empty, for the volume's next
+/// stage (so that a publish makes none). The removal is what detaches a copy of the old
 /// staging mount that another mount namespace kept (a container's, copied while the volume
 /// was staged): the kernel detaches every mount on a removed directory in every namespace,
 /// and such a copy would keep the volume's filesystem mounted after its unstage. A directory
 /// the plugin left something in is kept as it is; one that cannot be made again is made by the
 /// next stage (logged).
 fn renew_staging_dir(volume: &str, staging: &Path) {
-    match std::fs::remove_dir(staging) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
-            tracing::warn!(volume_id = volume, path = %staging.display(), "the staging path is not a directory (the plugin left it?): left as it is; the next stage fails on it");
-            return;
-        }
-        // Not empty (or still a mount point): kept, and there to be found.
-        Err(e) => {
-            tracing::debug!(volume_id = volume, path = %staging.display(), error = %Chain(&e), "staging directory kept");
-            return;
-        }
+    if !remove_empty_dir(staging) {
+        return;
     }
     if let Err(e) = mkdir(staging, "make the staging directory again") {
         tracing::debug!(volume_id = volume, error = %Chain(&e), "the next stage makes it");
     }
 }
 
-/// Removes a directory we created if it is empty. `rmdir` never removes
-/// content and fails with EBUSY on a mount point, so a volume's data can
-/// never go with it.
-pub(crate) fn remove_empty_dir(dir: &std::path::Path) {
-    if let Err(e) = std::fs::remove_dir(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
+/// Removes a directory we created if it is empty; whether nothing is left at `dir` (removed, or
+/// already gone). `rmdir` never removes content and fails with EBUSY on a mount point, so a
+/// volume's data can never go with it; anything but a directory is left as it is (warned: the
+/// plugin left it?).
+pub(crate) fn remove_empty_dir(dir: &std::path::Path) -> bool {
+    match std::fs::remove_dir(dir) {
+        Ok(()) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
+            tracing::warn!(path = %dir.display(), "not a directory (the plugin left it?): left as it is");
+            false
+        }
+        // Not empty (or still a mount point): kept, and there to be found.
+        Err(e) => {
             tracing::debug!(path = %dir.display(), error = %Chain(&e), "directory kept");
+            false
         }
     }
 }

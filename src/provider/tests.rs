@@ -1163,3 +1163,28 @@ async fn a_launchs_own_volume_stays_watched_across_the_full_sweep_after_a_start(
         .unwrap();
     assert!(bench.sys.is_mount_root(&target).unwrap(), "a repaired");
 }
+
+/// What the release's and the destroy's removals leave: an empty directory goes (so does a
+/// missing one), content and anything but a directory stay; the answer says whether the path is
+/// free for the directory to be made again.
+#[test]
+fn remove_empty_dir_removes_only_an_empty_directory() {
+    use super::storage::remove_empty_dir;
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    assert!(remove_empty_dir(&empty));
+    assert!(!empty.exists());
+    assert!(remove_empty_dir(&empty), "already gone");
+
+    let full = dir.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("data"), b"kept").unwrap();
+    assert!(!remove_empty_dir(&full));
+    assert_eq!(std::fs::read(full.join("data")).unwrap(), b"kept");
+
+    let file = dir.path().join("file");
+    std::fs::write(&file, b"left by a plugin").unwrap();
+    assert!(!remove_empty_dir(&file));
+    assert_eq!(std::fs::read(&file).unwrap(), b"left by a plugin");
+}
